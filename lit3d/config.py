@@ -1,0 +1,145 @@
+"""`GPTConfig`: the shape of a Llama-style decoder, with named presets."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+AttentionBackend = Literal["auto", "sdpa", "flash"]
+
+
+@dataclass
+class GPTConfig:
+    """Shape of a Llama-style GPT (RMSNorm, rotary attention with grouped-query heads, SwiGLU MLP).
+
+    Args:
+        name: Preset name, for display only.
+        n_layer: Number of decoder blocks.
+        n_head: Number of query heads.
+        n_kv_head: Number of key/value heads (grouped-query attention); must divide ``n_head``.
+            ``None`` means ``n_head`` (plain multi-head attention).
+        d_model: Width of the residual stream.
+        d_ff: Hidden width of the SwiGLU MLP. ``None`` means the Llama rule: 8/3 of ``d_model``
+            rounded up to a multiple of 256.
+        vocab_size: Number of token ids the tokenizer produces.
+        max_seq_len: Longest sequence the model is meant to see.
+        rope_theta: Base of the rotary embedding frequencies.
+        norm_eps: Epsilon of the RMSNorms.
+        tie_embeddings: Share the token embedding with the LM head.
+        pad_vocab_multiple: Embedding and head rows are padded up to a multiple of this (padded logits are
+            masked, so losses are unchanged). Keeps every tensor-parallel size up to this value possible
+            with the same checkpoint shapes.
+        init_std: Standard deviation of the normal initialisation of matrices.
+        attention: ``"sdpa"`` (PyTorch), ``"flash"`` (the flash-attn package) or ``"auto"`` (flash-attn on
+            CUDA in bf16/fp16 when installed, else SDPA).
+    """
+
+    name: str = "custom"
+    n_layer: int = 4
+    n_head: int = 4
+    n_kv_head: int | None = None
+    d_model: int = 128
+    d_ff: int | None = None
+    vocab_size: int = 256
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    pad_vocab_multiple: int = 64
+    init_std: float = 0.02
+    attention: AttentionBackend = "auto"
+    # Derived in __post_init__, never set by hand.
+    head_dim: int = field(init=False)
+    padded_vocab_size: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.n_kv_head is None:
+            self.n_kv_head = self.n_head
+        if self.d_ff is None:
+            self.d_ff = _round_up(int(8 * self.d_model / 3), 256)
+        for key in ("n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "vocab_size", "max_seq_len",
+                    "pad_vocab_multiple"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"GPTConfig.{key}={getattr(self, key)} must be positive")
+        if self.d_model % self.n_head:
+            raise ValueError(f"n_head={self.n_head} does not divide d_model={self.d_model}")
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"n_kv_head={self.n_kv_head} does not divide n_head={self.n_head}")
+        if self.attention not in ("auto", "sdpa", "flash"):
+            raise ValueError(f"attention={self.attention!r} is not one of 'auto', 'sdpa', 'flash'")
+        self.head_dim = self.d_model // self.n_head
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} (d_model / n_head) must be even for rotary embeddings")
+        self.padded_vocab_size = _round_up(self.vocab_size, self.pad_vocab_multiple)
+
+    @classmethod
+    def from_name(cls, name: str, **overrides: Any) -> GPTConfig:
+        """A preset by name (see `PRESETS`), with optional field overrides."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown model preset {name!r}; known presets: {', '.join(PRESETS)}")
+        return cls(**{**PRESETS[name], "name": name, **overrides})
+
+    @classmethod
+    def load(cls, spec: str | dict[str, Any] | GPTConfig) -> GPTConfig:
+        """A preset name, a YAML file of fields (``base: <preset>`` starts from a preset), or a dict of fields."""
+        if isinstance(spec, GPTConfig):
+            return spec
+        if isinstance(spec, dict):
+            return cls(**spec)
+        if spec.endswith((".yaml", ".yml")):
+            import yaml
+
+            path = Path(spec)
+            if not path.is_file():
+                raise FileNotFoundError(f"model config file {spec!r} does not exist")
+            fields = yaml.safe_load(path.read_text()) or {}
+            base = fields.pop("base", None)
+            return cls.from_name(base, **fields) if base else cls(**fields)
+        return cls.from_name(spec)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The settable fields (derived ones are left out): ``GPTConfig(**config.to_dict()) == config``."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+
+    def replace(self, **changes: Any) -> GPTConfig:
+        """A copy with some fields changed (derived fields are recomputed)."""
+        return GPTConfig(**{**self.to_dict(), **changes})
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count, embedding and head included (counted once when tied), without vocab padding."""
+        return self.params_per_block * self.n_layer + self.embedding_params * (1 if self.tie_embeddings else 2) \
+            + self.d_model
+
+    @property
+    def params_per_block(self) -> int:
+        attention = self.d_model * self.head_dim * (2 * self.n_head + 2 * self.n_kv_head)
+        return attention + 3 * self.d_model * self.d_ff + 2 * self.d_model
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.d_model
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+# Llama-style presets. `gpt3-175b` keeps GPT-3's widths and parameter count with a SwiGLU MLP
+# (3 matrices of d_ff = 2/3 * 4 * d_model hold as many weights as GPT-3's 2 matrices of 4 * d_model).
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(n_layer=4, n_head=4, n_kv_head=2, d_model=128, d_ff=384, vocab_size=256, max_seq_len=256),
+    "125m": dict(n_layer=12, n_head=12, n_kv_head=12, d_model=768, d_ff=2048, vocab_size=32000, max_seq_len=2048),
+    "1b": dict(n_layer=16, n_head=32, n_kv_head=8, d_model=2048, d_ff=8192, vocab_size=128256, max_seq_len=8192,
+               rope_theta=500000.0, tie_embeddings=True),
+    "llama-8b": dict(n_layer=32, n_head=32, n_kv_head=8, d_model=4096, d_ff=14336, vocab_size=128256,
+                     max_seq_len=8192, rope_theta=500000.0),
+    "llama-70b": dict(n_layer=80, n_head=64, n_kv_head=8, d_model=8192, d_ff=28672, vocab_size=128256,
+                      max_seq_len=8192, rope_theta=500000.0),
+    "llama-405b": dict(n_layer=126, n_head=128, n_kv_head=8, d_model=16384, d_ff=53248, vocab_size=128256,
+                       max_seq_len=8192, rope_theta=500000.0),
+    "gpt3-175b": dict(n_layer=96, n_head=96, n_kv_head=96, d_model=12288, d_ff=32768, vocab_size=50257,
+                      max_seq_len=2048, tie_embeddings=True),
+}

@@ -1,0 +1,205 @@
+"""`TextDataModule`: text files → tokens → packed ``seq_len + 1`` blocks, built on HuggingFace `datasets`."""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import sysconfig
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+from torch.utils.data import DataLoader
+
+from lit3d.sampler import GlobalBatchSampler
+from lit3d.tokenizers import Tokenizer, load_tokenizer
+
+
+def default_corpus_files() -> list[str]:
+    """The embedded default corpus: the Python standard library's own top-level source files."""
+    return sorted(glob.glob(str(Path(sysconfig.get_paths()["stdlib"]) / "*.py")))
+
+
+def resolve_text_files(data_path: str) -> list[str]:
+    """A text file, a folder (every file below it) or a glob → a sorted list of non-empty files."""
+    if any(ch in data_path for ch in "*?["):
+        files = sorted(f for f in glob.glob(data_path, recursive=True) if Path(f).is_file())
+        if not files:
+            raise FileNotFoundError(f"data_path={data_path!r}: the glob matches no file")
+    elif Path(data_path).is_dir():
+        files = sorted(
+            str(f) for f in Path(data_path).rglob("*")
+            if f.is_file() and not any(part.startswith(".") for part in f.relative_to(data_path).parts)
+        )
+        if not files:
+            raise FileNotFoundError(f"data_path={data_path!r}: the folder holds no file")
+    elif Path(data_path).is_file():
+        files = [data_path]
+    else:
+        raise FileNotFoundError(f"data_path={data_path!r} does not exist")
+    if all(Path(f).stat().st_size == 0 for f in files):
+        raise ValueError(f"data_path={data_path!r} holds only empty files")
+    return files
+
+
+def is_saved_dataset(path: Path) -> bool:
+    return path.is_dir() and any((path / name).is_file() for name in ("state.json", "dataset_dict.json"))
+
+
+class TextDataModule(L.LightningDataModule):
+    """Packed language-modelling blocks from local text.
+
+    Every document is tokenized (a cached, batched `datasets.map`), the token stream is cut into blocks of
+    ``seq_len + 1`` (inputs and their next-token targets), and the blocks are split into training and
+    validation sets by a seeded shuffle. Global batch k holds the same blocks whatever the data-parallel size.
+
+    Args:
+        data_path: A text file, a folder (every file below it), a glob, or a folder written by
+            `datasets.Dataset.save_to_disk`. ``None`` uses the embedded default corpus: the Python standard
+            library's own source files, present on every machine.
+        tokenizer: ``"byte"`` (256 ids, no files) or the path of a HuggingFace ``tokenizer.json``.
+        seq_len: Tokens per training sequence.
+        global_batch_size: Sequences per optimizer step across all data-parallel replicas. Each replica's
+            micro-batch is ``global_batch_size / (data_parallel_size * accumulate_grad_batches)``.
+        val_fraction: Share of the blocks held out for validation (at least one block).
+        seed: Seed of the train/validation split and of the per-epoch shuffle.
+        text_column: Column holding the text in a saved dataset.
+        num_workers: DataLoader worker processes.
+        cache_dir: Where `datasets` caches the tokenized corpus (default: its own cache folder).
+    """
+
+    def __init__(
+        self,
+        data_path: str | None = None,
+        tokenizer: str = "byte",
+        seq_len: int = 256,
+        global_batch_size: int = 16,
+        val_fraction: float = 0.05,
+        seed: int = 1234,
+        text_column: str = "text",
+        num_workers: int = 0,
+        cache_dir: str | None = None,
+    ) -> None:
+        super().__init__()
+        if seq_len <= 0 or global_batch_size <= 0:
+            raise ValueError(f"seq_len={seq_len} and global_batch_size={global_batch_size} must be positive")
+        if not 0 < val_fraction < 1:
+            raise ValueError(f"val_fraction={val_fraction} must lie strictly between 0 and 1")
+        self.save_hyperparameters()
+        self.data_path, self.seq_len, self.global_batch_size = data_path, seq_len, global_batch_size
+        self.val_fraction, self.seed, self.text_column = val_fraction, seed, text_column
+        self.num_workers, self.cache_dir = num_workers, cache_dir
+        self.tokenizer: Tokenizer = load_tokenizer(tokenizer)
+        if data_path is None:
+            self._files = default_corpus_files()
+        elif is_saved_dataset(Path(data_path)):
+            self._files = None
+        else:
+            self._files = resolve_text_files(data_path)
+        self.train_set: Any = None
+        self.val_set: Any = None
+        self.data_parallel: tuple[int, int] | None = None  # (size, rank); None: read from the trainer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    def prepare_data(self) -> None:
+        self._packed_blocks()  # tokenizes once per node; `setup` then reads the cache
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        blocks = self._packed_blocks()
+        n_val = max(1, round(self.val_fraction * len(blocks)))
+        if len(blocks) - n_val < self.global_batch_size:
+            raise ValueError(
+                f"the corpus packs into {len(blocks)} blocks of seq_len+1={self.seq_len + 1} tokens, too few for "
+                f"a global batch of {self.global_batch_size} plus {n_val} validation blocks; use more text or a "
+                "smaller seq_len / global_batch_size"
+            )
+        split = blocks.train_test_split(test_size=n_val, shuffle=True, seed=self.seed)
+        self.train_set = split["train"].with_format("torch")
+        self.val_set = split["test"].with_format("torch")
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_set, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set, shuffle=False)
+
+    def micro_batch_size(self) -> int:
+        """Sequences per forward pass on one replica."""
+        replicas, _ = self._replica()
+        accumulate = self.trainer.accumulate_grad_batches if self.trainer is not None else 1
+        if self.global_batch_size % (replicas * accumulate):
+            raise ValueError(
+                f"global_batch_size={self.global_batch_size} is not divisible by data_parallel_size={replicas} "
+                f"x accumulate_grad_batches={accumulate}"
+            )
+        return self.global_batch_size // (replicas * accumulate)
+
+    def _replica(self) -> tuple[int, int]:
+        """(number of data-parallel replicas, this replica's index), from the strategy: never the world size."""
+        if self.data_parallel is not None:
+            return self.data_parallel
+        kwargs = (self.trainer.distributed_sampler_kwargs if self.trainer is not None else None) or {}
+        return kwargs.get("num_replicas", 1), kwargs.get("rank", 0)
+
+    def _loader(self, dataset: Any, shuffle: bool) -> DataLoader:
+        replicas, rank = self._replica()
+        micro = self.micro_batch_size()
+        # Validation deals out whole rounds of one micro-batch per replica, so every layout sees the same blocks.
+        per_step = self.global_batch_size if shuffle else micro * replicas
+        sampler = GlobalBatchSampler(dataset, per_step, replicas, rank, shuffle=shuffle, seed=self.seed)
+        return DataLoader(dataset, batch_size=micro, sampler=sampler, drop_last=True, num_workers=self.num_workers)
+
+    def _packed_blocks(self) -> Any:
+        import datasets
+
+        raw = self._raw_documents()
+        key = f"{raw._fingerprint}-{self.tokenizer.fingerprint}-{self.seq_len}"
+        fingerprint = hashlib.sha256(key.encode()).hexdigest()[:16]
+        int32_ids = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32"))})
+        tokens = raw.map(
+            _tokenize, batched=True, remove_columns=raw.column_names, features=int32_ids,
+            fn_kwargs={"tokenizer": self.tokenizer, "column": self.text_column},
+            new_fingerprint=f"tok-{fingerprint}", desc="tokenizing",
+        )
+        return tokens.with_format("numpy").map(
+            _pack, batched=True, batch_size=1000, features=int32_ids, fn_kwargs={"block": self.seq_len + 1},
+            new_fingerprint=f"pack-{fingerprint}", desc="packing",
+        ).with_format(None)
+
+    def _raw_documents(self) -> Any:
+        import datasets
+
+        if self._files is None:
+            loaded = datasets.load_from_disk(self.data_path)
+            if isinstance(loaded, datasets.DatasetDict):
+                loaded = loaded["train"]
+            if self.text_column not in loaded.column_names:
+                raise ValueError(
+                    f"the saved dataset at {self.data_path!r} has no column {self.text_column!r} "
+                    f"(columns: {loaded.column_names}); set text_column"
+                )
+            return loaded.select_columns([self.text_column])
+        # One row per file ("document"), so packing sees whole files in order.
+        return datasets.load_dataset(
+            "text", data_files=self._files, sample_by="document", split="train", cache_dir=self.cache_dir
+        )
+
+
+def _tokenize(batch: dict[str, list], tokenizer: Tokenizer, column: str) -> dict[str, list]:
+    ids = tokenizer.encode_batch(batch[column])
+    if tokenizer.eos_id is not None:
+        ids = [np.append(doc, tokenizer.eos_id) for doc in ids]
+    return {"input_ids": ids}
+
+
+def _pack(batch: dict[str, list], block: int) -> dict[str, np.ndarray]:
+    """Concatenate the documents of a batch and cut whole blocks (the remainder of the batch is dropped)."""
+    stream = np.concatenate(batch["input_ids"]) if len(batch["input_ids"]) else np.zeros(0, np.int32)
+    n = len(stream) // block
+    return {"input_ids": stream[: n * block].reshape(n, block)}

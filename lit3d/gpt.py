@@ -1,0 +1,187 @@
+"""`GPT`: the LightningModule — what is computed (loss, optimizer, schedule, sampling), never where."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning as L
+import torch
+from torchmetrics import MeanMetric
+
+from lit3d.config import GPTConfig
+from lit3d.model import TENSOR_PARALLEL_PLAN, Transformer, cross_entropy
+
+
+class GPT(L.LightningModule):
+    """A Llama-style GPT trained on next-token cross-entropy with AdamW and a warm-up + cosine schedule.
+
+    Args:
+        config: A preset name (``tiny``, ``125m``, ``1b``, ``llama-8b``, ``llama-70b``, ``llama-405b``,
+            ``gpt3-175b``), a model YAML file, or the `GPTConfig` fields.
+        learning_rate: Peak learning rate, reached after ``warmup_steps``.
+        weight_decay: AdamW weight decay, applied to matrices only (not to norms).
+        betas: AdamW betas.
+        eps: AdamW epsilon.
+        warmup_steps: Optimizer steps of linear warm-up from 0.
+        decay_steps: Step at which the cosine decay reaches its floor; ``None`` uses the trainer's
+            ``max_steps`` (or its estimated number of steps).
+        min_lr_ratio: The floor of the cosine decay as a fraction of ``learning_rate``.
+        optimizer_impl: AdamW implementation: ``"foreach"``, ``"fused"`` or ``"auto"`` (PyTorch's choice).
+    """
+
+    def __init__(
+        self,
+        config: GPTConfig | str = "tiny",
+        learning_rate: float = 3e-4,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        warmup_steps: int = 100,
+        decay_steps: int | None = None,
+        min_lr_ratio: float = 0.1,
+        optimizer_impl: str = "auto",
+    ) -> None:
+        super().__init__()
+        if optimizer_impl not in ("auto", "foreach", "fused"):
+            raise ValueError(f"optimizer_impl={optimizer_impl!r} is not one of 'auto', 'foreach', 'fused'")
+        if warmup_steps < 0 or not 0 <= min_lr_ratio <= 1:
+            raise ValueError(f"warmup_steps={warmup_steps} must be >= 0 and min_lr_ratio={min_lr_ratio} in [0, 1]")
+        self.config = GPTConfig.load(config)
+        self.save_hyperparameters(ignore=["config"])
+        self.hparams["config"] = self.config.to_dict()  # plain data, so checkpoints load with weights_only
+        self.learning_rate, self.weight_decay, self.betas, self.eps = learning_rate, weight_decay, tuple(betas), eps
+        self.warmup_steps, self.decay_steps, self.min_lr_ratio = warmup_steps, decay_steps, min_lr_ratio
+        self.optimizer_impl = optimizer_impl
+
+        # Built on the meta device, then materialised and initialised once by `reset_parameters` (whose values
+        # depend only on the seed and the parameter names). Under an outer meta-device context it stays empty.
+        device = torch.get_default_device()
+        with torch.device("meta"):
+            self.model = Transformer(self.config)
+        if device.type != "meta":
+            self.model.to_empty(device=device)
+            self.model.tie_weights()
+            self.model.reset_parameters()
+
+        self.val_loss = MeanMetric()
+        self._loss_sum: torch.Tensor | float = 0.0
+        self._loss_count = 0
+
+    # The strategy reads this to apply tensor parallelism (module name pattern -> role, see `lit3d.model`).
+    tensor_parallel_plan: dict[str, str] = {f"model.{name}": role for name, role in TENSOR_PARALLEL_PLAN.items()}
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token ids ``[batch, seq]`` → logits ``[batch, seq, vocab_size]`` (full, also under tensor parallel)."""
+        logits = self.model(tokens)
+        if hasattr(logits, "full_tensor"):  # vocabulary-sharded DTensor
+            logits = logits.full_tensor()
+        return logits[..., : self.config.vocab_size]
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        """Mean next-token cross-entropy of a batch of ``seq_len + 1`` blocks."""
+        tokens = batch["input_ids"] if isinstance(batch, dict) else batch
+        return cross_entropy(self.model(tokens[:, :-1]), tokens[:, 1:])
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        self._loss_sum = self._loss_sum + loss.detach()
+        self._loss_count += 1
+        if self._ends_optimizer_step(batch_idx):
+            self.log_train_loss(self._loss_sum / self._loss_count)
+            self._loss_sum, self._loss_count = 0.0, 0
+        return loss
+
+    def log_train_loss(self, local_mean: torch.Tensor) -> None:
+        """Log the global-batch mean loss (same value on every rank); stop on a non-finite loss."""
+        global_mean = self.trainer.strategy.reduce(local_mean, reduce_op="mean")
+        # All ranks see the same reduced value, so all stop together instead of leaving others in a collective.
+        if not torch.isfinite(global_mean):
+            raise FloatingPointError(f"train_loss is {global_mean.item()} at step {self.global_step}; stopping")
+        self.log("train_loss", global_mean, on_step=True, on_epoch=False, prog_bar=True, batch_size=1)
+
+    def _ends_optimizer_step(self, batch_idx: int) -> bool:
+        accumulate = self.trainer.accumulate_grad_batches
+        return (batch_idx + 1) % accumulate == 0 or batch_idx + 1 == self.trainer.num_training_batches
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.val_loss.update(self.loss(batch))
+        self.log("val_loss", self.val_loss, prog_bar=True, batch_size=1)
+
+    def on_validation_epoch_end(self) -> None:
+        # compute() already gathered every rank's values; sync_dist only confirms the identical result.
+        self.log("val_ppl", torch.exp(self.val_loss.compute()), batch_size=1, sync_dist=True)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": self.weight_decay},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ]
+        impl = {"auto": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}[self.optimizer_impl]
+        optimizer = torch.optim.AdamW(groups, lr=self.learning_rate, betas=self.betas, eps=self.eps, **impl)
+        schedule = WarmupCosine(self.warmup_steps, self._decay_steps(), self.min_lr_ratio)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def _decay_steps(self) -> int:
+        if self.decay_steps is not None:
+            return self.decay_steps
+        if self.trainer.max_steps and self.trainer.max_steps > 0:
+            return self.trainer.max_steps
+        return max(1, int(self.trainer.estimated_stepping_batches))
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt_tokens: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Sample ``max_new_tokens`` after ``prompt_tokens`` (``[seq]`` or ``[batch, seq]``); 0 temperature is greedy.
+
+        Under model parallelism every rank must call this with the same prompt and an identically seeded
+        ``generator``, so that all ranks feed the same tokens.
+        """
+        tokens = prompt_tokens[None] if prompt_tokens.ndim == 1 else prompt_tokens
+        for _ in range(max_new_tokens):
+            logits = self(tokens[:, -self.config.max_seq_len:])[:, -1].float()
+            if temperature == 0:
+                next_token = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                next_token = torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)
+            tokens = torch.cat((tokens, next_token), dim=1)
+        return tokens[0] if prompt_tokens.ndim == 1 else tokens
+
+    def setup(self, stage: str) -> None:
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if datamodule is not None:
+            check_model_fits_data(self.config, datamodule)
+
+
+class WarmupCosine:
+    """LR multiplier: linear warm-up from 0 to 1 over ``warmup_steps``, then cosine down to ``min_ratio``."""
+
+    def __init__(self, warmup_steps: int, decay_steps: int, min_ratio: float) -> None:
+        self.warmup_steps, self.decay_steps, self.min_ratio = warmup_steps, decay_steps, min_ratio
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / (self.warmup_steps + 1)
+        progress = min(1.0, (step - self.warmup_steps) / max(1, self.decay_steps - self.warmup_steps))
+        return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def check_model_fits_data(config: GPTConfig, datamodule: Any) -> None:
+    """Refuse a tokenizer larger than the model's vocabulary, or sequences longer than the model's context."""
+    vocab, seq_len = getattr(datamodule, "vocab_size", None), getattr(datamodule, "seq_len", None)
+    if vocab is not None and vocab > config.vocab_size:
+        raise ValueError(f"the tokenizer has {vocab} ids but the model's vocab_size={config.vocab_size}")
+    if seq_len is not None and seq_len > config.max_seq_len:
+        raise ValueError(f"seq_len={seq_len} is above the model's max_seq_len={config.max_seq_len}")

@@ -1,0 +1,220 @@
+"""The Llama-style decoder as a plain `nn.Module`, with its tensor-parallel plan declared as data.
+
+Layout (parameter names are the same in every parallel layout, which keeps checkpoints portable)::
+
+    embed                       token embedding           (absent on pipeline stages that do not start the model)
+    blocks.{0..N-1}.attn_norm   RMSNorm
+    blocks.{i}.attn.{q,k,v,o}_proj
+    blocks.{i}.mlp_norm         RMSNorm
+    blocks.{i}.mlp.{gate,up,down}_proj
+    norm                        final RMSNorm             (absent on stages that do not end the model)
+    head                        LM head                   (absent likewise; shares `embed.weight` when tied)
+
+A pipeline stage keeps a subset of `blocks` (still keyed by their global index) and drops what it does not own;
+`forward` passes through whatever is absent.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lit3d.attention import causal_attention
+from lit3d.config import GPTConfig
+
+# Which module does what under tensor parallelism, by name pattern. The strategy turns each role into a DTensor
+# parallel style (Megatron pattern: column-parallel in, row-parallel out, one all-reduce per region forward).
+#   colwise / rowwise  split the output / input features of a linear
+#   tp_region          a module that runs on the full sequence (its input is gathered under sequence parallel)
+#   norm               runs on sequence shards under sequence parallel, replicated otherwise
+#   vocab_embedding    embedding rows split by vocabulary
+#   vocab_head         LM head split by vocabulary; its logits stay sharded for the parallel loss
+TENSOR_PARALLEL_PLAN: dict[str, str] = {
+    "embed": "vocab_embedding",
+    "blocks.*.attn_norm": "norm",
+    "blocks.*.attn": "tp_region",
+    "blocks.*.attn.q_proj": "colwise",
+    "blocks.*.attn.k_proj": "colwise",
+    "blocks.*.attn.v_proj": "colwise",
+    "blocks.*.attn.o_proj": "rowwise",
+    "blocks.*.mlp_norm": "norm",
+    "blocks.*.mlp": "tp_region",
+    "blocks.*.mlp.gate_proj": "colwise",
+    "blocks.*.mlp.up_proj": "colwise",
+    "blocks.*.mlp.down_proj": "rowwise",
+    "norm": "norm",
+    "head": "vocab_head",
+}
+
+
+def rotary_tables(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles, ``[seq, head_dim]``, in the rotate-half layout HuggingFace Llama uses."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` of shape ``[batch, seq, heads, head_dim]`` by position."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        hd = config.head_dim
+        self.q_proj = nn.Linear(config.d_model, config.n_head * hd, bias=False)
+        self.k_proj = nn.Linear(config.d_model, config.n_kv_head * hd, bias=False)
+        self.v_proj = nn.Linear(config.d_model, config.n_kv_head * hd, bias=False)
+        self.o_proj = nn.Linear(config.n_head * hd, config.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        hd = self.config.head_dim
+        # NOTE: -1 heads: under tensor parallelism each rank holds only its share of the heads.
+        q = self.q_proj(x).view(batch, seq, -1, hd)
+        k = self.k_proj(x).view(batch, seq, -1, hd)
+        v = self.v_proj(x).view(batch, seq, -1, hd)
+        cos, sin = rotary_tables(seq, hd, self.config.rope_theta, x.device)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        y = causal_attention(q, k, v, self.config.attention)
+        return self.o_proj(y.reshape(batch, seq, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.d_model, config.d_ff, bias=False)
+        self.up_proj = nn.Linear(config.d_model, config.d_ff, bias=False)
+        self.down_proj = nn.Linear(config.d_ff, config.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.attn = Attention(config)
+        self.mlp_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    """Token ids ``[batch, seq]`` → logits ``[batch, seq, padded_vocab_size]`` (padded columns masked to -inf).
+
+    On a pipeline stage without the embedding the input is the hidden state ``[batch, seq, d_model]``, and
+    without the head the output is the hidden state.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed: nn.Embedding | None = nn.Embedding(config.padded_vocab_size, config.d_model)
+        self.blocks = nn.ModuleDict({str(i): Block(config) for i in range(config.n_layer)})
+        self.norm: nn.RMSNorm | None = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.head: nn.Linear | None = nn.Linear(config.d_model, config.padded_vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.head.weight = self.embed.weight
+        # Added to the logits: 0 for real tokens, -inf for the padding rows, so padding never changes a loss.
+        self.register_buffer("vocab_mask", self._vocab_mask(torch.get_default_device()), persistent=False)
+
+    def _vocab_mask(self, device: torch.device) -> torch.Tensor | None:
+        if self.config.padded_vocab_size == self.config.vocab_size:
+            return None
+        mask = torch.zeros(self.config.padded_vocab_size, device=device)
+        mask[self.config.vocab_size:] = float("-inf")
+        return mask
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed(x)
+        for block in self.blocks.values():
+            x = block(x)
+        if self.norm is not None:
+            x = self.norm(x)
+        if self.head is not None:
+            x = self.head(x)
+            if self.vocab_mask is not None:
+                x = x + self.vocab_mask.to(x.dtype)
+        return x
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the head (again: materialising from the meta device unties them)."""
+        if self.config.tie_embeddings and self.embed is not None and self.head is not None:
+            self.head.weight = self.embed.weight
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int | None = None) -> None:
+        """Initialise every parameter from ``seed`` and its own name alone.
+
+        Each tensor is drawn in full from a generator seeded by (seed, parameter name) and then cut to this
+        rank's shard, so the weights do not depend on the parallel layout, on which blocks a pipeline stage
+        kept, or on the order modules were created. ``seed=None`` uses ``torch.initial_seed()`` (what
+        ``seed_everything`` set).
+        """
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        seed = torch.initial_seed() if seed is None else seed
+        for name, param in self.named_parameters():
+            # Values are drawn in fp32 at full size: in place for a plain fp32 parameter, else into a scratch
+            # tensor that is then cast and, for a DTensor, cut to this rank's shard.
+            in_place = not isinstance(param, DTensor) and param.dtype == torch.float32
+            full = param if in_place else torch.empty(param.shape, device=param.device)
+            generator = torch.Generator(device=param.device)
+            generator.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+            self._init_values(name, full, generator)
+            if isinstance(param, DTensor):
+                # src_data_rank=None: every rank cuts its own shard from its own copy, no communication.
+                full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+            if not in_place:
+                param.copy_(full)
+        if self.vocab_mask is not None:
+            self.vocab_mask.copy_(self._vocab_mask(self.vocab_mask.device))
+
+    def _init_values(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
+        if name.endswith("norm.weight"):
+            tensor.fill_(1.0)
+            return
+        # GPT-2's rule: the projections that write into the residual stream start smaller.
+        scale = 1 / math.sqrt(2 * self.config.n_layer) if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
+        tensor.normal_(0.0, self.config.init_std * scale, generator=generator)
+        if name in ("embed.weight", "head.weight"):
+            tensor[self.config.vocab_size:] = 0  # padding rows stay inert
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy in fp32.
+
+    Logits sharded over the vocabulary (a DTensor from a vocabulary-parallel head) are reduced with
+    DTensor's parallel loss, which never gathers the full logits; the caller's backward must then run
+    under `torch.distributed.tensor.parallel.loss_parallel` too (the strategy does this).
+    """
+    logits, targets = logits.flatten(0, 1).float(), targets.flatten()
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(logits, DTensor):
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        with loss_parallel():
+            loss = F.cross_entropy(logits, targets)
+        return loss.to_local() if isinstance(loss, DTensor) else loss
+    return F.cross_entropy(logits, targets)

@@ -1,0 +1,62 @@
+"""The sampler that makes global batch k the same set of samples in every parallel layout."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sized
+
+import torch
+from torch.utils.data import DistributedSampler
+
+
+class GlobalBatchSampler(DistributedSampler):
+    """Deals each global batch out to the data-parallel replicas.
+
+    One epoch is a seeded permutation of the dataset cut to whole global batches. Replica ``r`` of ``R`` takes
+    every R-th index starting at ``r``, so its k-th group of ``global_batch_size / R`` indices comes from
+    positions ``[k·G, (k+1)·G)`` of the permutation: global batch k holds the same samples whatever R is (and
+    however each replica's share is split into micro-batches).
+
+    It is a `DistributedSampler`, so Lightning keeps it instead of injecting its own, and calls
+    `set_epoch` on it. ``skip_samples`` (a multiple of the global batch) starts the epoch part-way through,
+    for resuming: it counts global samples, so it does not depend on R either.
+    """
+
+    def __init__(
+        self,
+        dataset: Sized,
+        global_batch_size: int,
+        num_replicas: int = 1,
+        rank: int = 0,
+        shuffle: bool = True,
+        seed: int = 0,
+    ) -> None:
+        if global_batch_size % num_replicas:
+            raise ValueError(
+                f"global_batch_size={global_batch_size} is not divisible by the data-parallel size {num_replicas}"
+            )
+        if len(dataset) < global_batch_size:
+            raise ValueError(f"the dataset has {len(dataset)} samples, fewer than one global batch ({global_batch_size})")
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=True)
+        self.global_batch_size = global_batch_size
+        self.skip_samples = 0
+
+    @property
+    def samples_per_epoch(self) -> int:
+        """Global samples in one epoch: whole global batches only."""
+        return len(self.dataset) - len(self.dataset) % self.global_batch_size
+
+    def epoch_order(self) -> torch.Tensor:
+        """The order of all samples of the current epoch, before dealing out to replicas."""
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(len(self.dataset), generator=generator)
+        else:
+            order = torch.arange(len(self.dataset))
+        return order[: self.samples_per_epoch]
+
+    def __iter__(self) -> Iterator[int]:
+        order = self.epoch_order()[self.skip_samples:]
+        return iter(order[self.rank :: self.num_replicas].tolist())
+
+    def __len__(self) -> int:
+        return (self.samples_per_epoch - self.skip_samples) // self.num_replicas

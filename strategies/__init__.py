@@ -1,0 +1,1 @@
+"""Lightning strategies of lit3d."""

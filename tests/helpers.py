@@ -1,0 +1,25 @@
+"""Shared by the tests: run a short fit and read back what the logger wrote."""
+
+import csv
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.loggers import CSVLogger
+
+
+def logged(log_dir: Path, key: str) -> list[float]:
+    """Values of one metric from a CSVLogger's metrics.csv, in step order."""
+    with open(Path(log_dir) / "metrics.csv") as f:
+        return [float(row[key]) for row in csv.DictReader(f) if row.get(key)]
+
+
+def fit(model, data, tmp_path, **trainer_kwargs) -> tuple[L.Trainer, Path]:
+    """A quiet CPU fit logging every step; returns the trainer and the folder of its metrics.csv."""
+    logger = CSVLogger(str(tmp_path), name="run")
+    options = dict(
+        accelerator="cpu", devices=1, max_steps=4, logger=logger, log_every_n_steps=1, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+    )
+    trainer = L.Trainer(**{**options, **trainer_kwargs})
+    trainer.fit(model, data)
+    return trainer, Path(logger.log_dir)

@@ -1,0 +1,53 @@
+"""End-to-end runs of the `lit3d` command line: few, tiny, and checked against each other."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import logged
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny.yaml")
+QUICK = ["--trainer.max_steps=4", "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false",
+         "--data.init_args.seq_len=32", "--data.init_args.global_batch_size=4", "--trainer.enable_checkpointing=false"]
+
+
+def lit3d(*args, cwd, timeout=240):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, str(ROOT / "cli.py"), *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_fit_under_auto_and_ddp_gives_the_same_losses(tmp_path):
+    (tmp_path / "auto").mkdir()
+    (tmp_path / "ddp").mkdir()
+    single = lit3d("fit", "--config", TINY, *QUICK, cwd=tmp_path / "auto")
+    assert single.returncode == 0, single.stderr[-3000:]
+    ddp = lit3d("fit", "--config", TINY, *QUICK, "--trainer.devices=2", "--trainer.strategy=ddp", cwd=tmp_path / "ddp")
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    auto_losses = logged(tmp_path / "auto" / "runs" / "tiny" / "version_0", "train_loss")
+    ddp_losses = logged(tmp_path / "ddp" / "runs" / "tiny" / "version_0", "train_loss")
+    assert len(auto_losses) == 4
+    torch.testing.assert_close(torch.tensor(ddp_losses), torch.tensor(auto_losses), rtol=1e-5, atol=0)
+
+
+def test_help_shows_arguments_with_their_docstrings(tmp_path):
+    out = lit3d("fit", "--model.help", "lit3d.GPT", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    model_help = " ".join(out.stdout.split())  # undo the help's line wrapping
+    assert "--model.learning_rate" in model_help and "Peak learning rate, reached after" in model_help
+    data_help = " ".join(lit3d("fit", "--data.help", "lit3d.data.TextDataModule", cwd=tmp_path).stdout.split())
+    assert "Sequences per optimizer step across all data-parallel replicas" in data_help
+
+
+def test_bad_input_is_refused_before_training_with_the_value_named(tmp_path):
+    too_long = lit3d("fit", "--config", TINY, *QUICK, "--data.init_args.seq_len=512", cwd=tmp_path)
+    assert too_long.returncode != 0 and "seq_len=512 is above the model's max_seq_len=256" in too_long.stderr
+    preset = lit3d("fit", "--config", TINY, *QUICK, "--model.init_args.config=llama-9b", cwd=tmp_path)
+    assert preset.returncode != 0 and "unknown model preset 'llama-9b'" in preset.stderr
+    missing = lit3d("fit", "--config", TINY, *QUICK, "--data.init_args.data_path=/no/such/corpus", cwd=tmp_path)
+    assert missing.returncode != 0 and "data_path='/no/such/corpus' does not exist" in missing.stderr

@@ -1,0 +1,83 @@
+import math
+
+import lightning as L
+import pytest
+import torch
+
+from helpers import fit, logged
+from lit3d import GPT, GPTConfig
+from lit3d.data import TextDataModule
+from lit3d.gpt import WarmupCosine
+
+
+def test_weight_decay_applies_to_matrices_only(small_config):
+    model = GPT(small_config, weight_decay=0.3)
+    model.trainer = L.Trainer(max_steps=10, logger=False)
+    optimizer = model.configure_optimizers()["optimizer"]
+    decayed, plain = optimizer.param_groups
+    assert decayed["weight_decay"] == 0.3 and all(p.ndim == 2 for p in decayed["params"])
+    assert plain["weight_decay"] == 0.0 and all(p.ndim == 1 for p in plain["params"])
+    assert len(decayed["params"]) + len(plain["params"]) == len(list(model.parameters()))
+
+
+def test_schedule_warms_up_linearly_then_decays_to_the_floor():
+    schedule = WarmupCosine(warmup_steps=10, decay_steps=110, min_ratio=0.1)
+    assert [round(schedule(s), 3) for s in (0, 4, 9)] == [round(1 / 11, 3), round(5 / 11, 3), round(10 / 11, 3)]
+    assert schedule(10) == 1.0
+    assert schedule(60) == pytest.approx(0.55)
+    assert schedule(110) == pytest.approx(0.1) and schedule(500) == pytest.approx(0.1)
+
+
+def test_generate_appends_tokens_and_greedy_is_deterministic(small_config):
+    torch.manual_seed(0)
+    model = GPT(small_config)
+    prompt = torch.tensor([1, 2, 3])
+    greedy = model.generate(prompt, 5, temperature=0)
+    assert greedy.shape == (8,) and torch.equal(greedy[:3], prompt)
+    assert torch.equal(greedy, model.generate(prompt, 5, temperature=0))
+    sampled = model.generate(prompt[None].repeat(2, 1), 4, top_k=1, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(sampled[0], greedy[:7]) and torch.equal(sampled[1], greedy[:7])  # top-1 sampling is greedy
+
+
+def test_loss_decreases_on_the_demo_corpus(tmp_path):
+    L.seed_everything(0)
+    model = GPT("tiny", learning_rate=3e-3, warmup_steps=5)
+    data = TextDataModule(seq_len=64, global_batch_size=8)
+    _, log_dir = fit(model, data, tmp_path, max_steps=50)
+    losses = logged(log_dir, "train_loss")
+    assert len(losses) == 50
+    assert losses[0] == pytest.approx(math.log(256), abs=0.3)  # a uniform guess over bytes
+    assert sum(losses[-5:]) / 5 < losses[0] - 2.0
+
+
+def test_accumulation_logs_the_global_batch_mean_and_matches_one_big_batch(tmp_path, text_folder):
+    def run(accumulate):
+        L.seed_everything(0)
+        model = GPT(GPTConfig(n_layer=1, n_head=2, d_model=16, d_ff=32), learning_rate=1e-2, warmup_steps=0)
+        data = TextDataModule(str(text_folder), seq_len=16, global_batch_size=8)
+        _, log_dir = fit(model, data, tmp_path / f"acc{accumulate}", max_steps=3, accumulate_grad_batches=accumulate)
+        return logged(log_dir, "train_loss"), model.state_dict()
+
+    (losses_1, weights_1), (losses_4, weights_4) = run(1), run(4)
+    assert len(losses_4) == 3  # once per optimizer step, not per micro-batch
+    torch.testing.assert_close(torch.tensor(losses_4), torch.tensor(losses_1), rtol=1e-5, atol=0)
+    for key in weights_1:
+        torch.testing.assert_close(weights_4[key], weights_1[key], rtol=1e-4, atol=1e-6)
+
+
+def test_a_non_finite_loss_stops_training_naming_the_step(tmp_path, text_folder):
+    model = GPT(GPTConfig(n_layer=1, n_head=2, d_model=16, d_ff=32))
+    with torch.no_grad():
+        model.model.norm.weight.fill_(float("nan"))
+    data = TextDataModule(str(text_folder), seq_len=16, global_batch_size=4)
+    with pytest.raises(FloatingPointError, match="train_loss is nan at step 0"):
+        fit(model, data, tmp_path)
+
+
+def test_model_and_data_must_agree(tmp_path, text_folder):
+    model = GPT(GPTConfig(n_layer=1, n_head=2, d_model=16, d_ff=32, max_seq_len=16))
+    with pytest.raises(ValueError, match="seq_len=32 is above the model's max_seq_len=16"):
+        fit(model, TextDataModule(str(text_folder), seq_len=32, global_batch_size=2), tmp_path)
+    small_vocab = GPT(GPTConfig(n_layer=1, n_head=2, d_model=16, d_ff=32, vocab_size=100))
+    with pytest.raises(ValueError, match="the tokenizer has 256 ids but the model's vocab_size=100"):
+        fit(small_vocab, TextDataModule(str(text_folder), seq_len=8, global_batch_size=2), tmp_path)
