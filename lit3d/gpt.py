@@ -54,15 +54,9 @@ class GPT(L.LightningModule):
         self.warmup_steps, self.decay_steps, self.min_lr_ratio = warmup_steps, decay_steps, min_lr_ratio
         self.optimizer_impl = optimizer_impl
 
-        # Built on the meta device, then materialised and initialised once by `reset_parameters` (whose values
-        # depend only on the seed and the parameter names). Under an outer meta-device context it stays empty.
-        device = torch.get_default_device()
-        with torch.device("meta"):
-            self.model = Transformer(self.config)
-        if device.type != "meta":
-            self.model.to_empty(device=device)
-            self.model.tie_weights()
-            self.model.reset_parameters()
+        # The network is built by `configure_model`, on the device Lightning chooses, or empty (meta) when a
+        # model-parallel strategy splits it first and then initialises each rank's shards.
+        self.model: Transformer | None = None
 
         self.val_loss = MeanMetric()
         self._loss_sum: torch.Tensor | float = 0.0
@@ -71,8 +65,32 @@ class GPT(L.LightningModule):
     # The strategy reads this to apply tensor parallelism (module name pattern -> role, see `lit3d.model`).
     tensor_parallel_plan: dict[str, str] = {f"model.{name}": role for name, role in TENSOR_PARALLEL_PLAN.items()}
 
+    def configure_model(self) -> None:
+        """Build the network on the current default device (idempotent; Lightning calls this hook).
+
+        Weights come from `Transformer.reset_parameters`: the seed and each parameter's name alone. Under a
+        meta-device context the network stays empty: the 3D strategy splits it first, then initialises each
+        rank's shards. Outside a Trainer, call this yourself (a first forward does it too).
+        """
+        if self.model is not None:
+            return
+        device = torch.get_default_device()
+        with torch.device("meta"):  # shapes only: no memory, and no throw-away default init
+            model = Transformer(self.config)
+        if device.type != "meta":
+            model.to_empty(device=device)
+            model.tie_weights()
+            model.reset_parameters()
+        self.model = model
+
+    def _build_on(self, device: torch.device) -> None:
+        if self.model is None:
+            with torch.device(device):
+                self.configure_model()
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token ids ``[batch, seq]`` → logits ``[batch, seq, vocab_size]`` (full, also under tensor parallel)."""
+        self._build_on(tokens.device)
         logits = self.model(tokens)
         if hasattr(logits, "full_tensor"):  # vocabulary-sharded DTensor
             logits = logits.full_tensor()
@@ -81,6 +99,7 @@ class GPT(L.LightningModule):
     def loss(self, batch: Any) -> torch.Tensor:
         """Mean next-token cross-entropy of a batch of ``seq_len + 1`` blocks."""
         tokens = batch["input_ids"] if isinstance(batch, dict) else batch
+        self._build_on(tokens.device)
         return cross_entropy(self.model(tokens[:, :-1]), tokens[:, 1:])
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:

@@ -10,6 +10,7 @@ def test_preset_parameter_count_matches_the_built_model(name):
     config = GPTConfig.from_name(name)
     with torch.device("meta"):  # no memory, no init: shapes only
         model = GPT(config)
+        model.configure_model()
     padding = (config.padded_vocab_size - config.vocab_size) * config.d_model * (1 if config.tie_embeddings else 2)
     assert sum(p.numel() for p in model.parameters()) == config.num_params + padding
 

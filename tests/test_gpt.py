@@ -12,6 +12,7 @@ from lit3d.gpt import WarmupCosine
 
 def test_weight_decay_applies_to_matrices_only(small_config):
     model = GPT(small_config, weight_decay=0.3)
+    model.configure_model()
     model.trainer = L.Trainer(max_steps=10, logger=False)
     optimizer = model.configure_optimizers()["optimizer"]
     decayed, plain = optimizer.param_groups
@@ -67,6 +68,7 @@ def test_accumulation_logs_the_global_batch_mean_and_matches_one_big_batch(tmp_p
 
 def test_a_non_finite_loss_stops_training_naming_the_step(tmp_path, text_folder):
     model = GPT(GPTConfig(n_layer=1, n_head=2, d_model=16, d_ff=32))
+    model.configure_model()
     with torch.no_grad():
         model.model.norm.weight.fill_(float("nan"))
     data = TextDataModule(str(text_folder), seq_len=16, global_batch_size=4)

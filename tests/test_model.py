@@ -17,7 +17,7 @@ def test_logits_shape_and_grouped_query_projections(small_config):
 
 
 def test_parameter_names_are_layout_free(small_config):
-    names = [n for n, _ in GPT(small_config).named_parameters()]
+    names = [n for n, _ in built(small_config).named_parameters()]
     assert names[0] == "model.embed.weight"
     assert "model.blocks.1.mlp.down_proj.weight" in names
     assert names[-2:] == ["model.norm.weight", "model.head.weight"]
@@ -39,14 +39,21 @@ def test_a_stage_may_drop_embedding_head_and_blocks(small_config):
     torch.testing.assert_close(last(first(tokens)), full(tokens))
 
 
+def built(config):
+    model = GPT(config)
+    assert model.model is None  # the network is built and initialised by Lightning's configure_model hook
+    model.configure_model()
+    return model
+
+
 def test_same_seed_same_weights_whatever_the_layout(small_config):
     torch.manual_seed(7)
-    a = GPT(small_config).state_dict()
+    a = built(small_config).state_dict()
     torch.manual_seed(7)
-    b = GPT(small_config).state_dict()
+    b = built(small_config).state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     torch.manual_seed(8)
-    assert not torch.equal(GPT(small_config).state_dict()["model.blocks.0.attn.q_proj.weight"],
+    assert not torch.equal(built(small_config).state_dict()["model.blocks.0.attn.q_proj.weight"],
                            a["model.blocks.0.attn.q_proj.weight"])
     # A stage that owns only block 1, initialised on its own, gets exactly block 1's weights.
     with torch.device("meta"):
@@ -62,8 +69,8 @@ def test_same_seed_same_weights_whatever_the_layout(small_config):
 def test_padded_vocabulary_does_not_change_the_loss():
     """vocab 250 padded to 256: the padding rows are masked, the loss equals an unpadded model's."""
     torch.manual_seed(0)
-    unpadded = GPT(GPTConfig(n_layer=1, n_head=2, d_model=16, d_ff=32, vocab_size=250, pad_vocab_multiple=1))
-    padded = GPT(GPTConfig(n_layer=1, n_head=2, d_model=16, d_ff=32, vocab_size=250, pad_vocab_multiple=64))
+    unpadded = built(GPTConfig(n_layer=1, n_head=2, d_model=16, d_ff=32, vocab_size=250, pad_vocab_multiple=1))
+    padded = built(GPTConfig(n_layer=1, n_head=2, d_model=16, d_ff=32, vocab_size=250, pad_vocab_multiple=64))
     assert padded.model.head.weight.shape[0] == 256
     state = unpadded.state_dict()
     for key in ("model.embed.weight", "model.head.weight"):
@@ -75,7 +82,7 @@ def test_padded_vocabulary_does_not_change_the_loss():
 
 
 def test_tied_embeddings_share_one_tensor():
-    model = GPT(GPTConfig(n_layer=1, n_head=2, d_model=16, d_ff=32, tie_embeddings=True))
+    model = built(GPTConfig(n_layer=1, n_head=2, d_model=16, d_ff=32, tie_embeddings=True))
     assert model.model.head.weight is model.model.embed.weight
     assert sum(p.numel() for p in model.parameters()) == model.config.num_params
 
