@@ -63,7 +63,7 @@ class GPT(L.LightningModule):
         self._loss_count = 0
 
     # The strategy reads this to apply tensor parallelism (module name pattern -> role, see `lit3d.model`).
-    tensor_parallel_plan: dict[str, str] = {f"model.{name}": role for name, role in TENSOR_PARALLEL_PLAN.items()}
+    tensor_parallel_plan: dict[str, str] = TENSOR_PARALLEL_PLAN  # names relative to `self.model`
 
     def configure_model(self) -> None:
         """Build the network on the current default device (idempotent; Lightning calls this hook).

@@ -134,15 +134,6 @@ class Transformer(nn.Module):
         self.head: nn.Linear | None = nn.Linear(config.d_model, config.padded_vocab_size, bias=False)
         if config.tie_embeddings:
             self.head.weight = self.embed.weight
-        # Added to the logits: 0 for real tokens, -inf for the padding rows, so padding never changes a loss.
-        self.register_buffer("vocab_mask", self._vocab_mask(torch.get_default_device()), persistent=False)
-
-    def _vocab_mask(self, device: torch.device) -> torch.Tensor | None:
-        if self.config.padded_vocab_size == self.config.vocab_size:
-            return None
-        mask = torch.zeros(self.config.padded_vocab_size, device=device)
-        mask[self.config.vocab_size:] = float("-inf")
-        return mask
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:
@@ -152,9 +143,7 @@ class Transformer(nn.Module):
         if self.norm is not None:
             x = self.norm(x)
         if self.head is not None:
-            x = self.head(x)
-            if self.vocab_mask is not None:
-                x = x + self.vocab_mask.to(x.dtype)
+            x = mask_vocab_padding(self.head(x), self.config.vocab_size)
         return x
 
     def tie_weights(self) -> None:
@@ -171,24 +160,19 @@ class Transformer(nn.Module):
         kept, or on the order modules were created. ``seed=None`` uses ``torch.initial_seed()`` (what
         ``seed_everything`` set).
         """
-        from torch.distributed.tensor import DTensor, distribute_tensor
+        from torch.distributed.tensor import DTensor
 
         seed = torch.initial_seed() if seed is None else seed
         for name, param in self.named_parameters():
             # Values are drawn in fp32 at full size: in place for a plain fp32 parameter, else into a scratch
-            # tensor that is then cast and, for a DTensor, cut to this rank's shard.
+            # tensor that `_copy_full` casts and, for a DTensor, cuts to this rank's shard.
             in_place = not isinstance(param, DTensor) and param.dtype == torch.float32
             full = param if in_place else torch.empty(param.shape, device=param.device)
             generator = torch.Generator(device=param.device)
             generator.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
             self._init_values(name, full, generator)
-            if isinstance(param, DTensor):
-                # src_data_rank=None: every rank cuts its own shard from its own copy, no communication.
-                full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
             if not in_place:
-                param.copy_(full)
-        if self.vocab_mask is not None:
-            self.vocab_mask.copy_(self._vocab_mask(self.vocab_mask.device))
+                _copy_full(param, full)
 
     def _init_values(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
         if name.endswith("norm.weight"):
@@ -201,6 +185,35 @@ class Transformer(nn.Module):
             tensor[self.config.vocab_size:] = 0  # padding rows stay inert
 
 
+def mask_vocab_padding(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Set the logits of the padding rows (ids >= vocab_size) to -inf, so padding never changes a loss.
+
+    Vocabulary-sharded logits (a DTensor) get the mask sharded the same way, so nothing is gathered.
+    """
+    padded = logits.shape[-1]
+    if padded == vocab_size:
+        return logits
+    mask = torch.zeros(padded, device=logits.device, dtype=logits.dtype)
+    mask[vocab_size:] = float("-inf")
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    if isinstance(logits, DTensor):
+        last = logits.ndim - 1
+        placements = [Shard(0) if p.is_shard(last) else Replicate() for p in logits.placements]
+        mask = distribute_tensor(mask, logits.device_mesh, placements, src_data_rank=None)
+    return logits + mask
+
+
+def _copy_full(target: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy a full-size tensor into ``target``, which may be a DTensor that holds only a shard of it."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(target, DTensor):
+        # src_data_rank=None: every rank cuts its own shard from its own copy, no communication.
+        full = distribute_tensor(full.to(target.dtype), target.device_mesh, target.placements, src_data_rank=None)
+    target.copy_(full)
+
+
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy in fp32.
 
@@ -209,12 +222,14 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     under `torch.distributed.tensor.parallel.loss_parallel` too (the strategy does this).
     """
     logits, targets = logits.flatten(0, 1).float(), targets.flatten()
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Replicate
 
     if isinstance(logits, DTensor):
         from torch.distributed.tensor.parallel import loss_parallel
 
+        # The targets go in as a DTensor too: backward saves them, and must not mix plain and distributed tensors.
+        targets = DTensor.from_local(targets, logits.device_mesh, [Replicate()] * logits.device_mesh.ndim)
         with loss_parallel():
             loss = F.cross_entropy(logits, targets)
-        return loss.to_local() if isinstance(loss, DTensor) else loss
+        return loss.to_local()
     return F.cross_entropy(logits, targets)

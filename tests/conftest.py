@@ -39,3 +39,77 @@ def text_folder(tmp_path: Path) -> Path:
         target = folder / ("sub" if i % 2 else "") / f"doc{i}.txt"
         target.write_text(" ".join(words[i * 400:(i + 1) * 400]) + "\n")
     return folder
+
+
+# ---------------------------------------------------------------- multi-rank runs, shared by the strategy tests
+
+# Grouped-query heads, and a vocabulary of 257 (padded to 320) that no TP size divides.
+SMALL_GPT = dict(n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=64, vocab_size=257, max_seq_len=32)
+
+# name -> (world size, job overrides); every job trains 8 fp32 steps with gradient clipping active.
+LAYOUTS: dict[str, tuple[int, dict]] = {
+    "dp2_zero0": (2, {"strategy": {"zero_stage": 0}}),
+    "dp2_zero1": (2, {"strategy": {"zero_stage": 1}}),
+    "dp2_zero2": (2, {"strategy": {"zero_stage": 2}}),
+    "dp2_zero3": (2, {"strategy": {"zero_stage": 3}}),
+    "tp2": (2, {"strategy": {"tensor_parallel_size": 2}}),
+    "tp2_sequence_parallel": (2, {"strategy": {"tensor_parallel_size": 2, "sequence_parallel": True}}),
+    "dp2_zero1_accumulate2": (2, {"strategy": {"zero_stage": 1}, "trainer": {"accumulate_grad_batches": 2}}),
+    "dp2_zero3_accumulate2": (2, {"strategy": {"zero_stage": 3}, "trainer": {"accumulate_grad_batches": 2}}),
+    "dp2_zero0_accumulate2_comms": (2, {"strategy": {"zero_stage": 0}, "count_comms": True,
+                                        "trainer": {"accumulate_grad_batches": 2, "max_steps": 2}}),
+    **{f"dp2_zero{z}_{p}": (2, {"strategy": {"zero_stage": z}, "trainer": {"precision": p, "max_steps": 4}})
+       for z in range(4) for p in ("bf16-mixed", "bf16-true")},
+    "dp2_tp2_zero1": (4, {"strategy": {"tensor_parallel_size": 2, "zero_stage": 1}}),
+    "dp2_tp2_zero3": (4, {"strategy": {"tensor_parallel_size": 2, "zero_stage": 3}}),
+    "dp2_tp2_plain_loader": (4, {"strategy": {"tensor_parallel_size": 2}, "plain_loader": True,
+                                 "trainer": {"max_steps": 2}}),
+}
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    import random
+
+    words = random.Random(0).choices(["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "def", "("],
+                                     k=6 * 600)
+    folder = tmp_path_factory.mktemp("corpus")
+    for i in range(6):
+        (folder / f"doc{i}.txt").write_text(" ".join(words[i * 600:(i + 1) * 600]))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def base_job(corpus) -> dict:
+    return dict(
+        model=dict(config=SMALL_GPT, learning_rate=1e-2, warmup_steps=2),
+        data=dict(data_path=str(corpus), seq_len=16, global_batch_size=8, val_fraction=0.1),
+        trainer=dict(max_steps=8, gradient_clip_val=0.5, limit_val_batches=0),
+    )
+
+
+@pytest.fixture(scope="session")
+def reference_run(base_job, tmp_path_factory) -> dict:
+    """The single-process run every layout is compared with."""
+    from spawned import run_job
+
+    return run_job(base_job, tmp_path_factory.mktemp("reference"))
+
+
+@pytest.fixture(scope="session")
+def layout_runs(base_job, tmp_path_factory) -> dict[str, dict]:
+    """Every layout of `LAYOUTS`, one spawn per world size."""
+    from spawned import run_jobs
+
+    results = {}
+    for world in sorted({w for w, _ in LAYOUTS.values()}):
+        jobs = {name: merge(base_job, job) for name, (w, job) in LAYOUTS.items() if w == world}
+        results.update(run_jobs(world, jobs, tmp_path_factory.mktemp(f"world{world}")))
+    return results
+
+
+def merge(base: dict, overrides: dict) -> dict:
+    out = dict(base)
+    for key, value in overrides.items():
+        out[key] = {**base[key], **value} if isinstance(value, dict) and isinstance(base.get(key), dict) else value
+    return out

@@ -22,17 +22,40 @@ def lit3d(*args, cwd, timeout=240):
                           text=True, timeout=timeout)
 
 
-def test_fit_under_auto_and_ddp_gives_the_same_losses(tmp_path):
-    (tmp_path / "auto").mkdir()
-    (tmp_path / "ddp").mkdir()
-    single = lit3d("fit", "--config", TINY, *QUICK, cwd=tmp_path / "auto")
-    assert single.returncode == 0, single.stderr[-3000:]
-    ddp = lit3d("fit", "--config", TINY, *QUICK, "--trainer.devices=2", "--trainer.strategy=ddp", cwd=tmp_path / "ddp")
-    assert ddp.returncode == 0, ddp.stderr[-3000:]
-    auto_losses = logged(tmp_path / "auto" / "runs" / "tiny" / "version_0", "train_loss")
-    ddp_losses = logged(tmp_path / "ddp" / "runs" / "tiny" / "version_0", "train_loss")
-    assert len(auto_losses) == 4
-    torch.testing.assert_close(torch.tensor(ddp_losses), torch.tensor(auto_losses), rtol=1e-5, atol=0)
+def fit_losses(cwd, *args):
+    run = lit3d("fit", "--config", TINY, *QUICK, *args, cwd=cwd)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return torch.tensor(logged(cwd / "runs" / "tiny" / "version_0", "train_loss"))
+
+
+@pytest.fixture(scope="module")
+def single_process_losses(tmp_path_factory):
+    losses = fit_losses(tmp_path_factory.mktemp("auto"))
+    assert len(losses) == 4
+    return losses
+
+
+def test_fit_under_ddp_gives_the_single_process_losses(tmp_path, single_process_losses):
+    ddp = fit_losses(tmp_path, "--trainer.devices=2", "--trainer.strategy=ddp")
+    torch.testing.assert_close(ddp, single_process_losses, rtol=1e-5, atol=0)
+
+
+def test_fit_under_the_3d_strategy_gives_the_single_process_losses(tmp_path, single_process_losses):
+    """The README's command: 4 CPU processes, tensor parallel 2 x data parallel 2."""
+    tp2 = fit_losses(tmp_path, "--trainer.devices=4", "--trainer.strategy=strategies.Parallel3DStrategy",
+                     "--trainer.strategy.tensor_parallel_size=2")
+    torch.testing.assert_close(tp2, single_process_losses, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--trainer.strategy.tensor_parallel_size=3"], "tensor_parallel_size=3 x pipeline_parallel_size=1 does not divide the 4"),
+    (["--trainer.strategy.tensor_parallel_size=4"], "tensor_parallel_size=4 does not divide n_kv_head=2"),
+])
+def test_a_bad_layout_is_refused_before_any_process_starts(tmp_path, args, message):
+    run = lit3d("fit", "--config", TINY, *QUICK, "--trainer.devices=4", "--trainer.strategy=Parallel3DStrategy", *args,
+                cwd=tmp_path)
+    assert run.returncode != 0 and message in run.stderr
+    assert "Initializing distributed" not in run.stdout + run.stderr  # no process group was ever formed
 
 
 def test_help_shows_arguments_with_their_docstrings(tmp_path):

@@ -1,0 +1,148 @@
+"""Sharded, layout-free checkpoints with `torch.distributed.checkpoint` (DCP).
+
+A checkpoint is a folder::
+
+    step=100.ckpt/
+        .metadata, __*.distcp   model and optimizer tensors; every rank writes its own shards
+        meta.pt                 everything else Lightning saves (loops, schedulers, callbacks, data position)
+
+Tensors are keyed by parameter name (``model.blocks.3.attn.q_proj.weight``, and
+``optimizer.0.state.<name>.exp_avg``), and DCP records each shard's place in the global tensor, so any layout
+(DP, TP, PP sizes, ZeRO stage) can read what any other layout wrote.
+
+A save goes to ``<folder>.partial`` and is renamed into place only once every rank has finished, so a crash
+or kill during a save leaves the previous checkpoint untouched.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+META_FILE = "meta.pt"
+PARTIAL_SUFFIX = ".partial"
+
+
+def optimizer_state_by_name(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, Any]:
+    """The optimizer's state keyed by parameter name instead of position (``names``: id(tensor) → name)."""
+    state, groups = {}, []
+    for group in optimizer.param_groups:
+        keys = [names[id(p)] for p in group["params"]]
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": keys})
+        for key, param in zip(keys, group["params"]):
+            if param in optimizer.state:
+                state[key] = dict(optimizer.state[param])
+    return {"state": state, "param_groups": groups}
+
+
+def load_optimizer_state_by_name(optimizer: torch.optim.Optimizer, names: dict[int, str], loaded: dict[str, Any]) -> None:
+    """Inverse of `optimizer_state_by_name` (the tensors of ``loaded`` become the optimizer's state)."""
+    by_name = {names[id(p)]: p for group in optimizer.param_groups for p in group["params"]}
+    for group, saved in zip(optimizer.param_groups, loaded["param_groups"]):
+        group.update({k: v for k, v in saved.items() if k != "params"})
+    for key, value in loaded["state"].items():
+        optimizer.state[by_name[key]] = value
+
+
+@torch.no_grad()
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's (lazy) state with a zero-learning-rate step on zero gradients, so a checkpoint
+    can be loaded into it in place. The parameters do not change."""
+    if optimizer.state:
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    for p in params:
+        p.grad = None
+
+
+def save(path: Path, tensors: dict[str, Any], meta: dict[str, Any], is_global_zero: bool) -> None:
+    """Collective: every rank writes its shards of ``tensors``; rank 0 writes ``meta`` and publishes the folder."""
+    partial = path.with_name(path.name + PARTIAL_SUFFIX)
+    if is_global_zero and partial.exists():
+        shutil.rmtree(partial)  # left by an interrupted save
+    _barrier()
+    dcp.save(tensors, checkpoint_id=str(partial))
+    if is_global_zero:
+        torch.save(meta, partial / META_FILE)
+    _barrier()
+    if is_global_zero:
+        previous = path.with_name(path.name + ".old")
+        if path.exists():
+            path.rename(previous)
+        partial.rename(path)
+        if previous.exists():
+            shutil.rmtree(previous) if previous.is_dir() else previous.unlink()
+    _barrier()
+
+
+def check_readable(path: Path) -> None:
+    """A clear error for a missing, incomplete or foreign checkpoint (before any collective)."""
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
+    missing = [name for name in (".metadata", META_FILE) if not (path / name).is_file()]
+    if missing:
+        raise ValueError(
+            f"{str(path)!r} is not a complete lit3d checkpoint: {', '.join(missing)} missing "
+            "(an interrupted save leaves a '.partial' folder; use the previous checkpoint)"
+        )
+
+
+def check_shapes(path: Path, template: dict[str, Any]) -> None:
+    """Compare the tensors a checkpoint holds with the ones this run expects; name every mismatch."""
+    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    expected = _flatten(template)
+    missing = sorted(k for k in expected if k not in stored)
+    wrong = sorted(
+        f"{k}: checkpoint {tuple(stored[k].size)} vs model {tuple(v.shape)}"
+        for k, v in expected.items()
+        if k in stored and isinstance(v, torch.Tensor) and hasattr(stored[k], "size") and tuple(stored[k].size) != tuple(v.shape)
+    )
+    if missing or wrong:
+        lines = [f"checkpoint {str(path)!r} does not fit this model:"]
+        if missing:
+            lines.append(f"  {len(missing)} missing keys, e.g. {missing[:5]}")
+        if wrong:
+            lines.append(f"  {len(wrong)} shape mismatches, e.g. {wrong[:5]}")
+        raise ValueError("\n".join(lines))
+
+
+def load(path: Path, tensors: dict[str, Any]) -> dict[str, Any]:
+    """Collective: fill ``tensors`` in place from the checkpoint (any layout); return the saved meta dict."""
+    check_shapes(path, tensors)
+    dcp.load(tensors, checkpoint_id=str(path))
+    return torch.load(path / META_FILE, map_location="cpu", weights_only=False)
+
+
+def parameter_names(module: nn.Module) -> dict[int, str]:
+    return {id(p): name for name, p in module.named_parameters()}
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        out = {}
+        for key, value in tree.items():
+            out.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+        return out
+    if isinstance(tree, list):
+        return _flatten({str(i): v for i, v in enumerate(tree)}, prefix)
+    return {prefix: tree} if isinstance(tree, (torch.Tensor, DTensor)) else {}
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()

@@ -1,0 +1,41 @@
+"""Per-rank memory accounting: bytes this rank holds in parameters, gradients and optimizer states."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+
+def local_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of this rank's part of each tensor (a DTensor's shard), each storage counted once."""
+    seen, total = set(), 0
+    for tensor in tensors:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        key = (local.untyped_storage().data_ptr(), local.storage_offset(), local.numel())
+        if local.numel() and key not in seen:
+            seen.add(key)
+            total += local.numel() * local.element_size()
+    return total
+
+
+def memory_by_component(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> dict[str, int]:
+    """``params``, ``grads``, ``optimizer`` and ``total`` bytes held by this rank right now.
+
+    Measure after backward and before ``zero_grad`` (e.g. in ``on_before_optimizer_step``) to see gradients;
+    optimizer states exist from the first step on.
+    """
+    params = list(module.parameters())
+    states = [
+        value for optimizer in optimizers for state in optimizer.state.values()
+        for value in state.values() if isinstance(value, torch.Tensor)
+    ]
+    report = {
+        "params": local_bytes(params),
+        "grads": local_bytes(p.grad for p in params if p.grad is not None),
+        "optimizer": local_bytes(states),
+    }
+    report["total"] = sum(report.values())
+    return report

@@ -1,0 +1,443 @@
+"""`Parallel3DStrategy`: data × tensor × pipeline parallelism with ZeRO, as a Lightning strategy.
+
+A Strategy owns *where* things run. This one builds the ``(pp, dp, tp)`` device mesh, then hands the
+LightningModule's network to PyTorch's distributed building blocks in one place and a fixed order:
+
+    tensor parallel (DTensor) → activation checkpointing → compile → data parallel / ZeRO (FSDP2)
+
+and only then gives the empty (meta-device) network its weights, shard by shard, from the seed and the
+parameter names: the weights do not depend on the layout.
+
+A LightningModule is parallelised by the strategy when it has a ``model`` with ``blocks`` (a ModuleDict of
+decoder blocks, like `lit3d.model.Transformer`) and a ``tensor_parallel_plan`` (module name pattern → role,
+see `strategies.tensor_parallel`). Any other module overrides ``configure_model`` and parallelises itself
+with ``self.device_mesh``, as with Lightning's ``ModelParallelStrategy``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Generator
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.nn as nn
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from strategies import checkpoint as ckpt
+from strategies.grad_norm import clip_grad_norm_
+from strategies.layout import SCHEDULES, Layout, check_model_fits_layout, check_sizes, resolve_layout
+from strategies.memory import memory_by_component
+from strategies.tensor_parallel import apply_tensor_parallel, check_plan, lay_out_grads_like_params
+from strategies.zero import ShardedOptimizerStates, apply_data_parallel
+
+log = logging.getLogger(__name__)
+_LAUNCHER_PID = "LIT3D_LAUNCHER_PID"
+
+
+class Parallel3DStrategy(ParallelStrategy):
+    """Data × tensor × pipeline parallel training with ZeRO sharding; ``world = dp × tp × pp``.
+
+    Args:
+        data_parallel_size: Replicas of the model, each fed its share of the global batch; ``"auto"`` uses
+            every rank that tensor and pipeline parallelism leave.
+        tensor_parallel_size: Ranks that split every layer (heads, MLP width, vocabulary). Keep it within a
+            node: it communicates twice per layer.
+        pipeline_parallel_size: Ranks that split the depth into stages of consecutive blocks.
+        zero_stage: Sharding over the data-parallel ranks: 0 nothing (DDP); 1 optimizer states; 2 and
+            gradients; 3 and parameters (gathered block by block).
+        sequence_parallel: Between tensor-parallel regions, keep activations (norms, residual stream) split
+            along the sequence: less activation memory, same communication volume.
+        pipeline_schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b`` or ``zero_bubble``.
+        num_microbatches: Micro-batches each replica's batch is split into for the pipeline (default: 2 x
+            pipeline_parallel_size).
+        virtual_pipeline_size: Model chunks per pipeline rank (interleaved schedules).
+        activation_checkpointing: Recompute each block's activations in backward instead of storing them.
+        compile: ``torch.compile`` each block.
+        process_group_backend: ``nccl`` or ``gloo``; default picks by device (NCCL on GPUs, gloo on CPU).
+        timeout: How long a collective may wait for a peer before the job fails.
+    """
+
+    strategy_name = "3d"
+
+    def __init__(
+        self,
+        data_parallel_size: int | Literal["auto"] = "auto",
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        zero_stage: int = 1,
+        sequence_parallel: bool = False,
+        pipeline_schedule: str = "1f1b",
+        num_microbatches: int | None = None,
+        virtual_pipeline_size: int | None = None,
+        activation_checkpointing: bool = False,
+        compile: bool = False,
+        process_group_backend: str | None = None,
+        timeout: timedelta = timedelta(minutes=10),
+    ) -> None:
+        super().__init__()
+        check_sizes(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,
+                    pipeline_parallel_size=pipeline_parallel_size)
+        if zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage={zero_stage!r} must be 0, 1, 2 or 3")
+        if pipeline_schedule not in SCHEDULES:
+            raise ValueError(f"pipeline_schedule={pipeline_schedule!r} is not one of {', '.join(SCHEDULES)}")
+        if sequence_parallel and tensor_parallel_size == 1:
+            rank_zero_warn("sequence_parallel=True does nothing with tensor_parallel_size=1")
+        if pipeline_parallel_size > 1:
+            raise NotImplementedError("pipeline_parallel_size > 1 is not available yet")
+        self._sizes = (data_parallel_size, tensor_parallel_size, pipeline_parallel_size)
+        self.zero_stage = zero_stage
+        self.sequence_parallel = sequence_parallel and tensor_parallel_size > 1
+        self.pipeline_schedule = pipeline_schedule
+        self.num_microbatches = num_microbatches
+        self.virtual_pipeline_size = virtual_pipeline_size
+        self.activation_checkpointing = activation_checkpointing
+        self.compile = compile
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._layout: Layout | None = None
+        self._device_mesh: DeviceMesh | None = None
+        self._sharded_states: dict[int, ShardedOptimizerStates] = {}
+        self.num_nodes = 1
+
+    # ------------------------------------------------------------------ where things run
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def layout(self) -> Layout:
+        """Sizes and rank coordinates (checked against the number of launched ranks)."""
+        if self._layout is None:
+            self._layout = resolve_layout(self.num_nodes * self.num_processes, self.num_processes, *self._sizes)
+        return self._layout
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The ``(pp, dp, tp)`` mesh; ``device_mesh["tp"]`` etc. give this rank's groups."""
+        if self._device_mesh is None:
+            raise RuntimeError("the device mesh exists once the processes have started (setup_environment)")
+        return self._device_mesh
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Data is split over DP replicas only: all TP and PP ranks of a replica see the same batch.
+        return {"num_replicas": self.layout.dp, "rank": self.layout.coordinate(self.global_rank).d}
+
+    @property
+    def is_distributed(self) -> bool:
+        return True  # also makes Lightning inject a DistributedSampler into plain dataloaders
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _CheckingLauncher(self)
+
+    def check_configuration(self) -> None:
+        """Refuse a bad layout or a model it cannot split, before any process group exists."""
+        layout = self.layout
+        config = getattr(self.lightning_module, "config", None)
+        if config is not None:
+            check_model_fits_layout(config, layout)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.check_configuration()
+        _exit_when_launcher_dies()
+        reset_seed()
+        self.set_world_ranks()
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
+        layout = self.layout
+        self._device_mesh = init_device_mesh(
+            self.root_device.type, (layout.pp, layout.dp, layout.tp), mesh_dim_names=("pp", "dp", "tp")
+        )
+        self.lightning_module._device_mesh = self._device_mesh  # for modules that parallelise themselves
+        rank_zero_info(layout.rank_map())
+        crossing = layout.tp_groups_across_nodes()
+        if crossing:
+            rank_zero_warn(
+                f"tensor-parallel groups span nodes (e.g. ranks {crossing[0]}): tensor_parallel_size="
+                f"{layout.tp} does not divide the {layout.devices_per_node} devices per node, so TP traffic "
+                "leaves the fast intra-node link. This works but is slow."
+            )
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    # ------------------------------------------------------------------ the model hand-off
+
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        # Modules are built empty (meta) and get their weights in `setup`, after being split.
+        device = nullcontext() if empty_init is False else torch.device("meta")
+        with device, self.precision_plugin.tensor_init_context():
+            yield
+
+    def setup(self, trainer: Trainer) -> None:
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        if _follows_plan(module):
+            self.model = self.precision_plugin.convert_module(self.model)
+            self.parallelize(module)
+        elif is_overridden("configure_model", module):
+            _materialize_distributed_module(self.model, self.root_device)
+            self.model = self.precision_plugin.convert_module(self.model)
+        else:
+            raise TypeError(
+                f"{type(self).__name__} parallelises modules that have `model.blocks` and a `tensor_parallel_plan` "
+                f"(like lit3d.GPT); {type(module).__name__} has neither, so override `configure_model` and "
+                "parallelise it there with `self.device_mesh`"
+            )
+        self.model_to_device()
+        # NOTE: Lightning's precision plugins clip by the norm over this process's parameters; a split model
+        # needs the norm reduced over every shard and stage.
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def parallelize(self, module: LightningModule) -> None:
+        """Split ``module.model`` over the mesh in the fixed order, then give it its weights."""
+        network, layout, mesh = module.model, self.layout, self.device_mesh
+        check_plan(network, module.tensor_parallel_plan)
+        blocks = list(network.blocks.values())
+        if layout.tp > 1:
+            apply_tensor_parallel(network, module.tensor_parallel_plan, mesh["tp"], self.sequence_parallel)
+            network.tie_weights()  # TP distributed the shared tensor once per module
+        if self.activation_checkpointing:
+            from torch.distributed._composable import checkpoint
+
+            for block in blocks:
+                checkpoint(block)
+        if self.compile:
+            for block in blocks:
+                block.compile()
+        if layout.dp > 1:
+            apply_data_parallel(network, blocks, mesh["dp"], self.zero_stage)
+        if any(p.is_meta for p in network.parameters()):
+            network.to_empty(device=self.root_device)
+            network.tie_weights()
+            network.reset_parameters()
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    def setup_optimizers(self, trainer: Trainer) -> None:
+        self._reset_optimizers_and_schedulers()  # a second setup (e.g. fit after fit) re-wraps the model
+        super().setup_optimizers(trainer)
+        self._sharded_states = {}
+        if self.zero_stage == 1 and self.layout.dp > 1:
+            self._sharded_states = {id(opt): ShardedOptimizerStates(opt) for opt in self.optimizers}
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        sharded = self._sharded_states.get(id(optimizer))
+        if sharded is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+        def closure_then_scatter() -> Any:  # Lightning's closure: forward, backward (gradient clipping follows)
+            result = closure()
+            sharded.scatter_grads()
+            return result
+
+        result = super().optimizer_step(optimizer, closure_then_scatter, model, **kwargs)
+        sharded.gather_params()
+        return result
+
+    # ------------------------------------------------------------------ a training step
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        # The vocabulary-parallel loss's backward needs DTensor's loss_parallel handlers too.
+        with loss_parallel() if self.layout.tp > 1 else nullcontext():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        if self.layout.tp > 1:
+            lay_out_grads_like_params(self.lightning_module.parameters())
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """No gradient communication on the micro-steps of an accumulation window but the last."""
+        from torch.distributed.fsdp import FSDPModule
+
+        units = [m for m in self.lightning_module.modules() if isinstance(m, FSDPModule)]
+        for unit in units:
+            unit.set_requires_gradient_sync(False, recurse=False)
+            if self.zero_stage == 2:  # parameters are gathered once per step anyway: keep them till the last
+                unit.set_reshard_after_backward(False, recurse=False)
+        try:
+            yield
+        finally:
+            for unit in units:
+                unit.set_requires_gradient_sync(True, recurse=False)
+                if self.zero_stage == 2:
+                    unit.set_reshard_after_backward(True, recurse=False)
+
+    def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
+        clip_grad_norm_(self.lightning_module.parameters(), clip_val)
+
+    # ------------------------------------------------------------------ collectives Lightning asks for
+
+    def barrier(self, name: str | None = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if torch.distributed.get_backend() == "nccl":
+            torch.distributed.barrier(device_ids=[self.root_device.index])
+        else:
+            torch.distributed.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        objects = [obj]
+        torch.distributed.broadcast_object_list(objects, src, group=_group.WORLD)
+        return objects[0]
+
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        """All-reduce over all ranks (TP and PP ranks of a replica hold equal values, so a mean is the DP mean)."""
+        if isinstance(tensor, torch.Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # ------------------------------------------------------------------ checkpoints (see strategies.checkpoint)
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return self.lightning_module.state_dict()  # DTensor shards under layout-free names
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap a LightningOptimizer
+        return ckpt.optimizer_state_by_name(optimizer, self._parameter_names(optimizer))
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} writes sharded checkpoints itself; storage_options is not supported")
+        path = Path(self.broadcast(str(filepath)))
+        tensors = {"state_dict": checkpoint.pop("state_dict"), "optimizer_states": checkpoint.pop("optimizer_states", [])}
+        ckpt.save(path, tensors, checkpoint, self.is_global_zero)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        ckpt.check_readable(path)
+        tensors: dict[str, Any] = {"state_dict": self.lightning_module.state_dict()}
+        if self.lightning_module.trainer.state.fn == TrainerFn.FITTING and self.optimizers:
+            for optimizer in self.optimizers:
+                ckpt.init_optimizer_state(optimizer)
+            tensors["optimizer_states"] = [self.optimizer_state(opt) for opt in self.optimizers]
+        meta = ckpt.load(path, tensors)
+        for optimizer, loaded in zip(self.optimizers, tensors.get("optimizer_states", [])):
+            ckpt.load_optimizer_state_by_name(optimizer, self._parameter_names(optimizer), loaded)
+        return meta
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # `load_checkpoint` already filled the parameters in place
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pass  # likewise
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            path = Path(filepath)
+            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+
+    def _parameter_names(self, optimizer: Any) -> dict[int, str]:
+        names = ckpt.parameter_names(self.lightning_module)
+        sharded = self._sharded_states.get(id(optimizer))
+        if sharded is not None:  # ZeRO-1: the optimizer steps slices of the parameters
+            names.update({id(piece): names[id(param)] for param, piece in sharded.pairs})
+        return names
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes this rank holds in parameters, gradients and optimizer states (see `strategies.memory`)."""
+        return memory_by_component(self.lightning_module, self.optimizers)
+
+    def teardown(self) -> None:
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+
+def _follows_plan(module: LightningModule) -> bool:
+    network = getattr(module, "model", None)
+    return hasattr(module, "tensor_parallel_plan") and isinstance(getattr(network, "blocks", None), nn.ModuleDict)
+
+
+class _CheckingLauncher(_SubprocessScriptLauncher):
+    """Lightning's script launcher, but the configuration is checked before any child process starts."""
+
+    def __init__(self, strategy: Parallel3DStrategy) -> None:
+        super().__init__(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
+        self._strategy = strategy
+
+    def launch(self, function: Any, *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
+        self._strategy.check_configuration()
+        os.environ[_LAUNCHER_PID] = str(os.getpid())  # children watch this process (see below)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+
+def _exit_when_launcher_dies() -> None:
+    """In a process our launcher started: exit if the launcher (rank 0) dies, rather than wait in a collective.
+
+    Lightning already ends every rank when a child fails; this covers the other direction.
+    """
+    launcher = os.environ.get(_LAUNCHER_PID)
+    if launcher is None or int(launcher) == os.getpid() or os.getppid() != int(launcher):
+        return
+
+    def watch() -> None:
+        while os.getppid() == int(launcher):
+            time.sleep(1.0)
+        log.error(f"rank 0 (pid {launcher}) has exited; ending this rank (pid {os.getpid()})")
+        os._exit(1)
+
+    threading.Thread(target=watch, name="lit3d-launcher-watch", daemon=True).start()

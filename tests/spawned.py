@@ -1,0 +1,112 @@
+"""Run several training jobs in one group of spawned CPU ranks (gloo), and collect what each logged.
+
+Starting Python processes is the slow part on a small machine, so one spawn serves every job of a world
+size: each job is a fresh model, datamodule and Trainer over the same process group, one after another.
+
+A job is a dict: ``model`` (GPT kwargs, ``config`` as a dict), ``data`` (TextDataModule kwargs), ``trainer``
+(Trainer kwargs), ``strategy`` (Parallel3DStrategy kwargs; absent = a single-process run), and probes:
+``plain_loader`` (feed a plain shuffled DataLoader, so Lightning must inject the sampler) and ``count_comms``
+(count collectives per training batch).
+"""
+
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.multiprocessing as mp
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader
+
+from helpers import logged
+from lit3d import GPT, GPTConfig
+from lit3d.data import TextDataModule
+from strategies import Parallel3DStrategy
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_jobs(world: int, jobs: dict[str, dict[str, Any]], out_dir: Path) -> dict[str, dict]:
+    """Run ``jobs`` on ``world`` spawned ranks; per job: rank 0's result plus ``ranks`` (every rank's probes)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    mp.start_processes(_worker, args=(world, free_port(), jobs, str(out_dir)), nprocs=world, start_method="spawn")
+    results = {}
+    for name in jobs:
+        ranks = [json.loads((out_dir / name / f"rank{r}.json").read_text()) for r in range(world)]
+        results[name] = {**ranks[0], "ranks": ranks}
+    return results
+
+
+def _worker(rank: int, world: int, port: int, jobs: dict, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      NODE_RANK="0", HF_DATASETS_DISABLE_PROGRESS_BARS="1")
+    torch.set_num_threads(1)
+    for name, job in jobs.items():
+        result = run_job(job, Path(out_dir) / name, devices=world)
+        (Path(out_dir) / name / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def run_job(job: dict, job_dir: Path, devices: int = 1) -> dict:
+    L.seed_everything(job.get("seed", 1234))
+    model_kwargs = dict(job.get("model", {}))
+    model = GPT(GPTConfig(**model_kwargs.pop("config")), **model_kwargs)
+    data = (PlainLoaderData if job.get("plain_loader") else TextDataModule)(**job["data"])
+    strategy = Parallel3DStrategy(**job["strategy"]) if "strategy" in job else "auto"
+    probe = Probe(count_comms=job.get("count_comms", False))
+    logger = CSVLogger(str(job_dir), name="log", version=0)
+    options = dict(accelerator="cpu", devices=devices if "strategy" in job else 1, strategy=strategy, logger=logger,
+                   log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
+                   enable_model_summary=False, num_sanity_val_steps=0, callbacks=[probe])
+    trainer = L.Trainer(**{**options, **job.get("trainer", {})})
+    trainer.fit(model, data)
+    result = {"memory": probe.memory, "sampler": probe.sampler, "comms": probe.comms}
+    if trainer.is_global_zero:
+        log_dir = Path(logger.log_dir)
+        result["losses"] = logged(log_dir, "train_loss")
+        result["val_loss"] = logged(log_dir, "val_loss")
+    return result
+
+
+class Probe(Callback):
+    """Records the last step's memory report, the training sampler's replica settings and collectives per batch."""
+
+    def __init__(self, count_comms: bool = False) -> None:
+        self.count_comms, self.memory, self.sampler, self.comms = count_comms, {}, {}, []
+        self._mode = None
+
+    def on_train_start(self, trainer, pl_module):
+        sampler = trainer.train_dataloader.sampler
+        self.sampler = {"type": type(sampler).__name__, "num_replicas": getattr(sampler, "num_replicas", None),
+                        "rank": getattr(sampler, "rank", None)}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.count_comms:
+            from torch.distributed.tensor.debug import CommDebugMode
+
+            self._mode = CommDebugMode()
+            self._mode.__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self.comms.append({str(op): n for op, n in self._mode.get_comm_counts().items()})
+            self._mode = None
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step == trainer.max_steps - 1 and hasattr(trainer.strategy, "memory_report"):
+            self.memory = trainer.strategy.memory_report()
+
+
+class PlainLoaderData(TextDataModule):
+    """The same blocks behind a plain shuffled DataLoader: Lightning itself must add the distributed sampler."""
+
+    def train_dataloader(self):
+        return DataLoader(self.train_set, batch_size=self.micro_batch_size(), shuffle=True, drop_last=True)

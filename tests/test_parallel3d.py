@@ -1,0 +1,85 @@
+"""The 3D strategy without pipeline parallelism: every layout trains exactly like one process (fp32)."""
+
+import math
+
+import pytest
+import torch
+
+from conftest import LAYOUTS, SMALL_GPT
+from lit3d import GPTConfig
+
+FP32_LAYOUTS = [n for n, (_, job) in LAYOUTS.items() if "precision" not in job.get("trainer", {})
+                and not job.get("plain_loader") and not job.get("count_comms")]
+
+
+def relative_difference(losses, reference):
+    return max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
+
+
+@pytest.mark.parametrize("layout", FP32_LAYOUTS)
+def test_layout_matches_the_single_process_loss_curve(layout, layout_runs, reference_run):
+    losses, reference = layout_runs[layout]["losses"], reference_run["losses"]
+    assert len(reference) == 8 and len(losses) == 8
+    assert reference[-1] < reference[0] - 1.0  # it is learning, so the curves are worth comparing
+    assert relative_difference(losses, reference) <= 1e-5
+
+
+@pytest.mark.parametrize("layout", [n for n in LAYOUTS if "bf16" in n])
+def test_bf16_trains_at_every_zero_stage(layout, layout_runs, reference_run):
+    losses = layout_runs[layout]["losses"]
+    assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
+    assert relative_difference(losses, reference_run["losses"][:4]) < 0.05
+
+
+def test_no_gradient_sync_on_micro_steps_before_the_last(layout_runs):
+    comms = layout_runs["dp2_zero0_accumulate2_comms"]["comms"]  # per training batch: 2 steps x 2 micro-steps
+    assert len(comms) == 4
+    for first, last in (comms[0:2], comms[2:4]):
+        assert first == {}, f"collectives on a non-final micro-step: {first}"
+        # The last micro-step all-reduces the gradients (one bucket: the whole network) and the logged loss.
+        assert last == {"c10d.allreduce_": 2}
+
+
+def test_train_loss_is_logged_once_per_step_with_the_global_mean(layout_runs, reference_run):
+    # One row per optimizer step, and the value is the whole global batch's mean: it equals the reference.
+    run = layout_runs["dp2_zero3_accumulate2"]
+    assert len(run["losses"]) == 8
+    assert relative_difference(run["losses"], reference_run["losses"]) <= 1e-5
+
+
+def test_lightning_injects_a_sampler_over_the_data_parallel_ranks_only(layout_runs):
+    ranks = layout_runs["dp2_tp2_plain_loader"]["ranks"]
+    assert [r["sampler"]["type"] for r in ranks] == ["DistributedSampler"] * 4
+    # TP-innermost: ranks 0,1 are replica 0 and ranks 2,3 replica 1 (never the global rank).
+    assert [(r["sampler"]["num_replicas"], r["sampler"]["rank"]) for r in ranks] == [(2, 0), (2, 0), (2, 1), (2, 1)]
+
+
+def test_memory_per_rank_follows_the_zero_formula(layout_runs):
+    config = GPTConfig(**SMALL_GPT)
+    names_and_sizes = _parameter_sizes(config)
+    full = 4 * sum(names_and_sizes.values())  # fp32 bytes of the whole model
+    steps = 4 * len(names_and_sizes)  # AdamW keeps one fp32 step counter per tensor
+    expected = {  # (params, grads, optimizer) on each of 2 data-parallel ranks
+        0: (full, full, 2 * full + steps),
+        1: (full, full, full + steps),  # exp_avg and exp_avg_sq of half of every tensor
+        2: (full // 2, full // 2, full + steps),
+        3: (full // 2, full // 2, full + steps),
+    }
+    for stage, (params, grads, optimizer) in expected.items():
+        for report in layout_runs[f"dp2_zero{stage}"]["ranks"]:
+            assert (report["memory"]["params"], report["memory"]["grads"], report["memory"]["optimizer"]) == \
+                   (params, grads, optimizer), f"zero_stage={stage}"
+    # ZeRO-1 over DP=2 holds half the optimizer state of ZeRO-0 (but for the step counters).
+    z0, z1 = (layout_runs[f"dp2_zero{s}"]["memory"]["optimizer"] - steps for s in (0, 1))
+    assert z1 * 2 == z0
+    # Tensor parallel: matrices split in two, norms replicated.
+    norms = 4 * sum(v for k, v in names_and_sizes.items() if "norm" in k)
+    tp = layout_runs["tp2"]["memory"]
+    assert tp["params"] == tp["grads"] == (full - norms) // 2 + norms
+
+
+def _parameter_sizes(config):
+    from lit3d.model import Transformer
+
+    with torch.device("meta"):
+        return {name: p.numel() for name, p in Transformer(config).named_parameters()}
