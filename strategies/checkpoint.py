@@ -17,6 +17,7 @@ or kill during a save leaves the previous checkpoint untouched.
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,25 +31,30 @@ META_FILE = "meta.pt"
 PARTIAL_SUFFIX = ".partial"
 
 
-def optimizer_state_by_name(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, Any]:
-    """The optimizer's state keyed by parameter name instead of position (``names``: id(tensor) → name)."""
+def optimizer_state_by_name(optimizer: torch.optim.Optimizer, names: dict[int, str],
+                            as_global: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> dict[str, Any]:
+    """The optimizer's state keyed by parameter name instead of position.
+
+    ``names`` maps id(optimizer tensor) to its parameter's name; ``as_global(tensor, state)`` may re-express a
+    state tensor in global coordinates (a DTensor sharing its storage). Loading into the returned dict in place
+    loads the optimizer.
+    """
+    as_global = as_global or (lambda tensor, state: state)
     state, groups = {}, []
     for group in optimizer.param_groups:
         keys = [names[id(p)] for p in group["params"]]
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": keys})
         for key, param in zip(keys, group["params"]):
             if param in optimizer.state:
-                state[key] = dict(optimizer.state[param])
+                state[key] = {k: as_global(param, v) if isinstance(v, torch.Tensor) else v
+                              for k, v in optimizer.state[param].items()}
     return {"state": state, "param_groups": groups}
 
 
-def load_optimizer_state_by_name(optimizer: torch.optim.Optimizer, names: dict[int, str], loaded: dict[str, Any]) -> None:
-    """Inverse of `optimizer_state_by_name` (the tensors of ``loaded`` become the optimizer's state)."""
-    by_name = {names[id(p)]: p for group in optimizer.param_groups for p in group["params"]}
+def restore_param_groups(optimizer: torch.optim.Optimizer, loaded: dict[str, Any]) -> None:
+    """After an in-place load of `optimizer_state_by_name`'s dict: the hyper-parameters (lr, betas, ...)."""
     for group, saved in zip(optimizer.param_groups, loaded["param_groups"]):
         group.update({k: v for k, v in saved.items() if k != "params"})
-    for key, value in loaded["state"].items():
-        optimizer.state[by_name[key]] = value
 
 
 @torch.no_grad()

@@ -53,7 +53,7 @@ from strategies.grad_norm import clip_grad_norm_
 from strategies.layout import SCHEDULES, Layout, check_model_fits_layout, check_sizes, resolve_layout
 from strategies.memory import memory_by_component
 from strategies.tensor_parallel import apply_tensor_parallel, check_plan, lay_out_grads_like_params
-from strategies.zero import ShardedOptimizerStates, apply_data_parallel
+from strategies.zero import ELEMENTWISE_OPTIMIZERS, LocalShardOptimizer, apply_data_parallel
 
 log = logging.getLogger(__name__)
 _LAUNCHER_PID = "LIT3D_LAUNCHER_PID"
@@ -122,7 +122,7 @@ class Parallel3DStrategy(ParallelStrategy):
         self._timeout = timeout
         self._layout: Layout | None = None
         self._device_mesh: DeviceMesh | None = None
-        self._sharded_states: dict[int, ShardedOptimizerStates] = {}
+        self._local_optimizers: dict[int, LocalShardOptimizer] = {}
         self.num_nodes = 1
 
     # ------------------------------------------------------------------ where things run
@@ -274,22 +274,25 @@ class Parallel3DStrategy(ParallelStrategy):
     def setup_optimizers(self, trainer: Trainer) -> None:
         self._reset_optimizers_and_schedulers()  # a second setup (e.g. fit after fit) re-wraps the model
         super().setup_optimizers(trainer)
-        self._sharded_states = {}
-        if self.zero_stage == 1 and self.layout.dp > 1:
-            self._sharded_states = {id(opt): ShardedOptimizerStates(opt) for opt in self.optimizers}
+        zero1 = self.zero_stage == 1 and self.layout.dp > 1
+        self._local_optimizers = {
+            id(opt): LocalShardOptimizer(opt, zero1)
+            for opt in self.optimizers
+            if zero1 or (isinstance(opt, ELEMENTWISE_OPTIMIZERS) and _has_dtensor_params(opt))
+        }
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        sharded = self._sharded_states.get(id(optimizer))
-        if sharded is None:
+        local = self._local_optimizers.get(id(optimizer))
+        if local is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
 
         def closure_then_scatter() -> Any:  # Lightning's closure: forward, backward (gradient clipping follows)
             result = closure()
-            sharded.scatter_grads()
+            local.scatter_grads()
             return result
 
         result = super().optimizer_step(optimizer, closure_then_scatter, model, **kwargs)
-        sharded.gather_params()
+        local.gather_params()
         return result
 
     # ------------------------------------------------------------------ a training step
@@ -356,7 +359,13 @@ class Parallel3DStrategy(ParallelStrategy):
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap a LightningOptimizer
-        return ckpt.optimizer_state_by_name(optimizer, self._parameter_names(optimizer))
+        names = ckpt.parameter_names(self.lightning_module)
+        local = self._local_optimizers.get(id(optimizer))
+        if local is None:
+            return ckpt.optimizer_state_by_name(optimizer, names)
+        # Name each view after its parameter, and give its states their place in the global tensor.
+        names.update({id(e.view): names[id(e.param)] for e in local.entries})
+        return ckpt.optimizer_state_by_name(optimizer, names, local.as_global)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         if storage_options is not None:
@@ -373,9 +382,9 @@ class Parallel3DStrategy(ParallelStrategy):
             for optimizer in self.optimizers:
                 ckpt.init_optimizer_state(optimizer)
             tensors["optimizer_states"] = [self.optimizer_state(opt) for opt in self.optimizers]
-        meta = ckpt.load(path, tensors)
+        meta = ckpt.load(path, tensors)  # tensors were loaded in place; hyper-parameters come back as values
         for optimizer, loaded in zip(self.optimizers, tensors.get("optimizer_states", [])):
-            ckpt.load_optimizer_state_by_name(optimizer, self._parameter_names(optimizer), loaded)
+            ckpt.restore_param_groups(optimizer, loaded)
         return meta
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
@@ -389,13 +398,6 @@ class Parallel3DStrategy(ParallelStrategy):
             path = Path(filepath)
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
 
-    def _parameter_names(self, optimizer: Any) -> dict[int, str]:
-        names = ckpt.parameter_names(self.lightning_module)
-        sharded = self._sharded_states.get(id(optimizer))
-        if sharded is not None:  # ZeRO-1: the optimizer steps slices of the parameters
-            names.update({id(piece): names[id(param)] for param, piece in sharded.pairs})
-        return names
-
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds in parameters, gradients and optimizer states (see `strategies.memory`)."""
         return memory_by_component(self.lightning_module, self.optimizers)
@@ -405,6 +407,12 @@ class Parallel3DStrategy(ParallelStrategy):
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
+
+
+def _has_dtensor_params(optimizer: torch.optim.Optimizer) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for group in optimizer.param_groups for p in group["params"])
 
 
 def _follows_plan(module: LightningModule) -> bool:

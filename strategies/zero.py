@@ -4,7 +4,7 @@
 zero_stage  parameters          gradients           optimizer states             built from
 ==========  ==================  ==================  ===========================  =====================
 0           replicated          all-reduced         replicated                   ``replicate``
-1           replicated          all-reduced         sharded (1/D)                ``replicate`` + `ShardedOptimizerStates`
+1           replicated          all-reduced         sharded (1/D)                ``replicate`` + `LocalShardOptimizer`
 2           gathered once/step  reduce-scattered    sharded                      ``fully_shard(reshard_after_forward=False)``
 3           gathered per block  reduce-scattered    sharded                      ``fully_shard``
 ==========  ==================  ==================  ===========================  =====================
@@ -32,6 +32,9 @@ def apply_data_parallel(network: nn.Module, blocks: list[nn.Module], dp_mesh: De
     if zero_stage <= 1:
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
+        # One gradient all-reduce per block, issued as soon as backward is done with it (overlaps the rest).
+        for block in blocks:
+            replicate(block, mesh=dp_mesh, mp_policy=mp_policy)
         replicate(network, mesh=dp_mesh, mp_policy=mp_policy)
         return
     reshard = zero_stage == 3
@@ -42,63 +45,151 @@ def apply_data_parallel(network: nn.Module, blocks: list[nn.Module], dp_mesh: De
     fully_shard(network, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy)
 
 
-class ShardedOptimizerStates:
-    """ZeRO-1 for one optimizer: each DP rank keeps the optimizer states of 1/D of every parameter.
+ELEMENTWISE_OPTIMIZERS = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
 
-    The optimizer's parameters are swapped for DTensor views of this rank's slice of each (replicated)
-    parameter, split along a tensor dim that tensor parallelism leaves whole; its states are therefore 1/D
-    the size, and keyed by tensors whose global shapes equal the parameters' (checkpoints stay layout-free).
-    Around each step, `scatter_grads` hands the optimizer its slice of the all-reduced gradient (a view, no
-    copy), the step updates the slices in place, and `gather_params` replicates them over DP again (a DTensor
-    redistribute: an all-gather per parameter). Create it before the optimizer's first step.
+
+class LocalShardOptimizer:
+    """Runs an elementwise optimizer on plain local tensors: each parameter's shard on this rank, and with
+    ZeRO-1 only this DP rank's slice of it.
+
+    AdamW and its kind update every element on its own, so stepping a shard computes exactly what stepping
+    the whole tensor would, without DTensor's per-operation dispatch (on small models that costs more than the
+    arithmetic). The optimizer's parameters are swapped for views of the shards (no copy): a step updates the
+    model in place. Around each step, `scatter_grads` hands the optimizer the matching views of the gradients
+    and `gather_params` (ZeRO-1 only) replicates the updated slices over DP again, with a DTensor redistribute
+    (an all-gather per parameter). Create it before the optimizer's first step.
+
+    ZeRO-1 splits each replicated parameter along a tensor dim that tensor parallelism leaves whole, so the
+    optimizer states are 1/D the size; `state_layout` gives their place in the global tensor for checkpoints.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, dp_dim: str = "dp") -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, zero1: bool, dp_dim: str = "dp") -> None:
+        if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
+            raise TypeError(
+                f"{type(optimizer).__name__} is not one of the elementwise optimizers "
+                f"({', '.join(o.__name__ for o in ELEMENTWISE_OPTIMIZERS)}) that ZeRO-1 can shard; use zero_stage 0, 2 or 3"
+            )
         if optimizer.state:
-            raise RuntimeError("ZeRO-1 sharding must be set up before the optimizer's first step")
-        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (model parameter, the optimizer's slice)
+            raise RuntimeError("the optimizer's parameters must be swapped before its first step")
+        self.zero1, self.dp_dim = zero1, dp_dim
+        self.entries: list[_Entry] = []
         for group in optimizer.param_groups:
-            slices = [_dp_slice(param, dp_dim) for param in group["params"]]
-            self.pairs += zip(group["params"], slices)
-            group["params"] = slices
+            entries = [self._entry(p) for p in group["params"]]
+            self.entries += entries
+            group["params"] = [e.view for e in entries]
+        self._by_view = {id(e.view): e for e in self.entries}
+        self._buckets = _buckets([e for e in self.entries if e.split is not None])
+
+    def _entry(self, param: torch.Tensor) -> _Entry:
+        if not isinstance(param, DTensor):
+            return _Entry(param, param, None, None)
+        placements, split = list(param.placements), None
+        if self.zero1:
+            mesh_dim = param.device_mesh.mesh_dim_names.index(self.dp_dim)
+            if not isinstance(placements[mesh_dim], Replicate):
+                raise TypeError(f"ZeRO-1 expects parameters replicated over {self.dp_dim!r}, got {param.placements}")
+            taken = {p.dim for p in placements if isinstance(p, Shard)}
+            dim = next((d for d in range(param.ndim) if d not in taken), None)
+            if dim is None:
+                raise ValueError(f"no dim of a {tuple(param.shape)} parameter is free for ZeRO-1 sharding")
+            placements[mesh_dim], split = Shard(dim), (mesh_dim, dim)
+        entry = _Entry(param, None, tuple(placements), split)
+        entry.view = nn.Parameter(entry.local(param).detach(), requires_grad=param.requires_grad)
+        return entry
 
     def scatter_grads(self) -> None:
-        for param, piece in self.pairs:
-            piece.grad = None if param.grad is None else _slice_like(param.grad, piece)
+        for e in self.entries:
+            if e.view is not e.param:
+                e.view.grad = None if e.param.grad is None else e.local(e.param.grad)
 
     @torch.no_grad()
     def gather_params(self) -> None:
-        for param, piece in self.pairs:
-            param.to_local().copy_(piece.redistribute(placements=param.placements).to_local())
-            # The model's gradients are the ones backward accumulates into: the step has consumed them.
-            param.grad = piece.grad = None
+        if self.zero1:
+            for bucket in self._buckets:
+                _all_gather_slices(bucket)
+        for e in self.entries:
+            if e.view is not e.param:
+                # The model's gradients are what backward accumulates into; the step has consumed them.
+                e.param.grad = e.view.grad = None
+
+    def as_global(self, view: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """A state tensor of ``view`` (exp_avg, ...) as a DTensor placed in the parameter's global shape, sharing
+        its storage; scalars (the step count) stay as they are. For checkpoints that any layout can read."""
+        entry = self._by_view[id(view)]
+        if entry.placements is None or state.shape != view.shape:
+            return state
+        param = entry.param
+        return DTensor.from_local(state, param.device_mesh, entry.placements, run_check=False, shape=param.shape,
+                                  stride=param.stride())
 
 
-def _dp_slice(param: torch.Tensor, dp_dim: str) -> torch.Tensor:
-    """A DTensor viewing this DP rank's slice of a parameter replicated over ``dp_dim``."""
-    if not isinstance(param, DTensor) or dp_dim not in (param.device_mesh.mesh_dim_names or ()):
-        raise TypeError("ZeRO-1 expects parameters made data parallel (DTensors replicated over the DP mesh dim)")
-    mesh, placements = param.device_mesh, list(param.placements)
-    mesh_dim = mesh.mesh_dim_names.index(dp_dim)
-    if not isinstance(placements[mesh_dim], Replicate):
-        raise TypeError(f"ZeRO-1 expects parameters replicated over {dp_dim!r}, got {param.placements}")
-    taken = {p.dim for p in placements if isinstance(p, Shard)}
-    split_dim = next((d for d in range(param.ndim) if d not in taken), None)
-    if split_dim is None:
-        raise ValueError(f"no tensor dim of a {tuple(param.shape)} parameter is free for ZeRO-1 sharding")
-    placements[mesh_dim] = Shard(split_dim)
-    with torch.no_grad():
-        view = _rank_chunk(param.to_local(), split_dim, mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim))
-        shard = DTensor.from_local(view, mesh, placements, run_check=False, shape=param.shape, stride=param.stride())
-    return nn.Parameter(shard, requires_grad=param.requires_grad)
+class _Entry:
+    """One parameter: the model's (DTensor) parameter and the plain view the optimizer steps."""
+
+    def __init__(self, param: torch.Tensor, view: torch.Tensor | None, placements: Any, split: Any) -> None:
+        self.param, self.view, self.placements, self.split = param, view, placements, split
+
+    def slices(self) -> list[tuple[int, int]]:
+        """(start, length) along the split dim of each DP rank's slice (torch.chunk's split, as DTensor's)."""
+        mesh_dim, dim = self.split
+        size, parts = self.param.to_local().shape[dim], self.param.device_mesh.size(mesh_dim)
+        step = -(-size // parts)
+        return [(min(r * step, size), max(0, min(step, size - r * step))) for r in range(parts)]
+
+    def local(self, tensor: DTensor) -> torch.Tensor:
+        """This rank's part of ``tensor`` (the parameter or its gradient) that the optimizer steps, as a view."""
+        local = tensor.to_local()
+        if self.split is None:
+            return local
+        mesh_dim, dim = self.split
+        mesh = tensor.device_mesh
+        return _rank_chunk(local, dim, mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim))
 
 
-def _slice_like(grad: DTensor, piece: DTensor) -> DTensor:
-    """The gradient's slice matching ``piece`` (a view, no copy)."""
-    mesh_dim = next(i for i, (g, p) in enumerate(zip(grad.placements, piece.placements)) if g != p)
-    mesh, split_dim = piece.device_mesh, piece.placements[mesh_dim].dim
-    view = _rank_chunk(grad.to_local(), split_dim, mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim))
-    return DTensor.from_local(view, mesh, piece.placements, run_check=False, shape=piece.shape, stride=piece.stride())
+BUCKET_ELEMENTS = 50_000_000  # one all-gather gathers at most this many elements per rank
+
+
+def _buckets(entries: list[_Entry]) -> list[list[_Entry]]:
+    """ZeRO-1 entries in groups gathered by one collective each: same process group and dtype, bounded size."""
+    buckets: dict[tuple, list[list[_Entry]]] = {}
+    for e in entries:
+        key = (e.param.device_mesh.get_group(e.split[0]), e.view.dtype)
+        groups = buckets.setdefault(key, [[]])
+        if groups[-1] and sum(_slice_numel(x) for x in groups[-1]) + _slice_numel(e) > BUCKET_ELEMENTS:
+            groups.append([])
+        groups[-1].append(e)
+    return [bucket for groups in buckets.values() for bucket in groups]
+
+
+def _slice_numel(e: _Entry) -> int:
+    """Elements of the largest DP slice of the entry's parameter (what each rank contributes, padded)."""
+    local, dim = e.param.to_local(), e.split[1]
+    return local.numel() // max(1, local.shape[dim]) * max(length for _, length in e.slices())
+
+
+def _all_gather_slices(bucket: list[_Entry]) -> None:
+    """Replicate the updated ZeRO-1 slices of a bucket of parameters over DP with one all-gather.
+
+    Every rank packs its slices into one flat buffer (each padded to the largest slice), all ranks' buffers
+    are gathered, and each slice is copied back into its place in the parameter.
+    """
+    mesh_dim = bucket[0].split[0]
+    mesh = bucket[0].param.device_mesh
+    group, ranks, me = mesh.get_group(mesh_dim), mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim)
+    sizes = [_slice_numel(e) for e in bucket]
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    send = bucket[0].view.new_zeros(sum(sizes))
+    for e, offset in zip(bucket, offsets):
+        send[offset: offset + e.view.numel()].copy_(e.view.reshape(-1))
+    received = send.new_empty(ranks * sum(sizes))
+    torch.distributed.all_gather_into_tensor(received, send, group=group)
+    received = received.view(ranks, sum(sizes))
+    for e, offset in zip(bucket, offsets):
+        local, dim = e.param.to_local(), e.split[1]
+        for rank, (start, length) in enumerate(e.slices()):
+            if rank != me and length:
+                target = local.narrow(dim, start, length)
+                target.copy_(received[rank, offset: offset + target.numel()].view(target.shape))
 
 
 def _rank_chunk(tensor: torch.Tensor, dim: int, parts: int, index: int) -> torch.Tensor:
