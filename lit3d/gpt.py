@@ -89,7 +89,10 @@ class GPT(L.LightningModule):
                 self.configure_model()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Token ids ``[batch, seq]`` → logits ``[batch, seq, vocab_size]`` (full, also under tensor parallel)."""
+        """Token ids ``[batch, seq]`` → logits ``[batch, seq, vocab_size]`` (full, on every rank, whatever the layout)."""
+        pipeline = self._pipeline()
+        if pipeline is not None:
+            return pipeline.forward(tokens, self.config.vocab_size)
         self._build_on(tokens.device)
         logits = self.model(tokens)
         if hasattr(logits, "full_tensor"):  # vocabulary-sharded DTensor
@@ -99,8 +102,18 @@ class GPT(L.LightningModule):
     def loss(self, batch: Any) -> torch.Tensor:
         """Mean next-token cross-entropy of a batch of ``seq_len + 1`` blocks."""
         tokens = batch["input_ids"] if isinstance(batch, dict) else batch
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        pipeline = self._pipeline()
+        if pipeline is not None:  # the depth is split over ranks: the strategy runs the whole pipeline, and
+            # in training also its backward (micro-batch by micro-batch), so Lightning has none left to do
+            return pipeline.loss(inputs, targets, cross_entropy, self.trainer.accumulate_grad_batches)
         self._build_on(tokens.device)
-        return cross_entropy(self.model(tokens[:, :-1]), tokens[:, 1:])
+        return cross_entropy(self.model(inputs), targets)
+
+    def _pipeline(self) -> Any:
+        """The strategy's pipeline runner, when the model is split into pipeline stages."""
+        trainer = self._trainer
+        return getattr(trainer.strategy, "pipeline", None) if trainer is not None else None
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
@@ -214,22 +216,44 @@ def _copy_full(target: torch.Tensor, full: torch.Tensor) -> None:
     target.copy_(full)
 
 
+_loss_parallel_depth = 0
+
+
+@contextmanager
+def loss_parallel_scope() -> Iterator[None]:
+    """DTensor's `loss_parallel`, but safe to nest (a pipeline schedule computes the loss inside its step)."""
+    global _loss_parallel_depth
+    if _loss_parallel_depth:
+        _loss_parallel_depth += 1
+        try:
+            yield
+        finally:
+            _loss_parallel_depth -= 1
+        return
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    with loss_parallel():
+        _loss_parallel_depth = 1
+        try:
+            yield
+        finally:
+            _loss_parallel_depth = 0
+
+
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy in fp32.
 
     Logits sharded over the vocabulary (a DTensor from a vocabulary-parallel head) are reduced with
     DTensor's parallel loss, which never gathers the full logits; the caller's backward must then run
-    under `torch.distributed.tensor.parallel.loss_parallel` too (the strategy does this).
+    under `loss_parallel_scope` too (the strategy does this).
     """
     logits, targets = logits.flatten(0, 1).float(), targets.flatten()
     from torch.distributed.tensor import DTensor, Replicate
 
     if isinstance(logits, DTensor):
-        from torch.distributed.tensor.parallel import loss_parallel
-
         # The targets go in as a DTensor too: backward saves them, and must not mix plain and distributed tensors.
         targets = DTensor.from_local(targets, logits.device_mesh, [Replicate()] * logits.device_mesh.ndim)
-        with loss_parallel():
+        with loss_parallel_scope():
             loss = F.cross_entropy(logits, targets)
         return loss.to_local()
     return F.cross_entropy(logits, targets)

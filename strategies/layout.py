@@ -116,3 +116,51 @@ def check_model_fits_layout(config: Any, layout: Layout) -> None:
         if value is not None and value % tp:
             hint = " (raise pad_vocab_multiple)" if field == "padded_vocab_size" else ""
             raise ValueError(f"tensor_parallel_size={tp} does not divide {field}={value}{hint}")
+
+
+def check_pipeline_arguments(pp: int, schedule: str, microbatches: int | None, virtual: int | None) -> None:
+    """Schedule, micro-batch and virtual-stage settings that no model could satisfy."""
+    if virtual is not None and (not isinstance(virtual, int) or virtual < 1):
+        raise ValueError(f"virtual_pipeline_size={virtual!r} must be a positive integer")
+    if microbatches is not None and (not isinstance(microbatches, int) or microbatches < 1):
+        raise ValueError(f"num_microbatches={microbatches!r} must be a positive integer")
+    v = virtual or 1
+    if v > 1 and schedule in ("gpipe", "1f1b"):
+        raise ValueError(f"virtual_pipeline_size={v} needs pipeline_schedule='interleaved_1f1b' or 'zero_bubble', "
+                         f"not {schedule!r}")
+    if microbatches is not None:
+        problem = microbatch_problem(pp, schedule, microbatches)
+        if problem:
+            raise ValueError(problem)
+
+
+def microbatch_problem(pp: int, schedule: str, m: int) -> str | None:
+    """Why ``m`` micro-batches cannot run ``schedule`` on ``pp`` stages (None if they can)."""
+    if pp > 1 and schedule == "1f1b" and m < pp:
+        return f"pipeline_schedule='1f1b' needs num_microbatches >= pipeline_parallel_size={pp}, got {m}"
+    if pp > 1 and schedule in ("interleaved_1f1b", "zero_bubble") and m % max(1, m // pp):
+        return (f"pipeline_schedule={schedule!r} needs num_microbatches={m} to be a multiple of "
+                f"pipeline_parallel_size={pp} (or at most it)")
+    return None
+
+
+def default_microbatches(per_replica_batch: int, pp: int, virtual: int, schedule: str) -> int:
+    """The most micro-batches up to ``2 · pp · virtual`` that divide the per-replica batch and suit the schedule."""
+    for m in range(min(2 * pp * virtual, per_replica_batch), 0, -1):
+        if per_replica_batch % m == 0 and microbatch_problem(pp, schedule, m) is None:
+            return m
+    raise ValueError(f"a per-replica batch of {per_replica_batch} sequences is too small for "
+                     f"pipeline_schedule={schedule!r} over pipeline_parallel_size={pp}; raise global_batch_size")
+
+
+def check_model_fits_pipeline(config: Any, pp: int, virtual: int) -> None:
+    """Every pipeline chunk needs a block of its own, and a tied embedding cannot span stages."""
+    chunks = pp * virtual
+    if chunks > config.n_layer:
+        raise ValueError(
+            f"pipeline_parallel_size={pp} x virtual_pipeline_size={virtual} = {chunks} stages, but the model has "
+            f"only n_layer={config.n_layer} blocks"
+        )
+    if pp > 1 and getattr(config, "tie_embeddings", False):
+        raise ValueError("tie_embeddings=True with pipeline_parallel_size > 1 is not supported: the embedding and "
+                         "the head live on different stages; untie them or use pipeline_parallel_size=1")

@@ -48,10 +48,21 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from lit3d.model import loss_parallel_scope
 from strategies import checkpoint as ckpt
 from strategies.grad_norm import clip_grad_norm_
-from strategies.layout import SCHEDULES, Layout, check_model_fits_layout, check_sizes, resolve_layout
+from strategies.layout import (
+    SCHEDULES,
+    Layout,
+    check_model_fits_layout,
+    check_model_fits_pipeline,
+    check_pipeline_arguments,
+    check_sizes,
+    default_microbatches,
+    resolve_layout,
+)
 from strategies.memory import memory_by_component
+from strategies.pipeline import Pipeline, bubble_theory, split_into_stages
 from strategies.tensor_parallel import apply_tensor_parallel, check_plan, lay_out_grads_like_params
 from strategies.zero import ELEMENTWISE_OPTIMIZERS, LocalShardOptimizer, apply_data_parallel
 
@@ -108,14 +119,14 @@ class Parallel3DStrategy(ParallelStrategy):
             raise ValueError(f"pipeline_schedule={pipeline_schedule!r} is not one of {', '.join(SCHEDULES)}")
         if sequence_parallel and tensor_parallel_size == 1:
             rank_zero_warn("sequence_parallel=True does nothing with tensor_parallel_size=1")
-        if pipeline_parallel_size > 1:
-            raise NotImplementedError("pipeline_parallel_size > 1 is not available yet")
+        check_pipeline_arguments(pipeline_parallel_size, pipeline_schedule, num_microbatches, virtual_pipeline_size)
         self._sizes = (data_parallel_size, tensor_parallel_size, pipeline_parallel_size)
         self.zero_stage = zero_stage
         self.sequence_parallel = sequence_parallel and tensor_parallel_size > 1
         self.pipeline_schedule = pipeline_schedule
-        self.num_microbatches = num_microbatches
-        self.virtual_pipeline_size = virtual_pipeline_size
+        self._num_microbatches = num_microbatches  # None: chosen from the per-replica batch (see check_configuration)
+        self.num_microbatches = num_microbatches or 2 * pipeline_parallel_size * (virtual_pipeline_size or 1)
+        self.virtual_pipeline_size = virtual_pipeline_size or 1
         self.activation_checkpointing = activation_checkpointing
         self.compile = compile
         self._process_group_backend = process_group_backend
@@ -123,6 +134,7 @@ class Parallel3DStrategy(ParallelStrategy):
         self._layout: Layout | None = None
         self._device_mesh: DeviceMesh | None = None
         self._local_optimizers: dict[int, LocalShardOptimizer] = {}
+        self.pipeline: Pipeline | None = None  # this rank's stages and schedule, when pipeline_parallel_size > 1
         self.num_nodes = 1
 
     # ------------------------------------------------------------------ where things run
@@ -175,9 +187,24 @@ class Parallel3DStrategy(ParallelStrategy):
     def check_configuration(self) -> None:
         """Refuse a bad layout or a model it cannot split, before any process group exists."""
         layout = self.layout
-        config = getattr(self.lightning_module, "config", None)
+        module = self.lightning_module
+        config = getattr(module, "config", None)
         if config is not None:
             check_model_fits_layout(config, layout)
+            check_model_fits_pipeline(config, layout.pp, self.virtual_pipeline_size)
+        datamodule = getattr(getattr(module, "_trainer", None), "datamodule", None)
+        if layout.pp > 1 and hasattr(datamodule, "global_batch_size"):
+            accumulate = module.trainer.accumulate_grad_batches
+            per_replica = datamodule.global_batch_size // (layout.dp * accumulate)
+            if self._num_microbatches is None:
+                self.num_microbatches = default_microbatches(per_replica, layout.pp, self.virtual_pipeline_size,
+                                                             self.pipeline_schedule)
+            if per_replica % self.num_microbatches:
+                raise ValueError(
+                    f"the per-replica batch of {per_replica} (global_batch_size={datamodule.global_batch_size} / "
+                    f"(data_parallel_size={layout.dp} x accumulate_grad_batches={accumulate})) is not divisible by "
+                    f"num_microbatches={self.num_microbatches}"
+                )
 
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -245,13 +272,20 @@ class Parallel3DStrategy(ParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def parallelize(self, module: LightningModule) -> None:
-        """Split ``module.model`` over the mesh in the fixed order, then give it its weights."""
+        """Split ``module.model`` over the mesh in the fixed order, then give it its weights:
+
+        pipeline stages → tensor parallel → activation checkpointing → compile → data parallel / ZeRO.
+        """
         network, layout, mesh = module.model, self.layout, self.device_mesh
         check_plan(network, module.tensor_parallel_plan)
-        blocks = list(network.blocks.values())
+        chunks = [network]
+        if layout.pp > 1:
+            chunks, stage_ids = split_into_stages(network, layout.coordinate(self.global_rank).p, layout.pp,
+                                                  self.virtual_pipeline_size)
         if layout.tp > 1:
             apply_tensor_parallel(network, module.tensor_parallel_plan, mesh["tp"], self.sequence_parallel)
             network.tie_weights()  # TP distributed the shared tensor once per module
+        blocks = list(network.blocks.values())
         if self.activation_checkpointing:
             from torch.distributed._composable import checkpoint
 
@@ -261,11 +295,17 @@ class Parallel3DStrategy(ParallelStrategy):
             for block in blocks:
                 block.compile()
         if layout.dp > 1:
-            apply_data_parallel(network, blocks, mesh["dp"], self.zero_stage)
+            for chunk in chunks:  # each pipeline chunk is a data-parallel root of its own
+                apply_data_parallel(chunk, list(chunk.blocks.values()), mesh["dp"], self.zero_stage)
         if any(p.is_meta for p in network.parameters()):
-            network.to_empty(device=self.root_device)
+            for chunk in chunks:
+                chunk.to_empty(device=self.root_device)
             network.tie_weights()
             network.reset_parameters()
+        if layout.pp > 1:
+            self.pipeline = Pipeline(chunks, stage_ids, layout.pp * self.virtual_pipeline_size, mesh["pp"],
+                                     self.pipeline_schedule, self.num_microbatches, self.root_device,
+                                     loss_parallel=layout.tp > 1)
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -297,11 +337,22 @@ class Parallel3DStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ a training step
 
-    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        from torch.distributed.tensor.parallel import loss_parallel
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().training_step(*args, **kwargs)
+        if self.pipeline is not None:
+            self._log_pipeline_activity()
+        return output
 
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        module = self.lightning_module
+        if self.pipeline is not None:
+            # The schedule already ran backward, micro-batch by micro-batch, in the training step: its gradients
+            # join the parameters' now, where Lightning expects backward.
+            closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+            self.pipeline.accumulate_gradients()
+            return self.precision_plugin.post_backward(closure_loss, module)
         # The vocabulary-parallel loss's backward needs DTensor's loss_parallel handlers too.
-        with loss_parallel() if self.layout.tp > 1 else nullcontext():
+        with loss_parallel_scope() if self.layout.tp > 1 else nullcontext():
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def post_backward(self, closure_loss: torch.Tensor) -> None:
@@ -313,7 +364,9 @@ class Parallel3DStrategy(ParallelStrategy):
         """No gradient communication on the micro-steps of an accumulation window but the last."""
         from torch.distributed.fsdp import FSDPModule
 
-        units = [m for m in self.lightning_module.modules() if isinstance(m, FSDPModule)]
+        # NOTE: under pipeline parallelism the schedule itself syncs once per step, after its micro-batches.
+        units = [] if self.pipeline is not None else \
+            [m for m in self.lightning_module.modules() if isinstance(m, FSDPModule)]
         for unit in units:
             unit.set_requires_gradient_sync(False, recurse=False)
             if self.zero_stage == 2:  # parameters are gathered once per step anyway: keep them till the last
@@ -327,7 +380,25 @@ class Parallel3DStrategy(ParallelStrategy):
                     unit.set_reshard_after_backward(True, recurse=False)
 
     def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
-        clip_grad_norm_(self.lightning_module.parameters(), clip_val)
+        pipeline_group = self.device_mesh["pp"].get_group() if self.layout.pp > 1 else None
+        clip_grad_norm_(self.lightning_module.parameters(), clip_val, pipeline_group)
+
+    def _log_pipeline_activity(self) -> None:
+        """Each stage's busy time, and the measured idle share of the step next to the schedule's theory."""
+        clock, pipeline = self.pipeline.clock, self.pipeline
+        mine = torch.tensor([clock.busy(), clock.step_seconds()], device=self.root_device)
+        every = torch.empty(self.layout.pp * 2, device=self.root_device)
+        torch.distributed.all_gather_into_tensor(every, mine, group=pipeline.group)
+        busy, step = every.view(-1, 2).unbind(1)
+        log = self.lightning_module.log
+        for p, seconds in enumerate(busy.tolist()):
+            log(f"pp/stage{p}_busy_s", seconds, on_step=True, rank_zero_only=True, batch_size=1)
+        log("pp/step_s", step.max().item(), on_step=True, rank_zero_only=True, batch_size=1)
+        log("pp/bubble", 1 - (busy / step.max()).mean().item(), on_step=True, prog_bar=False, rank_zero_only=True,
+            batch_size=1)
+        log("pp/bubble_theory", bubble_theory(self.pipeline_schedule, self.layout.pp, self.num_microbatches,
+                                              self.virtual_pipeline_size), on_step=True, rank_zero_only=True,
+            batch_size=1)
 
     # ------------------------------------------------------------------ collectives Lightning asks for
 

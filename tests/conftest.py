@@ -43,10 +43,16 @@ def text_folder(tmp_path: Path) -> Path:
 
 # ---------------------------------------------------------------- multi-rank runs, shared by the strategy tests
 
-# Grouped-query heads, and a vocabulary of 257 (padded to 320) that no TP size divides.
-SMALL_GPT = dict(n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=64, vocab_size=257, max_seq_len=32)
+# Grouped-query heads, and a vocabulary of 257 (padded to 320) that no TP size divides; 4 blocks for 4 stages.
+SMALL_GPT = dict(n_layer=4, n_head=4, n_kv_head=2, d_model=32, d_ff=64, vocab_size=257, max_seq_len=32)
 
-# name -> (world size, job overrides); every job trains 8 fp32 steps with gradient clipping active.
+
+def pp(size: int, schedule: str = "1f1b", **more) -> dict:
+    return {"pipeline_parallel_size": size, "pipeline_schedule": schedule, **more}
+
+
+# name -> (world size, job overrides); every job trains 8 fp32 steps with gradient clipping active and
+# validates after steps 4 and 8.
 LAYOUTS: dict[str, tuple[int, dict]] = {
     "dp2_zero0": (2, {"strategy": {"zero_stage": 0}}),
     "dp2_zero1": (2, {"strategy": {"zero_stage": 1}}),
@@ -60,6 +66,15 @@ LAYOUTS: dict[str, tuple[int, dict]] = {
                                         "trainer": {"accumulate_grad_batches": 2, "max_steps": 2}}),
     **{f"dp2_zero{z}_{p}": (2, {"strategy": {"zero_stage": z}, "trainer": {"precision": p, "max_steps": 4}})
        for z in range(4) for p in ("bf16-mixed", "bf16-true")},
+    "pp2_gpipe": (2, {"strategy": pp(2, "gpipe")}),
+    "pp2_1f1b": (2, {"strategy": pp(2)}),
+    "pp2_interleaved_1f1b": (2, {"strategy": pp(2, "interleaved_1f1b", virtual_pipeline_size=2)}),
+    "pp2_zero_bubble": (2, {"strategy": pp(2, "zero_bubble", virtual_pipeline_size=2)}),
+    "pp2_1f1b_accumulate2": (2, {"strategy": pp(2), "trainer": {"accumulate_grad_batches": 2}}),
+    "pp4_1f1b": (4, {"strategy": pp(4)}),
+    "dp2_pp2_zero3": (4, {"strategy": pp(2, zero_stage=3)}),
+    "tp2_pp2_sequence_parallel": (4, {"strategy": pp(2, tensor_parallel_size=2, sequence_parallel=True)}),
+    "dp2_tp2_pp2_zero1": (8, {"strategy": pp(2, tensor_parallel_size=2, zero_stage=1)}),
     "dp2_tp2_zero1": (4, {"strategy": {"tensor_parallel_size": 2, "zero_stage": 1}}),
     "dp2_tp2_zero3": (4, {"strategy": {"tensor_parallel_size": 2, "zero_stage": 3}}),
     "dp2_tp2_plain_loader": (4, {"strategy": {"tensor_parallel_size": 2}, "plain_loader": True,
@@ -84,7 +99,7 @@ def base_job(corpus) -> dict:
     return dict(
         model=dict(config=SMALL_GPT, learning_rate=1e-2, warmup_steps=2),
         data=dict(data_path=str(corpus), seq_len=16, global_batch_size=8, val_fraction=0.1),
-        trainer=dict(max_steps=8, gradient_clip_val=0.5, limit_val_batches=0),
+        trainer=dict(max_steps=8, gradient_clip_val=0.5, limit_val_batches=2, val_check_interval=4),
     )
 
 

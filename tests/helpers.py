@@ -10,7 +10,7 @@ from lightning.pytorch.loggers import CSVLogger
 def logged(log_dir: Path, key: str) -> list[float]:
     """Values of one metric from a CSVLogger's metrics.csv, in step order."""
     with open(Path(log_dir) / "metrics.csv") as f:
-        return [float(row[key]) for row in csv.DictReader(f) if row.get(key)]
+        return [float(row[key]) for row in csv.DictReader(f) if row.get(key)]  # absent column: []
 
 
 def fit(model, data, tmp_path, **trainer_kwargs) -> tuple[L.Trainer, Path]:

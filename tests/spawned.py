@@ -72,6 +72,8 @@ def run_job(job: dict, job_dir: Path, devices: int = 1) -> dict:
         log_dir = Path(logger.log_dir)
         result["losses"] = logged(log_dir, "train_loss")
         result["val_loss"] = logged(log_dir, "val_loss")
+        result["pp_bubble"] = logged(log_dir, "pp/bubble")
+        result["pp_bubble_theory"] = logged(log_dir, "pp/bubble_theory")
     return result
 
 

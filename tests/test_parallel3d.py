@@ -1,4 +1,4 @@
-"""The 3D strategy without pipeline parallelism: every layout trains exactly like one process (fp32)."""
+"""The 3D strategy: every layout trains exactly like one process (fp32), and validates like it."""
 
 import math
 
@@ -22,6 +22,14 @@ def test_layout_matches_the_single_process_loss_curve(layout, layout_runs, refer
     assert len(reference) == 8 and len(losses) == 8
     assert reference[-1] < reference[0] - 1.0  # it is learning, so the curves are worth comparing
     assert relative_difference(losses, reference) <= 1e-5
+
+
+@pytest.mark.parametrize("layout", [n for n in FP32_LAYOUTS if "accumulate" not in n])
+def test_layout_matches_the_single_process_val_loss(layout, layout_runs, reference_run):
+    # Same validation blocks in every layout (an accumulating run's micro-batches are smaller, so it covers fewer).
+    val, reference = layout_runs[layout]["val_loss"], reference_run["val_loss"]
+    assert len(reference) == 2 and len(val) == 2
+    assert relative_difference(val, reference) <= 1e-5
 
 
 @pytest.mark.parametrize("layout", [n for n in LAYOUTS if "bf16" in n])

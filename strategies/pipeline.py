@@ -1,0 +1,324 @@
+"""Pipeline parallelism: the depth cut into stages, run by `torch.distributed.pipelining` schedules.
+
+The network's blocks are cut into ``pp × virtual`` chunks of consecutive blocks, balanced by cost; chunk ``s``
+lives on pipeline rank ``s % pp`` (with ``virtual > 1`` a rank holds ``virtual`` chunks that are not adjacent,
+for the interleaved schedules). A chunk is a *view* of the network: the same block modules under the same
+names, plus the embedding on the first chunk and the final norm and head on the last. Parameter names never
+change, so checkpoints do not care which layout wrote them.
+
+One training step runs the schedule's forward and backward over ``num_microbatches`` micro-batches; the loss
+exists on the last stage and is broadcast to every rank of the pipeline, so all ranks log the same value.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lit3d.model import loss_parallel_scope
+
+MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")
+
+
+def partition(costs: list[float], first_extra: float, last_extra: float, chunks: int) -> list[list[int]]:
+    """Cut blocks ``0..N-1`` (with ``costs``) into ``chunks`` consecutive, non-empty runs, minimising the
+    largest run cost; the first run also pays ``first_extra`` (the embedding), the last ``last_extra`` (the
+    head). Exact dynamic programme over cut points."""
+    n = len(costs)
+    if not 1 <= chunks <= n:
+        raise ValueError(f"cannot cut {n} blocks into {chunks} pipeline chunks")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def run_cost(i: int, j: int, k: int) -> float:  # blocks i..j-1 as chunk k
+        return prefix[j] - prefix[i] + (first_extra if k == 0 else 0) + (last_extra if k == chunks - 1 else 0)
+
+    # best[k][j]: minimal largest cost of cutting blocks 0..j-1 into k+1 chunks; cut[k][j]: start of chunk k.
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(chunks)]
+    cut = [[0] * (n + 1) for _ in range(chunks)]
+    for j in range(1, n + 1):
+        best[0][j] = run_cost(0, j, 0)
+    for k in range(1, chunks):
+        for j in range(k + 1, n + 1):
+            for i in range(k, j):
+                value = max(best[k - 1][i], run_cost(i, j, k))
+                if value < best[k][j]:
+                    best[k][j], cut[k][j] = value, i
+    bounds, j = [], n
+    for k in range(chunks - 1, 0, -1):
+        i = cut[k][j]
+        bounds.append((i, j))
+        j = i
+    bounds.append((0, j))
+    return [list(range(i, j)) for i, j in reversed(bounds)]
+
+
+def block_costs(config: Any) -> tuple[list[float], float, float]:
+    """Per-block, embedding and head cost: parameter counts (the matmul FLOPs per token of blocks and head, the
+    memory of the embedding)."""
+    embedding = config.padded_vocab_size * config.d_model
+    return [float(config.params_per_block)] * config.n_layer, float(embedding), float(embedding)
+
+
+def chunk_stage_ids(rank: int, pp: int, virtual: int) -> list[int]:
+    """Global stage indices held by pipeline rank ``rank`` (loop placement: stage s on rank s % pp)."""
+    return [rank + v * pp for v in range(virtual)]
+
+
+def stage_view(network: nn.Module, block_ids: list[str], first: bool, last: bool) -> nn.Module:
+    """A module running part of ``network``: the same block objects under the same keys, the embedding when
+    ``first``, the final norm and head when ``last``. Nothing is copied."""
+    view = type(network).__new__(type(network))
+    nn.Module.__init__(view)
+    view.config = network.config
+    view.embed = network.embed if first else None
+    view.blocks = nn.ModuleDict({i: network.blocks[i] for i in block_ids})
+    view.norm = network.norm if last else None
+    view.head = network.head if last else None
+    return view
+
+
+def prune(network: nn.Module, keep_blocks: set[str], keep_first: bool, keep_last: bool) -> None:
+    """Drop, in place, every part of ``network`` this rank does not run (names of the rest are unchanged)."""
+    for key in [k for k in network.blocks if k not in keep_blocks]:
+        del network.blocks[key]
+    if not keep_first:
+        network.embed = None
+    if not keep_last:
+        network.norm = network.head = None
+
+
+def split_into_stages(network: nn.Module, rank: int, pp: int, virtual: int) -> tuple[list[nn.Module], list[int]]:
+    """Keep in ``network`` only what pipeline rank ``rank`` runs; return its chunk views and stage indices."""
+    num_stages = pp * virtual
+    runs = partition(*block_costs(network.config), num_stages)
+    stage_ids = chunk_stage_ids(rank, pp, virtual)
+    mine = {s: [str(b) for b in runs[s]] for s in stage_ids}
+    prune(network, {b for ids in mine.values() for b in ids}, 0 in stage_ids, num_stages - 1 in stage_ids)
+    chunks = [stage_view(network, mine[s], first=s == 0, last=s == num_stages - 1) for s in stage_ids]
+    return chunks, stage_ids
+
+
+def bubble_theory(schedule: str, pp: int, microbatches: int, virtual: int = 1) -> float:
+    """Idle share of a step: ``(p-1)/(m+p-1)`` for GPipe and 1F1B, ``(p-1)/(v·m+p-1)`` interleaved, ~0 for
+    zero-bubble (its backward-for-weights fills the gaps, given enough micro-batches)."""
+    if schedule == "zero_bubble":
+        return 0.0
+    v = virtual if schedule == "interleaved_1f1b" else 1
+    return (pp - 1) / (v * microbatches + pp - 1)
+
+
+class Pipeline:
+    """This rank's stages and the schedule that runs them.
+
+    Args:
+        chunks: This rank's chunk views, in global stage order.
+        stage_ids: Their global stage indices.
+        num_stages: ``pp × virtual``.
+        pp_mesh: The 1-D pipeline mesh of this rank.
+        schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b`` or ``zero_bubble``.
+        microbatches: Micro-batches per step.
+        device: Where the stages compute.
+        loss_parallel: Whether the last stage's logits are vocabulary-parallel DTensors.
+    """
+
+    def __init__(self, chunks: list[nn.Module], stage_ids: list[int], num_stages: int, pp_mesh: DeviceMesh,
+                 schedule: str, microbatches: int, device: torch.device, loss_parallel: bool) -> None:
+        self.chunks, self.stage_ids, self.num_stages = chunks, stage_ids, num_stages
+        self.pp_mesh, self.group = pp_mesh, pp_mesh.get_group()
+        self.schedule_name, self.microbatches, self.device = schedule, microbatches, device
+        self.loss_parallel = loss_parallel
+        self.holds_first, self.holds_last = 0 in stage_ids, num_stages - 1 in stage_ids
+        self.last_rank = dist.get_global_rank(self.group, (num_stages - 1) % pp_mesh.size())
+        self.clock = StageClock(device)
+        self._loss_fn: Callable | None = None
+        self._losses: list[torch.Tensor] = []
+        self._scale = 1.0
+        self._pending: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self.schedule = self._schedule(self._stages(self.clock), schedule, microbatches, self._record_loss)
+        self._inference: dict[tuple, Any] = {}
+
+    def _stages(self, clock: StageClock | None) -> list[Any]:
+        from torch.distributed.pipelining import PipelineStage
+
+        stages = [PipelineStage(chunk, s, self.num_stages, self.device, group=self.group)
+                  for chunk, s in zip(self.chunks, self.stage_ids)]
+        if clock is not None:
+            for stage in stages:
+                clock.time(stage)
+        return stages
+
+    @staticmethod
+    def _schedule(stages: list[Any], name: str, microbatches: int, loss_fn: Callable | None) -> Any:
+        from torch.distributed.pipelining import (
+            Schedule1F1B,
+            ScheduleGPipe,
+            ScheduleInterleaved1F1B,
+            ScheduleInterleavedZeroBubble,
+        )
+
+        cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
+               "zero_bubble": ScheduleInterleavedZeroBubble}[name]
+        # NOTE: scale_grads=False: the loss function divides by the micro-batch count itself, because the
+        # schedule's own scaling would also shrink gradients accumulated over earlier Lightning micro-steps.
+        return cls(stages if name in MULTI_STAGE_SCHEDULES else stages[0], n_microbatches=microbatches,
+                   loss_fn=loss_fn, scale_grads=False)
+
+    def _record_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = self._loss_fn(output, target)
+        self._losses.append(loss.detach())
+        return loss * self._scale
+
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable, accumulate: int = 1) -> torch.Tensor:
+        """Forward (and, with gradients enabled, backward) of one batch through the whole pipeline.
+
+        Returns the mean loss over the micro-batches on every rank of the pipeline. Gradients accumulate as if
+        ``loss / accumulate`` had been back-propagated through the unsplit model.
+        """
+        if inputs.shape[0] % self.microbatches:
+            raise ValueError(f"a batch of {inputs.shape[0]} sequences cannot be split into num_microbatches="
+                             f"{self.microbatches}; make the per-replica batch a multiple of it")
+        self._loss_fn, self._losses = loss_fn, []
+        self._scale = 1.0 / (self.microbatches * accumulate)
+        args = (inputs,) if self.holds_first else ()
+        target = targets if self.holds_last else None
+        self.clock.start_step()
+        with loss_parallel_scope() if self.loss_parallel else nullcontext():
+            if torch.is_grad_enabled():
+                with self._gradients_set_aside():
+                    self.schedule.step(*args, target=target)
+            else:  # validation: forward only, and not in inference mode (the stages' buffers outlive this call)
+                with torch.inference_mode(False):
+                    self.schedule.eval(*args, target=target)
+        self.clock.end_step()
+        # NOTE: the first step also calls the loss on placeholder outputs to infer shapes: keep the last m.
+        losses = self._losses[-self.microbatches:]
+        mean = torch.stack(losses).mean() if self.holds_last else torch.zeros((), device=self.device)
+        dist.broadcast(mean, src=self.last_rank, group=self.group)
+        return mean
+
+    @contextmanager
+    def _gradients_set_aside(self) -> Iterator[None]:
+        """Keep the step's gradients apart until `accumulate_gradients` (the strategy's backward).
+
+        NOTE: Lightning zeroes gradients between ``training_step`` and ``backward``; the schedule runs backward
+        inside the training step, so its gradients wait aside and join the others when Lightning's backward
+        comes, exactly as if it had computed them then.
+        """
+        params = list({id(p): p for chunk in self.chunks for p in chunk.parameters()}.values())
+        earlier = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        try:
+            yield
+        finally:
+            self._pending = [(p, _like_param(p.grad, p)) for p in params]
+            for p, grad in zip(params, earlier):
+                p.grad = grad
+
+    @torch.no_grad()
+    def accumulate_gradients(self) -> None:
+        """Add the gradients of the last training step (see `_gradients_set_aside`) to the parameters'."""
+        for p, grad in self._pending:
+            if grad is not None:
+                if p.grad is None:
+                    p.grad = grad
+                else:
+                    p.grad += grad
+        self._pending = []
+
+    @torch.no_grad()
+    def forward(self, inputs: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """Full logits ``[batch, seq, vocab]`` on every rank (for sampling: one micro-batch, forward only).
+
+        The sequence is padded on the right to a multiple of 64 (causal attention: padding never changes the
+        logits before it), because a stage learns its buffer shapes once: one schedule per padded shape.
+        """
+        seq = inputs.shape[1]
+        padded = -(-seq // 64) * 64
+        inputs = torch.nn.functional.pad(inputs, (0, padded - seq))
+        with torch.inference_mode(False):
+            key = tuple(inputs.shape)
+            if key not in self._inference:
+                name = self.schedule_name if self.schedule_name in MULTI_STAGE_SCHEDULES else "gpipe"
+                self._inference[key] = self._schedule(self._stages(None), name, 1, None)
+            output = self._inference[key].eval(*((inputs,) if self.holds_first else ()))
+            if self.holds_last:
+                logits = output.full_tensor() if hasattr(output, "full_tensor") else output
+                logits = logits[..., :vocab_size].float().contiguous()
+            else:
+                logits = torch.empty(*inputs.shape, vocab_size, device=self.device)
+            dist.broadcast(logits, src=self.last_rank, group=self.group)
+        return logits[:, :seq]
+
+
+def _like_param(grad: torch.Tensor | None, param: torch.Tensor) -> torch.Tensor | None:
+    """A DTensor gradient in its parameter's layout (see `strategies.tensor_parallel.lay_out_grads_like_params`)."""
+    placements = getattr(param, "placements", None)
+    if grad is not None and placements is not None and grad.placements != placements:
+        return grad.redistribute(placements=placements)
+    return grad
+
+
+class StageClock:
+    """Times every forward, backward and weight-gradient call of the stages (CUDA events on GPUs: no syncs).
+
+    After a step, `timeline()` gives ``(stage, kind, micro-batch, start, end)`` in seconds from the step start,
+    `busy()` the time spent computing and `step_seconds()` the step's duration.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._marks: list[tuple[int, str, int, Any, Any]] = []
+        self._start = self._end = None
+
+    def _mark(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _seconds(self, a: Any, b: Any) -> float:
+        return a.elapsed_time(b) / 1000 if self.cuda else b - a
+
+    def time(self, stage: Any) -> None:
+        for kind, name in (("F", "forward_one_chunk"), ("B", "backward_one_chunk"), ("W", "backward_weight_one_chunk")):
+            method = getattr(stage, name)
+
+            def timed(chunk_id: int, *args: Any, _method=method, _kind=kind, **kwargs: Any) -> Any:
+                start = self._mark()
+                try:
+                    return _method(chunk_id, *args, **kwargs)
+                finally:
+                    self._marks.append((stage.stage_index, _kind, chunk_id, start, self._mark()))
+
+            setattr(stage, name, timed)
+
+    def start_step(self) -> None:
+        self._marks, self._start = [], self._mark()
+
+    def end_step(self) -> None:
+        self._end = self._mark()
+
+    def timeline(self) -> list[tuple[int, str, int, float, float]]:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return [(s, k, mb, self._seconds(self._start, a), self._seconds(self._start, b)) for s, k, mb, a, b in self._marks]
+
+    def busy(self) -> float:
+        return sum(end - start for *_, start, end in self.timeline())
+
+    def step_seconds(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return self._seconds(self._start, self._end)
