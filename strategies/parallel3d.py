@@ -388,7 +388,7 @@ class Parallel3DStrategy(ParallelStrategy):
         clock, pipeline = self.pipeline.clock, self.pipeline
         mine = torch.tensor([clock.busy(), clock.step_seconds()], device=self.root_device)
         every = torch.empty(self.layout.pp * 2, device=self.root_device)
-        torch.distributed.all_gather_into_tensor(every, mine, group=pipeline.group)
+        torch.distributed.all_gather_single(every, mine, group=pipeline.group)
         busy, step = every.view(-1, 2).unbind(1)
         log = self.lightning_module.log
         for p, seconds in enumerate(busy.tolist()):

@@ -182,7 +182,7 @@ def _all_gather_slices(bucket: list[_Entry]) -> None:
     for e, offset in zip(bucket, offsets):
         send[offset: offset + e.view.numel()].copy_(e.view.reshape(-1))
     received = send.new_empty(ranks * sum(sizes))
-    torch.distributed.all_gather_into_tensor(received, send, group=group)
+    torch.distributed.all_gather_single(received, send, group=group)
     received = received.view(ranks, sum(sizes))
     for e, offset in zip(bucket, offsets):
         local, dim = e.param.to_local(), e.split[1]

@@ -47,9 +47,21 @@ def test_fit_under_the_3d_strategy_gives_the_single_process_losses(tmp_path, sin
     torch.testing.assert_close(tp2, single_process_losses, rtol=1e-5, atol=0)
 
 
+def test_fit_under_dp2_tp2_pp2_on_8_processes_gives_the_single_process_losses(tmp_path, single_process_losses):
+    """The README's 3D command: data x tensor x pipeline parallel, 2 x 2 x 2."""
+    losses = fit_losses(tmp_path, "--trainer.devices=8", "--trainer.strategy=Parallel3DStrategy",
+                        "--trainer.strategy.tensor_parallel_size=2", "--trainer.strategy.pipeline_parallel_size=2")
+    torch.testing.assert_close(losses, single_process_losses, rtol=1e-5, atol=0)
+
+
 @pytest.mark.parametrize("args, message", [
     (["--trainer.strategy.tensor_parallel_size=3"], "tensor_parallel_size=3 x pipeline_parallel_size=1 does not divide the 4"),
     (["--trainer.strategy.tensor_parallel_size=4"], "tensor_parallel_size=4 does not divide n_kv_head=2"),
+    (["--trainer.strategy.pipeline_parallel_size=2", "--trainer.strategy.num_microbatches=3"],
+     "the per-replica batch of 2 (global_batch_size=4 / (data_parallel_size=2 x accumulate_grad_batches=1)) is "
+     "not divisible by num_microbatches=3"),
+    (["--trainer.strategy.pipeline_parallel_size=4", "--trainer.strategy.virtual_pipeline_size=2",
+      "--trainer.strategy.pipeline_schedule=interleaved_1f1b"], "= 8 stages, but the model has only n_layer=4 blocks"),
 ])
 def test_a_bad_layout_is_refused_before_any_process_starts(tmp_path, args, message):
     run = lit3d("fit", "--config", TINY, *QUICK, "--trainer.devices=4", "--trainer.strategy=Parallel3DStrategy", *args,
