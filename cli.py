@@ -40,7 +40,32 @@ class Lit3DCLI(LightningCLI):
     before_fit = before_validate = before_test = before_predict = _check_model_and_data
 
 
+def export(ckpt_path: str, output: str, dtype: str = "float32") -> None:
+    """Write a lit3d checkpoint (saved by any layout) as a HuggingFace Llama folder.
+
+    Args:
+        ckpt_path: The checkpoint folder (e.g. ``runs/tiny/version_0/checkpoints/epoch=0-step=600.ckpt``).
+        output: The folder to write: ``config.json`` and ``model.safetensors`` (and ``tokenizer.json`` when the
+            run used one), loadable with ``transformers.AutoModelForCausalLM.from_pretrained(output)``.
+        dtype: ``float32``, ``bfloat16`` or ``float16``.
+    """
+    import torch
+
+    from lit3d.hf import export_checkpoint
+
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype={dtype!r} is not one of float32, bfloat16, float16")
+    folder = export_checkpoint(ckpt_path, output, getattr(torch, dtype))
+    print(f"wrote {folder}: {', '.join(sorted(p.name for p in folder.iterdir()))}")
+
+
 def main(args: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if args is None else args
+    if argv[:1] == ["export"]:
+        from jsonargparse import CLI
+
+        CLI(export, args=argv[1:], as_positional=False)
+        return
     Lit3DCLI(
         LightningModule,
         LightningDataModule,

@@ -100,6 +100,7 @@ class TextDataModule(L.LightningDataModule):
         self.train_set: Any = None
         self.val_set: Any = None
         self.data_parallel: tuple[int, int] | None = None  # (size, rank); None: read from the trainer
+        self._resume: dict[str, int] | None = None  # the data position a checkpoint restored
 
     @property
     def vocab_size(self) -> int:
@@ -124,7 +125,27 @@ class TextDataModule(L.LightningDataModule):
         self.val_set = split["test"].with_format("torch")
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, shuffle=True)
+        loader = self._loader(self.train_set, shuffle=True)
+        if self._resume is not None:
+            loader.sampler.resume_at(self._resume["epoch"], self._resume["consumed_samples"])
+            self._resume = None
+        return loader
+
+    def state_dict(self) -> dict[str, int]:
+        """The data position, saved in checkpoints: the epoch, and the samples of it consumed by all replicas
+        together (not per replica, so a run can resume with another data-parallel size)."""
+        trainer = self.trainer
+        if trainer is None:
+            return {}
+        replicas, _ = self._replica()
+        batches = trainer.fit_loop.epoch_loop.batch_progress.current.processed  # this replica's, this epoch
+        consumed = batches * self.micro_batch_size() * replicas
+        if consumed >= len(self.train_set) - len(self.train_set) % self.global_batch_size:  # saved at an epoch end
+            return {"epoch": trainer.current_epoch + 1, "consumed_samples": 0}
+        return {"epoch": trainer.current_epoch, "consumed_samples": consumed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._resume = dict(state) if state else None
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set, shuffle=False)

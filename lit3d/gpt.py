@@ -83,6 +83,18 @@ class GPT(L.LightningModule):
             model.reset_parameters()
         self.model = model
 
+    @classmethod
+    def from_pretrained(cls, hf_dir: str, **kwargs: Any) -> GPT:
+        """A GPT with the weights of a local HuggingFace Llama folder (``config.json`` + safetensors), for
+        fine-tuning; ``kwargs`` are the other `GPT` arguments (learning rate, ...)."""
+        from lit3d import hf
+
+        config, tensors = hf.read_folder(hf_dir)
+        model = cls(config, **kwargs)
+        model.configure_model()
+        hf.load_into(model.model, tensors)
+        return model
+
     def _build_on(self, device: torch.device) -> None:
         if self.model is None:
             with torch.device(device):
@@ -133,8 +145,9 @@ class GPT(L.LightningModule):
         self.log("train_loss", global_mean, on_step=True, on_epoch=False, prog_bar=True, batch_size=1)
 
     def _ends_optimizer_step(self, batch_idx: int) -> bool:
+        """Whether this micro-batch is the last before an optimizer step (Lightning's rule)."""
         accumulate = self.trainer.accumulate_grad_batches
-        return (batch_idx + 1) % accumulate == 0 or batch_idx + 1 == self.trainer.num_training_batches
+        return (batch_idx + 1) % accumulate == 0 or self.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         self.val_loss.update(self.loss(batch))

@@ -17,8 +17,8 @@ class GlobalBatchSampler(DistributedSampler):
     however each replica's share is split into micro-batches).
 
     It is a `DistributedSampler`, so Lightning keeps it instead of injecting its own, and calls
-    `set_epoch` on it. ``skip_samples`` (a multiple of the global batch) starts the epoch part-way through,
-    for resuming: it counts global samples, so it does not depend on R either.
+    `set_epoch` on it. `resume_at` starts one epoch part-way through, for resuming a run: the position counts
+    global samples, so it does not depend on R either (a run may resume with another number of replicas).
     """
 
     def __init__(
@@ -38,7 +38,13 @@ class GlobalBatchSampler(DistributedSampler):
             raise ValueError(f"the dataset has {len(dataset)} samples, fewer than one global batch ({global_batch_size})")
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=True)
         self.global_batch_size = global_batch_size
-        self.skip_samples = 0
+        self._resume: tuple[int, int] | None = None  # (epoch, global samples already consumed in it)
+
+    def resume_at(self, epoch: int, consumed_samples: int) -> None:
+        """The next iteration of ``epoch`` skips its first ``consumed_samples`` (rounded down to whole global
+        batches); later epochs start from their beginning again."""
+        self.set_epoch(epoch)
+        self._resume = (epoch, consumed_samples - consumed_samples % self.global_batch_size)
 
     @property
     def samples_per_epoch(self) -> int:
@@ -55,8 +61,12 @@ class GlobalBatchSampler(DistributedSampler):
         return order[: self.samples_per_epoch]
 
     def __iter__(self) -> Iterator[int]:
-        order = self.epoch_order()[self.skip_samples:]
+        skip = 0
+        if self._resume is not None and self._resume[0] == self.epoch:
+            skip, self._resume = self._resume[1], None
+        order = self.epoch_order()[skip:]
         return iter(order[self.rank :: self.num_replicas].tolist())
 
     def __len__(self) -> int:
-        return (self.samples_per_epoch - self.skip_samples) // self.num_replicas
+        # NOTE: the whole epoch, also when resuming part-way: Lightning counts the batches it already ran.
+        return self.samples_per_epoch // self.num_replicas

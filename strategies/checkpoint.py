@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException  # NOTE: a BaseException, not an Exception
 from torch.distributed.tensor import DTensor
 
 META_FILE = "meta.pt"
@@ -99,25 +100,39 @@ def save(path: Path, tensors: dict[str, Any], meta: dict[str, Any], is_global_ze
 def check_readable(path: Path) -> None:
     """A clear error for a missing, incomplete or foreign checkpoint (before any collective)."""
     if not path.exists():
-        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
+        previous = path.with_name(path.name + ".old")
+        hint = f" ({str(previous)!r} is the checkpoint an interrupted save replaced)" if previous.exists() else ""
+        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist{hint}")
     missing = [name for name in (".metadata", META_FILE) if not (path / name).is_file()]
     if missing:
         raise ValueError(
             f"{str(path)!r} is not a complete lit3d checkpoint: {', '.join(missing)} missing "
             "(an interrupted save leaves a '.partial' folder; use the previous checkpoint)"
         )
+    # Every shard file the metadata points into must be there, and long enough.
+    needed: dict[str, int] = {}
+    for info in dcp.FileSystemReader(str(path)).read_metadata().storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            raise ValueError(f"checkpoint {str(path)!r} is incomplete: shard file {name!r} is missing")
+        if file.stat().st_size < size:
+            raise ValueError(f"checkpoint {str(path)!r} is truncated: {name!r} has {file.stat().st_size} bytes, "
+                             f"its index expects {size}")
 
 
 def check_shapes(path: Path, template: dict[str, Any]) -> None:
     """Compare the tensors a checkpoint holds with the ones this run expects; name every mismatch."""
     stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     expected = _flatten(template)
-    missing = sorted(k for k in expected if k not in stored)
-    wrong = sorted(
+    model_first = lambda key: (not key.startswith("state_dict."), key)  # noqa: E731
+    missing = sorted((k for k in expected if k not in stored), key=model_first)
+    wrong = [
         f"{k}: checkpoint {tuple(stored[k].size)} vs model {tuple(v.shape)}"
-        for k, v in expected.items()
+        for k, v in sorted(expected.items(), key=lambda item: model_first(item[0]))
         if k in stored and isinstance(v, torch.Tensor) and hasattr(stored[k], "size") and tuple(stored[k].size) != tuple(v.shape)
-    )
+    ]
     if missing or wrong:
         lines = [f"checkpoint {str(path)!r} does not fit this model:"]
         if missing:
@@ -130,8 +145,34 @@ def check_shapes(path: Path, template: dict[str, Any]) -> None:
 def load(path: Path, tensors: dict[str, Any]) -> dict[str, Any]:
     """Collective: fill ``tensors`` in place from the checkpoint (any layout); return the saved meta dict."""
     check_shapes(path, tensors)
-    dcp.load(tensors, checkpoint_id=str(path))
-    return torch.load(path / META_FILE, map_location="cpu", weights_only=False)
+    try:
+        dcp.load(tensors, checkpoint_id=str(path))
+        return torch.load(path / META_FILE, map_location="cpu", weights_only=False)
+    except (Exception, CheckpointException) as error:  # DCP raises on every rank when any rank fails to read
+        raise RuntimeError(f"reading checkpoint {str(path)!r} failed (a truncated or corrupted file?): {error}") \
+            from error
+
+
+def rng_states() -> dict[str, Any]:
+    """The random generators' states (torch, CUDA, numpy, Python), saved so a resumed run draws the same."""
+    import random
+
+    import numpy as np
+
+    return {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "numpy": np.random.get_state(), "python": random.getstate()}
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    import random
+
+    import numpy as np
+
+    torch.set_rng_state(states["torch"])
+    if states["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+    np.random.set_state(states["numpy"])
+    random.setstate(states["python"])
 
 
 def parameter_names(module: nn.Module) -> dict[int, str]:

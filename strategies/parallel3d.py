@@ -443,6 +443,7 @@ class Parallel3DStrategy(ParallelStrategy):
             raise TypeError(f"{type(self).__name__} writes sharded checkpoints itself; storage_options is not supported")
         path = Path(self.broadcast(str(filepath)))
         tensors = {"state_dict": checkpoint.pop("state_dict"), "optimizer_states": checkpoint.pop("optimizer_states", [])}
+        checkpoint["rng"] = ckpt.rng_states()  # rank 0's; every rank was seeded alike
         ckpt.save(path, tensors, checkpoint, self.is_global_zero)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -456,6 +457,8 @@ class Parallel3DStrategy(ParallelStrategy):
         meta = ckpt.load(path, tensors)  # tensors were loaded in place; hyper-parameters come back as values
         for optimizer, loaded in zip(self.optimizers, tensors.get("optimizer_states", [])):
             ckpt.restore_param_groups(optimizer, loaded)
+        if "rng" in meta:
+            ckpt.set_rng_states(meta.pop("rng"))
         return meta
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:

@@ -6,19 +6,22 @@ size: each job is a fresh model, datamodule and Trainer over the same process gr
 A job is a dict: ``model`` (GPT kwargs, ``config`` as a dict), ``data`` (TextDataModule kwargs), ``trainer``
 (Trainer kwargs), ``strategy`` (Parallel3DStrategy kwargs; absent = a single-process run), and probes:
 ``plain_loader`` (feed a plain shuffled DataLoader, so Lightning must inject the sampler) and ``count_comms``
-(count collectives per training batch).
+(count collectives per training batch); ``checkpoint_every`` (save ``ckpts/step=N.ckpt`` every N steps),
+``ckpt_path`` (resume from it), ``expect_error`` (record the exception each rank raises instead of failing) and
+``callbacks`` (more callbacks, picklable).
 """
 
 import json
 import os
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 import torch.multiprocessing as mp
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
@@ -34,10 +37,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_jobs(world: int, jobs: dict[str, dict[str, Any]], out_dir: Path) -> dict[str, dict]:
-    """Run ``jobs`` on ``world`` spawned ranks; per job: rank 0's result plus ``ranks`` (every rank's probes)."""
+def run_jobs(world: int, jobs: dict[str, dict[str, Any]], out_dir: Path, deadline: float = 600) -> dict[str, dict]:
+    """Run ``jobs`` on ``world`` spawned ranks; per job: rank 0's result plus ``ranks`` (every rank's probes).
+
+    Fails (and kills the ranks) if they have not all finished ``deadline`` seconds later: nothing may hang.
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(_worker, args=(world, free_port(), jobs, str(out_dir)), nprocs=world, start_method="spawn")
+    context = mp.start_processes(_worker, args=(world, free_port(), jobs, str(out_dir)), nprocs=world,
+                                 start_method="spawn", join=False)
+    start = time.time()
+    while not context.join(timeout=5):
+        if time.time() - start > deadline:
+            for process in context.processes:
+                process.kill()
+            raise TimeoutError(f"ranks still running after {deadline} s: {list(jobs)}")
     results = {}
     for name in jobs:
         ranks = [json.loads((out_dir / name / f"rank{r}.json").read_text()) for r in range(world)]
@@ -55,18 +68,32 @@ def _worker(rank: int, world: int, port: int, jobs: dict, out_dir: str) -> None:
 
 
 def run_job(job: dict, job_dir: Path, devices: int = 1) -> dict:
+    if job.get("expect_error"):
+        try:
+            _run_job(job, job_dir, devices)
+        except Exception as error:  # noqa: BLE001 (the test checks the message)
+            return {"error": f"{type(error).__name__}: {error}"}
+        return {"error": None}
+    return _run_job(job, job_dir, devices)
+
+
+def _run_job(job: dict, job_dir: Path, devices: int) -> dict:
     L.seed_everything(job.get("seed", 1234))
     model_kwargs = dict(job.get("model", {}))
     model = GPT(GPTConfig(**model_kwargs.pop("config")), **model_kwargs)
     data = (PlainLoaderData if job.get("plain_loader") else TextDataModule)(**job["data"])
     strategy = Parallel3DStrategy(**job["strategy"]) if "strategy" in job else "auto"
-    probe = Probe(count_comms=job.get("count_comms", False))
+    callbacks = [Probe(count_comms=job.get("count_comms", False)), *job.get("callbacks", [])]
+    if "checkpoint_every" in job:
+        callbacks.append(ModelCheckpoint(dirpath=str(job_dir / "ckpts"), filename="{step}", save_top_k=-1,
+                                         every_n_train_steps=job["checkpoint_every"]))
     logger = CSVLogger(str(job_dir), name="log", version=0)
     options = dict(accelerator="cpu", devices=devices if "strategy" in job else 1, strategy=strategy, logger=logger,
-                   log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
-                   enable_model_summary=False, num_sanity_val_steps=0, callbacks=[probe])
+                   log_every_n_steps=1, enable_checkpointing="checkpoint_every" in job, enable_progress_bar=False,
+                   enable_model_summary=False, num_sanity_val_steps=0, callbacks=callbacks)
     trainer = L.Trainer(**{**options, **job.get("trainer", {})})
-    trainer.fit(model, data)
+    trainer.fit(model, data, ckpt_path=job.get("ckpt_path"))
+    probe = callbacks[0]
     result = {"memory": probe.memory, "sampler": probe.sampler, "comms": probe.comms}
     if trainer.is_global_zero:
         log_dir = Path(logger.log_dir)

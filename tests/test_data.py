@@ -61,11 +61,16 @@ def _chunks(items, size):
     return [tuple(items[i:i + size]) for i in range(0, len(items), size)]
 
 
-def test_skipping_consumed_samples_resumes_mid_epoch():
-    sampler = GlobalBatchSampler(list(range(40)), 8, 2, 1, seed=1)
-    full = list(sampler)
-    sampler.skip_samples = 16
-    assert list(sampler) == full[8:] and len(sampler) == 12
+def test_resuming_mid_epoch_skips_what_was_consumed_whatever_the_replica_count():
+    data = list(range(40))
+    single = GlobalBatchSampler(data, 8, 1, 0, seed=1)
+    single.set_epoch(3)
+    four = [GlobalBatchSampler(data, 8, 4, r, seed=1) for r in range(4)]
+    for sampler in four:
+        sampler.resume_at(epoch=3, consumed_samples=16)  # 2 global batches consumed (by a run on any replica count)
+    assert sorted(i for sampler in four for i in sampler) == sorted(single.epoch_order()[16:].tolist())
+    assert len(four[0]) == 10  # the whole epoch: Lightning counts the batches it already ran
+    assert len(list(four[0])) == 10  # and the next iteration starts from the beginning again
 
 
 def test_dataloader_batches_per_replica(text_folder):
