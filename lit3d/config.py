@@ -127,8 +127,9 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-# Llama-style presets. `gpt3-175b` keeps GPT-3's widths and parameter count with a SwiGLU MLP
-# (3 matrices of d_ff = 2/3 * 4 * d_model hold as many weights as GPT-3's 2 matrices of 4 * d_model).
+# Llama-style presets. `gpt3-175b` keeps GPT-3's widths and parameter count with a SwiGLU MLP (3 matrices of
+# d_ff = 2/3 * 4 * d_model hold as many weights as GPT-3's 2 matrices of 4 * d_model), with an untied head so
+# that it can be pipelined.
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(n_layer=4, n_head=4, n_kv_head=2, d_model=128, d_ff=384, vocab_size=256, max_seq_len=256),
     "125m": dict(n_layer=12, n_head=12, n_kv_head=12, d_model=768, d_ff=2048, vocab_size=32000, max_seq_len=2048),
@@ -141,5 +142,5 @@ PRESETS: dict[str, dict[str, Any]] = {
     "llama-405b": dict(n_layer=126, n_head=128, n_kv_head=8, d_model=16384, d_ff=53248, vocab_size=128256,
                        max_seq_len=8192, rope_theta=500000.0),
     "gpt3-175b": dict(n_layer=96, n_head=96, n_kv_head=96, d_model=12288, d_ff=32768, vocab_size=50257,
-                      max_seq_len=2048, tie_embeddings=True),
+                      max_seq_len=2048),
 }

@@ -1,4 +1,4 @@
-"""lit3d's Lightning strategy: ``Parallel3DStrategy`` (also ``strategy="3d"``)."""
+"""lit3d's Lightning strategy: ``Parallel3DStrategy`` (also ``strategy="3d"`` or ``strategy="Parallel3DStrategy"``)."""
 
 from lightning.pytorch.strategies import StrategyRegistry
 
@@ -6,7 +6,9 @@ from strategies.parallel3d import Parallel3DStrategy
 
 __all__ = ["Parallel3DStrategy"]
 
-if "3d" not in StrategyRegistry:
-    StrategyRegistry.register(
-        "3d", Parallel3DStrategy, description="data x tensor x pipeline parallel with ZeRO (lit3d)"
-    )
+# Lightning looks names up in lower case; the class name also arrives here as a plain string when a command line
+# gives `--trainer.strategy=Parallel3DStrategy` with no arguments.
+for _name in ("3d", "parallel3dstrategy"):
+    if _name not in StrategyRegistry:
+        StrategyRegistry.register(_name, Parallel3DStrategy,
+                                  description="data x tensor x pipeline parallel with ZeRO (lit3d)")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Generator
@@ -33,6 +34,7 @@ from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
+    _set_num_threads_if_needed,
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.distributed import group as _group
@@ -40,6 +42,7 @@ from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -91,6 +94,9 @@ class Parallel3DStrategy(ParallelStrategy):
         compile: ``torch.compile`` each block.
         process_group_backend: ``nccl`` or ``gloo``; default picks by device (NCCL on GPUs, gloo on CPU).
         timeout: How long a collective may wait for a peer before the job fails.
+        start_method: How local ranks are started when nothing else starts them (torchrun and SLURM do):
+            ``"popen"`` re-runs the script per rank (Lightning's default); ``"fork"`` forks the current process,
+            the only way from a Jupyter notebook. ``None`` picks ``"fork"`` in a notebook, else ``"popen"``.
     """
 
     strategy_name = "3d"
@@ -109,6 +115,7 @@ class Parallel3DStrategy(ParallelStrategy):
         compile: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta = timedelta(minutes=10),
+        start_method: Literal["popen", "fork"] | None = None,
     ) -> None:
         super().__init__()
         check_sizes(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,
@@ -120,6 +127,12 @@ class Parallel3DStrategy(ParallelStrategy):
         if sequence_parallel and tensor_parallel_size == 1:
             rank_zero_warn("sequence_parallel=True does nothing with tensor_parallel_size=1")
         check_pipeline_arguments(pipeline_parallel_size, pipeline_schedule, num_microbatches, virtual_pipeline_size)
+        if start_method not in (None, "popen", "fork"):
+            raise ValueError(f"start_method={start_method!r} is not one of 'popen', 'fork' (or None: automatic)")
+        if start_method == "popen" and _interactive():
+            raise ValueError("start_method='popen' cannot start ranks from a notebook or an interactive session: "
+                             "use start_method='fork' (or leave it unset), or run a script")
+        self.start_method = start_method or ("fork" if _interactive() else "popen")
         self._sizes = (data_parallel_size, tensor_parallel_size, pipeline_parallel_size)
         self.zero_stage = zero_stage
         self.sequence_parallel = sequence_parallel and tensor_parallel_size > 1
@@ -135,6 +148,7 @@ class Parallel3DStrategy(ParallelStrategy):
         self._device_mesh: DeviceMesh | None = None
         self._local_optimizers: dict[int, LocalShardOptimizer] = {}
         self.pipeline: Pipeline | None = None  # this rank's stages and schedule, when pipeline_parallel_size > 1
+        self.memory_estimate: dict[str, int] | None = None  # the planner's bytes for this rank, set at fit start
         self.num_nodes = 1
 
     # ------------------------------------------------------------------ where things run
@@ -182,11 +196,13 @@ class Parallel3DStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _CheckingLauncher(self)
+            self._launcher = _ForkLauncher(self) if self.start_method == "fork" else _CheckingLauncher(self)
 
     def check_configuration(self) -> None:
         """Refuse a bad layout or a model it cannot split, before any process group exists."""
         layout = self.layout
+        if self.cluster_environment is not None:  # under torchrun / SLURM: devices x num_nodes = launched ranks
+            self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         module = self.lightning_module
         config = getattr(module, "config", None)
         if config is not None:
@@ -210,6 +226,7 @@ class Parallel3DStrategy(ParallelStrategy):
         super().setup_environment()
         self.check_configuration()
         _exit_when_launcher_dies()
+        _set_num_threads_if_needed(self.num_processes)  # CPU ranks share the cores (torchrun sets 1)
         reset_seed()
         self.set_world_ranks()
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
@@ -270,40 +287,27 @@ class Parallel3DStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+            self.memory_estimate = self.planned_memory()
+            if self.memory_estimate:
+                rank_zero_info("lit3d plan estimate for rank 0: " + ", ".join(
+                    f"{key} {value / 2**20:.1f} MiB" for key, value in self.memory_estimate.items()))
 
     def parallelize(self, module: LightningModule) -> None:
-        """Split ``module.model`` over the mesh in the fixed order, then give it its weights:
-
-        pipeline stages → tensor parallel → activation checkpointing → compile → data parallel / ZeRO.
-        """
-        network, layout, mesh = module.model, self.layout, self.device_mesh
-        check_plan(network, module.tensor_parallel_plan)
-        chunks = [network]
-        if layout.pp > 1:
-            chunks, stage_ids = split_into_stages(network, layout.coordinate(self.global_rank).p, layout.pp,
-                                                  self.virtual_pipeline_size)
-        if layout.tp > 1:
-            apply_tensor_parallel(network, module.tensor_parallel_plan, mesh["tp"], self.sequence_parallel)
-            network.tie_weights()  # TP distributed the shared tensor once per module
-        blocks = list(network.blocks.values())
-        if self.activation_checkpointing:
-            from torch.distributed._composable import checkpoint
-
-            for block in blocks:
-                checkpoint(block)
-        if self.compile:
-            for block in blocks:
-                block.compile()
-        if layout.dp > 1:
-            for chunk in chunks:  # each pipeline chunk is a data-parallel root of its own
-                apply_data_parallel(chunk, list(chunk.blocks.values()), mesh["dp"], self.zero_stage)
+        """Split ``module.model`` over the mesh (see `parallelize_network`), then give it its weights."""
+        network, layout = module.model, self.layout
+        chunks, stage_ids = parallelize_network(
+            network, module.tensor_parallel_plan, layout, self.device_mesh, self.global_rank,
+            zero_stage=self.zero_stage, sequence_parallel=self.sequence_parallel,
+            virtual_pipeline_size=self.virtual_pipeline_size,
+            activation_checkpointing=self.activation_checkpointing, compile=self.compile,
+        )
         if any(p.is_meta for p in network.parameters()):
             for chunk in chunks:
                 chunk.to_empty(device=self.root_device)
             network.tie_weights()
             network.reset_parameters()
         if layout.pp > 1:
-            self.pipeline = Pipeline(chunks, stage_ids, layout.pp * self.virtual_pipeline_size, mesh["pp"],
+            self.pipeline = Pipeline(chunks, stage_ids, layout.pp * self.virtual_pipeline_size, self.device_mesh["pp"],
                                      self.pipeline_schedule, self.num_microbatches, self.root_device,
                                      loss_parallel=layout.tp > 1)
 
@@ -472,6 +476,30 @@ class Parallel3DStrategy(ParallelStrategy):
             path = Path(filepath)
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
 
+    def planned_memory(self) -> dict[str, int] | None:
+        """The planner's bytes for this rank's pipeline stage in this run (`lit3d.planner`), for a lit3d GPT."""
+        from lit3d.config import GPTConfig
+        from lit3d.planner.estimate import RUNTIME_PRECISIONS, Cluster, Training, estimate
+
+        module, layout = self.lightning_module, self.layout
+        config = getattr(module, "config", None)
+        if not isinstance(config, GPTConfig):
+            return None
+        trainer = module.trainer
+        data = getattr(trainer, "datamodule", None)
+        steps = self.num_microbatches if layout.pp > 1 else trainer.accumulate_grad_batches
+        micro = max(1, getattr(data, "global_batch_size", layout.dp) // (layout.dp * steps))
+        training = Training(
+            seq_len=getattr(data, "seq_len", config.max_seq_len), micro_batch_size=micro,
+            global_batch_size=micro * layout.dp * steps, zero_stage=self.zero_stage,
+            sequence_parallel=self.sequence_parallel, activation_checkpointing=self.activation_checkpointing,
+            pipeline_schedule=self.pipeline_schedule, virtual_pipeline_size=self.virtual_pipeline_size,
+        )
+        precision = RUNTIME_PRECISIONS.get(str(trainer.precision), RUNTIME_PRECISIONS["32-true"])
+        cluster = Cluster(nodes=self.num_nodes, gpus_per_node=self.num_processes)
+        plan = estimate(config, cluster, layout, training, precision)
+        return plan.memory_by_stage[layout.coordinate(self.global_rank).p]
+
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds in parameters, gradients and optimizer states (see `strategies.memory`)."""
         return memory_by_component(self.lightning_module, self.optimizers)
@@ -481,6 +509,39 @@ class Parallel3DStrategy(ParallelStrategy):
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
+
+
+def parallelize_network(network: nn.Module, plan: dict[str, str], layout: Layout, mesh: DeviceMesh, rank: int, *,
+                        zero_stage: int, sequence_parallel: bool = False, virtual_pipeline_size: int = 1,
+                        activation_checkpointing: bool = False, compile: bool = False,
+                        ) -> tuple[list[nn.Module], list[int]]:
+    """Split ``network`` for ``rank`` in place, in the fixed order, without giving it weights (it may stay on
+    the meta device, as `lit3d plan --verify` keeps it):
+
+    pipeline stages → tensor parallel → activation checkpointing → compile → data parallel / ZeRO.
+
+    Returns this rank's pipeline chunks (views of ``network``) and their stage indices.
+    """
+    check_plan(network, plan)
+    chunks, stage_ids = [network], [0]
+    if layout.pp > 1:
+        chunks, stage_ids = split_into_stages(network, layout.coordinate(rank).p, layout.pp, virtual_pipeline_size)
+    if layout.tp > 1:
+        apply_tensor_parallel(network, plan, mesh["tp"], sequence_parallel)
+        network.tie_weights()  # TP distributed the shared tensor once per module
+    blocks = list(network.blocks.values())
+    if activation_checkpointing:
+        from torch.distributed._composable import checkpoint
+
+        for block in blocks:
+            checkpoint(block)
+    if compile:
+        for block in blocks:
+            block.compile()
+    if layout.dp > 1:
+        for chunk in chunks:  # each pipeline chunk is a data-parallel root of its own
+            apply_data_parallel(chunk, list(chunk.blocks.values()), mesh["dp"], zero_stage)
+    return chunks, stage_ids
 
 
 def _has_dtensor_params(optimizer: torch.optim.Optimizer) -> bool:
@@ -505,6 +566,33 @@ class _CheckingLauncher(_SubprocessScriptLauncher):
         self._strategy.check_configuration()
         os.environ[_LAUNCHER_PID] = str(os.getpid())  # children watch this process (see below)
         return super().launch(function, *args, trainer=trainer, **kwargs)
+
+
+class _ForkLauncher(_MultiProcessingLauncher):
+    """Forks the ranks from the current process, as Lightning's ``ddp_notebook`` does: works in Jupyter.
+
+    The configuration is checked before forking. Metrics (``trainer.callback_metrics``) and the best checkpoint
+    path come back to the notebook; the weights stay sharded in the ranks, so save a checkpoint to keep them.
+    """
+
+    def __init__(self, strategy: Parallel3DStrategy) -> None:
+        super().__init__(strategy, start_method="fork")
+
+    def launch(self, function: Any, *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
+        self._strategy.check_configuration()
+        os.environ[_LAUNCHER_PID] = str(os.getpid())  # the forked ranks end if this process dies
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+    def _collect_rank_zero_results(self, trainer: Trainer, results: Any) -> _WorkerOutput | None:
+        if self._strategy.local_rank != 0:
+            return None
+        best = getattr(trainer.checkpoint_callback, "best_model_path", None)
+        return _WorkerOutput(best, None, trainer.state, results, self.get_extra_results(trainer))
+
+
+def _interactive() -> bool:
+    """A notebook or a Python prompt (Lightning's test): script launchers cannot re-run it per rank."""
+    return hasattr(sys, "ps1") or bool(sys.flags.interactive)
 
 
 def _exit_when_launcher_dies() -> None:

@@ -23,3 +23,17 @@ def fit(model, data, tmp_path, **trainer_kwargs) -> tuple[L.Trainer, Path]:
     trainer = L.Trainer(**{**options, **trainer_kwargs})
     trainer.fit(model, data)
     return trainer, Path(logger.log_dir)
+
+
+class RecordPlacement(L.Callback):
+    """Writes, per rank, where it runs: its node (from the launcher's environment) and its tensor-parallel group."""
+
+    def on_train_start(self, trainer, pl_module):
+        import json
+
+        import torch.distributed as dist
+
+        mesh = trainer.strategy.device_mesh
+        record = {"rank": trainer.global_rank, "node": trainer.node_rank,
+                  "tp_group": dist.get_process_group_ranks(mesh["tp"].get_group())}
+        Path(f"placement_rank{trainer.global_rank}.json").write_text(json.dumps(record))

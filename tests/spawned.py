@@ -132,6 +132,7 @@ class Probe(Callback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         if trainer.global_step == trainer.max_steps - 1 and hasattr(trainer.strategy, "memory_report"):
             self.memory = trainer.strategy.memory_report()
+            self.memory["estimate"] = trainer.strategy.memory_estimate
 
 
 class PlainLoaderData(TextDataModule):

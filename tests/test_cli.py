@@ -86,3 +86,46 @@ def test_bad_input_is_refused_before_training_with_the_value_named(tmp_path):
     assert preset.returncode != 0 and "unknown model preset 'llama-9b'" in preset.stderr
     missing = lit3d("fit", "--config", TINY, *QUICK, "--data.init_args.data_path=/no/such/corpus", cwd=tmp_path)
     assert missing.returncode != 0 and "data_path='/no/such/corpus' does not exist" in missing.stderr
+
+
+def test_two_node_torchrun_on_loopback_keeps_tp_inside_a_node(tmp_path, single_process_losses):
+    """Two `torchrun --nnodes 2` invocations on 127.0.0.1 (2 ranks each), TP2 x DP2: each TP group lives on one
+    "node", and the loss curve is the single-process one."""
+    import json
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2", f"--node_rank={node}",
+             "--master_addr=127.0.0.1", f"--master_port={port}", str(ROOT / "cli.py"), "fit", "--config", TINY,
+             *QUICK, "--trainer.num_nodes=2", "--trainer.devices=2", "--trainer.strategy=Parallel3DStrategy",
+             "--trainer.strategy.tensor_parallel_size=2", "--trainer.callbacks+=helpers.RecordPlacement"],
+            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for node in (0, 1)
+    ]
+    outputs = [p.communicate(timeout=240)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    placements = [json.loads((tmp_path / f"placement_rank{r}.json").read_text()) for r in range(4)]
+    assert [p["node"] for p in placements] == [0, 0, 1, 1]
+    for p in placements:
+        assert {placements[r]["node"] for r in p["tp_group"]} == {p["node"]}  # the TP group is on its own node
+    assert "2 node(s) x 2 device(s)" in outputs[0]  # the rank map printed at start shows the nodes
+    losses = torch.tensor(logged(tmp_path / "runs" / "tiny" / "version_0", "train_loss"))
+    torch.testing.assert_close(losses, single_process_losses, rtol=1e-5, atol=0)
+
+
+def test_num_nodes_that_do_not_match_torchrun_are_refused(tmp_path):
+    """torchrun started 4 ranks (2 nodes x 2), the config says 1 node: refused before any process group."""
+    env = {"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0", "WORLD_SIZE": "4",
+           "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
+    run = subprocess.run([sys.executable, str(ROOT / "cli.py"), "fit", "--config", TINY, *QUICK,
+                          "--trainer.devices=2", "--trainer.num_nodes=1", "--trainer.strategy=Parallel3DStrategy"],
+                         cwd=tmp_path, env={**os.environ, **env, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode != 0
+    assert "`devices=2` and `num_nodes=1`" in run.stderr and "world size (4)" in run.stderr
+    assert "Initializing distributed" not in run.stdout + run.stderr

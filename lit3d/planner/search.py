@@ -1,0 +1,129 @@
+"""The layout search: every valid (dp, tp, pp, ZeRO, checkpointing) on a cluster, the ones that fit, fastest first.
+
+A layout is valid when tensor parallelism stays inside a node and divides the heads, kv heads, MLP width and
+(padded) vocabulary; the pipeline has at least one block per chunk (and an untied head); the global batch
+splits into whole micro-batches per replica that the schedule can run. Those that do not fit in memory are
+dropped; the rest are ranked by estimated step time, then by data-parallel traffic and memory.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from lit3d.config import GPTConfig
+from lit3d.planner.estimate import GB, PRECISIONS, Cluster, Plan, Training, estimate
+from strategies.layout import SCHEDULES, Layout, microbatch_problem
+
+
+@dataclass
+class Candidate:
+    layout: Layout
+    training: Training
+    plan: Plan
+
+
+def check_inputs(config: GPTConfig, cluster: Cluster, training: Training) -> None:
+    """Refuse numbers no layout could use, naming them."""
+    for name in ("nodes", "gpus_per_node"):
+        value = getattr(cluster, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive integer")
+    for name, value in (("gpu_memory", cluster.gpu_memory_gb), ("intra_node_bandwidth", cluster.intra_node_gbps),
+                        ("inter_node_bandwidth", cluster.inter_node_gbps), ("peak_tflops", cluster.peak_tflops)):
+        if not value > 0:
+            raise ValueError(f"{name}={value!r} must be positive")
+    for name in ("seq_len", "micro_batch_size", "global_batch_size", "virtual_pipeline_size"):
+        value = getattr(training, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive integer")
+    if training.seq_len > config.max_seq_len:
+        raise ValueError(f"seq_len={training.seq_len} is above the model's max_seq_len={config.max_seq_len}")
+    if training.precision not in PRECISIONS:
+        raise ValueError(f"precision={training.precision!r} is not one of {', '.join(PRECISIONS)}")
+    if training.zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage={training.zero_stage!r} must be 0, 1, 2 or 3")
+    if training.pipeline_schedule not in SCHEDULES:
+        raise ValueError(f"pipeline_schedule={training.pipeline_schedule!r} is not one of {', '.join(SCHEDULES)}")
+
+
+def layout_problem(config: GPTConfig, cluster: Cluster, layout: Layout, training: Training) -> str | None:
+    """Why ``layout`` cannot run ``config`` with ``training`` on ``cluster`` (None if it can)."""
+    tp, pp, dp = layout.tp, layout.pp, layout.dp
+    if layout.world_size > cluster.gpus:
+        return (f"data_parallel_size={dp} x tensor_parallel_size={tp} x pipeline_parallel_size={pp} = "
+                f"{layout.world_size} GPUs, but the cluster has {cluster.nodes} x {cluster.gpus_per_node} = "
+                f"{cluster.gpus}")
+    for field in ("n_head", "n_kv_head", "d_ff", "padded_vocab_size"):
+        if getattr(config, field) % tp:
+            return f"tensor_parallel_size={tp} does not divide {field}={getattr(config, field)}"
+    virtual = training.virtual_pipeline_size if pp > 1 else 1
+    if pp * virtual > config.n_layer:
+        return (f"pipeline_parallel_size={pp} x virtual_pipeline_size={virtual} is more stages than "
+                f"n_layer={config.n_layer}")
+    if pp > 1 and config.tie_embeddings:
+        return "a tied embedding cannot be pipelined (tie_embeddings=True)"
+    per_step = dp * training.micro_batch_size
+    if training.global_batch_size % per_step:
+        return (f"global_batch_size={training.global_batch_size} is not divisible by data_parallel_size={dp} x "
+                f"micro_batch_size={training.micro_batch_size}")
+    if pp > 1:
+        return microbatch_problem(pp, training.pipeline_schedule, training.global_batch_size // per_step)
+    return None
+
+
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def search(config: GPTConfig, cluster: Cluster, training: Training, *, tensor_parallel_size: int | None = None,
+           pipeline_parallel_size: int | None = None, data_parallel_size: int | None = None,
+           zero_stages: tuple[int, ...] = (0, 1, 2, 3), checkpointing: tuple[bool, ...] = (False, True),
+           ) -> tuple[list[Candidate], dict[str, int]]:
+    """Layouts using every GPU of ``cluster`` (sizes given are kept), estimated; returns those that fit, best
+    first, and counts of what was dropped and why."""
+    dropped = {"invalid": 0, "out_of_memory": 0}
+    fitting: list[Candidate] = []
+    for tp in [tensor_parallel_size] if tensor_parallel_size else divisors(cluster.gpus_per_node):
+        for pp in [pipeline_parallel_size] if pipeline_parallel_size else divisors(cluster.gpus // tp):
+            dp = cluster.gpus // (tp * pp)
+            if data_parallel_size and data_parallel_size != dp:
+                continue
+            layout = Layout(dp=dp, tp=tp, pp=pp, devices_per_node=cluster.gpus_per_node)
+            if dp * tp * pp != cluster.gpus or layout_problem(config, cluster, layout, training):
+                dropped["invalid"] += 1
+                continue
+            for zero in zero_stages if dp > 1 else zero_stages[:1]:
+                for ac in checkpointing:
+                    option = replace(training, zero_stage=zero, activation_checkpointing=ac)
+                    plan = estimate(config, cluster, layout, option)
+                    if plan.fits:
+                        fitting.append(Candidate(layout, option, plan))
+                    else:
+                        dropped["out_of_memory"] += 1
+    # Fastest first; among equals, the least data-parallel traffic, then the least memory.
+    fitting.sort(key=lambda c: (round(c.plan.step_time_s, 6), c.plan.communication_per_step["dp"]["bytes"],
+                                c.plan.memory_per_gpu["total"]))
+    return fitting, dropped
+
+
+def why(candidate: Candidate, cluster: Cluster) -> str:
+    """One line on what makes this layout good (or what it pays for)."""
+    plan, layout, training = candidate.plan, candidate.layout, candidate.training
+    usable = cluster.gpu_memory_gb * (1 - training.headroom)
+    parts = [f"{plan.memory_per_gpu['total'] / GB:.1f} of {usable:.0f} GB usable"]
+    if layout.tp > 1:
+        link = "NVLink" if cluster.gpus_per_node % layout.tp == 0 else "crosses nodes"
+        parts.append(f"TP{layout.tp} inside a node ({link}), {plan.communication_per_step['tp']['seconds']:.2f} s exposed")
+    if layout.pp > 1:
+        parts.append(f"PP{layout.pp} bubble {plan.pipeline_bubble:.1%} with {plan.num_microbatches} micro-batches")
+    if layout.dp > 1:
+        dp = plan.communication_per_step["dp"]
+        parts.append(f"DP{layout.dp} ZeRO-{training.zero_stage} moves {dp['bytes'] / GB:.1f} GB/GPU in {dp['seconds']:.2f} s")
+    if training.activation_checkpointing:
+        parts.append("recomputes activations (+33% compute)")
+    return "; ".join(parts)
+
+
+def tokens_per_second(plan: Plan, training: Training) -> float:
+    return training.global_batch_size * training.seq_len / plan.step_time_s if math.isfinite(plan.step_time_s) else 0.0

@@ -1,0 +1,27 @@
+"""The prototype notebook runs headless from top to bottom: planner, rank map, 8 forked CPU ranks, loss plot."""
+
+from pathlib import Path
+
+import pytest
+
+nbclient = pytest.importorskip("nbclient", reason="nbclient is in the test extra")
+import nbformat  # noqa: E402
+
+from helpers import logged  # noqa: E402
+
+NOTEBOOK = Path(__file__).resolve().parents[1] / "examples" / "prototype.ipynb"
+
+
+def test_prototype_notebook_runs_without_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("LIT3D_NOTEBOOK_STEPS", "12")
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    nbclient.NotebookClient(notebook, timeout=240, kernel_name="python3",
+                            resources={"metadata": {"path": str(tmp_path)}}).execute()  # raises on any error
+    outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    assert sum("image/svg+xml" in o.get("data", {}) for o in outputs) == 2  # the two rank maps
+    assert any("image/png" in o.get("data", {}) for o in outputs)  # the loss curve
+    text = "".join(o.get("text", "") for o in outputs)
+    assert "layout(s) fit" in text and "train_loss" in text
+    losses = logged(tmp_path / "runs" / "notebook" / "prototype", "train_loss")
+    assert len(losses) == 12 and losses[-1] < losses[0]

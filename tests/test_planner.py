@@ -1,0 +1,199 @@
+"""The planner: known answers from the literature, exact agreement with the real parallelisation and with the
+bytes a run holds, the search, the rank map, the CLI and its errors."""
+
+import json
+
+import pytest
+
+from cli import main
+from lit3d.config import GPTConfig
+from lit3d.planner import GB, Cluster, RankMap, Training, estimate, layout_problem, search, verify
+from strategies.layout import Layout
+
+GPT3 = GPTConfig.from_name("gpt3-175b")
+MEGATRON_GPT3 = Layout(dp=8, tp=8, pp=16, devices_per_node=8)  # 1,024 GPUs on 128 nodes
+
+
+def gpt3_plan(zero_stage):
+    return estimate(GPT3, Cluster(nodes=128), MEGATRON_GPT3,
+                    Training(seq_len=2048, global_batch_size=1536, zero_stage=zero_stage, sequence_parallel=False))
+
+
+def test_gpt3_state_per_gpu_is_the_known_answer():
+    plan = gpt3_plan(zero_stage=0)
+    # A stage of 6 of the 96 blocks split 8 ways: 2.7 GB of bf16 weights, 2.7 of gradients, 16.3 of optimizer
+    # (fp32 master weights and two moments), 21.8 GB of state; the end stages also hold the embedding or head.
+    middle = plan.memory_by_stage[1]
+    assert middle["params"] / GB == pytest.approx(2.7, rel=0.01)
+    assert middle["grads"] / GB == pytest.approx(2.7, rel=0.01)
+    assert middle["optimizer"] / GB == pytest.approx(16.4, rel=0.01)
+    assert sum(middle[k] for k in ("params", "grads", "optimizer")) / GB == pytest.approx(21.8, rel=0.01)
+    most = plan.memory_per_gpu
+    assert sum(most[k] for k in ("params", "grads", "optimizer")) / GB == pytest.approx(21.8, rel=0.07)
+    assert most["total"] == max(stage["total"] for stage in plan.memory_by_stage)
+
+
+def test_zero1_divides_the_optimizer_state_by_the_data_parallel_size():
+    z0, z1 = gpt3_plan(0).memory_per_gpu, gpt3_plan(1).memory_per_gpu
+    assert z1["optimizer"] == pytest.approx(z0["optimizer"] / 8, rel=1e-4)  # but for the step counters
+    assert (z1["params"], z1["grads"]) == (z0["params"], z0["grads"])
+
+
+def test_1f1b_bubble_is_p_minus_1_over_m_plus_p_minus_1():
+    plan = estimate(GPTConfig.from_name("llama-8b"), Cluster(nodes=4), Layout(dp=2, tp=4, pp=4, devices_per_node=8),
+                    Training(global_batch_size=32, pipeline_schedule="1f1b"))
+    assert plan.num_microbatches == 16
+    assert plan.pipeline_bubble == pytest.approx(3 / 19)
+
+
+def test_llama_405b_fits_on_16384_h100s_and_70b_does_not_fit_on_one():
+    llama405 = GPTConfig.from_name("llama-405b")
+    plan = estimate(llama405, Cluster(nodes=2048), Layout(dp=128, tp=8, pp=16, devices_per_node=8),
+                    Training(seq_len=8192, micro_batch_size=1, global_batch_size=2048, zero_stage=1,
+                             activation_checkpointing=True))
+    assert plan.fits and plan.memory_per_gpu["total"] < 80 * GB
+    without_checkpointing = estimate(llama405, Cluster(nodes=2048), Layout(dp=128, tp=8, pp=16, devices_per_node=8),
+                                     Training(seq_len=8192, global_batch_size=2048, zero_stage=1))
+    assert not without_checkpointing.fits
+    llama70 = GPTConfig.from_name("llama-70b")
+    one_gpu = Cluster(nodes=1, gpus_per_node=1)
+    for zero in range(4):
+        plan = estimate(llama70, one_gpu, Layout(1, 1, 1, 1),
+                        Training(seq_len=1024, global_batch_size=1, zero_stage=zero, activation_checkpointing=True))
+        assert not plan.fits and plan.memory_per_gpu["params"] > 80 * GB
+    fitting, _ = search(llama70, one_gpu, Training(seq_len=1024, global_batch_size=1))
+    assert fitting == []
+
+
+@pytest.mark.parametrize("name, layout, zero_stage, virtual", [
+    ("tiny", Layout(dp=2, tp=2, pp=2, devices_per_node=4), 3, 1),
+    ("tiny", Layout(dp=2, tp=1, pp=2, devices_per_node=4), 1, 2),
+    ("gpt3-175b", MEGATRON_GPT3, 0, 1),  # 1,024 simulated ranks
+    ("llama-8b", Layout(dp=32, tp=8, pp=4, devices_per_node=8), 2, 1),
+])
+def test_verify_counts_match_the_analytic_ones_exactly(name, layout, zero_stage, virtual):
+    import time
+
+    start = time.perf_counter()
+    counts = verify(GPTConfig.from_name(name), layout, zero_stage, virtual_pipeline_size=virtual)
+    assert len(counts) == layout.pp
+    assert [c.verified for c in counts] == [c.analytic for c in counts]
+    assert all(c.verified > 0 for c in counts)
+    assert time.perf_counter() - start < 60  # seconds, not minutes, for 1,024 ranks
+
+
+def test_fit_logs_the_planner_estimate_and_it_equals_the_measured_bytes(layout_runs):
+    """In every layout of the suite (ZeRO 0-3, TP, SP, PP, DP x TP x PP, mixed precision), each rank's
+    parameters, gradients and optimizer state are what the planner said before the run."""
+    checked = 0
+    for name, run in layout_runs.items():
+        for rank, report in enumerate(run["ranks"]):
+            memory = report["memory"]
+            if not memory:
+                continue
+            estimate_ = memory["estimate"]
+            assert estimate_ is not None, name
+            for key in ("params", "grads", "optimizer"):
+                assert memory[key] == estimate_[key], f"{name} rank {rank}: {key}"
+            checked += 1
+    assert checked >= 40
+
+
+def test_search_keeps_valid_layouts_that_fit_fastest_first():
+    config, cluster = GPTConfig.from_name("llama-70b"), Cluster(nodes=8)
+    training = Training(seq_len=4096, global_batch_size=512)
+    fitting, dropped = search(config, cluster, training)
+    assert fitting and dropped["out_of_memory"] > 0
+    times = [c.plan.step_time_s for c in fitting]
+    assert times == sorted(times)
+    for c in fitting:
+        assert c.plan.fits and c.layout.world_size == cluster.gpus
+        assert cluster.gpus_per_node % c.layout.tp == 0 and config.n_kv_head % c.layout.tp == 0
+        assert layout_problem(config, cluster, c.layout, c.training) is None
+    # Sizes given are kept.
+    fixed, _ = search(config, cluster, training, tensor_parallel_size=8)
+    assert fixed and {c.layout.tp for c in fixed} == {8}
+
+
+def test_layout_problems_name_the_values():
+    config, cluster = GPTConfig.from_name("llama-8b"), Cluster(nodes=1)
+    training = Training(global_batch_size=64)
+    assert "n_kv_head=8" in layout_problem(config, cluster, Layout(1, 16, 1, 16), training) or \
+        "16 GPUs" in layout_problem(config, cluster, Layout(1, 16, 1, 16), training)
+    assert "tensor_parallel_size=3" in layout_problem(config, Cluster(nodes=3), Layout(8, 3, 1, 8), training)
+    assert "n_layer=32" in layout_problem(config, Cluster(nodes=8), Layout(1, 1, 64, 8), training)
+    assert "global_batch_size=64" in layout_problem(config, Cluster(nodes=12), Layout(96, 1, 1, 8), training)
+
+
+def test_rank_map_draws_the_fleet(tmp_path):
+    small = RankMap(Layout(dp=2, tp=2, pp=2, devices_per_node=4))
+    assert small.nodes_drawn() == ([0, 1], False)
+    big = RankMap(Layout(dp=8, tp=8, pp=16, devices_per_node=8))
+    nodes, one_replica = big.nodes_drawn()
+    assert one_replica and nodes == [8 * p for p in range(16)]  # replica 0: one node per stage
+    assert big._repr_svg_().lstrip().startswith("<?xml") and "<svg" in big._repr_svg_()
+    assert (small.save(tmp_path / "map.png").read_bytes()[:8]) == b"\x89PNG\r\n\x1a\n"
+    assert "<svg" in small.save(tmp_path / "map.html").read_text()
+    with pytest.raises(ValueError, match="map.pdf"):
+        small.save(tmp_path / "map.pdf")
+
+
+def test_cli_plan_json_verify_and_map(tmp_path, capsys):
+    main(["plan", "--model", "gpt3-175b", "--nodes", "128", "--tensor_parallel_size", "8",
+          "--pipeline_parallel_size", "16", "--zero_stage", "1", "--global_batch_size", "1536",
+          "--seq_len", "2048", "--json", "--map", str(tmp_path / "fleet.svg")])
+    report = json.loads(capsys.readouterr().out)
+    assert report["layout"] == {"data_parallel_size": 8, "tensor_parallel_size": 8, "pipeline_parallel_size": 16,
+                                "zero_stage": 1, "virtual_pipeline_size": 1}
+    assert set(report["memory_per_gpu"]) >= {"params", "grads", "optimizer", "activations", "total"}
+    assert set(report["communication_per_step"]) == {"tp", "pp", "dp"}
+    assert report["pipeline_bubble"] == pytest.approx(15 / (192 + 15))  # m = 1536 / 8 replicas and report["step_time_s"] > 0
+    assert "<svg" in (tmp_path / "fleet.svg").read_text()
+
+    main(["plan", "--model", "tiny", "--nodes", "2", "--gpus_per_node", "4", "--global_batch_size", "16",
+          "--seq_len", "128", "--verify"])
+    out = capsys.readouterr().out
+    assert "layout(s) fit" in out and "why:" in out and "match" in out and "MISMATCH" not in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "gpt-9"], "unknown model preset 'gpt-9'"),
+    (["--nodes", "0"], "nodes=0"),
+    (["--gpu_memory", "-80"], "gpu_memory=-80"),
+    (["--seq_len", "99999"], "seq_len=99999"),
+    (["--model", "llama-8b", "--tensor_parallel_size", "16", "--pipeline_parallel_size", "1", "--nodes", "2"],
+     "tensor_parallel_size=16 does not divide n_kv_head=8"),
+    (["--tensor_parallel_size", "8", "--pipeline_parallel_size", "2", "--data_parallel_size", "4"], "64 GPUs"),
+    (["--zero_stage", "5"], "zero_stage=5"),
+    (["--precision", "fp8"], "precision='fp8'"),
+])
+def test_cli_plan_refuses_bad_input_naming_the_value(args, message):
+    with pytest.raises(SystemExit) as error:
+        main(["plan", *args])
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize("name", ["125m", "1b", "llama-8b", "llama-70b", "llama-405b", "gpt3-175b"])
+def test_each_preset_config_parses_and_its_layout_fits_in_80_gb(name):
+    from pathlib import Path
+
+    import yaml
+
+    path = Path(__file__).resolve().parents[1] / "configs" / f"{name}.yaml"
+    with pytest.raises(SystemExit) as done:
+        main(["fit", "--config", str(path), "--print_config"])
+    assert done.value.code in (0, None)
+    spec = yaml.safe_load(path.read_text())
+    trainer, strategy, data = spec["trainer"], spec["trainer"]["strategy"]["init_args"], spec["data"]["init_args"]
+    tp, pp = strategy.get("tensor_parallel_size", 1), strategy.get("pipeline_parallel_size", 1)
+    layout = Layout(dp=trainer["num_nodes"] * trainer["devices"] // (tp * pp), tp=tp, pp=pp,
+                    devices_per_node=trainer["devices"])
+    steps = strategy.get("num_microbatches", 1) * trainer.get("accumulate_grad_batches", 1)
+    training = Training(seq_len=data["seq_len"], global_batch_size=data["global_batch_size"],
+                        micro_batch_size=data["global_batch_size"] // (layout.dp * steps),
+                        zero_stage=strategy["zero_stage"], sequence_parallel=strategy.get("sequence_parallel", False),
+                        activation_checkpointing=strategy.get("activation_checkpointing", False))
+    cluster = Cluster(nodes=trainer["num_nodes"], gpus_per_node=trainer["devices"])
+    config = GPTConfig.from_name(name)
+    assert layout_problem(config, cluster, layout, training) is None
+    assert estimate(config, cluster, layout, training).fits
