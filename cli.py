@@ -13,11 +13,13 @@ from lightning.pytorch.callbacks import Callback, ProgressBar, RichProgressBar
 from lightning.pytorch.cli import LightningCLI
 
 import strategies  # noqa: F401  (registers "3d" and makes `Parallel3DStrategy` resolvable by its short name)
+from lit3d.callbacks import Throughput
 from lit3d.gpt import GPT, check_model_fits_data
 
 
 class Lit3DCLI(LightningCLI):
-    """LightningCLI with lit3d's defaults: the tiny GPT on the embedded corpus, a Rich progress bar when interactive."""
+    """LightningCLI with lit3d's defaults: the tiny GPT on the embedded corpus, a Rich progress bar when
+    interactive, and the `Throughput` callback (tokens/s, MFU) unless the config has one."""
 
     def add_arguments_to_parser(self, parser: Any) -> None:
         parser.set_defaults({
@@ -30,6 +32,8 @@ class Lit3DCLI(LightningCLI):
         if sys.stdout.isatty() and config.get("enable_progress_bar") is not False \
                 and not any(isinstance(c, ProgressBar) for c in given):
             callbacks = [*callbacks, RichProgressBar()]
+        if not any(isinstance(c, Throughput) for c in given):  # tokens/s and MFU for every run
+            callbacks = [*callbacks, Throughput()]
         return super()._instantiate_trainer(config, callbacks)
 
     def _check_model_and_data(self) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -41,3 +43,83 @@ class SampleText(Callback):
             message = f"\n--- sample at step {trainer.global_step} ---\n{text}\n---"
             bar = trainer.progress_bar_callback
             bar.print(message) if bar is not None else print(message)
+
+
+class Throughput(Callback):
+    """Tokens/s, samples/s, step time, peak memory and MFU of every optimizer step, in the progress bar and the logger.
+
+    Logged (rank 0's clock, which every rank waits for at the step's collectives): ``perf/tokens_per_s`` (global),
+    ``perf/tokens_per_s_per_device``, ``perf/samples_per_s``, ``perf/step_s``, ``perf/peak_memory_gb`` (the
+    device allocator's peak on GPUs, the process's peak resident memory on CPU) and ``perf/mfu``: model FLOPs
+    per token (`GPTConfig.flops_per_token`, no recompute) times tokens/s per device, over the device's dense bf16
+    peak from `lit3d.hardware`. A device that is not in that table (a CPU, an unknown GPU) reports no MFU
+    rather than a wrong one. The first ``warmup`` steps (compilation, allocator warm-up) are not logged.
+
+    Args:
+        warmup: Optimizer steps to skip before logging.
+    """
+
+    def __init__(self, warmup: int = 2) -> None:
+        self.warmup = warmup
+        self._last: float | None = None
+        self.peak_flops: float | None = None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.peak_flops = device_peak_flops(pl_module.device)
+        self._last = None
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+        if (batch_idx + 1) % trainer.accumulate_grad_batches:
+            return  # not an optimizer step yet
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+        now = time.perf_counter()
+        last, self._last = self._last, now
+        if last is None or trainer.global_step <= self.warmup:
+            return
+        step = now - last
+        samples, seq_len = _global_batch_shape(trainer, batch)
+        if samples is None:
+            return
+        tokens = samples * seq_len
+        metrics = {
+            "perf/tokens_per_s": tokens / step,
+            "perf/tokens_per_s_per_device": tokens / step / trainer.world_size,
+            "perf/samples_per_s": samples / step,
+            "perf/step_s": step,
+            "perf/peak_memory_gb": _peak_memory_bytes(pl_module.device) / 1e9,
+        }
+        config = getattr(pl_module, "config", None)
+        if self.peak_flops and hasattr(config, "flops_per_token"):
+            metrics["perf/mfu"] = config.flops_per_token(seq_len) * metrics["perf/tokens_per_s_per_device"] / self.peak_flops
+        for name, value in metrics.items():
+            pl_module.log(name, value, prog_bar=name in ("perf/tokens_per_s", "perf/mfu"), rank_zero_only=True,
+                          on_step=True, on_epoch=False)
+
+
+def device_peak_flops(device: torch.device) -> float | None:
+    """Dense bf16 FLOP/s of a known GPU; None for a CPU or a GPU not in `lit3d.hardware`."""
+    from lit3d.hardware import identify
+
+    gpu = identify(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    return gpu.peak_tflops * 1e12 if gpu else None
+
+
+def _global_batch_shape(trainer: L.Trainer, batch) -> tuple[int | None, int | None]:
+    """Sequences per optimizer step over all replicas and tokens per sequence: from a lit3d TextDataModule, or
+    from a ``[batch, seq_len + 1]`` token tensor and the number of data-parallel replicas."""
+    data = trainer.datamodule
+    if hasattr(data, "global_batch_size") and hasattr(data, "seq_len"):
+        return data.global_batch_size, data.seq_len
+    if isinstance(batch, torch.Tensor) and batch.ndim == 2:
+        replicas = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+        return batch.shape[0] * replicas.get("num_replicas", 1) * trainer.accumulate_grad_batches, batch.shape[1] - 1
+    return None, None
+
+
+def _peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux

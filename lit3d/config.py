@@ -122,6 +122,12 @@ class GPTConfig:
     def embedding_params(self) -> int:
         return self.vocab_size * self.d_model
 
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token (forward + backward): 6 per weight of every matmul (the embedding lookup is
+        not one) plus attention's 12 · n_layer · d_model · seq_len (Chinchilla / PaLM accounting, no recompute)."""
+        matmul_params = self.num_params - (0 if self.tie_embeddings else self.embedding_params)
+        return 6 * matmul_params + 12 * self.n_layer * self.d_model * seq_len
+
 
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple

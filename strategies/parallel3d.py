@@ -66,6 +66,8 @@ from strategies.layout import (
 )
 from strategies.memory import memory_by_component
 from strategies.pipeline import Pipeline, bubble_theory, split_into_stages
+from strategies.recompute import MODES as RECOMPUTE_MODES
+from strategies.recompute import apply_activation_checkpointing
 from strategies.tensor_parallel import apply_tensor_parallel, check_plan, lay_out_grads_like_params
 from strategies.zero import ELEMENTWISE_OPTIMIZERS, LocalShardOptimizer, apply_data_parallel
 
@@ -90,8 +92,10 @@ class Parallel3DStrategy(ParallelStrategy):
         num_microbatches: Micro-batches each replica's batch is split into for the pipeline (default: 2 x
             pipeline_parallel_size).
         virtual_pipeline_size: Model chunks per pipeline rank (interleaved schedules).
-        activation_checkpointing: Recompute each block's activations in backward instead of storing them.
-        compile: ``torch.compile`` each block.
+        activation_checkpointing: Recompute activations in backward instead of storing them: ``True`` or
+            ``"full"`` keeps only each block's input; ``"selective"`` keeps matmul, attention and collective
+            outputs and recomputes the elementwise ops (see `strategies.recompute`).
+        compile: ``torch.compile`` each block (``True``: inductor; a string names another backend).
         process_group_backend: ``nccl`` or ``gloo``; default picks by device (NCCL on GPUs, gloo on CPU).
         timeout: How long a collective may wait for a peer before the job fails.
         start_method: How local ranks are started when nothing else starts them (torchrun and SLURM do):
@@ -111,8 +115,8 @@ class Parallel3DStrategy(ParallelStrategy):
         pipeline_schedule: str = "1f1b",
         num_microbatches: int | None = None,
         virtual_pipeline_size: int | None = None,
-        activation_checkpointing: bool = False,
-        compile: bool = False,
+        activation_checkpointing: bool | Literal["full", "selective"] = False,
+        compile: bool | str = False,
         process_group_backend: str | None = None,
         timeout: timedelta = timedelta(minutes=10),
         start_method: Literal["popen", "fork"] | None = None,
@@ -127,6 +131,9 @@ class Parallel3DStrategy(ParallelStrategy):
         if sequence_parallel and tensor_parallel_size == 1:
             rank_zero_warn("sequence_parallel=True does nothing with tensor_parallel_size=1")
         check_pipeline_arguments(pipeline_parallel_size, pipeline_schedule, num_microbatches, virtual_pipeline_size)
+        if activation_checkpointing not in (True, False, *RECOMPUTE_MODES):
+            raise ValueError(f"activation_checkpointing={activation_checkpointing!r} is not one of True, False, "
+                             f"{', '.join(map(repr, RECOMPUTE_MODES))}")
         if start_method not in (None, "popen", "fork"):
             raise ValueError(f"start_method={start_method!r} is not one of 'popen', 'fork' (or None: automatic)")
         if start_method == "popen" and _interactive():
@@ -513,7 +520,7 @@ class Parallel3DStrategy(ParallelStrategy):
 
 def parallelize_network(network: nn.Module, plan: dict[str, str], layout: Layout, mesh: DeviceMesh, rank: int, *,
                         zero_stage: int, sequence_parallel: bool = False, virtual_pipeline_size: int = 1,
-                        activation_checkpointing: bool = False, compile: bool = False,
+                        activation_checkpointing: bool | str = False, compile: bool | str = False,
                         ) -> tuple[list[nn.Module], list[int]]:
     """Split ``network`` for ``rank`` in place, in the fixed order, without giving it weights (it may stay on
     the meta device, as `lit3d plan --verify` keeps it):
@@ -531,13 +538,14 @@ def parallelize_network(network: nn.Module, plan: dict[str, str], layout: Layout
         network.tie_weights()  # TP distributed the shared tensor once per module
     blocks = list(network.blocks.values())
     if activation_checkpointing:
-        from torch.distributed._composable import checkpoint
-
-        for block in blocks:
-            checkpoint(block)
+        apply_activation_checkpointing(blocks, "full" if activation_checkpointing is True else activation_checkpointing)
     if compile:
+        options = {} if compile is True else {"backend": compile}
         for block in blocks:
-            block.compile()
+            # NOTE: a block with checkpoint hooks does not compile as a whole (recompute sees other metadata);
+            # its sub-modules do.
+            for part in block.children() if activation_checkpointing else [block]:
+                part.compile(**options)
     if layout.dp > 1:
         for chunk in chunks:  # each pipeline chunk is a data-parallel root of its own
             apply_data_parallel(chunk, list(chunk.blocks.values()), mesh["dp"], zero_stage)

@@ -68,7 +68,7 @@ class Training:
     precision: str = "bf16-mixed"
     zero_stage: int = 1
     sequence_parallel: bool = True
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool | str = False  # True or "full", "selective"
     pipeline_schedule: str = "1f1b"
     virtual_pipeline_size: int = 1
     efficiency: float = 0.6  # share of the peak that matmuls reach
@@ -188,10 +188,13 @@ def _free_dim(tensor: Tensor) -> int:
     return next(d for d in range(len(tensor.shape)) if d != tensor.tp_dim)
 
 
-def activation_elements_per_token(config: GPTConfig, tp: int, sequence_parallel: bool, checkpointing: bool) -> float:
+def activation_elements_per_token(config: GPTConfig, tp: int, sequence_parallel: bool,
+                                  checkpointing: bool | str) -> float:
     """Activations one block keeps for backward, per token (elements)."""
     h, f, kv = config.d_model, config.d_ff, config.n_kv_head * config.head_dim
     split = tp if sequence_parallel else 1
+    if checkpointing == "selective":  # the input, the matmul, attention and collective outputs (strategies.recompute)
+        return 3 * h / split + (h + 2 * kv + h + 2 * f) / tp
     if checkpointing:
         return h / split  # only the block's input; the rest is recomputed
     norm_inputs = 2 * h  # attention and MLP norms (split along the sequence under SP)
@@ -215,6 +218,7 @@ def estimate(config: GPTConfig, cluster: Cluster, layout: Layout, training: Trai
     tokens = b * s  # per micro-batch
 
     per_token = activation_elements_per_token(config, tp, sp, training.activation_checkpointing)
+    full_recompute = training.activation_checkpointing in (True, "full")
     by_stage = []
     for stage_rank in range(pp):
         tensors = rank_tensors(config, pp, virtual, stage_rank)
@@ -222,7 +226,7 @@ def estimate(config: GPTConfig, cluster: Cluster, layout: Layout, training: Trai
         layers = len({t.block for t in tensors if t.block is not None})
         in_flight = _in_flight(training.pipeline_schedule, pp, virtual, microbatches, stage_rank)
         acts = layers * per_token * tokens * in_flight
-        if training.activation_checkpointing:  # one block recomputed at a time, for one micro-batch
+        if full_recompute:  # one block recomputed at a time, for one micro-batch
             acts += activation_elements_per_token(config, tp, sp, False) * tokens
         if any(t.name.startswith("head") for t in tensors):  # fp32 logits and their gradient, vocab-split
             acts += 2 * tokens * config.padded_vocab_size / tp * 4 / precision.activations
@@ -237,7 +241,7 @@ def estimate(config: GPTConfig, cluster: Cluster, layout: Layout, training: Trai
     layers = max(len({t.block for t in rank_tensors(config, pp, virtual, r)} - {None}) for r in range(pp))
     act_bytes = tokens * config.d_model * precision.activations
     ring = lambda n: 2 * (n - 1) / n if n > 1 else 0.0  # noqa: E731 (all-reduce traffic per byte)
-    tp_collectives = 6 if training.activation_checkpointing else 4  # per block per micro-batch (fwd 2, bwd 2)
+    tp_collectives = 6 if full_recompute else 4  # per block per micro-batch (fwd 2, bwd 2)
     traffic = {
         "tp": layers * microbatches * tp_collectives * ring(tp) * act_bytes,
         "pp": (2 * microbatches * virtual * act_bytes / (tp if sp else 1)) if pp > 1 else 0.0,
@@ -251,9 +255,8 @@ def estimate(config: GPTConfig, cluster: Cluster, layout: Layout, training: Trai
     seconds = {axis: traffic[axis] / (links[axis] * GB) for axis in traffic}
 
     # Compute: model FLOPs per token (6 per weight of every matmul, plus attention), recompute on top with AC.
-    matmul_params = config.num_params - config.embedding_params * (0 if config.tie_embeddings else 1)
-    model_flops = (6 * matmul_params + 12 * config.n_layer * config.d_model * s) * training.global_batch_size * s
-    hardware_flops = model_flops * (8 / 6 if training.activation_checkpointing else 1.0)
+    model_flops = config.flops_per_token(s) * training.global_batch_size * s
+    hardware_flops = model_flops * (8 / 6 if full_recompute else 1.0)
     compute = hardware_flops / cluster.gpus_per_node / cluster.nodes / (cluster.peak_tflops * 1e12 * training.efficiency)
     compute *= cluster.gpus / layout.world_size  # the layout may use fewer GPUs than the cluster has
     bubble = bubble_theory(training.pipeline_schedule, pp, microbatches, virtual) if pp > 1 else 0.0

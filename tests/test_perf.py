@@ -1,0 +1,121 @@
+"""Speed and memory levers (activation checkpointing, compile) and the throughput/MFU callback, on CPU."""
+
+import math
+from contextlib import nullcontext
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from helpers import fit, logged
+from lit3d import GPT
+from lit3d.callbacks import Throughput
+from lit3d.data import TextDataModule
+from lit3d.hardware import identify
+from lit3d.model import TENSOR_PARALLEL_PLAN, Transformer
+from strategies.layout import Layout
+
+
+class CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.counts = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture(scope="module")
+def world_of_one(tmp_path_factory):
+    """A real one-rank gloo group, so the strategy's own `parallelize_network` runs in-process."""
+    store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def run_step(small_config, world, count_ops=False, **levers):
+    """Loss, gradients and the ops backward ran, for the network parallelised with ``levers`` (1 rank)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from strategies.parallel3d import parallelize_network
+
+    torch.manual_seed(0)
+    network = Transformer(small_config)
+    network.reset_parameters(seed=0)
+    mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("pp", "dp", "tp"))
+    parallelize_network(network, TENSOR_PARALLEL_PLAN, Layout(1, 1, 1, 1), mesh, 0, zero_stage=0, **levers)
+    tokens = torch.randint(0, small_config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
+    loss = torch.nn.functional.cross_entropy(network(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+    backward_ops = CountOps() if count_ops else nullcontext()
+    with backward_ops:  # NOTE: compiled code under a dispatch mode runs differently; count only eager runs
+        loss.backward()
+    grads = {name: p.grad.clone() for name, p in network.named_parameters()}
+    return loss.detach(), grads, getattr(backward_ops, "counts", {})
+
+
+def test_activation_checkpointing_recomputes_what_it_says_and_changes_nothing(small_config, world_of_one):
+    loss, grads, plain = run_step(small_config, world_of_one, count_ops=True)
+    for mode in ("full", "selective"):
+        loss_ac, grads_ac, ops = run_step(small_config, world_of_one, count_ops=True, activation_checkpointing=mode)
+        torch.testing.assert_close(loss_ac, loss, rtol=0, atol=0)
+        for name in grads:
+            torch.testing.assert_close(grads_ac[name], grads[name], rtol=1e-6, atol=1e-7, msg=name)
+        if mode == "full":  # every block's matmuls run again in backward
+            assert ops.get("mm", 0) > plain.get("mm", 0)
+        else:  # matmul outputs are kept: no matmul runs again, but the elementwise ops (the norms) do
+            assert ops.get("mm", 0) == plain.get("mm", 0)
+            assert ops.get("rsqrt", 0) > plain.get("rsqrt", 0)
+
+
+def test_compiled_blocks_give_the_same_loss_and_gradients(small_config, world_of_one):
+    loss, grads, _ = run_step(small_config, world_of_one)
+    loss_c, grads_c, _ = run_step(small_config, world_of_one, compile="aot_eager", activation_checkpointing="full")
+    torch.testing.assert_close(loss_c, loss, rtol=1e-6, atol=1e-6)
+    for name in grads:
+        torch.testing.assert_close(grads_c[name], grads[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_bad_recompute_mode_is_refused():
+    from strategies import Parallel3DStrategy
+
+    with pytest.raises(ValueError, match="activation_checkpointing='everything'"):
+        Parallel3DStrategy(activation_checkpointing="everything")
+
+
+def test_throughput_is_in_the_progress_bar_and_the_log_and_mfu_only_for_known_devices(tmp_path, monkeypatch):
+    data = TextDataModule(seq_len=32, global_batch_size=4)
+    trainer, log_dir = fit(GPT("tiny"), data, tmp_path, max_steps=5, callbacks=[Throughput(warmup=1)])
+    assert "perf/tokens_per_s" in trainer.progress_bar_metrics
+    tokens = logged(log_dir, "perf/tokens_per_s")
+    step = logged(log_dir, "perf/step_s")
+    assert len(tokens) == 4 and all(t > 0 for t in tokens)  # steps 2..5 (step 1 is warm-up)
+    assert tokens == pytest.approx([4 * 32 / s for s in step])
+    assert logged(log_dir, "perf/mfu") == []  # a CPU is not in the table: no MFU rather than a wrong one
+
+    # On a known device, MFU = model FLOPs per token x tokens/s per device / the device's peak.
+    monkeypatch.setattr("lit3d.callbacks.device_peak_flops", lambda device: 1e12)
+    model = GPT("tiny")
+    trainer, log_dir = fit(model, data, tmp_path / "known", max_steps=4, callbacks=[Throughput(warmup=1)])
+    mfu, per_device = logged(log_dir, "perf/mfu"), logged(log_dir, "perf/tokens_per_s_per_device")
+    assert len(mfu) == 3 and "perf/mfu" in trainer.progress_bar_metrics
+    assert mfu == pytest.approx([model.config.flops_per_token(32) * t / 1e12 for t in per_device])
+
+
+def test_known_gpus_are_identified_and_unknown_ones_are_not():
+    assert identify("NVIDIA H100 80GB HBM3").name == "H100"
+    assert identify("NVIDIA H200").peak_tflops == 989.0
+    assert identify("NVIDIA A100-SXM4-40GB").name == "A100 40GB"
+    assert identify("NVIDIA GeForce GTX 1080") is None
+
+
+def test_flops_per_token_is_6n_plus_attention():
+    from lit3d import GPTConfig
+
+    config = GPTConfig.from_name("llama-8b")
+    n = config.num_params - config.embedding_params  # the embedding lookup is not a matmul
+    assert config.flops_per_token(8192) == 6 * n + 12 * 32 * 4096 * 8192
+    assert math.isclose(config.flops_per_token(8192) / 1e9, 6 * 7.5 + 12.9, rel_tol=0.02)
