@@ -134,7 +134,7 @@ def plan(
     from lit3d.planner import (Cluster, RankMap, Training, check_inputs, estimate, format_plan, format_search,
                                layout_problem, search)
     from lit3d.planner import verify as verify_counts
-    from strategies.layout import Layout
+    from strategies.layout import Layout, check_sizes
 
     if gpu not in GPUS:
         raise ValueError(f"gpu={gpu!r} is not one of {', '.join(GPUS)}; give gpu_memory, bandwidths and peak_tflops")
@@ -149,10 +149,9 @@ def plan(
                         sequence_parallel=sequence_parallel, activation_checkpointing=bool(activation_checkpointing),
                         pipeline_schedule=pipeline_schedule, virtual_pipeline_size=virtual_pipeline_size)
     check_inputs(config, cluster, training)
-    for name, value in (("tensor_parallel_size", tensor_parallel_size), ("pipeline_parallel_size", pipeline_parallel_size),
-                        ("data_parallel_size", data_parallel_size), ("num_microbatches", num_microbatches), ("top", top)):
-        if value is not None and (not isinstance(value, int) or value < 1):
-            raise ValueError(f"{name}={value!r} must be a positive integer")
+    sizes = dict(tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+                 data_parallel_size=data_parallel_size, num_microbatches=num_microbatches, top=top)
+    check_sizes(**{name: value for name, value in sizes.items() if value is not None})
 
     if tensor_parallel_size and pipeline_parallel_size:  # one layout
         tp, pp = tensor_parallel_size, pipeline_parallel_size

@@ -124,12 +124,12 @@ def _parameter_table(fields: tuple[tuple[str, Any], ...]) -> tuple[Tensor, ...]:
 
 def stage_blocks(config: GPTConfig, chunks: int) -> tuple[tuple[int, ...], ...]:
     """Blocks of each pipeline chunk, as the strategy splits them."""
-    return _stage_blocks(config.n_layer, config.params_per_block, config.padded_vocab_size * config.d_model, chunks)
+    return _stage_blocks(_key(config), chunks)
 
 
 @lru_cache(maxsize=64)
-def _stage_blocks(n_layer: int, per_block: int, embedding: int, chunks: int) -> tuple[tuple[int, ...], ...]:
-    return tuple(tuple(run) for run in partition([float(per_block)] * n_layer, float(embedding), float(embedding), chunks))
+def _stage_blocks(key: tuple[tuple[str, Any], ...], chunks: int) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(run) for run in partition(*block_costs(GPTConfig(**dict(key))), chunks))
 
 
 def rank_tensors(config: GPTConfig, pp: int, virtual: int, stage_rank: int) -> list[Tensor]:

@@ -13,7 +13,8 @@ from dataclasses import dataclass, replace
 
 from lit3d.config import GPTConfig
 from lit3d.planner.estimate import GB, PRECISIONS, Cluster, Plan, Training, estimate
-from strategies.layout import SCHEDULES, Layout, microbatch_problem
+from strategies.layout import (SCHEDULES, Layout, check_model_fits_layout, check_model_fits_pipeline, check_sizes,
+                              microbatch_problem)
 
 
 @dataclass
@@ -25,18 +26,13 @@ class Candidate:
 
 def check_inputs(config: GPTConfig, cluster: Cluster, training: Training) -> None:
     """Refuse numbers no layout could use, naming them."""
-    for name in ("nodes", "gpus_per_node"):
-        value = getattr(cluster, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name}={value!r} must be a positive integer")
+    check_sizes(nodes=cluster.nodes, gpus_per_node=cluster.gpus_per_node)
     for name, value in (("gpu_memory", cluster.gpu_memory_gb), ("intra_node_bandwidth", cluster.intra_node_gbps),
                         ("inter_node_bandwidth", cluster.inter_node_gbps), ("peak_tflops", cluster.peak_tflops)):
         if not value > 0:
             raise ValueError(f"{name}={value!r} must be positive")
-    for name in ("seq_len", "micro_batch_size", "global_batch_size", "virtual_pipeline_size"):
-        value = getattr(training, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name}={value!r} must be a positive integer")
+    check_sizes(seq_len=training.seq_len, micro_batch_size=training.micro_batch_size,
+                global_batch_size=training.global_batch_size, virtual_pipeline_size=training.virtual_pipeline_size)
     if training.seq_len > config.max_seq_len:
         raise ValueError(f"seq_len={training.seq_len} is above the model's max_seq_len={config.max_seq_len}")
     if training.precision not in PRECISIONS:
@@ -54,15 +50,12 @@ def layout_problem(config: GPTConfig, cluster: Cluster, layout: Layout, training
         return (f"data_parallel_size={dp} x tensor_parallel_size={tp} x pipeline_parallel_size={pp} = "
                 f"{layout.world_size} GPUs, but the cluster has {cluster.nodes} x {cluster.gpus_per_node} = "
                 f"{cluster.gpus}")
-    for field in ("n_head", "n_kv_head", "d_ff", "padded_vocab_size"):
-        if getattr(config, field) % tp:
-            return f"tensor_parallel_size={tp} does not divide {field}={getattr(config, field)}"
     virtual = training.virtual_pipeline_size if pp > 1 else 1
-    if pp * virtual > config.n_layer:
-        return (f"pipeline_parallel_size={pp} x virtual_pipeline_size={virtual} is more stages than "
-                f"n_layer={config.n_layer}")
-    if pp > 1 and config.tie_embeddings:
-        return "a tied embedding cannot be pipelined (tie_embeddings=True)"
+    try:
+        check_model_fits_layout(config, layout)
+        check_model_fits_pipeline(config, pp, virtual)
+    except ValueError as error:
+        return str(error)
     per_step = dp * training.micro_batch_size
     if training.global_batch_size % per_step:
         return (f"global_batch_size={training.global_batch_size} is not divisible by data_parallel_size={dp} x "
