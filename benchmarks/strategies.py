@@ -1,19 +1,24 @@
 """Step time of lit3d's Parallel3DStrategy against Lightning's own strategies: same model, same data, same run.
 
-    python benchmarks/strategies.py                  # CPU: about three minutes on 2 cores
+    python benchmarks/strategies.py                  # CPU: about four minutes on 2 cores
     python benchmarks/strategies.py --rounds 5 --n-layer 8 --d-model 512
 
 Every configuration trains the same GPT on the same batches (the embedded corpus). Configurations with the
 same number of processes share one group of spawned processes and run in interleaved rounds (A B C, A B C, ...),
-so slow phases of a shared machine hit all of them alike; a configuration's step time is the median, over
+so slow phases of a shared machine hit all of them alike (each round starts one configuration later); a configuration's step time is the median, over
 rounds, of the median wall time between optimizer steps after a warm-up. Each lit3d layout is printed as a
 ratio against the Lightning strategy that does the same job, measured in this same run:
 
     Parallel3DStrategy 1x1x1          vs  auto (single device)
     Parallel3DStrategy DP, ZeRO-0/1   vs  ddp
-    Parallel3DStrategy DP, ZeRO-3     vs  fsdp (Lightning's FSDP needs GPUs; skipped on CPU)
+    Parallel3DStrategy DP, ZeRO-3     vs  fsdp (needs GPUs), else ModelParallelStrategy with FSDP2 over DP
+    Parallel3DStrategy TP             vs  ModelParallelStrategy with the same tensor-parallel plan
 
-A ratio below 1 means lit3d is faster.
+A ratio below 1 means lit3d is faster. ModelParallelStrategy leaves the parallelisation to the module: here a
+GPT subclass applies the same TP plan and FSDP2 in ``configure_model``, as Lightning's documentation shows.
+
+Communication: in the first round every configuration measures the bytes each rank sends per axis in one step
+(`lit3d.callbacks.CommReport`, under PyTorch's CommDebugMode), printed next to the planner's numbers.
 """
 
 from __future__ import annotations
@@ -30,25 +35,34 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+from torch.distributed.fsdp import fully_shard
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-# name -> (processes, strategy: a Lightning name or Parallel3DStrategy kwargs, baseline name)
+from lit3d import GPT  # noqa: E402
+from lit3d.model import loss_parallel_scope  # noqa: E402
+from strategies.tensor_parallel import apply_tensor_parallel  # noqa: E402
+
+# name -> (processes, strategy: a Lightning name, ("mp", dp, tp) for ModelParallelStrategy or Parallel3DStrategy
+# kwargs, baselines: the first one measured in the run is used)
 CONFIGS = {
-    "auto": (1, "auto", None),
-    "3d 1x1x1": (1, {"zero_stage": 0}, "auto"),
-    "ddp": (2, "ddp", None),
-    "3d dp2 zero0": (2, {"zero_stage": 0}, "ddp"),
-    "3d dp2 zero1": (2, {"zero_stage": 1}, "ddp"),
-    "fsdp": (2, "fsdp", None),
-    "3d dp2 zero3": (2, {"zero_stage": 3}, "fsdp"),
+    "auto": (1, "auto", ()),
+    "3d 1x1x1": (1, {"zero_stage": 0}, ("auto",)),
+    "ddp": (2, "ddp", ()),
+    "3d dp2 zero0": (2, {"zero_stage": 0}, ("ddp",)),
+    "3d dp2 zero1": (2, {"zero_stage": 1}, ("ddp",)),
+    "fsdp": (2, "fsdp", ()),
+    "mp dp2 fsdp2": (2, ("mp", 2, 1), ()),
+    "3d dp2 zero3": (2, {"zero_stage": 3}, ("fsdp", "mp dp2 fsdp2")),
+    "mp tp2": (2, ("mp", 1, 2), ()),
+    "3d tp2": (2, {"tensor_parallel_size": 2}, ("mp tp2",)),
 }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=12, help="measured optimizer steps per run")
+    parser.add_argument("--steps", type=int, default=8, help="measured optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=3, help="steps before measuring")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved repetitions of every configuration")
     parser.add_argument("--n-layer", type=int, default=4)
@@ -87,17 +101,33 @@ def main() -> None:
         if "skipped" in result:
             print(f"{name:<16}{'-':>10}{'-':>11}{'-':>10}   skipped: {result['skipped']}")
             continue
-        step, baseline = result["median_step_s"], CONFIGS[name][2]
-        versus = ""
-        if baseline and "median_step_s" in results.get(baseline, {}):
+        step, baselines = result["median_step_s"], CONFIGS[name][2]
+        baseline = next((b for b in baselines if "median_step_s" in results.get(b, {})), None)
+        versus = f"({' / '.join(baselines)} not measured)" if baselines else ""
+        if baseline:
             result["ratio"] = step / results[baseline]["median_step_s"]
             versus = f"{result['ratio']:.3f} x {baseline}"
-        elif baseline:
-            versus = f"({baseline} not measured)"
         print(f"{name:<16}{step * 1000:>10.1f}{tokens / step:>11.0f}{result['peak_bytes'] / 2**20:>10.0f}   {versus}")
+    print_comm_report(results, args.configs)
     print(f"({time.time() - started:.0f} s)")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+def print_comm_report(results: dict[str, dict], names: list[str]) -> None:
+    """Bytes per axis the busiest rank sent in one step: measured, and the planner's for lit3d's layouts."""
+    print("\ncommunication in one step, MiB sent by the busiest rank: measured under CommDebugMode, and planned")
+    print(f"{'configuration':<16}{'tp':>10}{'planned':>10}{'dp':>10}{'planned':>10}{'other':>10}")
+    for name in names:
+        comm = results[name].get("comm")
+        if not comm:
+            continue
+        measured, planned = comm["measured"], comm["planned"] or {}
+        row = f"{name:<16}"
+        for axis in ("tp", "dp"):
+            plan = f"{planned[axis] / 2**20:.3f}" if axis in planned else "-"
+            row += f"{measured[axis] / 2**20:>10.3f}{plan:>10}"
+        print(row + f"{measured['other'] / 2**20:>10.3f}")
 
 
 def run_group(processes: int, names: list[str], args: argparse.Namespace, threads: int) -> dict[str, dict]:
@@ -106,16 +136,19 @@ def run_group(processes: int, names: list[str], args: argparse.Namespace, thread
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        schedule = [(r, name) for r in range(args.rounds) for name in names]
+        # Each round starts with the next configuration, so none always runs first (or right after another).
+        schedule = [(r, names[(r + i) % len(names)]) for r in range(args.rounds) for i in range(len(names))]
         mp.start_processes(_worker, args=(processes, port, schedule, vars(args), threads, tmp),
                            nprocs=processes, start_method="spawn")
         results = {}
         for name in names:
             runs = [json.loads((Path(tmp) / f"{r}-{name}.json").read_text()) for r in range(args.rounds)]
+            comm = Path(tmp) / f"0-{name}-comm.json"
             results[name] = {
                 "median_step_s": statistics.median(run["median_step_s"] for run in runs),
                 "per_round_s": [run["median_step_s"] for run in runs],
                 "peak_bytes": max(run["peak_bytes"] for run in runs),
+                "comm": json.loads(comm.read_text()) if comm.exists() else None,
             }
             print(f"  {name}: {results[name]['median_step_s'] * 1000:.1f} ms/step "
                   f"(rounds: {', '.join(f'{t * 1000:.0f}' for t in results[name]['per_round_s'])})", flush=True)
@@ -130,8 +163,11 @@ def _worker(rank: int, processes: int, port: int, schedule: list, args: dict, th
 
     import lightning as L
 
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
     from benchmarks.step_timer import StepTimer
-    from lit3d import GPT, GPTConfig
+    from lit3d import GPTConfig
+    from lit3d.callbacks import CommReport
     from lit3d.data import TextDataModule
     from strategies import Parallel3DStrategy
 
@@ -143,17 +179,48 @@ def _worker(rank: int, processes: int, port: int, schedule: list, args: dict, th
     for round_, name in schedule:
         strategy = CONFIGS[name][1]
         L.seed_everything(0, verbose=False)
-        model = GPT(config, warmup_steps=2, optimizer_impl=args["optimizer"])
+        model_class = ModelParallelGPT if isinstance(strategy, tuple) else GPT
+        model = model_class(config, warmup_steps=2, optimizer_impl=args["optimizer"])
         data = TextDataModule(seq_len=args["seq_len"], global_batch_size=args["global_batch_size"])
+        if isinstance(strategy, dict):
+            strategy = Parallel3DStrategy(**strategy)
+        elif isinstance(strategy, tuple):
+            strategy = ModelParallelStrategy(data_parallel_size=strategy[1], tensor_parallel_size=strategy[2])
+        callbacks = [StepTimer(str(Path(tmp) / f"{round_}-{name}.json"), warmup=args["warmup"])]
+        if round_ == 0:  # one step under CommDebugMode, inside the warm-up the timer leaves out
+            callbacks.append(CommReport(step=min(2, args["warmup"] - 1), verbose=False))
         trainer = L.Trainer(
-            accelerator="gpu" if gpu else "cpu", devices=processes,
-            strategy=Parallel3DStrategy(**strategy) if isinstance(strategy, dict) else strategy,
+            accelerator="gpu" if gpu else "cpu", devices=processes, strategy=strategy,
             precision="bf16-mixed" if gpu else "32-true", max_steps=args["steps"] + args["warmup"] + 1,
-            callbacks=[StepTimer(str(Path(tmp) / f"{round_}-{name}.json"), warmup=args["warmup"])], logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            num_sanity_val_steps=0, limit_val_batches=0,
+            callbacks=callbacks, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
         )
         trainer.fit(model, data)
+        if round_ == 0 and trainer.is_global_zero and callbacks[1].measured is not None:
+            report = {"measured": callbacks[1].measured, "planned": callbacks[1].planned}
+            (Path(tmp) / f"0-{name}-comm.json").write_text(json.dumps(report))
+
+
+class ModelParallelGPT(GPT):
+    """The GPT parallelised as Lightning's `ModelParallelStrategy` expects: by the module, in `configure_model`,
+    over the strategy's mesh: the same tensor-parallel plan (PyTorch's DTensor styles), then FSDP2 per block."""
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        super().configure_model()
+        tp_mesh, dp_mesh = self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"]
+        if tp_mesh.size() > 1:
+            apply_tensor_parallel(self.model, self.tensor_parallel_plan, tp_mesh, sequence_parallel=False)
+            self.model.tie_weights()
+        if dp_mesh.size() > 1:
+            for block in self.model.blocks.values():
+                fully_shard(block, mesh=dp_mesh)
+            fully_shard(self.model, mesh=dp_mesh)
+
+    def backward(self, loss: torch.Tensor, *args, **kwargs) -> None:
+        with loss_parallel_scope():  # the vocabulary-parallel loss's backward
+            loss.backward(*args, **kwargs)
 
 
 if __name__ == "__main__":

@@ -97,6 +97,69 @@ class Throughput(Callback):
                           on_step=True, on_epoch=False)
 
 
+class CommReport(Callback):
+    """Bytes sent per mesh axis during one optimizer step, measured, next to the planner's estimate.
+
+    The step runs under `strategies.comm.CommBytes` (PyTorch's `CommDebugMode`, weighing each collective by what
+    a ring makes a rank send). Each axis reports its busiest rank, as the planner does (``plan.
+    communication_per_step``, available under `Parallel3DStrategy` with a lit3d GPT). Rank 0 prints the table;
+    ``comm/<axis>_mb`` goes to the logger. Strategies without a device mesh (``ddp``, ``fsdp``) are plain data
+    parallel: their traffic is reported as ``dp``.
+
+    Args:
+        step: The optimizer step to measure; later than the first, whose setup may communicate more.
+        verbose: Print the table on rank 0.
+    """
+
+    AXES = {"tp": "tp", "pp": "pp", "dp": "dp", "tensor_parallel": "tp", "data_parallel": "dp"}
+
+    def __init__(self, step: int = 2, verbose: bool = True) -> None:
+        self.step, self.verbose = step, verbose
+        self.measured: dict[str, float] | None = None  # bytes, busiest rank per axis
+        self.planned: dict[str, float] | None = None
+        self._mode = None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.measured = self.planned = None
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx) -> None:
+        if trainer.global_step == self.step and self._mode is None and self.measured is None:
+            from strategies.comm import CommBytes
+
+            self._mode = CommBytes().__enter__()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+        if self._mode is None or trainer.global_step <= self.step:
+            return  # still inside the measured step (gradient accumulation)
+        mode, self._mode = self._mode, None
+        mode.__exit__(None, None, None)
+        mesh = getattr(trainer.strategy, "_device_mesh", None)
+        local = mode.by_axis(mesh) if mesh is not None else {"dp": sum(mode.bytes_by_group.values())}
+        axes = ("tp", "pp", "dp", "other")
+        local = {self.AXES.get(axis, axis): sent for axis, sent in local.items()}
+        sent = torch.tensor([float(local.get(axis, 0.0)) for axis in axes], dtype=torch.float64)
+        busiest = trainer.strategy.reduce(sent.to(pl_module.device), reduce_op="max").cpu().tolist()
+        self.measured = dict(zip(axes, busiest))
+        plan = getattr(trainer.strategy, "plan", None)
+        self.planned = {axis: plan.communication_per_step[axis]["bytes"] for axis in axes[:3]} if plan else None
+        for axis in axes:
+            pl_module.log(f"comm/{axis}_mb", self.measured[axis] / 2**20, rank_zero_only=True, on_step=True,
+                          on_epoch=False)
+        if trainer.is_global_zero and self.verbose:
+            print(format_comm_report(self.measured, self.planned, self.step), flush=True)
+
+
+def format_comm_report(measured: dict[str, float], planned: dict[str, float] | None, step: int) -> str:
+    """The table `CommReport` prints: MiB per axis, measured and planned, and their ratio."""
+    lines = [f"communication in step {step}, MiB sent by the busiest rank per axis:",
+             f"  {'axis':<6}{'measured':>10}{'planner':>10}{'ratio':>8}"]
+    for axis, sent in measured.items():
+        plan = (planned or {}).get(axis)
+        planner = "-" if plan is None else f"{plan / 2**20:.3f}"
+        ratio = f"{sent / plan:.3f}" if plan else "-"
+        lines.append(f"  {axis:<6}{sent / 2**20:>10.3f}{planner:>10}{ratio:>8}")
+    return "\n".join(lines)
+
 def device_peak_flops(device: torch.device) -> float | None:
     """Dense bf16 FLOP/s of a known GPU; None for a CPU or a GPU not in `lit3d.hardware`."""
     from lit3d.hardware import identify

@@ -26,7 +26,7 @@ from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn as nn
@@ -70,6 +70,9 @@ from strategies.recompute import MODES as RECOMPUTE_MODES
 from strategies.recompute import apply_activation_checkpointing
 from strategies.tensor_parallel import apply_tensor_parallel, check_plan, lay_out_grads_like_params
 from strategies.zero import ELEMENTWISE_OPTIMIZERS, LocalShardOptimizer, apply_data_parallel
+
+if TYPE_CHECKING:
+    from lit3d.planner.estimate import Plan
 
 log = logging.getLogger(__name__)
 _LAUNCHER_PID = "LIT3D_LAUNCHER_PID"
@@ -155,7 +158,8 @@ class Parallel3DStrategy(ParallelStrategy):
         self._device_mesh: DeviceMesh | None = None
         self._local_optimizers: dict[int, LocalShardOptimizer] = {}
         self.pipeline: Pipeline | None = None  # this rank's stages and schedule, when pipeline_parallel_size > 1
-        self.memory_estimate: dict[str, int] | None = None  # the planner's bytes for this rank, set at fit start
+        self.plan: Plan | None = None  # the planner's estimate of this run (a lit3d GPT only), set at fit start
+        self.memory_estimate: dict[str, int] | None = None  # the planner's bytes for this rank's stage
         self.num_nodes = 1
 
     # ------------------------------------------------------------------ where things run
@@ -294,8 +298,9 @@ class Parallel3DStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
-            self.memory_estimate = self.planned_memory()
-            if self.memory_estimate:
+            self.plan = self.planned()
+            if self.plan is not None:
+                self.memory_estimate = self.plan.memory_by_stage[self.layout.coordinate(self.global_rank).p]
                 rank_zero_info("lit3d plan estimate for rank 0: " + ", ".join(
                     f"{key} {value / 2**20:.1f} MiB" for key, value in self.memory_estimate.items()))
 
@@ -483,8 +488,8 @@ class Parallel3DStrategy(ParallelStrategy):
             path = Path(filepath)
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
 
-    def planned_memory(self) -> dict[str, int] | None:
-        """The planner's bytes for this rank's pipeline stage in this run (`lit3d.planner`), for a lit3d GPT."""
+    def planned(self) -> Plan | None:
+        """The planner's estimate (`lit3d.planner`) of this run's memory and communication, for a lit3d GPT."""
         from lit3d.config import GPTConfig
         from lit3d.planner.estimate import RUNTIME_PRECISIONS, Cluster, Training, estimate
 
@@ -504,8 +509,7 @@ class Parallel3DStrategy(ParallelStrategy):
         )
         precision = RUNTIME_PRECISIONS.get(str(trainer.precision), RUNTIME_PRECISIONS["32-true"])
         cluster = Cluster(nodes=self.num_nodes, gpus_per_node=self.num_processes)
-        plan = estimate(config, cluster, layout, training, precision)
-        return plan.memory_by_stage[layout.coordinate(self.global_rank).p]
+        return estimate(config, cluster, layout, training, precision)
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds in parameters, gradients and optimizer states (see `strategies.memory`)."""

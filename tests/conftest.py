@@ -10,6 +10,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
 from lit3d import GPTConfig  # noqa: E402
+from lit3d.callbacks import CommReport  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
@@ -52,7 +53,7 @@ def pp(size: int, schedule: str = "1f1b", **more) -> dict:
 
 
 # name -> (world size, job overrides); every job trains 8 fp32 steps with gradient clipping active and
-# validates after steps 4 and 8.
+# validates after steps 4 and 8. Those in COMM_MEASURED also measure the bytes each axis sends in step 5.
 LAYOUTS: dict[str, tuple[int, dict]] = {
     "dp2_zero0": (2, {"strategy": {"zero_stage": 0}}),
     "dp2_zero1": (2, {"strategy": {"zero_stage": 1}}),
@@ -123,6 +124,14 @@ def layout_runs(base_job, tmp_path_factory) -> dict[str, dict]:
         jobs = {name: merge(base_job, job) for name, (w, job) in LAYOUTS.items() if w == world}
         results.update(run_jobs(world, jobs, tmp_path_factory.mktemp(f"world{world}")))
     return results
+
+
+COMM_MEASURED = ["dp2_zero0", "dp2_zero1", "dp2_zero2", "dp2_zero3", "dp2_zero3_accumulate2",
+                 "dp2_zero3_full_recompute", "tp2", "tp2_sequence_parallel", "tp2_selective_recompute",
+                 "pp2_interleaved_1f1b", "pp4_1f1b", "dp2_pp2_zero3", "tp2_pp2_sequence_parallel", "dp2_tp2_pp2_zero1",
+                 "dp2_tp2_zero3"]
+for _name in COMM_MEASURED:
+    LAYOUTS[_name][1]["callbacks"] = [CommReport(step=5)]
 
 
 def merge(base: dict, overrides: dict) -> dict:

@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader
 
 from helpers import logged
 from lit3d import GPT, GPTConfig
+from lit3d.callbacks import CommReport
 from lit3d.data import TextDataModule
 from strategies import Parallel3DStrategy
 
@@ -95,6 +96,9 @@ def _run_job(job: dict, job_dir: Path, devices: int) -> dict:
     trainer.fit(model, data, ckpt_path=job.get("ckpt_path"))
     probe = callbacks[0]
     result = {"memory": probe.memory, "sampler": probe.sampler, "comms": probe.comms}
+    for callback in callbacks:
+        if isinstance(callback, CommReport):
+            result["comm_bytes"] = {"measured": callback.measured, "planned": callback.planned}
     if trainer.is_global_zero:
         log_dir = Path(logger.log_dir)
         result["losses"] = logged(log_dir, "train_loss")

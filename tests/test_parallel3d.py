@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from conftest import LAYOUTS, SMALL_GPT
+from conftest import COMM_MEASURED, LAYOUTS, SMALL_GPT
 from lit3d import GPTConfig
 
 FP32_LAYOUTS = [n for n, (_, job) in LAYOUTS.items() if "precision" not in job.get("trainer", {})
@@ -46,6 +46,22 @@ def test_no_gradient_sync_on_micro_steps_before_the_last(layout_runs):
         assert first == {}, f"collectives on a non-final micro-step: {first}"
         # The last all-reduces the gradients, one bucket per block (2) and one for the rest, and the logged loss.
         assert last == {"c10d.allreduce_": SMALL_GPT["n_layer"] + 1 + 1}
+
+
+@pytest.mark.parametrize("layout", COMM_MEASURED)
+def test_measured_communication_per_axis_matches_the_planner(layout, layout_runs):
+    """Bytes each axis sends in one step, under CommDebugMode, against `lit3d.planner`'s formula."""
+    strategy = LAYOUTS[layout][1]["strategy"]
+    comm = layout_runs[layout]["comm_bytes"]
+    measured, planned = comm["measured"], comm["planned"]
+    sizes = {"tp": strategy.get("tensor_parallel_size", 1), "pp": strategy.get("pipeline_parallel_size", 1),
+             "dp": LAYOUTS[layout][0] // strategy.get("tensor_parallel_size", 1)
+             // strategy.get("pipeline_parallel_size", 1)}
+    for axis, size in sizes.items():
+        assert (planned[axis] > 0) == (size > 1), (axis, planned)
+        # The planner leaves out only scalars (the logged loss, the gradient norm's partial sums).
+        assert planned[axis] <= measured[axis] <= planned[axis] + 256, (axis, measured, planned)
+    assert measured["other"] <= 64  # nothing big outside the mesh's groups
 
 
 def test_train_loss_is_logged_once_per_step_with_the_global_mean(layout_runs, reference_run):

@@ -1,7 +1,11 @@
 """Speed and memory levers (activation checkpointing, compile) and the throughput/MFU callback, on CPU."""
 
+import json
 import math
+import subprocess
+import sys
 from contextlib import nullcontext
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +19,8 @@ from lit3d.data import TextDataModule
 from lit3d.hardware import identify
 from lit3d.model import TENSOR_PARALLEL_PLAN, Transformer
 from strategies.layout import Layout
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class CountOps(TorchDispatchMode):
@@ -119,3 +125,19 @@ def test_flops_per_token_is_6n_plus_attention():
     n = config.num_params - config.embedding_params  # the embedding lookup is not a matmul
     assert config.flops_per_token(8192) == 6 * n + 12 * 32 * 4096 * 8192
     assert math.isclose(config.flops_per_token(8192) / 1e9, 6 * 7.5 + 12.9, rel_tol=0.02)
+
+
+def test_strategy_benchmark_compares_with_lightning_and_reports_traffic_next_to_the_planner(tmp_path):
+    """A tiny run of `benchmarks/strategies.py`: lit3d TP2 against ModelParallelStrategy with the same plan."""
+    out = tmp_path / "bench.json"
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "strategies.py"), "--configs", "mp tp2", "3d tp2", "--rounds", "1",
+         "--steps", "2", "--warmup", "2", "--n-layer", "2", "--d-model", "128", "--seq-len", "32", "--json", str(out)],
+        capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert results["3d tp2"]["ratio"] == results["3d tp2"]["median_step_s"] / results["mp tp2"]["median_step_s"]
+    assert "x mp tp2" in run.stdout and "communication in one step" in run.stdout
+    ours, theirs = results["3d tp2"]["comm"], results["mp tp2"]["comm"]
+    assert ours["measured"]["tp"] > 0 and ours["measured"]["tp"] == theirs["measured"]["tp"]  # the same plan
+    assert 0 <= ours["measured"]["tp"] - ours["planned"]["tp"] <= 256

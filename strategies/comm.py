@@ -1,0 +1,114 @@
+"""Bytes each rank sends, per mesh axis, measured under PyTorch's `CommDebugMode`.
+
+`CommDebugMode` counts collectives (those of DTensor, FSDP2 and plain ``torch.distributed``); `CommBytes`
+also weighs each one. A rank's bytes for one collective are what a ring algorithm makes it send, the
+convention of the planner (`lit3d.planner.estimate`):
+
+    all-reduce        2 (n-1)/n × tensor
+    all-gather          (n-1)/n × gathered tensor
+    reduce-scatter      (n-1)/n × input tensor
+    all-to-all          (n-1)/n × input tensor
+    send                          tensor (point to point, between pipeline stages)
+
+``n`` is the size of the collective's process group, which also names its axis (`by_axis`).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+c10d, funcol = torch.ops.c10d, torch.ops._c10d_functional
+
+# op -> (what it moves: "all_reduce" | "gather" | "scatter" | "send", index of its tensor(s), index of its group)
+# The tensor index points at the full-size tensor: the gathered output, the scattered input.
+_COLLECTIVES = {
+    c10d.allreduce_.default: ("all_reduce", 0, 1),
+    c10d.allreduce_coalesced_.default: ("all_reduce", 0, 1),
+    funcol.all_reduce.default: ("all_reduce", 0, 2),
+    funcol.all_reduce_.default: ("all_reduce", 0, 2),
+    funcol.all_reduce_coalesced.default: ("all_reduce", 0, 2),
+    c10d._allgather_base_.default: ("gather", 0, 2),
+    c10d.allgather_into_tensor_coalesced_.default: ("gather", 0, 2),
+    c10d.allgather_.default: ("gather", 0, 2),
+    funcol.all_gather_into_tensor.default: ("gather", "out", 2),
+    funcol.all_gather_into_tensor_coalesced.default: ("gather", "out", 2),
+    c10d._reduce_scatter_base_.default: ("scatter", 1, 2),
+    c10d.reduce_scatter_tensor_coalesced_.default: ("scatter", 1, 2),
+    c10d.reduce_scatter_.default: ("scatter", 1, 2),
+    funcol.reduce_scatter_tensor.default: ("scatter", 0, 3),
+    funcol.reduce_scatter_tensor_coalesced.default: ("scatter", 0, 3),
+    c10d.alltoall_base_.default: ("scatter", 1, 2),
+    funcol.all_to_all_single.default: ("scatter", 0, 3),
+    c10d.send.default: ("send", 0, 1),
+}
+
+
+class CommBytes(CommDebugMode):
+    """`CommDebugMode` that also adds up the bytes this rank sends, per process group (``bytes_by_group``, keyed
+    by the group's global ranks).
+
+    Use it like its parent (``with CommBytes() as comm: ...``), then `by_axis` names the groups.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes_by_group: dict[tuple[int, ...], float] = defaultdict(float)  # by the group's global ranks
+
+    def __enter__(self) -> CommBytes:
+        # NOTE: CommDebugMode's per-module tracker is left out: its global module hooks lose their place when the
+        # mode spans several forwards and backwards (gradient accumulation, recompute), and nothing here needs it.
+        tracker = self.advanced_module_tracker
+        tracker.name, tracker.module_parents_dict = "Global", {"Global": set()}
+        self.comm_counts.clear()
+        self.comm_module_counts = {"Global": {"forward": defaultdict(int), "backward": defaultdict(int)}}
+        self.comm_module_operation_counts.clear()
+        self.bytes_by_group.clear()
+        TorchDispatchMode.__enter__(self)
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        TorchDispatchMode.__exit__(self, *args)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if out is not NotImplemented and func in _COLLECTIVES:
+            kind, tensors, group = _COLLECTIVES[func]
+            ranks, size = _group(args[group])
+            payload = _nbytes(out if tensors == "out" else args[tensors])
+            share = {"all_reduce": 2 * (size - 1) / size, "gather": (size - 1) / size,
+                     "scatter": (size - 1) / size, "send": 1.0}[kind]
+            self.bytes_by_group[ranks] += share * payload
+        return out
+
+    def by_axis(self, mesh: DeviceMesh) -> dict[str, float]:
+        """Bytes per mesh dimension; groups of no single dimension (the whole world, say) go to "other".
+
+        Groups are matched by their ranks: FSDP and DTensor may reach the same ranks through another group object.
+        """
+        ranks = {tuple(sorted(dist.get_process_group_ranks(mesh[dim].get_group()))): dim
+                 for dim in mesh.mesh_dim_names if mesh[dim].size() > 1}
+        axes: dict[str, float] = defaultdict(float)
+        for group, sent in self.bytes_by_group.items():
+            axes[ranks.get(group, "other")] += sent
+        return dict(axes)
+
+
+def _group(group: Any) -> tuple[tuple[int, ...], int]:
+    """Global ranks and size of a collective's group: a boxed ProcessGroup (c10d ops) or a name (functional ops)."""
+    from torch.distributed.distributed_c10d import ProcessGroup, _resolve_process_group
+
+    pg = _resolve_process_group(group) if isinstance(group, str) else ProcessGroup.unbox(group)
+    return tuple(sorted(dist.get_process_group_ranks(pg))), pg.size()
+
+
+def _nbytes(tensors: Any) -> int:
+    if isinstance(tensors, torch.Tensor):
+        return tensors.numel() * tensors.element_size()
+    return sum(_nbytes(t) for t in tensors)
