@@ -41,7 +41,7 @@ from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
@@ -209,8 +209,9 @@ class Parallel3DStrategy(ParallelStrategy):
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = _ForkLauncher(self) if self.start_method == "fork" else _CheckingLauncher(self)
 
-    def check_configuration(self) -> None:
-        """Refuse a bad layout or a model it cannot split, before any process group exists."""
+    def check_configuration(self, trainer: Trainer | None = None, datamodule: Any = None) -> None:
+        """Refuse a bad layout or a model it cannot split, before any process group exists (the launcher calls
+        this before it starts a rank; ``trainer`` and ``datamodule`` are there before the module knows them)."""
         layout = self.layout
         if self.cluster_environment is not None:  # under torchrun / SLURM: devices x num_nodes = launched ranks
             self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
@@ -219,9 +220,10 @@ class Parallel3DStrategy(ParallelStrategy):
         if config is not None:
             check_model_fits_layout(config, layout)
             check_model_fits_pipeline(config, layout.pp, self.virtual_pipeline_size)
-        datamodule = getattr(getattr(module, "_trainer", None), "datamodule", None)
+        trainer = trainer or getattr(module, "_trainer", None)
+        datamodule = datamodule or getattr(trainer, "datamodule", None)
         if layout.pp > 1 and hasattr(datamodule, "global_batch_size"):
-            accumulate = module.trainer.accumulate_grad_batches
+            accumulate = trainer.accumulate_grad_batches
             per_replica = datamodule.global_batch_size // (layout.dp * accumulate)
             if self._num_microbatches is None:
                 self.num_microbatches = default_microbatches(per_replica, layout.pp, self.virtual_pipeline_size,
@@ -567,6 +569,11 @@ def _follows_plan(module: LightningModule) -> bool:
     return hasattr(module, "tensor_parallel_plan") and isinstance(getattr(network, "blocks", None), nn.ModuleDict)
 
 
+def _datamodule_among(args: tuple) -> LightningDataModule | None:
+    """The datamodule `Trainer.fit` (validate, ...) hands its launcher: attached to the trainer only in the ranks."""
+    return next((arg for arg in args if isinstance(arg, LightningDataModule)), None)
+
+
 class _CheckingLauncher(_SubprocessScriptLauncher):
     """Lightning's script launcher, but the configuration is checked before any child process starts."""
 
@@ -575,7 +582,7 @@ class _CheckingLauncher(_SubprocessScriptLauncher):
         self._strategy = strategy
 
     def launch(self, function: Any, *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
-        self._strategy.check_configuration()
+        self._strategy.check_configuration(trainer, _datamodule_among(args))
         os.environ[_LAUNCHER_PID] = str(os.getpid())  # children watch this process (see below)
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
@@ -591,7 +598,7 @@ class _ForkLauncher(_MultiProcessingLauncher):
         super().__init__(strategy, start_method="fork")
 
     def launch(self, function: Any, *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
-        self._strategy.check_configuration()
+        self._strategy.check_configuration(trainer, _datamodule_among(args))
         os.environ[_LAUNCHER_PID] = str(os.getpid())  # the forked ranks end if this process dies
         return super().launch(function, *args, trainer=trainer, **kwargs)
 

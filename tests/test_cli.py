@@ -54,38 +54,76 @@ def test_fit_under_dp2_tp2_pp2_on_8_processes_gives_the_single_process_losses(tm
     torch.testing.assert_close(losses, single_process_losses, rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--trainer.strategy.tensor_parallel_size=3"], "tensor_parallel_size=3 x pipeline_parallel_size=1 does not divide the 4"),
-    (["--trainer.strategy.tensor_parallel_size=4"], "tensor_parallel_size=4 does not divide n_kv_head=2"),
-    (["--trainer.strategy.pipeline_parallel_size=2", "--trainer.strategy.num_microbatches=3"],
-     "the per-replica batch of 2 (global_batch_size=4 / (data_parallel_size=2 x accumulate_grad_batches=1)) is "
-     "not divisible by num_microbatches=3"),
-    (["--trainer.strategy.pipeline_parallel_size=4", "--trainer.strategy.virtual_pipeline_size=2",
-      "--trainer.strategy.pipeline_schedule=interleaved_1f1b"], "= 8 stages, but the model has only n_layer=4 blocks"),
+LAYOUT_3D = ["--trainer.devices=4", "--trainer.strategy=Parallel3DStrategy"]
+# name -> (command line, environment); all run in one process (tests/cli_batch.py) and stop before training.
+EARLY_EXITS = {
+    "tp3": (["fit", "--config", TINY, *QUICK, *LAYOUT_3D, "--trainer.strategy.tensor_parallel_size=3"], {}),
+    "tp4": (["fit", "--config", TINY, *QUICK, *LAYOUT_3D, "--trainer.strategy.tensor_parallel_size=4"], {}),
+    "microbatches": (["fit", "--config", TINY, *QUICK, *LAYOUT_3D, "--trainer.strategy.pipeline_parallel_size=2",
+                      "--trainer.strategy.num_microbatches=3"], {}),
+    "stages": (["fit", "--config", TINY, *QUICK, *LAYOUT_3D, "--trainer.strategy.pipeline_parallel_size=4",
+                "--trainer.strategy.virtual_pipeline_size=2", "--trainer.strategy.pipeline_schedule=interleaved_1f1b"],
+               {}),
+    "model_help": (["fit", "--model.help", "lit3d.GPT"], {}),
+    "data_help": (["fit", "--data.help", "lit3d.data.TextDataModule"], {}),
+    "too_long": (["fit", "--config", TINY, *QUICK, "--data.init_args.seq_len=512"], {}),
+    "preset": (["fit", "--config", TINY, *QUICK, "--model.init_args.config=llama-9b"], {}),
+    "missing": (["fit", "--config", TINY, *QUICK, "--data.init_args.data_path=/no/such/corpus"], {}),
+    # torchrun started 4 ranks (2 nodes x 2), the config says 1 node
+    "num_nodes": (["fit", "--config", TINY, *QUICK, "--trainer.devices=2", "--trainer.num_nodes=1",
+                   "--trainer.strategy=Parallel3DStrategy"],
+                  {"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0", "WORLD_SIZE": "4",
+                   "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}),
+}
+
+
+@pytest.fixture(scope="module")
+def early_exits(tmp_path_factory) -> dict[str, dict]:
+    import json
+
+    folder = tmp_path_factory.mktemp("early_exits")
+    cases = [{"args": args, "env": env} for args, env in EARLY_EXITS.values()]
+    (folder / "cases.json").write_text(json.dumps(cases))
+    run = subprocess.run([sys.executable, str(ROOT / "tests" / "cli_batch.py"), "cases.json", "results.json"],
+                         cwd=folder, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return dict(zip(EARLY_EXITS, json.loads((folder / "results.json").read_text())))
+
+
+@pytest.mark.parametrize("case, message", [
+    ("tp3", "tensor_parallel_size=3 x pipeline_parallel_size=1 does not divide the 4"),
+    ("tp4", "tensor_parallel_size=4 does not divide n_kv_head=2"),
+    ("microbatches", "the per-replica batch of 2 (global_batch_size=4 / (data_parallel_size=2 x "
+                     "accumulate_grad_batches=1)) is not divisible by num_microbatches=3"),
+    ("stages", "= 8 stages, but the model has only n_layer=4 blocks"),
+    ("num_nodes", "`devices=2` and `num_nodes=1` ... world size (4)"),
 ])
-def test_a_bad_layout_is_refused_before_any_process_starts(tmp_path, args, message):
-    run = lit3d("fit", "--config", TINY, *QUICK, "--trainer.devices=4", "--trainer.strategy=Parallel3DStrategy", *args,
-                cwd=tmp_path)
-    assert run.returncode != 0 and message in run.stderr
-    assert "Initializing distributed" not in run.stdout + run.stderr  # no process group was ever formed
+def test_a_bad_layout_is_refused_before_any_process_starts(early_exits, case, message):
+    run = early_exits[case]
+    assert run["code"] != 0
+    for part in message.split(" ... "):
+        assert part in run["stderr"], run["stderr"][-3000:]
+    assert not run["process_group"]  # refused before any process group was formed (and no rank was launched)
 
 
-def test_help_shows_arguments_with_their_docstrings(tmp_path):
-    out = lit3d("fit", "--model.help", "lit3d.GPT", cwd=tmp_path)
-    assert out.returncode == 0, out.stderr
-    model_help = " ".join(out.stdout.split())  # undo the help's line wrapping
+def test_help_shows_arguments_with_their_docstrings(early_exits):
+    assert early_exits["model_help"]["code"] == 0, early_exits["model_help"]["stderr"][-3000:]
+    model_help = " ".join(early_exits["model_help"]["stdout"].split())  # undo the help's line wrapping
     assert "--model.learning_rate" in model_help and "Peak learning rate, reached after" in model_help
-    data_help = " ".join(lit3d("fit", "--data.help", "lit3d.data.TextDataModule", cwd=tmp_path).stdout.split())
+    data_help = " ".join(early_exits["data_help"]["stdout"].split())
     assert "Sequences per optimizer step across all data-parallel replicas" in data_help
 
 
-def test_bad_input_is_refused_before_training_with_the_value_named(tmp_path):
-    too_long = lit3d("fit", "--config", TINY, *QUICK, "--data.init_args.seq_len=512", cwd=tmp_path)
-    assert too_long.returncode != 0 and "seq_len=512 is above the model's max_seq_len=256" in too_long.stderr
-    preset = lit3d("fit", "--config", TINY, *QUICK, "--model.init_args.config=llama-9b", cwd=tmp_path)
-    assert preset.returncode != 0 and "unknown model preset 'llama-9b'" in preset.stderr
-    missing = lit3d("fit", "--config", TINY, *QUICK, "--data.init_args.data_path=/no/such/corpus", cwd=tmp_path)
-    assert missing.returncode != 0 and "data_path='/no/such/corpus' does not exist" in missing.stderr
+@pytest.mark.parametrize("case, message", [
+    ("too_long", "seq_len=512 is above the model's max_seq_len=256"),
+    ("preset", "unknown model preset 'llama-9b'"),
+    ("missing", "data_path='/no/such/corpus' does not exist"),
+])
+def test_bad_input_is_refused_before_training_with_the_value_named(early_exits, case, message):
+    run = early_exits[case]
+    assert run["code"] != 0 and message in run["stderr"], run["stderr"][-3000:]
+    assert not run["process_group"]
 
 
 def test_two_node_torchrun_on_loopback_keeps_tp_inside_a_node(tmp_path, single_process_losses):
@@ -116,16 +154,3 @@ def test_two_node_torchrun_on_loopback_keeps_tp_inside_a_node(tmp_path, single_p
     assert "2 node(s) x 2 device(s)" in outputs[0]  # the rank map printed at start shows the nodes
     losses = torch.tensor(logged(tmp_path / "runs" / "tiny" / "version_0", "train_loss"))
     torch.testing.assert_close(losses, single_process_losses, rtol=1e-5, atol=0)
-
-
-def test_num_nodes_that_do_not_match_torchrun_are_refused(tmp_path):
-    """torchrun started 4 ranks (2 nodes x 2), the config says 1 node: refused before any process group."""
-    env = {"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0", "WORLD_SIZE": "4",
-           "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
-    run = subprocess.run([sys.executable, str(ROOT / "cli.py"), "fit", "--config", TINY, *QUICK,
-                          "--trainer.devices=2", "--trainer.num_nodes=1", "--trainer.strategy=Parallel3DStrategy"],
-                         cwd=tmp_path, env={**os.environ, **env, "PYTHONPATH": str(ROOT)}, capture_output=True,
-                         text=True, timeout=120)
-    assert run.returncode != 0
-    assert "`devices=2` and `num_nodes=1`" in run.stderr and "world size (4)" in run.stderr
-    assert "Initializing distributed" not in run.stdout + run.stderr
