@@ -160,6 +160,7 @@ def format_comm_report(measured: dict[str, float], planned: dict[str, float] | N
         lines.append(f"  {axis:<6}{sent / 2**20:>10.3f}{planner:>10}{ratio:>8}")
     return "\n".join(lines)
 
+
 def device_peak_flops(device: torch.device) -> float | None:
     """Dense bf16 FLOP/s of a known GPU; None for a CPU or a GPU not in `lit3d.hardware`."""
     from lit3d.hardware import identify
