@@ -97,6 +97,9 @@ class Throughput(Callback):
                           on_step=True, on_epoch=False)
 
 
+_AXIS_NAMES = {"tensor_parallel": "tp", "data_parallel": "dp"}  # ModelParallelStrategy's mesh dims
+
+
 class CommReport(Callback):
     """Bytes sent per mesh axis during one optimizer step, measured, next to the planner's estimate.
 
@@ -110,8 +113,6 @@ class CommReport(Callback):
         step: The optimizer step to measure; later than the first, whose setup may communicate more.
         verbose: Print the table on rank 0.
     """
-
-    AXES = {"tp": "tp", "pp": "pp", "dp": "dp", "tensor_parallel": "tp", "data_parallel": "dp"}
 
     def __init__(self, step: int = 2, verbose: bool = True) -> None:
         self.step, self.verbose = step, verbose
@@ -136,7 +137,7 @@ class CommReport(Callback):
         mesh = getattr(trainer.strategy, "_device_mesh", None)
         local = mode.by_axis(mesh) if mesh is not None else {"dp": sum(mode.bytes_by_group.values())}
         axes = ("tp", "pp", "dp", "other")
-        local = {self.AXES.get(axis, axis): sent for axis, sent in local.items()}
+        local = {_AXIS_NAMES.get(axis, axis): sent for axis, sent in local.items()}
         sent = torch.tensor([float(local.get(axis, 0.0)) for axis in axes], dtype=torch.float64)
         busiest = trainer.strategy.reduce(sent.to(pl_module.device), reduce_op="max").cpu().tolist()
         self.measured = dict(zip(axes, busiest))

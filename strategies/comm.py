@@ -73,7 +73,7 @@ class CommBytes(CommDebugMode):
         TorchDispatchMode.__enter__(self)
         return self
 
-    def __exit__(self, *args: Any) -> None:
+    def __exit__(self, *args: object) -> None:
         TorchDispatchMode.__exit__(self, *args)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
