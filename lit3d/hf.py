@@ -145,21 +145,19 @@ def export_checkpoint(ckpt_path: str | Path, output: str | Path, dtype: torch.dt
     The sharded tensors are read into one full model with `torch.distributed.checkpoint`, which reassembles
     the shards of every layout from their recorded global offsets.
     """
-    import torch.distributed.checkpoint as dcp
-
-    from strategies.checkpoint import META_FILE, check_readable
     from lit3d.model import Transformer
+    from strategies import checkpoint as ckpt
 
     path = Path(ckpt_path)
-    check_readable(path)
-    meta = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
+    ckpt.check_readable(path)
+    meta = torch.load(path / ckpt.META_FILE, map_location="cpu", weights_only=False)
     config = GPTConfig.load(meta["hyper_parameters"]["config"])
     with torch.device("meta"):
         network = Transformer(config)
     network.to_empty(device="cpu")
     network.tie_weights()
     state = {f"state_dict.model.{name}": tensor for name, tensor in network.state_dict().items()}
-    dcp.load(state, checkpoint_id=str(path))
+    ckpt.load(path, state)
     folder = write_folder(output, config, network.state_dict(), dtype)
     tokenizer = meta.get("datamodule_hyper_parameters", {}).get("tokenizer")
     if tokenizer and tokenizer != "byte" and Path(tokenizer).exists():

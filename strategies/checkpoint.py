@@ -153,28 +153,6 @@ def load(path: Path, tensors: dict[str, Any]) -> dict[str, Any]:
             from error
 
 
-def rng_states() -> dict[str, Any]:
-    """The random generators' states (torch, CUDA, numpy, Python), saved so a resumed run draws the same."""
-    import random
-
-    import numpy as np
-
-    return {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-            "numpy": np.random.get_state(), "python": random.getstate()}
-
-
-def set_rng_states(states: dict[str, Any]) -> None:
-    import random
-
-    import numpy as np
-
-    torch.set_rng_state(states["torch"])
-    if states["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
-    np.random.set_state(states["numpy"])
-    random.setstate(states["python"])
-
-
 def parameter_names(module: nn.Module) -> dict[int, str]:
     return {id(p): name for name, p in module.named_parameters()}
 

@@ -40,7 +40,7 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states, reset_seed
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
@@ -66,8 +66,7 @@ from strategies.layout import (
 )
 from strategies.memory import memory_by_component
 from strategies.pipeline import Pipeline, bubble_theory, split_into_stages
-from strategies.recompute import MODES as RECOMPUTE_MODES
-from strategies.recompute import apply_activation_checkpointing
+from strategies.recompute import apply_activation_checkpointing, check_setting
 from strategies.tensor_parallel import apply_tensor_parallel, check_plan, lay_out_grads_like_params
 from strategies.zero import ELEMENTWISE_OPTIMIZERS, LocalShardOptimizer, apply_data_parallel
 
@@ -134,9 +133,7 @@ class Parallel3DStrategy(ParallelStrategy):
         if sequence_parallel and tensor_parallel_size == 1:
             rank_zero_warn("sequence_parallel=True does nothing with tensor_parallel_size=1")
         check_pipeline_arguments(pipeline_parallel_size, pipeline_schedule, num_microbatches, virtual_pipeline_size)
-        if activation_checkpointing not in (True, False, *RECOMPUTE_MODES):
-            raise ValueError(f"activation_checkpointing={activation_checkpointing!r} is not one of True, False, "
-                             f"{', '.join(map(repr, RECOMPUTE_MODES))}")
+        check_setting(activation_checkpointing)
         if start_method not in (None, "popen", "fork"):
             raise ValueError(f"start_method={start_method!r} is not one of 'popen', 'fork' (or None: automatic)")
         if start_method == "popen" and _interactive():
@@ -461,7 +458,7 @@ class Parallel3DStrategy(ParallelStrategy):
             raise TypeError(f"{type(self).__name__} writes sharded checkpoints itself; storage_options is not supported")
         path = Path(self.broadcast(str(filepath)))
         tensors = {"state_dict": checkpoint.pop("state_dict"), "optimizer_states": checkpoint.pop("optimizer_states", [])}
-        checkpoint["rng"] = ckpt.rng_states()  # rank 0's; every rank was seeded alike
+        checkpoint["rng"] = _collect_rng_states()  # rank 0's; every rank was seeded alike
         ckpt.save(path, tensors, checkpoint, self.is_global_zero)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -476,7 +473,7 @@ class Parallel3DStrategy(ParallelStrategy):
         for optimizer, loaded in zip(self.optimizers, tensors.get("optimizer_states", [])):
             ckpt.restore_param_groups(optimizer, loaded)
         if "rng" in meta:
-            ckpt.set_rng_states(meta.pop("rng"))
+            _set_rng_states(meta.pop("rng"))
         return meta
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
@@ -544,7 +541,7 @@ def parallelize_network(network: nn.Module, plan: dict[str, str], layout: Layout
         network.tie_weights()  # TP distributed the shared tensor once per module
     blocks = list(network.blocks.values())
     if activation_checkpointing:
-        apply_activation_checkpointing(blocks, "full" if activation_checkpointing is True else activation_checkpointing)
+        apply_activation_checkpointing(blocks, activation_checkpointing)
     if compile:
         options = {} if compile is True else {"backend": compile}
         for block in blocks:
@@ -574,20 +571,27 @@ def _datamodule_among(args: tuple) -> LightningDataModule | None:
     return next((arg for arg in args if isinstance(arg, LightningDataModule)), None)
 
 
-class _CheckingLauncher(_SubprocessScriptLauncher):
+class _ChecksFirst:
+    """For our launchers: check the configuration before any rank starts, then let the ranks watch this process
+    (they end if it dies; see `_exit_when_launcher_dies`)."""
+
+    _strategy: Parallel3DStrategy
+
+    def launch(self, function: Any, *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
+        self._strategy.check_configuration(trainer, _datamodule_among(args))
+        os.environ[_LAUNCHER_PID] = str(os.getpid())
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+
+class _CheckingLauncher(_ChecksFirst, _SubprocessScriptLauncher):
     """Lightning's script launcher, but the configuration is checked before any child process starts."""
 
     def __init__(self, strategy: Parallel3DStrategy) -> None:
         super().__init__(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
         self._strategy = strategy
 
-    def launch(self, function: Any, *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
-        self._strategy.check_configuration(trainer, _datamodule_among(args))
-        os.environ[_LAUNCHER_PID] = str(os.getpid())  # children watch this process (see below)
-        return super().launch(function, *args, trainer=trainer, **kwargs)
 
-
-class _ForkLauncher(_MultiProcessingLauncher):
+class _ForkLauncher(_ChecksFirst, _MultiProcessingLauncher):
     """Forks the ranks from the current process, as Lightning's ``ddp_notebook`` does: works in Jupyter.
 
     The configuration is checked before forking. Metrics (``trainer.callback_metrics``) and the best checkpoint
@@ -596,11 +600,6 @@ class _ForkLauncher(_MultiProcessingLauncher):
 
     def __init__(self, strategy: Parallel3DStrategy) -> None:
         super().__init__(strategy, start_method="fork")
-
-    def launch(self, function: Any, *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
-        self._strategy.check_configuration(trainer, _datamodule_among(args))
-        os.environ[_LAUNCHER_PID] = str(os.getpid())  # the forked ranks end if this process dies
-        return super().launch(function, *args, trainer=trainer, **kwargs)
 
     def _collect_rank_zero_results(self, trainer: Trainer, results: Any) -> _WorkerOutput | None:
         if self._strategy.local_rank != 0:

@@ -33,16 +33,22 @@ def _keep_matmuls_and_collectives(saved: set, ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_activation_checkpointing(blocks: list[nn.Module], mode: str) -> None:
-    """Checkpoint each of ``blocks`` in place (``mode``: ``full`` or ``selective``); names are unchanged."""
+def check_setting(activation_checkpointing: bool | str) -> None:
+    """Refuse a value of the strategy's ``activation_checkpointing`` argument, naming it."""
+    if activation_checkpointing not in (True, False, *MODES):
+        raise ValueError(f"activation_checkpointing={activation_checkpointing!r} is not one of True, False, "
+                         f"{', '.join(map(repr, MODES))}")
+
+
+def apply_activation_checkpointing(blocks: list[nn.Module], activation_checkpointing: bool | str) -> None:
+    """Checkpoint each of ``blocks`` in place (``True`` or ``"full"``, ``"selective"``); names are unchanged."""
     from torch.distributed._composable import checkpoint
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    if mode not in MODES:
-        raise ValueError(f"activation_checkpointing={mode!r} is not one of True, False, {', '.join(map(repr, MODES))}")
+    check_setting(activation_checkpointing)
     for block in blocks:
-        if mode == "full":
+        if activation_checkpointing in (True, "full"):
             checkpoint(block)
-        else:
+        elif activation_checkpointing == "selective":
             policy = partial(_keep_matmuls_and_collectives, _saved_ops())
             checkpoint(block, context_fn=partial(create_selective_checkpoint_contexts, policy))
