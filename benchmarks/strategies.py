@@ -74,6 +74,14 @@ def main() -> None:
     parser.add_argument("--configs", nargs="*", default=list(CONFIGS), help=f"subset of: {', '.join(CONFIGS)}")
     parser.add_argument("--json", type=str, default=None, help="also write the results to this file")
     args = parser.parse_args()
+    for name in ("steps", "rounds", "n_layer", "d_model", "seq_len", "global_batch_size"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be at least 1")
+    if args.warmup < 0:
+        parser.error(f"--warmup={args.warmup} must be at least 0")
+    unknown = [name for name in args.configs if name not in CONFIGS]
+    if unknown:
+        parser.error(f"unknown --configs {unknown}; known: {', '.join(CONFIGS)}")
 
     gpu = torch.cuda.is_available()
     cores = os.cpu_count() or 1

@@ -7,6 +7,7 @@ import time
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 
 class SampleText(Callback):
@@ -115,6 +116,8 @@ class CommReport(Callback):
     """
 
     def __init__(self, step: int = 2, verbose: bool = True) -> None:
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"CommReport(step={step!r}): the step to measure must be an integer >= 0")
         self.step, self.verbose = step, verbose
         self.measured: dict[str, float] | None = None  # bytes, busiest rank per axis
         self.planned: dict[str, float] | None = None
@@ -148,6 +151,11 @@ class CommReport(Callback):
                           on_epoch=False)
         if trainer.is_global_zero and self.verbose:
             print(format_comm_report(self.measured, self.planned, self.step), flush=True)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.measured is None:
+            rank_zero_warn(f"CommReport measured nothing: training ended before step {self.step} finished "
+                           f"(max_steps={trainer.max_steps})")
 
 
 def format_comm_report(measured: dict[str, float], planned: dict[str, float] | None, step: int) -> str:

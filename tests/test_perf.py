@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import fit, logged
 from lit3d import GPT
-from lit3d.callbacks import Throughput
+from lit3d.callbacks import CommReport, Throughput
 from lit3d.data import TextDataModule
 from lit3d.hardware import identify
 from lit3d.model import TENSOR_PARALLEL_PLAN, Transformer
@@ -141,3 +141,12 @@ def test_strategy_benchmark_compares_with_lightning_and_reports_traffic_next_to_
     ours, theirs = results["3d tp2"]["comm"], results["mp tp2"]["comm"]
     assert ours["measured"]["tp"] > 0 and ours["measured"]["tp"] == theirs["measured"]["tp"]  # the same plan
     assert 0 <= ours["measured"]["tp"] - ours["planned"]["tp"] <= 256
+
+
+def test_comm_report_refuses_a_bad_step_and_says_when_it_measured_nothing(tmp_path):
+    with pytest.raises(ValueError, match=r"CommReport\(step=-1\)"):
+        CommReport(step=-1)
+    report = CommReport(step=5)
+    with pytest.warns(UserWarning, match="CommReport measured nothing: training ended before step 5"):
+        fit(GPT("tiny"), TextDataModule(seq_len=32, global_batch_size=4), tmp_path, max_steps=2, callbacks=[report])
+    assert report.measured is None
