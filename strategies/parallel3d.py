@@ -377,11 +377,15 @@ class Parallel3DStrategy(ParallelStrategy):
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
         """No gradient communication on the micro-steps of an accumulation window but the last."""
+        from torch.distributed._composable.replicate import DDP
         from torch.distributed.fsdp import FSDPModule
 
         # NOTE: under pipeline parallelism the schedule itself syncs once per step, after its micro-batches.
-        units = [] if self.pipeline is not None else \
-            [m for m in self.lightning_module.modules() if isinstance(m, FSDPModule)]
+        modules = [] if self.pipeline is not None else list(self.lightning_module.modules())
+        ddp = [m for m in modules if isinstance(m, DDP)]
+        units = [m for m in modules if isinstance(m, FSDPModule)]
+        for module in ddp:
+            module.set_requires_gradient_sync(False)
         for unit in units:
             unit.set_requires_gradient_sync(False, recurse=False)
             if self.zero_stage == 2:  # parameters are gathered once per step anyway: keep them till the last
@@ -389,6 +393,8 @@ class Parallel3DStrategy(ParallelStrategy):
         try:
             yield
         finally:
+            for module in ddp:
+                module.set_requires_gradient_sync(True)
             for unit in units:
                 unit.set_requires_gradient_sync(True, recurse=False)
                 if self.zero_stage == 2:
@@ -551,7 +557,8 @@ def parallelize_network(network: nn.Module, plan: dict[str, str], layout: Layout
                 part.compile(**options)
     if layout.dp > 1:
         for chunk in chunks:  # each pipeline chunk is a data-parallel root of its own
-            apply_data_parallel(chunk, list(chunk.blocks.values()), mesh["dp"], zero_stage)
+            apply_data_parallel(chunk, list(chunk.blocks.values()), mesh["dp"], zero_stage,
+                                ddp=zero_stage == 0 and layout.tp == layout.pp == 1)
     return chunks, stage_ids
 
 

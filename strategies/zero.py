@@ -3,11 +3,16 @@
 ==========  ==================  ==================  ===========================  =====================
 zero_stage  parameters          gradients           optimizer states             built from
 ==========  ==================  ==================  ===========================  =====================
-0           replicated          all-reduced         replicated                   ``replicate``
+0           replicated          all-reduced         replicated                   DDP, or ``replicate``
 1           replicated          all-reduced         sharded (1/D)                ``replicate`` + `LocalShardOptimizer`
 2           gathered once/step  reduce-scattered    sharded                      ``fully_shard(reshard_after_forward=False)``
 3           gathered per block  reduce-scattered    sharded                      ``fully_shard``
 ==========  ==================  ==================  ===========================  =====================
+
+ZeRO-0 on a network that is data parallel only is PyTorch's DDP (its composable ``replicate``): gradients go out
+in buckets of about 25 MB, all-reduced in the background while backward goes on, as Lightning's ``ddp`` does.
+DDP takes neither DTensor parameters nor a pipeline schedule's micro-batches, so with TP or PP, ZeRO-0 is FSDP2's
+``replicate``: one all-reduce per block, issued in order (it overlaps through CUDA streams, not on CPU).
 
 Stage 2 gathers each block's parameters in forward and keeps them until its backward is done (no second
 gather), then frees them: between steps a rank holds only its shard, as in stage 3.
@@ -24,10 +29,24 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 
 def apply_data_parallel(network: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh, zero_stage: int,
-                        mp_policy: Any = None) -> None:
-    """Make ``network`` data parallel over ``dp_mesh`` in place; each of ``blocks`` is one communication unit."""
+                        mp_policy: Any = None, *, ddp: bool = False) -> None:
+    """Make ``network`` data parallel over ``dp_mesh`` in place; each of ``blocks`` is one communication unit.
+
+    ``ddp`` (ZeRO-0 only): use PyTorch's DDP, for a network that is neither tensor- nor pipeline-parallel.
+    """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    if ddp:
+        if zero_stage != 0:
+            raise ValueError(f"DDP is ZeRO-0 only, got zero_stage={zero_stage}")
+        from torch.distributed._composable.replicate import replicate
+
+        # NOTE: no broadcast at the first forward (every rank initialises the same weights from the same seed),
+        # none per forward (the only buffers, the rotary tables, are computed, not learnt), and gradients are
+        # views of DDP's buckets rather than copies of them.
+        replicate(network, process_group=dp_mesh.get_group(), init_sync=False, forward_sync_buffers=False,
+                  gradient_as_bucket_view=True)
+        return
     mp_policy = mp_policy or MixedPrecisionPolicy()
     if zero_stage <= 1:
         from torch.distributed._composable.replicate_with_fsdp import replicate

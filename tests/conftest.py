@@ -65,8 +65,9 @@ LAYOUTS: dict[str, tuple[int, dict]] = {
     "dp2_zero3_full_recompute": (2, {"strategy": {"zero_stage": 3, "activation_checkpointing": "full"}}),
     "dp2_zero1_accumulate2": (2, {"strategy": {"zero_stage": 1}, "trainer": {"accumulate_grad_batches": 2}}),
     "dp2_zero3_accumulate2": (2, {"strategy": {"zero_stage": 3}, "trainer": {"accumulate_grad_batches": 2}}),
-    "dp2_zero0_accumulate2_comms": (2, {"strategy": {"zero_stage": 0}, "count_comms": True,
-                                        "trainer": {"accumulate_grad_batches": 2, "max_steps": 2}}),
+    **{f"dp2_zero{z}_accumulate2_comms": (2, {"strategy": {"zero_stage": z}, "count_comms": True,
+                                              "trainer": {"accumulate_grad_batches": 2, "max_steps": 2}})
+       for z in (0, 1)},
     **{f"dp2_zero{z}_{p}": (2, {"strategy": {"zero_stage": z}, "trainer": {"precision": p, "max_steps": 4}})
        for z in range(4) for p in ("bf16-mixed", "bf16-true")},
     "pp2_gpipe": (2, {"strategy": pp(2, "gpipe")}),

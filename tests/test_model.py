@@ -1,4 +1,3 @@
-import pytest
 import torch
 
 from lit3d import GPT, GPTConfig

@@ -39,13 +39,21 @@ def test_bf16_trains_at_every_zero_stage(layout, layout_runs, reference_run):
     assert relative_difference(losses, reference_run["losses"][:4]) < 0.05
 
 
-def test_no_gradient_sync_on_micro_steps_before_the_last(layout_runs):
-    comms = layout_runs["dp2_zero0_accumulate2_comms"]["comms"]  # per training batch: 2 steps x 2 micro-steps
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_no_gradient_sync_on_micro_steps_before_the_last(layout_runs, zero_stage):
+    comms = layout_runs[f"dp2_zero{zero_stage}_accumulate2_comms"]["comms"]  # per batch: 2 steps x 2 micro-steps
     assert len(comms) == 4
-    for first, last in (comms[0:2], comms[2:4]):
-        assert first == {}, f"collectives on a non-final micro-step: {first}"
-        # The last all-reduces the gradients, one bucket per block (2) and one for the rest, and the logged loss.
-        assert last == {"c10d.allreduce_": SMALL_GPT["n_layer"] + 1 + 1}
+    firsts, lasts = comms[0::2], comms[1::2]
+    if zero_stage == 0:
+        # DDP: one bucket holds the whole small model's gradients, plus the logged loss. Once, at the start of the
+        # second step, DDP agrees on its rebuilt bucket order (broadcasts); no gradients move.
+        assert firsts == [{}, {"c10d.broadcast_": 2}], f"gradients synced on a non-final micro-step: {firsts}"
+        assert lasts == [{"c10d.allreduce_": 2}] * 2
+    else:
+        # FSDP2's replicate: one all-reduce per block and one for the rest, the logged loss, then one all-gather of
+        # the updated optimizer slices.
+        assert firsts == [{}, {}], f"collectives on a non-final micro-step: {firsts}"
+        assert lasts == [{"c10d.allreduce_": SMALL_GPT["n_layer"] + 2, "c10d._allgather_base_": 1}] * 2
 
 
 @pytest.mark.parametrize("layout", COMM_MEASURED)
