@@ -1,6 +1,6 @@
 """Step time of lit3d's Parallel3DStrategy against Lightning's own strategies: same model, same data, same run.
 
-    python benchmarks/strategies.py                  # CPU: under five minutes on 2 cores (4m41s)
+    python benchmarks/strategies.py                  # CPU: under five minutes on 2 cores (4m19s)
     python benchmarks/strategies.py --rounds 5 --n-layer 8 --d-model 512
 
 Every configuration trains the same GPT on the same batches (the embedded corpus). Configurations with the

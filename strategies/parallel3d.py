@@ -3,7 +3,8 @@
 A Strategy owns *where* things run. This one builds the ``(pp, dp, tp)`` device mesh, then hands the
 LightningModule's network to PyTorch's distributed building blocks in one place and a fixed order:
 
-    tensor parallel (DTensor) → activation checkpointing → compile → data parallel / ZeRO (FSDP2)
+    tensor parallel (DTensor) → activation checkpointing → compile → data parallel / ZeRO (FSDP2; DDP for
+    ZeRO-0 when data parallelism is the only axis)
 
 and only then gives the empty (meta-device) network its weights, shard by shard, from the seed and the
 parameter names: the weights do not depend on the layout.
@@ -155,6 +156,7 @@ class Parallel3DStrategy(ParallelStrategy):
         self._device_mesh: DeviceMesh | None = None
         self._local_optimizers: dict[int, LocalShardOptimizer] = {}
         self.pipeline: Pipeline | None = None  # this rank's stages and schedule, when pipeline_parallel_size > 1
+        self._parallelized: nn.Module | None = None  # the network this strategy split
         self.plan: Plan | None = None  # the planner's estimate of this run (a lit3d GPT only), set at fit start
         self.memory_estimate: dict[str, int] | None = None  # the planner's bytes for this rank's stage
         self.num_nodes = 1
@@ -242,6 +244,7 @@ class Parallel3DStrategy(ParallelStrategy):
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         device_id = self.root_device if self.root_device.type != "cpu" else None
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
+        _agree_on_seed()
         layout = self.layout
         self._device_mesh = init_device_mesh(
             self.root_device.type, (layout.pp, layout.dp, layout.tp), mesh_dim_names=("pp", "dp", "tp")
@@ -306,6 +309,13 @@ class Parallel3DStrategy(ParallelStrategy):
     def parallelize(self, module: LightningModule) -> None:
         """Split ``module.model`` over the mesh (see `parallelize_network`), then give it its weights."""
         network, layout = module.model, self.layout
+        if self._parallelized is network:
+            return  # a later call in the same processes (fit, then validate or test): it is split already
+        if getattr(network, "_lit3d_split", False):
+            raise RuntimeError(f"{type(module).__name__}.model was split by another Parallel3DStrategy; a new "
+                               "strategy needs a new model (load the weights from a checkpoint)")
+        self._parallelized = network
+        network._lit3d_split = layout.dp * layout.tp * layout.pp > 1  # 1x1x1 leaves it as it is
         chunks, stage_ids = parallelize_network(
             network, module.tensor_parallel_plan, layout, self.device_mesh, self.global_rank,
             zero_stage=self.zero_stage, sequence_parallel=self.sequence_parallel,
@@ -618,6 +628,19 @@ class _ForkLauncher(_ChecksFirst, _MultiProcessingLauncher):
 def _interactive() -> bool:
     """A notebook or a Python prompt (Lightning's test): script launchers cannot re-run it per rank."""
     return hasattr(sys, "ps1") or bool(sys.flags.interactive)
+
+
+def _agree_on_seed() -> None:
+    """Take rank 0's seed on every rank if they were seeded apart (no ``seed_everything``): the weights come from
+    the seed (`Transformer.reset_parameters`), and replicas that start apart would stay apart."""
+    import torch.distributed as dist
+
+    seeds: list[int | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(seeds, torch.initial_seed())
+    if len(set(seeds)) > 1:
+        rank_zero_warn(f"the ranks were seeded differently ({len(set(seeds))} seeds; call `seed_everything`): "
+                       f"every rank now uses rank 0's seed {seeds[0]}, so all start from the same weights")
+        torch.manual_seed(seeds[0])
 
 
 def _exit_when_launcher_dies() -> None:

@@ -65,6 +65,7 @@ LAYOUTS: dict[str, tuple[int, dict]] = {
     "dp2_zero3_full_recompute": (2, {"strategy": {"zero_stage": 3, "activation_checkpointing": "full"}}),
     "dp2_zero1_accumulate2": (2, {"strategy": {"zero_stage": 1}, "trainer": {"accumulate_grad_batches": 2}}),
     "dp2_zero3_accumulate2": (2, {"strategy": {"zero_stage": 3}, "trainer": {"accumulate_grad_batches": 2}}),
+    "dp2_zero0_unseeded": (2, {"strategy": {"zero_stage": 0}, "unseeded": True, "trainer": {"max_steps": 2}}),
     **{f"dp2_zero{z}_accumulate2_comms": (2, {"strategy": {"zero_stage": z}, "count_comms": True,
                                               "trainer": {"accumulate_grad_batches": 2, "max_steps": 2}})
        for z in (0, 1)},
@@ -133,6 +134,8 @@ COMM_MEASURED = ["dp2_zero0", "dp2_zero1", "dp2_zero2", "dp2_zero3", "dp2_zero3_
                  "dp2_tp2_zero3"]
 for _name in COMM_MEASURED:
     LAYOUTS[_name][1]["callbacks"] = [CommReport(step=5)]
+for _name in ["dp2_zero0", "dp2_zero3", "tp2", "pp2_1f1b", "dp2_tp2_pp2_zero1"]:
+    LAYOUTS[_name][1]["validate_after_fit"] = True
 
 
 def merge(base: dict, overrides: dict) -> dict:

@@ -8,7 +8,8 @@ A job is a dict: ``model`` (GPT kwargs, ``config`` as a dict), ``data`` (TextDat
 ``plain_loader`` (feed a plain shuffled DataLoader, so Lightning must inject the sampler) and ``count_comms``
 (count collectives per training batch); ``checkpoint_every`` (save ``ckpts/step=N.ckpt`` every N steps),
 ``ckpt_path`` (resume from it), ``expect_error`` (record the exception each rank raises instead of failing) and
-``callbacks`` (more callbacks, picklable).
+``callbacks`` (more callbacks, picklable); ``unseeded`` (no ``seed_everything``: each rank seeds itself apart); ``validate_after_fit`` (then
+``trainer.validate`` in the same processes).
 """
 
 import json
@@ -79,7 +80,11 @@ def run_job(job: dict, job_dir: Path, devices: int = 1) -> dict:
 
 
 def _run_job(job: dict, job_dir: Path, devices: int) -> dict:
-    L.seed_everything(job.get("seed", 1234))
+    if job.get("unseeded"):
+        os.environ.pop("PL_GLOBAL_SEED", None)  # what an earlier job's seed_everything left
+        torch.manual_seed(100 + int(os.environ.get("LOCAL_RANK", 0)))
+    else:
+        L.seed_everything(job.get("seed", 1234))
     model_kwargs = dict(job.get("model", {}))
     model = GPT(GPTConfig(**model_kwargs.pop("config")), **model_kwargs)
     data = (PlainLoaderData if job.get("plain_loader") else TextDataModule)(**job["data"])
@@ -95,7 +100,8 @@ def _run_job(job: dict, job_dir: Path, devices: int) -> dict:
     trainer = L.Trainer(**{**options, **job.get("trainer", {})})
     trainer.fit(model, data, ckpt_path=job.get("ckpt_path"))
     probe = callbacks[0]
-    result = {"memory": probe.memory, "sampler": probe.sampler, "comms": probe.comms}
+    result = {"memory": probe.memory, "sampler": probe.sampler, "comms": probe.comms,
+              "param_sum": sum(float(_local(p).double().sum()) for p in model.parameters())}
     for callback in callbacks:
         if isinstance(callback, CommReport):
             result["comm_bytes"] = {"measured": callback.measured, "planned": callback.planned}
@@ -105,7 +111,13 @@ def _run_job(job: dict, job_dir: Path, devices: int) -> dict:
         result["val_loss"] = logged(log_dir, "val_loss")
         result["pp_bubble"] = logged(log_dir, "pp/bubble")
         result["pp_bubble_theory"] = logged(log_dir, "pp/bubble_theory")
+    if job.get("validate_after_fit"):
+        result["validate_after_fit"] = trainer.validate(model, data, verbose=False)[0]["val_loss"]
     return result
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 class Probe(Callback):

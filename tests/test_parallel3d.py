@@ -9,7 +9,7 @@ from conftest import COMM_MEASURED, LAYOUTS, SMALL_GPT
 from lit3d import GPTConfig
 
 FP32_LAYOUTS = [n for n, (_, job) in LAYOUTS.items() if "precision" not in job.get("trainer", {})
-                and not job.get("plain_loader") and not job.get("count_comms")]
+                and not job.get("plain_loader") and not job.get("count_comms") and not job.get("unseeded")]
 
 
 def relative_difference(losses, reference):
@@ -70,6 +70,19 @@ def test_measured_communication_per_axis_matches_the_planner(layout, layout_runs
         # The planner leaves out only scalars (the logged loss, the gradient norm's partial sums).
         assert planned[axis] <= measured[axis] <= planned[axis] + 256, (axis, measured, planned)
     assert measured["other"] <= 64  # nothing big outside the mesh's groups
+
+
+@pytest.mark.parametrize("layout", [n for n, (_, job) in LAYOUTS.items() if job.get("validate_after_fit")])
+def test_validate_after_fit_in_the_same_processes_uses_the_trained_split_model(layout, layout_runs):
+    # As under torchrun: fit, then validate with the same trainer; the strategy does not split the model again.
+    run = layout_runs[layout]
+    assert run["validate_after_fit"] == pytest.approx(run["val_loss"][-1], rel=1e-6)
+
+
+def test_ranks_seeded_apart_still_start_from_the_same_weights(layout_runs):
+    # Without seed_everything each process has its own seed; the strategy takes rank 0's, so the replicas agree.
+    ranks = layout_runs["dp2_zero0_unseeded"]["ranks"]
+    assert ranks[0]["param_sum"] == ranks[1]["param_sum"]
 
 
 def test_train_loss_is_logged_once_per_step_with_the_global_mean(layout_runs, reference_run):
