@@ -7,9 +7,9 @@ A job is a dict: ``model`` (GPT kwargs, ``config`` as a dict), ``data`` (TextDat
 (Trainer kwargs), ``strategy`` (Parallel3DStrategy kwargs; absent = a single-process run), and probes:
 ``plain_loader`` (feed a plain shuffled DataLoader, so Lightning must inject the sampler) and ``count_comms``
 (count collectives per training batch); ``checkpoint_every`` (save ``ckpts/step=N.ckpt`` every N steps),
-``ckpt_path`` (resume from it), ``expect_error`` (record the exception each rank raises instead of failing) and
-``callbacks`` (more callbacks, picklable); ``unseeded`` (no ``seed_everything``: each rank seeds itself apart); ``validate_after_fit`` (then
-``trainer.validate`` in the same processes).
+``ckpt_path`` (resume from it), ``expect_error`` (record the exception each rank raises instead of failing),
+``callbacks`` (more callbacks, picklable), ``unseeded`` (no ``seed_everything``: each rank seeds itself apart) and
+``validate_after_fit`` (then ``trainer.validate`` in the same processes).
 """
 
 import json
