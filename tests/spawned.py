@@ -101,7 +101,7 @@ def _run_job(job: dict, job_dir: Path, devices: int) -> dict:
     trainer.fit(model, data, ckpt_path=job.get("ckpt_path"))
     probe = callbacks[0]
     result = {"memory": probe.memory, "sampler": probe.sampler, "comms": probe.comms,
-              "param_sum": sum(float(_local(p).double().sum()) for p in model.parameters())}
+              "param_sum": sum(float(_local(p).detach().double().sum()) for p in model.parameters())}
     for callback in callbacks:
         if isinstance(callback, CommReport):
             result["comm_bytes"] = {"measured": callback.measured, "planned": callback.planned}
