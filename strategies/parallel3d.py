@@ -568,7 +568,7 @@ def parallelize_network(network: nn.Module, plan: dict[str, str], layout: Layout
     if layout.dp > 1:
         for chunk in chunks:  # each pipeline chunk is a data-parallel root of its own
             apply_data_parallel(chunk, list(chunk.blocks.values()), mesh["dp"], zero_stage,
-                                ddp=zero_stage == 0 and layout.tp == layout.pp == 1)
+                                data_parallel_only=layout.tp == layout.pp == 1)
     return chunks, stage_ids
 
 

@@ -29,16 +29,14 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 
 def apply_data_parallel(network: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh, zero_stage: int,
-                        mp_policy: Any = None, *, ddp: bool = False) -> None:
+                        mp_policy: Any = None, *, data_parallel_only: bool = False) -> None:
     """Make ``network`` data parallel over ``dp_mesh`` in place; each of ``blocks`` is one communication unit.
 
-    ``ddp`` (ZeRO-0 only): use PyTorch's DDP, for a network that is neither tensor- nor pipeline-parallel.
+    ``data_parallel_only``: the network is neither tensor- nor pipeline-parallel, so ZeRO-0 can be PyTorch's DDP.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    if ddp:
-        if zero_stage != 0:
-            raise ValueError(f"DDP is ZeRO-0 only, got zero_stage={zero_stage}")
+    if zero_stage == 0 and data_parallel_only:
         from torch.distributed._composable.replicate import replicate
 
         # NOTE: no broadcast at the first forward (every rank initialises the same weights from the same seed),
