@@ -63,6 +63,7 @@ LAYOUTS: dict[str, tuple[int, dict]] = {
     "tp2_sequence_parallel": (2, {"strategy": {"tensor_parallel_size": 2, "sequence_parallel": True}}),
     "tp2_selective_recompute": (2, {"strategy": {"tensor_parallel_size": 2, "activation_checkpointing": "selective"}}),
     "dp2_zero3_full_recompute": (2, {"strategy": {"zero_stage": 3, "activation_checkpointing": "full"}}),
+    "dp2_zero0_accumulate2": (2, {"strategy": {"zero_stage": 0}, "trainer": {"accumulate_grad_batches": 2}}),
     "dp2_zero1_accumulate2": (2, {"strategy": {"zero_stage": 1}, "trainer": {"accumulate_grad_batches": 2}}),
     "dp2_zero3_accumulate2": (2, {"strategy": {"zero_stage": 3}, "trainer": {"accumulate_grad_batches": 2}}),
     "dp2_zero0_unseeded": (2, {"strategy": {"zero_stage": 0}, "unseeded": True, "trainer": {"max_steps": 2}}),
