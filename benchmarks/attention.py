@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lit3d.attention import causal_attention, flash_attn_installed  # noqa: E402
+from lit3d.attention import causal_attention, flash_attn_installed
 
 
 def time_ms(fn, repeats: int) -> float:
@@ -50,15 +50,17 @@ def main() -> None:
     q = torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(kv_shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn(kv_shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    flops = 4 * args.batch * args.seq_len ** 2 * args.heads * args.head_dim * 3.5 / 2
-    print(f"{torch.cuda.get_device_name()}: batch {args.batch}, seq {args.seq_len}, heads {args.heads}/{args.kv_heads}, "
-          f"head_dim {args.head_dim}, bf16, forward + backward")
+    flops = 4 * args.batch * args.seq_len**2 * args.heads * args.head_dim * 3.5 / 2
+    print(
+        f"{torch.cuda.get_device_name()}: batch {args.batch}, seq {args.seq_len}, heads {args.heads}/{args.kv_heads}, "
+        f"head_dim {args.head_dim}, bf16, forward + backward"
+    )
     results = {}
     for backend in ("sdpa", "flash"):
         if backend == "flash" and not flash_attn_installed():
             print("flash: skipped (flash-attn is not installed: pip install -e '.[flash]')")
             continue
-        ms = time_ms(lambda: causal_attention(q, k, v, backend).sum().backward(), args.repeats)
+        ms = time_ms(lambda backend=backend: causal_attention(q, k, v, backend).sum().backward(), args.repeats)
         results[backend] = ms
         print(f"{backend:>6}: {ms:8.3f} ms  {flops / ms / 1e9:8.1f} TFLOP/s")
     if len(results) == 2:

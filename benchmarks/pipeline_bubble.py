@@ -5,7 +5,7 @@
 
 Each stage is a block whose forward takes ``--forward-ms`` and whose backward takes twice that (it sleeps):
 p processes on a small machine then do not compete for cores, so what is measured is the schedule itself,
-run by lit3d's `strategies.pipeline.Pipeline` on `torch.distributed.pipelining` (gloo). A stage's bubble is
+run by lit3d's `lit3d.strategies.pipeline.Pipeline` on `torch.distributed.pipelining` (gloo). A stage's bubble is
 the share of the step it spends not computing; the table shows the mean over stages next to the theory:
 ``(p-1)/(m+p-1)`` for GPipe and 1F1B, ``(p-1)/(v·m+p-1)`` interleaved (v = 2 chunks per rank here).
 """
@@ -59,16 +59,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stages", type=int, nargs="*", default=[2, 4], help="pipeline sizes p")
     parser.add_argument("--microbatches", type=int, nargs="*", default=[2, 4, 8, 16], help="m values")
-    parser.add_argument("--schedules", nargs="*", default=["1f1b"],
-                        help="gpipe, 1f1b, interleaved_1f1b (2 chunks per rank)")
+    parser.add_argument(
+        "--schedules", nargs="*", default=["1f1b"], help="gpipe, 1f1b, interleaved_1f1b (2 chunks per rank)"
+    )
     parser.add_argument("--forward-ms", type=float, default=20.0, help="forward time of one stage's micro-batch")
     parser.add_argument("--steps", type=int, default=3, help="measured steps per configuration (after one warm-up)")
-    parser.add_argument("--timeline", type=str, default="pipeline_timeline.png",
-                        help="picture of one step of the largest p with m=8 (empty: none)")
+    parser.add_argument(
+        "--timeline",
+        type=str,
+        default="pipeline_timeline.png",
+        help="picture of one step of the largest p with m=8 (empty: none)",
+    )
     parser.add_argument("--json", type=str, default=None, help="also write the results to this file")
     args = parser.parse_args()
 
-    from strategies.pipeline import bubble_theory
+    from lit3d.strategies.pipeline import bubble_theory
 
     rows = []
     print(f"synthetic stages: forward {args.forward_ms:.0f} ms, backward {2 * args.forward_ms:.0f} ms per micro-batch")
@@ -84,10 +89,20 @@ def main() -> None:
                     draw = str(Path(draw).with_stem(f"{Path(draw).stem}_{schedule}"))
                 result = measure(p, m, schedule, virtual, args.forward_ms / 1000 / virtual, args.steps, draw)
                 theory = bubble_theory(schedule, p, m, virtual)
-                rows.append({"schedule": schedule, "p": p, "m": m, "measured": result["bubble"], "theory": theory,
-                             "step_s": result["step_s"]})
-                print(f"{schedule:<18}{p:>3}{m:>4}{result['bubble']:>10.3f}{theory:>9.3f}{result['step_s']:>9.3f}",
-                      flush=True)
+                rows.append(
+                    {
+                        "schedule": schedule,
+                        "p": p,
+                        "m": m,
+                        "measured": result["bubble"],
+                        "theory": theory,
+                        "step_s": result["step_s"],
+                    }
+                )
+                print(
+                    f"{schedule:<18}{p:>3}{m:>4}{result['bubble']:>10.3f}{theory:>9.3f}{result['step_s']:>9.3f}",
+                    flush=True,
+                )
     if args.timeline:
         print(f"timeline of one step: {args.timeline}")
     if args.json:
@@ -99,26 +114,46 @@ def measure(p: int, m: int, schedule: str, virtual: int, seconds: float, steps: 
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        mp.start_processes(_worker, args=(p, port, m, schedule, virtual, seconds, steps, timeline, tmp), nprocs=p,
-                           start_method="spawn")
+        mp.start_processes(
+            _worker, args=(p, port, m, schedule, virtual, seconds, steps, timeline, tmp), nprocs=p, start_method="spawn"
+        )
         return json.loads((Path(tmp) / "result.json").read_text())
 
 
-def _worker(rank: int, p: int, port: int, m: int, schedule: str, virtual: int, seconds: float, steps: int,
-            timeline: str, tmp: str) -> None:
+def _worker(
+    rank: int,
+    p: int,
+    port: int,
+    m: int,
+    schedule: str,
+    virtual: int,
+    seconds: float,
+    steps: int,
+    timeline: str,
+    tmp: str,
+) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from strategies.pipeline import Pipeline, chunk_stage_ids
-    from strategies.timeline import plot_timeline
+    from lit3d.strategies.pipeline import Pipeline
+    from lit3d.strategies.stages import chunk_stage_ids
+    from lit3d.strategies.timeline import plot_timeline
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=p)
     mesh = init_device_mesh("cpu", (p,), mesh_dim_names=("pp",))
     stage_ids = chunk_stage_ids(rank, p, virtual)
-    pipeline = Pipeline([SleepBlock(seconds) for _ in stage_ids], stage_ids, p * virtual, mesh, schedule, m,
-                        torch.device("cpu"), loss_parallel=False)
+    pipeline = Pipeline(
+        [SleepBlock(seconds) for _ in stage_ids],
+        stage_ids,
+        p * virtual,
+        mesh,
+        schedule,
+        m,
+        torch.device("cpu"),
+        loss_parallel=False,
+    )
     inputs, targets = torch.ones(m, 4), torch.zeros(m, 4)
     bubbles, step_times, events = [], [], []
     for step in range(steps + 1):

@@ -6,7 +6,7 @@ import time
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from strategies.memory import memory_by_component
+from lit3d.strategies.memory import memory_by_component
 
 
 class StepTimer(Callback):
@@ -46,6 +46,6 @@ class StepTimer(Callback):
         local = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else self._state_bytes
         peak = trainer.strategy.reduce(torch.tensor(float(local), device=pl_module.device), reduce_op="max")
         if trainer.is_global_zero:
-            steps = sorted(self.times[self.warmup:])
+            steps = sorted(self.times[self.warmup :])
             with open(self.path, "w") as f:
                 json.dump({"median_step_s": steps[len(steps) // 2], "steps": len(steps), "peak_bytes": int(peak)}, f)

@@ -5,8 +5,9 @@
 
 Every configuration trains the same GPT on the same batches (the embedded corpus). Configurations with the
 same number of processes share one group of spawned processes and run in interleaved rounds (A B C, A B C, ...),
-so slow phases of a shared machine hit all of them alike (each round starts one configuration later); a configuration's step time is the median, over
-rounds, of the median wall time between optimizer steps after a warm-up. Each lit3d layout is printed as a
+so slow phases of a shared machine hit all of them alike (each round starts one configuration later); a
+configuration's step time is the median, over rounds, of the median wall time between optimizer steps after a
+warm-up. Each lit3d layout is printed as a
 ratio against the Lightning strategy that does the same job, measured in this same run:
 
     Parallel3DStrategy 1x1x1          vs  auto (single device)
@@ -42,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 from lit3d import GPT  # noqa: E402
 from lit3d.model import loss_parallel_scope  # noqa: E402
-from strategies.tensor_parallel import apply_tensor_parallel  # noqa: E402
+from lit3d.strategies.tensor_parallel import apply_tensor_parallel  # noqa: E402
 
 # name -> (processes, strategy: a Lightning name, ("mp", dp, tp) for ModelParallelStrategy or Parallel3DStrategy
 # kwargs, baselines: the first one measured in the run is used)
@@ -69,8 +70,12 @@ def main() -> None:
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--global-batch-size", type=int, default=8)
-    parser.add_argument("--optimizer", default="auto", choices=["auto", "foreach", "fused"],
-                        help="AdamW implementation (GPT.optimizer_impl), the same for every configuration")
+    parser.add_argument(
+        "--optimizer",
+        default="auto",
+        choices=["auto", "foreach", "fused"],
+        help="AdamW implementation (GPT.optimizer_impl), the same for every configuration",
+    )
     parser.add_argument("--configs", nargs="*", default=list(CONFIGS), help=f"subset of: {', '.join(CONFIGS)}")
     parser.add_argument("--json", type=str, default=None, help="also write the results to this file")
     args = parser.parse_args()
@@ -85,9 +90,12 @@ def main() -> None:
 
     gpu = torch.cuda.is_available()
     cores = os.cpu_count() or 1
-    print(f"model: n_layer={args.n_layer} d_model={args.d_model}, seq_len={args.seq_len}, global batch "
-          f"{args.global_batch_size}, AdamW {args.optimizer}; {'GPU' if gpu else f'CPU, {cores} cores'}; "
-          f"{args.rounds} rounds of {args.steps} steps", flush=True)
+    print(
+        f"model: n_layer={args.n_layer} d_model={args.d_model}, seq_len={args.seq_len}, global batch "
+        f"{args.global_batch_size}, AdamW {args.optimizer}; {'GPU' if gpu else f'CPU, {cores} cores'}; "
+        f"{args.rounds} rounds of {args.steps} steps",
+        flush=True,
+    )
     results: dict[str, dict] = {}
     runnable: dict[int, list[str]] = {}
     for name in args.configs:
@@ -146,8 +154,9 @@ def run_group(processes: int, names: list[str], args: argparse.Namespace, thread
             port = s.getsockname()[1]
         # Each round starts with the next configuration, so none always runs first (or right after another).
         schedule = [(r, names[(r + i) % len(names)]) for r in range(args.rounds) for i in range(len(names))]
-        mp.start_processes(_worker, args=(processes, port, schedule, vars(args), threads, tmp),
-                           nprocs=processes, start_method="spawn")
+        mp.start_processes(
+            _worker, args=(processes, port, schedule, vars(args), threads, tmp), nprocs=processes, start_method="spawn"
+        )
         results = {}
         for name in names:
             runs = [json.loads((Path(tmp) / f"{r}-{name}.json").read_text()) for r in range(args.rounds)]
@@ -158,32 +167,47 @@ def run_group(processes: int, names: list[str], args: argparse.Namespace, thread
                 "peak_bytes": max(run["peak_bytes"] for run in runs),
                 "comm": json.loads(comm.read_text()) if comm.exists() else None,
             }
-            print(f"  {name}: {results[name]['median_step_s'] * 1000:.1f} ms/step "
-                  f"(rounds: {', '.join(f'{t * 1000:.0f}' for t in results[name]['per_round_s'])})", flush=True)
+            print(
+                f"  {name}: {results[name]['median_step_s'] * 1000:.1f} ms/step "
+                f"(rounds: {', '.join(f'{t * 1000:.0f}' for t in results[name]['per_round_s'])})",
+                flush=True,
+            )
         return results
 
 
 def _worker(rank: int, processes: int, port: int, schedule: list, args: dict, threads: int, tmp: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(processes),
-                      LOCAL_RANK=str(rank), NODE_RANK="0", HF_DATASETS_DISABLE_PROGRESS_BARS="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(processes),
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+        HF_DATASETS_DISABLE_PROGRESS_BARS="1",
+    )
     torch.set_num_threads(threads)
     import logging
 
     import lightning as L
-
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     from benchmarks.step_timer import StepTimer
     from lit3d import GPTConfig
     from lit3d.callbacks import CommReport
     from lit3d.data import TextDataModule
-    from strategies import Parallel3DStrategy
+    from lit3d.strategies import Parallel3DStrategy
 
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     gpu = torch.cuda.is_available()
     d_model = args["d_model"]
-    config = GPTConfig(n_layer=args["n_layer"], n_head=d_model // 32, n_kv_head=d_model // 64, d_model=d_model,
-                       d_ff=3 * d_model, vocab_size=256, max_seq_len=args["seq_len"])
+    config = GPTConfig(
+        n_layer=args["n_layer"],
+        n_head=d_model // 32,
+        n_kv_head=d_model // 64,
+        d_model=d_model,
+        d_ff=3 * d_model,
+        vocab_size=256,
+        max_seq_len=args["seq_len"],
+    )
     for round_, name in schedule:
         strategy = CONFIGS[name][1]
         L.seed_everything(0, verbose=False)
@@ -198,10 +222,18 @@ def _worker(rank: int, processes: int, port: int, schedule: list, args: dict, th
         if round_ == 0:  # one step under CommDebugMode, inside the warm-up the timer leaves out
             callbacks.append(CommReport(step=min(2, args["warmup"] - 1), verbose=False))
         trainer = L.Trainer(
-            accelerator="gpu" if gpu else "cpu", devices=processes, strategy=strategy,
-            precision="bf16-mixed" if gpu else "32-true", max_steps=args["steps"] + args["warmup"] + 1,
-            callbacks=callbacks, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-            enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+            accelerator="gpu" if gpu else "cpu",
+            devices=processes,
+            strategy=strategy,
+            precision="bf16-mixed" if gpu else "32-true",
+            max_steps=args["steps"] + args["warmup"] + 1,
+            callbacks=callbacks,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            limit_val_batches=0,
         )
         trainer.fit(model, data)
         if round_ == 0 and trainer.is_global_zero and callbacks[1].measured is not None:

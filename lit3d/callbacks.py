@@ -9,6 +9,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lit3d.loop import ends_optimizer_step
+
 
 class SampleText(Callback):
     """After each validation run, decode a short sample from the model, so a user sees it learn.
@@ -25,11 +27,19 @@ class SampleText(Callback):
     """
 
     def __init__(
-        self, prompt: str = "def ", max_new_tokens: int = 64, temperature: float = 0.8, top_k: int | None = 40,
+        self,
+        prompt: str = "def ",
+        max_new_tokens: int = 64,
+        temperature: float = 0.8,
+        top_k: int | None = 40,
         seed: int = 0,
     ) -> None:
         self.prompt, self.max_new_tokens, self.temperature, self.top_k, self.seed = (
-            prompt, max_new_tokens, temperature, top_k, seed
+            prompt,
+            max_new_tokens,
+            temperature,
+            top_k,
+            seed,
         )
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -70,7 +80,7 @@ class Throughput(Callback):
         self._last = None
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
-        if (batch_idx + 1) % trainer.accumulate_grad_batches:
+        if not ends_optimizer_step(trainer):
             return  # not an optimizer step yet
         if pl_module.device.type == "cuda":
             torch.cuda.synchronize(pl_module.device)
@@ -92,10 +102,18 @@ class Throughput(Callback):
         }
         config = getattr(pl_module, "config", None)
         if self.peak_flops and hasattr(config, "flops_per_token"):
-            metrics["perf/mfu"] = config.flops_per_token(seq_len) * metrics["perf/tokens_per_s_per_device"] / self.peak_flops
+            metrics["perf/mfu"] = (
+                config.flops_per_token(seq_len) * metrics["perf/tokens_per_s_per_device"] / self.peak_flops
+            )
         for name, value in metrics.items():
-            pl_module.log(name, value, prog_bar=name in ("perf/tokens_per_s", "perf/mfu"), rank_zero_only=True,
-                          on_step=True, on_epoch=False)
+            pl_module.log(
+                name,
+                value,
+                prog_bar=name in ("perf/tokens_per_s", "perf/mfu"),
+                rank_zero_only=True,
+                on_step=True,
+                on_epoch=False,
+            )
 
 
 _AXIS_NAMES = {"tensor_parallel": "tp", "data_parallel": "dp"}  # ModelParallelStrategy's mesh dims
@@ -104,7 +122,7 @@ _AXIS_NAMES = {"tensor_parallel": "tp", "data_parallel": "dp"}  # ModelParallelS
 class CommReport(Callback):
     """Bytes sent per mesh axis during one optimizer step, measured, next to the planner's estimate.
 
-    The step runs under `strategies.comm.CommBytes` (PyTorch's `CommDebugMode`, weighing each collective by what
+    The step runs under `lit3d.strategies.comm.CommBytes` (PyTorch's `CommDebugMode`, weighing each collective by what
     a ring makes a rank send). Each axis reports its busiest rank, as the planner does (``plan.
     communication_per_step``, available under `Parallel3DStrategy` with a lit3d GPT). Rank 0 prints the table;
     ``comm/<axis>_mb`` goes to the logger. Strategies without a device mesh (``ddp``, ``fsdp``) are plain data
@@ -128,7 +146,7 @@ class CommReport(Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx) -> None:
         if trainer.global_step == self.step and self._mode is None and self.measured is None:
-            from strategies.comm import CommBytes
+            from lit3d.strategies.comm import CommBytes
 
             self._mode = CommBytes().__enter__()
 
@@ -147,21 +165,26 @@ class CommReport(Callback):
         plan = getattr(trainer.strategy, "plan", None)
         self.planned = {axis: plan.communication_per_step[axis]["bytes"] for axis in axes[:3]} if plan else None
         for axis in axes:
-            pl_module.log(f"comm/{axis}_mb", self.measured[axis] / 2**20, rank_zero_only=True, on_step=True,
-                          on_epoch=False)
+            pl_module.log(
+                f"comm/{axis}_mb", self.measured[axis] / 2**20, rank_zero_only=True, on_step=True, on_epoch=False
+            )
         if trainer.is_global_zero and self.verbose:
             print(format_comm_report(self.measured, self.planned, self.step), flush=True)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.measured is None:
-            rank_zero_warn(f"CommReport measured nothing: training ended before step {self.step} finished "
-                           f"(max_steps={trainer.max_steps})")
+            rank_zero_warn(
+                f"CommReport measured nothing: training ended before step {self.step} finished "
+                f"(max_steps={trainer.max_steps})"
+            )
 
 
 def format_comm_report(measured: dict[str, float], planned: dict[str, float] | None, step: int) -> str:
     """The table `CommReport` prints: MiB per axis, measured and planned, and their ratio."""
-    lines = [f"communication in step {step}, MiB sent by the busiest rank per axis:",
-             f"  {'axis':<6}{'measured':>10}{'planner':>10}{'ratio':>8}"]
+    lines = [
+        f"communication in step {step}, MiB sent by the busiest rank per axis:",
+        f"  {'axis':<6}{'measured':>10}{'planner':>10}{'ratio':>8}",
+    ]
     for axis, sent in measured.items():
         plan = (planned or {}).get(axis)
         planner = "-" if plan is None else f"{plan / 2**20:.3f}"

@@ -59,8 +59,16 @@ class GPTConfig:
             self.n_kv_head = self.n_head
         if self.d_ff is None:
             self.d_ff = _round_up(int(8 * self.d_model / 3), 256)
-        for key in ("n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "vocab_size", "max_seq_len",
-                    "pad_vocab_multiple"):
+        for key in (
+            "n_layer",
+            "n_head",
+            "n_kv_head",
+            "d_model",
+            "d_ff",
+            "vocab_size",
+            "max_seq_len",
+            "pad_vocab_multiple",
+        ):
             if getattr(self, key) <= 0:
                 raise ValueError(f"GPTConfig.{key}={getattr(self, key)} must be positive")
         if self.d_model % self.n_head:
@@ -110,8 +118,11 @@ class GPTConfig:
     @property
     def num_params(self) -> int:
         """Parameter count, embedding and head included (counted once when tied), without vocab padding."""
-        return self.params_per_block * self.n_layer + self.embedding_params * (1 if self.tie_embeddings else 2) \
+        return (
+            self.params_per_block * self.n_layer
+            + self.embedding_params * (1 if self.tie_embeddings else 2)
             + self.d_model
+        )
 
     @property
     def params_per_block(self) -> int:
@@ -139,14 +150,48 @@ def _round_up(value: int, multiple: int) -> int:
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(n_layer=4, n_head=4, n_kv_head=2, d_model=128, d_ff=384, vocab_size=256, max_seq_len=256),
     "125m": dict(n_layer=12, n_head=12, n_kv_head=12, d_model=768, d_ff=2048, vocab_size=32000, max_seq_len=2048),
-    "1b": dict(n_layer=16, n_head=32, n_kv_head=8, d_model=2048, d_ff=8192, vocab_size=128256, max_seq_len=8192,
-               rope_theta=500000.0, tie_embeddings=True),
-    "llama-8b": dict(n_layer=32, n_head=32, n_kv_head=8, d_model=4096, d_ff=14336, vocab_size=128256,
-                     max_seq_len=8192, rope_theta=500000.0),
-    "llama-70b": dict(n_layer=80, n_head=64, n_kv_head=8, d_model=8192, d_ff=28672, vocab_size=128256,
-                      max_seq_len=8192, rope_theta=500000.0),
-    "llama-405b": dict(n_layer=126, n_head=128, n_kv_head=8, d_model=16384, d_ff=53248, vocab_size=128256,
-                       max_seq_len=8192, rope_theta=500000.0),
-    "gpt3-175b": dict(n_layer=96, n_head=96, n_kv_head=96, d_model=12288, d_ff=32768, vocab_size=50257,
-                      max_seq_len=2048),
+    "1b": dict(
+        n_layer=16,
+        n_head=32,
+        n_kv_head=8,
+        d_model=2048,
+        d_ff=8192,
+        vocab_size=128256,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+        tie_embeddings=True,
+    ),
+    "llama-8b": dict(
+        n_layer=32,
+        n_head=32,
+        n_kv_head=8,
+        d_model=4096,
+        d_ff=14336,
+        vocab_size=128256,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+    ),
+    "llama-70b": dict(
+        n_layer=80,
+        n_head=64,
+        n_kv_head=8,
+        d_model=8192,
+        d_ff=28672,
+        vocab_size=128256,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+    ),
+    "llama-405b": dict(
+        n_layer=126,
+        n_head=128,
+        n_kv_head=8,
+        d_model=16384,
+        d_ff=53248,
+        vocab_size=128256,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+    ),
+    "gpt3-175b": dict(
+        n_layer=96, n_head=96, n_kv_head=96, d_model=12288, d_ff=32768, vocab_size=50257, max_seq_len=2048
+    ),
 }

@@ -29,7 +29,8 @@ def resolve_text_files(data_path: str) -> list[str]:
             raise FileNotFoundError(f"data_path={data_path!r}: the glob matches no file")
     elif Path(data_path).is_dir():
         files = sorted(
-            str(f) for f in Path(data_path).rglob("*")
+            str(f)
+            for f in Path(data_path).rglob("*")
             if f.is_file() and not any(part.startswith(".") for part in f.relative_to(data_path).parts)
         )
         if not files:
@@ -184,14 +185,27 @@ class TextDataModule(L.LightningDataModule):
         fingerprint = hashlib.sha256(key.encode()).hexdigest()[:16]
         int32_ids = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32"))})
         tokens = raw.map(
-            _tokenize, batched=True, remove_columns=raw.column_names, features=int32_ids,
+            _tokenize,
+            batched=True,
+            remove_columns=raw.column_names,
+            features=int32_ids,
             fn_kwargs={"tokenizer": self.tokenizer, "column": self.text_column},
-            new_fingerprint=f"tok-{fingerprint}", desc="tokenizing",
+            new_fingerprint=f"tok-{fingerprint}",
+            desc="tokenizing",
         )
-        return tokens.with_format("numpy").map(
-            _pack, batched=True, batch_size=1000, features=int32_ids, fn_kwargs={"block": self.seq_len + 1},
-            new_fingerprint=f"pack-{fingerprint}", desc="packing",
-        ).with_format(None)
+        return (
+            tokens.with_format("numpy")
+            .map(
+                _pack,
+                batched=True,
+                batch_size=1000,
+                features=int32_ids,
+                fn_kwargs={"block": self.seq_len + 1},
+                new_fingerprint=f"pack-{fingerprint}",
+                desc="packing",
+            )
+            .with_format(None)
+        )
 
     def _raw_documents(self) -> Any:
         import datasets

@@ -10,6 +10,7 @@ import torch
 from torchmetrics import MeanMetric
 
 from lit3d.config import GPTConfig
+from lit3d.loop import ends_optimizer_step
 from lit3d.model import TENSOR_PARALLEL_PLAN, Transformer, cross_entropy
 
 
@@ -101,37 +102,38 @@ class GPT(L.LightningModule):
                 self.configure_model()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Token ids ``[batch, seq]`` → logits ``[batch, seq, vocab_size]`` (full, on every rank, whatever the layout)."""
-        pipeline = self._pipeline()
-        if pipeline is not None:
-            return pipeline.forward(tokens, self.config.vocab_size)
+        """Token ids ``[batch, seq]`` → logits ``[batch, seq, vocab_size]``: whole, on every rank, in any layout."""
         self._build_on(tokens.device)
         logits = self.model(tokens)
         if hasattr(logits, "full_tensor"):  # vocabulary-sharded DTensor
             logits = logits.full_tensor()
         return logits[..., : self.config.vocab_size]
 
+    # The loss in three parts, so that a strategy can run it in pieces (a pipeline computes `loss_fn` on its last
+    # stage, micro-batch by micro-batch): `loss(batch)` is `loss_fn(model(inputs), targets)`.
+
+    @staticmethod
+    def inputs_and_targets(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch of ``seq_len + 1`` token blocks → the inputs and their next tokens."""
+        tokens = batch["input_ids"] if isinstance(batch, dict) else batch
+        return tokens[:, :-1], tokens[:, 1:]
+
+    @staticmethod
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy (`lit3d.model.cross_entropy`)."""
+        return cross_entropy(logits, targets)
+
     def loss(self, batch: Any) -> torch.Tensor:
         """Mean next-token cross-entropy of a batch of ``seq_len + 1`` blocks."""
-        tokens = batch["input_ids"] if isinstance(batch, dict) else batch
-        inputs, targets = tokens[:, :-1], tokens[:, 1:]
-        pipeline = self._pipeline()
-        if pipeline is not None:  # the depth is split over ranks: the strategy runs the whole pipeline, and
-            # in training also its backward (micro-batch by micro-batch), so Lightning has none left to do
-            return pipeline.loss(inputs, targets, cross_entropy, self.trainer.accumulate_grad_batches)
-        self._build_on(tokens.device)
-        return cross_entropy(self.model(inputs), targets)
-
-    def _pipeline(self) -> Any:
-        """The strategy's pipeline runner, when the model is split into pipeline stages."""
-        trainer = self._trainer
-        return getattr(trainer.strategy, "pipeline", None) if trainer is not None else None
+        inputs, targets = self.inputs_and_targets(batch)
+        self._build_on(inputs.device)
+        return self.loss_fn(self.model(inputs), targets)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)
         self._loss_sum = self._loss_sum + loss.detach()
         self._loss_count += 1
-        if self._ends_optimizer_step(batch_idx):
+        if ends_optimizer_step(self.trainer):
             self.log_train_loss(self._loss_sum / self._loss_count)
             self._loss_sum, self._loss_count = 0.0, 0
         return loss
@@ -143,11 +145,6 @@ class GPT(L.LightningModule):
         if not torch.isfinite(global_mean):
             raise FloatingPointError(f"train_loss is {global_mean.item()} at step {self.global_step}; stopping")
         self.log("train_loss", global_mean, on_step=True, on_epoch=False, prog_bar=True, batch_size=1)
-
-    def _ends_optimizer_step(self, batch_idx: int) -> bool:
-        """Whether this micro-batch is the last before an optimizer step (Lightning's rule)."""
-        accumulate = self.trainer.accumulate_grad_batches
-        return (batch_idx + 1) % accumulate == 0 or self.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         self.val_loss.update(self.loss(batch))
@@ -192,7 +189,7 @@ class GPT(L.LightningModule):
         """
         tokens = prompt_tokens[None] if prompt_tokens.ndim == 1 else prompt_tokens
         for _ in range(max_new_tokens):
-            logits = self(tokens[:, -self.config.max_seq_len:])[:, -1].float()
+            logits = self(tokens[:, -self.config.max_seq_len :])[:, -1].float()
             if temperature == 0:
                 next_token = logits.argmax(dim=-1, keepdim=True)
             else:

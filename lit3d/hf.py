@@ -59,23 +59,40 @@ def config_from_hf(hf: dict[str, Any]) -> GPTConfig:
     if head_dim * heads != hf["hidden_size"]:
         raise ValueError(f"head_dim={head_dim} x num_attention_heads={heads} != hidden_size={hf['hidden_size']}")
     return GPTConfig(
-        name=hf.get("_name_or_path") or "hf", n_layer=hf["num_hidden_layers"], n_head=heads,
-        n_kv_head=hf.get("num_key_value_heads") or heads, d_model=hf["hidden_size"], d_ff=hf["intermediate_size"],
-        vocab_size=hf["vocab_size"], max_seq_len=hf.get("max_position_embeddings", 2048),
-        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))), norm_eps=hf.get("rms_norm_eps", 1e-6),
+        name=hf.get("_name_or_path") or "hf",
+        n_layer=hf["num_hidden_layers"],
+        n_head=heads,
+        n_kv_head=hf.get("num_key_value_heads") or heads,
+        d_model=hf["hidden_size"],
+        d_ff=hf["intermediate_size"],
+        vocab_size=hf["vocab_size"],
+        max_seq_len=hf.get("max_position_embeddings", 2048),
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
     )
 
 
 def config_to_hf(config: GPTConfig, dtype: torch.dtype) -> dict[str, Any]:
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-        "hidden_size": config.d_model, "intermediate_size": config.d_ff, "num_hidden_layers": config.n_layer,
-        "num_attention_heads": config.n_head, "num_key_value_heads": config.n_kv_head, "head_dim": config.head_dim,
-        "vocab_size": config.vocab_size, "max_position_embeddings": config.max_seq_len,
-        "rms_norm_eps": config.norm_eps, "tie_word_embeddings": config.tie_embeddings,
-        "attention_bias": False, "mlp_bias": False, "torch_dtype": str(dtype).removeprefix("torch."),
-        "rope_theta": config.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "hidden_size": config.d_model,
+        "intermediate_size": config.d_ff,
+        "num_hidden_layers": config.n_layer,
+        "num_attention_heads": config.n_head,
+        "num_key_value_heads": config.n_kv_head,
+        "head_dim": config.head_dim,
+        "vocab_size": config.vocab_size,
+        "max_position_embeddings": config.max_seq_len,
+        "rms_norm_eps": config.norm_eps,
+        "tie_word_embeddings": config.tie_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "rope_theta": config.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
     }
 
 
@@ -120,8 +137,9 @@ def load_into(network: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> Non
         raise ValueError(f"the HuggingFace weights do not fit: missing {missing[:5]}, mismatched {wrong[:5]}")
 
 
-def write_folder(folder: str | Path, config: GPTConfig, network_state: dict[str, torch.Tensor],
-                 dtype: torch.dtype = torch.float32) -> Path:
+def write_folder(
+    folder: str | Path, config: GPTConfig, network_state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32
+) -> Path:
     """Write a HuggingFace Llama folder from a lit3d `Transformer` state dict (names relative to it)."""
     from safetensors.torch import save_file
 
@@ -146,7 +164,7 @@ def export_checkpoint(ckpt_path: str | Path, output: str | Path, dtype: torch.dt
     the shards of every layout from their recorded global offsets.
     """
     from lit3d.model import Transformer
-    from strategies import checkpoint as ckpt
+    from lit3d.strategies import checkpoint as ckpt
 
     path = Path(ckpt_path)
     ckpt.check_readable(path)

@@ -184,7 +184,7 @@ class Transformer(nn.Module):
         scale = 1 / math.sqrt(2 * self.config.n_layer) if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
         tensor.normal_(0.0, self.config.init_std * scale, generator=generator)
         if name in ("embed.weight", "head.weight"):
-            tensor[self.config.vocab_size:] = 0  # padding rows stay inert
+            tensor[self.config.vocab_size :] = 0  # padding rows stay inert
 
 
 def mask_vocab_padding(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -35,7 +35,9 @@ class GlobalBatchSampler(DistributedSampler):
                 f"global_batch_size={global_batch_size} is not divisible by the data-parallel size {num_replicas}"
             )
         if len(dataset) < global_batch_size:
-            raise ValueError(f"the dataset has {len(dataset)} samples, fewer than one global batch ({global_batch_size})")
+            raise ValueError(
+                f"the dataset has {len(dataset)} samples, fewer than one global batch ({global_batch_size})"
+            )
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=True)
         self.global_batch_size = global_batch_size
         self._resume: tuple[int, int] | None = None  # (epoch, global samples already consumed in it)

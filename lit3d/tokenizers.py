@@ -48,8 +48,11 @@ class HFTokenizer:
         self._tokenizer = _Tokenizer.from_file(str(path))
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
         self.eos_id = next(
-            (self._tokenizer.token_to_id(t) for t in ("</s>", "<|end_of_text|>", "<|endoftext|>", "<eos>")
-             if self._tokenizer.token_to_id(t) is not None),
+            (
+                self._tokenizer.token_to_id(t)
+                for t in ("</s>", "<|end_of_text|>", "<|endoftext|>", "<eos>")
+                if self._tokenizer.token_to_id(t) is not None
+            ),
             None,
         )
         self.fingerprint = "hf-" + hashlib.sha256(path.read_bytes()).hexdigest()[:16]

@@ -2,7 +2,7 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from strategies.parallel3d import Parallel3DStrategy
+from lit3d.strategies.parallel3d import Parallel3DStrategy
 
 __all__ = ["Parallel3DStrategy"]
 
@@ -10,5 +10,6 @@ __all__ = ["Parallel3DStrategy"]
 # gives `--trainer.strategy=Parallel3DStrategy` with no arguments.
 for _name in ("3d", "parallel3dstrategy"):
     if _name not in StrategyRegistry:
-        StrategyRegistry.register(_name, Parallel3DStrategy,
-                                  description="data x tensor x pipeline parallel with ZeRO (lit3d)")
+        StrategyRegistry.register(
+            _name, Parallel3DStrategy, description="data x tensor x pipeline parallel with ZeRO (lit3d)"
+        )

@@ -25,15 +25,21 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.checkpoint.api import CheckpointException  # NOTE: a BaseException, not an Exception
 from torch.distributed.tensor import DTensor
+from typing_extensions import override
 
 META_FILE = "meta.pt"
 PARTIAL_SUFFIX = ".partial"
 
 
-def optimizer_state_by_name(optimizer: torch.optim.Optimizer, names: dict[int, str],
-                            as_global: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> dict[str, Any]:
+def optimizer_state_by_name(
+    optimizer: torch.optim.Optimizer,
+    names: dict[int, str],
+    as_global: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+) -> dict[str, Any]:
     """The optimizer's state keyed by parameter name instead of position.
 
     ``names`` maps id(optimizer tensor) to its parameter's name; ``as_global(tensor, state)`` may re-express a
@@ -47,8 +53,10 @@ def optimizer_state_by_name(optimizer: torch.optim.Optimizer, names: dict[int, s
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": keys})
         for key, param in zip(keys, group["params"]):
             if param in optimizer.state:
-                state[key] = {k: as_global(param, v) if isinstance(v, torch.Tensor) else v
-                              for k, v in optimizer.state[param].items()}
+                state[key] = {
+                    k: as_global(param, v) if isinstance(v, torch.Tensor) else v
+                    for k, v in optimizer.state[param].items()
+                }
     return {"state": state, "param_groups": groups}
 
 
@@ -118,20 +126,25 @@ def check_readable(path: Path) -> None:
         if not file.is_file():
             raise ValueError(f"checkpoint {str(path)!r} is incomplete: shard file {name!r} is missing")
         if file.stat().st_size < size:
-            raise ValueError(f"checkpoint {str(path)!r} is truncated: {name!r} has {file.stat().st_size} bytes, "
-                             f"its index expects {size}")
+            raise ValueError(
+                f"checkpoint {str(path)!r} is truncated: {name!r} has {file.stat().st_size} bytes, "
+                f"its index expects {size}"
+            )
 
 
 def check_shapes(path: Path, template: dict[str, Any]) -> None:
     """Compare the tensors a checkpoint holds with the ones this run expects; name every mismatch."""
     stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     expected = _flatten(template)
-    model_first = lambda key: (not key.startswith("state_dict."), key)  # noqa: E731
+    model_first = lambda key: (not key.startswith("state_dict."), key)
     missing = sorted((k for k in expected if k not in stored), key=model_first)
     wrong = [
         f"{k}: checkpoint {tuple(stored[k].size)} vs model {tuple(v.shape)}"
         for k, v in sorted(expected.items(), key=lambda item: model_first(item[0]))
-        if k in stored and isinstance(v, torch.Tensor) and hasattr(stored[k], "size") and tuple(stored[k].size) != tuple(v.shape)
+        if k in stored
+        and isinstance(v, torch.Tensor)
+        and hasattr(stored[k], "size")
+        and tuple(stored[k].size) != tuple(v.shape)
     ]
     if missing or wrong:
         lines = [f"checkpoint {str(path)!r} does not fit this model:"]
@@ -149,8 +162,9 @@ def load(path: Path, tensors: dict[str, Any]) -> dict[str, Any]:
         dcp.load(tensors, checkpoint_id=str(path))
         return torch.load(path / META_FILE, map_location="cpu", weights_only=False)
     except (Exception, CheckpointException) as error:  # DCP raises on every rank when any rank fails to read
-        raise RuntimeError(f"reading checkpoint {str(path)!r} failed (a truncated or corrupted file?): {error}") \
-            from error
+        raise RuntimeError(
+            f"reading checkpoint {str(path)!r} failed (a truncated or corrupted file?): {error}"
+        ) from error
 
 
 def parameter_names(module: nn.Module) -> dict[int, str]:
@@ -171,3 +185,67 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 def _barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+
+
+class ShardedCheckpoints:
+    """The checkpoint hooks of `Parallel3DStrategy` (a mixin before Lightning's strategy class): every rank writes
+    and reads its own shards, under parameter names, with the functions above."""
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return self.lightning_module.state_dict()  # DTensor shards under layout-free names
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap a LightningOptimizer
+        names = parameter_names(self.lightning_module)
+        local = self._local_optimizers.get(id(optimizer))
+        if local is None:
+            return optimizer_state_by_name(optimizer, names)
+        # Name each view after its parameter, and give its states their place in the global tensor.
+        names.update({id(e.view): names[id(e.param)] for e in local.entries})
+        return optimizer_state_by_name(optimizer, names, local.as_global)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                f"{type(self).__name__} writes sharded checkpoints itself; storage_options is not supported"
+            )
+        path = Path(self.broadcast(str(filepath)))
+        tensors = {
+            "state_dict": checkpoint.pop("state_dict"),
+            "optimizer_states": checkpoint.pop("optimizer_states", []),
+        }
+        checkpoint["rng"] = _collect_rng_states()  # rank 0's; every rank was seeded alike
+        save(path, tensors, checkpoint, self.is_global_zero)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        check_readable(path)
+        tensors: dict[str, Any] = {"state_dict": self.lightning_module.state_dict()}
+        if self.lightning_module.trainer.state.fn == TrainerFn.FITTING and self.optimizers:
+            for optimizer in self.optimizers:
+                init_optimizer_state(optimizer)
+            tensors["optimizer_states"] = [self.optimizer_state(opt) for opt in self.optimizers]
+        meta = load(path, tensors)  # tensors were loaded in place; hyper-parameters come back as values
+        for optimizer, loaded in zip(self.optimizers, tensors.get("optimizer_states", [])):
+            restore_param_groups(optimizer, loaded)
+        if "rng" in meta:
+            _set_rng_states(meta.pop("rng"))
+        return meta
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # `load_checkpoint` already filled the parameters in place
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pass  # likewise
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            path = Path(filepath)
+            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)

@@ -82,8 +82,12 @@ class CommBytes(CommDebugMode):
             kind, tensors, group = _COLLECTIVES[func]
             ranks, size = _group(args[group])
             payload = _nbytes(out if tensors == "out" else args[tensors])
-            share = {"all_reduce": 2 * (size - 1) / size, "gather": (size - 1) / size,
-                     "scatter": (size - 1) / size, "send": 1.0}[kind]
+            share = {
+                "all_reduce": 2 * (size - 1) / size,
+                "gather": (size - 1) / size,
+                "scatter": (size - 1) / size,
+                "send": 1.0,
+            }[kind]
             self.bytes_by_group[ranks] += share * payload
         return out
 
@@ -92,8 +96,11 @@ class CommBytes(CommDebugMode):
 
         Groups are matched by their ranks: FSDP and DTensor may reach the same ranks through another group object.
         """
-        ranks = {tuple(sorted(dist.get_process_group_ranks(mesh[dim].get_group()))): dim
-                 for dim in mesh.mesh_dim_names if mesh[dim].size() > 1}
+        ranks = {
+            tuple(sorted(dist.get_process_group_ranks(mesh[dim].get_group()))): dim
+            for dim in mesh.mesh_dim_names
+            if mesh[dim].size() > 1
+        }
         axes: dict[str, float] = defaultdict(float)
         for group, sent in self.bytes_by_group.items():
             axes[ranks.get(group, "other")] += sent

@@ -9,7 +9,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
-def global_grad_norm(parameters: Iterable[torch.Tensor], pipeline_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def global_grad_norm(
+    parameters: Iterable[torch.Tensor], pipeline_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """The 2-norm of all gradients of the whole model, the same value on every rank.
 
     DTensor gradients carry their own layout: a shard's norm is partial and DTensor sums it over the mesh,
@@ -28,8 +30,9 @@ def global_grad_norm(parameters: Iterable[torch.Tensor], pipeline_group: dist.Pr
     return squared.sqrt()
 
 
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
-                    pipeline_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor], max_norm: float, pipeline_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """Scale all gradients so their global norm is at most ``max_norm``; returns the norm before clipping."""
     parameters = list(parameters)
     norm = global_grad_norm(parameters, pipeline_group)

@@ -11,9 +11,14 @@ so a TP group is a run of T consecutive ranks, which land on one node when T div
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+ZERO_STAGES = (0, 1, 2, 3)
+MESH_DIMS = ("pp", "dp", "tp")  # outermost first: the order of the rank formula
 
 
 class Coordinate(NamedTuple):
@@ -44,6 +49,12 @@ class Layout:
 
     def rank(self, d: int, t: int, p: int) -> int:
         return t + d * self.tp + p * self.tp * self.dp
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """The ``(pp, dp, tp)`` device mesh of this layout over the default process group (every rank calls it)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=MESH_DIMS)
 
     def node(self, rank: int) -> int:
         return rank // self.devices_per_node
@@ -118,6 +129,14 @@ def check_model_fits_layout(config: Any, layout: Layout) -> None:
             raise ValueError(f"tensor_parallel_size={tp} does not divide {field}={value}{hint}")
 
 
+def check_choices(zero_stage: int, pipeline_schedule: str) -> None:
+    """``zero_stage`` and ``pipeline_schedule`` are ones lit3d has (asked by the strategy and by `lit3d plan`)."""
+    if zero_stage not in ZERO_STAGES:
+        raise ValueError(f"zero_stage={zero_stage!r} must be 0, 1, 2 or 3")
+    if pipeline_schedule not in SCHEDULES:
+        raise ValueError(f"pipeline_schedule={pipeline_schedule!r} is not one of {', '.join(SCHEDULES)}")
+
+
 def check_pipeline_arguments(pp: int, schedule: str, microbatches: int | None, virtual: int | None) -> None:
     """Schedule, micro-batch and virtual-stage settings that no model could satisfy."""
     if virtual is not None and (not isinstance(virtual, int) or virtual < 1):
@@ -126,8 +145,9 @@ def check_pipeline_arguments(pp: int, schedule: str, microbatches: int | None, v
         raise ValueError(f"num_microbatches={microbatches!r} must be a positive integer")
     v = virtual or 1
     if v > 1 and schedule in ("gpipe", "1f1b"):
-        raise ValueError(f"virtual_pipeline_size={v} needs pipeline_schedule='interleaved_1f1b' or 'zero_bubble', "
-                         f"not {schedule!r}")
+        raise ValueError(
+            f"virtual_pipeline_size={v} needs pipeline_schedule='interleaved_1f1b' or 'zero_bubble', not {schedule!r}"
+        )
     if microbatches is not None:
         problem = microbatch_problem(pp, schedule, microbatches)
         if problem:
@@ -139,18 +159,47 @@ def microbatch_problem(pp: int, schedule: str, m: int) -> str | None:
     if pp > 1 and schedule == "1f1b" and m < pp:
         return f"pipeline_schedule='1f1b' needs num_microbatches >= pipeline_parallel_size={pp}, got {m}"
     if pp > 1 and schedule in ("interleaved_1f1b", "zero_bubble") and m % max(1, m // pp):
-        return (f"pipeline_schedule={schedule!r} needs num_microbatches={m} to be a multiple of "
-                f"pipeline_parallel_size={pp} (or at most it)")
+        return (
+            f"pipeline_schedule={schedule!r} needs num_microbatches={m} to be a multiple of "
+            f"pipeline_parallel_size={pp} (or at most it)"
+        )
     return None
 
 
-def default_microbatches(per_replica_batch: int, pp: int, virtual: int, schedule: str) -> int:
-    """The most micro-batches up to ``2 · pp · virtual`` that divide the per-replica batch and suit the schedule."""
+def default_microbatches(per_replica_batch: int | None, pp: int, virtual: int, schedule: str) -> int:
+    """The most micro-batches up to ``2 · pp · virtual`` that divide the per-replica batch (sequences per
+    micro-step of one replica) and suit the schedule; ``2 · pp · virtual`` when the batch is not known."""
+    if per_replica_batch is None:
+        return 2 * pp * virtual
     for m in range(min(2 * pp * virtual, per_replica_batch), 0, -1):
         if per_replica_batch % m == 0 and microbatch_problem(pp, schedule, m) is None:
             return m
-    raise ValueError(f"a per-replica batch of {per_replica_batch} sequences is too small for "
-                     f"pipeline_schedule={schedule!r} over pipeline_parallel_size={pp}; raise global_batch_size")
+    raise ValueError(
+        f"a per-replica batch of {per_replica_batch} sequences is too small for "
+        f"pipeline_schedule={schedule!r} over pipeline_parallel_size={pp}; raise global_batch_size"
+    )
+
+
+def pipeline_microbatches(
+    num_microbatches: int | None,
+    global_batch_size: int | None,
+    dp: int,
+    accumulate: int,
+    pp: int,
+    virtual: int,
+    schedule: str,
+) -> int:
+    """The micro-batches of one pipeline schedule: ``num_microbatches`` if given, else `default_microbatches` of
+    the per-replica batch (``global_batch_size / (dp x accumulate)``, unknown when the batch size is), checked to
+    divide that batch."""
+    per_replica = None if global_batch_size is None else global_batch_size // (dp * accumulate)
+    m = num_microbatches or default_microbatches(per_replica, pp, virtual, schedule)
+    if per_replica is not None and per_replica % m:
+        raise ValueError(
+            f"the per-replica batch of {per_replica} (global_batch_size={global_batch_size} / (data_parallel_size="
+            f"{dp} x accumulate_grad_batches={accumulate})) is not divisible by num_microbatches={m}"
+        )
+    return m
 
 
 def check_model_fits_pipeline(config: Any, pp: int, virtual: int) -> None:
@@ -162,5 +211,7 @@ def check_model_fits_pipeline(config: Any, pp: int, virtual: int) -> None:
             f"only n_layer={config.n_layer} blocks"
         )
     if pp > 1 and getattr(config, "tie_embeddings", False):
-        raise ValueError("tie_embeddings=True with pipeline_parallel_size > 1 is not supported: the embedding and "
-                         "the head live on different stages; untie them or use pipeline_parallel_size=1")
+        raise ValueError(
+            "tie_embeddings=True with pipeline_parallel_size > 1 is not supported: the embedding and "
+            "the head live on different stages; untie them or use pipeline_parallel_size=1"
+        )

@@ -29,8 +29,11 @@ def memory_by_component(module: nn.Module, optimizers: Iterable[torch.optim.Opti
     """
     params = list(module.parameters())
     states = [
-        value for optimizer in optimizers for state in optimizer.state.values()
-        for value in state.values() if isinstance(value, torch.Tensor)
+        value
+        for optimizer in optimizers
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor)
     ]
     report = {
         "params": local_bytes(params),

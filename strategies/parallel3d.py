@@ -1,84 +1,94 @@
 """`Parallel3DStrategy`: data × tensor × pipeline parallelism with ZeRO, as a Lightning strategy.
 
-A Strategy owns *where* things run. This one builds the ``(pp, dp, tp)`` device mesh, then hands the
-LightningModule's network to PyTorch's distributed building blocks in one place and a fixed order:
+A Strategy owns *where* things run; the LightningModule owns *what* is computed. This one builds on Lightning's
+`ModelParallelStrategy` (devices, process group, collectives, teardown) and adds the ``(pp, dp, tp)`` mesh, the
+split of the network (`lit3d.strategies.parallelize`), ZeRO-1's sharded optimizer step, the pipeline schedule
+and layout-free sharded checkpoints.
 
-    tensor parallel (DTensor) → activation checkpointing → compile → data parallel / ZeRO (FSDP2; DDP for
-    ZeRO-0 when data parallelism is the only axis)
+One ``lit3d fit`` passes through these hooks, in order:
 
-and only then gives the empty (meta-device) network its weights, shard by shard, from the seed and the
-parameter names: the weights do not depend on the layout.
+1. ``check_configuration``: the layout and the model, in the launching process, before any rank starts
+   (`lit3d.strategies.launchers`), and again in each rank;
+2. ``setup_environment``: the process group, one seed for all ranks, the device mesh, the rank map;
+3. ``tensor_init_context``: ``configure_model`` builds the network empty, on the meta device;
+4. ``setup`` → ``parallelize``: the network is split in the fixed order (pipeline stages → tensor parallel →
+   activation checkpointing → compile → data parallel / ZeRO), then given its weights, shard by shard, from
+   the seed and the parameter names; then ``setup_optimizers`` (ZeRO-1 and DTensor shards get
+   `LocalShardOptimizer`) and the planner's estimate of the run;
 
-A LightningModule is parallelised by the strategy when it has a ``model`` with ``blocks`` (a ModuleDict of
-decoder blocks, like `lit3d.model.Transformer`) and a ``tensor_parallel_plan`` (module name pattern → role,
-see `strategies.tensor_parallel`). Any other module overrides ``configure_model`` and parallelises itself
-with ``self.device_mesh``, as with Lightning's ``ModelParallelStrategy``.
+and every optimizer step:
+
+5. ``training_step``: the module's step; with a pipeline, its ``loss`` runs the schedule (forward and backward
+   of every micro-batch) around the module's ``loss_fn``;
+6. ``block_backward_sync`` on the micro-steps before the last of an accumulation window (no gradient traffic);
+7. ``backward`` (under the vocabulary-parallel loss's handlers with TP; with a pipeline, the gradients the
+   schedule computed join the parameters') and ``post_backward`` (DTensor gradients in their parameters' layout);
+8. ``optimizer_step``: gradient clipping by the norm over every shard and stage, the step on local shards, and
+   with ZeRO-1 the all-gather of the updated slices.
+
+A LightningModule is split by the strategy when it follows lit3d's protocol (like `lit3d.GPT`): a ``model``
+with ``blocks`` (a ModuleDict of decoder blocks) and a ``tensor_parallel_plan`` (module name pattern → role,
+see `lit3d.strategies.tensor_parallel`). For pipeline parallelism the module also says how its loss is made:
+``inputs_and_targets(batch)`` and ``loss_fn(outputs, targets)``, with its steps calling ``self.loss(batch)``
+(``loss_fn(model(inputs), targets)``); the strategy then runs that as the schedule. Any other module overrides
+``configure_model`` and parallelises itself with ``self.device_mesh``, as with ``ModelParallelStrategy``.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import shutil
-import sys
-import threading
-import time
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn as nn
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _set_num_threads_if_needed,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states, reset_seed
-from lightning.pytorch import LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from typing_extensions import override
 
 from lit3d.model import loss_parallel_scope
-from strategies import checkpoint as ckpt
-from strategies.grad_norm import clip_grad_norm_
-from strategies.layout import (
-    SCHEDULES,
+from lit3d.strategies.checkpoint import ShardedCheckpoints
+from lit3d.strategies.grad_norm import clip_grad_norm_
+from lit3d.strategies.launchers import (
+    CheckingLauncher,
+    ForkLauncher,
+    agree_on_seed,
+    exit_when_launcher_dies,
+    interactive,
+)
+from lit3d.strategies.layout import (
     Layout,
+    check_choices,
     check_model_fits_layout,
     check_model_fits_pipeline,
     check_pipeline_arguments,
     check_sizes,
-    default_microbatches,
+    pipeline_microbatches,
     resolve_layout,
 )
-from strategies.memory import memory_by_component
-from strategies.pipeline import Pipeline, bubble_theory, split_into_stages
-from strategies.recompute import apply_activation_checkpointing, check_setting
-from strategies.tensor_parallel import apply_tensor_parallel, check_plan, lay_out_grads_like_params
-from strategies.zero import ELEMENTWISE_OPTIMIZERS, LocalShardOptimizer, apply_data_parallel
+from lit3d.strategies.memory import memory_by_component
+from lit3d.strategies.parallelize import follows_plan, parallelize_network
+from lit3d.strategies.pipeline import Pipeline, bubble_theory
+from lit3d.strategies.recompute import check_setting
+from lit3d.strategies.tensor_parallel import lay_out_grads_like_params
+from lit3d.strategies.zero import ELEMENTWISE_OPTIMIZERS, LocalShardOptimizer, gradient_sync_off
 
 if TYPE_CHECKING:
     from lit3d.planner.estimate import Plan
 
 log = logging.getLogger(__name__)
-_LAUNCHER_PID = "LIT3D_LAUNCHER_PID"
+PIPELINE_PROTOCOL = ("inputs_and_targets", "loss_fn", "loss")
 
 
-class Parallel3DStrategy(ParallelStrategy):
+class Parallel3DStrategy(ShardedCheckpoints, ModelParallelStrategy):
     """Data × tensor × pipeline parallel training with ZeRO sharding; ``world = dp × tp × pp``.
 
     Args:
@@ -92,12 +102,12 @@ class Parallel3DStrategy(ParallelStrategy):
         sequence_parallel: Between tensor-parallel regions, keep activations (norms, residual stream) split
             along the sequence: less activation memory, same communication volume.
         pipeline_schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b`` or ``zero_bubble``.
-        num_microbatches: Micro-batches each replica's batch is split into for the pipeline (default: 2 x
-            pipeline_parallel_size).
+        num_microbatches: Micro-batches each replica's batch is split into for the pipeline (default: the most,
+            up to 2 x pipeline_parallel_size x virtual_pipeline_size, that divide the per-replica batch).
         virtual_pipeline_size: Model chunks per pipeline rank (interleaved schedules).
         activation_checkpointing: Recompute activations in backward instead of storing them: ``True`` or
             ``"full"`` keeps only each block's input; ``"selective"`` keeps matmul, attention and collective
-            outputs and recomputes the elementwise ops (see `strategies.recompute`).
+            outputs and recomputes the elementwise ops (see `lit3d.strategies.recompute`).
         compile: ``torch.compile`` each block (``True``: inductor; a string names another backend).
         process_group_backend: ``nccl`` or ``gloo``; default picks by device (NCCL on GPUs, gloo on CPU).
         timeout: How long a collective may wait for a peer before the job fails.
@@ -124,53 +134,44 @@ class Parallel3DStrategy(ParallelStrategy):
         timeout: timedelta = timedelta(minutes=10),
         start_method: Literal["popen", "fork"] | None = None,
     ) -> None:
-        super().__init__()
-        check_sizes(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,
-                    pipeline_parallel_size=pipeline_parallel_size)
-        if zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"zero_stage={zero_stage!r} must be 0, 1, 2 or 3")
-        if pipeline_schedule not in SCHEDULES:
-            raise ValueError(f"pipeline_schedule={pipeline_schedule!r} is not one of {', '.join(SCHEDULES)}")
-        if sequence_parallel and tensor_parallel_size == 1:
-            rank_zero_warn("sequence_parallel=True does nothing with tensor_parallel_size=1")
+        check_sizes(
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+        )
+        check_choices(zero_stage, pipeline_schedule)
         check_pipeline_arguments(pipeline_parallel_size, pipeline_schedule, num_microbatches, virtual_pipeline_size)
         check_setting(activation_checkpointing)
+        if sequence_parallel and tensor_parallel_size == 1:
+            rank_zero_warn("sequence_parallel=True does nothing with tensor_parallel_size=1")
         if start_method not in (None, "popen", "fork"):
             raise ValueError(f"start_method={start_method!r} is not one of 'popen', 'fork' (or None: automatic)")
-        if start_method == "popen" and _interactive():
-            raise ValueError("start_method='popen' cannot start ranks from a notebook or an interactive session: "
-                             "use start_method='fork' (or leave it unset), or run a script")
-        self.start_method = start_method or ("fork" if _interactive() else "popen")
+        if start_method == "popen" and interactive():
+            raise ValueError(
+                "start_method='popen' cannot start ranks from a notebook or an interactive session: "
+                "use start_method='fork' (or leave it unset), or run a script"
+            )
+        super().__init__(data_parallel_size, tensor_parallel_size, True, process_group_backend, timeout)
+        self.start_method = start_method or ("fork" if interactive() else "popen")
         self._sizes = (data_parallel_size, tensor_parallel_size, pipeline_parallel_size)
         self.zero_stage = zero_stage
         self.sequence_parallel = sequence_parallel and tensor_parallel_size > 1
         self.pipeline_schedule = pipeline_schedule
-        self._num_microbatches = num_microbatches  # None: chosen from the per-replica batch (see check_configuration)
-        self.num_microbatches = num_microbatches or 2 * pipeline_parallel_size * (virtual_pipeline_size or 1)
         self.virtual_pipeline_size = virtual_pipeline_size or 1
+        self._num_microbatches = num_microbatches  # as given; None: chosen from the batch (check_configuration)
+        self.num_microbatches = pipeline_microbatches(
+            num_microbatches, None, 1, 1, pipeline_parallel_size, self.virtual_pipeline_size, pipeline_schedule
+        )
         self.activation_checkpointing = activation_checkpointing
         self.compile = compile
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
         self._layout: Layout | None = None
-        self._device_mesh: DeviceMesh | None = None
         self._local_optimizers: dict[int, LocalShardOptimizer] = {}
         self.pipeline: Pipeline | None = None  # this rank's stages and schedule, when pipeline_parallel_size > 1
         self._parallelized: nn.Module | None = None  # the network this strategy split
         self.plan: Plan | None = None  # the planner's estimate of this run (a lit3d GPT only), set at fit start
         self.memory_estimate: dict[str, int] | None = None  # the planner's bytes for this rank's stage
-        self.num_nodes = 1
 
     # ------------------------------------------------------------------ where things run
-
-    @property
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     @property
     def layout(self) -> Layout:
@@ -180,33 +181,16 @@ class Parallel3DStrategy(ParallelStrategy):
         return self._layout
 
     @property
-    def device_mesh(self) -> DeviceMesh:
-        """The ``(pp, dp, tp)`` mesh; ``device_mesh["tp"]`` etc. give this rank's groups."""
-        if self._device_mesh is None:
-            raise RuntimeError("the device mesh exists once the processes have started (setup_environment)")
-        return self._device_mesh
-
-    @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Data is split over DP replicas only: all TP and PP ranks of a replica see the same batch.
         return {"num_replicas": self.layout.dp, "rank": self.layout.coordinate(self.global_rank).d}
 
-    @property
-    def is_distributed(self) -> bool:
-        return True  # also makes Lightning inject a DistributedSampler into plain dataloaders
-
-    @property
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True
-
-    @property
-    def lightning_restore_optimizer(self) -> bool:
-        return False
-
+    @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _ForkLauncher(self) if self.start_method == "fork" else _CheckingLauncher(self)
+            self._launcher = ForkLauncher(self) if self.start_method == "fork" else CheckingLauncher(self)
 
     def check_configuration(self, trainer: Trainer | None = None, datamodule: Any = None) -> None:
         """Refuse a bad layout or a model it cannot split, before any process group exists (the launcher calls
@@ -219,36 +203,30 @@ class Parallel3DStrategy(ParallelStrategy):
         if config is not None:
             check_model_fits_layout(config, layout)
             check_model_fits_pipeline(config, layout.pp, self.virtual_pipeline_size)
+        if layout.pp > 1 and module is not None and follows_plan(module):
+            missing = [name for name in PIPELINE_PROTOCOL if not hasattr(module, name)]
+            if missing:
+                raise TypeError(
+                    f"pipeline_parallel_size={layout.pp} runs {type(module).__name__}'s loss as a pipeline schedule, "
+                    f"which needs {', '.join(PIPELINE_PROTOCOL)}; it lacks {', '.join(missing)}"
+                )
         trainer = trainer or getattr(module, "_trainer", None)
         datamodule = datamodule or getattr(trainer, "datamodule", None)
         if layout.pp > 1 and hasattr(datamodule, "global_batch_size"):
-            accumulate = trainer.accumulate_grad_batches
-            per_replica = datamodule.global_batch_size // (layout.dp * accumulate)
-            if self._num_microbatches is None:
-                self.num_microbatches = default_microbatches(per_replica, layout.pp, self.virtual_pipeline_size,
-                                                             self.pipeline_schedule)
-            if per_replica % self.num_microbatches:
-                raise ValueError(
-                    f"the per-replica batch of {per_replica} (global_batch_size={datamodule.global_batch_size} / "
-                    f"(data_parallel_size={layout.dp} x accumulate_grad_batches={accumulate})) is not divisible by "
-                    f"num_microbatches={self.num_microbatches}"
-                )
+            self.num_microbatches = pipeline_microbatches(
+                self._num_microbatches, datamodule.global_batch_size, layout.dp, trainer.accumulate_grad_batches,
+                layout.pp, self.virtual_pipeline_size, self.pipeline_schedule,
+            )  # fmt: skip
 
+    @override
     def setup_environment(self) -> None:
-        super().setup_environment()
         self.check_configuration()
-        _exit_when_launcher_dies()
+        exit_when_launcher_dies()
         _set_num_threads_if_needed(self.num_processes)  # CPU ranks share the cores (torchrun sets 1)
-        reset_seed()
-        self.set_world_ranks()
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
-        device_id = self.root_device if self.root_device.type != "cpu" else None
-        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
-        _agree_on_seed()
+        self._setup_distributed()  # Lightning's: device, seed, world ranks, process group
+        agree_on_seed()
         layout = self.layout
-        self._device_mesh = init_device_mesh(
-            self.root_device.type, (layout.pp, layout.dp, layout.tp), mesh_dim_names=("pp", "dp", "tp")
-        )
+        self._device_mesh = layout.build_mesh(self.root_device.type)
         self.lightning_module._device_mesh = self._device_mesh  # for modules that parallelise themselves
         rank_zero_info(layout.rank_map())
         crossing = layout.tp_groups_across_nodes()
@@ -259,26 +237,22 @@ class Parallel3DStrategy(ParallelStrategy):
                 "leaves the fast intra-node link. This works but is slow."
             )
 
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
-
     # ------------------------------------------------------------------ the model hand-off
 
     @contextmanager
+    @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         # Modules are built empty (meta) and get their weights in `setup`, after being split.
         device = nullcontext() if empty_init is False else torch.device("meta")
         with device, self.precision_plugin.tensor_init_context():
             yield
 
+    @override
     def setup(self, trainer: Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
-        if _follows_plan(module):
+        if follows_plan(module):
             self.model = self.precision_plugin.convert_module(self.model)
             self.parallelize(module)
         elif is_overridden("configure_model", module):
@@ -303,8 +277,10 @@ class Parallel3DStrategy(ParallelStrategy):
             self.plan = self.planned()
             if self.plan is not None:
                 self.memory_estimate = self.plan.memory_by_stage[self.layout.coordinate(self.global_rank).p]
-                rank_zero_info("lit3d plan estimate for rank 0: " + ", ".join(
-                    f"{key} {value / 2**20:.1f} MiB" for key, value in self.memory_estimate.items()))
+                rank_zero_info(
+                    "lit3d plan estimate for rank 0: "
+                    + ", ".join(f"{key} {value / 2**20:.1f} MiB" for key, value in self.memory_estimate.items())
+                )
 
     def parallelize(self, module: LightningModule) -> None:
         """Split ``module.model`` over the mesh (see `parallelize_network`), then give it its weights."""
@@ -312,33 +288,47 @@ class Parallel3DStrategy(ParallelStrategy):
         if self._parallelized is network:
             return  # a later call in the same processes (fit, then validate or test): it is split already
         if getattr(network, "_lit3d_split", False):
-            raise RuntimeError(f"{type(module).__name__}.model was split by another Parallel3DStrategy; a new "
-                               "strategy needs a new model (load the weights from a checkpoint)")
+            raise RuntimeError(
+                f"{type(module).__name__}.model was split by another Parallel3DStrategy; a new "
+                "strategy needs a new model (load the weights from a checkpoint)"
+            )
         self._parallelized = network
-        network._lit3d_split = layout.dp * layout.tp * layout.pp > 1  # 1x1x1 leaves it as it is
+        network._lit3d_split = layout.world_size > 1  # 1x1x1 leaves it as it is
         chunks, stage_ids = parallelize_network(
             network, module.tensor_parallel_plan, layout, self.device_mesh, self.global_rank,
             zero_stage=self.zero_stage, sequence_parallel=self.sequence_parallel,
             virtual_pipeline_size=self.virtual_pipeline_size,
             activation_checkpointing=self.activation_checkpointing, compile=self.compile,
-        )
+        )  # fmt: skip
         if any(p.is_meta for p in network.parameters()):
             for chunk in chunks:
                 chunk.to_empty(device=self.root_device)
             network.tie_weights()
             network.reset_parameters()
         if layout.pp > 1:
-            self.pipeline = Pipeline(chunks, stage_ids, layout.pp * self.virtual_pipeline_size, self.device_mesh["pp"],
-                                     self.pipeline_schedule, self.num_microbatches, self.root_device,
-                                     loss_parallel=layout.tp > 1)
+            self.pipeline = Pipeline(
+                chunks, stage_ids, layout.pp * self.virtual_pipeline_size, self.device_mesh["pp"],
+                self.pipeline_schedule, self.num_microbatches, self.root_device, loss_parallel=layout.tp > 1,
+            )  # fmt: skip
+            # NOTE: no rank holds the whole network, so the module's calls of it run through the schedule: the
+            # network's forward gives the last stage's whole output on every rank (sampling, prediction), and the
+            # module's loss runs forward and backward of every micro-batch with `loss_fn` on the last stage. The
+            # chunks were made before this and keep the network's own forward.
+            network.forward = self.pipeline.forward
+            module.loss = self._pipeline_loss
 
-    def model_to_device(self) -> None:
-        assert self.model is not None
-        self.model.to(self.root_device)
+    def _pipeline_loss(self, batch: Any) -> torch.Tensor:
+        """The module's ``loss(batch)`` under pipeline parallelism (see `Pipeline.loss`)."""
+        module = self.lightning_module
+        inputs, targets = module.inputs_and_targets(batch)
+        # NOTE: fp16's loss scale multiplies the loss inside the schedule, whose backward is the only one; the
+        # precision plugin unscales the gradients before the optimizer step as usual.
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        return self.pipeline.loss(inputs, targets, module.loss_fn, module.trainer.accumulate_grad_batches, scaler)
 
+    @override
     def setup_optimizers(self, trainer: Trainer) -> None:
-        self._reset_optimizers_and_schedulers()  # a second setup (e.g. fit after fit) re-wraps the model
-        super().setup_optimizers(trainer)
+        super().setup_optimizers(trainer)  # Lightning's drops the optimizers of an earlier setup first
         zero1 = self.zero_stage == 1 and self.layout.dp > 1
         self._local_optimizers = {
             id(opt): LocalShardOptimizer(opt, zero1)
@@ -346,6 +336,7 @@ class Parallel3DStrategy(ParallelStrategy):
             if zero1 or (isinstance(opt, ELEMENTWISE_OPTIMIZERS) and _has_dtensor_params(opt))
         }
 
+    @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         local = self._local_optimizers.get(id(optimizer))
         if local is None:
@@ -362,12 +353,14 @@ class Parallel3DStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ a training step
 
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().training_step(*args, **kwargs)
         if self.pipeline is not None:
             self._log_pipeline_activity()
         return output
 
+    @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         module = self.lightning_module
         if self.pipeline is not None:
@@ -380,35 +373,19 @@ class Parallel3DStrategy(ParallelStrategy):
         with loss_parallel_scope() if self.layout.tp > 1 else nullcontext():
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
+    @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         if self.layout.tp > 1:
             lay_out_grads_like_params(self.lightning_module.parameters())
 
     @contextmanager
+    @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """No gradient communication on the micro-steps of an accumulation window but the last."""
-        from torch.distributed._composable.replicate import DDP
-        from torch.distributed.fsdp import FSDPModule
-
-        # NOTE: under pipeline parallelism the schedule itself syncs once per step, after its micro-batches.
+        # NOTE: under pipeline parallelism the schedule itself syncs once per schedule, after its micro-batches.
         modules = [] if self.pipeline is not None else list(self.lightning_module.modules())
-        ddp = [m for m in modules if isinstance(m, DDP)]
-        units = [m for m in modules if isinstance(m, FSDPModule)]
-        for module in ddp:
-            module.set_requires_gradient_sync(False)
-        for unit in units:
-            unit.set_requires_gradient_sync(False, recurse=False)
-            if self.zero_stage == 2:  # parameters are gathered once per step anyway: keep them till the last
-                unit.set_reshard_after_backward(False, recurse=False)
-        try:
+        with gradient_sync_off(modules, keep_gathered=self.zero_stage == 2):
             yield
-        finally:
-            for module in ddp:
-                module.set_requires_gradient_sync(True)
-            for unit in units:
-                unit.set_requires_gradient_sync(True, recurse=False)
-                if self.zero_stage == 2:
-                    unit.set_reshard_after_backward(True, recurse=False)
 
     def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
         pipeline_group = self.device_mesh["pp"].get_group() if self.layout.pp > 1 else None
@@ -416,246 +393,26 @@ class Parallel3DStrategy(ParallelStrategy):
 
     def _log_pipeline_activity(self) -> None:
         """Each stage's busy time, and the measured idle share of the step next to the schedule's theory."""
-        clock, pipeline = self.pipeline.clock, self.pipeline
-        mine = torch.tensor([clock.busy(), clock.step_seconds()], device=self.root_device)
-        every = torch.empty(self.layout.pp * 2, device=self.root_device)
-        torch.distributed.all_gather_single(every, mine, group=pipeline.group)
-        busy, step = every.view(-1, 2).unbind(1)
-        log = self.lightning_module.log
-        for p, seconds in enumerate(busy.tolist()):
-            log(f"pp/stage{p}_busy_s", seconds, on_step=True, rank_zero_only=True, batch_size=1)
-        log("pp/step_s", step.max().item(), on_step=True, rank_zero_only=True, batch_size=1)
-        log("pp/bubble", 1 - (busy / step.max()).mean().item(), on_step=True, prog_bar=False, rank_zero_only=True,
-            batch_size=1)
-        log("pp/bubble_theory", bubble_theory(self.pipeline_schedule, self.layout.pp, self.num_microbatches,
-                                              self.virtual_pipeline_size), on_step=True, rank_zero_only=True,
-            batch_size=1)
+        theory = bubble_theory(
+            self.pipeline_schedule, self.layout.pp, self.num_microbatches, self.virtual_pipeline_size
+        )
+        for name, value in {**self.pipeline.activity(), "pp/bubble_theory": theory}.items():
+            self.lightning_module.log(name, value, on_step=True, rank_zero_only=True, batch_size=1)
 
-    # ------------------------------------------------------------------ collectives Lightning asks for
-
-    def barrier(self, name: str | None = None) -> None:
-        if not _distributed_is_initialized():
-            return
-        if torch.distributed.get_backend() == "nccl":
-            torch.distributed.barrier(device_ids=[self.root_device.index])
-        else:
-            torch.distributed.barrier()
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
-            return obj
-        objects = [obj]
-        torch.distributed.broadcast_object_list(objects, src, group=_group.WORLD)
-        return objects[0]
-
-    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        """All-reduce over all ranks (TP and PP ranks of a replica hold equal values, so a mean is the DP mean)."""
-        if isinstance(tensor, torch.Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
-
-    # ------------------------------------------------------------------ checkpoints (see strategies.checkpoint)
-
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        return self.lightning_module.state_dict()  # DTensor shards under layout-free names
-
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap a LightningOptimizer
-        names = ckpt.parameter_names(self.lightning_module)
-        local = self._local_optimizers.get(id(optimizer))
-        if local is None:
-            return ckpt.optimizer_state_by_name(optimizer, names)
-        # Name each view after its parameter, and give its states their place in the global tensor.
-        names.update({id(e.view): names[id(e.param)] for e in local.entries})
-        return ckpt.optimizer_state_by_name(optimizer, names, local.as_global)
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        if storage_options is not None:
-            raise TypeError(f"{type(self).__name__} writes sharded checkpoints itself; storage_options is not supported")
-        path = Path(self.broadcast(str(filepath)))
-        tensors = {"state_dict": checkpoint.pop("state_dict"), "optimizer_states": checkpoint.pop("optimizer_states", [])}
-        checkpoint["rng"] = _collect_rng_states()  # rank 0's; every rank was seeded alike
-        ckpt.save(path, tensors, checkpoint, self.is_global_zero)
-
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        path = Path(self.broadcast(str(checkpoint_path)))
-        ckpt.check_readable(path)
-        tensors: dict[str, Any] = {"state_dict": self.lightning_module.state_dict()}
-        if self.lightning_module.trainer.state.fn == TrainerFn.FITTING and self.optimizers:
-            for optimizer in self.optimizers:
-                ckpt.init_optimizer_state(optimizer)
-            tensors["optimizer_states"] = [self.optimizer_state(opt) for opt in self.optimizers]
-        meta = ckpt.load(path, tensors)  # tensors were loaded in place; hyper-parameters come back as values
-        for optimizer, loaded in zip(self.optimizers, tensors.get("optimizer_states", [])):
-            ckpt.restore_param_groups(optimizer, loaded)
-        if "rng" in meta:
-            _set_rng_states(meta.pop("rng"))
-        return meta
-
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        pass  # `load_checkpoint` already filled the parameters in place
-
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        pass  # likewise
-
-    def remove_checkpoint(self, filepath: Any) -> None:
-        if self.is_global_zero:
-            path = Path(filepath)
-            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+    # ------------------------------------------------------------------ what the planner expects of this run
 
     def planned(self) -> Plan | None:
-        """The planner's estimate (`lit3d.planner`) of this run's memory and communication, for a lit3d GPT."""
-        from lit3d.config import GPTConfig
-        from lit3d.planner.estimate import RUNTIME_PRECISIONS, Cluster, Training, estimate
+        """The planner's estimate of this run's memory and communication (a lit3d GPT only; see `plan_of_run`)."""
+        from lit3d.planner.run import plan_of_run
 
-        module, layout = self.lightning_module, self.layout
-        config = getattr(module, "config", None)
-        if not isinstance(config, GPTConfig):
-            return None
-        trainer = module.trainer
-        data = getattr(trainer, "datamodule", None)
-        steps = self.num_microbatches if layout.pp > 1 else trainer.accumulate_grad_batches
-        micro = max(1, getattr(data, "global_batch_size", layout.dp) // (layout.dp * steps))
-        training = Training(
-            seq_len=getattr(data, "seq_len", config.max_seq_len), micro_batch_size=micro,
-            global_batch_size=micro * layout.dp * steps, zero_stage=self.zero_stage,
-            sequence_parallel=self.sequence_parallel, activation_checkpointing=self.activation_checkpointing,
-            pipeline_schedule=self.pipeline_schedule, virtual_pipeline_size=self.virtual_pipeline_size,
-        )
-        precision = RUNTIME_PRECISIONS.get(str(trainer.precision), RUNTIME_PRECISIONS["32-true"])
-        cluster = Cluster(nodes=self.num_nodes, gpus_per_node=self.num_processes)
-        return estimate(config, cluster, layout, training, precision)
+        return plan_of_run(self)
 
     def memory_report(self) -> dict[str, int]:
-        """Bytes this rank holds in parameters, gradients and optimizer states (see `strategies.memory`)."""
+        """Bytes this rank holds in parameters, gradients and optimizer states (see `lit3d.strategies.memory`)."""
         return memory_by_component(self.lightning_module, self.optimizers)
-
-    def teardown(self) -> None:
-        assert self.cluster_environment is not None and self.accelerator is not None
-        self.cluster_environment.teardown()
-        self.precision_plugin.teardown()
-        self.accelerator.teardown()
-
-
-def parallelize_network(network: nn.Module, plan: dict[str, str], layout: Layout, mesh: DeviceMesh, rank: int, *,
-                        zero_stage: int, sequence_parallel: bool = False, virtual_pipeline_size: int = 1,
-                        activation_checkpointing: bool | str = False, compile: bool | str = False,
-                        ) -> tuple[list[nn.Module], list[int]]:
-    """Split ``network`` for ``rank`` in place, in the fixed order, without giving it weights (it may stay on
-    the meta device, as `lit3d plan --verify` keeps it):
-
-    pipeline stages → tensor parallel → activation checkpointing → compile → data parallel / ZeRO.
-
-    Returns this rank's pipeline chunks (views of ``network``) and their stage indices.
-    """
-    check_plan(network, plan)
-    chunks, stage_ids = [network], [0]
-    if layout.pp > 1:
-        chunks, stage_ids = split_into_stages(network, layout.coordinate(rank).p, layout.pp, virtual_pipeline_size)
-    if layout.tp > 1:
-        apply_tensor_parallel(network, plan, mesh["tp"], sequence_parallel)
-        network.tie_weights()  # TP distributed the shared tensor once per module
-    blocks = list(network.blocks.values())
-    if activation_checkpointing:
-        apply_activation_checkpointing(blocks, activation_checkpointing)
-    if compile:
-        options = {} if compile is True else {"backend": compile}
-        for block in blocks:
-            # NOTE: a block with checkpoint hooks does not compile as a whole (recompute sees other metadata);
-            # its sub-modules do.
-            for part in block.children() if activation_checkpointing else [block]:
-                part.compile(**options)
-    if layout.dp > 1:
-        for chunk in chunks:  # each pipeline chunk is a data-parallel root of its own
-            apply_data_parallel(chunk, list(chunk.blocks.values()), mesh["dp"], zero_stage,
-                                data_parallel_only=layout.tp == layout.pp == 1)
-    return chunks, stage_ids
 
 
 def _has_dtensor_params(optimizer: torch.optim.Optimizer) -> bool:
     from torch.distributed.tensor import DTensor
 
     return any(isinstance(p, DTensor) for group in optimizer.param_groups for p in group["params"])
-
-
-def _follows_plan(module: LightningModule) -> bool:
-    network = getattr(module, "model", None)
-    return hasattr(module, "tensor_parallel_plan") and isinstance(getattr(network, "blocks", None), nn.ModuleDict)
-
-
-def _datamodule_among(args: tuple) -> LightningDataModule | None:
-    """The datamodule `Trainer.fit` (validate, ...) hands its launcher: attached to the trainer only in the ranks."""
-    return next((arg for arg in args if isinstance(arg, LightningDataModule)), None)
-
-
-class _ChecksFirst:
-    """For our launchers: check the configuration before any rank starts, then let the ranks watch this process
-    (they end if it dies; see `_exit_when_launcher_dies`)."""
-
-    _strategy: Parallel3DStrategy
-
-    def launch(self, function: Any, *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
-        self._strategy.check_configuration(trainer, _datamodule_among(args))
-        os.environ[_LAUNCHER_PID] = str(os.getpid())
-        return super().launch(function, *args, trainer=trainer, **kwargs)
-
-
-class _CheckingLauncher(_ChecksFirst, _SubprocessScriptLauncher):
-    """Lightning's script launcher, but the configuration is checked before any child process starts."""
-
-    def __init__(self, strategy: Parallel3DStrategy) -> None:
-        super().__init__(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
-        self._strategy = strategy
-
-
-class _ForkLauncher(_ChecksFirst, _MultiProcessingLauncher):
-    """Forks the ranks from the current process, as Lightning's ``ddp_notebook`` does: works in Jupyter.
-
-    The configuration is checked before forking. Metrics (``trainer.callback_metrics``) and the best checkpoint
-    path come back to the notebook; the weights stay sharded in the ranks, so save a checkpoint to keep them.
-    """
-
-    def __init__(self, strategy: Parallel3DStrategy) -> None:
-        super().__init__(strategy, start_method="fork")
-
-    def _collect_rank_zero_results(self, trainer: Trainer, results: Any) -> _WorkerOutput | None:
-        if self._strategy.local_rank != 0:
-            return None
-        best = getattr(trainer.checkpoint_callback, "best_model_path", None)
-        return _WorkerOutput(best, None, trainer.state, results, self.get_extra_results(trainer))
-
-
-def _interactive() -> bool:
-    """A notebook or a Python prompt (Lightning's test): script launchers cannot re-run it per rank."""
-    return hasattr(sys, "ps1") or bool(sys.flags.interactive)
-
-
-def _agree_on_seed() -> None:
-    """Take rank 0's seed on every rank if they were seeded apart (no ``seed_everything``): the weights come from
-    the seed (`Transformer.reset_parameters`), and replicas that start apart would stay apart."""
-    import torch.distributed as dist
-
-    seeds: list[int | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(seeds, torch.initial_seed())
-    if len(set(seeds)) > 1:
-        rank_zero_warn(f"the ranks were seeded differently ({len(set(seeds))} seeds; call `seed_everything`): "
-                       f"every rank now uses rank 0's seed {seeds[0]}, so all start from the same weights")
-        torch.manual_seed(seeds[0])
-
-
-def _exit_when_launcher_dies() -> None:
-    """In a process our launcher started: exit if the launcher (rank 0) dies, rather than wait in a collective.
-
-    Lightning already ends every rank when a child fails; this covers the other direction.
-    """
-    launcher = os.environ.get(_LAUNCHER_PID)
-    if launcher is None or int(launcher) == os.getpid() or os.getppid() != int(launcher):
-        return
-
-    def watch() -> None:
-        while os.getppid() == int(launcher):
-            time.sleep(1.0)
-        log.error(f"rank 0 (pid {launcher}) has exited; ending this rank (pid {os.getpid()})")
-        os._exit(1)
-
-    threading.Thread(target=watch, name="lit3d-launcher-watch", daemon=True).start()

@@ -1,13 +1,9 @@
-"""Pipeline parallelism: the depth cut into stages, run by `torch.distributed.pipelining` schedules.
+"""Pipeline parallelism: this rank's stages (see `lit3d.strategies.stages`) run by `torch.distributed.pipelining`.
 
-The network's blocks are cut into ``pp × virtual`` chunks of consecutive blocks, balanced by cost; chunk ``s``
-lives on pipeline rank ``s % pp`` (with ``virtual > 1`` a rank holds ``virtual`` chunks that are not adjacent,
-for the interleaved schedules). A chunk is a *view* of the network: the same block modules under the same
-names, plus the embedding on the first chunk and the final norm and head on the last. Parameter names never
-change, so checkpoints do not care which layout wrote them.
-
-One training step runs the schedule's forward and backward over ``num_microbatches`` micro-batches; the loss
-exists on the last stage and is broadcast to every rank of the pipeline, so all ranks log the same value.
+One training step runs the schedule's forward and backward over ``num_microbatches`` micro-batches, with the
+module's own loss function computed on the last stage; the loss is broadcast to every rank of the pipeline, so
+all ranks log the same value. With ``virtual > 1`` a rank holds ``virtual`` chunks that are not adjacent, for
+the interleaved schedules.
 """
 
 from __future__ import annotations
@@ -25,87 +21,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from lit3d.model import loss_parallel_scope
 
 MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")
-
-
-def partition(costs: list[float], first_extra: float, last_extra: float, chunks: int) -> list[list[int]]:
-    """Cut blocks ``0..N-1`` (with ``costs``) into ``chunks`` consecutive, non-empty runs, minimising the
-    largest run cost; the first run also pays ``first_extra`` (the embedding), the last ``last_extra`` (the
-    head). Exact dynamic programme over cut points."""
-    n = len(costs)
-    if not 1 <= chunks <= n:
-        raise ValueError(f"cannot cut {n} blocks into {chunks} pipeline chunks")
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-
-    def run_cost(i: int, j: int, k: int) -> float:  # blocks i..j-1 as chunk k
-        return prefix[j] - prefix[i] + (first_extra if k == 0 else 0) + (last_extra if k == chunks - 1 else 0)
-
-    # best[k][j]: minimal largest cost of cutting blocks 0..j-1 into k+1 chunks; cut[k][j]: start of chunk k.
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(chunks)]
-    cut = [[0] * (n + 1) for _ in range(chunks)]
-    for j in range(1, n + 1):
-        best[0][j] = run_cost(0, j, 0)
-    for k in range(1, chunks):
-        for j in range(k + 1, n + 1):
-            for i in range(k, j):
-                value = max(best[k - 1][i], run_cost(i, j, k))
-                if value < best[k][j]:
-                    best[k][j], cut[k][j] = value, i
-    bounds, j = [], n
-    for k in range(chunks - 1, 0, -1):
-        i = cut[k][j]
-        bounds.append((i, j))
-        j = i
-    bounds.append((0, j))
-    return [list(range(i, j)) for i, j in reversed(bounds)]
-
-
-def block_costs(config: Any) -> tuple[list[float], float, float]:
-    """Per-block, embedding and head cost: parameter counts (the matmul FLOPs per token of blocks and head, the
-    memory of the embedding)."""
-    embedding = config.padded_vocab_size * config.d_model
-    return [float(config.params_per_block)] * config.n_layer, float(embedding), float(embedding)
-
-
-def chunk_stage_ids(rank: int, pp: int, virtual: int) -> list[int]:
-    """Global stage indices held by pipeline rank ``rank`` (loop placement: stage s on rank s % pp)."""
-    return [rank + v * pp for v in range(virtual)]
-
-
-def stage_view(network: nn.Module, block_ids: list[str], first: bool, last: bool) -> nn.Module:
-    """A module running part of ``network``: the same block objects under the same keys, the embedding when
-    ``first``, the final norm and head when ``last``. Nothing is copied."""
-    view = type(network).__new__(type(network))
-    nn.Module.__init__(view)
-    view.config = network.config
-    view.embed = network.embed if first else None
-    view.blocks = nn.ModuleDict({i: network.blocks[i] for i in block_ids})
-    view.norm = network.norm if last else None
-    view.head = network.head if last else None
-    return view
-
-
-def prune(network: nn.Module, keep_blocks: set[str], keep_first: bool, keep_last: bool) -> None:
-    """Drop, in place, every part of ``network`` this rank does not run (names of the rest are unchanged)."""
-    for key in [k for k in network.blocks if k not in keep_blocks]:
-        del network.blocks[key]
-    if not keep_first:
-        network.embed = None
-    if not keep_last:
-        network.norm = network.head = None
-
-
-def split_into_stages(network: nn.Module, rank: int, pp: int, virtual: int) -> tuple[list[nn.Module], list[int]]:
-    """Keep in ``network`` only what pipeline rank ``rank`` runs; return its chunk views and stage indices."""
-    num_stages = pp * virtual
-    runs = partition(*block_costs(network.config), num_stages)
-    stage_ids = chunk_stage_ids(rank, pp, virtual)
-    mine = {s: [str(b) for b in runs[s]] for s in stage_ids}
-    prune(network, {b for ids in mine.values() for b in ids}, 0 in stage_ids, num_stages - 1 in stage_ids)
-    chunks = [stage_view(network, mine[s], first=s == 0, last=s == num_stages - 1) for s in stage_ids]
-    return chunks, stage_ids
 
 
 def bubble_theory(schedule: str, pp: int, microbatches: int, virtual: int = 1) -> float:
@@ -131,8 +46,17 @@ class Pipeline:
         loss_parallel: Whether the last stage's logits are vocabulary-parallel DTensors.
     """
 
-    def __init__(self, chunks: list[nn.Module], stage_ids: list[int], num_stages: int, pp_mesh: DeviceMesh,
-                 schedule: str, microbatches: int, device: torch.device, loss_parallel: bool) -> None:
+    def __init__(
+        self,
+        chunks: list[nn.Module],
+        stage_ids: list[int],
+        num_stages: int,
+        pp_mesh: DeviceMesh,
+        schedule: str,
+        microbatches: int,
+        device: torch.device,
+        loss_parallel: bool,
+    ) -> None:
         self.chunks, self.stage_ids, self.num_stages = chunks, stage_ids, num_stages
         self.pp_mesh, self.group = pp_mesh, pp_mesh.get_group()
         self.schedule_name, self.microbatches, self.device = schedule, microbatches, device
@@ -143,6 +67,7 @@ class Pipeline:
         self._loss_fn: Callable | None = None
         self._losses: list[torch.Tensor] = []
         self._scale = 1.0
+        self._grad_scaler: Any = None
         self._pending: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self.schedule = self._schedule(self._stages(self.clock), schedule, microbatches, self._record_loss)
         self._inference: dict[tuple, Any] = {}
@@ -150,8 +75,10 @@ class Pipeline:
     def _stages(self, clock: StageClock | None) -> list[Any]:
         from torch.distributed.pipelining import PipelineStage
 
-        stages = [PipelineStage(chunk, s, self.num_stages, self.device, group=self.group)
-                  for chunk, s in zip(self.chunks, self.stage_ids)]
+        stages = [
+            PipelineStage(chunk, s, self.num_stages, self.device, group=self.group)
+            for chunk, s in zip(self.chunks, self.stage_ids)
+        ]
         if clock is not None:
             for stage in stages:
                 clock.time(stage)
@@ -166,28 +93,47 @@ class Pipeline:
             ScheduleInterleavedZeroBubble,
         )
 
-        cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
-               "zero_bubble": ScheduleInterleavedZeroBubble}[name]
+        cls = {
+            "gpipe": ScheduleGPipe,
+            "1f1b": Schedule1F1B,
+            "interleaved_1f1b": ScheduleInterleaved1F1B,
+            "zero_bubble": ScheduleInterleavedZeroBubble,
+        }[name]
         # NOTE: scale_grads=False: the loss function divides by the micro-batch count itself, because the
         # schedule's own scaling would also shrink gradients accumulated over earlier Lightning micro-steps.
-        return cls(stages if name in MULTI_STAGE_SCHEDULES else stages[0], n_microbatches=microbatches,
-                   loss_fn=loss_fn, scale_grads=False)
+        return cls(
+            stages if name in MULTI_STAGE_SCHEDULES else stages[0],
+            n_microbatches=microbatches,
+            loss_fn=loss_fn,
+            scale_grads=False,
+        )
 
     def _record_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         loss = self._loss_fn(output, target)
         self._losses.append(loss.detach())
-        return loss * self._scale
+        loss = loss * self._scale
+        return self._grad_scaler.scale(loss) if self._grad_scaler is not None else loss
 
-    def loss(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable, accumulate: int = 1) -> torch.Tensor:
+    def loss(
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        loss_fn: Callable,
+        accumulate: int = 1,
+        grad_scaler: Any = None,
+    ) -> torch.Tensor:
         """Forward (and, with gradients enabled, backward) of one batch through the whole pipeline.
 
         Returns the mean loss over the micro-batches on every rank of the pipeline. Gradients accumulate as if
-        ``loss / accumulate`` had been back-propagated through the unsplit model.
+        ``loss / accumulate`` had been back-propagated through the unsplit model, multiplied by the loss scale of
+        ``grad_scaler`` (fp16's `torch.amp.GradScaler`, which unscales them before the optimizer step) if given.
         """
         if inputs.shape[0] % self.microbatches:
-            raise ValueError(f"a batch of {inputs.shape[0]} sequences cannot be split into num_microbatches="
-                             f"{self.microbatches}; make the per-replica batch a multiple of it")
-        self._loss_fn, self._losses = loss_fn, []
+            raise ValueError(
+                f"a batch of {inputs.shape[0]} sequences cannot be split into num_microbatches="
+                f"{self.microbatches}; make the per-replica batch a multiple of it"
+            )
+        self._loss_fn, self._losses, self._grad_scaler = loss_fn, [], grad_scaler
         self._scale = 1.0 / (self.microbatches * accumulate)
         args = (inputs,) if self.holds_first else ()
         target = targets if self.holds_last else None
@@ -201,10 +147,20 @@ class Pipeline:
                     self.schedule.eval(*args, target=target)
         self.clock.end_step()
         # NOTE: the first step also calls the loss on placeholder outputs to infer shapes: keep the last m.
-        losses = self._losses[-self.microbatches:]
+        losses = self._losses[-self.microbatches :]
         mean = torch.stack(losses).mean() if self.holds_last else torch.zeros((), device=self.device)
         dist.broadcast(mean, src=self.last_rank, group=self.group)
         return mean
+
+    def activity(self) -> dict[str, float]:
+        """The last step as every rank of the pipeline saw it: each stage's busy seconds, the step's seconds, and
+        the measured bubble (the mean idle share of the step). Every rank of the pipeline calls this."""
+        mine = torch.tensor([self.clock.busy(), self.clock.step_seconds()], device=self.device)
+        every = torch.empty(self.pp_mesh.size() * 2, device=self.device)
+        dist.all_gather_single(every, mine, group=self.group)
+        busy, step = every.view(-1, 2).unbind(1)
+        metrics = {f"pp/stage{p}_busy_s": seconds for p, seconds in enumerate(busy.tolist())}
+        return {**metrics, "pp/step_s": step.max().item(), "pp/bubble": 1 - (busy / step.max()).mean().item()}
 
     @contextmanager
     def _gradients_set_aside(self) -> Iterator[None]:
@@ -237,11 +193,12 @@ class Pipeline:
         self._pending = []
 
     @torch.no_grad()
-    def forward(self, inputs: torch.Tensor, vocab_size: int) -> torch.Tensor:
-        """Full logits ``[batch, seq, vocab]`` on every rank (for sampling: one micro-batch, forward only).
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        """The last stage's whole output (e.g. logits ``[batch, seq, vocab]``) on every rank: for sampling and
+        prediction, one micro-batch, forward only.
 
-        The sequence is padded on the right to a multiple of 64 (causal attention: padding never changes the
-        logits before it), because a stage learns its buffer shapes once: one schedule per padded shape.
+        The sequence (dim 1) is padded on the right to a multiple of 64, which changes nothing before it in a
+        causal model, because a stage learns its buffer shapes once: one schedule per padded shape.
         """
         seq = inputs.shape[1]
         padded = -(-seq // 64) * 64
@@ -253,16 +210,18 @@ class Pipeline:
                 self._inference[key] = self._schedule(self._stages(None), name, 1, None)
             output = self._inference[key].eval(*((inputs,) if self.holds_first else ()))
             if self.holds_last:
-                logits = output.full_tensor() if hasattr(output, "full_tensor") else output
-                logits = logits[..., :vocab_size].float().contiguous()
-            else:
-                logits = torch.empty(*inputs.shape, vocab_size, device=self.device)
-            dist.broadcast(logits, src=self.last_rank, group=self.group)
-        return logits[:, :seq]
+                output = output.full_tensor() if hasattr(output, "full_tensor") else output
+                output = output.contiguous()
+            shape = [(output.shape, output.dtype) if self.holds_last else None]
+            dist.broadcast_object_list(shape, src=self.last_rank, group=self.group)
+            if not self.holds_last:
+                output = torch.empty(shape[0][0], dtype=shape[0][1], device=self.device)
+            dist.broadcast(output, src=self.last_rank, group=self.group)
+        return output[:, :seq]
 
 
 def _like_param(grad: torch.Tensor | None, param: torch.Tensor) -> torch.Tensor | None:
-    """A DTensor gradient in its parameter's layout (see `strategies.tensor_parallel.lay_out_grads_like_params`)."""
+    """A DTensor gradient in its parameter's layout (see `tensor_parallel.lay_out_grads_like_params`)."""
     placements = getattr(param, "placements", None)
     if grad is not None and placements is not None and grad.placements != placements:
         return grad.redistribute(placements=placements)
@@ -313,7 +272,9 @@ class StageClock:
     def timeline(self) -> list[tuple[int, str, int, float, float]]:
         if self.cuda:
             torch.cuda.synchronize()
-        return [(s, k, mb, self._seconds(self._start, a), self._seconds(self._start, b)) for s, k, mb, a, b in self._marks]
+        return [
+            (s, k, mb, self._seconds(self._start, a), self._seconds(self._start, b)) for s, k, mb, a, b in self._marks
+        ]
 
     def busy(self) -> float:
         return sum(end - start for *_, start, end in self.timeline())

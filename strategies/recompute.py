@@ -18,10 +18,21 @@ MODES = ("full", "selective")
 
 def _saved_ops() -> set:
     aten, c10d = torch.ops.aten, torch.ops._c10d_functional
-    ops = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten._scaled_mm.default,
-           c10d.all_reduce.default, c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default}
-    for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-                 "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"):
+    ops = {
+        aten.mm.default,
+        aten.addmm.default,
+        aten.bmm.default,
+        aten._scaled_mm.default,
+        c10d.all_reduce.default,
+        c10d.all_gather_into_tensor.default,
+        c10d.reduce_scatter_tensor.default,
+    }
+    for name in (
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    ):
         if hasattr(aten, name):
             ops.add(getattr(aten, name).default)
     return ops
@@ -36,8 +47,10 @@ def _keep_matmuls_and_collectives(saved: set, ctx, op, *args, **kwargs):
 def check_setting(activation_checkpointing: bool | str) -> None:
     """Refuse a value of the strategy's ``activation_checkpointing`` argument, naming it."""
     if activation_checkpointing not in (True, False, *MODES):
-        raise ValueError(f"activation_checkpointing={activation_checkpointing!r} is not one of True, False, "
-                         f"{', '.join(map(repr, MODES))}")
+        raise ValueError(
+            f"activation_checkpointing={activation_checkpointing!r} is not one of True, False, "
+            f"{', '.join(map(repr, MODES))}"
+        )
 
 
 def apply_activation_checkpointing(blocks: list[nn.Module], activation_checkpointing: bool | str) -> None:

@@ -24,6 +24,9 @@ from torch.distributed.tensor.parallel import (
 )
 
 ROLES = ("colwise", "rowwise", "tp_region", "norm", "vocab_embedding", "vocab_head")
+# The dim of its weight each role splits over the TP ranks (an ``nn.Linear`` weight is [out, in], an embedding's
+# [vocab, d]); the roles not named here leave their weights whole. The planner counts shards with this.
+SHARDED_DIM = {"colwise": 0, "rowwise": 1, "vocab_embedding": 0, "vocab_head": 0}
 
 
 def parallel_styles(sequence_parallel: bool) -> dict[str, ParallelStyle | None]:
@@ -43,7 +46,9 @@ def parallel_styles(sequence_parallel: bool) -> dict[str, ParallelStyle | None]:
     }
 
 
-def apply_tensor_parallel(network: nn.Module, plan: dict[str, str], tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+def apply_tensor_parallel(
+    network: nn.Module, plan: dict[str, str], tp_mesh: DeviceMesh, sequence_parallel: bool
+) -> None:
     """Parallelise ``network`` in place over ``tp_mesh`` following ``plan`` (name pattern → role)."""
     unknown = sorted(set(plan.values()) - set(ROLES))
     if unknown:

@@ -9,8 +9,12 @@ from lightning.pytorch.callbacks import Callback
 COLOURS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
 
 
-def plot_timeline(events: list[tuple[int, str, int, float, float]], path: str | Path, title: str = "",
-                  pipeline_ranks: int | None = None) -> Path:
+def plot_timeline(
+    events: list[tuple[int, str, int, float, float]],
+    path: str | Path,
+    title: str = "",
+    pipeline_ranks: int | None = None,
+) -> Path:
     """Draw ``(stage, kind, micro-batch, start_s, end_s)`` events (any number of ranks) to a PNG/SVG file.
 
     One row per pipeline rank (stage ``s`` runs on rank ``s % pipeline_ranks``; default: one row per stage);
@@ -28,8 +32,13 @@ def plot_timeline(events: list[tuple[int, str, int, float, float]], path: str | 
     fig, ax = plt.subplots(figsize=(max(6.0, min(16.0, 1.2 * len(events) ** 0.5 * 2)), 0.6 * len(rows) + 1.2))
     for stage, kind, microbatch, start, stop in events:
         row = rows.index(stage % ranks)
-        ax.broken_barh([(start, stop - start)], (row - 0.4, 0.8), facecolors=COLOURS.get(kind, "grey"),
-                       edgecolor="white", linewidth=0.5)
+        ax.broken_barh(
+            [(start, stop - start)],
+            (row - 0.4, 0.8),
+            facecolors=COLOURS.get(kind, "grey"),
+            edgecolor="white",
+            linewidth=0.5,
+        )
         if stop - start > end / 60:
             label = f"{kind}{microbatch}" + (f"/{stage}" if interleaved else "")
             ax.text((start + stop) / 2, row, label, ha="center", va="center", fontsize=6, color="white")
@@ -72,6 +81,10 @@ class PipelineTimeline(Callback):
         if trainer.is_global_zero:
             path = Path(log_dir or ".") / self.filename
             events = [event for timeline in timelines for event in timeline]
-            plot_timeline(events, path, f"{trainer.strategy.pipeline_schedule}: step {trainer.global_step}",
-                          pipeline_ranks=pipeline.pp_mesh.size())
+            plot_timeline(
+                events,
+                path,
+                f"{trainer.strategy.pipeline_schedule}: step {trainer.global_step}",
+                pipeline_ranks=pipeline.pp_mesh.size(),
+            )
             print(f"pipeline timeline: {path}")

@@ -1,13 +1,13 @@
 """Data parallelism with ZeRO sharding over the DP mesh dimension, from PyTorch's FSDP2 building blocks.
 
-==========  ==================  ==================  ===========================  =====================
-zero_stage  parameters          gradients           optimizer states             built from
-==========  ==================  ==================  ===========================  =====================
-0           replicated          all-reduced         replicated                   DDP, or ``replicate``
-1           replicated          all-reduced         sharded (1/D)                ``replicate`` + `LocalShardOptimizer`
-2           gathered once/step  reduce-scattered    sharded                      ``fully_shard(reshard_after_forward=False)``
-3           gathered per block  reduce-scattered    sharded                      ``fully_shard``
-==========  ==================  ==================  ===========================  =====================
+==========  ==================  ================  ==============  ============================================
+zero_stage  parameters          gradients         optimizer       built from
+==========  ==================  ================  ==============  ============================================
+0           replicated          all-reduced       replicated      DDP, or ``replicate``
+1           replicated          all-reduced       sharded (1/D)   ``replicate`` + `LocalShardOptimizer`
+2           gathered once/step  reduce-scattered  sharded         ``fully_shard(reshard_after_forward=False)``
+3           gathered per block  reduce-scattered  sharded         ``fully_shard``
+==========  ==================  ================  ==============  ============================================
 
 ZeRO-0 on a network that is data parallel only is PyTorch's DDP (its composable ``replicate``): gradients go out
 in buckets of about 25 MB, all-reduced in the background while backward goes on, as Lightning's ``ddp`` does.
@@ -20,6 +20,8 @@ gather), then frees them: between steps a rank holds only its shard, as in stage
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -28,8 +30,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 
-def apply_data_parallel(network: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh, zero_stage: int,
-                        mp_policy: Any = None, *, data_parallel_only: bool = False) -> None:
+def apply_data_parallel(
+    network: nn.Module,
+    blocks: list[nn.Module],
+    dp_mesh: DeviceMesh,
+    zero_stage: int,
+    mp_policy: Any = None,
+    *,
+    data_parallel_only: bool = False,
+) -> None:
     """Make ``network`` data parallel over ``dp_mesh`` in place; each of ``blocks`` is one communication unit.
 
     ``data_parallel_only``: the network is neither tensor- nor pipeline-parallel, so ZeRO-0 can be PyTorch's DDP.
@@ -42,8 +51,13 @@ def apply_data_parallel(network: nn.Module, blocks: list[nn.Module], dp_mesh: De
         # NOTE: no broadcast at the first forward (every rank initialises the same weights from the same seed),
         # none per forward (the only buffers, the rotary tables, are computed, not learnt), and gradients are
         # views of DDP's buckets rather than copies of them.
-        replicate(network, process_group=dp_mesh.get_group(), init_sync=False, forward_sync_buffers=False,
-                  gradient_as_bucket_view=True)
+        replicate(
+            network,
+            process_group=dp_mesh.get_group(),
+            init_sync=False,
+            forward_sync_buffers=False,
+            gradient_as_bucket_view=True,
+        )
         return
     mp_policy = mp_policy or MixedPrecisionPolicy()
     if zero_stage <= 1:
@@ -60,6 +74,32 @@ def apply_data_parallel(network: nn.Module, blocks: list[nn.Module], dp_mesh: De
     # The root holds what is left (embedding, final norm, head); NOTE: not resharded after forward because
     # backward starts with it.
     fully_shard(network, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy)
+
+
+@contextmanager
+def gradient_sync_off(modules: list[nn.Module], keep_gathered: bool = False) -> Iterator[None]:
+    """No gradient communication from the data-parallel units among ``modules`` (DDP and FSDP2) inside the context,
+    for the micro-steps before the last of an accumulation window. ``keep_gathered`` (ZeRO-2): keep each unit's
+    parameters gathered after backward too, since they are gathered once per step anyway."""
+    from torch.distributed._composable.replicate import DDP
+    from torch.distributed.fsdp import FSDPModule
+
+    ddp = [m for m in modules if isinstance(m, DDP)]
+    units = [m for m in modules if isinstance(m, FSDPModule)]
+
+    def switch(sync: bool) -> None:
+        for module in ddp:
+            module.set_requires_gradient_sync(sync)
+        for unit in units:
+            unit.set_requires_gradient_sync(sync, recurse=False)
+            if keep_gathered:
+                unit.set_reshard_after_backward(sync, recurse=False)
+
+    switch(False)
+    try:
+        yield
+    finally:
+        switch(True)
 
 
 ELEMENTWISE_OPTIMIZERS = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
@@ -84,7 +124,8 @@ class LocalShardOptimizer:
         if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
             raise TypeError(
                 f"{type(optimizer).__name__} is not one of the elementwise optimizers "
-                f"({', '.join(o.__name__ for o in ELEMENTWISE_OPTIMIZERS)}) that ZeRO-1 can shard; use zero_stage 0, 2 or 3"
+                f"({', '.join(o.__name__ for o in ELEMENTWISE_OPTIMIZERS)}) that ZeRO-1 can shard; "
+                "use zero_stage 0, 2 or 3"
             )
         if optimizer.state:
             raise RuntimeError("the optimizer's parameters must be swapped before its first step")
@@ -136,8 +177,9 @@ class LocalShardOptimizer:
         if entry.placements is None or state.shape != view.shape:
             return state
         param = entry.param
-        return DTensor.from_local(state, param.device_mesh, entry.placements, run_check=False, shape=param.shape,
-                                  stride=param.stride())
+        return DTensor.from_local(
+            state, param.device_mesh, entry.placements, run_check=False, shape=param.shape, stride=param.stride()
+        )
 
 
 class _Entry:
@@ -197,7 +239,7 @@ def _all_gather_slices(bucket: list[_Entry]) -> None:
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
     send = bucket[0].view.new_zeros(sum(sizes))
     for e, offset in zip(bucket, offsets):
-        send[offset: offset + e.view.numel()].copy_(e.view.reshape(-1))
+        send[offset : offset + e.view.numel()].copy_(e.view.reshape(-1))
     received = send.new_empty(ranks * sum(sizes))
     torch.distributed.all_gather_single(received, send, group=group)
     received = received.view(ranks, sum(sizes))
@@ -206,7 +248,7 @@ def _all_gather_slices(bucket: list[_Entry]) -> None:
         for rank, (start, length) in enumerate(e.slices()):
             if rank != me and length:
                 target = local.narrow(dim, start, length)
-                target.copy_(received[rank, offset: offset + target.numel()].view(target.shape))
+                target.copy_(received[rank, offset : offset + target.numel()].view(target.shape))
 
 
 def _rank_chunk(tensor: torch.Tensor, dim: int, parts: int, index: int) -> torch.Tensor:

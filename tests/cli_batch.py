@@ -16,9 +16,6 @@ import sys
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
 
 def _no_launch(*args, **kwargs):
     raise RuntimeError("a rank process was started")
@@ -28,7 +25,7 @@ def run_case(case: dict) -> dict:
     import torch.distributed as dist
     from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
-    from cli import main
+    from lit3d.cli import main
 
     _SubprocessScriptLauncher._call_children_scripts = _no_launch
     saved = dict(os.environ)
@@ -41,14 +38,18 @@ def run_case(case: dict) -> dict:
         code = exit_.code if isinstance(exit_.code, int) else 1
         if not isinstance(exit_.code, int | None):
             stderr.write(str(exit_.code))
-    except Exception:  # noqa: BLE001 (the test reads the message)
+    except Exception:
         code = 1
         stderr.write(traceback.format_exc())
     finally:
         os.environ.clear()
         os.environ.update(saved)
-    return {"code": code, "stdout": stdout.getvalue(), "stderr": stderr.getvalue(),
-            "process_group": dist.is_initialized()}
+    return {
+        "code": code,
+        "stdout": stdout.getvalue(),
+        "stderr": stderr.getvalue(),
+        "process_group": dist.is_initialized(),
+    }
 
 
 if __name__ == "__main__":

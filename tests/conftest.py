@@ -1,16 +1,13 @@
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+from lit3d import GPTConfig
+from lit3d.callbacks import CommReport
 
-from lit3d import GPTConfig  # noqa: E402
-from lit3d.callbacks import CommReport  # noqa: E402
+os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -38,7 +35,7 @@ def text_folder(tmp_path: Path) -> Path:
     (folder / "sub").mkdir(parents=True)
     for i in range(6):
         target = folder / ("sub" if i % 2 else "") / f"doc{i}.txt"
-        target.write_text(" ".join(words[i * 400:(i + 1) * 400]) + "\n")
+        target.write_text(" ".join(words[i * 400 : (i + 1) * 400]) + "\n")
     return folder
 
 
@@ -67,24 +64,39 @@ LAYOUTS: dict[str, tuple[int, dict]] = {
     "dp2_zero1_accumulate2": (2, {"strategy": {"zero_stage": 1}, "trainer": {"accumulate_grad_batches": 2}}),
     "dp2_zero3_accumulate2": (2, {"strategy": {"zero_stage": 3}, "trainer": {"accumulate_grad_batches": 2}}),
     "dp2_zero0_unseeded": (2, {"strategy": {"zero_stage": 0}, "unseeded": True, "trainer": {"max_steps": 2}}),
-    **{f"dp2_zero{z}_accumulate2_comms": (2, {"strategy": {"zero_stage": z}, "count_comms": True,
-                                              "trainer": {"accumulate_grad_batches": 2, "max_steps": 2}})
-       for z in (0, 1)},
-    **{f"dp2_zero{z}_{p}": (2, {"strategy": {"zero_stage": z}, "trainer": {"precision": p, "max_steps": 4}})
-       for z in range(4) for p in ("bf16-mixed", "bf16-true")},
+    **{
+        f"dp2_zero{z}_accumulate2_comms": (
+            2,
+            {
+                "strategy": {"zero_stage": z},
+                "count_comms": True,
+                "trainer": {"accumulate_grad_batches": 2, "max_steps": 2},
+            },
+        )
+        for z in (0, 1)
+    },
+    **{
+        f"dp2_zero{z}_{p}": (2, {"strategy": {"zero_stage": z}, "trainer": {"precision": p, "max_steps": 4}})
+        for z in range(4)
+        for p in ("bf16-mixed", "bf16-true")
+    },
     "pp2_gpipe": (2, {"strategy": pp(2, "gpipe")}),
     "pp2_1f1b": (2, {"strategy": pp(2)}),
     "pp2_interleaved_1f1b": (2, {"strategy": pp(2, "interleaved_1f1b", virtual_pipeline_size=2)}),
     "pp2_zero_bubble": (2, {"strategy": pp(2, "zero_bubble", virtual_pipeline_size=2)}),
     "pp2_1f1b_accumulate2": (2, {"strategy": pp(2), "trainer": {"accumulate_grad_batches": 2}}),
+    "pp2_1f1b_loss_scaled": (2, {"strategy": pp(2), "loss_scale": 1024.0}),
+    "dp2_pp2_zero1_accumulate2": (4, {"strategy": pp(2, zero_stage=1), "trainer": {"accumulate_grad_batches": 2}}),
     "pp4_1f1b": (4, {"strategy": pp(4)}),
     "dp2_pp2_zero3": (4, {"strategy": pp(2, zero_stage=3)}),
     "tp2_pp2_sequence_parallel": (4, {"strategy": pp(2, tensor_parallel_size=2, sequence_parallel=True)}),
     "dp2_tp2_pp2_zero1": (8, {"strategy": pp(2, tensor_parallel_size=2, zero_stage=1)}),
     "dp2_tp2_zero1": (4, {"strategy": {"tensor_parallel_size": 2, "zero_stage": 1}}),
     "dp2_tp2_zero3": (4, {"strategy": {"tensor_parallel_size": 2, "zero_stage": 3}}),
-    "dp2_tp2_plain_loader": (4, {"strategy": {"tensor_parallel_size": 2}, "plain_loader": True,
-                                 "trainer": {"max_steps": 2}}),
+    "dp2_tp2_plain_loader": (
+        4,
+        {"strategy": {"tensor_parallel_size": 2}, "plain_loader": True, "trainer": {"max_steps": 2}},
+    ),
 }
 
 
@@ -92,11 +104,12 @@ LAYOUTS: dict[str, tuple[int, dict]] = {
 def corpus(tmp_path_factory) -> Path:
     import random
 
-    words = random.Random(0).choices(["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "def", "("],
-                                     k=6 * 600)
+    words = random.Random(0).choices(
+        ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "def", "("], k=6 * 600
+    )
     folder = tmp_path_factory.mktemp("corpus")
     for i in range(6):
-        (folder / f"doc{i}.txt").write_text(" ".join(words[i * 600:(i + 1) * 600]))
+        (folder / f"doc{i}.txt").write_text(" ".join(words[i * 600 : (i + 1) * 600]))
     return folder
 
 
@@ -129,10 +142,25 @@ def layout_runs(base_job, tmp_path_factory) -> dict[str, dict]:
     return results
 
 
-COMM_MEASURED = ["dp2_zero0", "dp2_zero1", "dp2_zero2", "dp2_zero3", "dp2_zero3_accumulate2",
-                 "dp2_zero3_full_recompute", "tp2", "tp2_sequence_parallel", "tp2_selective_recompute",
-                 "pp2_interleaved_1f1b", "pp4_1f1b", "dp2_pp2_zero3", "tp2_pp2_sequence_parallel", "dp2_tp2_pp2_zero1",
-                 "dp2_tp2_zero3"]
+COMM_MEASURED = [
+    "dp2_zero0",
+    "dp2_zero1",
+    "dp2_zero2",
+    "dp2_zero3",
+    "dp2_zero3_accumulate2",
+    "dp2_zero3_full_recompute",
+    "tp2",
+    "tp2_sequence_parallel",
+    "tp2_selective_recompute",
+    "pp2_interleaved_1f1b",
+    "pp4_1f1b",
+    "pp2_1f1b_accumulate2",
+    "dp2_pp2_zero3",
+    "dp2_pp2_zero1_accumulate2",
+    "tp2_pp2_sequence_parallel",
+    "dp2_tp2_pp2_zero1",
+    "dp2_tp2_zero3",
+]
 for _name in COMM_MEASURED:
     LAYOUTS[_name][1]["callbacks"] = [CommReport(step=5)]
 for _name in ["dp2_zero0", "dp2_zero3", "tp2", "pp2_1f1b", "dp2_tp2_pp2_zero1"]:

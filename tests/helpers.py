@@ -17,8 +17,16 @@ def fit(model, data, tmp_path, **trainer_kwargs) -> tuple[L.Trainer, Path]:
     """A quiet CPU fit logging every step; returns the trainer and the folder of its metrics.csv."""
     logger = CSVLogger(str(tmp_path), name="run")
     options = dict(
-        accelerator="cpu", devices=1, max_steps=4, logger=logger, log_every_n_steps=1, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+        accelerator="cpu",
+        devices=1,
+        max_steps=4,
+        logger=logger,
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
     )
     trainer = L.Trainer(**{**options, **trainer_kwargs})
     trainer.fit(model, data)
@@ -34,6 +42,9 @@ class RecordPlacement(L.Callback):
         import torch.distributed as dist
 
         mesh = trainer.strategy.device_mesh
-        record = {"rank": trainer.global_rank, "node": trainer.node_rank,
-                  "tp_group": dist.get_process_group_ranks(mesh["tp"].get_group())}
+        record = {
+            "rank": trainer.global_rank,
+            "node": trainer.node_rank,
+            "tp_group": dist.get_process_group_ranks(mesh["tp"].get_group()),
+        }
         Path(f"placement_rank{trainer.global_rank}.json").write_text(json.dumps(record))

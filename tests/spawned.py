@@ -8,7 +8,8 @@ A job is a dict: ``model`` (GPT kwargs, ``config`` as a dict), ``data`` (TextDat
 ``plain_loader`` (feed a plain shuffled DataLoader, so Lightning must inject the sampler) and ``count_comms``
 (count collectives per training batch); ``checkpoint_every`` (save ``ckpts/step=N.ckpt`` every N steps),
 ``ckpt_path`` (resume from it), ``expect_error`` (record the exception each rank raises instead of failing),
-``callbacks`` (more callbacks, picklable), ``unseeded`` (no ``seed_everything``: each rank seeds itself apart) and
+``callbacks`` (more callbacks, picklable), ``loss_scale`` (fp32 compute with fp16's loss scaling at this fixed
+scale: gradients must come out unscaled), ``unseeded`` (no ``seed_everything``: each rank seeds itself apart) and
 ``validate_after_fit`` (then ``trainer.validate`` in the same processes).
 """
 
@@ -16,21 +17,23 @@ import json
 import os
 import socket
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 import torch.multiprocessing as mp
+from helpers import logged
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.utils.data import DataLoader
 
-from helpers import logged
 from lit3d import GPT, GPTConfig
 from lit3d.callbacks import CommReport
 from lit3d.data import TextDataModule
-from strategies import Parallel3DStrategy
+from lit3d.strategies import Parallel3DStrategy
 
 
 def free_port() -> int:
@@ -45,8 +48,9 @@ def run_jobs(world: int, jobs: dict[str, dict[str, Any]], out_dir: Path, deadlin
     Fails (and kills the ranks) if they have not all finished ``deadline`` seconds later: nothing may hang.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
-    context = mp.start_processes(_worker, args=(world, free_port(), jobs, str(out_dir)), nprocs=world,
-                                 start_method="spawn", join=False)
+    context = mp.start_processes(
+        _worker, args=(world, free_port(), jobs, str(out_dir)), nprocs=world, start_method="spawn", join=False
+    )
     start = time.time()
     while not context.join(timeout=5):
         if time.time() - start > deadline:
@@ -61,8 +65,14 @@ def run_jobs(world: int, jobs: dict[str, dict[str, Any]], out_dir: Path, deadlin
 
 
 def _worker(rank: int, world: int, port: int, jobs: dict, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      NODE_RANK="0", HF_DATASETS_DISABLE_PROGRESS_BARS="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+        HF_DATASETS_DISABLE_PROGRESS_BARS="1",
+    )
     torch.set_num_threads(1)
     for name, job in jobs.items():
         result = run_job(job, Path(out_dir) / name, devices=world)
@@ -73,7 +83,7 @@ def run_job(job: dict, job_dir: Path, devices: int = 1) -> dict:
     if job.get("expect_error"):
         try:
             _run_job(job, job_dir, devices)
-        except Exception as error:  # noqa: BLE001 (the test checks the message)
+        except Exception as error:
             return {"error": f"{type(error).__name__}: {error}"}
         return {"error": None}
     return _run_job(job, job_dir, devices)
@@ -91,17 +101,38 @@ def _run_job(job: dict, job_dir: Path, devices: int) -> dict:
     strategy = Parallel3DStrategy(**job["strategy"]) if "strategy" in job else "auto"
     callbacks = [Probe(count_comms=job.get("count_comms", False)), *job.get("callbacks", [])]
     if "checkpoint_every" in job:
-        callbacks.append(ModelCheckpoint(dirpath=str(job_dir / "ckpts"), filename="{step}", save_top_k=-1,
-                                         every_n_train_steps=job["checkpoint_every"]))
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=str(job_dir / "ckpts"),
+                filename="{step}",
+                save_top_k=-1,
+                every_n_train_steps=job["checkpoint_every"],
+            )
+        )
     logger = CSVLogger(str(job_dir), name="log", version=0)
-    options = dict(accelerator="cpu", devices=devices if "strategy" in job else 1, strategy=strategy, logger=logger,
-                   log_every_n_steps=1, enable_checkpointing="checkpoint_every" in job, enable_progress_bar=False,
-                   enable_model_summary=False, num_sanity_val_steps=0, callbacks=callbacks)
+    options = dict(
+        accelerator="cpu",
+        devices=devices if "strategy" in job else 1,
+        strategy=strategy,
+        logger=logger,
+        log_every_n_steps=1,
+        enable_checkpointing="checkpoint_every" in job,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
+    )
+    if "loss_scale" in job:
+        options["plugins"] = [LossScaledFP32(job["loss_scale"])]
     trainer = L.Trainer(**{**options, **job.get("trainer", {})})
     trainer.fit(model, data, ckpt_path=job.get("ckpt_path"))
     probe = callbacks[0]
-    result = {"memory": probe.memory, "sampler": probe.sampler, "comms": probe.comms,
-              "param_sum": sum(float(_local(p).detach().double().sum()) for p in model.parameters())}
+    result = {
+        "memory": probe.memory,
+        "sampler": probe.sampler,
+        "comms": probe.comms,
+        "param_sum": sum(float(_local(p).detach().double().sum()) for p in model.parameters()),
+    }
     for callback in callbacks:
         if isinstance(callback, CommReport):
             result["comm_bytes"] = {"measured": callback.measured, "planned": callback.planned}
@@ -129,8 +160,11 @@ class Probe(Callback):
 
     def on_train_start(self, trainer, pl_module):
         sampler = trainer.train_dataloader.sampler
-        self.sampler = {"type": type(sampler).__name__, "num_replicas": getattr(sampler, "num_replicas", None),
-                        "rank": getattr(sampler, "rank", None)}
+        self.sampler = {
+            "type": type(sampler).__name__,
+            "num_replicas": getattr(sampler, "num_replicas", None),
+            "rank": getattr(sampler, "rank", None),
+        }
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if self.count_comms:
@@ -149,6 +183,17 @@ class Probe(Callback):
         if trainer.global_step == trainer.max_steps - 1 and hasattr(trainer.strategy, "memory_report"):
             self.memory = trainer.strategy.memory_report()
             self.memory["estimate"] = trainer.strategy.memory_estimate
+
+
+class LossScaledFP32(MixedPrecision):
+    """fp16's loss scaling (a GradScaler whose scale stays ``scale``) around fp32 compute: exact powers of two, so
+    the run must train exactly like an unscaled one."""
+
+    def __init__(self, scale: float) -> None:
+        super().__init__("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=scale, growth_interval=10**6))
+
+    def autocast_context_manager(self):
+        return nullcontext()
 
 
 class PlainLoaderData(TextDataModule):

@@ -37,4 +37,6 @@ def test_flash_attn_matches_sdpa_on_gpu():
     q = torch.randn(2, 128, 8, 64, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(2, 128, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     assert resolve_backend("auto", q.device, q.dtype) == "flash"
-    torch.testing.assert_close(causal_attention(q, k, v, "flash"), causal_attention(q, k, v, "sdpa"), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(
+        causal_attention(q, k, v, "flash"), causal_attention(q, k, v, "sdpa"), rtol=2e-2, atol=2e-2
+    )

@@ -7,10 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from lightning.pytorch.callbacks import Callback
-
 from conftest import SMALL_GPT, merge, pp
+from lightning.pytorch.callbacks import Callback
 from spawned import run_jobs
 
 STEPS = 8  # the uninterrupted run; checkpoints after step 4 and step 8
@@ -68,15 +66,15 @@ class SaveTwiceDyingOnTheSecond(Callback):
 
     def on_train_batch_end(self, trainer, *args) -> None:
         if trainer.global_step == 6:
-            import strategies.checkpoint
+            import lit3d.strategies.checkpoint
 
-            original = strategies.checkpoint.dcp.save
+            original = lit3d.strategies.checkpoint.dcp.save
 
             def save_then_die(*a, **k):
                 original(*a, **k)  # this rank's shards are written ...
                 os._exit(1)  # ... and the process is gone before the checkpoint is complete
 
-            strategies.checkpoint.dcp.save = save_then_die
+            lit3d.strategies.checkpoint.dcp.save = save_then_die
         if trainer.global_step in (4, 6):
             trainer.save_checkpoint(self.path)
 
@@ -90,8 +88,9 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(saved, tmp
         run_jobs(2, {"crash": job}, tmp_path / "crash")
     assert (tmp_path / "latest.ckpt.partial").is_dir()  # the interrupted save, never published
     # The checkpoint from step 4 is intact: a new run resumes from it onto the uninterrupted curve.
-    resumed = run_jobs(1, {"resume": merge(saved["base"], {"strategy": {}, "ckpt_path": str(latest)})},
-                       tmp_path / "resumed")["resume"]["losses"]
+    resumed = run_jobs(
+        1, {"resume": merge(saved["base"], {"strategy": {}, "ckpt_path": str(latest)})}, tmp_path / "resumed"
+    )["resume"]["losses"]
     uninterrupted = saved["results"]["dp2_pp2"]["losses"]
     assert max(abs(a - b) / abs(b) for a, b in zip(resumed, uninterrupted[4:])) <= 1e-5
 
@@ -107,11 +106,15 @@ def test_bad_checkpoints_are_refused_on_every_rank_with_the_file_named(saved, tm
     shard.write_bytes(bytes(shard.stat().st_size))
     wide = dict(SMALL_GPT, d_model=48, n_head=4)
     jobs = {
-        "missing": merge(saved["base"], {"strategy": {}, "ckpt_path": str(tmp_path / "nope.ckpt"), "expect_error": True}),
+        "missing": merge(
+            saved["base"], {"strategy": {}, "ckpt_path": str(tmp_path / "nope.ckpt"), "expect_error": True}
+        ),
         "truncated": merge(saved["base"], {"strategy": {}, "ckpt_path": str(truncated), "expect_error": True}),
         "corrupted": merge(saved["base"], {"strategy": {}, "ckpt_path": str(corrupted), "expect_error": True}),
-        "other_shape": merge(saved["base"], {"strategy": {}, "ckpt_path": str(saved["step4"]), "expect_error": True,
-                                             "model": {"config": wide}}),
+        "other_shape": merge(
+            saved["base"],
+            {"strategy": {}, "ckpt_path": str(saved["step4"]), "expect_error": True, "model": {"config": wide}},
+        ),
     }
     results = run_jobs(2, jobs, tmp_path / "runs", deadline=240)  # raises if any rank hangs
     expected = {
@@ -131,8 +134,16 @@ def test_a_random_huggingface_llama_imports_with_the_same_logits(tmp_path):
     from lit3d import GPT
 
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=100, max_position_embeddings=64, rope_theta=500000.0)
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=100,
+        max_position_embeddings=64,
+        rope_theta=500000.0,
+    )
     reference = LlamaForCausalLM(config).eval()
     reference.save_pretrained(tmp_path)
     model = GPT.from_pretrained(str(tmp_path), learning_rate=1e-4)
@@ -146,8 +157,8 @@ def test_an_exported_checkpoint_loads_in_transformers_with_the_same_logits(saved
     """The DP2 x PP2 checkpoint, written by 4 ranks, becomes one HuggingFace folder."""
     from transformers import AutoModelForCausalLM
 
-    from cli import main
     from lit3d import GPT, GPTConfig
+    from lit3d.cli import main
     from lit3d.hf import hf_name
 
     main(["export", "--ckpt_path", str(saved["step4"]), "--output", str(tmp_path / "hf")])
@@ -160,8 +171,9 @@ def test_an_exported_checkpoint_loads_in_transformers_with_the_same_logits(saved
     model.configure_model()
     state = {f"state_dict.model.{n}": t for n, t in model.model.state_dict().items()}
     dcp.load(state, checkpoint_id=str(saved["step4"]))
-    assert torch.equal(exported.state_dict()[hf_name("blocks.2.mlp.down_proj.weight")],
-                       model.model.blocks["2"].mlp.down_proj.weight)
+    assert torch.equal(
+        exported.state_dict()[hf_name("blocks.2.mlp.down_proj.weight")], model.model.blocks["2"].mlp.down_proj.weight
+    )
     tokens = torch.randint(0, 256, (2, 12))
     with torch.no_grad():
         torch.testing.assert_close(exported(tokens).logits, model(tokens), rtol=1e-5, atol=1e-5)
@@ -170,8 +182,14 @@ def test_an_exported_checkpoint_loads_in_transformers_with_the_same_logits(saved
 def test_huggingface_folders_lit3d_cannot_compute_are_refused(tmp_path):
     from lit3d.hf import config_from_hf
 
-    base = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                vocab_size=10)
+    base = dict(
+        model_type="llama",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        vocab_size=10,
+    )
     with pytest.raises(ValueError, match="rope scaling"):
         config_from_hf({**base, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
     with pytest.raises(ValueError, match="attention_bias=True"):

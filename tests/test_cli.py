@@ -7,19 +7,25 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import logged
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
-QUICK = ["--trainer.max_steps=4", "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false",
-         "--data.init_args.seq_len=32", "--data.init_args.global_batch_size=4", "--trainer.enable_checkpointing=false"]
+QUICK = [
+    "--trainer.max_steps=4",
+    "--trainer.log_every_n_steps=1",
+    "--trainer.enable_progress_bar=false",
+    "--data.init_args.seq_len=32",
+    "--data.init_args.global_batch_size=4",
+    "--trainer.enable_checkpointing=false",
+]
 
 
 def lit3d(*args, cwd, timeout=240):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, str(ROOT / "cli.py"), *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "cli.py"), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def fit_losses(cwd, *args):
@@ -42,15 +48,24 @@ def test_fit_under_ddp_gives_the_single_process_losses(tmp_path, single_process_
 
 def test_fit_under_the_3d_strategy_gives_the_single_process_losses(tmp_path, single_process_losses):
     """The README's command: 4 CPU processes, tensor parallel 2 x data parallel 2."""
-    tp2 = fit_losses(tmp_path, "--trainer.devices=4", "--trainer.strategy=strategies.Parallel3DStrategy",
-                     "--trainer.strategy.tensor_parallel_size=2")
+    tp2 = fit_losses(
+        tmp_path,
+        "--trainer.devices=4",
+        "--trainer.strategy=lit3d.strategies.Parallel3DStrategy",
+        "--trainer.strategy.tensor_parallel_size=2",
+    )
     torch.testing.assert_close(tp2, single_process_losses, rtol=1e-5, atol=0)
 
 
 def test_fit_under_dp2_tp2_pp2_on_8_processes_gives_the_single_process_losses(tmp_path, single_process_losses):
     """The README's 3D command: data x tensor x pipeline parallel, 2 x 2 x 2."""
-    losses = fit_losses(tmp_path, "--trainer.devices=8", "--trainer.strategy=Parallel3DStrategy",
-                        "--trainer.strategy.tensor_parallel_size=2", "--trainer.strategy.pipeline_parallel_size=2")
+    losses = fit_losses(
+        tmp_path,
+        "--trainer.devices=8",
+        "--trainer.strategy=Parallel3DStrategy",
+        "--trainer.strategy.tensor_parallel_size=2",
+        "--trainer.strategy.pipeline_parallel_size=2",
+    )
     torch.testing.assert_close(losses, single_process_losses, rtol=1e-5, atol=0)
 
 
@@ -59,21 +74,58 @@ LAYOUT_3D = ["--trainer.devices=4", "--trainer.strategy=Parallel3DStrategy"]
 EARLY_EXITS = {
     "tp3": (["fit", "--config", TINY, *QUICK, *LAYOUT_3D, "--trainer.strategy.tensor_parallel_size=3"], {}),
     "tp4": (["fit", "--config", TINY, *QUICK, *LAYOUT_3D, "--trainer.strategy.tensor_parallel_size=4"], {}),
-    "microbatches": (["fit", "--config", TINY, *QUICK, *LAYOUT_3D, "--trainer.strategy.pipeline_parallel_size=2",
-                      "--trainer.strategy.num_microbatches=3"], {}),
-    "stages": (["fit", "--config", TINY, *QUICK, *LAYOUT_3D, "--trainer.strategy.pipeline_parallel_size=4",
-                "--trainer.strategy.virtual_pipeline_size=2", "--trainer.strategy.pipeline_schedule=interleaved_1f1b"],
-               {}),
+    "microbatches": (
+        [
+            "fit",
+            "--config",
+            TINY,
+            *QUICK,
+            *LAYOUT_3D,
+            "--trainer.strategy.pipeline_parallel_size=2",
+            "--trainer.strategy.num_microbatches=3",
+        ],
+        {},
+    ),
+    "stages": (
+        [
+            "fit",
+            "--config",
+            TINY,
+            *QUICK,
+            *LAYOUT_3D,
+            "--trainer.strategy.pipeline_parallel_size=4",
+            "--trainer.strategy.virtual_pipeline_size=2",
+            "--trainer.strategy.pipeline_schedule=interleaved_1f1b",
+        ],
+        {},
+    ),
     "model_help": (["fit", "--model.help", "lit3d.GPT"], {}),
     "data_help": (["fit", "--data.help", "lit3d.data.TextDataModule"], {}),
     "too_long": (["fit", "--config", TINY, *QUICK, "--data.init_args.seq_len=512"], {}),
     "preset": (["fit", "--config", TINY, *QUICK, "--model.init_args.config=llama-9b"], {}),
     "missing": (["fit", "--config", TINY, *QUICK, "--data.init_args.data_path=/no/such/corpus"], {}),
     # torchrun started 4 ranks (2 nodes x 2), the config says 1 node
-    "num_nodes": (["fit", "--config", TINY, *QUICK, "--trainer.devices=2", "--trainer.num_nodes=1",
-                   "--trainer.strategy=Parallel3DStrategy"],
-                  {"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0", "WORLD_SIZE": "4",
-                   "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}),
+    "num_nodes": (
+        [
+            "fit",
+            "--config",
+            TINY,
+            *QUICK,
+            "--trainer.devices=2",
+            "--trainer.num_nodes=1",
+            "--trainer.strategy=Parallel3DStrategy",
+        ],
+        {
+            "TORCHELASTIC_RUN_ID": "x",
+            "RANK": "0",
+            "LOCAL_RANK": "0",
+            "GROUP_RANK": "0",
+            "WORLD_SIZE": "4",
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "29999",
+        },
+    ),
 }
 
 
@@ -84,21 +136,32 @@ def early_exits(tmp_path_factory) -> dict[str, dict]:
     folder = tmp_path_factory.mktemp("early_exits")
     cases = [{"args": args, "env": env} for args, env in EARLY_EXITS.values()]
     (folder / "cases.json").write_text(json.dumps(cases))
-    run = subprocess.run([sys.executable, str(ROOT / "tests" / "cli_batch.py"), "cases.json", "results.json"],
-                         cwd=folder, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
-                         timeout=300)
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "cli_batch.py"), "cases.json", "results.json"],
+        cwd=folder,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     return dict(zip(EARLY_EXITS, json.loads((folder / "results.json").read_text())))
 
 
-@pytest.mark.parametrize("case, message", [
-    ("tp3", "tensor_parallel_size=3 x pipeline_parallel_size=1 does not divide the 4"),
-    ("tp4", "tensor_parallel_size=4 does not divide n_kv_head=2"),
-    ("microbatches", "the per-replica batch of 2 (global_batch_size=4 / (data_parallel_size=2 x "
-                     "accumulate_grad_batches=1)) is not divisible by num_microbatches=3"),
-    ("stages", "= 8 stages, but the model has only n_layer=4 blocks"),
-    ("num_nodes", "`devices=2` and `num_nodes=1` ... world size (4)"),
-])
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("tp3", "tensor_parallel_size=3 x pipeline_parallel_size=1 does not divide the 4"),
+        ("tp4", "tensor_parallel_size=4 does not divide n_kv_head=2"),
+        (
+            "microbatches",
+            "the per-replica batch of 2 (global_batch_size=4 / (data_parallel_size=2 x "
+            "accumulate_grad_batches=1)) is not divisible by num_microbatches=3",
+        ),
+        ("stages", "= 8 stages, but the model has only n_layer=4 blocks"),
+        ("num_nodes", "`devices=2` and `num_nodes=1` ... world size (4)"),
+    ],
+)
 def test_a_bad_layout_is_refused_before_any_process_starts(early_exits, case, message):
     run = early_exits[case]
     assert run["code"] != 0
@@ -115,11 +178,14 @@ def test_help_shows_arguments_with_their_docstrings(early_exits):
     assert "Sequences per optimizer step across all data-parallel replicas" in data_help
 
 
-@pytest.mark.parametrize("case, message", [
-    ("too_long", "seq_len=512 is above the model's max_seq_len=256"),
-    ("preset", "unknown model preset 'llama-9b'"),
-    ("missing", "data_path='/no/such/corpus' does not exist"),
-])
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("too_long", "seq_len=512 is above the model's max_seq_len=256"),
+        ("preset", "unknown model preset 'llama-9b'"),
+        ("missing", "data_path='/no/such/corpus' does not exist"),
+    ],
+)
 def test_bad_input_is_refused_before_training_with_the_value_named(early_exits, case, message):
     run = early_exits[case]
     assert run["code"] != 0 and message in run["stderr"], run["stderr"][-3000:]
@@ -138,11 +204,32 @@ def test_two_node_torchrun_on_loopback_keeps_tp_inside_a_node(tmp_path, single_p
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
     nodes = [
         subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2", f"--node_rank={node}",
-             "--master_addr=127.0.0.1", f"--master_port={port}", str(ROOT / "cli.py"), "fit", "--config", TINY,
-             *QUICK, "--trainer.num_nodes=2", "--trainer.devices=2", "--trainer.strategy=Parallel3DStrategy",
-             "--trainer.strategy.tensor_parallel_size=2", "--trainer.callbacks+=helpers.RecordPlacement"],
-            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                "--nproc_per_node=2",
+                f"--node_rank={node}",
+                "--master_addr=127.0.0.1",
+                f"--master_port={port}",
+                str(ROOT / "cli.py"),
+                "fit",
+                "--config",
+                TINY,
+                *QUICK,
+                "--trainer.num_nodes=2",
+                "--trainer.devices=2",
+                "--trainer.strategy=Parallel3DStrategy",
+                "--trainer.strategy.tensor_parallel_size=2",
+                "--trainer.callbacks+=helpers.RecordPlacement",
+            ],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for node in (0, 1)
     ]
     outputs = [p.communicate(timeout=240)[0] for p in nodes]
@@ -154,3 +241,99 @@ def test_two_node_torchrun_on_loopback_keeps_tp_inside_a_node(tmp_path, single_p
     assert "2 node(s) x 2 device(s)" in outputs[0]  # the rank map printed at start shows the nodes
     losses = torch.tensor(logged(tmp_path / "runs" / "tiny" / "version_0", "train_loss"))
     torch.testing.assert_close(losses, single_process_losses, rtol=1e-5, atol=0)
+
+
+SINGLE_CALLBACK = """\
+trainer:
+  callbacks:
+    class_path: lightning.pytorch.callbacks.ModelCheckpoint
+    init_args:
+      every_n_train_steps: 5
+"""
+
+
+@pytest.mark.parametrize("form", ["yaml_mapping", "flag", "flag_appended_to_yaml_mapping"])
+def test_one_callback_in_any_form_trainer_accepts_builds_the_trainer(tmp_path, form):
+    """`trainer.callbacks` may be one callback rather than a list (crashed with "'ModelCheckpoint' object is not
+    iterable"); lit3d's own Throughput is still added."""
+    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+
+    from lit3d.callbacks import Throughput
+    from lit3d.cli import make_cli
+
+    (tmp_path / "one.yaml").write_text(SINGLE_CALLBACK)
+    args = {
+        "yaml_mapping": ["--config", str(tmp_path / "one.yaml")],
+        "flag": ["--trainer.callbacks=lightning.pytorch.callbacks.ModelCheckpoint"],
+        "flag_appended_to_yaml_mapping": [
+            "--config",
+            str(tmp_path / "one.yaml"),
+            "--trainer.callbacks+=lightning.pytorch.callbacks.LearningRateMonitor",
+        ],
+    }[form]
+    cli = make_cli(["--trainer.logger=false", *args], run=False)
+    kinds = [type(c) for c in cli.trainer.callbacks]
+    assert ModelCheckpoint in kinds and Throughput in kinds, kinds
+    assert (LearningRateMonitor in kinds) == (form == "flag_appended_to_yaml_mapping"), kinds
+
+
+@pytest.mark.parametrize(
+    "name", ["3d", "Parallel3DStrategy", "lit3d.strategies.Parallel3DStrategy", "strategies.Parallel3DStrategy"]
+)
+def test_every_documented_strategy_name_resolves_when_installed(monkeypatch, name):
+    """The installed package has no top-level `strategies`; lit3d 0.1's class path still works in the CLI."""
+    import importlib.util
+
+    from lit3d.cli import make_cli
+    from lit3d.strategies import Parallel3DStrategy
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "strategies" else find_spec(n, *a))
+    monkeypatch.delitem(sys.modules, "strategies", raising=False)
+    cli = make_cli(
+        [
+            "--trainer.logger=false",
+            f"--trainer.strategy={name}",
+            *(["--trainer.strategy.zero_stage=0"] if "." in name else []),
+        ],
+        run=False,
+    )
+    assert type(cli.trainer.strategy) is Parallel3DStrategy
+
+
+def test_the_wheel_installs_lit3d_alone_at_the_top_level(tmp_path):
+    """`pip install .` puts nothing but `lit3d` (and its metadata) into site-packages: `strategies/` is
+    `lit3d.strategies`, `cli.py` is `lit3d.cli`, and the console script points into the package."""
+    import shutil
+    import zipfile
+
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md", "cli.py"):
+        shutil.copy(ROOT / name, source / name)
+    for folder in ("lit3d", "strategies"):
+        shutil.copytree(ROOT / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    build = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path / "dist"),
+            str(source),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert build.returncode == 0, build.stderr[-3000:]
+    (wheel,) = (tmp_path / "dist").glob("lit3d-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {n.split("/")[0] for n in names} == {"lit3d", wheel.name.split("-py")[0] + ".dist-info"}
+    assert {"lit3d/strategies/parallel3d.py", "lit3d/cli.py", "lit3d/planner/estimate.py"} <= set(names)
+    entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
+    assert "lit3d = lit3d.cli:main" in entry_points

@@ -43,12 +43,17 @@ def test_global_batch_k_holds_the_same_samples_for_1_2_and_4_replicas(accumulate
         for rank in range(replicas):
             sampler = GlobalBatchSampler(dataset, global_batch, replicas, rank, shuffle=True, seed=5)
             sampler.set_epoch(1)
-            micro = list(itertools.batched(sampler, global_batch // (replicas * accumulate))) \
-                if hasattr(itertools, "batched") else _chunks(list(sampler), global_batch // (replicas * accumulate))
+            micro = (
+                list(itertools.batched(sampler, global_batch // (replicas * accumulate)))
+                if hasattr(itertools, "batched")
+                else _chunks(list(sampler), global_batch // (replicas * accumulate))
+            )
             per_replica.append(micro)
         steps = len(per_replica[0]) // accumulate
-        return [sorted(i for rank in per_replica for m in rank[k * accumulate:(k + 1) * accumulate] for i in m)
-                for k in range(steps)]
+        return [
+            sorted(i for rank in per_replica for m in rank[k * accumulate : (k + 1) * accumulate] for i in m)
+            for k in range(steps)
+        ]
 
     one = global_batches(1)
     assert len(one) == 103 // 8 and all(len(batch) == 8 for batch in one)
@@ -58,7 +63,7 @@ def test_global_batch_k_holds_the_same_samples_for_1_2_and_4_replicas(accumulate
 
 
 def _chunks(items, size):
-    return [tuple(items[i:i + size]) for i in range(0, len(items), size)]
+    return [tuple(items[i : i + size]) for i in range(0, len(items), size)]
 
 
 def test_resuming_mid_epoch_skips_what_was_consumed_whatever_the_replica_count():
@@ -99,7 +104,10 @@ def test_local_tokenizer_json(text_folder, tmp_path):
 
     tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.train([str(p) for p in text_folder.rglob("*.txt")], trainers.BpeTrainer(vocab_size=120, special_tokens=["[UNK]", "</s>"]))
+    tokenizer.train(
+        [str(p) for p in text_folder.rglob("*.txt")],
+        trainers.BpeTrainer(vocab_size=120, special_tokens=["[UNK]", "</s>"]),
+    )
     tokenizer.save(str(tmp_path / "tokenizer.json"))
     data = TextDataModule(str(text_folder), tokenizer=str(tmp_path / "tokenizer.json"), seq_len=7, global_batch_size=2)
     assert data.vocab_size <= 120 and data.tokenizer.eos_id == tokenizer.token_to_id("</s>")

@@ -28,13 +28,30 @@ def alive(pid: int) -> bool:
 
 def start_long_run(tmp_path):
     """4 ranks (DP2 x TP2) training for far longer than the test; returns the process and its output lines."""
-    command = [sys.executable, str(ROOT / "cli.py"), "fit", "--config", str(ROOT / "configs" / "tiny.yaml"),
-               "--trainer.devices=4", "--trainer.strategy=Parallel3DStrategy",
-               "--trainer.strategy.tensor_parallel_size=2", "--trainer.max_steps=100000",
-               "--trainer.enable_progress_bar=false", "--trainer.enable_checkpointing=false",
-               "--data.init_args.seq_len=32", "--data.init_args.global_batch_size=4"]
-    proc = subprocess.Popen(command, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    command = [
+        sys.executable,
+        str(ROOT / "cli.py"),
+        "fit",
+        "--config",
+        str(ROOT / "configs" / "tiny.yaml"),
+        "--trainer.devices=4",
+        "--trainer.strategy=Parallel3DStrategy",
+        "--trainer.strategy.tensor_parallel_size=2",
+        "--trainer.max_steps=100000",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_checkpointing=false",
+        "--data.init_args.seq_len=32",
+        "--data.init_args.global_batch_size=4",
+    ]
+    proc = subprocess.Popen(
+        command,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
     deadline = time.time() + 180

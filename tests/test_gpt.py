@@ -3,8 +3,8 @@ import math
 import lightning as L
 import pytest
 import torch
-
 from helpers import fit, logged
+
 from lit3d import GPT, GPTConfig
 from lit3d.data import TextDataModule
 from lit3d.gpt import WarmupCosine

@@ -3,14 +3,22 @@
 import pytest
 
 from lit3d import GPTConfig
-from strategies import Parallel3DStrategy
-from strategies.layout import Layout, check_model_fits_layout, resolve_layout
+from lit3d.strategies import Parallel3DStrategy
+from lit3d.strategies.layout import Layout, check_model_fits_layout, resolve_layout
 
 
 def test_tp_is_innermost_and_pp_outermost():
     layout = Layout(dp=2, tp=2, pp=2, devices_per_node=4)
     assert [tuple(layout.coordinate(r)) for r in range(8)] == [
-        (0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 1, 0), (0, 0, 1), (0, 1, 1), (1, 0, 1), (1, 1, 1)]
+        (0, 0, 0),
+        (0, 1, 0),
+        (1, 0, 0),
+        (1, 1, 0),
+        (0, 0, 1),
+        (0, 1, 1),
+        (1, 0, 1),
+        (1, 1, 1),
+    ]
     assert all(layout.rank(*layout.coordinate(r)) == r for r in range(8))  # global = t + d*T + p*T*D
     assert layout.tp_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert [layout.node(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]  # pipeline stages on different nodes
@@ -35,32 +43,44 @@ def test_auto_data_parallel_fills_the_world():
     assert resolve_layout(8, 8, "auto", 2, 2) == Layout(dp=2, tp=2, pp=2, devices_per_node=8)
 
 
-@pytest.mark.parametrize("sizes, message", [
-    ((8, 8, 3, 2, 1), r"data_parallel_size=3 x tensor_parallel_size=2 x pipeline_parallel_size=1 = 6, but 8 ranks"),
-    ((8, 8, "auto", 3, 1), r"tensor_parallel_size=3 x pipeline_parallel_size=1 does not divide the 8 launched ranks"),
-])
+@pytest.mark.parametrize(
+    "sizes, message",
+    [
+        ((8, 8, 3, 2, 1), r"data_parallel_size=3 x tensor_parallel_size=2 x pipeline_parallel_size=1 = 6, but 8 ranks"),
+        (
+            (8, 8, "auto", 3, 1),
+            r"tensor_parallel_size=3 x pipeline_parallel_size=1 does not divide the 8 launched ranks",
+        ),
+    ],
+)
 def test_sizes_that_do_not_multiply_to_the_world_are_refused(sizes, message):
     with pytest.raises(ValueError, match=message):
         resolve_layout(*sizes)
 
 
-@pytest.mark.parametrize("field, config", [
-    ("n_head=6", GPTConfig(n_head=6, n_kv_head=6, d_model=96, d_ff=256)),
-    ("n_kv_head=2", GPTConfig(n_head=4, n_kv_head=2, d_ff=256)),
-    ("d_ff=250", GPTConfig(n_head=4, d_ff=250)),
-    ("padded_vocab_size=257", GPTConfig(n_head=4, d_ff=256, vocab_size=257, pad_vocab_multiple=1)),
-])
+@pytest.mark.parametrize(
+    "field, config",
+    [
+        ("n_head=6", GPTConfig(n_head=6, n_kv_head=6, d_model=96, d_ff=256)),
+        ("n_kv_head=2", GPTConfig(n_head=4, n_kv_head=2, d_ff=256)),
+        ("d_ff=250", GPTConfig(n_head=4, d_ff=250)),
+        ("padded_vocab_size=257", GPTConfig(n_head=4, d_ff=256, vocab_size=257, pad_vocab_multiple=1)),
+    ],
+)
 def test_a_model_that_cannot_be_split_is_refused(field, config):
     with pytest.raises(ValueError, match=f"tensor_parallel_size=4 does not divide {field}"):
         check_model_fits_layout(config, Layout(dp=1, tp=4, pp=1, devices_per_node=4))
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(zero_stage=4), "zero_stage=4 must be 0, 1, 2 or 3"),
-    (dict(pipeline_schedule="pipedream"), "pipeline_schedule='pipedream' is not one of gpipe, 1f1b"),
-    (dict(tensor_parallel_size=0), "tensor_parallel_size=0 must be a positive integer"),
-    (dict(data_parallel_size="many"), "data_parallel_size='many' must be a positive integer"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(zero_stage=4), "zero_stage=4 must be 0, 1, 2 or 3"),
+        (dict(pipeline_schedule="pipedream"), "pipeline_schedule='pipedream' is not one of gpipe, 1f1b"),
+        (dict(tensor_parallel_size=0), "tensor_parallel_size=0 must be a positive integer"),
+        (dict(data_parallel_size="many"), "data_parallel_size='many' must be a positive integer"),
+    ],
+)
 def test_bad_strategy_arguments_name_the_value(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Parallel3DStrategy(**kwargs)

@@ -52,8 +52,9 @@ def test_same_seed_same_weights_whatever_the_layout(small_config):
     b = built(small_config).state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     torch.manual_seed(8)
-    assert not torch.equal(built(small_config).state_dict()["model.blocks.0.attn.q_proj.weight"],
-                           a["model.blocks.0.attn.q_proj.weight"])
+    assert not torch.equal(
+        built(small_config).state_dict()["model.blocks.0.attn.q_proj.weight"], a["model.blocks.0.attn.q_proj.weight"]
+    )
     # A stage that owns only block 1, initialised on its own, gets exactly block 1's weights.
     with torch.device("meta"):
         stage = Transformer(small_config)

@@ -6,7 +6,6 @@ import pytest
 
 nbclient = pytest.importorskip("nbclient", reason="nbclient is in the test extra")
 import nbformat  # noqa: E402
-
 from helpers import logged  # noqa: E402
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "examples" / "prototype.ipynb"
@@ -15,8 +14,9 @@ NOTEBOOK = Path(__file__).resolve().parents[1] / "examples" / "prototype.ipynb"
 def test_prototype_notebook_runs_without_error(tmp_path, monkeypatch):
     monkeypatch.setenv("LIT3D_NOTEBOOK_STEPS", "12")
     notebook = nbformat.read(NOTEBOOK, as_version=4)
-    nbclient.NotebookClient(notebook, timeout=240, kernel_name="python3",
-                            resources={"metadata": {"path": str(tmp_path)}}).execute()  # raises on any error
+    nbclient.NotebookClient(
+        notebook, timeout=240, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()  # raises on any error
     outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     assert sum("image/svg+xml" in o.get("data", {}) for o in outputs) == 2  # the two rank maps

@@ -4,12 +4,18 @@ import math
 
 import pytest
 import torch
-
 from conftest import COMM_MEASURED, LAYOUTS, SMALL_GPT
+
 from lit3d import GPTConfig
 
-FP32_LAYOUTS = [n for n, (_, job) in LAYOUTS.items() if "precision" not in job.get("trainer", {})
-                and not job.get("plain_loader") and not job.get("count_comms") and not job.get("unseeded")]
+FP32_LAYOUTS = [
+    n
+    for n, (_, job) in LAYOUTS.items()
+    if "precision" not in job.get("trainer", {})
+    and not job.get("plain_loader")
+    and not job.get("count_comms")
+    and not job.get("unseeded")
+]
 
 
 def relative_difference(losses, reference):
@@ -62,9 +68,13 @@ def test_measured_communication_per_axis_matches_the_planner(layout, layout_runs
     strategy = LAYOUTS[layout][1]["strategy"]
     comm = layout_runs[layout]["comm_bytes"]
     measured, planned = comm["measured"], comm["planned"]
-    sizes = {"tp": strategy.get("tensor_parallel_size", 1), "pp": strategy.get("pipeline_parallel_size", 1),
-             "dp": LAYOUTS[layout][0] // strategy.get("tensor_parallel_size", 1)
-             // strategy.get("pipeline_parallel_size", 1)}
+    sizes = {
+        "tp": strategy.get("tensor_parallel_size", 1),
+        "pp": strategy.get("pipeline_parallel_size", 1),
+        "dp": LAYOUTS[layout][0]
+        // strategy.get("tensor_parallel_size", 1)
+        // strategy.get("pipeline_parallel_size", 1),
+    }
     for axis, size in sizes.items():
         assert (planned[axis] > 0) == (size > 1), (axis, planned)
         # The planner leaves out only scalars (the logged loss, the gradient norm's partial sums).
@@ -112,8 +122,11 @@ def test_memory_per_rank_follows_the_zero_formula(layout_runs):
     }
     for stage, (params, grads, optimizer) in expected.items():
         for report in layout_runs[f"dp2_zero{stage}"]["ranks"]:
-            assert (report["memory"]["params"], report["memory"]["grads"], report["memory"]["optimizer"]) == \
-                   (params, grads, optimizer), f"zero_stage={stage}"
+            assert (report["memory"]["params"], report["memory"]["grads"], report["memory"]["optimizer"]) == (
+                params,
+                grads,
+                optimizer,
+            ), f"zero_stage={stage}"
     # ZeRO-1 over DP=2 holds half the optimizer state of ZeRO-0 (but for the step counters).
     z0, z1 = (layout_runs[f"dp2_zero{s}"]["memory"]["optimizer"] - steps for s in (0, 1))
     assert z1 * 2 == z0

@@ -10,15 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import fit, logged
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from helpers import fit, logged
 from lit3d import GPT
 from lit3d.callbacks import CommReport, Throughput
 from lit3d.data import TextDataModule
 from lit3d.hardware import identify
 from lit3d.model import TENSOR_PARALLEL_PLAN, Transformer
-from strategies.layout import Layout
+from lit3d.strategies.layout import Layout
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,7 +47,7 @@ def run_step(small_config, world, count_ops=False, **levers):
     """Loss, gradients and the ops backward ran, for the network parallelised with ``levers`` (1 rank)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from strategies.parallel3d import parallelize_network
+    from lit3d.strategies.parallelize import parallelize_network
 
     torch.manual_seed(0)
     network = Transformer(small_config)
@@ -86,7 +86,7 @@ def test_compiled_blocks_give_the_same_loss_and_gradients(small_config, world_of
 
 
 def test_a_bad_recompute_mode_is_refused():
-    from strategies import Parallel3DStrategy
+    from lit3d.strategies import Parallel3DStrategy
 
     with pytest.raises(ValueError, match="activation_checkpointing='everything'"):
         Parallel3DStrategy(activation_checkpointing="everything")
@@ -111,6 +111,26 @@ def test_throughput_is_in_the_progress_bar_and_the_log_and_mfu_only_for_known_de
     assert mfu == pytest.approx([model.config.flops_per_token(32) * t / 1e12 for t in per_device])
 
 
+def test_throughput_steps_end_where_the_optimizer_steps_also_at_a_short_last_window(
+    tmp_path, small_config, text_folder
+):
+    """3 batches an epoch, accumulating 2: each epoch's steps end after batches 2 and 3 (a window of one). The
+    callback and the model's train_loss use Lightning's own rule (`lit3d.loop.ends_optimizer_step`)."""
+    data = TextDataModule(data_path=str(text_folder), seq_len=16, global_batch_size=2)
+    trainer, log_dir = fit(
+        GPT(small_config),
+        data,
+        tmp_path,
+        max_steps=4,
+        limit_train_batches=3,
+        accumulate_grad_batches=2,
+        callbacks=[Throughput(warmup=0)],
+    )
+    assert trainer.global_step == 4 and trainer.current_epoch == 2
+    assert len(logged(log_dir, "train_loss")) == 4
+    assert len(logged(log_dir, "perf/step_s")) == 3  # every step after the first (whose start is unknown)
+
+
 def test_known_gpus_are_identified_and_unknown_ones_are_not():
     assert identify("NVIDIA H100 80GB HBM3").name == "H100"
     assert identify("NVIDIA H200").peak_tflops == 989.0
@@ -131,9 +151,31 @@ def test_strategy_benchmark_compares_with_lightning_and_reports_traffic_next_to_
     """A tiny run of `benchmarks/strategies.py`: lit3d TP2 against ModelParallelStrategy with the same plan."""
     out = tmp_path / "bench.json"
     run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "strategies.py"), "--configs", "mp tp2", "3d tp2", "--rounds", "1",
-         "--steps", "2", "--warmup", "2", "--n-layer", "2", "--d-model", "128", "--seq-len", "32", "--json", str(out)],
-        capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "strategies.py"),
+            "--configs",
+            "mp tp2",
+            "3d tp2",
+            "--rounds",
+            "1",
+            "--steps",
+            "2",
+            "--warmup",
+            "2",
+            "--n-layer",
+            "2",
+            "--d-model",
+            "128",
+            "--seq-len",
+            "32",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads(out.read_text())
     assert results["3d tp2"]["ratio"] == results["3d tp2"]["median_step_s"] / results["mp tp2"]["median_step_s"]

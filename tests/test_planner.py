@@ -5,18 +5,22 @@ import json
 
 import pytest
 
-from cli import main
+from lit3d.cli import main
 from lit3d.config import GPTConfig
 from lit3d.planner import GB, Cluster, RankMap, Training, estimate, layout_problem, search, verify
-from strategies.layout import Layout
+from lit3d.strategies.layout import Layout
 
 GPT3 = GPTConfig.from_name("gpt3-175b")
 MEGATRON_GPT3 = Layout(dp=8, tp=8, pp=16, devices_per_node=8)  # 1,024 GPUs on 128 nodes
 
 
 def gpt3_plan(zero_stage):
-    return estimate(GPT3, Cluster(nodes=128), MEGATRON_GPT3,
-                    Training(seq_len=2048, global_batch_size=1536, zero_stage=zero_stage, sequence_parallel=False))
+    return estimate(
+        GPT3,
+        Cluster(nodes=128),
+        MEGATRON_GPT3,
+        Training(seq_len=2048, global_batch_size=1536, zero_stage=zero_stage, sequence_parallel=False),
+    )
 
 
 def test_gpt3_state_per_gpu_is_the_known_answer():
@@ -40,37 +44,55 @@ def test_zero1_divides_the_optimizer_state_by_the_data_parallel_size():
 
 
 def test_1f1b_bubble_is_p_minus_1_over_m_plus_p_minus_1():
-    plan = estimate(GPTConfig.from_name("llama-8b"), Cluster(nodes=4), Layout(dp=2, tp=4, pp=4, devices_per_node=8),
-                    Training(global_batch_size=32, pipeline_schedule="1f1b"))
+    plan = estimate(
+        GPTConfig.from_name("llama-8b"),
+        Cluster(nodes=4),
+        Layout(dp=2, tp=4, pp=4, devices_per_node=8),
+        Training(global_batch_size=32, pipeline_schedule="1f1b"),
+    )
     assert plan.num_microbatches == 16
     assert plan.pipeline_bubble == pytest.approx(3 / 19)
 
 
 def test_llama_405b_fits_on_16384_h100s_and_70b_does_not_fit_on_one():
     llama405 = GPTConfig.from_name("llama-405b")
-    plan = estimate(llama405, Cluster(nodes=2048), Layout(dp=128, tp=8, pp=16, devices_per_node=8),
-                    Training(seq_len=8192, micro_batch_size=1, global_batch_size=2048, zero_stage=1,
-                             activation_checkpointing=True))
+    plan = estimate(
+        llama405,
+        Cluster(nodes=2048),
+        Layout(dp=128, tp=8, pp=16, devices_per_node=8),
+        Training(seq_len=8192, micro_batch_size=1, global_batch_size=2048, zero_stage=1, activation_checkpointing=True),
+    )
     assert plan.fits and plan.memory_per_gpu["total"] < 80 * GB
-    without_checkpointing = estimate(llama405, Cluster(nodes=2048), Layout(dp=128, tp=8, pp=16, devices_per_node=8),
-                                     Training(seq_len=8192, global_batch_size=2048, zero_stage=1))
+    without_checkpointing = estimate(
+        llama405,
+        Cluster(nodes=2048),
+        Layout(dp=128, tp=8, pp=16, devices_per_node=8),
+        Training(seq_len=8192, global_batch_size=2048, zero_stage=1),
+    )
     assert not without_checkpointing.fits
     llama70 = GPTConfig.from_name("llama-70b")
     one_gpu = Cluster(nodes=1, gpus_per_node=1)
     for zero in range(4):
-        plan = estimate(llama70, one_gpu, Layout(1, 1, 1, 1),
-                        Training(seq_len=1024, global_batch_size=1, zero_stage=zero, activation_checkpointing=True))
+        plan = estimate(
+            llama70,
+            one_gpu,
+            Layout(1, 1, 1, 1),
+            Training(seq_len=1024, global_batch_size=1, zero_stage=zero, activation_checkpointing=True),
+        )
         assert not plan.fits and plan.memory_per_gpu["params"] > 80 * GB
     fitting, _ = search(llama70, one_gpu, Training(seq_len=1024, global_batch_size=1))
     assert fitting == []
 
 
-@pytest.mark.parametrize("name, layout, zero_stage, virtual", [
-    ("tiny", Layout(dp=2, tp=2, pp=2, devices_per_node=4), 3, 1),
-    ("tiny", Layout(dp=2, tp=1, pp=2, devices_per_node=4), 1, 2),
-    ("gpt3-175b", MEGATRON_GPT3, 0, 1),  # 1,024 simulated ranks
-    ("llama-8b", Layout(dp=32, tp=8, pp=4, devices_per_node=8), 2, 1),
-])
+@pytest.mark.parametrize(
+    "name, layout, zero_stage, virtual",
+    [
+        ("tiny", Layout(dp=2, tp=2, pp=2, devices_per_node=4), 3, 1),
+        ("tiny", Layout(dp=2, tp=1, pp=2, devices_per_node=4), 1, 2),
+        ("gpt3-175b", MEGATRON_GPT3, 0, 1),  # 1,024 simulated ranks
+        ("llama-8b", Layout(dp=32, tp=8, pp=4, devices_per_node=8), 2, 1),
+    ],
+)
 def test_verify_counts_match_the_analytic_ones_exactly(name, layout, zero_stage, virtual):
     import time
 
@@ -80,6 +102,14 @@ def test_verify_counts_match_the_analytic_ones_exactly(name, layout, zero_stage,
     assert [c.verified for c in counts] == [c.analytic for c in counts]
     assert all(c.verified > 0 for c in counts)
     assert time.perf_counter() - start < 60  # seconds, not minutes, for 1,024 ranks
+
+
+def test_the_estimate_of_a_pipeline_with_accumulation_has_micro_batches_of_the_right_size(layout_runs):
+    """Global batch 8 on pp2 in 4 micro-batches: accumulating 2 halves each micro-batch, so the activations held."""
+    for rank in (0, 1):
+        plain = layout_runs["pp2_1f1b"]["ranks"][rank]["memory"]["estimate"]
+        accumulating = layout_runs["pp2_1f1b_accumulate2"]["ranks"][rank]["memory"]["estimate"]
+        assert accumulating["activations"] * 2 == pytest.approx(plain["activations"], rel=1e-6), rank
 
 
 def test_fit_logs_the_planner_estimate_and_it_equals_the_measured_bytes(layout_runs):
@@ -118,8 +148,9 @@ def test_search_keeps_valid_layouts_that_fit_fastest_first():
 def test_layout_problems_name_the_values():
     config, cluster = GPTConfig.from_name("llama-8b"), Cluster(nodes=1)
     training = Training(global_batch_size=64)
-    assert "n_kv_head=8" in layout_problem(config, cluster, Layout(1, 16, 1, 16), training) or \
-        "16 GPUs" in layout_problem(config, cluster, Layout(1, 16, 1, 16), training)
+    assert "n_kv_head=8" in layout_problem(
+        config, cluster, Layout(1, 16, 1, 16), training
+    ) or "16 GPUs" in layout_problem(config, cluster, Layout(1, 16, 1, 16), training)
     assert "tensor_parallel_size=3" in layout_problem(config, Cluster(nodes=3), Layout(8, 3, 1, 8), training)
     assert "n_layer=32" in layout_problem(config, Cluster(nodes=8), Layout(1, 1, 64, 8), training)
     assert "global_batch_size=64" in layout_problem(config, Cluster(nodes=12), Layout(96, 1, 1, 8), training)
@@ -139,34 +170,79 @@ def test_rank_map_draws_the_fleet(tmp_path):
 
 
 def test_cli_plan_json_verify_and_map(tmp_path, capsys):
-    main(["plan", "--model", "gpt3-175b", "--nodes", "128", "--tensor_parallel_size", "8",
-          "--pipeline_parallel_size", "16", "--zero_stage", "1", "--global_batch_size", "1536",
-          "--seq_len", "2048", "--json", "--map", str(tmp_path / "fleet.svg")])
+    main(
+        [
+            "plan",
+            "--model",
+            "gpt3-175b",
+            "--nodes",
+            "128",
+            "--tensor_parallel_size",
+            "8",
+            "--pipeline_parallel_size",
+            "16",
+            "--zero_stage",
+            "1",
+            "--global_batch_size",
+            "1536",
+            "--seq_len",
+            "2048",
+            "--json",
+            "--map",
+            str(tmp_path / "fleet.svg"),
+        ]
+    )
     report = json.loads(capsys.readouterr().out)
-    assert report["layout"] == {"data_parallel_size": 8, "tensor_parallel_size": 8, "pipeline_parallel_size": 16,
-                                "zero_stage": 1, "virtual_pipeline_size": 1}
+    assert report["layout"] == {
+        "data_parallel_size": 8,
+        "tensor_parallel_size": 8,
+        "pipeline_parallel_size": 16,
+        "zero_stage": 1,
+        "virtual_pipeline_size": 1,
+    }
     assert set(report["memory_per_gpu"]) >= {"params", "grads", "optimizer", "activations", "total"}
     assert set(report["communication_per_step"]) == {"tp", "pp", "dp"}
-    assert report["pipeline_bubble"] == pytest.approx(15 / (192 + 15))  # m = 1536 / 8 replicas and report["step_time_s"] > 0
+    assert report["pipeline_bubble"] == pytest.approx(
+        15 / (192 + 15)
+    )  # m = 1536 / 8 replicas and report["step_time_s"] > 0
     assert "<svg" in (tmp_path / "fleet.svg").read_text()
 
-    main(["plan", "--model", "tiny", "--nodes", "2", "--gpus_per_node", "4", "--global_batch_size", "16",
-          "--seq_len", "128", "--verify"])
+    main(
+        [
+            "plan",
+            "--model",
+            "tiny",
+            "--nodes",
+            "2",
+            "--gpus_per_node",
+            "4",
+            "--global_batch_size",
+            "16",
+            "--seq_len",
+            "128",
+            "--verify",
+        ]
+    )
     out = capsys.readouterr().out
     assert "layout(s) fit" in out and "why:" in out and "match" in out and "MISMATCH" not in out
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--model", "gpt-9"], "unknown model preset 'gpt-9'"),
-    (["--nodes", "0"], "nodes=0"),
-    (["--gpu_memory", "-80"], "gpu_memory=-80"),
-    (["--seq_len", "99999"], "seq_len=99999"),
-    (["--model", "llama-8b", "--tensor_parallel_size", "16", "--pipeline_parallel_size", "1", "--nodes", "2"],
-     "tensor_parallel_size=16 does not divide n_kv_head=8"),
-    (["--tensor_parallel_size", "8", "--pipeline_parallel_size", "2", "--data_parallel_size", "4"], "64 GPUs"),
-    (["--zero_stage", "5"], "zero_stage=5"),
-    (["--precision", "fp8"], "precision='fp8'"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "gpt-9"], "unknown model preset 'gpt-9'"),
+        (["--nodes", "0"], "nodes=0"),
+        (["--gpu_memory", "-80"], "gpu_memory=-80"),
+        (["--seq_len", "99999"], "seq_len=99999"),
+        (
+            ["--model", "llama-8b", "--tensor_parallel_size", "16", "--pipeline_parallel_size", "1", "--nodes", "2"],
+            "tensor_parallel_size=16 does not divide n_kv_head=8",
+        ),
+        (["--tensor_parallel_size", "8", "--pipeline_parallel_size", "2", "--data_parallel_size", "4"], "64 GPUs"),
+        (["--zero_stage", "5"], "zero_stage=5"),
+        (["--precision", "fp8"], "precision='fp8'"),
+    ],
+)
 def test_cli_plan_refuses_bad_input_naming_the_value(args, message):
     with pytest.raises(SystemExit) as error:
         main(["plan", *args])
@@ -186,13 +262,18 @@ def test_each_preset_config_parses_and_its_layout_fits_in_80_gb(name):
     spec = yaml.safe_load(path.read_text())
     trainer, strategy, data = spec["trainer"], spec["trainer"]["strategy"]["init_args"], spec["data"]["init_args"]
     tp, pp = strategy.get("tensor_parallel_size", 1), strategy.get("pipeline_parallel_size", 1)
-    layout = Layout(dp=trainer["num_nodes"] * trainer["devices"] // (tp * pp), tp=tp, pp=pp,
-                    devices_per_node=trainer["devices"])
+    layout = Layout(
+        dp=trainer["num_nodes"] * trainer["devices"] // (tp * pp), tp=tp, pp=pp, devices_per_node=trainer["devices"]
+    )
     steps = strategy.get("num_microbatches", 1) * trainer.get("accumulate_grad_batches", 1)
-    training = Training(seq_len=data["seq_len"], global_batch_size=data["global_batch_size"],
-                        micro_batch_size=data["global_batch_size"] // (layout.dp * steps),
-                        zero_stage=strategy["zero_stage"], sequence_parallel=strategy.get("sequence_parallel", False),
-                        activation_checkpointing=strategy.get("activation_checkpointing", False))
+    training = Training(
+        seq_len=data["seq_len"],
+        global_batch_size=data["global_batch_size"],
+        micro_batch_size=data["global_batch_size"] // (layout.dp * steps),
+        zero_stage=strategy["zero_stage"],
+        sequence_parallel=strategy.get("sequence_parallel", False),
+        activation_checkpointing=strategy.get("activation_checkpointing", False),
+    )
     cluster = Cluster(nodes=trainer["num_nodes"], gpus_per_node=trainer["devices"])
     config = GPTConfig.from_name(name)
     assert layout_problem(config, cluster, layout, training) is None

@@ -9,7 +9,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from lit3d import GPTConfig
 from lit3d.model import TENSOR_PARALLEL_PLAN, Block
-from strategies.tensor_parallel import apply_tensor_parallel
+from lit3d.strategies.tensor_parallel import apply_tensor_parallel
 
 
 @pytest.fixture
@@ -27,10 +27,13 @@ def count(mode):
     return {str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items()}
 
 
-@pytest.mark.parametrize("sequence_parallel, expected", [
-    (False, {"all_reduce": 2}),  # Megatron: one all-reduce after attention, one after the MLP
-    (True, {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}),  # the same, split in two halves
-])
+@pytest.mark.parametrize(
+    "sequence_parallel, expected",
+    [
+        (False, {"all_reduce": 2}),  # Megatron: one all-reduce after attention, one after the MLP
+        (True, {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}),  # the same, split in two halves
+    ],
+)
 def test_one_block_issues_the_megatron_collectives(tp_mesh, sequence_parallel, expected):
     block = Block(GPTConfig(n_layer=1, n_head=4, n_kv_head=2, d_model=32, d_ff=64))
     apply_tensor_parallel(block, block_plan(), tp_mesh, sequence_parallel)

@@ -8,5 +8,19 @@ from lit3d.planner.report import format_plan, format_search
 from lit3d.planner.search import Candidate, check_inputs, layout_problem, search
 from lit3d.planner.verify import verify
 
-__all__ = ["GB", "PRECISIONS", "Candidate", "Cluster", "Plan", "RankMap", "Training", "check_inputs", "estimate",
-           "format_plan", "format_search", "layout_problem", "search", "verify"]
+__all__ = [
+    "GB",
+    "PRECISIONS",
+    "Candidate",
+    "Cluster",
+    "Plan",
+    "RankMap",
+    "Training",
+    "check_inputs",
+    "estimate",
+    "format_plan",
+    "format_search",
+    "layout_problem",
+    "search",
+    "verify",
+]

@@ -11,15 +11,14 @@ where it fits, the whole stretched by the pipeline bubble.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
-from fnmatch import fnmatchcase
-from functools import lru_cache
 from typing import Any
 
 from lit3d.config import GPTConfig
-from strategies.layout import Layout
-from strategies.pipeline import block_costs, bubble_theory, chunk_stage_ids, partition
+from lit3d.planner.tensors import Tensor, local_numel, rank_tensors
+from lit3d.planner.traffic import communication_bytes
+from lit3d.strategies.layout import Layout
+from lit3d.strategies.pipeline import bubble_theory
 
 GB = 1e9
 
@@ -65,6 +64,10 @@ class Training:
     seq_len: int = 2048
     micro_batch_size: int = 1
     global_batch_size: int = 512  # sequences per optimizer step
+    # Micro-steps per optimizer step that each run a whole pipeline schedule (pp > 1): the schedule then has
+    # global_batch_size / (dp x micro_batch_size x accumulate_grad_batches) micro-batches. Without a pipeline
+    # every micro-batch is a micro-step of its own already.
+    accumulate_grad_batches: int = 1
     precision: str = "bf16-mixed"
     zero_stage: int = 1
     sequence_parallel: bool = True
@@ -73,6 +76,10 @@ class Training:
     virtual_pipeline_size: int = 1
     efficiency: float = 0.6  # share of the peak that matmuls reach
     headroom: float = 0.1  # of GPU memory kept free for the allocator, CUDA context and buffers
+
+    def schedules_per_step(self, pp: int) -> int:
+        """Pipeline schedules run per optimizer step (gradient accumulation repeats the whole schedule)."""
+        return self.accumulate_grad_batches if pp > 1 else 1
 
 
 @dataclass
@@ -91,85 +98,6 @@ class Plan:
         return asdict(self)
 
 
-@dataclass(frozen=True)
-class Tensor:
-    name: str
-    shape: tuple[int, ...]
-    tp_dim: int | None  # the dim tensor parallelism splits, None when replicated
-    block: int | None  # decoder block index; None for embedding, final norm, head
-
-
-def parameter_table(config: GPTConfig) -> tuple[Tensor, ...]:
-    """Every parameter tensor of the model: name, shape, the dim TP splits, its block."""
-    return _parameter_table(_key(config))
-
-
-@lru_cache(maxsize=16)
-def _parameter_table(fields: tuple[tuple[str, Any], ...]) -> tuple[Tensor, ...]:
-    import torch
-
-    from lit3d.model import TENSOR_PARALLEL_PLAN, Transformer
-
-    dims = {"colwise": 0, "vocab_head": 0, "vocab_embedding": 0, "rowwise": 1}
-    with torch.device("meta"):
-        network = Transformer(GPTConfig(**dict(fields)))
-    table = []
-    for name, param in network.named_parameters():
-        module = name.rsplit(".", 1)[0]
-        roles = [role for pattern, role in TENSOR_PARALLEL_PLAN.items() if fnmatchcase(module, pattern)]
-        block = int(name.split(".")[1]) if name.startswith("blocks.") else None
-        table.append(Tensor(name, tuple(param.shape), dims.get(roles[0]) if roles else None, block))
-    return tuple(table)
-
-
-def stage_blocks(config: GPTConfig, chunks: int) -> tuple[tuple[int, ...], ...]:
-    """Blocks of each pipeline chunk, as the strategy splits them."""
-    return _stage_blocks(_key(config), chunks)
-
-
-@lru_cache(maxsize=64)
-def _stage_blocks(key: tuple[tuple[str, Any], ...], chunks: int) -> tuple[tuple[int, ...], ...]:
-    return tuple(tuple(run) for run in partition(*block_costs(GPTConfig(**dict(key))), chunks))
-
-
-def rank_tensors(config: GPTConfig, pp: int, virtual: int, stage_rank: int) -> list[Tensor]:
-    """The parameters pipeline rank ``stage_rank`` holds (its chunks' blocks, embedding/head on the ends)."""
-    return list(_rank_tensors(_key(config), pp, virtual, stage_rank))
-
-
-def _key(config: GPTConfig) -> tuple[tuple[str, Any], ...]:
-    """A hashable stand-in for a (mutable, so unhashable) config, for the caches."""
-    return tuple(sorted(config.to_dict().items()))
-
-
-@lru_cache(maxsize=1024)
-def _rank_tensors(key: tuple[tuple[str, Any], ...], pp: int, virtual: int, stage_rank: int) -> tuple[Tensor, ...]:
-    config = GPTConfig(**dict(key))
-    chunks = pp * virtual
-    stage_ids = chunk_stage_ids(stage_rank, pp, virtual) if pp > 1 else [0]
-    runs = stage_blocks(config, chunks) if pp > 1 else (tuple(range(config.n_layer)),)
-    blocks = {b for s in stage_ids for b in runs[s]}
-    first, last = 0 in stage_ids, chunks - 1 in stage_ids
-    kept = []
-    for tensor in parameter_table(config):
-        if tensor.block is not None:
-            keep = tensor.block in blocks
-        else:
-            keep = first if tensor.name.startswith("embed") else last
-        if keep:
-            kept.append(tensor)
-    return tuple(kept)
-
-
-def local_numel(tensor: Tensor, tp: int, shard: int = 1, shard_dim: int = 0) -> int:
-    """Elements rank 0 of ``shard`` data-parallel ranks holds (torch.chunk's split, as DTensor's Shard)."""
-    shape = list(tensor.shape)
-    if tensor.tp_dim is not None:
-        shape[tensor.tp_dim] //= tp
-    shape[shard_dim] = -(-shape[shard_dim] // shard)
-    return math.prod(shape)
-
-
 def state_bytes(tensors: list[Tensor], layout: Layout, zero_stage: int, precision: Precision) -> dict[str, int]:
     """Weights, gradients and optimizer state of one rank (rank 0 of its TP and DP groups)."""
     tp, dp = layout.tp, layout.dp
@@ -180,20 +108,26 @@ def state_bytes(tensors: list[Tensor], layout: Layout, zero_stage: int, precisio
     else:
         optimizer = full
     step_counters = 4 * len(tensors)  # AdamW keeps one fp32 step count per tensor
-    return {"params": sharded_params * precision.weights, "grads": sharded_params * precision.grads,
-            "optimizer": optimizer * precision.optimizer + step_counters}
+    return {
+        "params": sharded_params * precision.weights,
+        "grads": sharded_params * precision.grads,
+        "optimizer": optimizer * precision.optimizer + step_counters,
+    }
 
 
 def _free_dim(tensor: Tensor) -> int:
     return next(d for d in range(len(tensor.shape)) if d != tensor.tp_dim)
 
 
-def activation_elements_per_token(config: GPTConfig, tp: int, sequence_parallel: bool,
-                                  checkpointing: bool | str) -> float:
+def activation_elements_per_token(
+    config: GPTConfig, tp: int, sequence_parallel: bool, checkpointing: bool | str
+) -> float:
     """Activations one block keeps for backward, per token (elements)."""
     h, f, kv = config.d_model, config.d_ff, config.n_kv_head * config.head_dim
     split = tp if sequence_parallel else 1
-    if checkpointing == "selective":  # the input, the matmul, attention and collective outputs (strategies.recompute)
+    if (
+        checkpointing == "selective"
+    ):  # the input, the matmul, attention and collective outputs (lit3d.strategies.recompute)
         return 3 * h / split + (h + 2 * kv + h + 2 * f) / tp
     if checkpointing:
         return h / split  # only the block's input; the rest is recomputed
@@ -204,8 +138,9 @@ def activation_elements_per_token(config: GPTConfig, tp: int, sequence_parallel:
     return norm_inputs / split + linear_inputs + (per_head + mlp) / tp
 
 
-def estimate(config: GPTConfig, cluster: Cluster, layout: Layout, training: Training,
-             precision: Precision | None = None) -> Plan:
+def estimate(
+    config: GPTConfig, cluster: Cluster, layout: Layout, training: Training, precision: Precision | None = None
+) -> Plan:
     """Memory, communication, bubble and step time of ``layout`` (no checks: see `search.layout_problem`).
 
     ``precision`` overrides the bytes per element that ``training.precision`` stands for."""
@@ -214,6 +149,7 @@ def estimate(config: GPTConfig, cluster: Cluster, layout: Layout, training: Trai
     virtual = training.virtual_pipeline_size if pp > 1 else 1
     b, s = training.micro_batch_size, training.seq_len
     microbatches = training.global_batch_size // (dp * b)
+    schedule_m = microbatches // training.schedules_per_step(pp)  # micro-batches of one pipeline schedule
     sp = training.sequence_parallel and tp > 1
     tokens = b * s  # per micro-batch
 
@@ -224,7 +160,7 @@ def estimate(config: GPTConfig, cluster: Cluster, layout: Layout, training: Trai
         tensors = rank_tensors(config, pp, virtual, stage_rank)
         memory = state_bytes(tensors, layout, training.zero_stage, precision)
         layers = len({t.block for t in tensors if t.block is not None})
-        in_flight = _in_flight(training.pipeline_schedule, pp, virtual, microbatches, stage_rank)
+        in_flight = _in_flight(training.pipeline_schedule, pp, virtual, schedule_m, stage_rank)
         acts = layers * per_token * tokens * in_flight
         if full_recompute:  # one block recomputed at a time, for one micro-batch
             acts += activation_elements_per_token(config, tp, sp, False) * tokens
@@ -248,20 +184,33 @@ def estimate(config: GPTConfig, cluster: Cluster, layout: Layout, training: Trai
     # Compute: model FLOPs per token (6 per weight of every matmul, plus attention), recompute on top with AC.
     model_flops = config.flops_per_token(s) * training.global_batch_size * s
     hardware_flops = model_flops * (8 / 6 if full_recompute else 1.0)
-    compute = hardware_flops / cluster.gpus_per_node / cluster.nodes / (cluster.peak_tflops * 1e12 * training.efficiency)
+    compute = (
+        hardware_flops / cluster.gpus_per_node / cluster.nodes / (cluster.peak_tflops * 1e12 * training.efficiency)
+    )
     compute *= cluster.gpus / layout.world_size  # the layout may use fewer GPUs than the cluster has
-    bubble = bubble_theory(training.pipeline_schedule, pp, microbatches, virtual) if pp > 1 else 0.0
+    bubble = bubble_theory(training.pipeline_schedule, pp, schedule_m, virtual) if pp > 1 else 0.0
     overlap = compute if training.zero_stage == 3 else compute * 2 / 3  # DP traffic hides behind backward
     step = (compute + seconds["tp"] + seconds["pp"]) / (1 - bubble) + max(0.0, seconds["dp"] - overlap)
     mfu = model_flops / layout.world_size / (step * cluster.peak_tflops * 1e12)
     fits = peak["total"] <= cluster.gpu_memory_gb * GB * (1 - training.headroom)
     return Plan(
-        layout={"data_parallel_size": dp, "tensor_parallel_size": tp, "pipeline_parallel_size": pp,
-                "zero_stage": training.zero_stage, "virtual_pipeline_size": virtual},
-        memory_per_gpu=peak, memory_by_stage=by_stage,
-        communication_per_step={axis: {"bytes": traffic[axis], "seconds": seconds[axis], "link_gbps": links[axis]}
-                                for axis in traffic},
-        pipeline_bubble=bubble, step_time_s=step, mfu=mfu, fits=fits, num_microbatches=microbatches,
+        layout={
+            "data_parallel_size": dp,
+            "tensor_parallel_size": tp,
+            "pipeline_parallel_size": pp,
+            "zero_stage": training.zero_stage,
+            "virtual_pipeline_size": virtual,
+        },
+        memory_per_gpu=peak,
+        memory_by_stage=by_stage,
+        communication_per_step={
+            axis: {"bytes": traffic[axis], "seconds": seconds[axis], "link_gbps": links[axis]} for axis in traffic
+        },
+        pipeline_bubble=bubble,
+        step_time_s=step,
+        mfu=mfu,
+        fits=fits,
+        num_microbatches=schedule_m,
     )
 
 
@@ -285,74 +234,7 @@ def _buffer_bytes(tensors: list[Tensor], layout: Layout, zero_stage: int, precis
     if zero_stage == 3:  # one block at a time and the next one prefetched, and the root (gathered for the step)
         blocks = {t.block for t in tensors if t.block is not None} or {None}
         gathered = 2 * max(sum(local_numel(t, layout.tp) for t in tensors if t.block == b) for b in blocks)
-        gathered += sum(local_numel(t, layout.tp) - local_numel(t, layout.tp, layout.dp)
-                        for t in tensors if t.block is None)
+        gathered += sum(
+            local_numel(t, layout.tp) - local_numel(t, layout.tp, layout.dp) for t in tensors if t.block is None
+        )
     return int(gathered * precision.weights)
-
-
-def communication_bytes(config: GPTConfig, layout: Layout, training: Training,
-                        precision: Precision) -> dict[str, float]:
-    """Bytes the busiest GPU of each axis sends per optimizer step, counted as a ring sends them: an all-reduce
-    2 (n-1)/n of its tensor, an all-gather or reduce-scatter (n-1)/n of the full tensor, a point-to-point send
-    all of it. `strategies.comm.CommBytes` measures the same way (`lit3d.callbacks.CommReport` puts both side by
-    side). Left out: scalars (the logged loss, the gradient norm).
-    """
-    tp, pp, dp = layout.tp, layout.pp, layout.dp
-    virtual = training.virtual_pipeline_size if pp > 1 else 1
-    microbatches = training.global_batch_size // (dp * training.micro_batch_size)
-    sp = training.sequence_parallel and tp > 1
-    act_bytes = training.micro_batch_size * training.seq_len * config.d_model * precision.activations
-    ring = 2 * (tp - 1) / tp  # all-reduce traffic per byte; SP's all-gather + reduce-scatter pair costs the same
-    # Per block and micro-batch: 2 all-reduces forward (attention and MLP outputs) and 2 backward (their inputs'
-    # gradients). Full recompute reruns the forward up to the last tensor backward needs: the attention
-    # all-reduce, and under SP also the MLP's all-gather (PyTorch's checkpoint stops early).
-    per_block = 4 + (1.5 if sp else 1.0) * (training.activation_checkpointing in (True, "full"))
-    traffic = {"tp": 0.0, "pp": 0.0, "dp": 0.0}
-    for stage_rank in range(pp):
-        tensors = rank_tensors(config, pp, virtual, stage_rank)
-        stage_ids = chunk_stage_ids(stage_rank, pp, virtual) if pp > 1 else [0]
-        first, last = 0 in stage_ids, pp * virtual - 1 in stage_ids
-        blocks = len({t.block for t in tensors} - {None})
-        tp_bytes = (blocks * per_block + first + last) * act_bytes  # embedding (fwd) and head (bwd): one each
-        if last:  # the vocabulary-parallel loss: 3 fp32 all-reduces per token (max, sum, target logit)
-            tp_bytes += 3 * training.micro_batch_size * training.seq_len * 4
-        tp_bytes *= microbatches
-        if sp:  # SP norms see part of the sequence, so their weights' gradients are all-reduced after each backward
-            norms = sum(local_numel(t, tp) for t in tensors if "norm" in t.name) * precision.grads
-            tp_bytes += norms * (1 if pp > 1 else microbatches)  # a pipeline's backward spans all micro-batches
-        traffic["tp"] = max(traffic["tp"], ring * tp_bytes)
-        root = sum(local_numel(t, tp) for t in tensors if t.block is None)  # embedding, final norm, head
-        in_blocks = sum(local_numel(t, tp) for t in tensors if t.block is not None)
-        sent = _dp_traffic(training.zero_stage, dp, in_blocks, root, microbatches, pp > 1, precision)
-        traffic["dp"] = max(traffic["dp"], sent)
-    if pp > 1:
-        # Each chunk sends its output forward and its input's gradient backward; the first chunk has no
-        # input and the last no output, so the middle ranks send the most, and with two ranks each sends 2v-1.
-        sends = 2 * virtual - (pp == 2)
-        traffic["pp"] = sends * microbatches * act_bytes / (tp if sp else 1)
-    return traffic
-
-
-def _dp_traffic(zero_stage: int, dp: int, in_blocks: int, root: int, microbatches: int, pipelined: bool,
-                precision: Precision) -> float:
-    """Bytes a GPU sends per step to synchronise its parameters (``in_blocks`` + ``root``) over ``dp`` replicas.
-
-    Gradients go once per step (not on the micro-steps before it). ZeRO-2 gathers the weights once per step and
-    keeps them. ZeRO-3 gathers each block for every forward and backward of a micro-batch, and the root
-    (embedding, final norm, head; not resharded after forward, since backward starts there) once per micro-batch.
-    A pipeline schedule keeps a chunk gathered after each backward but the last, so only the backwards right
-    after a forward gather again: m + 1 gathers of the blocks per step, whatever the order, and one of the root.
-    """
-    if dp == 1:
-        return 0.0
-    share = (dp - 1) / dp
-    params = in_blocks + root
-    grads, weights = params * precision.grads, params * precision.weights
-    if zero_stage < 3:
-        return {
-            0: 2 * share * grads,  # all-reduce of the gradients
-            1: 2 * share * grads + share * weights,  # all-reduce, then all-gather of the updated slices
-            2: share * (grads + weights),  # reduce-scatter of gradients, all-gather of weights
-        }[zero_stage]
-    gathers = (microbatches + 1, 1) if pipelined else (2 * microbatches, microbatches)  # blocks, root
-    return share * (grads + (gathers[0] * in_blocks + gathers[1] * root) * precision.weights)

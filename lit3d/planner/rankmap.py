@@ -13,7 +13,7 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from strategies.layout import Layout
+from lit3d.strategies.layout import Layout
 
 MAX_NODES = 32  # rows drawn at most
 
@@ -31,7 +31,7 @@ class RankMap:
         nodes = sorted({layout.node(layout.rank(0, t, p)) for p in range(layout.pp) for t in range(layout.tp)})
         return nodes[:MAX_NODES], True
 
-    def figure(self):  # noqa: ANN201 (a matplotlib Figure; matplotlib is optional)
+    def figure(self):
         try:
             import matplotlib.pyplot as plt
             from matplotlib.patches import Rectangle
@@ -50,9 +50,16 @@ class RankMap:
                     continue
                 d, t, p = layout.coordinate(rank)
                 shown = not one_replica or d == 0
-                ax.add_patch(Rectangle((gpu, -row - 1), 0.94, 0.9, facecolor=colours(p % colours.N) if shown else "#eeeeee",
-                                       edgecolor="red" if rank in crossing else "white",
-                                       linewidth=2.5 if rank in crossing else 1))
+                ax.add_patch(
+                    Rectangle(
+                        (gpu, -row - 1),
+                        0.94,
+                        0.9,
+                        facecolor=colours(p % colours.N) if shown else "#eeeeee",
+                        edgecolor="red" if rank in crossing else "white",
+                        linewidth=2.5 if rank in crossing else 1,
+                    )
+                )
                 label = f"t{t} p{p}" if one_replica else f"t{t} p{p}\nd{d}"
                 ax.text(gpu + 0.47, -row - 0.55, label if shown else f"d{d}", ha="center", va="center", fontsize=7)
         ax.set_xlim(0, gpus)
@@ -62,8 +69,10 @@ class RankMap:
         ax.tick_params(length=0)
         for side in ax.spines.values():
             side.set_visible(False)
-        heading = (f"{layout.world_size} GPUs = dp {layout.dp} x tp {layout.tp} x pp {layout.pp} on "
-                   f"{layout.num_nodes} node(s); colour = pipeline stage")
+        heading = (
+            f"{layout.world_size} GPUs = dp {layout.dp} x tp {layout.tp} x pp {layout.pp} on "
+            f"{layout.num_nodes} node(s); colour = pipeline stage"
+        )
         if one_replica:
             heading += f"\nreplica d=0 shown; the other {layout.dp - 1} replicas repeat it on their own GPUs"
         if layout.num_nodes > len(nodes) and not one_replica:
@@ -95,8 +104,10 @@ class RankMap:
         path.parent.mkdir(parents=True, exist_ok=True)
         if suffix == ".html":
             svg = self._repr_svg_()
-            path.write_text(f"<!doctype html>\n<html><head><meta charset='utf-8'><title>lit3d rank map</title></head>"
-                            f"<body>\n{svg[svg.index('<svg'):]}\n</body></html>\n")
+            path.write_text(
+                f"<!doctype html>\n<html><head><meta charset='utf-8'><title>lit3d rank map</title></head>"
+                f"<body>\n{svg[svg.index('<svg') :]}\n</body></html>\n"
+            )
         else:
             path.write_bytes(self._render(suffix[1:]))
         return path

@@ -5,13 +5,15 @@ from __future__ import annotations
 from lit3d.config import GPTConfig
 from lit3d.planner.estimate import GB, Cluster, Plan, Training
 from lit3d.planner.search import Candidate, tokens_per_second, why
-from strategies.layout import Layout
+from lit3d.strategies.layout import Layout
 
 
 def describe(config: GPTConfig, cluster: Cluster) -> str:
-    return (f"{config.name} ({config.num_params / 1e9:.1f}B parameters) on {cluster.nodes} node(s) x "
-            f"{cluster.gpus_per_node} GPUs ({cluster.gpu_memory_gb:g} GB, {cluster.peak_tflops:g} TFLOP/s; "
-            f"links {cluster.intra_node_gbps:g} GB/s in a node, {cluster.inter_node_gbps:g} GB/s between nodes)")
+    return (
+        f"{config.name} ({config.num_params / 1e9:.1f}B parameters) on {cluster.nodes} node(s) x "
+        f"{cluster.gpus_per_node} GPUs ({cluster.gpu_memory_gb:g} GB, {cluster.peak_tflops:g} TFLOP/s; "
+        f"links {cluster.intra_node_gbps:g} GB/s in a node, {cluster.inter_node_gbps:g} GB/s between nodes)"
+    )
 
 
 def settings(layout: Layout, training: Training, plan: Plan) -> str:
@@ -21,53 +23,79 @@ def settings(layout: Layout, training: Training, plan: Plan) -> str:
     if training.sequence_parallel and layout.tp > 1:
         parts.append("sequence parallel")
     if layout.pp > 1:
-        parts.append(training.pipeline_schedule + (f" v{training.virtual_pipeline_size}"
-                                                   if training.virtual_pipeline_size > 1 else ""))
-    parts.append(f"{plan.num_microbatches} micro-batch(es) of {training.micro_batch_size} x {training.seq_len} tokens "
-                 "per replica")
+        parts.append(
+            training.pipeline_schedule
+            + (f" v{training.virtual_pipeline_size}" if training.virtual_pipeline_size > 1 else "")
+        )
+    parts.append(
+        f"{plan.num_microbatches} micro-batch(es) of {training.micro_batch_size} x {training.seq_len} tokens "
+        "per replica"
+    )
     return ", ".join(parts)
 
 
 def format_plan(config: GPTConfig, cluster: Cluster, layout: Layout, training: Training, plan: Plan) -> str:
     usable = cluster.gpu_memory_gb * (1 - training.headroom)
     stage = plan.memory_by_stage.index(plan.memory_per_gpu)
-    lines = [f"lit3d plan: {describe(config, cluster)}", f"layout: {settings(layout, training, plan)}",
-             f"memory per GPU, most loaded rank (pipeline stage {stage}):"]
+    lines = [
+        f"lit3d plan: {describe(config, cluster)}",
+        f"layout: {settings(layout, training, plan)}",
+        f"memory per GPU, most loaded rank (pipeline stage {stage}):",
+    ]
     for key, value in plan.memory_per_gpu.items():
         lines.append(f"  {key:<12}{value / GB:>9.2f} GB")
     verdict = "fits" if plan.fits else "DOES NOT FIT"
-    lines[-1] += f"   of {usable:.1f} usable ({cluster.gpu_memory_gb:g} GB less {training.headroom:.0%} headroom): {verdict}"
+    lines[-1] += (
+        f"   of {usable:.1f} usable ({cluster.gpu_memory_gb:g} GB less {training.headroom:.0%} headroom): {verdict}"
+    )
     lines.append("communication per step, per GPU:")
     for axis, comm in plan.communication_per_step.items():
-        lines.append(f"  {axis:<4}{comm['bytes'] / GB:>10.2f} GB  {comm['seconds']:>8.3f} s  on {comm['link_gbps']:g} GB/s")
+        lines.append(
+            f"  {axis:<4}{comm['bytes'] / GB:>10.2f} GB  {comm['seconds']:>8.3f} s  on {comm['link_gbps']:g} GB/s"
+        )
     if layout.pp > 1:
-        lines.append(f"pipeline bubble: {plan.pipeline_bubble:.1%} ({training.pipeline_schedule}, p={layout.pp}, "
-                     f"m={plan.num_microbatches})")
-    lines.append(f"step time: {plan.step_time_s:.3f} s, {tokens_per_second(plan, training):,.0f} tokens/s, "
-                 f"MFU {plan.mfu:.1%} (matmuls assumed at {training.efficiency:.0%} of peak)")
+        lines.append(
+            f"pipeline bubble: {plan.pipeline_bubble:.1%} ({training.pipeline_schedule}, p={layout.pp}, "
+            f"m={plan.num_microbatches})"
+        )
+    lines.append(
+        f"step time: {plan.step_time_s:.3f} s, {tokens_per_second(plan, training):,.0f} tokens/s, "
+        f"MFU {plan.mfu:.1%} (matmuls assumed at {training.efficiency:.0%} of peak)"
+    )
     return "\n".join(lines)
 
 
-def format_search(config: GPTConfig, cluster: Cluster, candidates: list[Candidate], dropped: dict[str, int],
-                  top: int) -> str:
-    lines = [f"lit3d plan: {describe(config, cluster)}",
-             f"{len(candidates)} layout(s) fit; dropped {dropped['invalid']} invalid and "
-             f"{dropped['out_of_memory']} that do not fit in memory"]
+def format_search(
+    config: GPTConfig, cluster: Cluster, candidates: list[Candidate], dropped: dict[str, int], top: int
+) -> str:
+    lines = [
+        f"lit3d plan: {describe(config, cluster)}",
+        f"{len(candidates)} layout(s) fit; dropped {dropped['invalid']} invalid and "
+        f"{dropped['out_of_memory']} that do not fit in memory",
+    ]
     if not candidates:
-        lines.append("nothing fits: add GPUs, use a longer pipeline or more tensor parallelism, "
-                     "lower micro_batch_size or seq_len")
+        lines.append(
+            "nothing fits: add GPUs, use a longer pipeline or more tensor parallelism, "
+            "lower micro_batch_size or seq_len"
+        )
         return "\n".join(lines)
-    lines.append(f"{'#':>2}  {'dp':>5} {'tp':>3} {'pp':>3} {'zero':>4} {'ac':>3} {'m':>4} {'memory GB':>9} "
-                 f"{'step s':>8} {'MFU':>6}")
+    lines.append(
+        f"{'#':>2}  {'dp':>5} {'tp':>3} {'pp':>3} {'zero':>4} {'ac':>3} {'m':>4} {'memory GB':>9} "
+        f"{'step s':>8} {'MFU':>6}"
+    )
     for i, c in enumerate(candidates[:top], 1):
-        lines.append(f"{i:>2}  {c.layout.dp:>5} {c.layout.tp:>3} {c.layout.pp:>3} {c.training.zero_stage:>4} "
-                     f"{'yes' if c.training.activation_checkpointing else 'no':>3} {c.plan.num_microbatches:>4} "
-                     f"{c.plan.memory_per_gpu['total'] / GB:>9.1f} {c.plan.step_time_s:>8.3f} {c.plan.mfu:>6.1%}")
+        lines.append(
+            f"{i:>2}  {c.layout.dp:>5} {c.layout.tp:>3} {c.layout.pp:>3} {c.training.zero_stage:>4} "
+            f"{'yes' if c.training.activation_checkpointing else 'no':>3} {c.plan.num_microbatches:>4} "
+            f"{c.plan.memory_per_gpu['total'] / GB:>9.1f} {c.plan.step_time_s:>8.3f} {c.plan.mfu:>6.1%}"
+        )
         lines.append(f"    why: {why(c, cluster)}")
     best = candidates[0]
-    flags = (f"--trainer.strategy.tensor_parallel_size={best.layout.tp} "
-             f"--trainer.strategy.pipeline_parallel_size={best.layout.pp} "
-             f"--trainer.strategy.zero_stage={best.training.zero_stage}")
+    flags = (
+        f"--trainer.strategy.tensor_parallel_size={best.layout.tp} "
+        f"--trainer.strategy.pipeline_parallel_size={best.layout.pp} "
+        f"--trainer.strategy.zero_stage={best.training.zero_stage}"
+    )
     if best.training.activation_checkpointing:
         flags += " --trainer.strategy.activation_checkpointing=true"
     lines.append(f"run the best with: lit3d fit ... --trainer.strategy=Parallel3DStrategy {flags}")

@@ -13,8 +13,15 @@ from dataclasses import dataclass, replace
 
 from lit3d.config import GPTConfig
 from lit3d.planner.estimate import GB, PRECISIONS, Cluster, Plan, Training, estimate
-from strategies.layout import (SCHEDULES, Layout, check_model_fits_layout, check_model_fits_pipeline, check_sizes,
-                              microbatch_problem)
+from lit3d.strategies.layout import (
+    ZERO_STAGES,
+    Layout,
+    check_choices,
+    check_model_fits_layout,
+    check_model_fits_pipeline,
+    check_sizes,
+    microbatch_problem,
+)
 
 
 @dataclass
@@ -27,29 +34,36 @@ class Candidate:
 def check_inputs(config: GPTConfig, cluster: Cluster, training: Training) -> None:
     """Refuse numbers no layout could use, naming them."""
     check_sizes(nodes=cluster.nodes, gpus_per_node=cluster.gpus_per_node)
-    for name, value in (("gpu_memory", cluster.gpu_memory_gb), ("intra_node_bandwidth", cluster.intra_node_gbps),
-                        ("inter_node_bandwidth", cluster.inter_node_gbps), ("peak_tflops", cluster.peak_tflops)):
+    for name, value in (
+        ("gpu_memory", cluster.gpu_memory_gb),
+        ("intra_node_bandwidth", cluster.intra_node_gbps),
+        ("inter_node_bandwidth", cluster.inter_node_gbps),
+        ("peak_tflops", cluster.peak_tflops),
+    ):
         if not value > 0:
             raise ValueError(f"{name}={value!r} must be positive")
-    check_sizes(seq_len=training.seq_len, micro_batch_size=training.micro_batch_size,
-                global_batch_size=training.global_batch_size, virtual_pipeline_size=training.virtual_pipeline_size)
+    check_sizes(
+        seq_len=training.seq_len,
+        micro_batch_size=training.micro_batch_size,
+        global_batch_size=training.global_batch_size,
+        virtual_pipeline_size=training.virtual_pipeline_size,
+    )
     if training.seq_len > config.max_seq_len:
         raise ValueError(f"seq_len={training.seq_len} is above the model's max_seq_len={config.max_seq_len}")
     if training.precision not in PRECISIONS:
         raise ValueError(f"precision={training.precision!r} is not one of {', '.join(PRECISIONS)}")
-    if training.zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"zero_stage={training.zero_stage!r} must be 0, 1, 2 or 3")
-    if training.pipeline_schedule not in SCHEDULES:
-        raise ValueError(f"pipeline_schedule={training.pipeline_schedule!r} is not one of {', '.join(SCHEDULES)}")
+    check_choices(training.zero_stage, training.pipeline_schedule)
 
 
 def layout_problem(config: GPTConfig, cluster: Cluster, layout: Layout, training: Training) -> str | None:
     """Why ``layout`` cannot run ``config`` with ``training`` on ``cluster`` (None if it can)."""
     tp, pp, dp = layout.tp, layout.pp, layout.dp
     if layout.world_size > cluster.gpus:
-        return (f"data_parallel_size={dp} x tensor_parallel_size={tp} x pipeline_parallel_size={pp} = "
-                f"{layout.world_size} GPUs, but the cluster has {cluster.nodes} x {cluster.gpus_per_node} = "
-                f"{cluster.gpus}")
+        return (
+            f"data_parallel_size={dp} x tensor_parallel_size={tp} x pipeline_parallel_size={pp} = "
+            f"{layout.world_size} GPUs, but the cluster has {cluster.nodes} x {cluster.gpus_per_node} = "
+            f"{cluster.gpus}"
+        )
     virtual = training.virtual_pipeline_size if pp > 1 else 1
     try:
         check_model_fits_layout(config, layout)
@@ -58,8 +72,10 @@ def layout_problem(config: GPTConfig, cluster: Cluster, layout: Layout, training
         return str(error)
     per_step = dp * training.micro_batch_size
     if training.global_batch_size % per_step:
-        return (f"global_batch_size={training.global_batch_size} is not divisible by data_parallel_size={dp} x "
-                f"micro_batch_size={training.micro_batch_size}")
+        return (
+            f"global_batch_size={training.global_batch_size} is not divisible by data_parallel_size={dp} x "
+            f"micro_batch_size={training.micro_batch_size}"
+        )
     if pp > 1:
         return microbatch_problem(pp, training.pipeline_schedule, training.global_batch_size // per_step)
     return None
@@ -69,10 +85,17 @@ def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def search(config: GPTConfig, cluster: Cluster, training: Training, *, tensor_parallel_size: int | None = None,
-           pipeline_parallel_size: int | None = None, data_parallel_size: int | None = None,
-           zero_stages: tuple[int, ...] = (0, 1, 2, 3), checkpointing: tuple[bool, ...] = (False, True),
-           ) -> tuple[list[Candidate], dict[str, int]]:
+def search(
+    config: GPTConfig,
+    cluster: Cluster,
+    training: Training,
+    *,
+    tensor_parallel_size: int | None = None,
+    pipeline_parallel_size: int | None = None,
+    data_parallel_size: int | None = None,
+    zero_stages: tuple[int, ...] = ZERO_STAGES,
+    checkpointing: tuple[bool, ...] = (False, True),
+) -> tuple[list[Candidate], dict[str, int]]:
     """Layouts using every GPU of ``cluster`` (sizes given are kept), estimated; returns those that fit, best
     first, and counts of what was dropped and why."""
     dropped = {"invalid": 0, "out_of_memory": 0}
@@ -95,8 +118,13 @@ def search(config: GPTConfig, cluster: Cluster, training: Training, *, tensor_pa
                     else:
                         dropped["out_of_memory"] += 1
     # Fastest first; among equals, the least data-parallel traffic, then the least memory.
-    fitting.sort(key=lambda c: (round(c.plan.step_time_s, 6), c.plan.communication_per_step["dp"]["bytes"],
-                                c.plan.memory_per_gpu["total"]))
+    fitting.sort(
+        key=lambda c: (
+            round(c.plan.step_time_s, 6),
+            c.plan.communication_per_step["dp"]["bytes"],
+            c.plan.memory_per_gpu["total"],
+        )
+    )
     return fitting, dropped
 
 
@@ -107,12 +135,16 @@ def why(candidate: Candidate, cluster: Cluster) -> str:
     parts = [f"{plan.memory_per_gpu['total'] / GB:.1f} of {usable:.0f} GB usable"]
     if layout.tp > 1:
         link = "NVLink" if cluster.gpus_per_node % layout.tp == 0 else "crosses nodes"
-        parts.append(f"TP{layout.tp} inside a node ({link}), {plan.communication_per_step['tp']['seconds']:.2f} s exposed")
+        parts.append(
+            f"TP{layout.tp} inside a node ({link}), {plan.communication_per_step['tp']['seconds']:.2f} s exposed"
+        )
     if layout.pp > 1:
         parts.append(f"PP{layout.pp} bubble {plan.pipeline_bubble:.1%} with {plan.num_microbatches} micro-batches")
     if layout.dp > 1:
         dp = plan.communication_per_step["dp"]
-        parts.append(f"DP{layout.dp} ZeRO-{training.zero_stage} moves {dp['bytes'] / GB:.1f} GB/GPU in {dp['seconds']:.2f} s")
+        parts.append(
+            f"DP{layout.dp} ZeRO-{training.zero_stage} moves {dp['bytes'] / GB:.1f} GB/GPU in {dp['seconds']:.2f} s"
+        )
     if training.activation_checkpointing:
         parts.append("recomputes activations (+33% compute)")
     return "; ".join(parts)

@@ -13,11 +13,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 from lit3d.config import GPTConfig
-from lit3d.planner.estimate import local_numel, rank_tensors
-from strategies.layout import Layout
+from lit3d.planner.tensors import local_numel, rank_tensors
+from lit3d.strategies.layout import Layout
 
 
 @dataclass
@@ -38,13 +37,19 @@ def analytic_params(config: GPTConfig, layout: Layout, stage: int, zero_stage: i
     return sum(local_numel(t, layout.tp, shard) for t in rank_tensors(config, layout.pp, virtual, stage))
 
 
-def verify(config: GPTConfig, layout: Layout, zero_stage: int, sequence_parallel: bool = False,
-           virtual_pipeline_size: int = 1, activation_checkpointing: bool = False) -> list[StageCount]:
+def verify(
+    config: GPTConfig,
+    layout: Layout,
+    zero_stage: int,
+    sequence_parallel: bool = False,
+    virtual_pipeline_size: int = 1,
+    activation_checkpointing: bool = False,
+) -> list[StageCount]:
     """Per pipeline stage: the parameter elements rank (d=0, t=0, p) holds after the real parallelisation."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from lit3d.model import TENSOR_PARALLEL_PLAN, Transformer
-    from strategies.parallel3d import parallelize_network
+    from lit3d.strategies.parallelize import parallelize_network
 
     if dist.is_initialized():
         raise RuntimeError("verify() starts its own fake process group; call it outside a distributed job")
@@ -53,17 +58,26 @@ def verify(config: GPTConfig, layout: Layout, zero_stage: int, sequence_parallel
         rank = layout.rank(d=0, t=0, p=stage)
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
         try:
-            mesh = init_device_mesh("cpu", (layout.pp, layout.dp, layout.tp), mesh_dim_names=("pp", "dp", "tp"))
+            mesh = layout.build_mesh("cpu")
             with torch.device("meta"):
                 network = Transformer(config)
-            parallelize_network(network, TENSOR_PARALLEL_PLAN, layout, mesh, rank, zero_stage=zero_stage,
-                                sequence_parallel=sequence_parallel, virtual_pipeline_size=virtual_pipeline_size,
-                                activation_checkpointing=activation_checkpointing)
+            parallelize_network(
+                network,
+                TENSOR_PARALLEL_PLAN,
+                layout,
+                mesh,
+                rank,
+                zero_stage=zero_stage,
+                sequence_parallel=sequence_parallel,
+                virtual_pipeline_size=virtual_pipeline_size,
+                activation_checkpointing=activation_checkpointing,
+            )
             held = sum(_local(p).numel() for p in network.parameters())
         finally:
             dist.destroy_process_group()
-        counts.append(StageCount(stage, rank, held, analytic_params(config, layout, stage, zero_stage,
-                                                                     virtual_pipeline_size)))
+        counts.append(
+            StageCount(stage, rank, held, analytic_params(config, layout, stage, zero_stage, virtual_pipeline_size))
+        )
     return counts
 
 

@@ -1,0 +1,102 @@
+"""The model's parameter tensors as the planner sees them: shape, the dim TP splits, which pipeline rank holds
+each, and how many elements a rank keeps after TP and data-parallel sharding.
+
+Shapes come from the real model built on the meta device, each tensor's split from the model's tensor-parallel
+plan and `lit3d.strategies.tensor_parallel.SHARDED_DIM`, its stage from the strategy's own partition.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from functools import lru_cache
+from typing import Any
+
+from lit3d.config import GPTConfig
+from lit3d.strategies.stages import block_costs, chunk_stage_ids, partition
+from lit3d.strategies.tensor_parallel import SHARDED_DIM
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    shape: tuple[int, ...]
+    tp_dim: int | None  # the dim tensor parallelism splits, None when replicated
+    block: int | None  # decoder block index; None for embedding, final norm, head
+
+
+def parameter_table(config: GPTConfig) -> tuple[Tensor, ...]:
+    """Every parameter tensor of the model: name, shape, the dim TP splits, its block."""
+    return _parameter_table(_key(config))
+
+
+@lru_cache(maxsize=16)
+def _parameter_table(fields: tuple[tuple[str, Any], ...]) -> tuple[Tensor, ...]:
+    import torch
+
+    from lit3d.model import TENSOR_PARALLEL_PLAN, Transformer
+
+    with torch.device("meta"):
+        network = Transformer(GPTConfig(**dict(fields)))
+    table = []
+    for name, param in network.named_parameters():
+        module = name.rsplit(".", 1)[0]
+        roles = [role for pattern, role in TENSOR_PARALLEL_PLAN.items() if fnmatchcase(module, pattern)]
+        block = int(name.split(".")[1]) if name.startswith("blocks.") else None
+        table.append(Tensor(name, tuple(param.shape), SHARDED_DIM.get(roles[0]) if roles else None, block))
+    return tuple(table)
+
+
+def stage_blocks(config: GPTConfig, chunks: int) -> tuple[tuple[int, ...], ...]:
+    """Blocks of each pipeline chunk, as the strategy splits them."""
+    return _stage_blocks(_key(config), chunks)
+
+
+@lru_cache(maxsize=64)
+def _stage_blocks(key: tuple[tuple[str, Any], ...], chunks: int) -> tuple[tuple[int, ...], ...]:
+    import torch
+
+    from lit3d.model import Transformer
+
+    with torch.device("meta"):  # the strategy's own cost rule, on the real module: shapes only, no memory
+        network = Transformer(GPTConfig(**dict(key)))
+    return tuple(tuple(run) for run in partition(*block_costs(network), chunks))
+
+
+def rank_tensors(config: GPTConfig, pp: int, virtual: int, stage_rank: int) -> list[Tensor]:
+    """The parameters pipeline rank ``stage_rank`` holds (its chunks' blocks, embedding/head on the ends)."""
+    return list(_rank_tensors(_key(config), pp, virtual, stage_rank))
+
+
+def _key(config: GPTConfig) -> tuple[tuple[str, Any], ...]:
+    """A hashable stand-in for a (mutable, so unhashable) config, for the caches."""
+    return tuple(sorted(config.to_dict().items()))
+
+
+@lru_cache(maxsize=1024)
+def _rank_tensors(key: tuple[tuple[str, Any], ...], pp: int, virtual: int, stage_rank: int) -> tuple[Tensor, ...]:
+    config = GPTConfig(**dict(key))
+    chunks = pp * virtual
+    stage_ids = chunk_stage_ids(stage_rank, pp, virtual) if pp > 1 else [0]
+    runs = stage_blocks(config, chunks) if pp > 1 else (tuple(range(config.n_layer)),)
+    blocks = {b for s in stage_ids for b in runs[s]}
+    first, last = 0 in stage_ids, chunks - 1 in stage_ids
+    kept = []
+    for tensor in parameter_table(config):
+        if tensor.block is not None:
+            keep = tensor.block in blocks
+        else:
+            keep = first if tensor.name.startswith("embed") else last
+        if keep:
+            kept.append(tensor)
+    return tuple(kept)
+
+
+def local_numel(tensor: Tensor, tp: int, shard: int = 1, shard_dim: int = 0) -> int:
+    """Elements rank 0 of ``shard`` data-parallel ranks holds (torch.chunk's split, as DTensor's Shard)."""
+    shape = list(tensor.shape)
+    if tensor.tp_dim is not None:
+        shape[tensor.tp_dim] //= tp
+    shape[shard_dim] = -(-shape[shard_dim] // shard)
+    return math.prod(shape)

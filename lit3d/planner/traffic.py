@@ -1,0 +1,98 @@
+"""Bytes each axis sends per optimizer step, counted from the model's tensors and the strategy's rules."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from lit3d.config import GPTConfig
+from lit3d.planner.tensors import local_numel, rank_tensors
+from lit3d.strategies.layout import Layout
+from lit3d.strategies.stages import chunk_stage_ids
+
+if TYPE_CHECKING:
+    from lit3d.planner.estimate import Precision, Training
+
+
+def communication_bytes(
+    config: GPTConfig, layout: Layout, training: Training, precision: Precision
+) -> dict[str, float]:
+    """Bytes the busiest GPU of each axis sends per optimizer step, counted as a ring sends them: an all-reduce
+    2 (n-1)/n of its tensor, an all-gather or reduce-scatter (n-1)/n of the full tensor, a point-to-point send
+    all of it. `lit3d.strategies.comm.CommBytes` measures the same way (`lit3d.callbacks.CommReport` puts both side by
+    side). Left out: scalars (the logged loss, the gradient norm).
+    """
+    tp, pp, dp = layout.tp, layout.pp, layout.dp
+    virtual = training.virtual_pipeline_size if pp > 1 else 1
+    microbatches = training.global_batch_size // (dp * training.micro_batch_size)
+    schedules = training.schedules_per_step(pp)
+    sp = training.sequence_parallel and tp > 1
+    act_bytes = training.micro_batch_size * training.seq_len * config.d_model * precision.activations
+    ring = 2 * (tp - 1) / tp  # all-reduce traffic per byte; SP's all-gather + reduce-scatter pair costs the same
+    # Per block and micro-batch: 2 all-reduces forward (attention and MLP outputs) and 2 backward (their inputs'
+    # gradients). Full recompute reruns the forward up to the last tensor backward needs: the attention
+    # all-reduce, and under SP also the MLP's all-gather (PyTorch's checkpoint stops early).
+    per_block = 4 + (1.5 if sp else 1.0) * (training.activation_checkpointing in (True, "full"))
+    traffic = {"tp": 0.0, "pp": 0.0, "dp": 0.0}
+    for stage_rank in range(pp):
+        tensors = rank_tensors(config, pp, virtual, stage_rank)
+        stage_ids = chunk_stage_ids(stage_rank, pp, virtual) if pp > 1 else [0]
+        first, last = 0 in stage_ids, pp * virtual - 1 in stage_ids
+        blocks = len({t.block for t in tensors} - {None})
+        tp_bytes = (blocks * per_block + first + last) * act_bytes  # embedding (fwd) and head (bwd): one each
+        if last:  # the vocabulary-parallel loss: 3 fp32 all-reduces per token (max, sum, target logit)
+            tp_bytes += 3 * training.micro_batch_size * training.seq_len * 4
+        tp_bytes *= microbatches
+        if sp:  # SP norms see part of the sequence, so their weights' gradients are all-reduced after each backward
+            norms = sum(local_numel(t, tp) for t in tensors if "norm" in t.name) * precision.grads
+            tp_bytes += norms * (schedules if pp > 1 else microbatches)  # once per schedule: it spans its micro-batches
+        traffic["tp"] = max(traffic["tp"], ring * tp_bytes)
+        root = sum(local_numel(t, tp) for t in tensors if t.block is None)  # embedding, final norm, head
+        in_blocks = sum(local_numel(t, tp) for t in tensors if t.block is not None)
+        sent = _dp_traffic(
+            training.zero_stage, dp, in_blocks, root, microbatches // schedules, schedules, pp > 1, precision
+        )
+        traffic["dp"] = max(traffic["dp"], sent)
+    if pp > 1:
+        # Each chunk sends its output forward and its input's gradient backward; the first chunk has no
+        # input and the last no output, so the middle ranks send the most, and with two ranks each sends 2v-1.
+        sends = 2 * virtual - (pp == 2)
+        traffic["pp"] = sends * microbatches * act_bytes / (tp if sp else 1)
+    return traffic
+
+
+def _dp_traffic(
+    zero_stage: int,
+    dp: int,
+    in_blocks: int,
+    root: int,
+    microbatches: int,
+    schedules: int,
+    pipelined: bool,
+    precision: Precision,
+) -> float:
+    """Bytes a GPU sends per step to synchronise its parameters (``in_blocks`` + ``root``) over ``dp`` replicas.
+
+    Without a pipeline, gradients go once per step (not on the micro-steps before it). ZeRO-2 gathers the weights
+    once per step and keeps them. ZeRO-3 gathers each block for every forward and backward of a micro-batch, and
+    the root (embedding, final norm, head; not resharded after forward, since backward starts there) once per
+    micro-batch.
+
+    A pipeline schedule (``microbatches`` each, ``schedules`` of them per step under gradient accumulation)
+    synchronises gradients at its end, and ZeRO-2 gathers the weights at its start, once per schedule. It keeps
+    a chunk gathered after each backward but the last, so under ZeRO-3 only the backwards right after a forward
+    gather again: m + 1 gathers of the blocks per schedule, whatever the order, and one of the root. ZeRO-1
+    gathers the updated slices once per step.
+    """
+    if dp == 1:
+        return 0.0
+    share = (dp - 1) / dp
+    params = in_blocks + root
+    grads, weights = params * precision.grads, params * precision.weights
+    if zero_stage < 3:
+        return schedules * {
+            0: 2 * share * grads,  # all-reduce of the gradients
+            1: 2 * share * grads,  # the same, and (below) an all-gather of the updated slices
+            2: share * (grads + weights),  # reduce-scatter of gradients, all-gather of weights
+        }[zero_stage] + (share * weights if zero_stage == 1 else 0.0)
+    gathers = (microbatches + 1, 1) if pipelined else (2 * microbatches, microbatches)  # blocks, root
+    return schedules * share * (grads + (gathers[0] * in_blocks + gathers[1] * root) * precision.weights)

@@ -1,0 +1,105 @@
+"""Starting the ranks, and ending them when something goes wrong.
+
+Torchrun and SLURM start every rank themselves; otherwise one of these launchers does, after checking the
+configuration in the launching process, so a bad layout fails once, before any process group exists:
+
+- `CheckingLauncher`: Lightning's script launcher (re-runs the command line once per local rank);
+- `ForkLauncher`: forks the ranks from the current process, as Lightning's ``ddp_notebook`` does (Jupyter).
+
+A rank our launcher started watches it (`exit_when_launcher_dies`): if rank 0's process dies, the rank exits
+instead of waiting in a collective. Lightning already ends every rank when a child fails; this covers the other
+direction.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningDataModule, Trainer
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+if TYPE_CHECKING:
+    from lit3d.strategies.parallel3d import Parallel3DStrategy
+
+log = logging.getLogger(__name__)
+LAUNCHER_PID = "LIT3D_LAUNCHER_PID"
+
+
+class _ChecksFirst:
+    """Check the configuration before any rank starts, then let the ranks watch this process."""
+
+    _strategy: Parallel3DStrategy
+
+    def launch(self, function: Any, *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
+        # `Trainer.fit` (validate, ...) hands its datamodule to the launcher; it reaches the trainer in the ranks only.
+        datamodule = next((arg for arg in args if isinstance(arg, LightningDataModule)), None)
+        self._strategy.check_configuration(trainer, datamodule)
+        os.environ[LAUNCHER_PID] = str(os.getpid())
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+
+class CheckingLauncher(_ChecksFirst, _SubprocessScriptLauncher):
+    """Lightning's script launcher, but the configuration is checked before any child process starts."""
+
+    def __init__(self, strategy: Parallel3DStrategy) -> None:
+        super().__init__(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
+        self._strategy = strategy
+
+
+class ForkLauncher(_ChecksFirst, _MultiProcessingLauncher):
+    """Forks the ranks from the current process, as Lightning's ``ddp_notebook`` does: works in Jupyter.
+
+    The configuration is checked before forking. Metrics (``trainer.callback_metrics``) and the best checkpoint
+    path come back to the notebook; the weights stay sharded in the ranks, so save a checkpoint to keep them.
+    """
+
+    def __init__(self, strategy: Parallel3DStrategy) -> None:
+        super().__init__(strategy, start_method="fork")
+
+    def _collect_rank_zero_results(self, trainer: Trainer, results: Any) -> _WorkerOutput | None:
+        if self._strategy.local_rank != 0:
+            return None
+        best = getattr(trainer.checkpoint_callback, "best_model_path", None)
+        return _WorkerOutput(best, None, trainer.state, results, self.get_extra_results(trainer))
+
+
+def interactive() -> bool:
+    """A notebook or a Python prompt (Lightning's test): script launchers cannot re-run it per rank."""
+    return hasattr(sys, "ps1") or bool(sys.flags.interactive)
+
+
+def agree_on_seed() -> None:
+    """Take rank 0's seed on every rank if they were seeded apart (no ``seed_everything``): the weights come from
+    the seed (`Transformer.reset_parameters`), and replicas that start apart would stay apart."""
+    seeds: list[int | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(seeds, torch.initial_seed())
+    if len(set(seeds)) > 1:
+        rank_zero_warn(
+            f"the ranks were seeded differently ({len(set(seeds))} seeds; call `seed_everything`): "
+            f"every rank now uses rank 0's seed {seeds[0]}, so all start from the same weights"
+        )
+        torch.manual_seed(seeds[0])
+
+
+def exit_when_launcher_dies() -> None:
+    """In a process our launcher started: exit if the launcher (rank 0) dies, rather than wait in a collective."""
+    launcher = os.environ.get(LAUNCHER_PID)
+    if launcher is None or int(launcher) == os.getpid() or os.getppid() != int(launcher):
+        return
+
+    def watch() -> None:
+        while os.getppid() == int(launcher):
+            time.sleep(1.0)
+        log.error(f"rank 0 (pid {launcher}) has exited; ending this rank (pid {os.getpid()})")
+        os._exit(1)
+
+    threading.Thread(target=watch, name="lit3d-launcher-watch", daemon=True).start()

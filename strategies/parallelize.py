@@ -1,0 +1,74 @@
+"""The order in which a network is split: one function, called by the strategy and by `lit3d plan --verify`.
+
+    pipeline stages → tensor parallel → activation checkpointing → compile → data parallel / ZeRO
+
+Each step works on what the previous one left: tensor parallelism turns the stage's parameters into DTensors,
+checkpointing and compile wrap the (already split) blocks, and data parallelism comes last so that FSDP2 shards
+the DTensor shards over the ``dp`` mesh dimension and its units are the checkpointed, compiled blocks.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lit3d.strategies.layout import Layout
+from lit3d.strategies.recompute import apply_activation_checkpointing
+from lit3d.strategies.stages import split_into_stages
+from lit3d.strategies.tensor_parallel import apply_tensor_parallel, check_plan
+from lit3d.strategies.zero import apply_data_parallel
+
+
+def follows_plan(module: nn.Module) -> bool:
+    """Whether the strategy can split ``module`` itself: a ``model`` with ``blocks`` and a ``tensor_parallel_plan``."""
+    network = getattr(module, "model", None)
+    return hasattr(module, "tensor_parallel_plan") and isinstance(getattr(network, "blocks", None), nn.ModuleDict)
+
+
+def parallelize_network(
+    network: nn.Module,
+    plan: dict[str, str],
+    layout: Layout,
+    mesh: DeviceMesh,
+    rank: int,
+    *,
+    zero_stage: int,
+    sequence_parallel: bool = False,
+    virtual_pipeline_size: int = 1,
+    activation_checkpointing: bool | str = False,
+    compile: bool | str = False,
+) -> tuple[list[nn.Module], list[int]]:
+    """Split ``network`` for ``rank`` in place, in the fixed order, without giving it weights (it may stay on
+    the meta device, as `lit3d plan --verify` keeps it).
+
+    Returns this rank's pipeline chunks (views of ``network``; ``[network]`` without pipeline parallelism) and
+    their stage indices.
+    """
+    check_plan(network, plan)
+    chunks, stage_ids = [network], [0]
+    if layout.pp > 1:
+        chunks, stage_ids = split_into_stages(network, layout.coordinate(rank).p, layout.pp, virtual_pipeline_size)
+    if layout.tp > 1:
+        apply_tensor_parallel(network, plan, mesh["tp"], sequence_parallel)
+        if hasattr(network, "tie_weights"):
+            network.tie_weights()  # TP distributed the shared tensor once per module
+    blocks = list(network.blocks.values())
+    if activation_checkpointing:
+        apply_activation_checkpointing(blocks, activation_checkpointing)
+    if compile:
+        options = {} if compile is True else {"backend": compile}
+        for block in blocks:
+            # NOTE: a block with checkpoint hooks does not compile as a whole (recompute sees other metadata);
+            # its sub-modules do.
+            for part in block.children() if activation_checkpointing else [block]:
+                part.compile(**options)
+    if layout.dp > 1:
+        for chunk in chunks:  # each pipeline chunk is a data-parallel root of its own
+            apply_data_parallel(
+                chunk,
+                list(chunk.blocks.values()),
+                mesh["dp"],
+                zero_stage,
+                data_parallel_only=layout.tp == layout.pp == 1,
+            )
+    return chunks, stage_ids
