@@ -36,7 +36,6 @@ see `lit3d.strategies.tensor_parallel`). For pipeline parallelism the module als
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -84,7 +83,6 @@ from lit3d.strategies.zero import ELEMENTWISE_OPTIMIZERS, LocalShardOptimizer, g
 if TYPE_CHECKING:
     from lit3d.planner.estimate import Plan
 
-log = logging.getLogger(__name__)
 PIPELINE_PROTOCOL = ("inputs_and_targets", "loss_fn", "loss")
 
 
@@ -159,9 +157,10 @@ class Parallel3DStrategy(ShardedCheckpoints, ModelParallelStrategy):
         self.pipeline_schedule = pipeline_schedule
         self.virtual_pipeline_size = virtual_pipeline_size or 1
         self._num_microbatches = num_microbatches  # as given; None: chosen from the batch (check_configuration)
-        self.num_microbatches = pipeline_microbatches(
-            num_microbatches, None, 1, 1, pipeline_parallel_size, self.virtual_pipeline_size, pipeline_schedule
-        )
+        self.num_microbatches = pipeline_microbatches(  # until the batch is known
+            num_microbatches, global_batch_size=None, dp=1, accumulate=1, pp=pipeline_parallel_size,
+            virtual=self.virtual_pipeline_size, schedule=pipeline_schedule,
+        )  # fmt: skip
         self.activation_checkpointing = activation_checkpointing
         self.compile = compile
         self._layout: Layout | None = None
@@ -203,8 +202,10 @@ class Parallel3DStrategy(ShardedCheckpoints, ModelParallelStrategy):
         if config is not None:
             check_model_fits_layout(config, layout)
             check_model_fits_pipeline(config, layout.pp, self.virtual_pipeline_size)
-        if layout.pp > 1 and module is not None and follows_plan(module):
-            missing = [name for name in PIPELINE_PROTOCOL if not hasattr(module, name)]
+        if layout.pp > 1 and hasattr(
+            module, "tensor_parallel_plan"
+        ):  # one the strategy splits (`model` is built later)
+            missing = [name for name in PIPELINE_PROTOCOL if not callable(getattr(module, name, None))]
             if missing:
                 raise TypeError(
                     f"pipeline_parallel_size={layout.pp} runs {type(module).__name__}'s loss as a pipeline schedule, "

@@ -99,6 +99,18 @@ EARLY_EXITS = {
         ],
         {},
     ),
+    "no_loss_fn": (
+        [
+            "fit",
+            "--config",
+            TINY,
+            *QUICK,
+            *LAYOUT_3D,
+            "--trainer.strategy.pipeline_parallel_size=2",
+            "--model.class_path=helpers.GPTWithoutLossFn",
+        ],
+        {},
+    ),
     "model_help": (["fit", "--model.help", "lit3d.GPT"], {}),
     "data_help": (["fit", "--data.help", "lit3d.data.TextDataModule"], {}),
     "too_long": (["fit", "--config", TINY, *QUICK, "--data.init_args.seq_len=512"], {}),
@@ -160,6 +172,11 @@ def early_exits(tmp_path_factory) -> dict[str, dict]:
         ),
         ("stages", "= 8 stages, but the model has only n_layer=4 blocks"),
         ("num_nodes", "`devices=2` and `num_nodes=1` ... world size (4)"),
+        (
+            "no_loss_fn",
+            "pipeline_parallel_size=2 runs GPTWithoutLossFn's loss as a pipeline schedule, which needs "
+            "inputs_and_targets, loss_fn, loss; it lacks loss_fn",
+        ),
     ],
 )
 def test_a_bad_layout_is_refused_before_any_process_starts(early_exits, case, message):
