@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 ZERO_STAGES = (0, 1, 2, 3)
 MESH_DIMS = ("pp", "dp", "tp")  # outermost first: the order of the rank formula
+# Lightning's `ModelParallelStrategy` names its mesh dims so; modules written for it index the mesh with them.
+LIGHTNING_DIM_NAMES = {"data_parallel": "dp", "tensor_parallel": "tp", "pipeline_parallel": "pp"}
 
 
 class Coordinate(NamedTuple):
@@ -51,10 +53,18 @@ class Layout:
         return t + d * self.tp + p * self.tp * self.dp
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """The ``(pp, dp, tp)`` device mesh of this layout over the default process group (every rank calls it)."""
+        """The ``(pp, dp, tp)`` device mesh of this layout over the default process group (every rank calls it).
+
+        It answers Lightning's dim names too (``mesh["data_parallel"]`` is ``mesh["dp"]``), so a module written for
+        `ModelParallelStrategy` runs unchanged.
+        """
         from torch.distributed.device_mesh import init_device_mesh
 
-        return init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=MESH_DIMS)
+        mesh = init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=MESH_DIMS)
+        # NOTE: a subclass that renames on lookup, rather than DeviceMesh._flatten: no second process group per
+        # dim, and no slicing of flattened dims (deprecated by PyTorch).
+        mesh.__class__ = _lightning_named(type(mesh))
+        return mesh
 
     def node(self, rank: int) -> int:
         return rank // self.devices_per_node
@@ -215,3 +225,15 @@ def check_model_fits_pipeline(config: Any, pp: int, virtual: int) -> None:
             "tie_embeddings=True with pipeline_parallel_size > 1 is not supported: the embedding and "
             "the head live on different stages; untie them or use pipeline_parallel_size=1"
         )
+
+
+def _lightning_named(mesh_class: type) -> type:
+    """``mesh_class`` whose ``mesh[names]`` also takes `LIGHTNING_DIM_NAMES`."""
+
+    class LightningNamedMesh(mesh_class):
+        def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:
+            if isinstance(names, str):
+                return super().__getitem__(LIGHTNING_DIM_NAMES.get(names, names))
+            return super().__getitem__(tuple(LIGHTNING_DIM_NAMES.get(name, name) for name in names))
+
+    return LightningNamedMesh

@@ -78,7 +78,12 @@ from lit3d.strategies.parallelize import follows_plan, parallelize_network
 from lit3d.strategies.pipeline import Pipeline, bubble_theory
 from lit3d.strategies.recompute import check_setting
 from lit3d.strategies.tensor_parallel import lay_out_grads_like_params
-from lit3d.strategies.zero import ELEMENTWISE_OPTIMIZERS, LocalShardOptimizer, gradient_sync_off
+from lit3d.strategies.zero import (
+    ELEMENTWISE_OPTIMIZERS,
+    LocalShardOptimizer,
+    check_replicas_in_sync,
+    gradient_sync_off,
+)
 
 if TYPE_CHECKING:
     from lit3d.planner.estimate import Plan
@@ -243,8 +248,10 @@ class Parallel3DStrategy(ShardedCheckpoints, ModelParallelStrategy):
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        # Modules are built empty (meta) and get their weights in `setup`, after being split.
-        device = nullcontext() if empty_init is False else torch.device("meta")
+        # Modules the strategy splits are built empty (meta) and get their weights in `setup`, after being split;
+        # one that parallelises itself is built as under `ModelParallelStrategy` (so its random init is the same).
+        splits = hasattr(self.lightning_module, "tensor_parallel_plan")
+        device = torch.device("meta") if empty_init or (splits and empty_init is None) else nullcontext()
         with device, self.precision_plugin.tensor_init_context():
             yield
 
@@ -266,6 +273,9 @@ class Parallel3DStrategy(ShardedCheckpoints, ModelParallelStrategy):
                 "parallelise it there with `self.device_mesh`"
             )
         self.model_to_device()
+        if self.layout.dp > 1:  # before any step: replicas that are not kept in sync would silently drift apart
+            chunks = tuple(self.pipeline.chunks) if self.pipeline is not None else ()
+            check_replicas_in_sync(module, self.device_mesh["dp"], chunks)
         # NOTE: Lightning's precision plugins clip by the norm over this process's parameters; a split model
         # needs the norm reduced over every shard and stage.
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
@@ -330,7 +340,8 @@ class Parallel3DStrategy(ShardedCheckpoints, ModelParallelStrategy):
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
         super().setup_optimizers(trainer)  # Lightning's drops the optimizers of an earlier setup first
-        zero1 = self.zero_stage == 1 and self.layout.dp > 1
+        # ZeRO-1 where the strategy applied data parallelism; a module that parallelises itself chose its own.
+        zero1 = self.zero_stage == 1 and self.layout.dp > 1 and self._parallelized is not None
         self._local_optimizers = {
             id(opt): LocalShardOptimizer(opt, zero1)
             for opt in self.optimizers

@@ -257,3 +257,46 @@ def _rank_chunk(tensor: torch.Tensor, dim: int, parts: int, index: int) -> torch
     step = -(-size // parts)
     start = min(index * step, size)
     return tensor.narrow(dim, start, min(step, size - start))
+
+
+def check_replicas_in_sync(module: nn.Module, dp_mesh: DeviceMesh, other_roots: tuple[nn.Module, ...] = ()) -> None:
+    """Refuse, on every rank alike, parameters the data-parallel replicas would not keep in sync: ones outside any
+    data-parallel unit (DDP, FSDP2), or replicated ones whose values differ between the replicas.
+
+    A parameter sharded over the data-parallel dim (FSDP2's ZeRO) is in sync by construction. Collective over
+    ``dp_mesh``: one all-gather of a checksum per replicated parameter. ``other_roots``: modules outside
+    ``module`` that hold data-parallel units of its parameters (pipeline chunks).
+    """
+    from torch.distributed._composable.replicate import DDP
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for root in (module, *other_roots) for m in root.modules() if isinstance(m, DDP | FSDPModule)]
+    covered = {id(p) for unit in units for p in unit.parameters()}
+    names = [name for name, p in module.named_parameters() if id(p) not in covered]
+    if names:
+        raise RuntimeError(
+            f"{type(module).__name__} has parameters that nothing keeps in sync over the {dp_mesh.size()} "
+            f"data-parallel replicas, e.g. {names[:4]}: each replica would train on its own. Apply data parallelism "
+            "in `configure_model` (`fully_shard(module, mesh=self.device_mesh['data_parallel'])`, or `replicate`), "
+            "or give the module lit3d's protocol (`model.blocks` and a `tensor_parallel_plan`) so the strategy does"
+        )
+    dim = dp_mesh.mesh_dim_names[0]
+    replicated = {}
+    for name, p in module.named_parameters():
+        if isinstance(p, DTensor):
+            if isinstance(p.placements[p.device_mesh.mesh_dim_names.index(dim)], Shard):
+                continue  # sharded over the replicas: nothing to compare
+            p = p.to_local()
+        replicated[name] = p.detach()
+    if not replicated:
+        return
+    sums = torch.stack([torch.stack((p.double().sum(), p.double().square().sum())) for p in replicated.values()])
+    every = sums.new_empty(dp_mesh.size() * sums.shape[0], 2)
+    torch.distributed.all_gather_single(every, sums, group=dp_mesh.get_group())
+    every = every.view(dp_mesh.size(), *sums.shape)
+    differ = [name for name, row in zip(replicated, (every - every[:1]).abs().amax(dim=(0, 2))) if row > 0]
+    if differ:
+        raise RuntimeError(
+            f"the data-parallel replicas of {type(module).__name__} start from different weights, e.g. {differ[:4]}: "
+            "seed every rank alike (`seed_everything`) or broadcast the weights in `configure_model`"
+        )

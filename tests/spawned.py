@@ -10,7 +10,9 @@ A job is a dict: ``model`` (GPT kwargs, ``config`` as a dict), ``data`` (TextDat
 ``ckpt_path`` (resume from it), ``expect_error`` (record the exception each rank raises instead of failing),
 ``callbacks`` (more callbacks, picklable), ``loss_scale`` (fp32 compute with fp16's loss scaling at this fixed
 scale: gradients must come out unscaled), ``unseeded`` (no ``seed_everything``: each rank seeds itself apart) and
-``validate_after_fit`` (then ``trainer.validate`` in the same processes).
+``validate_after_fit`` (then ``trainer.validate`` in the same processes); ``user_module`` (kwargs of
+`user_modules.ParallelisesItself`, trained on `user_modules.RegressionData` instead of the GPT) and
+``lightning_strategy`` (``strategy`` holds `ModelParallelStrategy`'s arguments instead).
 """
 
 import json
@@ -28,6 +30,7 @@ from helpers import logged
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader
 
 from lit3d import GPT, GPTConfig
@@ -95,10 +98,16 @@ def _run_job(job: dict, job_dir: Path, devices: int) -> dict:
         torch.manual_seed(100 + int(os.environ.get("LOCAL_RANK", 0)))
     else:
         L.seed_everything(job.get("seed", 1234))
-    model_kwargs = dict(job.get("model", {}))
-    model = GPT(GPTConfig(**model_kwargs.pop("config")), **model_kwargs)
-    data = (PlainLoaderData if job.get("plain_loader") else TextDataModule)(**job["data"])
-    strategy = Parallel3DStrategy(**job["strategy"]) if "strategy" in job else "auto"
+    if "user_module" in job:  # a module written for ModelParallelStrategy (tests/user_modules.py)
+        from user_modules import ParallelisesItself, RegressionData
+
+        model, data = ParallelisesItself(**job["user_module"]), RegressionData()
+    else:
+        model_kwargs = dict(job.get("model", {}))
+        model = GPT(GPTConfig(**model_kwargs.pop("config")), **model_kwargs)
+        data = (PlainLoaderData if job.get("plain_loader") else TextDataModule)(**job["data"])
+    strategy_class = ModelParallelStrategy if job.get("lightning_strategy") else Parallel3DStrategy
+    strategy = strategy_class(**job["strategy"]) if "strategy" in job else "auto"
     callbacks = [Probe(count_comms=job.get("count_comms", False)), *job.get("callbacks", [])]
     if "checkpoint_every" in job:
         callbacks.append(
