@@ -2,6 +2,7 @@
 
 from lit3d.config import GPTConfig
 from lit3d.gpt import GPT
+from lit3d.strategies import Parallel3DStrategy
 
-__all__ = ["GPT", "GPTConfig"]
+__all__ = ["GPT", "GPTConfig", "Parallel3DStrategy"]
 __version__ = "0.1.0"

@@ -6,7 +6,7 @@ import time
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import BasePredictionWriter, Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lit3d.loop import ends_optimizer_step
@@ -46,14 +46,32 @@ class SampleText(Callback):
         tokenizer = getattr(trainer.datamodule, "tokenizer", None)
         if trainer.sanity_checking or tokenizer is None or not hasattr(pl_module, "generate"):
             return
+        from lit3d.generation import Sampling
+
         prompt = torch.as_tensor(tokenizer.encode_batch([self.prompt])[0], dtype=torch.long, device=pl_module.device)
         generator = torch.Generator(device=pl_module.device).manual_seed(self.seed)
-        tokens = pl_module.generate(prompt, self.max_new_tokens, self.temperature, self.top_k, generator=generator)
+        sampling = Sampling(self.max_new_tokens, self.temperature, self.top_k, seed=self.seed)
+        tokens = pl_module.generate(prompt, sampling, generator=generator)
         if trainer.is_global_zero:
             text = tokenizer.decode(tokens.tolist())
             message = f"\n--- sample at step {trainer.global_step} ---\n{text}\n---"
             bar = trainer.progress_bar_callback
             bar.print(message) if bar is not None else print(message)
+
+
+class PrintCompletions(BasePredictionWriter):
+    """Print each prompt and its continuation (`GPT.predict_step`'s output) as it is generated, decoded with the
+    datamodule's tokenizer; rank 0 prints (it holds the whole tokens in every layout)."""
+
+    def __init__(self) -> None:
+        super().__init__(write_interval="batch")
+
+    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx):
+        tokenizer = getattr(trainer.datamodule, "tokenizer", None)
+        if not trainer.is_global_zero or tokenizer is None or not isinstance(prediction, dict):
+            return
+        prompt, completion = prediction["prompt"].tolist(), prediction["completion"].tolist()
+        print(tokenizer.decode(prompt) + tokenizer.decode(completion), flush=True)
 
 
 class Throughput(Callback):

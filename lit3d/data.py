@@ -10,6 +10,8 @@ from typing import Any
 
 import lightning as L
 import numpy as np
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader
 
 from lit3d.sampler import GlobalBatchSampler
@@ -64,6 +66,8 @@ class TextDataModule(L.LightningDataModule):
         global_batch_size: Sequences per optimizer step across all data-parallel replicas. Each replica's
             micro-batch is ``global_batch_size / (data_parallel_size * accumulate_grad_batches)``.
         val_fraction: Share of the blocks held out for validation (at least one block).
+        test_fraction: Share of the blocks held out for ``test`` (0: no test split).
+        prompts: Texts that ``predict`` (and ``lit3d generate``) continue, one per batch.
         seed: Seed of the train/validation split and of the per-epoch shuffle.
         text_column: Column holding the text in a saved dataset.
         num_workers: DataLoader worker processes.
@@ -77,6 +81,8 @@ class TextDataModule(L.LightningDataModule):
         seq_len: int = 256,
         global_batch_size: int = 16,
         val_fraction: float = 0.05,
+        test_fraction: float = 0.05,
+        prompts: list[str] | None = None,
         seed: int = 1234,
         text_column: str = "text",
         num_workers: int = 0,
@@ -85,11 +91,20 @@ class TextDataModule(L.LightningDataModule):
         super().__init__()
         if seq_len <= 0 or global_batch_size <= 0:
             raise ValueError(f"seq_len={seq_len} and global_batch_size={global_batch_size} must be positive")
-        if not 0 < val_fraction < 1:
-            raise ValueError(f"val_fraction={val_fraction} must lie strictly between 0 and 1")
+        if not 0 < val_fraction < 1 or not 0 <= test_fraction < 1 - val_fraction:
+            raise ValueError(
+                f"val_fraction={val_fraction} must lie strictly between 0 and 1, and test_fraction={test_fraction} "
+                "between 0 and what validation leaves"
+            )
         self.save_hyperparameters()
         self.data_path, self.seq_len, self.global_batch_size = data_path, seq_len, global_batch_size
-        self.val_fraction, self.seed, self.text_column = val_fraction, seed, text_column
+        self.val_fraction, self.test_fraction, self.seed, self.text_column = (
+            val_fraction,
+            test_fraction,
+            seed,
+            text_column,
+        )
+        self.prompts = list(prompts or [])
         self.num_workers, self.cache_dir = num_workers, cache_dir
         self.tokenizer: Tokenizer = load_tokenizer(tokenizer)
         if data_path is None:
@@ -100,6 +115,7 @@ class TextDataModule(L.LightningDataModule):
             self._files = resolve_text_files(data_path)
         self.train_set: Any = None
         self.val_set: Any = None
+        self.test_set: Any = None
         self.data_parallel: tuple[int, int] | None = None  # (size, rank); None: read from the trainer
         self._resume: dict[str, int] | None = None  # the data position a checkpoint restored
 
@@ -108,29 +124,57 @@ class TextDataModule(L.LightningDataModule):
         return self.tokenizer.vocab_size
 
     def prepare_data(self) -> None:
-        self._packed_blocks()  # tokenizes once per node; `setup` then reads the cache
+        if self.trainer is None or self.trainer.state.fn != "predict":  # prediction reads only the prompts
+            self._packed_blocks()  # tokenizes once per node; `setup` then reads the cache
 
     def setup(self, stage: str | None = None) -> None:
-        if self.train_set is not None:
+        if self.train_set is not None or stage == "predict":
             return
         blocks = self._packed_blocks()
         n_val = max(1, round(self.val_fraction * len(blocks)))
-        if len(blocks) - n_val < self.global_batch_size:
+        n_test = max(1, round(self.test_fraction * len(blocks))) if self.test_fraction else 0
+        if len(blocks) - n_val - n_test < self.global_batch_size:
             raise ValueError(
                 f"the corpus packs into {len(blocks)} blocks of seq_len+1={self.seq_len + 1} tokens, too few for "
-                f"a global batch of {self.global_batch_size} plus {n_val} validation blocks; use more text or a "
-                "smaller seq_len / global_batch_size"
+                f"a global batch of {self.global_batch_size} plus {n_val} validation and {n_test} test blocks; use "
+                "more text or a smaller seq_len / global_batch_size"
             )
         split = blocks.train_test_split(test_size=n_val, shuffle=True, seed=self.seed)
-        self.train_set = split["train"].with_format("torch")
-        self.val_set = split["test"].with_format("torch")
+        train, self.val_set = split["train"], split["test"].with_format("torch")
+        if n_test:  # from what training would have had: the validation blocks stay what they were
+            split = train.train_test_split(test_size=n_test, shuffle=True, seed=self.seed + 1)
+            train, self.test_set = split["train"], split["test"].with_format("torch")
+        self.train_set = train.with_format("torch")
 
     def train_dataloader(self) -> DataLoader:
         loader = self._loader(self.train_set, shuffle=True)
         if self._resume is not None:
             loader.sampler.resume_at(self._resume["epoch"], self._resume["consumed_samples"])
             self._resume = None
+        trainer = self.trainer
+        if (
+            trainer is not None
+            and isinstance(trainer.val_check_interval, int)
+            and trainer.val_check_interval > len(loader)
+        ):
+            rank_zero_warn(
+                f"val_check_interval={trainer.val_check_interval} is more than the {len(loader)} batches an epoch of "
+                f"this corpus has: validating every {len(loader)} batches instead"
+            )
+            trainer.val_check_interval = len(loader)
         return loader
+
+    def test_dataloader(self) -> DataLoader:
+        if self.test_set is None:
+            raise ValueError("test_fraction=0: this data has no test split; set test_fraction to hold one out")
+        return self._loader(self.test_set, shuffle=False)
+
+    def predict_dataloader(self) -> DataLoader:
+        """The ``prompts``, tokenized, one per batch (Lightning deals them out over the data-parallel replicas)."""
+        if not self.prompts:
+            raise ValueError("no prompts to continue: give TextDataModule(prompts=[...]) (--data.prompts)")
+        ids = self.tokenizer.encode_batch(self.prompts)
+        return DataLoader([{"input_ids": torch.as_tensor(np.asarray(i), dtype=torch.long)} for i in ids], batch_size=1)
 
     def state_dict(self) -> dict[str, int]:
         """The data position, saved in checkpoints: the epoch, and the samples of it consumed by all replicas

@@ -10,8 +10,10 @@ import torch
 from torchmetrics import MeanMetric
 
 from lit3d.config import GPTConfig
+from lit3d.generation import Sampling, next_token
 from lit3d.loop import ends_optimizer_step
 from lit3d.model import TENSOR_PARALLEL_PLAN, Transformer, cross_entropy
+from lit3d.pretrained import read_checkpoint, read_config, read_tensors
 
 
 class GPT(L.LightningModule):
@@ -29,6 +31,10 @@ class GPT(L.LightningModule):
             ``max_steps`` (or its estimated number of steps).
         min_lr_ratio: The floor of the cosine decay as a fraction of ``learning_rate``.
         optimizer_impl: AdamW implementation: ``"foreach"``, ``"fused"`` or ``"auto"`` (PyTorch's choice).
+        pretrained: Start from these weights instead of the seed: a local HuggingFace Llama folder
+            (``config.json`` + safetensors) or a lit3d checkpoint (a folder of any layout, or a single file).
+            Its shapes replace ``config``; every parallel layout shards the weights as it loads them.
+        sampling: How ``predict`` (and ``lit3d generate``) continue a prompt.
     """
 
     def __init__(
@@ -42,14 +48,18 @@ class GPT(L.LightningModule):
         decay_steps: int | None = None,
         min_lr_ratio: float = 0.1,
         optimizer_impl: str = "auto",
+        pretrained: str | None = None,
+        sampling: Sampling | None = None,
     ) -> None:
         super().__init__()
         if optimizer_impl not in ("auto", "foreach", "fused"):
             raise ValueError(f"optimizer_impl={optimizer_impl!r} is not one of 'auto', 'foreach', 'fused'")
         if warmup_steps < 0 or not 0 <= min_lr_ratio <= 1:
             raise ValueError(f"warmup_steps={warmup_steps} must be >= 0 and min_lr_ratio={min_lr_ratio} in [0, 1]")
-        self.config = GPTConfig.load(config)
-        self.save_hyperparameters(ignore=["config"])
+        self.pretrained = pretrained
+        self.config = read_config(pretrained) if pretrained is not None else GPTConfig.load(config)
+        self.sampling = sampling or Sampling()
+        self.save_hyperparameters(ignore=["config", "sampling"])
         self.hparams["config"] = self.config.to_dict()  # plain data, so checkpoints load with weights_only
         self.learning_rate, self.weight_decay, self.betas, self.eps = learning_rate, weight_decay, tuple(betas), eps
         self.warmup_steps, self.decay_steps, self.min_lr_ratio = warmup_steps, decay_steps, min_lr_ratio
@@ -59,7 +69,7 @@ class GPT(L.LightningModule):
         # model-parallel strategy splits it first and then initialises each rank's shards.
         self.model: Transformer | None = None
 
-        self.val_loss = MeanMetric()
+        self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
         self._loss_sum: torch.Tensor | float = 0.0
         self._loss_count = 0
 
@@ -69,15 +79,18 @@ class GPT(L.LightningModule):
     def configure_model(self) -> None:
         """Build the network on the current default device (idempotent; Lightning calls this hook).
 
-        Weights come from `Transformer.reset_parameters`: the seed and each parameter's name alone. Under a
-        meta-device context the network stays empty: the 3D strategy splits it first, then initialises each
-        rank's shards. Outside a Trainer, call this yourself (a first forward does it too).
+        Weights come from `Transformer.reset_parameters`: the seed and each parameter's name alone, or the
+        ``pretrained`` weights. Under a meta-device context the network stays empty: the 3D strategy splits it
+        first, then initialises each rank's shards. Outside a Trainer, call this yourself (a first forward does it
+        too).
         """
         if self.model is not None:
             return
         device = torch.get_default_device()
         with torch.device("meta"):  # shapes only: no memory, and no throw-away default init
             model = Transformer(self.config)
+        if self.pretrained is not None:
+            model.init_source = read_tensors(self.pretrained)
         if device.type != "meta":
             model.to_empty(device=device)
             model.tie_weights()
@@ -85,15 +98,22 @@ class GPT(L.LightningModule):
         self.model = model
 
     @classmethod
-    def from_pretrained(cls, hf_dir: str, **kwargs: Any) -> GPT:
-        """A GPT with the weights of a local HuggingFace Llama folder (``config.json`` + safetensors), for
-        fine-tuning; ``kwargs`` are the other `GPT` arguments (learning rate, ...)."""
-        from lit3d import hf
-
-        config, tensors = hf.read_folder(hf_dir)
-        model = cls(config, **kwargs)
+    def from_pretrained(cls, path: str, **kwargs: Any) -> GPT:
+        """``GPT(pretrained=path, **kwargs)`` with its weights loaded now, on the CPU."""
+        model = cls(pretrained=path, **kwargs)
         model.configure_model()
-        hf.load_into(model.model, tensors)
+        return model
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> GPT:
+        """Lightning's, and also a lit3d checkpoint folder written by any layout (its weights read whole)."""
+        from lit3d.strategies.checkpoint import is_sharded_checkpoint
+
+        if not is_sharded_checkpoint(checkpoint_path):  # a file holds the weights: no `pretrained` to read again
+            return super().load_from_checkpoint(checkpoint_path, *args, **{"pretrained": None, **kwargs})
+        hyper_parameters = {**read_checkpoint(checkpoint_path)[2]["hyper_parameters"], "pretrained": None}
+        model = cls(**{**hyper_parameters, **kwargs, "pretrained": checkpoint_path})
+        model.configure_model()
         return model
 
     def _build_on(self, device: torch.device) -> None:
@@ -154,6 +174,20 @@ class GPT(L.LightningModule):
         # compute() already gathered every rank's values; sync_dist only confirms the identical result.
         self.log("val_ppl", torch.exp(self.val_loss.compute()), batch_size=1, sync_dist=True)
 
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self.test_loss.update(self.loss(batch))
+        self.log("test_loss", self.test_loss, batch_size=1)
+
+    def on_test_epoch_end(self) -> None:
+        self.log("test_ppl", torch.exp(self.test_loss.compute()), batch_size=1, sync_dist=True)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
+        """A batch of one prompt (``input_ids`` ``[1, n]``) → its ``prompt`` and ``completion`` token ids."""
+        prompt = batch["input_ids"] if isinstance(batch, dict) else batch
+        generator = torch.Generator(device=prompt.device).manual_seed(self.sampling.seed + batch_idx)
+        tokens = self.generate(prompt, self.sampling, generator)
+        return {"prompt": prompt[0], "completion": tokens[0, prompt.shape[1] :]}
+
     def configure_optimizers(self) -> dict[str, Any]:
         params = [p for p in self.parameters() if p.requires_grad]
         groups = [
@@ -175,35 +209,29 @@ class GPT(L.LightningModule):
 
     @torch.no_grad()
     def generate(
-        self,
-        prompt_tokens: torch.Tensor,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        generator: torch.Generator | None = None,
+        self, prompt_tokens: torch.Tensor, sampling: Sampling | None = None, generator: torch.Generator | None = None
     ) -> torch.Tensor:
-        """Sample ``max_new_tokens`` after ``prompt_tokens`` (``[seq]`` or ``[batch, seq]``); 0 temperature is greedy.
+        """The prompt (``[seq]`` or ``[batch, seq]``) and ``sampling.max_new_tokens`` sampled tokens after it.
 
         Under model parallelism every rank must call this with the same prompt and an identically seeded
         ``generator``, so that all ranks feed the same tokens.
         """
+        sampling = sampling or self.sampling
         tokens = prompt_tokens[None] if prompt_tokens.ndim == 1 else prompt_tokens
-        for _ in range(max_new_tokens):
+        for _ in range(sampling.max_new_tokens):
             logits = self(tokens[:, -self.config.max_seq_len :])[:, -1].float()
-            if temperature == 0:
-                next_token = logits.argmax(dim=-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                next_token = torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)
-            tokens = torch.cat((tokens, next_token), dim=1)
+            tokens = torch.cat((tokens, next_token(logits, sampling, generator)), dim=1)
         return tokens[0] if prompt_tokens.ndim == 1 else tokens
+
+    def configure_callbacks(self) -> list[L.Callback]:
+        """`Throughput` (tokens/s, MFU) in every run, unless the trainer has one already (with its own settings)."""
+        from lit3d.callbacks import Throughput
+
+        return [] if any(isinstance(c, Throughput) for c in self.trainer.callbacks) else [Throughput()]
 
     def setup(self, stage: str) -> None:
         datamodule = getattr(self.trainer, "datamodule", None)
-        if datamodule is not None:
+        if datamodule is not None and stage != "predict":  # prediction feeds prompts, not seq_len blocks
             check_model_fits_data(self.config, datamodule)
 
 

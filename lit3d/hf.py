@@ -96,14 +96,20 @@ def config_to_hf(config: GPTConfig, dtype: torch.dtype) -> dict[str, Any]:
     }
 
 
+def read_config(folder: str | Path) -> GPTConfig:
+    """The `GPTConfig` of a local HuggingFace folder's ``config.json``."""
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{str(folder)!r} is not a HuggingFace model folder: config.json is missing")
+    return config_from_hf(json.loads((folder / "config.json").read_text()))
+
+
 def read_folder(folder: str | Path) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
     """(config, HuggingFace-named tensors) of a local folder with ``config.json`` and safetensors files."""
     from safetensors.torch import load_file
 
     folder = Path(folder)
-    if not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"{str(folder)!r} is not a HuggingFace model folder: config.json is missing")
-    config = config_from_hf(json.loads((folder / "config.json").read_text()))
+    config = read_config(folder)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors file in {str(folder)!r} (PyTorch .bin weights are not read)")
@@ -113,28 +119,32 @@ def read_folder(folder: str | Path) -> tuple[GPTConfig, dict[str, torch.Tensor]]
     return config, tensors
 
 
-def load_into(network: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Copy HuggingFace-named tensors into a lit3d `Transformer` (padding rows of the vocabulary stay zero)."""
-    config = network.config
-    missing, wrong = [], []
-    with torch.no_grad():
-        for name, param in network.named_parameters():
-            key = hf_name(name)
-            if key == "lm_head.weight" and config.tie_embeddings:
-                continue  # the embedding, already copied
-            if key not in tensors:
-                missing.append(key)
-                continue
-            value = tensors[key]
-            vocabulary = name in ("embed.weight", "head.weight")  # lit3d pads these rows
-            expected = (config.vocab_size, *param.shape[1:]) if vocabulary else tuple(param.shape)
-            if tuple(value.shape) != expected:
-                wrong.append(f"{key}: {tuple(value.shape)}, expected {expected}")
-                continue
-            param.zero_()
-            param[: value.shape[0]].copy_(value.to(param.dtype))
+def to_lit3d_names(config: GPTConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HuggingFace-named tensors → lit3d names (relative to the `Transformer`), checked against the model's shapes.
+
+    The vocabulary tensors keep HuggingFace's rows; lit3d's padding rows are added (as zeros) when the weights
+    are copied into the model (`Transformer.reset_parameters`).
+    """
+    from lit3d.model import Transformer
+
+    with torch.device("meta"):
+        network = Transformer(config)
+    out, missing, wrong = {}, [], []
+    for name, param in network.named_parameters():  # a tied head shares the embedding: not listed again
+        key = hf_name(name)
+        if key not in tensors:
+            missing.append(key)
+            continue
+        value = tensors[key]
+        vocabulary = name in ("embed.weight", "head.weight")  # lit3d pads these rows
+        expected = (config.vocab_size, *param.shape[1:]) if vocabulary else tuple(param.shape)
+        if tuple(value.shape) != expected:
+            wrong.append(f"{key}: {tuple(value.shape)}, expected {expected}")
+            continue
+        out[name] = value
     if missing or wrong:
         raise ValueError(f"the HuggingFace weights do not fit: missing {missing[:5]}, mismatched {wrong[:5]}")
+    return out
 
 
 def write_folder(
@@ -160,23 +170,13 @@ def write_folder(
 def export_checkpoint(ckpt_path: str | Path, output: str | Path, dtype: torch.dtype = torch.float32) -> Path:
     """A lit3d checkpoint of any layout → a HuggingFace Llama folder (one process, no GPU needed).
 
-    The sharded tensors are read into one full model with `torch.distributed.checkpoint`, which reassembles
-    the shards of every layout from their recorded global offsets.
+    The sharded tensors are read whole with `torch.distributed.checkpoint` (`lit3d.pretrained.read_checkpoint`),
+    which reassembles the shards of every layout from their recorded global offsets.
     """
-    from lit3d.model import Transformer
-    from lit3d.strategies import checkpoint as ckpt
+    from lit3d.pretrained import read_checkpoint
 
-    path = Path(ckpt_path)
-    ckpt.check_readable(path)
-    meta = torch.load(path / ckpt.META_FILE, map_location="cpu", weights_only=False)
-    config = GPTConfig.load(meta["hyper_parameters"]["config"])
-    with torch.device("meta"):
-        network = Transformer(config)
-    network.to_empty(device="cpu")
-    network.tie_weights()
-    state = {f"state_dict.model.{name}": tensor for name, tensor in network.state_dict().items()}
-    ckpt.load(path, state)
-    folder = write_folder(output, config, network.state_dict(), dtype)
+    config, network_state, meta = read_checkpoint(ckpt_path)
+    folder = write_folder(output, config, network_state, dtype)
     tokenizer = meta.get("datamodule_hyper_parameters", {}).get("tokenizer")
     if tokenizer and tokenizer != "byte" and Path(tokenizer).exists():
         source = Path(tokenizer) / "tokenizer.json" if Path(tokenizer).is_dir() else Path(tokenizer)

@@ -136,6 +136,9 @@ class Transformer(nn.Module):
         self.head: nn.Linear | None = nn.Linear(config.d_model, config.padded_vocab_size, bias=False)
         if config.tie_embeddings:
             self.head.weight = self.embed.weight
+        # Whole tensors by parameter name to start from instead of the seed (`GPT(pretrained=...)`); the next
+        # `reset_parameters` copies each rank's shard of them and lets them go.
+        self.init_source: dict[str, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:
@@ -161,11 +164,18 @@ class Transformer(nn.Module):
         rank's shard, so the weights do not depend on the parallel layout, on which blocks a pipeline stage
         kept, or on the order modules were created. ``seed=None`` uses ``torch.initial_seed()`` (what
         ``seed_everything`` set).
+
+        A parameter named in ``init_source`` (pretrained weights) is cut from that whole tensor instead, the same
+        way; the source is emptied afterwards, so no rank keeps a second, whole copy of the model.
         """
         from torch.distributed.tensor import DTensor
 
         seed = torch.initial_seed() if seed is None else seed
+        source = self.init_source if self.init_source is not None else {}
         for name, param in self.named_parameters():
+            if name in source:
+                _copy_full(param, _padded(source[name], param.shape).to(param.device))
+                continue
             # Values are drawn in fp32 at full size: in place for a plain fp32 parameter, else into a scratch
             # tensor that `_copy_full` casts and, for a DTensor, cuts to this rank's shard.
             in_place = not isinstance(param, DTensor) and param.dtype == torch.float32
@@ -175,6 +185,8 @@ class Transformer(nn.Module):
             self._init_values(name, full, generator)
             if not in_place:
                 _copy_full(param, full)
+        source.clear()  # NOTE: also for pipeline chunks, which share this network's attributes
+        self.init_source = None
 
     def _init_values(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
         if name.endswith("norm.weight"):
@@ -204,6 +216,15 @@ def mask_vocab_padding(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         placements = [Shard(0) if p.is_shard(last) else Replicate() for p in logits.placements]
         mask = distribute_tensor(mask, logits.device_mesh, placements, src_data_rank=None)
     return logits + mask
+
+
+def _padded(tensor: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """``tensor`` with zero rows appended up to ``shape`` (a vocabulary padded to a multiple), in fp32."""
+    if tuple(tensor.shape) == tuple(shape):
+        return tensor.float()
+    full = torch.zeros(shape)
+    full[: tensor.shape[0]] = tensor
+    return full
 
 
 def _copy_full(target: torch.Tensor, full: torch.Tensor) -> None:

@@ -70,4 +70,6 @@ def load_tokenizer(name: str) -> Tokenizer:
         return ByteTokenizer()
     if Path(name).exists():
         return HFTokenizer(name)
+    if "/" in name or name.endswith(".json"):
+        raise FileNotFoundError(f"tokenizer file {name!r} does not exist")
     raise ValueError(f"unknown tokenizer {name!r}: use 'byte' or the path of a tokenizer.json")

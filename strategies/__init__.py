@@ -8,7 +8,7 @@ __all__ = ["Parallel3DStrategy"]
 
 # Lightning looks names up in lower case; the class name also arrives here as a plain string when a command line
 # gives `--trainer.strategy=Parallel3DStrategy` with no arguments.
-for _name in ("3d", "parallel3dstrategy"):
+for _name in ("3d", "parallel3dstrategy", "lit3d.strategies.parallel3dstrategy", "strategies.parallel3dstrategy"):
     if _name not in StrategyRegistry:
         StrategyRegistry.register(
             _name, Parallel3DStrategy, description="data x tensor x pipeline parallel with ZeRO (lit3d)"

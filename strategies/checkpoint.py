@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.checkpoint.api import CheckpointException  # NOTE: a BaseException, not an Exception
@@ -132,6 +133,21 @@ def check_readable(path: Path) -> None:
             )
 
 
+def check_ckpt_path(ckpt_path: Any) -> None:
+    """A ``ckpt_path`` given to ``fit``/``validate``/...: Lightning's names (``last``, ``best``, ...) pass, a lit3d
+    folder must be complete, anything else must be an existing file. Raises before any rank starts."""
+    if (
+        ckpt_path is None
+        or str(ckpt_path) in ("last", "best", "hpc", "registry")
+        or str(ckpt_path).startswith("registry:")
+    ):
+        return
+    if is_sharded_checkpoint(ckpt_path):
+        check_readable(Path(ckpt_path))
+    elif not Path(ckpt_path).is_file():
+        raise FileNotFoundError(f"ckpt_path={str(ckpt_path)!r} does not exist")
+
+
 def check_shapes(path: Path, template: dict[str, Any]) -> None:
     """Compare the tensors a checkpoint holds with the ones this run expects; name every mismatch."""
     stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
@@ -165,6 +181,46 @@ def load(path: Path, tensors: dict[str, Any]) -> dict[str, Any]:
         raise RuntimeError(
             f"reading checkpoint {str(path)!r} failed (a truncated or corrupted file?): {error}"
         ) from error
+
+
+def is_sharded_checkpoint(path: str | Path) -> bool:
+    """Whether ``path`` is a lit3d checkpoint folder (complete or not), rather than a single file."""
+    return Path(path).is_dir() and ((Path(path) / META_FILE).exists() or (Path(path) / ".metadata").exists())
+
+
+def read_weights(path: str | Path) -> dict[str, Any]:
+    """A lit3d checkpoint folder of any layout as a one-process Lightning checkpoint: what Lightning saved (loops,
+    hyper-parameters, callbacks, data position) and the whole weights as plain tensors under ``state_dict``.
+
+    The optimizer states stay in the folder: they resume only under `Parallel3DStrategy` (in any layout). No
+    process group is needed; DCP reassembles every tensor from the shards' recorded offsets.
+    """
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    path = Path(path)
+    check_readable(path)
+    state: dict[str, Any] = {}
+    # NOTE: DCP's public load needs a template of every tensor; this planner builds it from the checkpoint's own
+    # metadata (the way `torch.distributed.checkpoint.format_utils.dcp_to_torch_save` reads a checkpoint).
+    planner = _EmptyStateDictLoadPlanner(keys={"state_dict"})
+    _load_state_dict(state, storage_reader=dcp.FileSystemReader(str(path)), planner=planner, no_dist=True)
+    meta = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
+    meta.pop("rng", None)  # rank 0's random states: for an exact resume in the folder's own strategy only
+    return {**meta, "state_dict": state["state_dict"]}
+
+
+class ShardedCheckpointReader(TorchCheckpointIO):
+    """Lightning's checkpoint IO that also reads lit3d's sharded folders, for any other strategy (``auto``, ``ddp``):
+    a folder's weights load whole on every process (see `read_weights`). The CLI adds it; in Python pass
+    ``Trainer(plugins=[ShardedCheckpointReader()])``."""
+
+    @override
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+        if is_sharded_checkpoint(path):
+            return read_weights(path)
+        return super().load_checkpoint(path, map_location=map_location or (lambda storage, loc: storage),
+                                       weights_only=weights_only)  # fmt: skip
 
 
 def parameter_names(module: nn.Module) -> dict[int, str]:

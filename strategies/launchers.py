@@ -18,6 +18,7 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,6 +27,8 @@ from lightning.pytorch import LightningDataModule, Trainer
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lit3d.strategies.checkpoint import check_ckpt_path
 
 if TYPE_CHECKING:
     from lit3d.strategies.parallel3d import Parallel3DStrategy
@@ -43,6 +46,8 @@ class _ChecksFirst:
         # `Trainer.fit` (validate, ...) hands its datamodule to the launcher; it reaches the trainer in the ranks only.
         datamodule = next((arg for arg in args if isinstance(arg, LightningDataModule)), None)
         self._strategy.check_configuration(trainer, datamodule)
+        for ckpt_path in (arg for arg in args if isinstance(arg, str | Path)):  # the only path among the arguments
+            check_ckpt_path(ckpt_path)
         os.environ[LAUNCHER_PID] = str(os.getpid())
         return super().launch(function, *args, trainer=trainer, **kwargs)
 

@@ -284,8 +284,8 @@ def check_replicas_in_sync(module: nn.Module, dp_mesh: DeviceMesh, other_roots: 
     replicated = {}
     for name, p in module.named_parameters():
         if isinstance(p, DTensor):
-            if isinstance(p.placements[p.device_mesh.mesh_dim_names.index(dim)], Shard):
-                continue  # sharded over the replicas: nothing to compare
+            if not p.placements[p.device_mesh.mesh_dim_names.index(dim)].is_replicate():
+                continue  # sharded over the replicas (FSDP2's Shard, or _StridedShard with TP): nothing to compare
             p = p.to_local()
         replicated[name] = p.detach()
     if not replicated:

@@ -90,7 +90,10 @@ LAYOUTS: dict[str, tuple[int, dict]] = {
     "pp4_1f1b": (4, {"strategy": pp(4)}),
     "dp2_pp2_zero3": (4, {"strategy": pp(2, zero_stage=3)}),
     "tp2_pp2_sequence_parallel": (4, {"strategy": pp(2, tensor_parallel_size=2, sequence_parallel=True)}),
-    "dp2_tp2_pp2_zero1": (8, {"strategy": pp(2, tensor_parallel_size=2, zero_stage=1)}),
+    "dp2_tp2_pp2_zero1": (
+        8,
+        {"strategy": pp(2, tensor_parallel_size=2, zero_stage=1), "checkpoint_every": 8, "test_after_fit": True},
+    ),
     "dp2_tp2_zero1": (4, {"strategy": {"tensor_parallel_size": 2, "zero_stage": 1}}),
     "dp2_tp2_zero3": (4, {"strategy": {"tensor_parallel_size": 2, "zero_stage": 3}}),
     "dp2_tp2_plain_loader": (
@@ -127,7 +130,7 @@ def reference_run(base_job, tmp_path_factory) -> dict:
     """The single-process run every layout is compared with."""
     from spawned import run_job
 
-    return run_job(base_job, tmp_path_factory.mktemp("reference"))
+    return run_job({**base_job, "test_after_fit": True}, tmp_path_factory.mktemp("reference"))
 
 
 @pytest.fixture(scope="session")

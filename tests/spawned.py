@@ -10,9 +10,9 @@ A job is a dict: ``model`` (GPT kwargs, ``config`` as a dict), ``data`` (TextDat
 ``ckpt_path`` (resume from it), ``expect_error`` (record the exception each rank raises instead of failing),
 ``callbacks`` (more callbacks, picklable), ``loss_scale`` (fp32 compute with fp16's loss scaling at this fixed
 scale: gradients must come out unscaled), ``unseeded`` (no ``seed_everything``: each rank seeds itself apart) and
-``validate_after_fit`` (then ``trainer.validate`` in the same processes); ``user_module`` (kwargs of
-`user_modules.ParallelisesItself`, trained on `user_modules.RegressionData` instead of the GPT) and
-``lightning_strategy`` (``strategy`` holds `ModelParallelStrategy`'s arguments instead).
+``validate_after_fit`` and ``test_after_fit`` (then ``trainer.validate`` / ``test`` in the same processes);
+``user_module`` (kwargs of `user_modules.ParallelisesItself`, trained on `user_modules.RegressionData` instead of
+the GPT) and ``lightning_strategy`` (``strategy`` holds `ModelParallelStrategy`'s arguments instead).
 """
 
 import json
@@ -141,6 +141,7 @@ def _run_job(job: dict, job_dir: Path, devices: int) -> dict:
         "sampler": probe.sampler,
         "comms": probe.comms,
         "param_sum": sum(float(_local(p).detach().double().sum()) for p in model.parameters()),
+        "job_dir": str(job_dir),
     }
     for callback in callbacks:
         if isinstance(callback, CommReport):
@@ -153,6 +154,8 @@ def _run_job(job: dict, job_dir: Path, devices: int) -> dict:
         result["pp_bubble_theory"] = logged(log_dir, "pp/bubble_theory")
     if job.get("validate_after_fit"):
         result["validate_after_fit"] = trainer.validate(model, data, verbose=False)[0]["val_loss"]
+    if job.get("test_after_fit"):
+        result["test"] = trainer.test(model, data, verbose=False)[0]
     return result
 
 

@@ -116,6 +116,9 @@ EARLY_EXITS = {
     "too_long": (["fit", "--config", TINY, *QUICK, "--data.init_args.seq_len=512"], {}),
     "preset": (["fit", "--config", TINY, *QUICK, "--model.init_args.config=llama-9b"], {}),
     "missing": (["fit", "--config", TINY, *QUICK, "--data.init_args.data_path=/no/such/corpus"], {}),
+    "tokenizer": (["fit", "--config", TINY, *QUICK, "--data.init_args.tokenizer=/no/such/tokenizer.json"], {}),
+    "ckpt_path": (["fit", "--config", TINY, *QUICK, *LAYOUT_3D, "--ckpt_path=/no/such/step=4.ckpt"], {}),
+    "help": (["--help"], {}),
     # torchrun started 4 ranks (2 nodes x 2), the config says 1 node
     "num_nodes": (
         [
@@ -201,12 +204,21 @@ def test_help_shows_arguments_with_their_docstrings(early_exits):
         ("too_long", "seq_len=512 is above the model's max_seq_len=256"),
         ("preset", "unknown model preset 'llama-9b'"),
         ("missing", "data_path='/no/such/corpus' does not exist"),
+        ("tokenizer", "tokenizer file '/no/such/tokenizer.json' does not exist"),
+        ("ckpt_path", "ckpt_path='/no/such/step=4.ckpt' does not exist"),
     ],
 )
 def test_bad_input_is_refused_before_training_with_the_value_named(early_exits, case, message):
     run = early_exits[case]
     assert run["code"] != 0 and message in run["stderr"], run["stderr"][-3000:]
     assert not run["process_group"]
+    assert "Traceback" not in run["stderr"]  # one message, not a chain of tracebacks
+
+
+def test_help_lists_every_command(early_exits):
+    assert early_exits["help"]["code"] == 0
+    for command in ("fit", "validate", "test", "predict", "plan", "export", "convert", "generate"):
+        assert f"\n  {command} " in early_exits["help"]["stdout"], command
 
 
 def test_two_node_torchrun_on_loopback_keeps_tp_inside_a_node(tmp_path, single_process_losses):
@@ -288,7 +300,7 @@ def test_one_callback_in_any_form_trainer_accepts_builds_the_trainer(tmp_path, f
             "--trainer.callbacks+=lightning.pytorch.callbacks.LearningRateMonitor",
         ],
     }[form]
-    cli = make_cli(["--trainer.logger=false", *args], run=False)
+    cli = make_cli([f"--trainer.default_root_dir={tmp_path}", *args], run=False)
     kinds = [type(c) for c in cli.trainer.callbacks]
     assert ModelCheckpoint in kinds and Throughput in kinds, kinds
     assert (LearningRateMonitor in kinds) == (form == "flag_appended_to_yaml_mapping"), kinds
@@ -301,21 +313,17 @@ def test_every_documented_strategy_name_resolves_when_installed(monkeypatch, nam
     """The installed package has no top-level `strategies`; lit3d 0.1's class path still works in the CLI."""
     import importlib.util
 
+    from lit3d import Parallel3DStrategy  # the top-level name, too
     from lit3d.cli import make_cli
-    from lit3d.strategies import Parallel3DStrategy
 
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "strategies" else find_spec(n, *a))
     monkeypatch.delitem(sys.modules, "strategies", raising=False)
-    cli = make_cli(
-        [
-            "--trainer.logger=false",
-            f"--trainer.strategy={name}",
-            *(["--trainer.strategy.zero_stage=0"] if "." in name else []),
-        ],
-        run=False,
-    )
-    assert type(cli.trainer.strategy) is Parallel3DStrategy
+    plain = make_cli(["--trainer.logger=false", f"--trainer.strategy={name}"], run=False)
+    with_arguments = make_cli(["--trainer.logger=false", f"--trainer.strategy={name}",
+                               "--trainer.strategy.zero_stage=0"], run=False)  # fmt: skip
+    assert type(plain.trainer.strategy) is type(with_arguments.trainer.strategy) is Parallel3DStrategy
+    assert with_arguments.trainer.strategy.zero_stage == 0
 
 
 def test_the_wheel_installs_lit3d_alone_at_the_top_level(tmp_path):
@@ -354,3 +362,14 @@ def test_the_wheel_installs_lit3d_alone_at_the_top_level(tmp_path):
     assert {"lit3d/strategies/parallel3d.py", "lit3d/cli.py", "lit3d/planner/estimate.py"} <= set(names)
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "lit3d = lit3d.cli:main" in entry_points
+
+
+def test_without_a_logger_the_learning_rate_monitor_is_left_out_with_a_warning():
+    """The tiny config's LearningRateMonitor crashed a run with `--trainer.logger=false`."""
+    from lightning.pytorch.callbacks import LearningRateMonitor
+
+    from lit3d.cli import make_cli
+
+    with pytest.warns(UserWarning, match="LearningRateMonitor callback has nowhere to log"):
+        cli = make_cli(["--config", TINY, "--trainer.logger=false"], run=False)
+    assert not any(isinstance(c, LearningRateMonitor) for c in cli.trainer.callbacks)

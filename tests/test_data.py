@@ -28,10 +28,14 @@ def test_split_is_deterministic_and_disjoint(text_folder):
         return data
 
     a, b = split(), split()
-    train = {tuple(x.tolist()) for x in a.train_set[:]["input_ids"]}
-    val = {tuple(x.tolist()) for x in a.val_set[:]["input_ids"]}
-    assert len(val) == round(0.1 * (len(train) + len(val))) and not train & val
+    train, val, test = (
+        {tuple(x.tolist()) for x in part[:]["input_ids"]} for part in (a.train_set, a.val_set, a.test_set)
+    )
+    total = len(train) + len(val) + len(test)
+    assert len(val) == round(0.1 * total) and len(test) == round(0.05 * total)
+    assert not train & val and not train & test and not val & test
     assert torch.equal(a.val_set[:]["input_ids"], b.val_set[:]["input_ids"])
+    assert torch.equal(a.test_set[:]["input_ids"], b.test_set[:]["input_ids"])
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
@@ -140,3 +144,14 @@ def test_too_small_a_corpus_says_so(tmp_path):
     data = TextDataModule(str(tmp_path / "a.txt"), seq_len=2, global_batch_size=4)
     with pytest.raises(ValueError, match="too few for a global batch of 4"):
         data.setup("fit")
+
+
+def test_a_corpus_shorter_than_val_check_interval_validates_each_epoch_with_a_warning(text_folder, tmp_path):
+    from helpers import fit, logged
+
+    from lit3d import GPT
+
+    data = TextDataModule(str(text_folder), seq_len=255, global_batch_size=4, val_fraction=0.2)  # ~10 batches/epoch
+    with pytest.warns(UserWarning, match=r"val_check_interval=1000 is more than the \d+ batches an epoch"):
+        trainer, log_dir = fit(GPT("tiny"), data, tmp_path, max_steps=15, val_check_interval=1000, limit_val_batches=1)
+    assert logged(log_dir, "val_loss")  # validated at the end of each epoch instead of failing

@@ -7,6 +7,7 @@ from helpers import fit, logged
 
 from lit3d import GPT, GPTConfig
 from lit3d.data import TextDataModule
+from lit3d.generation import Sampling, next_token
 from lit3d.gpt import WarmupCosine
 
 
@@ -33,11 +34,27 @@ def test_generate_appends_tokens_and_greedy_is_deterministic(small_config):
     torch.manual_seed(0)
     model = GPT(small_config)
     prompt = torch.tensor([1, 2, 3])
-    greedy = model.generate(prompt, 5, temperature=0)
+    greedy = model.generate(prompt, Sampling(5, temperature=0))
     assert greedy.shape == (8,) and torch.equal(greedy[:3], prompt)
-    assert torch.equal(greedy, model.generate(prompt, 5, temperature=0))
-    sampled = model.generate(prompt[None].repeat(2, 1), 4, top_k=1, generator=torch.Generator().manual_seed(0))
-    assert torch.equal(sampled[0], greedy[:7]) and torch.equal(sampled[1], greedy[:7])  # top-1 sampling is greedy
+    assert torch.equal(greedy, model.generate(prompt, Sampling(5, temperature=0)))
+    for top in (dict(top_k=1), dict(top_p=1e-6)):  # sampling among the one most likely token is greedy
+        sampled = model.generate(prompt[None].repeat(2, 1), Sampling(4, **top), torch.Generator().manual_seed(0))
+        assert torch.equal(sampled[0], greedy[:7]) and torch.equal(sampled[1], greedy[:7])
+
+
+def test_top_p_keeps_the_smallest_set_of_likely_tokens_reaching_p():
+    logits = torch.tensor([[4.0, 3.0, 2.0, -10.0]]).log_softmax(-1)  # probabilities ~0.66, 0.24, 0.09, 0
+    draws = {next_token(logits, Sampling(top_p=0.8, temperature=1), torch.Generator().manual_seed(s)).item()
+             for s in range(200)}  # fmt: skip
+    assert draws == {0, 1}  # 0.66 < 0.8: the second is needed; the third is not
+    with pytest.raises(ValueError, match="top_p=1.5 must lie in"):
+        Sampling(top_p=1.5)
+
+
+def test_a_python_api_run_logs_throughput_without_being_asked(small_config, text_folder, tmp_path):
+    data = TextDataModule(str(text_folder), seq_len=16, global_batch_size=2)
+    trainer, log_dir = fit(GPT(small_config), data, tmp_path, max_steps=5)  # no callbacks given
+    assert len(logged(log_dir, "perf/tokens_per_s")) == 3  # after Throughput's default warm-up of 2 steps
 
 
 def test_loss_decreases_on_the_demo_corpus(tmp_path):

@@ -23,5 +23,6 @@ def test_prototype_notebook_runs_without_error(tmp_path, monkeypatch):
     assert any("image/png" in o.get("data", {}) for o in outputs)  # the loss curve
     text = "".join(o.get("text", "") for o in outputs)
     assert "layout(s) fit" in text and "train_loss" in text
+    assert "853.1K parameters) on 1 node(s) x 8 CPU processes" in text and "0.00 GB" not in text  # units by size
     losses = logged(tmp_path / "runs" / "notebook" / "prototype", "train_loss")
     assert len(losses) == 12 and losses[-1] < losses[0]

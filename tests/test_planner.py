@@ -169,6 +169,26 @@ def test_rank_map_draws_the_fleet(tmp_path):
         small.save(tmp_path / "map.pdf")
 
 
+def test_a_search_map_draws_the_best_three_layouts_with_ranks_memory_and_traffic(tmp_path, capsys):
+    import matplotlib.pyplot as plt
+
+    config, cluster = GPTConfig.from_name("llama-70b"), Cluster(nodes=8)
+    fitting, _ = search(config, cluster, Training(seq_len=4096, global_batch_size=512))
+    maps = [RankMap(c.layout, f"#{i}", c.plan) for i, c in enumerate(fitting[:3], 1)]
+    figure = RankMap.side_by_side(maps).figure()
+    assert len(figure.axes) == 3
+    texts = [t.get_text() for ax in figure.axes for t in ax.texts]
+    titles = [ax.get_title() for ax in figure.axes]
+    plt.close(figure)
+    best = fitting[0]
+    assert f"r{best.layout.world_size - 1}\n" in "".join(texts)  # every rank by its global number
+    assert any(f"{best.plan.memory_by_stage[0]['total'] / 1e9:.2f} GB" in t for t in texts)  # its memory
+    assert "on 450 GB/s" in titles[0] and "per GPU at most" in titles[0]  # traffic per link, memory, step time
+    main(["plan", "--model", "llama-70b", "--nodes", "8", "--seq_len", "4096", "--global_batch_size", "512",
+          "--map", str(tmp_path / "best.png")])  # fmt: skip
+    assert (tmp_path / "best.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_cli_plan_json_verify_and_map(tmp_path, capsys):
     main(
         [

@@ -53,6 +53,7 @@ class Cluster:
     intra_node_gbps: float = 450.0  # NVLink, GB/s per direction
     inter_node_gbps: float = 50.0  # InfiniBand share of one GPU, GB/s
     peak_tflops: float = 989.0  # dense bf16
+    device: str = "GPU"  # what the reports call one rank's device ("CPU process" for a rehearsal on CPU)
 
     @property
     def gpus(self) -> int:

@@ -8,10 +8,31 @@ from lit3d.planner.search import Candidate, tokens_per_second, why
 from lit3d.strategies.layout import Layout
 
 
+def count(n: float) -> str:
+    """``1.2B``, ``850.0M``, ``12.3K``: a count in the unit its size calls for."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return f"{n:.0f}"
+
+
+def size(n_bytes: float) -> str:
+    """``69.8 GB``, ``12.50 MB``, ``4.1 kB``: bytes in the unit their size calls for (powers of 1000, as ``GB``)."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n_bytes) >= scale:
+            return f"{n_bytes / scale:.2f} {unit}"
+    return f"{n_bytes:.0f} B"
+
+
+def plural(word: str) -> str:
+    return word + ("es" if word.endswith("s") else "s")
+
+
 def describe(config: GPTConfig, cluster: Cluster) -> str:
     return (
-        f"{config.name} ({config.num_params / 1e9:.1f}B parameters) on {cluster.nodes} node(s) x "
-        f"{cluster.gpus_per_node} GPUs ({cluster.gpu_memory_gb:g} GB, {cluster.peak_tflops:g} TFLOP/s; "
+        f"{config.name} ({count(config.num_params)} parameters) on {cluster.nodes} node(s) x "
+        f"{cluster.gpus_per_node} {plural(cluster.device)} "
+        f"({cluster.gpu_memory_gb:g} GB, {cluster.peak_tflops:g} TFLOP/s; "
         f"links {cluster.intra_node_gbps:g} GB/s in a node, {cluster.inter_node_gbps:g} GB/s between nodes)"
     )
 
@@ -40,19 +61,17 @@ def format_plan(config: GPTConfig, cluster: Cluster, layout: Layout, training: T
     lines = [
         f"lit3d plan: {describe(config, cluster)}",
         f"layout: {settings(layout, training, plan)}",
-        f"memory per GPU, most loaded rank (pipeline stage {stage}):",
+        f"memory per {cluster.device}, most loaded rank (pipeline stage {stage}):",
     ]
     for key, value in plan.memory_per_gpu.items():
-        lines.append(f"  {key:<12}{value / GB:>9.2f} GB")
+        lines.append(f"  {key:<12}{size(value):>12}")
     verdict = "fits" if plan.fits else "DOES NOT FIT"
     lines[-1] += (
         f"   of {usable:.1f} usable ({cluster.gpu_memory_gb:g} GB less {training.headroom:.0%} headroom): {verdict}"
     )
-    lines.append("communication per step, per GPU:")
+    lines.append(f"communication per step, per {cluster.device}:")
     for axis, comm in plan.communication_per_step.items():
-        lines.append(
-            f"  {axis:<4}{comm['bytes'] / GB:>10.2f} GB  {comm['seconds']:>8.3f} s  on {comm['link_gbps']:g} GB/s"
-        )
+        lines.append(f"  {axis:<4}{size(comm['bytes']):>12}  {comm['seconds']:>8.3f} s  on {comm['link_gbps']:g} GB/s")
     if layout.pp > 1:
         lines.append(
             f"pipeline bubble: {plan.pipeline_bubble:.1%} ({training.pipeline_schedule}, p={layout.pp}, "

@@ -1,0 +1,294 @@
+"""The commands beside LightningCLI's: ``lit3d plan``, ``export``, ``convert`` and ``generate``; each is a function
+whose arguments and docstring are its command line (jsonargparse)."""
+
+from __future__ import annotations
+
+from lit3d.gpt import GPT
+
+
+def export(ckpt_path: str, output: str, dtype: str = "float32") -> None:
+    """Write a lit3d checkpoint (saved by any layout) as a HuggingFace Llama folder.
+
+    Args:
+        ckpt_path: The checkpoint folder (e.g. ``runs/tiny/version_0/checkpoints/epoch=0-step=600.ckpt``).
+        output: The folder to write: ``config.json`` and ``model.safetensors`` (and ``tokenizer.json`` when the
+            run used one), loadable with ``transformers.AutoModelForCausalLM.from_pretrained(output)``.
+        dtype: ``float32``, ``bfloat16`` or ``float16``.
+    """
+    import torch
+
+    from lit3d.hf import export_checkpoint
+
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype={dtype!r} is not one of float32, bfloat16, float16")
+    folder = export_checkpoint(ckpt_path, output, getattr(torch, dtype))
+    print(f"wrote {folder}: {', '.join(sorted(p.name for p in folder.iterdir()))}")
+
+
+def plan(
+    model: str = "llama-8b",
+    nodes: int = 1,
+    gpus_per_node: int = 8,
+    gpu: str = "H100",
+    gpu_memory: float | None = None,
+    intra_node_bandwidth: float | None = None,
+    inter_node_bandwidth: float | None = None,
+    peak_tflops: float | None = None,
+    seq_len: int | None = None,
+    micro_batch_size: int | None = None,
+    global_batch_size: int = 1024,
+    num_microbatches: int | None = None,
+    precision: str = "bf16-mixed",
+    zero_stage: int | None = None,
+    tensor_parallel_size: int | None = None,
+    pipeline_parallel_size: int | None = None,
+    data_parallel_size: int | None = None,
+    sequence_parallel: bool = True,
+    activation_checkpointing: bool | None = None,
+    pipeline_schedule: str = "1f1b",
+    virtual_pipeline_size: int = 1,
+    top: int = 5,
+    json: bool = False,
+    verify: bool = False,
+    map: str | None = None,
+) -> None:
+    """Plan a layout: memory per GPU, communication, pipeline bubble and step time, before renting a GPU.
+
+    With ``tensor_parallel_size`` and ``pipeline_parallel_size`` given, reports that layout; otherwise
+    searches every valid layout of the cluster (sizes given are kept), drops those that do not fit and
+    prints the fastest.
+
+    Args:
+        model: A preset name (``tiny``, ``125m``, ``1b``, ``llama-8b``, ``llama-70b``, ``llama-405b``,
+            ``gpt3-175b``) or a model YAML file.
+        nodes: Number of nodes.
+        gpus_per_node: GPUs in each node.
+        gpu: A known GPU (H100, H200, A100, A100 40GB, L40S, A10G) whose memory, peak and link speeds are
+            the defaults of the next four arguments.
+        gpu_memory: Memory of one GPU, GB.
+        intra_node_bandwidth: GB/s per GPU and direction inside a node (NVLink).
+        inter_node_bandwidth: GB/s per GPU between nodes (InfiniBand).
+        peak_tflops: Dense bf16 peak of one GPU, TFLOP/s.
+        seq_len: Tokens per sequence (default: the model's max_seq_len).
+        micro_batch_size: Sequences per micro-batch (default 1, or global_batch_size / (dp x num_microbatches)).
+        global_batch_size: Sequences per optimizer step over all replicas.
+        num_microbatches: Micro-batches per replica per step (needs a fixed layout).
+        precision: ``bf16-mixed`` (2 + 2 + 12 bytes per parameter), ``bf16-true`` or ``32-true``.
+        zero_stage: 0-3; searched when not given (1 for a fixed layout).
+        tensor_parallel_size: Fix TP.
+        pipeline_parallel_size: Fix PP.
+        data_parallel_size: Fix DP (default: what TP and PP leave of the cluster).
+        sequence_parallel: Sequence parallelism between TP regions.
+        activation_checkpointing: Recompute activations; searched when not given (off for a fixed layout).
+        pipeline_schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b`` or ``zero_bubble``.
+        virtual_pipeline_size: Model chunks per pipeline rank (interleaved schedules).
+        top: How many layouts a search prints.
+        json: Print one JSON object instead of text.
+        verify: Build the real model on the meta device, parallelise it for the layout in a fake process group
+            of the full world size, and compare its per-rank parameter counts with the analytic ones.
+        map: Draw the rank map to this ``.svg``, ``.png`` or ``.html`` file: of the layout, or of a search's best
+            three side by side, with each rank's number and memory and each layout's traffic per link.
+    """
+    import json as json_module
+    from dataclasses import asdict
+
+    from lit3d.config import GPTConfig
+    from lit3d.hardware import GPUS
+    from lit3d.planner import (
+        Cluster,
+        RankMap,
+        Training,
+        check_inputs,
+        estimate,
+        format_plan,
+        format_search,
+        layout_problem,
+        search,
+    )
+    from lit3d.planner import verify as verify_counts
+    from lit3d.strategies.layout import ZERO_STAGES, Layout, check_sizes
+
+    if gpu not in GPUS:
+        raise ValueError(f"gpu={gpu!r} is not one of {', '.join(GPUS)}; give gpu_memory, bandwidths and peak_tflops")
+    spec = GPUS[gpu]
+    config = GPTConfig.load(model)
+    cluster = Cluster(
+        nodes=nodes,
+        gpus_per_node=gpus_per_node,
+        gpu_memory_gb=gpu_memory or spec.memory_gb,
+        intra_node_gbps=intra_node_bandwidth or spec.intra_node_gbps,
+        inter_node_gbps=inter_node_bandwidth or spec.inter_node_gbps,
+        peak_tflops=peak_tflops or spec.peak_tflops,
+    )
+    training = Training(
+        seq_len=seq_len or config.max_seq_len,
+        micro_batch_size=micro_batch_size or 1,
+        global_batch_size=global_batch_size,
+        precision=precision,
+        zero_stage=zero_stage or 0,
+        sequence_parallel=sequence_parallel,
+        activation_checkpointing=bool(activation_checkpointing),
+        pipeline_schedule=pipeline_schedule,
+        virtual_pipeline_size=virtual_pipeline_size,
+    )
+    check_inputs(config, cluster, training)
+    sizes = dict(
+        tensor_parallel_size=tensor_parallel_size,
+        pipeline_parallel_size=pipeline_parallel_size,
+        data_parallel_size=data_parallel_size,
+        num_microbatches=num_microbatches,
+        top=top,
+    )
+    check_sizes(**{name: value for name, value in sizes.items() if value is not None})
+
+    if tensor_parallel_size and pipeline_parallel_size:  # one layout
+        tp, pp = tensor_parallel_size, pipeline_parallel_size
+        if data_parallel_size is None and cluster.gpus % (tp * pp):
+            raise ValueError(
+                f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} does not divide the "
+                f"{cluster.gpus} GPUs of the cluster; give data_parallel_size"
+            )
+        dp = data_parallel_size or cluster.gpus // (tp * pp)
+        layout = Layout(dp=dp, tp=tp, pp=pp, devices_per_node=gpus_per_node)
+        if zero_stage is None:
+            training.zero_stage = 1
+        if num_microbatches is not None:
+            if global_batch_size % (dp * num_microbatches):
+                raise ValueError(
+                    f"global_batch_size={global_batch_size} is not divisible by data_parallel_size={dp} "
+                    f"x num_microbatches={num_microbatches}"
+                )
+            derived = global_batch_size // (dp * num_microbatches)
+            if micro_batch_size not in (None, derived):
+                raise ValueError(
+                    f"micro_batch_size={micro_batch_size} disagrees with global_batch_size="
+                    f"{global_batch_size} / (data_parallel_size={dp} x num_microbatches={num_microbatches})"
+                    f" = {derived}"
+                )
+            training.micro_batch_size = derived
+        problem = layout_problem(config, cluster, layout, training)
+        if problem:
+            raise ValueError(problem)
+        result = estimate(config, cluster, layout, training)
+        report, best = result.to_dict(), (layout, training)
+        maps = [RankMap(layout, config.name, result, cluster.device)]
+        text = format_plan(config, cluster, layout, training, result)
+    else:
+        if num_microbatches is not None:
+            raise ValueError(
+                f"num_microbatches={num_microbatches} needs a fixed layout (tensor_parallel_size and "
+                "pipeline_parallel_size); give micro_batch_size for a search"
+            )
+        fitting, dropped = search(
+            config,
+            cluster,
+            training,
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            data_parallel_size=data_parallel_size,
+            zero_stages=ZERO_STAGES if zero_stage is None else (zero_stage,),
+            checkpointing=(False, True) if activation_checkpointing is None else (activation_checkpointing,),
+        )
+        text = format_search(config, cluster, fitting, dropped, top)
+        best = (fitting[0].layout, fitting[0].training) if fitting else None
+        maps = [RankMap(c.layout, f"#{i} {config.name}", c.plan, cluster.device) for i, c in enumerate(fitting[:3], 1)]
+        report = fitting[0].plan.to_dict() if fitting else {"layout": None}
+        report.update(alternatives=[c.plan.to_dict() for c in fitting[1:top]], dropped=dropped)
+    report.update(model=config.name, cluster=asdict(cluster), fits=report.get("fits", False))
+
+    if verify and best:
+        layout, chosen = best
+        counts = verify_counts(
+            config,
+            layout,
+            chosen.zero_stage,
+            chosen.sequence_parallel,
+            chosen.virtual_pipeline_size if layout.pp > 1 else 1,
+            chosen.activation_checkpointing,
+        )
+        report["verify"] = [
+            {"stage": c.stage, "rank": c.rank, "verified": c.verified, "analytic": c.analytic} for c in counts
+        ]
+        text += (
+            f"\nverify: the real parallelisation on {layout.world_size} simulated ranks (meta device, fake "
+            "process group), parameters on rank (d=0, t=0, p):"
+        )
+        for c in counts:
+            text += (
+                f"\n  stage {c.stage:>3} rank {c.rank:>6}: {c.verified:>14,} verified  {c.analytic:>14,} analytic"
+                f"  {'match' if c.matches else 'MISMATCH'}"
+            )
+    if map and best:
+        path = RankMap.side_by_side(maps).save(map)
+        text += f"\nrank map: {path}"
+    print(json_module.dumps(report, indent=2) if json else text)
+    if verify and best and not all(c["verified"] == c["analytic"] for c in report["verify"]):
+        raise SystemExit("lit3d plan --verify: analytic and verified parameter counts differ")
+
+
+def convert(ckpt_path: str, output: str) -> None:
+    """Write a lit3d checkpoint folder (any layout) as one Lightning checkpoint file.
+
+    The file holds the whole weights, the loop state and the hyper-parameters, and loads on one process under any
+    strategy (``lit3d validate|test|predict --ckpt_path FILE``, ``GPT.load_from_checkpoint``, ``GPT(pretrained=)``).
+    The optimizer states stay in the folder: to resume training, resume from the folder (any layout).
+
+    Args:
+        ckpt_path: The checkpoint folder.
+        output: The file to write.
+    """
+    import torch
+
+    from lit3d.strategies.checkpoint import read_weights
+
+    torch.save(read_weights(ckpt_path), output)
+    print(f"wrote {output}")
+
+
+def generate(
+    ckpt_path: str,
+    prompt: str,
+    max_new_tokens: int = 64,
+    temperature: float = 0.8,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int = 0,
+    tokenizer: str | None = None,
+    devices: int = 1,
+    tensor_parallel_size: int = 1,
+    accelerator: str = "auto",
+) -> None:
+    """Print the prompt and its continuation by a trained model.
+
+    Args:
+        ckpt_path: A lit3d checkpoint (a folder written by any layout, or a single file) or a local HuggingFace
+            Llama folder.
+        prompt: The text to continue.
+        max_new_tokens: Tokens to generate.
+        temperature: Sampling temperature; 0 is greedy.
+        top_k: Sample among the k most likely tokens.
+        top_p: Sample among the most likely tokens that reach this probability together.
+        seed: Seed of the sampling: the same seed gives the same tokens on one device and in any TP layout.
+        tokenizer: ``byte`` or a ``tokenizer.json``; default: the run's own (or the HuggingFace folder's).
+        devices: Processes (GPUs) to run on; more than one splits the model with tensor parallelism.
+        tensor_parallel_size: Ranks that split each layer (``devices`` by default when it is more than one).
+        accelerator: ``cpu``, ``gpu`` or ``auto``.
+    """
+    import lightning as L
+
+    from lit3d.callbacks import PrintCompletions
+    from lit3d.data import TextDataModule
+    from lit3d.generation import Sampling
+    from lit3d.pretrained import tokenizer_of
+    from lit3d.strategies import Parallel3DStrategy
+
+    sampling = Sampling(max_new_tokens, temperature, top_k, top_p, seed)
+    model = GPT(pretrained=ckpt_path, sampling=sampling)
+    data = TextDataModule(tokenizer=tokenizer or tokenizer_of(ckpt_path) or "byte", prompts=[prompt],
+                          seq_len=model.config.max_seq_len)  # fmt: skip
+    tp = tensor_parallel_size if tensor_parallel_size > 1 else devices
+    strategy = Parallel3DStrategy(tensor_parallel_size=tp, zero_stage=0) if devices > 1 else "auto"
+    quiet = dict(logger=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(accelerator=accelerator, devices=devices, strategy=strategy, callbacks=[PrintCompletions()],
+                        **quiet)  # fmt: skip
+    trainer.predict(model, datamodule=data, return_predictions=False)

@@ -1,0 +1,73 @@
+"""Weights to start from: a local HuggingFace Llama folder, or a lit3d checkpoint (a sharded folder written in any
+layout, or the single file `lit3d convert` writes). One reading path for `GPT(pretrained=...)`,
+`GPT.load_from_checkpoint`, `lit3d generate` and `lit3d export`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lit3d.config import GPTConfig
+
+
+def is_hf_folder(path: str | Path) -> bool:
+    return (Path(path) / "config.json").is_file()
+
+
+def read_checkpoint(path: str | Path) -> tuple[GPTConfig, dict[str, torch.Tensor], dict[str, Any]]:
+    """(config, the network's whole tensors by name relative to ``GPT.model``, everything else Lightning saved)."""
+    from lit3d.strategies.checkpoint import is_sharded_checkpoint, read_weights
+
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
+    checkpoint = read_weights(path) if is_sharded_checkpoint(path) else torch.load(path, map_location="cpu",
+                                                                                  weights_only=False)  # fmt: skip
+    config = (checkpoint.get("hyper_parameters") or {}).get("config")
+    if config is None:
+        raise ValueError(f"{str(path)!r} is not a checkpoint of a lit3d GPT (no model config in its hyper-parameters)")
+    state = checkpoint.pop("state_dict")
+    network = {name.removeprefix("model."): tensor for name, tensor in state.items() if name.startswith("model.")}
+    return GPTConfig.load(config), network, checkpoint
+
+
+def read_config(path: str | Path) -> GPTConfig:
+    """The model shapes of a HuggingFace folder or a lit3d checkpoint, without reading its weights."""
+    from lit3d import hf
+    from lit3d.strategies.checkpoint import META_FILE, is_sharded_checkpoint
+
+    if is_hf_folder(path):
+        return hf.read_config(path)
+    if is_sharded_checkpoint(path) and (Path(path) / META_FILE).is_file():
+        meta = torch.load(Path(path) / META_FILE, map_location="cpu", weights_only=False)
+        return GPTConfig.load(meta["hyper_parameters"]["config"])
+    if not Path(path).is_file():
+        raise FileNotFoundError(
+            f"{str(path)!r} is neither a HuggingFace model folder (config.json is missing) nor a lit3d checkpoint"
+        )
+    return read_checkpoint(path)[0]
+
+
+def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """The whole weights of a HuggingFace folder or a lit3d checkpoint, by lit3d name relative to ``GPT.model``."""
+    from lit3d import hf
+
+    if is_hf_folder(path):
+        config, tensors = hf.read_folder(path)
+        return hf.to_lit3d_names(config, tensors)
+    return read_checkpoint(path)[1]
+
+
+def tokenizer_of(path: str | Path) -> str | None:
+    """The tokenizer a HuggingFace folder ships (``tokenizer.json``) or a lit3d run trained with."""
+    from lit3d.strategies.checkpoint import META_FILE, is_sharded_checkpoint
+
+    if is_hf_folder(path):
+        return str(Path(path) / "tokenizer.json") if (Path(path) / "tokenizer.json").is_file() else None
+    if is_sharded_checkpoint(path):
+        meta = torch.load(Path(path) / META_FILE, map_location="cpu", weights_only=False)
+    else:
+        meta = read_checkpoint(path)[2]
+    return (meta.get("datamodule_hyper_parameters") or {}).get("tokenizer")
