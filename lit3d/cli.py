@@ -26,6 +26,7 @@ import lit3d.strategies  # registers "3d" and makes `Parallel3DStrategy` resolva
 from lit3d.callbacks import PrintCompletions, Throughput
 from lit3d.gpt import GPT, check_model_fits_data
 from lit3d.strategies.checkpoint import ShardedCheckpointReader, check_ckpt_path
+from lit3d.strategies.safe_io import UnsafeCheckpointError
 
 
 class Lit3DCLI(LightningCLI):
@@ -76,7 +77,7 @@ class Lit3DCLI(LightningCLI):
             cause = error
             while cause.__cause__ is not None:
                 cause = cause.__cause__
-            if isinstance(cause, ValueError | FileNotFoundError):
+            if isinstance(cause, ValueError | FileNotFoundError | UnsafeCheckpointError):
                 raise SystemExit(f"lit3d {self.subcommand}: error: {cause}") from None
             raise
 
@@ -86,7 +87,7 @@ class Lit3DCLI(LightningCLI):
             if isinstance(self.model, GPT) and self.datamodule is not None and self.subcommand != "predict":
                 check_model_fits_data(self.model.config, self.datamodule)
             check_ckpt_path(self.config[self.subcommand].get("ckpt_path"))
-        except (ValueError, FileNotFoundError) as error:
+        except (ValueError, FileNotFoundError, UnsafeCheckpointError) as error:
             raise SystemExit(f"lit3d {self.subcommand}: error: {error}") from None
 
     before_fit = before_validate = before_test = before_predict = _check_model_and_data
@@ -155,7 +156,7 @@ def main(args: list[str] | None = None) -> None:
 
         try:
             CLI(getattr(commands, argv[0]), args=_bare_flags_true(argv[1:]), as_positional=False)
-        except (ValueError, FileNotFoundError) as error:  # bad input: one line naming the value, no traceback
+        except (ValueError, FileNotFoundError, UnsafeCheckpointError) as error:  # bad input: one line, no traceback
             raise SystemExit(f"lit3d {argv[0]}: error: {error}") from None
         return
     make_cli(args)

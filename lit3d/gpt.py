@@ -13,7 +13,7 @@ from lit3d.config import GPTConfig
 from lit3d.generation import Sampling, next_token
 from lit3d.loop import ends_optimizer_step
 from lit3d.model import TENSOR_PARALLEL_PLAN, Transformer, cross_entropy
-from lit3d.pretrained import read_checkpoint, read_config, read_tensors
+from lit3d.pretrained import read_config, read_meta, read_tensors
 
 
 class GPT(L.LightningModule):
@@ -105,14 +105,13 @@ class GPT(L.LightningModule):
         return model
 
     @classmethod
-    def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> GPT:
-        """Lightning's, and also a lit3d checkpoint folder written by any layout (its weights read whole)."""
-        from lit3d.strategies.checkpoint import is_sharded_checkpoint
+    def load_from_checkpoint(cls, checkpoint_path: Any, map_location: Any = None, **kwargs: Any) -> GPT:
+        """A GPT with a checkpoint's hyper-parameters and weights, on the CPU: a lit3d folder written by any layout
+        or a single file, read as data only (`lit3d.pretrained`); ``kwargs`` override hyper-parameters.
 
-        if not is_sharded_checkpoint(checkpoint_path):  # a file holds the weights: no `pretrained` to read again
-            return super().load_from_checkpoint(checkpoint_path, *args, **{"pretrained": None, **kwargs})
-        hyper_parameters = {**read_checkpoint(checkpoint_path)[2]["hyper_parameters"], "pretrained": None}
-        model = cls(**{**hyper_parameters, **kwargs, "pretrained": checkpoint_path})
+        Unlike Lightning's, it takes no ``hparams_file``, ``strict`` or ``weights_only``: the weights must fit, and
+        a checkpoint is always read as data only."""
+        model = cls(**{**read_meta(checkpoint_path)["hyper_parameters"], **kwargs, "pretrained": str(checkpoint_path)})
         model.configure_model()
         return model
 

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from lit3d.config import GPTConfig
+from lit3d.strategies.safe_io import load_meta
 
 
 def is_hf_folder(path: str | Path) -> bool:
@@ -23,8 +24,7 @@ def read_checkpoint(path: str | Path) -> tuple[GPTConfig, dict[str, torch.Tensor
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
-    checkpoint = read_weights(path) if is_sharded_checkpoint(path) else torch.load(path, map_location="cpu",
-                                                                                  weights_only=False)  # fmt: skip
+    checkpoint = read_weights(path) if is_sharded_checkpoint(path) else load_meta(path)
     config = (checkpoint.get("hyper_parameters") or {}).get("config")
     if config is None:
         raise ValueError(f"{str(path)!r} is not a checkpoint of a lit3d GPT (no model config in its hyper-parameters)")
@@ -33,21 +33,34 @@ def read_checkpoint(path: str | Path) -> tuple[GPTConfig, dict[str, torch.Tensor
     return GPTConfig.load(config), network, checkpoint
 
 
+def read_meta(path: str | Path) -> dict[str, Any]:
+    """What Lightning saved in a lit3d checkpoint besides the weights (hyper-parameters, loops, ...): a folder's
+    ``meta.pt``, or a whole single file."""
+    from lit3d.strategies.checkpoint import META_FILE, check_readable, is_sharded_checkpoint
+
+    if is_sharded_checkpoint(path):
+        check_readable(Path(path))
+        return load_meta(Path(path) / META_FILE)
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
+    return load_meta(path)
+
+
 def read_config(path: str | Path) -> GPTConfig:
-    """The model shapes of a HuggingFace folder or a lit3d checkpoint, without reading its weights."""
+    """The model shapes of a HuggingFace folder or a lit3d checkpoint, without reading a folder's weights."""
     from lit3d import hf
-    from lit3d.strategies.checkpoint import META_FILE, is_sharded_checkpoint
+    from lit3d.strategies.checkpoint import is_sharded_checkpoint
 
     if is_hf_folder(path):
         return hf.read_config(path)
-    if is_sharded_checkpoint(path) and (Path(path) / META_FILE).is_file():
-        meta = torch.load(Path(path) / META_FILE, map_location="cpu", weights_only=False)
-        return GPTConfig.load(meta["hyper_parameters"]["config"])
-    if not Path(path).is_file():
+    if not (is_sharded_checkpoint(path) or Path(path).is_file()):
         raise FileNotFoundError(
             f"{str(path)!r} is neither a HuggingFace model folder (config.json is missing) nor a lit3d checkpoint"
         )
-    return read_checkpoint(path)[0]
+    config = (read_meta(path).get("hyper_parameters") or {}).get("config")
+    if config is None:
+        raise ValueError(f"{str(path)!r} is not a checkpoint of a lit3d GPT (no model config in its hyper-parameters)")
+    return GPTConfig.load(config)
 
 
 def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
@@ -62,12 +75,6 @@ def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
 
 def tokenizer_of(path: str | Path) -> str | None:
     """The tokenizer a HuggingFace folder ships (``tokenizer.json``) or a lit3d run trained with."""
-    from lit3d.strategies.checkpoint import META_FILE, is_sharded_checkpoint
-
     if is_hf_folder(path):
         return str(Path(path) / "tokenizer.json") if (Path(path) / "tokenizer.json").is_file() else None
-    if is_sharded_checkpoint(path):
-        meta = torch.load(Path(path) / META_FILE, map_location="cpu", weights_only=False)
-    else:
-        meta = read_checkpoint(path)[2]
-    return (meta.get("datamodule_hyper_parameters") or {}).get("tokenizer")
+    return (read_meta(path).get("datamodule_hyper_parameters") or {}).get("tokenizer")

@@ -16,6 +16,7 @@ or kill during a save leaves the previous checkpoint untouched.
 
 from __future__ import annotations
 
+import math
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +32,14 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.checkpoint.api import CheckpointException  # NOTE: a BaseException, not an Exception
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
+
+from lit3d.strategies.safe_io import (
+    SafeEmptyLoadPlanner,
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    UnsafeCheckpointError,
+    load_meta,
+)
 
 META_FILE = "meta.pt"
 PARTIAL_SUFFIX = ".partial"
@@ -118,9 +127,11 @@ def check_readable(path: Path) -> None:
             f"{str(path)!r} is not a complete lit3d checkpoint: {', '.join(missing)} missing "
             "(an interrupted save leaves a '.partial' folder; use the previous checkpoint)"
         )
+    metadata = SafeFileSystemReader(str(path)).read_metadata()
+    check_sizes_are_stored(path, metadata)
     # Every shard file the metadata points into must be there, and long enough.
     needed: dict[str, int] = {}
-    for info in dcp.FileSystemReader(str(path)).read_metadata().storage_data.values():
+    for info in metadata.storage_data.values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
     for name, size in sorted(needed.items()):
         file = path / name
@@ -130,6 +141,32 @@ def check_readable(path: Path) -> None:
             raise ValueError(
                 f"checkpoint {str(path)!r} is truncated: {name!r} has {file.stat().st_size} bytes, "
                 f"its index expects {size}"
+            )
+
+
+def check_sizes_are_stored(path: Path, metadata: Any) -> None:
+    """Refuse metadata whose tensors are not tiled by their chunks, or whose chunks claim more bytes than their
+    shards store: reading it would allocate what the file does not hold (a corrupt or crafted index)."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+    for fqn, entry in metadata.state_dict_metadata.items():
+        if not isinstance(entry, TensorStorageMetadata):
+            continue
+        itemsize = torch.empty((), dtype=entry.properties.dtype).element_size()
+        covered = 0
+        for chunk in entry.chunks:
+            numel = math.prod(chunk.sizes)
+            stored = metadata.storage_data.get(MetadataIndex(fqn, chunk.offsets))
+            if stored is None or numel * itemsize > stored.length:
+                raise ValueError(
+                    f"checkpoint {str(path)!r} is corrupt: {fqn!r} claims a {tuple(chunk.sizes)} chunk "
+                    f"({numel * itemsize:,} bytes) but its shard stores {stored.length if stored else 0:,}"
+                )
+            covered += numel
+        if covered != math.prod(entry.size):
+            raise ValueError(
+                f"checkpoint {str(path)!r} is corrupt: {fqn!r} claims size {tuple(entry.size)} "
+                f"({math.prod(entry.size):,} elements) but its chunks hold {covered:,}"
             )
 
 
@@ -150,7 +187,7 @@ def check_ckpt_path(ckpt_path: Any) -> None:
 
 def check_shapes(path: Path, template: dict[str, Any]) -> None:
     """Compare the tensors a checkpoint holds with the ones this run expects; name every mismatch."""
-    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    stored = SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata
     expected = _flatten(template)
     model_first = lambda key: (not key.startswith("state_dict."), key)
     missing = sorted((k for k in expected if k not in stored), key=model_first)
@@ -175,8 +212,10 @@ def load(path: Path, tensors: dict[str, Any]) -> dict[str, Any]:
     """Collective: fill ``tensors`` in place from the checkpoint (any layout); return the saved meta dict."""
     check_shapes(path, tensors)
     try:
-        dcp.load(tensors, checkpoint_id=str(path))
-        return torch.load(path / META_FILE, map_location="cpu", weights_only=False)
+        dcp.load(tensors, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner())
+        return load_meta(path / META_FILE)
+    except UnsafeCheckpointError:
+        raise
     except (Exception, CheckpointException) as error:  # DCP raises on every rank when any rank fails to read
         raise RuntimeError(
             f"reading checkpoint {str(path)!r} failed (a truncated or corrupted file?): {error}"
@@ -195,7 +234,6 @@ def read_weights(path: str | Path) -> dict[str, Any]:
     The optimizer states stay in the folder: they resume only under `Parallel3DStrategy` (in any layout). No
     process group is needed; DCP reassembles every tensor from the shards' recorded offsets.
     """
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     path = Path(path)
@@ -203,24 +241,21 @@ def read_weights(path: str | Path) -> dict[str, Any]:
     state: dict[str, Any] = {}
     # NOTE: DCP's public load needs a template of every tensor; this planner builds it from the checkpoint's own
     # metadata (the way `torch.distributed.checkpoint.format_utils.dcp_to_torch_save` reads a checkpoint).
-    planner = _EmptyStateDictLoadPlanner(keys={"state_dict"})
-    _load_state_dict(state, storage_reader=dcp.FileSystemReader(str(path)), planner=planner, no_dist=True)
-    meta = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
+    planner = SafeEmptyLoadPlanner(keys={"state_dict"})
+    _load_state_dict(state, storage_reader=SafeFileSystemReader(str(path)), planner=planner, no_dist=True)
+    meta = load_meta(path / META_FILE)
     meta.pop("rng", None)  # rank 0's random states: for an exact resume in the folder's own strategy only
     return {**meta, "state_dict": state["state_dict"]}
 
 
 class ShardedCheckpointReader(TorchCheckpointIO):
     """Lightning's checkpoint IO that also reads lit3d's sharded folders, for any other strategy (``auto``, ``ddp``):
-    a folder's weights load whole on every process (see `read_weights`). The CLI adds it; in Python pass
-    ``Trainer(plugins=[ShardedCheckpointReader()])``."""
+    a folder's weights load whole on every process (see `read_weights`). Files and folders are read as data only
+    (`lit3d.strategies.safe_io`). The CLI adds it; in Python pass ``Trainer(plugins=[ShardedCheckpointReader()])``."""
 
     @override
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
-        if is_sharded_checkpoint(path):
-            return read_weights(path)
-        return super().load_checkpoint(path, map_location=map_location or (lambda storage, loc: storage),
-                                       weights_only=weights_only)  # fmt: skip
+        return read_weights(path) if is_sharded_checkpoint(path) else load_meta(path)
 
 
 def parameter_names(module: nn.Module) -> dict[int, str]:

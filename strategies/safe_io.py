@@ -1,0 +1,128 @@
+"""Reading checkpoint files without running code that is in them.
+
+A checkpoint may come from elsewhere (a colleague, a download). Three of its parts are pickles, and plain
+unpickling runs whatever a crafted file asks for:
+
+- ``meta.pt`` (what Lightning saves besides tensors) is read with ``torch.load(weights_only=True)``, which rebuilds
+  only tensors and plain containers, plus the allow-list below: numpy's array and dtype (the numpy RNG state) and
+  Lightning's ``AttributeDict``.
+- DCP's ``.metadata`` (where each shard lies) is read by `SafeFileSystemReader`, whose unpickler rebuilds only
+  DCP's own metadata classes, torch sizes, dtypes and layouts, and paths.
+- DCP's non-tensor entries (e.g. optimizer hyper-parameters) are read by `SafeLoadPlanner` with
+  ``weights_only=True``; DCP's own planner reads them with ``weights_only=False``.
+
+Anything else is refused with `UnsafeCheckpointError`, naming the file and what it tried to load. Every lit3d
+path that opens a checkpoint reads through these (``tests/test_safe_loading.py`` checks that none bypasses them).
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """A checkpoint file asked to load something other than data."""
+
+
+def _data_globals() -> list[Any]:
+    import numpy as np
+    from lightning.fabric.utilities.data import AttributeDict
+
+    reconstruct = getattr(getattr(np, "_core", None), "multiarray", None) or np.core.multiarray
+    numpy = [reconstruct._reconstruct, np.ndarray, np.dtype, *(type(np.dtype(t)) for t in ("uint32", "float64"))]
+    return [*numpy, AttributeDict]  # Lightning's hyper-parameters container (a dict)
+
+
+def load_meta(path: str | Path) -> Any:
+    """``torch.load`` of a file lit3d wrote (``meta.pt``, or a ``lit3d convert`` file): data only."""
+    try:
+        with torch.serialization.safe_globals(_data_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        reason = str(error).split("WeightsUnpickler error: ")[-1].split(". ")[0]
+        raise UnsafeCheckpointError(
+            f"{str(path)!r} holds more than data ({reason}); lit3d refuses to run code from a checkpoint. If you "
+            "trust the file, load it yourself with torch.load(..., weights_only=False) and save it again"
+        ) from None
+
+
+# DCP's `.metadata`: module -> names its unpickler may rebuild (torch dtypes are checked by type below).
+METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "collections": {"OrderedDict"},
+    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"},
+}  # fmt: skip
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, file: Any, path: str) -> None:
+        super().__init__(file)
+        self.path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in METADATA_GLOBALS.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype | torch.layout):
+            return getattr(torch, name)
+        raise UnsafeCheckpointError(
+            f"{self.path!r} tried to load {module}.{name}, which is not part of a checkpoint's metadata; "
+            "lit3d refuses to run code from a checkpoint"
+        )
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's reader, but ``.metadata`` is unpickled by an unpickler that rebuilds only metadata classes."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as file:
+            metadata = _MetadataUnpickler(file, str(path)).load()
+        if not isinstance(metadata, Metadata):
+            raise UnsafeCheckpointError(f"{str(path)!r} holds a {type(metadata).__name__}, not DCP metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _SafeBytes:
+    """A load planner whose non-tensor entries load with ``weights_only=True``.
+
+    NOTE: DCP's `DefaultLoadPlanner.load_bytes` is the same but for ``weights_only=False``, so it is restated here.
+    """
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        from torch.distributed.checkpoint._traverse import set_element
+
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as error:
+            raise UnsafeCheckpointError(
+                f"checkpoint entry {read_item.dest_index.fqn!r} holds more than data: {str(error)[-200:]}"
+            ) from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+class SafeLoadPlanner(_SafeBytes, DefaultLoadPlanner):
+    """`DefaultLoadPlanner` that loads non-tensor entries as data only."""
+
+
+class SafeEmptyLoadPlanner(_SafeBytes, _EmptyStateDictLoadPlanner):
+    """`_EmptyStateDictLoadPlanner` (builds the state dict from the metadata) that loads non-tensor entries safely."""
