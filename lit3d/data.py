@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import sysconfig
 from pathlib import Path
@@ -15,39 +14,17 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader
 
 from lit3d.sampler import GlobalBatchSampler
+from lit3d.sources import check_source, load_documents, resolve_files
 from lit3d.tokenizers import Tokenizer, load_tokenizer
 
 
+def default_corpus() -> str:
+    """The embedded default corpus, as a glob: the Python standard library's own top-level source files."""
+    return str(Path(sysconfig.get_paths()["stdlib"]) / "*.py")
+
+
 def default_corpus_files() -> list[str]:
-    """The embedded default corpus: the Python standard library's own top-level source files."""
-    return sorted(glob.glob(str(Path(sysconfig.get_paths()["stdlib"]) / "*.py")))
-
-
-def resolve_text_files(data_path: str) -> list[str]:
-    """A text file, a folder (every file below it) or a glob → a sorted list of non-empty files."""
-    if any(ch in data_path for ch in "*?["):
-        files = sorted(f for f in glob.glob(data_path, recursive=True) if Path(f).is_file())
-        if not files:
-            raise FileNotFoundError(f"data_path={data_path!r}: the glob matches no file")
-    elif Path(data_path).is_dir():
-        files = sorted(
-            str(f)
-            for f in Path(data_path).rglob("*")
-            if f.is_file() and not any(part.startswith(".") for part in f.relative_to(data_path).parts)
-        )
-        if not files:
-            raise FileNotFoundError(f"data_path={data_path!r}: the folder holds no file")
-    elif Path(data_path).is_file():
-        files = [data_path]
-    else:
-        raise FileNotFoundError(f"data_path={data_path!r} does not exist")
-    if all(Path(f).stat().st_size == 0 for f in files):
-        raise ValueError(f"data_path={data_path!r} holds only empty files")
-    return files
-
-
-def is_saved_dataset(path: Path) -> bool:
-    return path.is_dir() and any((path / name).is_file() for name in ("state.json", "dataset_dict.json"))
+    return resolve_files(default_corpus())
 
 
 class TextDataModule(L.LightningDataModule):
@@ -58,9 +35,12 @@ class TextDataModule(L.LightningDataModule):
     validation sets by a seeded shuffle. Global batch k holds the same blocks whatever the data-parallel size.
 
     Args:
-        data_path: A text file, a folder (every file below it), a glob, or a folder written by
-            `datasets.Dataset.save_to_disk`. ``None`` uses the embedded default corpus: the Python standard
-            library's own source files, present on every machine.
+        data_path: A file, a folder (every file below it) or a glob, each file read by its format (text files,
+            ``.json``/``.jsonl`` (``.gz``, ``.zst``), ``.parquet``, ``.csv``, ``.arrow``; see `lit3d.sources`); a
+            folder written by `datasets.Dataset.save_to_disk`; ``hf:NAME``, a HuggingFace dataset (hub or local
+            folder) with ``name`` and ``split``; or a mixture ``{source: weight, ...}`` whose blocks are drawn in
+            proportion to the weights. ``None`` uses the embedded default corpus: the Python standard library's
+            own source files, present on every machine.
         tokenizer: ``"byte"`` (256 ids, no files) or the path of a HuggingFace ``tokenizer.json``.
         seq_len: Tokens per training sequence.
         global_batch_size: Sequences per optimizer step across all data-parallel replicas. Each replica's
@@ -69,14 +49,16 @@ class TextDataModule(L.LightningDataModule):
         test_fraction: Share of the blocks held out for ``test`` (0: no test split).
         prompts: Texts that ``predict`` (and ``lit3d generate``) continue, one per batch.
         seed: Seed of the train/validation split and of the per-epoch shuffle.
-        text_column: Column holding the text in a saved dataset.
+        text_column: The column holding the text in tables (json, parquet, csv, arrow) and datasets.
+        name: The configuration of an ``hf:`` dataset.
+        split: The split of an ``hf:`` dataset or a saved ``DatasetDict``.
         num_workers: DataLoader worker processes.
         cache_dir: Where `datasets` caches the tokenized corpus (default: its own cache folder).
     """
 
     def __init__(
         self,
-        data_path: str | None = None,
+        data_path: dict[str, float] | str | None = None,
         tokenizer: str = "byte",
         seq_len: int = 256,
         global_batch_size: int = 16,
@@ -85,6 +67,8 @@ class TextDataModule(L.LightningDataModule):
         prompts: list[str] | None = None,
         seed: int = 1234,
         text_column: str = "text",
+        name: str | None = None,
+        split: str = "train",
         num_workers: int = 0,
         cache_dir: str | None = None,
     ) -> None:
@@ -105,14 +89,11 @@ class TextDataModule(L.LightningDataModule):
             text_column,
         )
         self.prompts = list(prompts or [])
-        self.num_workers, self.cache_dir = num_workers, cache_dir
+        self.name, self.split, self.num_workers, self.cache_dir = name, split, num_workers, cache_dir
         self.tokenizer: Tokenizer = load_tokenizer(tokenizer)
-        if data_path is None:
-            self._files = default_corpus_files()
-        elif is_saved_dataset(Path(data_path)):
-            self._files = None
-        else:
-            self._files = resolve_text_files(data_path)
+        self.sources = mixture_weights(data_path)  # source -> share of the blocks
+        for source in self.sources:
+            check_source(source)
         self.train_set: Any = None
         self.val_set: Any = None
         self.test_set: Any = None
@@ -222,56 +203,48 @@ class TextDataModule(L.LightningDataModule):
         return DataLoader(dataset, batch_size=micro, sampler=sampler, drop_last=True, num_workers=self.num_workers)
 
     def _packed_blocks(self) -> Any:
+        """The sources' documents tokenized and packed into blocks; a mixture's blocks drawn by weight."""
         import datasets
 
-        raw = self._raw_documents()
+        packed = [self._packed(source) for source in self.sources]
+        if len(packed) == 1:
+            return packed[0]
+        # NOTE: "first_exhausted" stops at the first source to run out, so the shares are the weights (no source's
+        # blocks repeat); a seeded draw keeps the mixture, and so every global batch, the same in every layout.
+        return datasets.interleave_datasets(packed, probabilities=list(self.sources.values()), seed=self.seed,
+                                            stopping_strategy="first_exhausted")  # fmt: skip
+
+    def _packed(self, source: str) -> Any:
+        import datasets
+
+        raw = load_documents(source, self.text_column, self.name, self.split, self.cache_dir)
         key = f"{raw._fingerprint}-{self.tokenizer.fingerprint}-{self.seq_len}"
         fingerprint = hashlib.sha256(key.encode()).hexdigest()[:16]
         int32_ids = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32"))})
-        tokens = raw.map(
-            _tokenize,
-            batched=True,
-            remove_columns=raw.column_names,
-            features=int32_ids,
-            fn_kwargs={"tokenizer": self.tokenizer, "column": self.text_column},
-            new_fingerprint=f"tok-{fingerprint}",
-            desc="tokenizing",
-        )
-        return (
-            tokens.with_format("numpy")
-            .map(
-                _pack,
-                batched=True,
-                batch_size=1000,
-                features=int32_ids,
-                fn_kwargs={"block": self.seq_len + 1},
-                new_fingerprint=f"pack-{fingerprint}",
-                desc="packing",
-            )
-            .with_format(None)
-        )
-
-    def _raw_documents(self) -> Any:
-        import datasets
-
-        if self._files is None:
-            loaded = datasets.load_from_disk(self.data_path)
-            if isinstance(loaded, datasets.DatasetDict):
-                loaded = loaded["train"]
-            if self.text_column not in loaded.column_names:
-                raise ValueError(
-                    f"the saved dataset at {self.data_path!r} has no column {self.text_column!r} "
-                    f"(columns: {loaded.column_names}); set text_column"
-                )
-            return loaded.select_columns([self.text_column])
-        # One row per file ("document"), so packing sees whole files in order.
-        return datasets.load_dataset(
-            "text", data_files=self._files, sample_by="document", split="train", cache_dir=self.cache_dir
-        )
+        tokens = raw.map(_tokenize, batched=True, remove_columns=raw.column_names, features=int32_ids,
+                         fn_kwargs={"tokenizer": self.tokenizer}, new_fingerprint=f"tok-{fingerprint}",
+                         desc="tokenizing")  # fmt: skip
+        packed = tokens.with_format("numpy").map(_pack, batched=True, batch_size=1000, features=int32_ids,
+                                                 fn_kwargs={"block": self.seq_len + 1},
+                                                 new_fingerprint=f"pack-{fingerprint}", desc="packing")  # fmt: skip
+        return packed.with_format(None)
 
 
-def _tokenize(batch: dict[str, list], tokenizer: Tokenizer, column: str) -> dict[str, list]:
-    ids = tokenizer.encode_batch(batch[column])
+def mixture_weights(data_path: str | dict[str, float] | None) -> dict[str, float]:
+    """``data_path`` as ``{source: share}`` with shares adding up to 1; refuses a weight that is not positive."""
+    if data_path is None:
+        return {default_corpus(): 1.0}
+    if isinstance(data_path, str):
+        return {data_path: 1.0}
+    bad = {source: weight for source, weight in data_path.items() if not (weight > 0 and weight < float("inf"))}
+    if not data_path or bad:
+        raise ValueError(f"data_path mixture {data_path!r}: every source needs a positive, finite weight (bad: {bad})")
+    total = sum(data_path.values())
+    return {source: weight / total for source, weight in data_path.items()}
+
+
+def _tokenize(batch: dict[str, list], tokenizer: Tokenizer) -> dict[str, list]:
+    ids = tokenizer.encode_batch(batch["text"])
     if tokenizer.eos_id is not None:
         ids = [np.append(doc, tokenizer.eos_id) for doc in ids]
     return {"input_ids": ids}

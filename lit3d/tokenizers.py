@@ -12,6 +12,7 @@ import numpy as np
 
 class Tokenizer(Protocol):
     vocab_size: int
+    bos_id: int | None  # put before every document (the data module appends `eos_id` after it)
     eos_id: int | None
     fingerprint: str  # identifies the tokenization, for the dataset cache
 
@@ -24,6 +25,7 @@ class ByteTokenizer:
     """Each UTF-8 byte is a token: 256 ids, nothing to download or train."""
 
     vocab_size = 256
+    bos_id = None
     eos_id = None
     fingerprint = "byte"
 
@@ -35,7 +37,12 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A local HuggingFace ``tokenizers`` file (``tokenizer.json``, or a folder holding one)."""
+    """A local HuggingFace ``tokenizers`` file (``tokenizer.json``, or a folder holding one).
+
+    Every document is encoded as the tokenizer defines it: its BOS first (the ``bos_token`` of a
+    ``tokenizer_config.json`` beside it, or what its post-processor adds), its EOS last (``eos_token``, or a
+    well-known end-of-text token), so that packed documents stay apart.
+    """
 
     def __init__(self, path: str | Path) -> None:
         from tokenizers import Tokenizer as _Tokenizer
@@ -47,21 +54,39 @@ class HFTokenizer:
             raise FileNotFoundError(f"tokenizer file {str(path)!r} does not exist")
         self._tokenizer = _Tokenizer.from_file(str(path))
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
-        self.eos_id = next(
-            (
-                self._tokenizer.token_to_id(t)
-                for t in ("</s>", "<|end_of_text|>", "<|endoftext|>", "<eos>")
-                if self._tokenizer.token_to_id(t) is not None
-            ),
-            None,
-        )
-        self.fingerprint = "hf-" + hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+        named = _special_tokens(path.with_name("tokenizer_config.json"))
+        added = self._tokenizer.encode("", add_special_tokens=True).ids  # what the post-processor puts around text
+        bos = self._id(named.get("bos_token"))
+        self.bos_id = bos if bos is not None and named.get("add_bos_token", True) else (added[0] if added else None)
+        self.eos_id = self._id(named.get("eos_token"))
+        if self.eos_id is None:
+            self.eos_id = next((self._id(t) for t in ("</s>", "<|end_of_text|>", "<|endoftext|>", "<eos>")
+                                if self._id(t) is not None), None)  # fmt: skip
+        self.fingerprint = "hf-" + hashlib.sha256(path.read_bytes()).hexdigest()[:16] + f"-{self.bos_id}"
+
+    def _id(self, token: str | None) -> int | None:
+        return self._tokenizer.token_to_id(token) if token else None
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [enc.ids for enc in self._tokenizer.encode_batch(texts, add_special_tokens=False)]
+        bos = [self.bos_id] if self.bos_id is not None else []
+        return [bos + enc.ids for enc in self._tokenizer.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids)
+
+
+def _special_tokens(config: Path) -> dict:
+    """``bos_token``, ``eos_token`` (names) and ``add_bos_token`` of a ``tokenizer_config.json``, if there is one."""
+    import json
+
+    if not config.is_file():
+        return {}
+    settings = json.loads(config.read_text())
+    named = {key: settings.get(key) for key in ("bos_token", "eos_token", "add_bos_token") if key in settings}
+    for key in ("bos_token", "eos_token"):  # transformers writes AddedToken dicts too
+        if isinstance(named.get(key), dict):
+            named[key] = named[key].get("content")
+    return named
 
 
 def load_tokenizer(name: str) -> Tokenizer:

@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from lit3d.data import TextDataModule, default_corpus_files
+from lit3d.data import TextDataModule, default_corpus, default_corpus_files
 from lit3d.sampler import GlobalBatchSampler
+from lit3d.sources import resolve_files
 
 
 def documents(folder):
@@ -93,9 +94,9 @@ def test_dataloader_batches_per_replica(text_folder):
 
 def test_inputs_a_file_a_glob_and_a_saved_dataset(text_folder, tmp_path):
     one_file = str(next(text_folder.glob("*.txt")))
-    assert TextDataModule(one_file, seq_len=15)._files == [one_file]
-    assert len(TextDataModule(str(text_folder / "**" / "*.txt"))._files) == 6
-    assert len(TextDataModule(str(text_folder))._files) == 6
+    assert resolve_files(one_file) == [one_file]
+    assert len(resolve_files(str(text_folder / "**" / "*.txt"))) == 6
+    assert len(resolve_files(str(text_folder))) == 6
     saved = tmp_path / "saved"
     datasets.Dataset.from_dict({"text": documents(text_folder)}).save_to_disk(str(saved))
     data = TextDataModule(str(saved), seq_len=31, global_batch_size=2, val_fraction=0.1)
@@ -122,7 +123,7 @@ def test_local_tokenizer_json(text_folder, tmp_path):
 def test_the_default_corpus_is_the_standard_library():
     files = default_corpus_files()
     assert len(files) > 50 and any(f.endswith("/os.py") for f in files)
-    assert TextDataModule()._files == files
+    assert resolve_files(TextDataModule().data_path or default_corpus()) == files
 
 
 def test_bad_inputs_are_refused_naming_the_value(tmp_path):

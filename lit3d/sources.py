@@ -1,0 +1,115 @@
+"""Where the text comes from: files chosen by what they are, saved datasets, HuggingFace datasets, mixtures.
+
+A source is read into a `datasets.Dataset` with one column, ``text``, one row per document:
+
+- text files (``.txt``, ``.md``, source code, ... see `TEXT_SUFFIXES`): one document per file;
+- ``.json``/``.jsonl`` (also ``.gz``/``.zst`` compressed), ``.parquet``, ``.csv``, ``.arrow``: one document per
+  row, its ``text_column``, read by `datasets`' own builder for the format;
+- a folder written by ``Dataset.save_to_disk`` (its ``train`` split if it is a ``DatasetDict``);
+- ``hf:NAME`` (a dataset on the HuggingFace hub, or a local dataset folder): ``load_dataset(NAME, name, split)``.
+
+A folder or a glob may mix formats. A file of any other suffix is refused, naming it, and so is a missing
+column, naming the columns the file has: nothing is read as text that is not text.
+"""
+
+from __future__ import annotations
+
+import glob
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+TEXT_SUFFIXES = frozenset(
+    ".txt .text .md .rst .tex .py .pyi .c .h .cc .cpp .hpp .cu .java .js .ts .go .rs .rb .sh .lua .jl .scala .kt "
+    ".swift .php .pl .r .sql .html .css .xml .yaml .yml .toml .cfg .ini".split()
+)
+TABLE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
+COMPRESSED = (".gz", ".zst")  # json and jsonl only: `datasets` reads them through its compression support
+HUB_PREFIX = "hf:"
+
+
+def file_format(path: str | Path) -> str:
+    """``"text"`` or the `datasets` builder name for ``path``, chosen by its suffix; refuses anything else."""
+    suffixes = [s.lower() for s in Path(path).suffixes]
+    if len(suffixes) >= 2 and suffixes[-1] in COMPRESSED and suffixes[-2] in (".json", ".jsonl"):
+        return "json"
+    suffix = suffixes[-1] if suffixes else ""
+    if suffix in TEXT_SUFFIXES:
+        return "text"
+    if suffix in TABLE_BUILDERS:
+        return TABLE_BUILDERS[suffix]
+    raise ValueError(
+        f"{str(path)!r}: unknown format {suffix or '(no suffix)'!r}; lit3d reads text files "
+        f"({', '.join(sorted(TEXT_SUFFIXES)[:6])}, ...), .json/.jsonl (.gz, .zst), .parquet, .csv and .arrow"
+    )
+
+
+def resolve_files(data_path: str) -> list[str]:
+    """A file, a folder (every file below it, hidden ones left out) or a glob → a sorted list of files."""
+    if any(ch in data_path for ch in "*?["):
+        files = sorted(f for f in glob.glob(data_path, recursive=True) if Path(f).is_file())
+        if not files:
+            raise FileNotFoundError(f"data_path={data_path!r}: the glob matches no file")
+    elif Path(data_path).is_dir():
+        files = sorted(
+            str(f)
+            for f in Path(data_path).rglob("*")
+            if f.is_file() and not any(part.startswith(".") for part in f.relative_to(data_path).parts)
+        )
+        if not files:
+            raise FileNotFoundError(f"data_path={data_path!r}: the folder holds no file")
+    elif Path(data_path).is_file():
+        files = [data_path]
+    else:
+        raise FileNotFoundError(f"data_path={data_path!r} does not exist")
+    if all(Path(f).stat().st_size == 0 for f in files):
+        raise ValueError(f"data_path={data_path!r} holds only empty files")
+    return files
+
+
+def is_saved_dataset(path: str | Path) -> bool:
+    path = Path(path)
+    return path.is_dir() and any((path / name).is_file() for name in ("state.json", "dataset_dict.json"))
+
+
+def check_source(data_path: str) -> None:
+    """Refuse, before anything is read, a source that does not exist or holds a file of an unknown format."""
+    if data_path.startswith(HUB_PREFIX) or is_saved_dataset(data_path):
+        return
+    for file in resolve_files(data_path):
+        file_format(file)
+
+
+def load_documents(data_path: str, text_column: str = "text", name: str | None = None, split: str = "train",
+                   cache_dir: str | None = None) -> Any:  # fmt: skip
+    """The documents of one source as a `datasets.Dataset` with the single column ``text``."""
+    import datasets
+
+    if data_path.startswith(HUB_PREFIX):
+        loaded = datasets.load_dataset(data_path[len(HUB_PREFIX) :], name=name, split=split, cache_dir=cache_dir)
+        return _text_column(loaded, text_column, data_path)
+    if is_saved_dataset(data_path):
+        loaded = datasets.load_from_disk(data_path)
+        if isinstance(loaded, datasets.DatasetDict):
+            loaded = loaded[split]
+        return _text_column(loaded, text_column, data_path)
+    by_format: dict[str, list[str]] = defaultdict(list)
+    for file in resolve_files(data_path):
+        by_format[file_format(file)].append(file)
+    parts = []
+    for builder, files in sorted(by_format.items()):
+        if builder == "text":  # one row per file, so packing sees whole files in order
+            parts.append(datasets.load_dataset("text", data_files=files, sample_by="document", split="train",
+                                               cache_dir=cache_dir))  # fmt: skip
+            continue
+        for file in files:  # one at a time, so a missing column names its file
+            loaded = datasets.load_dataset(builder, data_files=[file], split="train", cache_dir=cache_dir)
+            parts.append(_text_column(loaded, text_column, file))
+    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+
+
+def _text_column(dataset: Any, column: str, source: str) -> Any:
+    if column not in dataset.column_names:
+        raise ValueError(f"{source!r} has no column {column!r} (its columns: {dataset.column_names}); set text_column")
+    dataset = dataset.select_columns([column])
+    return dataset.rename_column(column, "text") if column != "text" else dataset
