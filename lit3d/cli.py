@@ -116,10 +116,11 @@ commands:
   export     a lit3d checkpoint (any layout) as a HuggingFace Llama folder
   convert    a lit3d checkpoint folder (any layout) as one Lightning checkpoint file
   generate   print a continuation of a prompt by a checkpoint or a HuggingFace folder
+  prepare    tokenize a corpus once into memory-mapped shards that training reads
 
 'lit3d COMMAND --help' lists a command's arguments.
 """
-COMMANDS = ("plan", "export", "convert", "generate")
+COMMANDS = ("plan", "export", "convert", "generate", "prepare")
 
 
 def _bare_flags_true(argv: list[str]) -> list[str]:
@@ -156,7 +157,7 @@ def main(args: list[str] | None = None) -> None:
 
         try:
             CLI(getattr(commands, argv[0]), args=_bare_flags_true(argv[1:]), as_positional=False)
-        except (ValueError, FileNotFoundError, UnsafeCheckpointError) as error:  # bad input: one line, no traceback
+        except (ValueError, FileNotFoundError, FileExistsError, UnsafeCheckpointError) as error:  # bad input: one line
             raise SystemExit(f"lit3d {argv[0]}: error: {error}") from None
         return
     make_cli(args)

@@ -292,3 +292,41 @@ def generate(
     trainer = L.Trainer(accelerator=accelerator, devices=devices, strategy=strategy, callbacks=[PrintCompletions()],
                         **quiet)  # fmt: skip
     trainer.predict(model, datamodule=data, return_predictions=False)
+
+
+def prepare(
+    data_path: str,
+    output: str,
+    tokenizer: str = "byte",
+    text_column: str = "text",
+    name: str | None = None,
+    split: str = "train",
+    num_proc: int = 2,
+    shard_tokens: int = 2**27,
+) -> None:
+    """Tokenize a corpus once, with several processes, into token shards that training reads memory-mapped
+    (``TextDataModule(data_path=OUTPUT)``, with the same tokenizer).
+
+    Args:
+        data_path: Any source `TextDataModule` reads (files by format, folders, globs, ``hf:NAME``, saved datasets).
+        output: A new folder for ``index.json`` and the ``tokens-*.bin`` shards.
+        tokenizer: ``byte`` or a ``tokenizer.json`` (or a folder holding one).
+        text_column: The column holding the text in tables and datasets.
+        name: The configuration of an ``hf:`` dataset.
+        split: The split of an ``hf:`` dataset or a saved ``DatasetDict``.
+        num_proc: Tokenizing processes.
+        shard_tokens: Tokens per shard file.
+    """
+    import time
+
+    from lit3d.prepared import throughput, write
+    from lit3d.sources import check_source, load_documents
+    from lit3d.tokenizers import load_tokenizer
+
+    if num_proc < 1 or shard_tokens < 1:
+        raise ValueError(f"num_proc={num_proc} and shard_tokens={shard_tokens} must be positive")
+    check_source(data_path)
+    start = time.perf_counter()
+    documents = load_documents(data_path, text_column, name, split)
+    index = write(documents, load_tokenizer(tokenizer), tokenizer, output, num_proc, shard_tokens)
+    print(throughput(index, documents.data.nbytes, time.perf_counter() - start, num_proc))

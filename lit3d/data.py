@@ -11,8 +11,9 @@ import lightning as L
 import numpy as np
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Subset
 
+from lit3d.prepared import PreparedBlocks, is_prepared
 from lit3d.sampler import GlobalBatchSampler
 from lit3d.sources import check_source, load_documents, resolve_files
 from lit3d.tokenizers import Tokenizer, load_tokenizer
@@ -40,7 +41,8 @@ class TextDataModule(L.LightningDataModule):
             folder written by `datasets.Dataset.save_to_disk`; ``hf:NAME``, a HuggingFace dataset (hub or local
             folder) with ``name`` and ``split``; or a mixture ``{source: weight, ...}`` whose blocks are drawn in
             proportion to the weights. ``None`` uses the embedded default corpus: the Python standard library's
-            own source files, present on every machine.
+            own source files, present on every machine. A folder written by ``lit3d prepare`` is read
+            memory-mapped, block by block.
         tokenizer: ``"byte"`` (256 ids, no files) or the path of a HuggingFace ``tokenizer.json``.
         seq_len: Tokens per training sequence.
         global_batch_size: Sequences per optimizer step across all data-parallel replicas. Each replica's
@@ -94,6 +96,8 @@ class TextDataModule(L.LightningDataModule):
         self.sources = mixture_weights(data_path)  # source -> share of the blocks
         for source in self.sources:
             check_source(source)
+            if is_prepared(source) and len(self.sources) > 1:
+                raise ValueError(f"the prepared folder {source!r} cannot be part of a mixture (yet): train on it alone")
         self.train_set: Any = None
         self.val_set: Any = None
         self.test_set: Any = None
@@ -120,6 +124,12 @@ class TextDataModule(L.LightningDataModule):
                 f"a global batch of {self.global_batch_size} plus {n_val} validation and {n_test} test blocks; use "
                 "more text or a smaller seq_len / global_batch_size"
             )
+        if isinstance(blocks, PreparedBlocks):  # a seeded permutation of the block indices (nothing is read)
+            order = torch.randperm(len(blocks), generator=torch.Generator().manual_seed(self.seed)).tolist()
+            self.val_set = Subset(blocks, order[:n_val])
+            self.test_set = Subset(blocks, order[n_val : n_val + n_test]) if n_test else None
+            self.train_set = Subset(blocks, order[n_val + n_test :])
+            return
         split = blocks.train_test_split(test_size=n_val, shuffle=True, seed=self.seed)
         train, self.val_set = split["train"], split["test"].with_format("torch")
         if n_test:  # from what training would have had: the validation blocks stay what they were
@@ -206,6 +216,9 @@ class TextDataModule(L.LightningDataModule):
         """The sources' documents tokenized and packed into blocks; a mixture's blocks drawn by weight."""
         import datasets
 
+        (first,) = self.sources if len(self.sources) == 1 else (None,)
+        if first is not None and is_prepared(first):  # read memory-mapped, block by block
+            return PreparedBlocks(first, self.seq_len + 1, self.tokenizer)
         packed = [self._packed(source) for source in self.sources]
         if len(packed) == 1:
             return packed[0]

@@ -74,7 +74,9 @@ def is_saved_dataset(path: str | Path) -> bool:
 
 def check_source(data_path: str) -> None:
     """Refuse, before anything is read, a source that does not exist or holds a file of an unknown format."""
-    if data_path.startswith(HUB_PREFIX) or is_saved_dataset(data_path):
+    from lit3d.prepared import is_prepared
+
+    if data_path.startswith(HUB_PREFIX) or is_saved_dataset(data_path) or is_prepared(data_path):
         return
     for file in resolve_files(data_path):
         file_format(file)

@@ -217,7 +217,7 @@ def test_bad_input_is_refused_before_training_with_the_value_named(early_exits, 
 
 def test_help_lists_every_command(early_exits):
     assert early_exits["help"]["code"] == 0
-    for command in ("fit", "validate", "test", "predict", "plan", "export", "convert", "generate"):
+    for command in ("fit", "validate", "test", "predict", "plan", "export", "convert", "generate", "prepare"):
         assert f"\n  {command} " in early_exits["help"]["stdout"], command
 
 
