@@ -125,7 +125,7 @@ class TextDataModule(L.LightningDataModule):
                 "more text or a smaller seq_len / global_batch_size"
             )
         if isinstance(blocks, PreparedBlocks):  # a seeded permutation of the block indices (nothing is read)
-            order = torch.randperm(len(blocks), generator=torch.Generator().manual_seed(self.seed)).tolist()
+            order = torch.randperm(len(blocks), generator=torch.Generator().manual_seed(self.seed)).numpy()
             self.val_set = Subset(blocks, order[:n_val])
             self.test_set = Subset(blocks, order[n_val : n_val + n_test]) if n_test else None
             self.train_set = Subset(blocks, order[n_val + n_test :])

@@ -67,7 +67,9 @@ class GlobalBatchSampler(DistributedSampler):
         if self._resume is not None and self._resume[0] == self.epoch:
             skip, self._resume = self._resume[1], None
         order = self.epoch_order()[skip:]
-        return iter(order[self.rank :: self.num_replicas].tolist())
+        # NOTE: one int at a time from the int64 order, not a list of Python ints (~36 bytes each): memory must not
+        # grow with the corpus's block count.
+        return map(int, order[self.rank :: self.num_replicas].numpy())
 
     def __len__(self) -> int:
         # NOTE: the whole epoch, also when resuming part-way: Lightning counts the batches it already ran.
