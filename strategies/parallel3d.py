@@ -75,7 +75,7 @@ from lit3d.strategies.layout import (
 )
 from lit3d.strategies.memory import memory_by_component
 from lit3d.strategies.parallelize import follows_plan, parallelize_network
-from lit3d.strategies.pipeline import Pipeline, bubble_theory
+from lit3d.strategies.pipeline import Pipeline, bubble_theory, check_pipeline_protocol
 from lit3d.strategies.recompute import check_setting
 from lit3d.strategies.tensor_parallel import lay_out_grads_like_params
 from lit3d.strategies.zero import (
@@ -87,8 +87,6 @@ from lit3d.strategies.zero import (
 
 if TYPE_CHECKING:
     from lit3d.planner.estimate import Plan
-
-PIPELINE_PROTOCOL = ("inputs_and_targets", "loss_fn", "loss")
 
 
 class Parallel3DStrategy(ShardedCheckpoints, ModelParallelStrategy):
@@ -207,15 +205,8 @@ class Parallel3DStrategy(ShardedCheckpoints, ModelParallelStrategy):
         if config is not None:
             check_model_fits_layout(config, layout)
             check_model_fits_pipeline(config, layout.pp, self.virtual_pipeline_size)
-        if layout.pp > 1 and hasattr(
-            module, "tensor_parallel_plan"
-        ):  # one the strategy splits (`model` is built later)
-            missing = [name for name in PIPELINE_PROTOCOL if not callable(getattr(module, name, None))]
-            if missing:
-                raise TypeError(
-                    f"pipeline_parallel_size={layout.pp} runs {type(module).__name__}'s loss as a pipeline schedule, "
-                    f"which needs {', '.join(PIPELINE_PROTOCOL)}; it lacks {', '.join(missing)}"
-                )
+        if layout.pp > 1 and hasattr(module, "tensor_parallel_plan"):  # one the strategy splits (`model` comes later)
+            check_pipeline_protocol(module, layout.pp)
         trainer = trainer or getattr(module, "_trainer", None)
         datamodule = datamodule or getattr(trainer, "datamodule", None)
         if layout.pp > 1 and hasattr(datamodule, "global_batch_size"):
@@ -321,21 +312,9 @@ class Parallel3DStrategy(ShardedCheckpoints, ModelParallelStrategy):
                 chunks, stage_ids, layout.pp * self.virtual_pipeline_size, self.device_mesh["pp"],
                 self.pipeline_schedule, self.num_microbatches, self.root_device, loss_parallel=layout.tp > 1,
             )  # fmt: skip
-            # NOTE: no rank holds the whole network, so the module's calls of it run through the schedule: the
-            # network's forward gives the last stage's whole output on every rank (sampling, prediction), and the
-            # module's loss runs forward and backward of every micro-batch with `loss_fn` on the last stage. The
-            # chunks were made before this and keep the network's own forward.
-            network.forward = self.pipeline.forward
-            module.loss = self._pipeline_loss
-
-    def _pipeline_loss(self, batch: Any) -> torch.Tensor:
-        """The module's ``loss(batch)`` under pipeline parallelism (see `Pipeline.loss`)."""
-        module = self.lightning_module
-        inputs, targets = module.inputs_and_targets(batch)
-        # NOTE: fp16's loss scale multiplies the loss inside the schedule, whose backward is the only one; the
-        # precision plugin unscales the gradients before the optimizer step as usual.
-        scaler = getattr(self.precision_plugin, "scaler", None)
-        return self.pipeline.loss(inputs, targets, module.loss_fn, module.trainer.accumulate_grad_batches, scaler)
+            # NOTE: fp16's loss scale multiplies the loss inside the schedule, whose backward is the only one; the
+            # precision plugin unscales the gradients before the optimizer step as usual.
+            self.pipeline.route(module, grad_scaler=lambda: getattr(self.precision_plugin, "scaler", None))
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:

@@ -21,6 +21,19 @@ from torch.distributed.device_mesh import DeviceMesh
 from lit3d.model import loss_parallel_scope
 
 MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")
+# What a module split by the strategy provides so that its loss can run as a schedule: `loss(batch)` is
+# `loss_fn(model(inputs), targets)` with `inputs, targets = inputs_and_targets(batch)`.
+PIPELINE_PROTOCOL = ("inputs_and_targets", "loss_fn", "loss")
+
+
+def check_pipeline_protocol(module: Any, pp: int) -> None:
+    """Refuse a module whose loss cannot run as a pipeline schedule, naming what it lacks."""
+    missing = [name for name in PIPELINE_PROTOCOL if not callable(getattr(module, name, None))]
+    if missing:
+        raise TypeError(
+            f"pipeline_parallel_size={pp} runs {type(module).__name__}'s loss as a pipeline schedule, which needs "
+            f"{', '.join(PIPELINE_PROTOCOL)}; it lacks {', '.join(missing)}"
+        )
 
 
 def bubble_theory(schedule: str, pp: int, microbatches: int, virtual: int = 1) -> float:
@@ -151,6 +164,22 @@ class Pipeline:
         mean = torch.stack(losses).mean() if self.holds_last else torch.zeros((), device=self.device)
         dist.broadcast(mean, src=self.last_rank, group=self.group)
         return mean
+
+    def route(self, module: Any, grad_scaler: Callable[[], Any]) -> None:
+        """Run ``module``'s calls of its network through this pipeline (see `PIPELINE_PROTOCOL`).
+
+        NOTE: no rank holds the whole network. Its forward becomes the last stage's whole output on every rank
+        (sampling, prediction), and the module's ``loss(batch)`` runs forward and backward of every micro-batch
+        with its ``loss_fn`` on the last stage. The chunks were made before this and keep the network's own forward.
+        """
+        module.model.forward = self.forward
+
+        def loss(batch: Any) -> torch.Tensor:
+            inputs, targets = module.inputs_and_targets(batch)
+            accumulate = module.trainer.accumulate_grad_batches
+            return self.loss(inputs, targets, module.loss_fn, accumulate, grad_scaler())
+
+        module.loss = loss
 
     def activity(self) -> dict[str, float]:
         """The last step as every rank of the pipeline saw it: each stage's busy seconds, the step's seconds, and
