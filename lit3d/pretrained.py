@@ -25,12 +25,18 @@ def read_checkpoint(path: str | Path) -> tuple[GPTConfig, dict[str, torch.Tensor
     if not path.exists():
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
     checkpoint = read_weights(path) if is_sharded_checkpoint(path) else load_meta(path)
-    config = (checkpoint.get("hyper_parameters") or {}).get("config")
-    if config is None:
-        raise ValueError(f"{str(path)!r} is not a checkpoint of a lit3d GPT (no model config in its hyper-parameters)")
+    config = _config_of(checkpoint, path)
     state = checkpoint.pop("state_dict")
     network = {name.removeprefix("model."): tensor for name, tensor in state.items() if name.startswith("model.")}
-    return GPTConfig.load(config), network, checkpoint
+    return config, network, checkpoint
+
+
+def _config_of(meta: dict[str, Any], path: str | Path) -> GPTConfig:
+    """The model config a lit3d GPT saved in its hyper-parameters."""
+    config = (meta.get("hyper_parameters") or {}).get("config")
+    if config is None:
+        raise ValueError(f"{str(path)!r} is not a checkpoint of a lit3d GPT (no model config in its hyper-parameters)")
+    return GPTConfig.load(config)
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:
@@ -57,10 +63,7 @@ def read_config(path: str | Path) -> GPTConfig:
         raise FileNotFoundError(
             f"{str(path)!r} is neither a HuggingFace model folder (config.json is missing) nor a lit3d checkpoint"
         )
-    config = (read_meta(path).get("hyper_parameters") or {}).get("config")
-    if config is None:
-        raise ValueError(f"{str(path)!r} is not a checkpoint of a lit3d GPT (no model config in its hyper-parameters)")
-    return GPTConfig.load(config)
+    return _config_of(read_meta(path), path)
 
 
 def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
