@@ -80,6 +80,11 @@ def _worker(rank: int, world: int, port: int, jobs: dict, out_dir: str) -> None:
     for name, job in jobs.items():
         result = run_job(job, Path(out_dir) / name, devices=world)
         (Path(out_dir) / name / f"rank{rank}.json").write_text(json.dumps(result))
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # leave together, and join gloo's threads now rather than at interpreter exit
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def run_job(job: dict, job_dir: Path, devices: int = 1) -> dict:
