@@ -309,13 +309,14 @@ def test_one_callback_in_any_form_trainer_accepts_builds_the_trainer(tmp_path, f
 @pytest.mark.parametrize(
     "name", ["3d", "Parallel3DStrategy", "lit3d.strategies.Parallel3DStrategy", "strategies.Parallel3DStrategy"]
 )
-def test_every_documented_strategy_name_resolves_when_installed(monkeypatch, name):
+def test_every_documented_strategy_name_resolves_when_installed(monkeypatch, tmp_path, name):
     """The installed package has no top-level `strategies`; lit3d 0.1's class path still works in the CLI."""
     import importlib.util
 
     from lit3d import Parallel3DStrategy  # the top-level name, too
     from lit3d.cli import make_cli
 
+    monkeypatch.chdir(tmp_path)  # LightningCLI saves its config.yaml here
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "strategies" else find_spec(n, *a))
     monkeypatch.delitem(sys.modules, "strategies", raising=False)
@@ -364,12 +365,13 @@ def test_the_wheel_installs_lit3d_alone_at_the_top_level(tmp_path):
     assert "lit3d = lit3d.cli:main" in entry_points
 
 
-def test_without_a_logger_the_learning_rate_monitor_is_left_out_with_a_warning():
+def test_without_a_logger_the_learning_rate_monitor_is_left_out_with_a_warning(monkeypatch, tmp_path):
     """The tiny config's LearningRateMonitor crashed a run with `--trainer.logger=false`."""
     from lightning.pytorch.callbacks import LearningRateMonitor
 
     from lit3d.cli import make_cli
 
+    monkeypatch.chdir(tmp_path)  # LightningCLI saves its config.yaml here
     with pytest.warns(UserWarning, match="LearningRateMonitor callback has nowhere to log"):
         cli = make_cli(["--config", TINY, "--trainer.logger=false"], run=False)
     assert not any(isinstance(c, LearningRateMonitor) for c in cli.trainer.callbacks)

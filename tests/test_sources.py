@@ -110,9 +110,10 @@ def test_documents_get_the_bos_and_eos_their_tokenizer_defines(defined_by, tmp_p
     assert _tokenize({"text": ["the fox"]}, data.tokenizer)["input_ids"][0].tolist() == [1, 3, 4, 2]
 
 
-def test_a_mixture_from_the_command_line(tmp_path):
+def test_a_mixture_from_the_command_line(tmp_path, monkeypatch):
     from lit3d.cli import make_cli
 
+    monkeypatch.chdir(tmp_path)  # LightningCLI saves its config.yaml here
     (tmp_path / "a.txt").write_text("a" * 400)
     (tmp_path / "b.jsonl").write_text(json.dumps({"text": "b" * 400}) + "\n")
     mixture = json.dumps({str(tmp_path / "a.txt"): 7, str(tmp_path / "b.jsonl"): 3})
