@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
 import sysconfig
 from pathlib import Path
 from typing import Any
@@ -13,9 +15,11 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, Subset
 
+from lit3d.mixture import MixtureBlocks
 from lit3d.prepared import PreparedBlocks, is_prepared
 from lit3d.sampler import GlobalBatchSampler
 from lit3d.sources import check_source, load_documents, resolve_files
+from lit3d.streaming import StreamedBlocks, held_out
 from lit3d.tokenizers import Tokenizer, load_tokenizer
 
 
@@ -42,20 +46,24 @@ class TextDataModule(L.LightningDataModule):
             folder) with ``name`` and ``split``; or a mixture ``{source: weight, ...}`` whose blocks are drawn in
             proportion to the weights. ``None`` uses the embedded default corpus: the Python standard library's
             own source files, present on every machine. A folder written by ``lit3d prepare`` is read
-            memory-mapped, block by block.
+            memory-mapped, block by block; it may be part of a mixture.
         tokenizer: ``"byte"`` (256 ids, no files) or the path of a HuggingFace ``tokenizer.json``.
         seq_len: Tokens per training sequence.
         global_batch_size: Sequences per optimizer step across all data-parallel replicas. Each replica's
             micro-batch is ``global_batch_size / (data_parallel_size * accumulate_grad_batches)``.
-        val_fraction: Share of the blocks held out for validation (at least one block).
+        val_fraction: Share of the blocks held out for validation (at least one block); with ``streaming``, of
+            the blocks of the stream's first shuffle window.
         test_fraction: Share of the blocks held out for ``test`` (0: no test split).
         prompts: Texts that ``predict`` (and ``lit3d generate``) continue, one per batch.
         seed: Seed of the train/validation split and of the per-epoch shuffle.
         text_column: The column holding the text in tables (json, parquet, csv, arrow) and datasets.
         name: The configuration of an ``hf:`` dataset.
         split: The split of an ``hf:`` dataset or a saved ``DatasetDict``.
-        num_workers: DataLoader worker processes.
+        num_workers: DataLoader worker processes (at most one with ``streaming``: a stream has one reader).
         cache_dir: Where `datasets` caches the tokenized corpus (default: its own cache folder).
+        streaming: Read the sources as training goes, caching nothing, for corpora too large to cache: blocks are
+            shuffled within windows of about 16M tokens, the stream cycles (train by ``max_steps``), and a
+            checkpoint records the exact position (see `lit3d.streaming`).
     """
 
     def __init__(
@@ -73,6 +81,7 @@ class TextDataModule(L.LightningDataModule):
         split: str = "train",
         num_workers: int = 0,
         cache_dir: str | None = None,
+        streaming: bool = False,
     ) -> None:
         super().__init__()
         if seq_len <= 0 or global_batch_size <= 0:
@@ -92,12 +101,17 @@ class TextDataModule(L.LightningDataModule):
         )
         self.prompts = list(prompts or [])
         self.name, self.split, self.num_workers, self.cache_dir = name, split, num_workers, cache_dir
+        self.streaming = streaming
         self.tokenizer: Tokenizer = load_tokenizer(tokenizer)
         self.sources = mixture_weights(data_path)  # source -> share of the blocks
         for source in self.sources:
             check_source(source)
-            if is_prepared(source) and len(self.sources) > 1:
-                raise ValueError(f"the prepared folder {source!r} cannot be part of a mixture (yet): train on it alone")
+            if streaming and is_prepared(source):
+                raise ValueError(f"{source!r} is a prepared folder, read memory-mapped: train on it without streaming")
+        if streaming and num_workers > 1:
+            raise ValueError(f"streaming reads one stream in order: num_workers={num_workers} must be 0 or 1")
+        self.train_start: list[dict] | None = None  # streaming: each source's position where training starts
+        self.stream_position: dict | None = None  # streaming: the position after the last batch trained on
         self.train_set: Any = None
         self.val_set: Any = None
         self.test_set: Any = None
@@ -109,12 +123,16 @@ class TextDataModule(L.LightningDataModule):
         return self.tokenizer.vocab_size
 
     def prepare_data(self) -> None:
+        if self.streaming:  # nothing to cache
+            return
         if self.trainer is None or self.trainer.state.fn != "predict":  # prediction reads only the prompts
             self._packed_blocks()  # tokenizes once per node; `setup` then reads the cache
 
     def setup(self, stage: str | None = None) -> None:
-        if self.train_set is not None or stage == "predict":
+        if self.train_set is not None or self.train_start is not None or stage == "predict":
             return
+        if self.streaming:
+            return self._hold_out_from_stream()
         blocks = self._packed_blocks()
         n_val = max(1, round(self.val_fraction * len(blocks)))
         n_test = max(1, round(self.test_fraction * len(blocks))) if self.test_fraction else 0
@@ -124,7 +142,7 @@ class TextDataModule(L.LightningDataModule):
                 f"a global batch of {self.global_batch_size} plus {n_val} validation and {n_test} test blocks; use "
                 "more text or a smaller seq_len / global_batch_size"
             )
-        if isinstance(blocks, PreparedBlocks):  # a seeded permutation of the block indices (nothing is read)
+        if not hasattr(blocks, "train_test_split"):  # a seeded permutation of the block indices (nothing is read)
             order = torch.randperm(len(blocks), generator=torch.Generator().manual_seed(self.seed)).numpy()
             self.val_set = Subset(blocks, order[:n_val])
             self.test_set = Subset(blocks, order[n_val : n_val + n_test]) if n_test else None
@@ -138,6 +156,8 @@ class TextDataModule(L.LightningDataModule):
         self.train_set = train.with_format("torch")
 
     def train_dataloader(self) -> DataLoader:
+        if self.streaming:
+            return self._stream_loader()
         loader = self._loader(self.train_set, shuffle=True)
         if self._resume is not None:
             loader.sampler.resume_at(self._resume["epoch"], self._resume["consumed_samples"])
@@ -171,6 +191,8 @@ class TextDataModule(L.LightningDataModule):
         """The data position, saved in checkpoints: the epoch, and the samples of it consumed by all replicas
         together (not per replica, so a run can resume with another data-parallel size)."""
         trainer = self.trainer
+        if self.streaming:  # every rank trains on the same global batches, so its position is everyone's
+            return {"stream": self.stream_position} if self.stream_position is not None else {}
         if trainer is None:
             return {}
         replicas, _ = self._replica()
@@ -180,8 +202,19 @@ class TextDataModule(L.LightningDataModule):
             return {"epoch": trainer.current_epoch + 1, "consumed_samples": 0}
         return {"epoch": trainer.current_epoch, "consumed_samples": consumed}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if bool(state.get("stream")) != self.streaming and state:
+            raise ValueError(
+                f"the checkpoint's data position was recorded with streaming={not self.streaming}; resume it with "
+                f"the same data.streaming, not streaming={self.streaming}"
+            )
         self._resume = dict(state) if state else None
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Streaming: remember the position the batch training is about to consume leaves the stream at."""
+        if isinstance(batch, dict) and "stream" in batch:
+            self.stream_position = json.loads(batch.pop("stream")[-1])
+        return batch
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set, shuffle=False)
@@ -213,19 +246,37 @@ class TextDataModule(L.LightningDataModule):
         return DataLoader(dataset, batch_size=micro, sampler=sampler, drop_last=True, num_workers=self.num_workers)
 
     def _packed_blocks(self) -> Any:
-        """The sources' documents tokenized and packed into blocks; a mixture's blocks drawn by weight."""
-        import datasets
-
-        (first,) = self.sources if len(self.sources) == 1 else (None,)
-        if first is not None and is_prepared(first):  # read memory-mapped, block by block
-            return PreparedBlocks(first, self.seq_len + 1, self.tokenizer)
-        packed = [self._packed(source) for source in self.sources]
+        """The sources' documents tokenized and packed into blocks (a prepared folder's read memory-mapped); a
+        mixture's blocks drawn by weight."""
+        packed = [
+            PreparedBlocks(source, self.seq_len + 1, self.tokenizer) if is_prepared(source) else self._packed(source)
+            for source in self.sources
+        ]
         if len(packed) == 1:
             return packed[0]
-        # NOTE: "first_exhausted" stops at the first source to run out, so the shares are the weights (no source's
-        # blocks repeat); a seeded draw keeps the mixture, and so every global batch, the same in every layout.
-        return datasets.interleave_datasets(packed, probabilities=list(self.sources.values()), seed=self.seed,
-                                            stopping_strategy="first_exhausted")  # fmt: skip
+        return MixtureBlocks([p if isinstance(p, PreparedBlocks) else p.with_format("numpy") for p in packed],
+                             list(self.sources.values()), seed=self.seed)  # fmt: skip
+
+    def _open_documents(self) -> Any:
+        return functools.partial(load_documents, text_column=self.text_column, name=self.name, split=self.split,
+                                 cache_dir=self.cache_dir, streaming=True)  # fmt: skip
+
+    def _hold_out_from_stream(self) -> None:
+        """Streaming: validation and test blocks from the start of the stream; training starts after them."""
+        val, test, self.train_start = held_out(self._open_documents(), self.sources, self.tokenizer, self.seq_len + 1,
+                                               self.global_batch_size, self.seed, (self.val_fraction,
+                                               self.test_fraction))  # fmt: skip
+        self.val_set = [{"input_ids": torch.from_numpy(b.astype(np.int64))} for b in val]
+        self.test_set = [{"input_ids": torch.from_numpy(b.astype(np.int64))} for b in test] or None
+
+    def _stream_loader(self) -> DataLoader:
+        replicas, rank = self._replica()
+        resume = self._resume.get("stream") if self._resume else None
+        self._resume = None
+        blocks = StreamedBlocks(self._open_documents(), self.sources, self.tokenizer, self.seq_len + 1,
+                                self.global_batch_size, replicas, rank, self.seed, self.train_start,
+                                resume)  # fmt: skip
+        return DataLoader(blocks, batch_size=self.micro_batch_size(), num_workers=self.num_workers)
 
     def _packed(self, source: str) -> Any:
         import datasets

@@ -83,18 +83,20 @@ def check_source(data_path: str) -> None:
 
 
 def load_documents(data_path: str, text_column: str = "text", name: str | None = None, split: str = "train",
-                   cache_dir: str | None = None) -> Any:  # fmt: skip
-    """The documents of one source as a `datasets.Dataset` with the single column ``text``."""
+                   cache_dir: str | None = None, streaming: bool = False) -> Any:  # fmt: skip
+    """The documents of one source as a `datasets.Dataset` with the single column ``text`` (with ``streaming``, a
+    `datasets.IterableDataset` that reads the files as it goes and caches nothing)."""
     import datasets
 
     if data_path.startswith(HUB_PREFIX):
-        loaded = datasets.load_dataset(data_path[len(HUB_PREFIX) :], name=name, split=split, cache_dir=cache_dir)
+        loaded = datasets.load_dataset(data_path[len(HUB_PREFIX) :], name=name, split=split, cache_dir=cache_dir,
+                                       streaming=streaming)  # fmt: skip
         return _text_column(loaded, text_column, data_path)
     if is_saved_dataset(data_path):
         loaded = datasets.load_from_disk(data_path)
         if isinstance(loaded, datasets.DatasetDict):
             loaded = loaded[split]
-        return _text_column(loaded, text_column, data_path)
+        return _text_column(loaded.to_iterable_dataset() if streaming else loaded, text_column, data_path)
     by_format: dict[str, list[str]] = defaultdict(list)
     for file in resolve_files(data_path):
         by_format[file_format(file)].append(file)
@@ -102,16 +104,20 @@ def load_documents(data_path: str, text_column: str = "text", name: str | None =
     for builder, files in sorted(by_format.items()):
         if builder == "text":  # one row per file, so packing sees whole files in order
             parts.append(datasets.load_dataset("text", data_files=files, sample_by="document", split="train",
-                                               cache_dir=cache_dir))  # fmt: skip
+                                               cache_dir=cache_dir, streaming=streaming))  # fmt: skip
             continue
         for file in files:  # one at a time, so a missing column names its file
-            loaded = datasets.load_dataset(builder, data_files=[file], split="train", cache_dir=cache_dir)
+            loaded = datasets.load_dataset(builder, data_files=[file], split="train", cache_dir=cache_dir,
+                                           streaming=streaming)  # fmt: skip
             parts.append(_text_column(loaded, text_column, file))
     return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
 
 
 def _text_column(dataset: Any, column: str, source: str) -> Any:
-    if column not in dataset.column_names:
-        raise ValueError(f"{source!r} has no column {column!r} (its columns: {dataset.column_names}); set text_column")
+    columns = dataset.column_names
+    if columns is None:  # a stream whose columns show only in its rows
+        columns = list(next(iter(dataset), {}))
+    if column not in columns:
+        raise ValueError(f"{source!r} has no column {column!r} (its columns: {columns}); set text_column")
     dataset = dataset.select_columns([column])
     return dataset.rename_column(column, "text") if column != "text" else dataset

@@ -63,6 +63,18 @@ def test_a_prepared_folder_refuses_another_tokenizer_and_prepare_an_existing_out
         main(["prepare", "--data_path", str(text_folder), "--output", str(folder)])
 
 
+def test_a_prepared_folder_mixes_with_other_sources_by_weight(prepared, tmp_path):
+    folder, _ = prepared
+    (tmp_path / "z.txt").write_text("z" * 40_000)
+    data = TextDataModule({str(folder): 3, str(tmp_path / "z.txt"): 1}, seq_len=3, global_batch_size=4)
+    blocks = data._packed_blocks()
+    from_z = np.array([bool((blocks[i]["input_ids"] == ord("z")).all()) for i in range(len(blocks))])
+    assert len(blocks) > 3000 and from_z.mean() == pytest.approx(0.25, abs=0.02)
+    assert len(PreparedBlocks(folder, 4, data.tokenizer)) - (~from_z).sum() < 4  # it ends where the shards run out
+    trainer, log_dir = fit(GPT("tiny"), data, tmp_path / "run", max_steps=2)
+    assert len(logged(log_dir, "train_loss")) == 2
+
+
 @pytest.fixture(scope="module")
 def resumed_from_shards(base_job, corpus, tmp_path_factory) -> dict:
     """Training from prepared shards at DP2, checkpointed after step 4 (mid-epoch), and resumed on one process."""

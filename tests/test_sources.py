@@ -84,7 +84,8 @@ def test_a_mixture_draws_blocks_by_its_weights(tmp_path):
     (tmp_path / "a.txt").write_text("a" * 40_000)
     (tmp_path / "b.txt").write_text("b" * 40_000)  # 5,000 blocks of 8 bytes each
     data = TextDataModule({str(tmp_path / "a.txt"): 7, str(tmp_path / "b.txt"): 3}, seq_len=7, global_batch_size=4)
-    blocks = data._packed_blocks()[:]["input_ids"]
+    mixture = data._packed_blocks()
+    blocks = [mixture[i]["input_ids"] for i in range(len(mixture))]
     share = sum(block[0] == ord("a") for block in blocks) / len(blocks)
     assert len(blocks) > 5000 and share == pytest.approx(0.7, abs=0.02)
     with pytest.raises(ValueError, match="positive, finite weight"):
