@@ -35,9 +35,11 @@ def memory_by_component(module: nn.Module, optimizers: Iterable[torch.optim.Opti
         for value in state.values()
         if isinstance(value, torch.Tensor)
     ]
+    stepped = [p for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]]
     report = {
         "params": local_bytes(params),
-        "grads": local_bytes(p.grad for p in params if p.grad is not None),
+        # The optimizer's own parameters may be slices with gradients of their own (ZeRO-1's DP averages).
+        "grads": local_bytes(p.grad for p in [*params, *stepped] if p.grad is not None),
         "optimizer": local_bytes(states),
     }
     report["total"] = sum(report.values())

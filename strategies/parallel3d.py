@@ -284,6 +284,17 @@ class Parallel3DStrategy(ShardedCheckpoints, ModelParallelStrategy):
                     + ", ".join(f"{key} {value / 2**20:.1f} MiB" for key, value in self.memory_estimate.items())
                 )
 
+    @override
+    def model_to_device(self) -> None:
+        module = self.lightning_module
+        if self._parallelized is None or module is None:
+            return super().model_to_device()
+        # NOTE: the split network already lives on this device, and moving DTensor parameters swaps them under the
+        # optimizer's views and the pipeline's stages: move only what else the module holds.
+        for child in module.children():
+            if child is not self._parallelized:
+                child.to(self.root_device)
+
     def parallelize(self, module: LightningModule) -> None:
         """Split ``module.model`` over the mesh (see `parallelize_network`), then give it its weights."""
         network, layout = module.model, self.layout
@@ -322,7 +333,7 @@ class Parallel3DStrategy(ShardedCheckpoints, ModelParallelStrategy):
         # ZeRO-1 where the strategy applied data parallelism; a module that parallelises itself chose its own.
         zero1 = self.zero_stage == 1 and self.layout.dp > 1 and self._parallelized is not None
         self._local_optimizers = {
-            id(opt): LocalShardOptimizer(opt, zero1)
+            id(opt): LocalShardOptimizer(opt, self.device_mesh if zero1 else None)
             for opt in self.optimizers
             if zero1 or (isinstance(opt, ELEMENTWISE_OPTIMIZERS) and _has_dtensor_params(opt))
         }
@@ -380,6 +391,10 @@ class Parallel3DStrategy(ShardedCheckpoints, ModelParallelStrategy):
 
     def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
         pipeline_group = self.device_mesh["pp"].get_group() if self.layout.pp > 1 else None
+        local = self._local_optimizers.get(id(optimizer))
+        if local is not None and local.zero1:  # the gradients are the DP averages of the optimizer's slices now
+            local.clip_grad_norm_(clip_val, pipeline_group)
+            return
         clip_grad_norm_(self.lightning_module.parameters(), clip_val, pipeline_group)
 
     def _log_pipeline_activity(self) -> None:

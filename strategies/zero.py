@@ -4,7 +4,7 @@
 zero_stage  parameters          gradients         optimizer       built from
 ==========  ==================  ================  ==============  ============================================
 0           replicated          all-reduced       replicated      DDP, or ``replicate``
-1           replicated          all-reduced       sharded (1/D)   ``replicate`` + `LocalShardOptimizer`
+1           replicated          reduce-scattered  sharded (1/D)   `LocalShardOptimizer` (no wrapper)
 2           gathered once/step  reduce-scattered  sharded         ``fully_shard(reshard_after_forward=False)``
 3           gathered per block  reduce-scattered  sharded         ``fully_shard``
 ==========  ==================  ================  ==============  ============================================
@@ -13,6 +13,10 @@ ZeRO-0 on a network that is data parallel only is PyTorch's DDP (its composable 
 in buckets of about 25 MB, all-reduced in the background while backward goes on, as Lightning's ``ddp`` does.
 DDP takes neither DTensor parameters nor a pipeline schedule's micro-batches, so with TP or PP, ZeRO-0 is FSDP2's
 ``replicate``: one all-reduce per block, issued in order (it overlaps through CUDA streams, not on CPU).
+
+Stage 1 sends what DDP sends (the ZeRO paper's P_os): after backward, one reduce-scatter per bucket of gradients
+and, after the step, one all-gather of the updated slices, 2·Ψ·(D−1)/D in all; nothing moves on the micro-steps of
+an accumulation window (or of a pipeline schedule), since no wrapper syncs during backward.
 
 Stage 2 gathers each block's parameters in forward and keeps them until its backward is done (no second
 gather), then frees them: between steps a rank holds only its shard, as in stage 3.
@@ -27,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 
 
 def apply_data_parallel(
@@ -59,8 +63,11 @@ def apply_data_parallel(
             gradient_as_bucket_view=True,
         )
         return
+    if zero_stage == 1:  # `LocalShardOptimizer` syncs the gradients at the step; nothing to wrap
+        network._lit3d_zero1 = True
+        return
     mp_policy = mp_policy or MixedPrecisionPolicy()
-    if zero_stage <= 1:
+    if zero_stage == 0:
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
         # One gradient all-reduce per block, issued as soon as backward is done with it (overlaps the rest).
@@ -112,16 +119,20 @@ class LocalShardOptimizer:
     AdamW and its kind update every element on its own, so stepping a shard computes exactly what stepping
     the whole tensor would, without DTensor's per-operation dispatch (on small models that costs more than the
     arithmetic). The optimizer's parameters are swapped for views of the shards (no copy): a step updates the
-    model in place. Around each step, `scatter_grads` hands the optimizer the matching views of the gradients
-    and `gather_params` (ZeRO-1 only) replicates the updated slices over DP again, with a DTensor redistribute
-    (an all-gather per parameter). Create it before the optimizer's first step.
+    model in place. Create it before the optimizer's first step.
 
-    ZeRO-1 splits each replicated parameter along a tensor dim that tensor parallelism leaves whole, so the
-    optimizer states are 1/D the size; `state_layout` gives their place in the global tensor for checkpoints.
+    ZeRO-1 (``zero1_mesh``: the strategy's mesh, with a ``dp`` dim) is the ZeRO paper's P_os, in the bytes of
+    DDP: the parameters stay replicated over DP and nothing syncs during backward; after it, `scatter_grads`
+    reduce-scatters the gradients in buckets, so each rank receives the DP average of only its slice (the model's
+    own gradients are then dropped), the optimizer steps the slices, and `gather_params` all-gathers the updated
+    slices back into every replica. Each parameter is split along a tensor dim that TP leaves whole; the optimizer
+    states are 1/D the size, and `as_global` places them in the global tensor for checkpoints.
+    ``reduce_dtype`` (e.g. bf16) is the dtype the gradients travel in; the average lands in the parameter's.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, zero1: bool, dp_dim: str = "dp") -> None:
-        if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
+    def __init__(self, optimizer: torch.optim.Optimizer, zero1_mesh: DeviceMesh | None = None,
+                 reduce_dtype: torch.dtype | None = None) -> None:  # fmt: skip
+        if zero1_mesh is not None and not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
             raise TypeError(
                 f"{type(optimizer).__name__} is not one of the elementwise optimizers "
                 f"({', '.join(o.__name__ for o in ELEMENTWISE_OPTIMIZERS)}) that ZeRO-1 can shard; "
@@ -129,46 +140,79 @@ class LocalShardOptimizer:
             )
         if optimizer.state:
             raise RuntimeError("the optimizer's parameters must be swapped before its first step")
-        self.zero1, self.dp_dim = zero1, dp_dim
+        self.mesh, self.reduce_dtype = zero1_mesh, reduce_dtype
         self.entries: list[_Entry] = []
         for group in optimizer.param_groups:
             entries = [self._entry(p) for p in group["params"]]
             self.entries += entries
             group["params"] = [e.view for e in entries]
         self._by_view = {id(e.view): e for e in self.entries}
-        self._buckets = _buckets([e for e in self.entries if e.split is not None])
+        self._buckets = _buckets([e for e in self.entries if e.dim is not None])
 
     def _entry(self, param: torch.Tensor) -> _Entry:
-        if not isinstance(param, DTensor):
-            return _Entry(param, param, None, None)
-        placements, split = list(param.placements), None
-        if self.zero1:
-            mesh_dim = param.device_mesh.mesh_dim_names.index(self.dp_dim)
-            if not isinstance(placements[mesh_dim], Replicate):
-                raise TypeError(f"ZeRO-1 expects parameters replicated over {self.dp_dim!r}, got {param.placements}")
-            taken = {p.dim for p in placements if isinstance(p, Shard)}
+        if self.mesh is None:
+            if not isinstance(param, DTensor):
+                return _Entry(param, param)
+            entry = _Entry(param, None, param.device_mesh, tuple(param.placements))
+        else:
+            tp = tuple(param.placements) if isinstance(param, DTensor) else ()
+            if isinstance(param, DTensor) and param.device_mesh.mesh_dim_names != ("tp",):
+                raise TypeError(f"ZeRO-1 expects plain or tensor-parallel parameters, got {param.placements}")
+            taken = {p.dim for p in tp if isinstance(p, Shard)}
             dim = next((d for d in range(param.ndim) if d not in taken), None)
             if dim is None:
                 raise ValueError(f"no dim of a {tuple(param.shape)} parameter is free for ZeRO-1 sharding")
-            placements[mesh_dim], split = Shard(dim), (mesh_dim, dim)
-        entry = _Entry(param, None, tuple(placements), split)
+            mesh = self.mesh["dp", "tp"] if tp else self.mesh["dp"]
+            entry = _Entry(param, None, mesh, (Shard(dim), *tp), dim)
         entry.view = nn.Parameter(entry.local(param).detach(), requires_grad=param.requires_grad)
         return entry
 
+    @property
+    def zero1(self) -> bool:
+        return self.mesh is not None
+
+    @torch.no_grad()
     def scatter_grads(self) -> None:
+        """Hand the optimizer its views of the gradients; with ZeRO-1, their DP averages (a reduce-scatter)."""
+        for bucket in self._buckets:
+            _reduce_scatter_slices(bucket, self.reduce_dtype)
         for e in self.entries:
-            if e.view is not e.param:
+            if e.view is not e.param and e.dim is None:
                 e.view.grad = None if e.param.grad is None else e.local(e.param.grad)
 
     @torch.no_grad()
     def gather_params(self) -> None:
-        if self.zero1:
-            for bucket in self._buckets:
-                _all_gather_slices(bucket)
+        for bucket in self._buckets:
+            _all_gather_slices(bucket)
         for e in self.entries:
             if e.view is not e.param:
                 # The model's gradients are what backward accumulates into; the step has consumed them.
                 e.param.grad = e.view.grad = None
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, pipeline_group: Any = None) -> torch.Tensor:
+        """ZeRO-1: scale the gradient slices so the whole model's gradient norm is at most ``max_norm``.
+
+        The slices are disjoint over DP and TP-sharded tensors over TP, while a tensor TP replicates is counted on
+        the first TP rank only; so one sum of squares per rank, summed over DP, TP and the pipeline, is the norm.
+        (Plain tensors: DTensor's dispatch would cost more than the arithmetic.)
+        """
+        mesh, grads = self.mesh, [e.view.grad for e in self.entries if e.view.grad is not None]
+        first_tp = "tp" not in mesh.mesh_dim_names or mesh["tp"].get_local_rank() == 0
+        counted = [
+            e.view.grad
+            for e in self.entries
+            if e.view.grad is not None and (first_tp or any(p.is_shard() for p in e.placements[1:]))
+        ]
+        squared = sum((g.float().square().sum() for g in counted), torch.zeros((), device=grads[0].device))
+        for dim in ("dp", "tp", "pp"):
+            group = pipeline_group if dim == "pp" else mesh[dim].get_group() if dim in mesh.mesh_dim_names else None
+            if group is not None and torch.distributed.get_world_size(group) > 1:
+                torch.distributed.all_reduce(squared, group=group)
+        norm = squared.sqrt()
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+        return norm
 
     def as_global(self, view: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
         """A state tensor of ``view`` (exp_avg, ...) as a DTensor placed in the parameter's global shape, sharing
@@ -176,78 +220,98 @@ class LocalShardOptimizer:
         entry = self._by_view[id(view)]
         if entry.placements is None or state.shape != view.shape:
             return state
-        param = entry.param
-        return DTensor.from_local(
-            state, param.device_mesh, entry.placements, run_check=False, shape=param.shape, stride=param.stride()
-        )
+        shape = entry.param.shape
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(state, entry.mesh, entry.placements, run_check=False, shape=shape, stride=stride)
 
 
 class _Entry:
-    """One parameter: the model's (DTensor) parameter and the plain view the optimizer steps."""
+    """One parameter: the model's parameter, the plain view the optimizer steps, and where that view lies in the
+    global tensor (``mesh`` and ``placements``; ``dim``: the dim ZeRO-1 splits over DP)."""
 
-    def __init__(self, param: torch.Tensor, view: torch.Tensor | None, placements: Any, split: Any) -> None:
-        self.param, self.view, self.placements, self.split = param, view, placements, split
+    def __init__(self, param: torch.Tensor, view: torch.Tensor | None, mesh: Any = None, placements: Any = None,
+                 dim: int | None = None) -> None:  # fmt: skip
+        self.param, self.view, self.mesh, self.placements, self.dim = param, view, mesh, placements, dim
 
-    def slices(self) -> list[tuple[int, int]]:
-        """(start, length) along the split dim of each DP rank's slice (torch.chunk's split, as DTensor's)."""
-        mesh_dim, dim = self.split
-        size, parts = self.param.to_local().shape[dim], self.param.device_mesh.size(mesh_dim)
-        step = -(-size // parts)
-        return [(min(r * step, size), max(0, min(step, size - r * step))) for r in range(parts)]
+    @property
+    def dp(self) -> tuple[Any, int, int]:
+        """(process group, size, this rank's index) of the DP dim."""
+        dp = self.mesh["dp"]
+        return dp.get_group(), dp.size(), dp.get_local_rank()
 
-    def local(self, tensor: DTensor) -> torch.Tensor:
+    def local(self, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of ``tensor`` (the parameter or its gradient) that the optimizer steps, as a view."""
-        local = tensor.to_local()
-        if self.split is None:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        if self.dim is None:
             return local
-        mesh_dim, dim = self.split
-        mesh = tensor.device_mesh
-        return _rank_chunk(local, dim, mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim))
+        _, size, rank = self.dp
+        return _rank_chunk(local, self.dim, size, rank)
+
+    def slices(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every DP rank's slice of ``tensor``'s local part (torch.chunk's split, as DTensor's ``Shard``)."""
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        _, size, _ = self.dp
+        return [_rank_chunk(local, self.dim, size, r) for r in range(size)]
+
+    def slice_numel(self) -> int:
+        """Elements of the largest DP slice (what each rank contributes to a collective, padded)."""
+        return max(s.numel() for s in self.slices(self.param))
 
 
-BUCKET_ELEMENTS = 50_000_000  # one all-gather gathers at most this many elements per rank
+BUCKET_ELEMENTS = 50_000_000  # one collective moves at most this many elements per rank
 
 
 def _buckets(entries: list[_Entry]) -> list[list[_Entry]]:
-    """ZeRO-1 entries in groups gathered by one collective each: same process group and dtype, bounded size."""
+    """ZeRO-1 entries in groups moved by one collective each: same DP group and dtype, bounded size."""
     buckets: dict[tuple, list[list[_Entry]]] = {}
     for e in entries:
-        key = (e.param.device_mesh.get_group(e.split[0]), e.view.dtype)
-        groups = buckets.setdefault(key, [[]])
-        if groups[-1] and sum(_slice_numel(x) for x in groups[-1]) + _slice_numel(e) > BUCKET_ELEMENTS:
+        groups = buckets.setdefault((e.dp[0], e.view.dtype), [[]])
+        if groups[-1] and sum(x.slice_numel() for x in groups[-1]) + e.slice_numel() > BUCKET_ELEMENTS:
             groups.append([])
         groups[-1].append(e)
     return [bucket for groups in buckets.values() for bucket in groups]
 
 
-def _slice_numel(e: _Entry) -> int:
-    """Elements of the largest DP slice of the entry's parameter (what each rank contributes, padded)."""
-    local, dim = e.param.to_local(), e.split[1]
-    return local.numel() // max(1, local.shape[dim]) * max(length for _, length in e.slices())
+def _offsets(bucket: list[_Entry]) -> tuple[list[int], int]:
+    sizes = [e.slice_numel() for e in bucket]
+    return [sum(sizes[:i]) for i in range(len(sizes))], sum(sizes)
+
+
+def _reduce_scatter_slices(bucket: list[_Entry], dtype: torch.dtype | None) -> None:
+    """Average a bucket's gradients over DP with one reduce-scatter, each rank receiving only its slices.
+
+    Every rank lays out its whole gradients as ``size`` rows, row r holding rank r's slices (each padded to the
+    largest), and the reduce-scatter sums row r over the ranks into rank r.
+    """
+    group, size, _ = bucket[0].dp
+    offsets, total = _offsets(bucket)
+    view = bucket[0].view
+    send = view.new_zeros(size, total, dtype=dtype or view.dtype)
+    for e, offset in zip(bucket, offsets):
+        grad = e.param.grad if e.param.grad is not None else torch.zeros_like(e.param)
+        for rank, part in enumerate(e.slices(grad)):
+            send[rank, offset : offset + part.numel()].copy_(part.reshape(-1))
+    received = send.new_empty(total)
+    torch.distributed.reduce_scatter_single(received, send.view(-1), group=group)
+    received = received.to(view.dtype).div_(size)
+    for e, offset in zip(bucket, offsets):
+        e.view.grad = received[offset : offset + e.view.numel()].view(e.view.shape)
+        e.param.grad = None  # each rank keeps only the average of its slice
 
 
 def _all_gather_slices(bucket: list[_Entry]) -> None:
-    """Replicate the updated ZeRO-1 slices of a bucket of parameters over DP with one all-gather.
-
-    Every rank packs its slices into one flat buffer (each padded to the largest slice), all ranks' buffers
-    are gathered, and each slice is copied back into its place in the parameter.
-    """
-    mesh_dim = bucket[0].split[0]
-    mesh = bucket[0].param.device_mesh
-    group, ranks, me = mesh.get_group(mesh_dim), mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim)
-    sizes = [_slice_numel(e) for e in bucket]
-    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-    send = bucket[0].view.new_zeros(sum(sizes))
+    """Replicate the updated ZeRO-1 slices of a bucket of parameters over DP with one all-gather."""
+    group, size, me = bucket[0].dp
+    offsets, total = _offsets(bucket)
+    send = bucket[0].view.new_zeros(total)
     for e, offset in zip(bucket, offsets):
         send[offset : offset + e.view.numel()].copy_(e.view.reshape(-1))
-    received = send.new_empty(ranks * sum(sizes))
+    received = send.new_empty(size * total)
     torch.distributed.all_gather_single(received, send, group=group)
-    received = received.view(ranks, sum(sizes))
+    received = received.view(size, total)
     for e, offset in zip(bucket, offsets):
-        local, dim = e.param.to_local(), e.split[1]
-        for rank, (start, length) in enumerate(e.slices()):
-            if rank != me and length:
-                target = local.narrow(dim, start, length)
+        for rank, target in enumerate(e.slices(e.param)):
+            if rank != me and target.numel():
                 target.copy_(received[rank, offset : offset + target.numel()].view(target.shape))
 
 
@@ -270,7 +334,12 @@ def check_replicas_in_sync(module: nn.Module, dp_mesh: DeviceMesh, other_roots: 
     from torch.distributed._composable.replicate import DDP
     from torch.distributed.fsdp import FSDPModule
 
-    units = [m for root in (module, *other_roots) for m in root.modules() if isinstance(m, DDP | FSDPModule)]
+    units = [
+        m
+        for root in (module, *other_roots)
+        for m in root.modules()
+        if isinstance(m, DDP | FSDPModule) or getattr(m, "_lit3d_zero1", False)
+    ]
     covered = {id(p) for unit in units for p in unit.parameters()}
     names = [name for name, p in module.named_parameters() if id(p) not in covered]
     if names:
@@ -284,7 +353,8 @@ def check_replicas_in_sync(module: nn.Module, dp_mesh: DeviceMesh, other_roots: 
     replicated = {}
     for name, p in module.named_parameters():
         if isinstance(p, DTensor):
-            if not p.placements[p.device_mesh.mesh_dim_names.index(dim)].is_replicate():
+            names = p.device_mesh.mesh_dim_names
+            if dim in names and not p.placements[names.index(dim)].is_replicate():
                 continue  # sharded over the replicas (FSDP2's Shard, or _StridedShard with TP): nothing to compare
             p = p.to_local()
         replicated[name] = p.detach()

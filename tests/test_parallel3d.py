@@ -56,10 +56,18 @@ def test_no_gradient_sync_on_micro_steps_before_the_last(layout_runs, zero_stage
         assert firsts == [{}, {"c10d.broadcast_": 2}], f"gradients synced on a non-final micro-step: {firsts}"
         assert lasts == [{"c10d.allreduce_": 2}] * 2
     else:
-        # FSDP2's replicate: one all-reduce per block and one for the rest, the logged loss, then one all-gather of
-        # the updated optimizer slices.
+        # ZeRO-1: one reduce-scatter of all the gradients (one bucket), the logged loss, the gradient norm of the
+        # slices for clipping, then one all-gather of the updated slices.
         assert firsts == [{}, {}], f"collectives on a non-final micro-step: {firsts}"
-        assert lasts == [{"c10d.allreduce_": SMALL_GPT["n_layer"] + 2, "c10d._allgather_base_": 1}] * 2
+        expected = {"c10d._reduce_scatter_base_": 1, "c10d.allreduce_": 2, "c10d._allgather_base_": 1}
+        assert lasts == [expected] * 2
+
+
+def test_zero1_sends_what_ddp_sends(layout_runs):
+    # The ZeRO paper's P_os: a reduce-scatter of the gradients and an all-gather of the updated slices, 2 (D-1)/D
+    # of the model's bytes, as DDP's all-reduce.
+    zero0, zero1 = (layout_runs[f"dp2_zero{z}"]["comm_bytes"]["measured"]["dp"] for z in (0, 1))
+    assert zero0 > 0 and abs(zero1 - zero0) <= 256, (zero0, zero1)
 
 
 @pytest.mark.parametrize("layout", COMM_MEASURED)
@@ -116,7 +124,7 @@ def test_memory_per_rank_follows_the_zero_formula(layout_runs):
     steps = 4 * len(names_and_sizes)  # AdamW keeps one fp32 step counter per tensor
     expected = {  # (params, grads, optimizer) on each of 2 data-parallel ranks
         0: (full, full, 2 * full + steps),
-        1: (full, full, full + steps),  # exp_avg and exp_avg_sq of half of every tensor
+        1: (full, full // 2, full + steps),  # exp_avg and exp_avg_sq of half of every tensor, and its gradient
         2: (full // 2, full // 2, full + steps),
         3: (full // 2, full // 2, full + steps),
     }

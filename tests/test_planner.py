@@ -37,10 +37,10 @@ def test_gpt3_state_per_gpu_is_the_known_answer():
     assert most["total"] == max(stage["total"] for stage in plan.memory_by_stage)
 
 
-def test_zero1_divides_the_optimizer_state_by_the_data_parallel_size():
+def test_zero1_divides_the_optimizer_state_and_the_kept_gradients_by_the_data_parallel_size():
     z0, z1 = gpt3_plan(0).memory_per_gpu, gpt3_plan(1).memory_per_gpu
     assert z1["optimizer"] == pytest.approx(z0["optimizer"] / 8, rel=1e-4)  # but for the step counters
-    assert (z1["params"], z1["grads"]) == (z0["params"], z0["grads"])
+    assert z1["params"] == z0["params"] and z1["grads"] == z0["grads"] / 8  # the reduce-scattered slice only
 
 
 def test_1f1b_bubble_is_p_minus_1_over_m_plus_p_minus_1():

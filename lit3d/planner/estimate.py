@@ -109,9 +109,11 @@ def state_bytes(tensors: list[Tensor], layout: Layout, zero_stage: int, precisio
     else:
         optimizer = full
     step_counters = 4 * len(tensors)  # AdamW keeps one fp32 step count per tensor
+    # ZeRO-1 keeps the DP average of its optimizer slice only (backward's whole gradients go at the reduce-scatter).
+    grads = optimizer if zero_stage == 1 and dp > 1 else sharded_params
     return {
         "params": sharded_params * precision.weights,
-        "grads": sharded_params * precision.grads,
+        "grads": grads * precision.grads,
         "optimizer": optimizer * precision.optimizer + step_counters,
     }
 

@@ -81,18 +81,18 @@ def _dp_traffic(
     synchronises gradients at its end, and ZeRO-2 gathers the weights at its start, once per schedule. It keeps
     a chunk gathered after each backward but the last, so under ZeRO-3 only the backwards right after a forward
     gather again: m + 1 gathers of the blocks per schedule, whatever the order, and one of the root. ZeRO-1
-    gathers the updated slices once per step.
+    reduce-scatters the gradients and gathers the updated slices once per step, after every schedule.
     """
     if dp == 1:
         return 0.0
     share = (dp - 1) / dp
     params = in_blocks + root
     grads, weights = params * precision.grads, params * precision.weights
-    if zero_stage < 3:
-        return schedules * {
-            0: 2 * share * grads,  # all-reduce of the gradients
-            1: 2 * share * grads,  # the same, and (below) an all-gather of the updated slices
-            2: share * (grads + weights),  # reduce-scatter of gradients, all-gather of weights
-        }[zero_stage] + (share * weights if zero_stage == 1 else 0.0)
+    if zero_stage == 1:  # once per step, whatever the schedules: a reduce-scatter and an all-gather of the slices
+        return share * (grads + weights)
+    if zero_stage == 0:  # all-reduce of the gradients
+        return schedules * 2 * share * grads
+    if zero_stage == 2:  # reduce-scatter of the gradients, all-gather of the weights
+        return schedules * share * (grads + weights)
     gathers = (microbatches + 1, 1) if pipelined else (2 * microbatches, microbatches)  # blocks, root
     return schedules * share * (grads + (gathers[0] * in_blocks + gathers[1] * root) * precision.weights)
