@@ -75,8 +75,12 @@ def test_a_crafted_checkpoint_is_refused_by_every_api_without_running_its_code(c
 
 
 @pytest.mark.parametrize("command", ["export", "convert", "generate", "validate", "fit"])
-def test_a_crafted_checkpoint_is_refused_by_every_command_without_running_its_code(crafted, command, corpus, tmp_path):
+def test_a_crafted_checkpoint_is_refused_by_every_command_without_running_its_code(
+    crafted, command, corpus, tmp_path, monkeypatch
+):
     from lit3d.cli import main
+
+    monkeypatch.chdir(tmp_path)  # LightningCLI saves its config.yaml here
 
     folder, marker, file = crafted
     args = {
