@@ -54,7 +54,28 @@ TENSOR_PARALLEL_PLAN: dict[str, str] = {
 
 
 def rotary_tables(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the rotary angles, ``[seq, head_dim]``, in the rotate-half layout HuggingFace Llama uses."""
+    """cos and sin of the rotary angles, ``[seq, head_dim]``, in the rotate-half layout HuggingFace Llama uses.
+
+    Computed once per (head_dim, theta, device) for the longest sequence asked so far, and sliced: not again in
+    every block of every forward.
+    """
+    if torch.compiler.is_compiling():
+        return _rotary_tables(seq_len, head_dim, theta, device)
+    key = (head_dim, theta, str(device))
+    tables = _ROTARY_TABLES.get(key)
+    if tables is None or tables[0].shape[0] < seq_len:
+        # Plain tensors even under inference mode: training saves them for backward later.
+        with torch.inference_mode(False), torch.no_grad():
+            tables = _ROTARY_TABLES[key] = _rotary_tables(seq_len, head_dim, theta, device)
+    return tables[0][:seq_len], tables[1][:seq_len]
+
+
+_ROTARY_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _rotary_tables(
+    seq_len: int, head_dim: int, theta: float, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     angles = torch.cat((angles, angles), dim=-1)

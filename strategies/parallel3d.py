@@ -23,8 +23,8 @@ and every optimizer step:
 6. ``block_backward_sync`` on the micro-steps before the last of an accumulation window (no gradient traffic);
 7. ``backward`` (under the vocabulary-parallel loss's handlers with TP; with a pipeline, the gradients the
    schedule computed join the parameters') and ``post_backward`` (DTensor gradients in their parameters' layout);
-8. ``optimizer_step``: gradient clipping by the norm over every shard and stage, the step on local shards, and
-   with ZeRO-1 the all-gather of the updated slices.
+8. ``optimizer_step``: with ZeRO-1 the reduce-scatter of the gradients, gradient clipping by the norm over every
+   shard and stage, the step on local shards, and with ZeRO-1 the all-gather of the updated slices.
 
 A LightningModule is split by the strategy when it follows lit3d's protocol (like `lit3d.GPT`): a ``model``
 with ``blocks`` (a ModuleDict of decoder blocks) and a ``tensor_parallel_plan`` (module name pattern → role,
@@ -76,8 +76,16 @@ from lit3d.strategies.layout import (
 from lit3d.strategies.memory import memory_by_component
 from lit3d.strategies.parallelize import follows_plan, parallelize_network
 from lit3d.strategies.pipeline import Pipeline, bubble_theory, check_pipeline_protocol
+from lit3d.strategies.precision import (
+    check_reduce_dtype,
+    describe,
+    is_bf16_mixed,
+    mixed_precision_policy,
+    uses_ddp,
+)
 from lit3d.strategies.recompute import check_setting
 from lit3d.strategies.tensor_parallel import lay_out_grads_like_params
+from lit3d.strategies.timeline import PipelineTimeline
 from lit3d.strategies.zero import (
     ELEMENTWISE_OPTIMIZERS,
     LocalShardOptimizer,
@@ -98,8 +106,9 @@ class Parallel3DStrategy(ShardedCheckpoints, ModelParallelStrategy):
         tensor_parallel_size: Ranks that split every layer (heads, MLP width, vocabulary). Keep it within a
             node: it communicates twice per layer.
         pipeline_parallel_size: Ranks that split the depth into stages of consecutive blocks.
-        zero_stage: Sharding over the data-parallel ranks: 0 nothing (DDP); 1 optimizer states; 2 and
-            gradients; 3 and parameters (gathered block by block).
+        zero_stage: Sharding over the data-parallel ranks: 0 nothing (DDP); 1 optimizer states, the gradients
+            reduce-scattered at the step (DDP's bytes); 2 and parameters between steps (gathered once per step);
+            3 and parameters gathered block by block.
         sequence_parallel: Between tensor-parallel regions, keep activations (norms, residual stream) split
             along the sequence: less activation memory, same communication volume.
         pipeline_schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b`` or ``zero_bubble``.
@@ -110,6 +119,9 @@ class Parallel3DStrategy(ShardedCheckpoints, ModelParallelStrategy):
             ``"full"`` keeps only each block's input; ``"selective"`` keeps matmul, attention and collective
             outputs and recomputes the elementwise ops (see `lit3d.strategies.recompute`).
         compile: ``torch.compile`` each block (``True``: inductor; a string names another backend).
+        mixed_precision_reduce: Under ``precision="bf16-mixed"``, the dtype gradients are reduced in over DP:
+            ``"float32"`` (torchtitan's default) or ``"bfloat16"`` (half the bytes). Parameters are gathered in
+            bf16 either way; the rank-0 log says what each axis sends (`lit3d.strategies.precision`).
         process_group_backend: ``nccl`` or ``gloo``; default picks by device (NCCL on GPUs, gloo on CPU).
         timeout: How long a collective may wait for a peer before the job fails.
         start_method: How local ranks are started when nothing else starts them (torchrun and SLURM do):
@@ -131,6 +143,7 @@ class Parallel3DStrategy(ShardedCheckpoints, ModelParallelStrategy):
         virtual_pipeline_size: int | None = None,
         activation_checkpointing: bool | Literal["full", "selective"] = False,
         compile: bool | str = False,
+        mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32",
         process_group_backend: str | None = None,
         timeout: timedelta = timedelta(minutes=10),
         start_method: Literal["popen", "fork"] | None = None,
@@ -143,6 +156,7 @@ class Parallel3DStrategy(ShardedCheckpoints, ModelParallelStrategy):
         check_choices(zero_stage, pipeline_schedule)
         check_pipeline_arguments(pipeline_parallel_size, pipeline_schedule, num_microbatches, virtual_pipeline_size)
         check_setting(activation_checkpointing)
+        check_reduce_dtype(mixed_precision_reduce)
         if sequence_parallel and tensor_parallel_size == 1:
             rank_zero_warn("sequence_parallel=True does nothing with tensor_parallel_size=1")
         if start_method not in (None, "popen", "fork"):
@@ -166,6 +180,7 @@ class Parallel3DStrategy(ShardedCheckpoints, ModelParallelStrategy):
         )  # fmt: skip
         self.activation_checkpointing = activation_checkpointing
         self.compile = compile
+        self.mixed_precision_reduce = mixed_precision_reduce
         self._layout: Layout | None = None
         self._local_optimizers: dict[int, LocalShardOptimizer] = {}
         self.pipeline: Pipeline | None = None  # this rank's stages and schedule, when pipeline_parallel_size > 1
@@ -276,6 +291,10 @@ class Parallel3DStrategy(ShardedCheckpoints, ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+            if self.layout.world_size > 1:
+                ddp = uses_ddp(self.zero_stage, self.layout.tp == self.layout.pp == 1, self.precision,
+                               self.mixed_precision_reduce)  # fmt: skip
+                rank_zero_info(describe(self.precision, self.zero_stage, ddp, self.mixed_precision_reduce))
             self.plan = self.planned()
             if self.plan is not None:
                 self.memory_estimate = self.plan.memory_by_stage[self.layout.coordinate(self.global_rank).p]
@@ -295,6 +314,11 @@ class Parallel3DStrategy(ShardedCheckpoints, ModelParallelStrategy):
             if child is not self._parallelized:
                 child.to(self.root_device)
 
+    @property
+    def precision(self) -> str:
+        """Lightning's precision setting of this run (``"32-true"``, ``"bf16-mixed"``, ...)."""
+        return str(getattr(self.precision_plugin, "precision", "32-true"))
+
     def parallelize(self, module: LightningModule) -> None:
         """Split ``module.model`` over the mesh (see `parallelize_network`), then give it its weights."""
         network, layout = module.model, self.layout
@@ -312,6 +336,8 @@ class Parallel3DStrategy(ShardedCheckpoints, ModelParallelStrategy):
             zero_stage=self.zero_stage, sequence_parallel=self.sequence_parallel,
             virtual_pipeline_size=self.virtual_pipeline_size,
             activation_checkpointing=self.activation_checkpointing, compile=self.compile,
+            mp_policy=mixed_precision_policy(self.precision, self.mixed_precision_reduce),
+            ddp=uses_ddp(self.zero_stage, layout.tp == layout.pp == 1, self.precision, self.mixed_precision_reduce),
         )  # fmt: skip
         if any(p.is_meta for p in network.parameters()):
             for chunk in chunks:
@@ -332,8 +358,11 @@ class Parallel3DStrategy(ShardedCheckpoints, ModelParallelStrategy):
         super().setup_optimizers(trainer)  # Lightning's drops the optimizers of an earlier setup first
         # ZeRO-1 where the strategy applied data parallelism; a module that parallelises itself chose its own.
         zero1 = self.zero_stage == 1 and self.layout.dp > 1 and self._parallelized is not None
+        bf16_reduce = is_bf16_mixed(self.precision) and self.mixed_precision_reduce == "bfloat16"
         self._local_optimizers = {
-            id(opt): LocalShardOptimizer(opt, self.device_mesh if zero1 else None)
+            id(opt): LocalShardOptimizer(
+                opt, self.device_mesh if zero1 else None, torch.bfloat16 if bf16_reduce else None
+            )
             for opt in self.optimizers
             if zero1 or (isinstance(opt, ELEMENTWISE_OPTIMIZERS) and _has_dtensor_params(opt))
         }
@@ -357,8 +386,16 @@ class Parallel3DStrategy(ShardedCheckpoints, ModelParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline is None:
+            return super().training_step(*args, **kwargs)
+        # NOTE: the stage clock runs, and its metrics are gathered (a collective and a host sync), only on the
+        # steps Lightning logs or a timeline draws.
+        trainer = self.lightning_module.trainer
+        logs = trainer._logger_connector.should_update_logs
+        timelines = [cb for cb in trainer.callbacks if isinstance(cb, PipelineTimeline)]
+        self.pipeline.clock.enabled = logs or any(cb.wants(trainer) for cb in timelines)
         output = super().training_step(*args, **kwargs)
-        if self.pipeline is not None:
+        if logs:
             self._log_pipeline_activity()
         return output
 

@@ -37,12 +37,15 @@ def parallelize_network(
     virtual_pipeline_size: int = 1,
     activation_checkpointing: bool | str = False,
     compile: bool | str = False,
+    mp_policy: object | None = None,
+    ddp: bool | None = None,
 ) -> tuple[list[nn.Module], list[int]]:
     """Split ``network`` for ``rank`` in place, in the fixed order, without giving it weights (it may stay on
     the meta device, as `lit3d plan --verify` keeps it).
 
     Returns this rank's pipeline chunks (views of ``network``; ``[network]`` without pipeline parallelism) and
-    their stage indices.
+    their stage indices. ``mp_policy``: FSDP2's mixed precision (`lit3d.strategies.precision`); ``ddp``: whether
+    ZeRO-0 may be PyTorch's DDP (default: when the network is data parallel only).
     """
     check_plan(network, plan)
     chunks, stage_ids = [network], [0]
@@ -69,6 +72,7 @@ def parallelize_network(
                 list(chunk.blocks.values()),
                 mesh["dp"],
                 zero_stage,
-                data_parallel_only=layout.tp == layout.pp == 1,
+                mp_policy,
+                data_parallel_only=layout.tp == layout.pp == 1 if ddp is None else ddp,
             )
     return chunks, stage_ids

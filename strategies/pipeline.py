@@ -266,6 +266,7 @@ class StageClock:
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
+        self.enabled = False  # set for the steps someone reads (logged metrics, a timeline): no events otherwise
         self._marks: list[tuple[int, str, int, Any, Any]] = []
         self._start = self._end = None
 
@@ -284,6 +285,8 @@ class StageClock:
             method = getattr(stage, name)
 
             def timed(chunk_id: int, *args: Any, _method=method, _kind=kind, **kwargs: Any) -> Any:
+                if not self.enabled:
+                    return _method(chunk_id, *args, **kwargs)
                 start = self._mark()
                 try:
                     return _method(chunk_id, *args, **kwargs)
@@ -293,10 +296,10 @@ class StageClock:
             setattr(stage, name, timed)
 
     def start_step(self) -> None:
-        self._marks, self._start = [], self._mark()
+        self._marks, self._start = [], self._mark() if self.enabled else None
 
     def end_step(self) -> None:
-        self._end = self._mark()
+        self._end = self._mark() if self.enabled else None
 
     def timeline(self) -> list[tuple[int, str, int, float, float]]:
         if self.cuda:

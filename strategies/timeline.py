@@ -68,6 +68,10 @@ class PipelineTimeline(Callback):
     def __init__(self, step: int = 5, filename: str = "pipeline_timeline.png") -> None:
         self.step, self.filename, self.done = step, filename, False
 
+    def wants(self, trainer) -> bool:
+        """Whether the coming step is the one to draw (the strategy times the schedule only then)."""
+        return not self.done and trainer.global_step + 1 >= self.step
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         import torch.distributed as dist
 

@@ -76,9 +76,26 @@ LAYOUTS: dict[str, tuple[int, dict]] = {
         for z in (0, 1)
     },
     **{
-        f"dp2_zero{z}_{p}": (2, {"strategy": {"zero_stage": z}, "trainer": {"precision": p, "max_steps": 4}})
+        f"dp2_zero{z}_bf16-true": (
+            2,
+            {"strategy": {"zero_stage": z}, "trainer": {"precision": "bf16-true", "max_steps": 4}},
+        )
         for z in range(4)
-        for p in ("bf16-mixed", "bf16-true")
+    },
+    **{  # 20 steps, compared with the single-process bf16-mixed run; CommReport measures step 5
+        f"dp2_zero{z}_bf16-mixed{suffix}": (
+            2,
+            {
+                "strategy": {"zero_stage": z, **strategy},
+                "trainer": {"precision": "bf16-mixed", "max_steps": 20, "val_check_interval": 10},
+                "callbacks": [CommReport(step=5)],
+            },
+        )
+        for z, suffix, strategy in [
+            *((z, "", {}) for z in range(4)),
+            (3, "_reduce_bf16", {"mixed_precision_reduce": "bfloat16"}),
+            (0, "_reduce_bf16", {"mixed_precision_reduce": "bfloat16"}),
+        ]
     },
     "pp2_gpipe": (2, {"strategy": pp(2, "gpipe")}),
     "pp2_1f1b": (2, {"strategy": pp(2)}),
@@ -131,6 +148,15 @@ def reference_run(base_job, tmp_path_factory) -> dict:
     from spawned import run_job
 
     return run_job({**base_job, "test_after_fit": True}, tmp_path_factory.mktemp("reference"))
+
+
+@pytest.fixture(scope="session")
+def reference_bf16_run(base_job, tmp_path_factory) -> dict:
+    """The single-process bf16-mixed run the bf16-mixed layouts are compared with."""
+    from spawned import run_job
+
+    trainer = {"precision": "bf16-mixed", "max_steps": 20, "val_check_interval": 10}
+    return run_job(merge(base_job, {"trainer": trainer}), tmp_path_factory.mktemp("reference_bf16"))
 
 
 @pytest.fixture(scope="session")

@@ -100,3 +100,38 @@ def test_gradients_reach_every_parameter(small_config):
     model = GPT(small_config)
     model.loss(torch.randint(0, 256, (2, 9))).backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+
+
+def test_rotary_tables_are_computed_once_not_per_block_and_step(monkeypatch):
+    from lit3d import model as model_module
+
+    calls = []
+    compute = model_module._rotary_tables
+    monkeypatch.setattr(model_module, "_rotary_tables", lambda *a: calls.append(a[0]) or compute(*a))
+    monkeypatch.setattr(model_module, "_ROTARY_TABLES", {})
+    net = model_module.Transformer(GPTConfig(n_layer=3, n_head=2, d_model=16, d_ff=32, vocab_size=50, max_seq_len=16))
+    net.reset_parameters(0)
+    for _ in range(2):
+        net(torch.randint(0, 50, (2, 8))).sum().backward()
+    with torch.inference_mode():
+        net(torch.randint(0, 50, (1, 4)))  # shorter: a slice of the same tables
+    assert calls == [8]
+    net(torch.randint(0, 50, (1, 12))).sum().backward()  # longer: computed once more, usable in backward
+    assert calls == [8, 12]
+
+
+def test_the_stage_clock_records_nothing_unless_enabled():
+    from types import SimpleNamespace
+
+    from lit3d.strategies.pipeline import StageClock
+
+    clock = StageClock(torch.device("cpu"))
+    stage = SimpleNamespace(stage_index=0, forward_one_chunk=lambda i: i, backward_one_chunk=lambda i: i,
+                            backward_weight_one_chunk=lambda i: i)  # fmt: skip
+    clock.time(stage)
+    for enabled in (False, True):
+        clock.enabled = enabled
+        clock.start_step()
+        stage.forward_one_chunk(0), stage.backward_one_chunk(0)
+        clock.end_step()
+        assert len(clock.timeline()) == (2 if enabled else 0)

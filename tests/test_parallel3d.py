@@ -38,11 +38,43 @@ def test_layout_matches_the_single_process_val_loss(layout, layout_runs, referen
     assert relative_difference(val, reference) <= 1e-5
 
 
-@pytest.mark.parametrize("layout", [n for n in LAYOUTS if "bf16" in n])
-def test_bf16_trains_at_every_zero_stage(layout, layout_runs, reference_run):
+@pytest.mark.parametrize("layout", [n for n in LAYOUTS if "bf16-true" in n])
+def test_bf16_true_trains_at_every_zero_stage(layout, layout_runs, reference_run):
     losses = layout_runs[layout]["losses"]
     assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
     assert relative_difference(losses, reference_run["losses"][:4]) < 0.05
+
+
+BF16_MIXED = [n for n in LAYOUTS if "bf16-mixed" in n]
+
+
+@pytest.mark.parametrize("layout", BF16_MIXED)
+def test_bf16_mixed_follows_the_single_process_bf16_mixed_curve(layout, layout_runs, reference_bf16_run):
+    losses, reference = layout_runs[layout]["losses"], reference_bf16_run["losses"]
+    assert len(losses) == len(reference) == 20 and reference[-1] < reference[0] - 1.0
+    assert relative_difference(losses, reference) <= 1e-2
+
+
+@pytest.mark.parametrize("layout", BF16_MIXED)
+def test_bf16_mixed_sends_what_the_planner_counts(layout, layout_runs):
+    comm = layout_runs[layout]["comm_bytes"]
+    measured, planned = comm["measured"], comm["planned"]
+    assert planned["dp"] > 0 and planned["dp"] <= measured["dp"] <= planned["dp"] + 256, (measured, planned)
+
+
+def test_bf16_mixed_gathers_parameters_in_bf16(layout_runs):
+    # FSDP2 gathers bf16 parameters and reduces fp32 gradients: of ZeRO-3's fp32 bytes, the gradients' share
+    # (what ZeRO-0's all-reduce sends, halved) stays and the gathers' halves; about 2/3 in all when the blocks
+    # dominate (0.69 for this small model, whose embedding and head are gathered once per micro-batch, not twice).
+    # With bf16 reduction, everything halves.
+    dp = {name: layout_runs[name]["comm_bytes"]["measured"]["dp"] for name in LAYOUTS if name.startswith("dp2_zero")
+          and "comm_bytes" in layout_runs[name]}  # fmt: skip
+    reduce_scatter = dp["dp2_zero0"] / 2
+    gathers = dp["dp2_zero3"] - reduce_scatter
+    assert abs(dp["dp2_zero3_bf16-mixed"] - (reduce_scatter + gathers / 2)) <= 256
+    assert dp["dp2_zero3_bf16-mixed_reduce_bf16"] / dp["dp2_zero3"] == pytest.approx(1 / 2, abs=1e-3)
+    assert dp["dp2_zero0_bf16-mixed_reduce_bf16"] / dp["dp2_zero0"] == pytest.approx(1 / 2, abs=1e-3)
+    assert abs(dp["dp2_zero1_bf16-mixed"] - dp["dp2_zero0_bf16-mixed"]) <= 256  # ZeRO-1 sends what DDP sends
 
 
 @pytest.mark.parametrize("zero_stage", [0, 1])

@@ -298,3 +298,13 @@ def test_each_preset_config_parses_and_its_layout_fits_in_80_gb(name):
     config = GPTConfig.from_name(name)
     assert layout_problem(config, cluster, layout, training) is None
     assert estimate(config, cluster, layout, training).fits
+
+
+def test_the_rank0_log_says_what_dtype_each_axis_communicates_in():
+    from lit3d.strategies.precision import describe
+
+    assert "every axis communicates in fp32" in describe("32-true", 1, False, "float32")
+    line = describe("bf16-mixed", 3, False, "float32")
+    assert "parameters gathered in bf16" in line and "gradients reduced in fp32" in line
+    assert "reduce-scattered in bf16" in describe("bf16-mixed", 1, False, "bfloat16")
+    assert "all-reduced in fp32 (DDP)" in describe("bf16-mixed", 0, True, "float32")

@@ -25,12 +25,24 @@ GB = 1e9
 
 @dataclass(frozen=True)
 class Precision:
-    """Bytes per parameter held as weights, gradients and optimizer state, and per stored activation."""
+    """Bytes per parameter held as weights, gradients and optimizer state, and per stored activation; and per
+    element on the wire: ``gathered`` for FSDP's parameter gathers, ``reduced`` for gradient reductions (default:
+    as held)."""
 
     weights: int
     grads: int
     optimizer: int
     activations: int
+    gathered: int | None = None
+    reduced: int | None = None
+
+    @property
+    def gather_bytes(self) -> int:
+        return self.weights if self.gathered is None else self.gathered
+
+    @property
+    def reduce_bytes(self) -> int:
+        return self.grads if self.reduced is None else self.reduced
 
 
 PRECISIONS = {
@@ -38,11 +50,16 @@ PRECISIONS = {
     # The usual mixed-precision accounting (Megatron, DeepSpeed): bf16 weights and gradients for compute, fp32
     # master weights and both moments in the optimizer. lit3d's bf16-mixed keeps the fp32 weights as the
     # parameters themselves (4 + 4 + 8): the same 16 bytes per parameter, split differently.
-    "bf16-mixed": Precision(2, 2, 12, 2),
+    # On the wire as torchtitan sends it: parameters gathered in bf16, gradients reduced in fp32.
+    "bf16-mixed": Precision(2, 2, 12, 2, gathered=2, reduced=4),
     "bf16-true": Precision(2, 2, 4, 2),
 }
 # What a lit3d run itself holds (its bf16-mixed autocasts fp32 parameters), for the estimate logged at fit start.
-RUNTIME_PRECISIONS = {**PRECISIONS, "bf16-mixed": Precision(4, 4, 8, 2), "16-mixed": Precision(4, 4, 8, 2)}
+RUNTIME_PRECISIONS = {
+    **PRECISIONS,
+    "bf16-mixed": Precision(4, 4, 8, 2, gathered=2, reduced=4),  # FSDP2's MixedPrecisionPolicy
+    "16-mixed": Precision(4, 4, 8, 2),
+}
 
 
 @dataclass

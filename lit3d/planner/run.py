@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from lit3d.config import GPTConfig
@@ -39,5 +40,7 @@ def plan_of_run(strategy: Parallel3DStrategy) -> Plan | None:
         virtual_pipeline_size=strategy.virtual_pipeline_size,
     )
     precision = RUNTIME_PRECISIONS.get(str(trainer.precision), RUNTIME_PRECISIONS["32-true"])
+    if str(trainer.precision) == "bf16-mixed" and getattr(strategy, "mixed_precision_reduce", "") == "bfloat16":
+        precision = replace(precision, reduced=2)
     cluster = Cluster(nodes=strategy.num_nodes, gpus_per_node=strategy.num_processes)
     return estimate(config, cluster, layout, training, precision)

@@ -87,12 +87,13 @@ def _dp_traffic(
         return 0.0
     share = (dp - 1) / dp
     params = in_blocks + root
-    grads, weights = params * precision.grads, params * precision.weights
+    grads, weights = params * precision.reduce_bytes, params * precision.weights
     if zero_stage == 1:  # once per step, whatever the schedules: a reduce-scatter and an all-gather of the slices
         return share * (grads + weights)
+    weights = params * precision.gather_bytes
     if zero_stage == 0:  # all-reduce of the gradients
         return schedules * 2 * share * grads
     if zero_stage == 2:  # reduce-scatter of the gradients, all-gather of the weights
         return schedules * share * (grads + weights)
     gathers = (microbatches + 1, 1) if pipelined else (2 * microbatches, microbatches)  # blocks, root
-    return schedules * share * (grads + (gathers[0] * in_blocks + gathers[1] * root) * precision.weights)
+    return schedules * share * (grads + (gathers[0] * in_blocks + gathers[1] * root) * precision.gather_bytes)
