@@ -3,6 +3,8 @@ whose arguments and docstring are its command line (jsonargparse)."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 from lit3d.gpt import GPT
 
 
@@ -44,7 +46,7 @@ def plan(
     pipeline_parallel_size: int | None = None,
     data_parallel_size: int | None = None,
     sequence_parallel: bool = True,
-    activation_checkpointing: bool | None = None,
+    activation_checkpointing: bool | Literal["full", "selective"] | None = None,
     pipeline_schedule: str = "1f1b",
     virtual_pipeline_size: int = 1,
     top: int = 5,
@@ -79,7 +81,9 @@ def plan(
         pipeline_parallel_size: Fix PP.
         data_parallel_size: Fix DP (default: what TP and PP leave of the cluster).
         sequence_parallel: Sequence parallelism between TP regions.
-        activation_checkpointing: Recompute activations; searched when not given (off for a fixed layout).
+        activation_checkpointing: Recompute activations: ``true``/``full`` (each block's input only) or
+            ``selective`` (keeps matmul, attention and collective outputs); searched (off or full) when not given,
+            off for a fixed layout.
         pipeline_schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b`` or ``zero_bubble``.
         virtual_pipeline_size: Model chunks per pipeline rank (interleaved schedules).
         top: How many layouts a search prints.
@@ -127,7 +131,7 @@ def plan(
         precision=precision,
         zero_stage=zero_stage or 0,
         sequence_parallel=sequence_parallel,
-        activation_checkpointing=bool(activation_checkpointing),
+        activation_checkpointing=activation_checkpointing or False,
         pipeline_schedule=pipeline_schedule,
         virtual_pipeline_size=virtual_pipeline_size,
     )

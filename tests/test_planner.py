@@ -308,3 +308,32 @@ def test_the_rank0_log_says_what_dtype_each_axis_communicates_in():
     assert "parameters gathered in bf16" in line and "gradients reduced in fp32" in line
     assert "reduce-scattered in bf16" in describe("bf16-mixed", 1, False, "bfloat16")
     assert "all-reduced in fp32 (DDP)" in describe("bf16-mixed", 0, True, "float32")
+
+
+def test_plan_json_reports_flops_parameters_and_activations_per_layer(capsys):
+    from lit3d.cli import main
+
+    args = ["plan", "--model", "llama-8b", "--tensor_parallel_size", "2", "--pipeline_parallel_size", "2",
+            "--seq_len", "4096", "--global_batch_size", "64", "--json"]  # fmt: skip
+    reports = {}
+    for checkpointing in ("false", "selective", "full"):
+        main([*args, "--activation_checkpointing", checkpointing])
+        reports[checkpointing] = json.loads(capsys.readouterr().out)
+    config, report = GPTConfig.from_name("llama-8b"), reports["false"]
+    assert report["flops_per_step"] == config.flops_per_token(4096) * 64 * 4096
+    assert report["params_total"] >= config.num_params and report["params_total"] < 1.01 * config.num_params
+    assert report["params_total"] / 4 < report["params_per_rank"] < report["params_total"] / 2  # a TP x PP quarter
+    per_layer = [reports[c]["activation_bytes_per_layer"] for c in ("false", "selective", "full")]
+    assert per_layer[0] > per_layer[1] > per_layer[2] > 0
+
+
+def test_collectives_pay_a_latency_per_ring_hop():
+    # ZeRO-3 over 2,048 ranks gathers every block twice per micro-batch: 2,047 hops each, seconds of latency that
+    # bandwidth alone would not show; over 8 ranks it is milliseconds.
+    config, latency = GPTConfig.from_name("llama-70b"), {}
+    for dp in (8, 2048):  # one micro-batch per replica either way
+        training = Training(seq_len=4096, global_batch_size=dp, zero_stage=3)
+        layout = Layout(dp=dp, tp=8, pp=1, devices_per_node=8)
+        cluster = Cluster(nodes=dp, gpus_per_node=8)
+        latency[dp] = estimate(config, cluster, layout, training).communication_per_step["dp"]["latency_s"]
+    assert latency[2048] > 1.0 and latency[8] < 0.02

@@ -16,7 +16,7 @@ from typing import Any
 
 from lit3d.config import GPTConfig
 from lit3d.planner.tensors import Tensor, local_numel, rank_tensors
-from lit3d.planner.traffic import communication_bytes
+from lit3d.planner.traffic import collectives, communication_bytes
 from lit3d.strategies.layout import Layout
 from lit3d.strategies.pipeline import bubble_theory
 
@@ -70,6 +70,11 @@ class Cluster:
     intra_node_gbps: float = 450.0  # NVLink, GB/s per direction
     inter_node_gbps: float = 50.0  # InfiniBand share of one GPU, GB/s
     peak_tflops: float = 989.0  # dense bf16
+    # The α of the α-β model, from NCCL's own tuning model (src/graph/tuning.cc, ring algorithm, Simple protocol):
+    # a base latency per collective and a hardware latency per ring hop, over NVLink and over the network.
+    collective_latency_us: float = 8.4
+    intra_node_hop_us: float = 5.7
+    inter_node_hop_us: float = 6.6
     device: str = "GPU"  # what the reports call one rank's device ("CPU process" for a rehearsal on CPU)
 
     @property
@@ -111,6 +116,10 @@ class Plan:
     fits: bool
     num_microbatches: int
     memory_by_stage: list[dict[str, int]] = field(default_factory=list)
+    flops_per_step: float = 0.0  # model FLOPs of one optimizer step, all GPUs (recompute not counted)
+    params_total: int = 0
+    params_per_rank: int = 0  # parameters (elements) the most loaded rank holds, ZeRO-3 shards included
+    activation_bytes_per_layer: int = 0  # what one block keeps for backward, per micro-batch on one rank
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -175,10 +184,11 @@ def estimate(
 
     per_token = activation_elements_per_token(config, tp, sp, training.activation_checkpointing)
     full_recompute = training.activation_checkpointing in (True, "full")
-    by_stage = []
+    by_stage, params_per_rank = [], 0
     for stage_rank in range(pp):
         tensors = rank_tensors(config, pp, virtual, stage_rank)
         memory = state_bytes(tensors, layout, training.zero_stage, precision)
+        params_per_rank = max(params_per_rank, memory["params"] // precision.weights)
         layers = len({t.block for t in tensors if t.block is not None})
         in_flight = _in_flight(training.pipeline_schedule, pp, virtual, schedule_m, stage_rank)
         acts = layers * per_token * tokens * in_flight
@@ -199,7 +209,14 @@ def estimate(
         "pp": cluster.intra_node_gbps if tp * dp * pp <= cluster.gpus_per_node else cluster.inter_node_gbps,
         "dp": cluster.intra_node_gbps if tp * dp <= cluster.gpus_per_node else cluster.inter_node_gbps,
     }
-    seconds = {axis: traffic[axis] / (links[axis] * GB) for axis in traffic}
+    intra = {axis: links[axis] == cluster.intra_node_gbps for axis in links}
+    counts = collectives(config, layout, training)
+    latency = {
+        axis: (n * cluster.collective_latency_us + hops * (cluster.intra_node_hop_us if intra[axis] else
+               cluster.inter_node_hop_us)) * 1e-6
+        for axis, (n, hops) in counts.items()
+    }  # fmt: skip
+    seconds = {axis: traffic[axis] / (links[axis] * GB) + latency[axis] for axis in traffic}
 
     # Compute: model FLOPs per token (6 per weight of every matmul, plus attention), recompute on top with AC.
     model_flops = config.flops_per_token(s) * training.global_batch_size * s
@@ -224,13 +241,23 @@ def estimate(
         memory_per_gpu=peak,
         memory_by_stage=by_stage,
         communication_per_step={
-            axis: {"bytes": traffic[axis], "seconds": seconds[axis], "link_gbps": links[axis]} for axis in traffic
+            axis: {
+                "bytes": traffic[axis],
+                "seconds": seconds[axis],
+                "latency_s": latency[axis],
+                "link_gbps": links[axis],
+            }
+            for axis in traffic
         },
         pipeline_bubble=bubble,
         step_time_s=step,
         mfu=mfu,
         fits=fits,
         num_microbatches=schedule_m,
+        flops_per_step=float(model_flops),
+        params_total=sum(local_numel(t, 1) for t in rank_tensors(config, 1, 1, 0)),
+        params_per_rank=params_per_rank,
+        activation_bytes_per_layer=int(per_token * tokens * precision.activations),
     )
 
 

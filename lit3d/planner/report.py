@@ -40,7 +40,8 @@ def describe(config: GPTConfig, cluster: Cluster) -> str:
 def settings(layout: Layout, training: Training, plan: Plan) -> str:
     parts = [f"dp {layout.dp} x tp {layout.tp} x pp {layout.pp}", f"ZeRO-{training.zero_stage}", training.precision]
     if training.activation_checkpointing:
-        parts.append("activation checkpointing")
+        selective = training.activation_checkpointing == "selective"
+        parts.append("selective activation checkpointing" if selective else "activation checkpointing")
     if training.sequence_parallel and layout.tp > 1:
         parts.append("sequence parallel")
     if layout.pp > 1:

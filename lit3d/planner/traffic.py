@@ -60,6 +60,43 @@ def communication_bytes(
     return traffic
 
 
+def collectives(config: GPTConfig, layout: Layout, training: Training) -> dict[str, tuple[float, float]]:
+    """Per axis, the collectives the busiest GPU waits on per optimizer step and their ring hops in all (a ring
+    all-reduce over n ranks is 2 (n-1) hops, an all-gather or reduce-scatter n-1, a point-to-point send 1): the
+    latency side of an α-β model, counted as `communication_bytes` counts the bytes."""
+    tp, pp, dp = layout.tp, layout.pp, layout.dp
+    virtual = training.virtual_pipeline_size if pp > 1 else 1
+    microbatches = training.global_batch_size // (dp * training.micro_batch_size)
+    schedules = training.schedules_per_step(pp)
+    sp = training.sequence_parallel and tp > 1
+    per_block = 4 + (1.5 if sp else 1.0) * (training.activation_checkpointing in (True, "full"))
+    counts = {"tp": (0.0, 0.0), "pp": (0.0, 0.0), "dp": (0.0, 0.0)}
+    for stage_rank in range(pp):
+        tensors = rank_tensors(config, pp, virtual, stage_rank)
+        stage_ids = chunk_stage_ids(stage_rank, pp, virtual) if pp > 1 else [0]
+        first, last = 0 in stage_ids, pp * virtual - 1 in stage_ids
+        blocks = len({t.block for t in tensors} - {None})
+        if tp > 1:  # an all-reduce, or under SP an all-gather and a reduce-scatter, per count of `per_block`
+            n = ((blocks * per_block + first + last) + 3 * last) * microbatches
+            counts["tp"] = max(counts["tp"], (n * (2 if sp else 1), n * 2 * (tp - 1)))
+        if dp > 1:
+            units, steps = blocks + 1, schedules if pp > 1 else 1
+            if training.zero_stage == 0:
+                n, hops = units * steps, 2 * (dp - 1)
+            elif training.zero_stage == 1:  # one reduce-scatter and one all-gather per bucket of 50M elements
+                n, hops = 2 * -(-sum(local_numel(t, tp) for t in tensors) // 50_000_000), dp - 1
+            elif training.zero_stage == 2:
+                n, hops = 2 * units * steps, dp - 1
+            else:
+                gathers = (microbatches // steps + 1, 1) if pp > 1 else (2 * microbatches, microbatches)
+                n, hops = (gathers[0] * blocks + gathers[1] + units) * steps, dp - 1
+            counts["dp"] = max(counts["dp"], (n, n * hops))
+    if pp > 1:
+        sends = (2 * virtual - (pp == 2)) * microbatches
+        counts["pp"] = (sends, sends)
+    return counts
+
+
 def _dp_traffic(
     zero_stage: int,
     dp: int,
