@@ -24,6 +24,7 @@ gather), then frees them: between steps a rank holds only its shard, as in stage
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -233,7 +234,7 @@ class _Entry:
                  dim: int | None = None) -> None:  # fmt: skip
         self.param, self.view, self.mesh, self.placements, self.dim = param, view, mesh, placements, dim
 
-    @property
+    @functools.cached_property
     def dp(self) -> tuple[Any, int, int]:
         """(process group, size, this rank's index) of the DP dim."""
         dp = self.mesh["dp"]
