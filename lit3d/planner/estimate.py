@@ -160,11 +160,19 @@ def activation_elements_per_token(
         return 3 * h / split + (h + 2 * kv + h + 2 * f) / tp
     if checkpointing:
         return h / split  # only the block's input; the rest is recomputed
-    norm_inputs = 2 * h  # attention and MLP norms (split along the sequence under SP)
-    linear_inputs = 2 * h  # normalised inputs of the column-parallel linears (gathered, so whole)
-    per_head = (h + 2 * kv) + (h + kv) + h  # q, k, v; rotated q, k; attention output
+    # What autograd saves (tests/test_activation_memory.py counts it with saved-tensor hooks):
+    norms = 2 * (2 * h + 1)  # per norm: its input, the input times 1/rms, and 1/rms (split along the sequence under SP)
+    linear_inputs = 2 * h  # each norm's output, the input of the column-parallel linears (gathered, so whole)
+    attention = (h + 2 * kv) + h + config.n_head  # rotated q, k and v; the output; the log-sum-exp
     mlp = 4 * f  # gate, up, silu(gate), their product
-    return norm_inputs / split + linear_inputs + (per_head + mlp) / tp
+    return norms / split + linear_inputs + (attention + mlp) / tp
+
+
+def output_layer_bytes(config: GPTConfig, tp: int, sequence_parallel: bool, tokens: int, activations: int) -> float:
+    """What the final norm and the loss keep for backward: the norm's tensors as in a block, and the fp32
+    log-probabilities of the (vocabulary-split) logits."""
+    norm = (3 * config.d_model + 1) / (tp if sequence_parallel else 1)
+    return tokens * (norm * activations + config.padded_vocab_size / tp * 4)
 
 
 def estimate(
@@ -194,9 +202,10 @@ def estimate(
         acts = layers * per_token * tokens * in_flight
         if full_recompute:  # one block recomputed at a time, for one micro-batch
             acts += activation_elements_per_token(config, tp, sp, False) * tokens
-        if any(t.name.startswith("head") for t in tensors):  # fp32 logits and their gradient, vocab-split
-            acts += 2 * tokens * config.padded_vocab_size / tp * 4 / precision.activations
-        memory["activations"] = int(acts * precision.activations)
+        acts *= precision.activations
+        if any(t.name.startswith("head") for t in tensors):
+            acts += output_layer_bytes(config, tp, sp, tokens * in_flight, precision.activations)
+        memory["activations"] = int(acts)
         memory["buffers"] = _buffer_bytes(tensors, layout, training.zero_stage, precision)
         memory["total"] = sum(memory.values())
         by_stage.append(memory)
