@@ -209,6 +209,7 @@ class TextDataModule(L.LightningDataModule):
                 f"the same data.streaming, not streaming={self.streaming}"
             )
         self._resume = dict(state) if state else None
+        self.stream_position = state.get("stream")  # saved again as it is until a batch moves it on
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Streaming: remember the position the batch training is about to consume leaves the stream at."""

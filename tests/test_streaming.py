@@ -121,3 +121,12 @@ def test_a_streaming_run_resumes_mid_epoch_on_another_dp_size(resumed_from_a_str
     uninterrupted, resumed = resumed_from_a_stream["dp2"]["losses"], resumed_from_a_stream["resume_single"]["losses"]
     assert len(uninterrupted) == 8 and len(resumed) == 4 and uninterrupted[-1] < uninterrupted[0]
     assert max(abs(a - b) / abs(b) for a, b in zip(resumed, uninterrupted[4:])) <= 1e-5
+
+
+def test_a_restored_position_is_saved_again_until_training_moves_it(jsonl_corpus):
+    position = {"epoch": 0, "window": 1, "batch": 2, "sources": [{"documents": None, "skip": 0}]}
+    data = TextDataModule(str(jsonl_corpus), text_column="body", streaming=True)
+    data.load_state_dict({"stream": position})
+    assert data.state_dict() == {"stream": position}
+    with pytest.raises(ValueError, match="recorded with streaming=True; resume it with the same data.streaming"):
+        TextDataModule(str(jsonl_corpus), text_column="body").load_state_dict({"stream": position})
