@@ -110,7 +110,8 @@ class Parallel3DStrategy(ShardedCheckpoints, ModelParallelStrategy):
             reduce-scattered at the step (DDP's bytes); 2 and parameters between steps (gathered once per step);
             3 and parameters gathered block by block.
         sequence_parallel: Between tensor-parallel regions, keep activations (norms, residual stream) split
-            along the sequence: less activation memory, same communication volume.
+            along the sequence, and keep only that shard of each region's input for backward (gathered again
+            there): 1/t of the layer's activations for one more all-gather per region in backward.
         pipeline_schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b`` or ``zero_bubble``.
         num_microbatches: Micro-batches each replica's batch is split into for the pipeline (default: the most,
             up to 2 x pipeline_parallel_size x virtual_pipeline_size, that divide the per-replica batch).

@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lit3d.strategies.layout import Layout
 from lit3d.strategies.recompute import apply_activation_checkpointing
 from lit3d.strategies.stages import split_into_stages
-from lit3d.strategies.tensor_parallel import apply_tensor_parallel, check_plan
+from lit3d.strategies.tensor_parallel import apply_tensor_parallel, check_plan, keep_sequence_shards
 from lit3d.strategies.zero import apply_data_parallel
 
 
@@ -53,6 +53,8 @@ def parallelize_network(
         chunks, stage_ids = split_into_stages(network, layout.coordinate(rank).p, layout.pp, virtual_pipeline_size)
     if layout.tp > 1:
         apply_tensor_parallel(network, plan, mesh["tp"], sequence_parallel)
+        if sequence_parallel and not activation_checkpointing and not compile:  # (recompute keeps less anyway)
+            keep_sequence_shards(network, plan)
         if hasattr(network, "tie_weights"):
             network.tie_weights()  # TP distributed the shared tensor once per module
     blocks = list(network.blocks.values())

@@ -9,6 +9,7 @@ sequence, and that all-reduce becomes an all-gather before the region and a redu
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -61,6 +62,109 @@ def apply_tensor_parallel(
         if styles[role] is not None and _matches_any(pattern, present)  # a pipeline stage lacks some modules
     }
     parallelize_module(network, tp_mesh, module_plan)
+
+
+class KeepSequenceShard:
+    """Under SP, a TP region (attention or MLP) gathers its input from the sequence shards, and autograd would keep
+    that gathered ``[b, s, h]`` copy for the column-parallel linears' weight gradients: t times the shard, more at
+    t = 8 than the rest of the layer. This keeps the shard instead and gathers it again when backward needs it, as
+    Megatron does: one more all-gather per region in backward, 1/t of the memory (Korthikanti et al. 2022, Eq. 4).
+
+    NOTE: saved-tensor hooks, entered for the region's forward: a tensor autograd saves that lives in the gathered
+    input's storage (the input itself or a view) is packed as the shard and rebuilt, exactly, on unpacking.
+    """
+
+    def __init__(self, region: nn.Module) -> None:
+        self.shard: torch.Tensor | None = None
+        self.gathered: int | None = None
+        self.hooks: list = []
+        region.register_forward_pre_hook(self._before_gather, prepend=True)  # before PrepareModuleInput's hook
+        region.register_forward_pre_hook(self._after_gather)  # after it
+        region.register_forward_hook(self._done, always_call=True)
+
+    def _before_gather(self, module: nn.Module, args: tuple) -> None:
+        self.shard = args[0]
+
+    def _after_gather(self, module: nn.Module, args: tuple) -> None:
+        gathered, shard = args[0], self.shard
+        if isinstance(shard, DTensor):
+            shard = shard._local_tensor if shard.placements == (Shard(1),) else None
+        if not torch.is_grad_enabled() or not isinstance(gathered, DTensor) or shard is None:
+            return
+        self.gathered = gathered._local_tensor.untyped_storage().data_ptr()
+        source, shard = _Shard(gathered.device_mesh), shard.detach()
+        # Hooks entered around this region (e.g. a caller's) keep seeing what is saved: the shard, not the copy.
+        outer_pack, outer_unpack = _outer_hooks() or (lambda t: t, lambda t: t)
+
+        def pack(tensor: torch.Tensor) -> Any:
+            local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+            if local.untyped_storage().data_ptr() != self.gathered:
+                return outer_pack(tensor)
+            view = (local.size(), local.stride(), local.storage_offset())
+            meta = (tensor.placements, tensor.shape, tensor.stride()) if isinstance(tensor, DTensor) else None
+            source.saved += 1
+            return _Regather(source, outer_pack(shard), view, meta)
+
+        def unpack(saved: Any) -> torch.Tensor:
+            if not isinstance(saved, _Regather):
+                return outer_unpack(saved)
+            return saved.rebuild(outer_unpack(saved.shard))
+
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+        hooks.__enter__()
+        self.hooks.append(hooks)
+
+    def _done(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self.hooks:
+            self.hooks.pop().__exit__(None, None, None)
+        self.shard = self.gathered = None
+
+
+class _Shard:
+    """A region's gathered input as backward sees it: gathered again from the shard for the first tensor unpacked,
+    kept until the last of the tensors saved from it is (q, k and v each saved a view: one all-gather serves all)."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self.mesh, self.saved, self.gathered = mesh, 0, None
+
+    def gather(self, shard: torch.Tensor) -> torch.Tensor:
+        if self.gathered is None:
+            with torch.no_grad():
+                whole = DTensor.from_local(shard, self.mesh, [Shard(1)]).redistribute(placements=[Replicate()])
+            self.gathered = whole.to_local()
+        gathered, self.saved = self.gathered, self.saved - 1
+        if self.saved <= 0:  # the last tensor saved from it: let the copy go with backward's use of it
+            self.gathered = None
+        return gathered
+
+
+class _Regather:
+    """A saved tensor that lived in a region's gathered input, kept as the sequence shard."""
+
+    def __init__(self, source: _Shard, shard: Any, view: tuple, meta: tuple | None) -> None:
+        self.source, self.shard, self.view, self.meta = source, shard, view, meta
+
+    def rebuild(self, shard: torch.Tensor) -> torch.Tensor:
+        """The saved tensor again: the shard all-gathered along the sequence, in the saved view's layout."""
+        local = self.source.gather(shard).as_strided(*self.view)
+        if self.meta is None:
+            return local
+        placements, shape, stride = self.meta
+        return DTensor.from_local(local, self.source.mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+def _outer_hooks() -> tuple | None:
+    """The saved-tensor hooks in force before ours (PyTorch has no public way to ask)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top(False) if top is not None else None
+
+
+def keep_sequence_shards(network: nn.Module, plan: dict[str, str]) -> None:
+    """`KeepSequenceShard` on every TP region of ``network`` (call after `apply_tensor_parallel` with SP)."""
+    patterns = [pattern for pattern, role in plan.items() if role == "tp_region"]
+    for name, module in network.named_modules():
+        if any(_matches_any(pattern, {name}) for pattern in patterns):
+            KeepSequenceShard(module)
 
 
 def lay_out_grads_like_params(parameters: Iterable[torch.Tensor]) -> None:

@@ -162,7 +162,7 @@ def activation_elements_per_token(
         return h / split  # only the block's input; the rest is recomputed
     # What autograd saves (tests/test_activation_memory.py counts it with saved-tensor hooks):
     norms = 2 * (2 * h + 1)  # per norm: its input, the input times 1/rms, and 1/rms (split along the sequence under SP)
-    linear_inputs = 2 * h  # each norm's output, the input of the column-parallel linears (gathered, so whole)
+    linear_inputs = 2 * h / split  # the column-parallel linears' input: under SP its shard (`KeepSequenceShard`)
     attention = (h + 2 * kv) + h + config.n_head  # rotated q, k and v; the output; the log-sum-exp
     mlp = 4 * f  # gate, up, silu(gate), their product
     return norms / split + linear_inputs + (attention + mlp) / tp

@@ -28,10 +28,7 @@ def communication_bytes(
     sp = training.sequence_parallel and tp > 1
     act_bytes = training.micro_batch_size * training.seq_len * config.d_model * precision.activations
     ring = 2 * (tp - 1) / tp  # all-reduce traffic per byte; SP's all-gather + reduce-scatter pair costs the same
-    # Per block and micro-batch: 2 all-reduces forward (attention and MLP outputs) and 2 backward (their inputs'
-    # gradients). Full recompute reruns the forward up to the last tensor backward needs: the attention
-    # all-reduce, and under SP also the MLP's all-gather (PyTorch's checkpoint stops early).
-    per_block = 4 + (1.5 if sp else 1.0) * (training.activation_checkpointing in (True, "full"))
+    per_block = _tp_collectives_per_block(training, sp)
     traffic = {"tp": 0.0, "pp": 0.0, "dp": 0.0}
     for stage_rank in range(pp):
         tensors = rank_tensors(config, pp, virtual, stage_rank)
@@ -60,6 +57,19 @@ def communication_bytes(
     return traffic
 
 
+def _tp_collectives_per_block(training: Training, sp: bool) -> float:
+    """All-reduces (or, under SP, all-gather + reduce-scatter pairs) per block and micro-batch.
+
+    2 forward (attention and MLP outputs) and 2 backward (their inputs' gradients). Under SP without recompute each
+    region gathers its input again in backward (it kept only the shard, `KeepSequenceShard`): 2 all-gathers, one
+    pair's worth. Full recompute reruns the forward up to the last tensor backward needs: the attention all-reduce,
+    and under SP also the MLP's all-gather (PyTorch's checkpoint stops early).
+    """
+    full = training.activation_checkpointing in (True, "full")
+    regather = sp and not training.activation_checkpointing
+    return 4 + (1.5 if sp else 1.0) * full + regather
+
+
 def collectives(config: GPTConfig, layout: Layout, training: Training) -> dict[str, tuple[float, float]]:
     """Per axis, the collectives the busiest GPU waits on per optimizer step and their ring hops in all (a ring
     all-reduce over n ranks is 2 (n-1) hops, an all-gather or reduce-scatter n-1, a point-to-point send 1): the
@@ -69,7 +79,7 @@ def collectives(config: GPTConfig, layout: Layout, training: Training) -> dict[s
     microbatches = training.global_batch_size // (dp * training.micro_batch_size)
     schedules = training.schedules_per_step(pp)
     sp = training.sequence_parallel and tp > 1
-    per_block = 4 + (1.5 if sp else 1.0) * (training.activation_checkpointing in (True, "full"))
+    per_block = _tp_collectives_per_block(training, sp)
     counts = {"tp": (0.0, 0.0), "pp": (0.0, 0.0), "dp": (0.0, 0.0)}
     for stage_rank in range(pp):
         tensors = rank_tensors(config, pp, virtual, stage_rank)
