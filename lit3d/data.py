@@ -20,7 +20,7 @@ from lit3d.prepared import PreparedBlocks, is_prepared
 from lit3d.sampler import GlobalBatchSampler
 from lit3d.sources import check_source, load_documents, resolve_files
 from lit3d.streaming import StreamedBlocks, held_out
-from lit3d.tokenizers import Tokenizer, load_tokenizer
+from lit3d.tokenizers import Tokenizer, load_tokenizer, tokenize_documents
 
 
 def default_corpus() -> str:
@@ -286,7 +286,7 @@ class TextDataModule(L.LightningDataModule):
         key = f"{raw._fingerprint}-{self.tokenizer.fingerprint}-{self.seq_len}"
         fingerprint = hashlib.sha256(key.encode()).hexdigest()[:16]
         int32_ids = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32"))})
-        tokens = raw.map(_tokenize, batched=True, remove_columns=raw.column_names, features=int32_ids,
+        tokens = raw.map(tokenize_documents, batched=True, remove_columns=raw.column_names, features=int32_ids,
                          fn_kwargs={"tokenizer": self.tokenizer}, new_fingerprint=f"tok-{fingerprint}",
                          desc="tokenizing")  # fmt: skip
         packed = tokens.with_format("numpy").map(_pack, batched=True, batch_size=1000, features=int32_ids,
@@ -306,13 +306,6 @@ def mixture_weights(data_path: str | dict[str, float] | None) -> dict[str, float
         raise ValueError(f"data_path mixture {data_path!r}: every source needs a positive, finite weight (bad: {bad})")
     total = sum(data_path.values())
     return {source: weight / total for source, weight in data_path.items()}
-
-
-def _tokenize(batch: dict[str, list], tokenizer: Tokenizer) -> dict[str, list]:
-    ids = tokenizer.encode_batch(batch["text"])
-    if tokenizer.eos_id is not None:
-        ids = [np.append(doc, tokenizer.eos_id) for doc in ids]
-    return {"input_ids": ids}
 
 
 def _pack(batch: dict[str, list], block: int) -> dict[str, np.ndarray]:

@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from lit3d.tokenizers import tokenize_documents
+
 INDEX = "index.json"
 FORMAT = "lit3d-tokens"
 
@@ -36,15 +38,13 @@ def write(documents: Any, tokenizer: Any, tokenizer_name: str, output: str | Pat
     import datasets
     from tqdm.auto import tqdm
 
-    from lit3d.data import _tokenize
-
     output = Path(output)
     if output.exists() and any(output.iterdir()):
         raise FileExistsError(f"output={str(output)!r} exists and is not empty; give a new folder")
     output.mkdir(parents=True, exist_ok=True)
     dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
     features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32"))})
-    tokens = documents.map(_tokenize, batched=True, remove_columns=documents.column_names, features=features,
+    tokens = documents.map(tokenize_documents, batched=True, remove_columns=documents.column_names, features=features,
                            fn_kwargs={"tokenizer": tokenizer}, num_proc=num_proc if num_proc > 1 else None,
                            desc=f"tokenizing ({num_proc} processes)")  # fmt: skip
     shards: list[dict[str, Any]] = []

@@ -27,6 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from lit3d.tokenizers import tokenize_documents
+
 WINDOW_TOKENS = 2**24  # the shuffle window: 64 MiB of int32 tokens
 
 
@@ -52,14 +54,12 @@ class BlockReader:
 
     def next_block(self) -> np.ndarray | None:
         """The next block, or ``None`` when the documents end."""
-        from lit3d.data import _tokenize
-
         while len(self.buffer) < self.block:
             state = self.documents.state_dict()
             row = next(self.rows, None)
             if row is None:
                 return None
-            (tokens,) = _tokenize({"text": [row["text"]]}, self.tokenizer)["input_ids"]
+            (tokens,) = tokenize_documents({"text": [row["text"]]}, self.tokenizer)["input_ids"]
             self.docs.append([state, len(tokens), self.skip])
             self.buffer = np.concatenate([self.buffer, np.asarray(tokens, np.int32)[self.skip :]])
             self.skip = 0
@@ -127,8 +127,9 @@ class StreamedBlocks(torch.utils.data.IterableDataset):
                     here = {"epoch": epoch, "window": window, "batch": k, "sources": begins}
                     last = after if (k + 1) * G == len(order) else {**here, "batch": k + 1}
                     share = order[k * G : (k + 1) * G][self.rank :: self.replicas]
+                    tags = json.dumps(here), json.dumps(last)  # once per global batch, not per block
                     for j, i in enumerate(share):
-                        tag = json.dumps(last if j == len(share) - 1 else here)
+                        tag = tags[j == len(share) - 1]
                         yield {"input_ids": torch.from_numpy(blocks[i].astype(np.int64)), "stream": tag}
                     batches += 1
                 here, window, first = after, window + 1, 0

@@ -98,3 +98,12 @@ def load_tokenizer(name: str) -> Tokenizer:
     if "/" in name or name.endswith(".json"):
         raise FileNotFoundError(f"tokenizer file {name!r} does not exist")
     raise ValueError(f"unknown tokenizer {name!r}: use 'byte' or the path of a tokenizer.json")
+
+
+def tokenize_documents(batch: dict[str, list], tokenizer: Tokenizer) -> dict[str, list]:
+    """A batch of documents (``{"text": [...]}``) as token ids, each with the EOS its tokenizer defines (and the BOS,
+    from `Tokenizer.encode_batch`); the function `datasets.map`, `lit3d prepare` and streaming tokenize with."""
+    ids = tokenizer.encode_batch(batch["text"])
+    if tokenizer.eos_id is not None:
+        ids = [np.append(doc, tokenizer.eos_id) for doc in ids]
+    return {"input_ids": ids}

@@ -55,7 +55,6 @@ from typing_extensions import override
 
 from lit3d.model import loss_parallel_scope
 from lit3d.strategies.checkpoint import ShardedCheckpoints
-from lit3d.strategies.grad_norm import clip_grad_norm_
 from lit3d.strategies.launchers import (
     CheckingLauncher,
     ForkLauncher,
@@ -74,12 +73,12 @@ from lit3d.strategies.layout import (
     resolve_layout,
 )
 from lit3d.strategies.memory import memory_by_component
+from lit3d.strategies.optimizers import LocalOptimizerSteps
 from lit3d.strategies.parallelize import follows_plan, parallelize_network
 from lit3d.strategies.pipeline import Pipeline, bubble_theory, check_pipeline_protocol
 from lit3d.strategies.precision import (
     check_reduce_dtype,
     describe,
-    is_bf16_mixed,
     mixed_precision_policy,
     uses_ddp,
 )
@@ -87,7 +86,6 @@ from lit3d.strategies.recompute import check_setting
 from lit3d.strategies.tensor_parallel import lay_out_grads_like_params
 from lit3d.strategies.timeline import PipelineTimeline
 from lit3d.strategies.zero import (
-    ELEMENTWISE_OPTIMIZERS,
     LocalShardOptimizer,
     check_replicas_in_sync,
     gradient_sync_off,
@@ -97,7 +95,7 @@ if TYPE_CHECKING:
     from lit3d.planner.estimate import Plan
 
 
-class Parallel3DStrategy(ShardedCheckpoints, ModelParallelStrategy):
+class Parallel3DStrategy(ShardedCheckpoints, LocalOptimizerSteps, ModelParallelStrategy):
     """Data × tensor × pipeline parallel training with ZeRO sharding; ``world = dp × tp × pp``.
 
     Args:
@@ -293,9 +291,7 @@ class Parallel3DStrategy(ShardedCheckpoints, ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
             if self.layout.world_size > 1:
-                ddp = uses_ddp(self.zero_stage, self.layout.tp == self.layout.pp == 1, self.precision,
-                               self.mixed_precision_reduce)  # fmt: skip
-                rank_zero_info(describe(self.precision, self.zero_stage, ddp, self.mixed_precision_reduce))
+                rank_zero_info(describe(self.precision, self.zero_stage, self._ddp, self.mixed_precision_reduce))
             self.plan = self.planned()
             if self.plan is not None:
                 self.memory_estimate = self.plan.memory_by_stage[self.layout.coordinate(self.global_rank).p]
@@ -320,6 +316,12 @@ class Parallel3DStrategy(ShardedCheckpoints, ModelParallelStrategy):
         """Lightning's precision setting of this run (``"32-true"``, ``"bf16-mixed"``, ...)."""
         return str(getattr(self.precision_plugin, "precision", "32-true"))
 
+    @property
+    def _ddp(self) -> bool:
+        """Whether ZeRO-0 is PyTorch's DDP here (see `lit3d.strategies.precision.uses_ddp`)."""
+        data_parallel_only = self.layout.tp == self.layout.pp == 1
+        return uses_ddp(self.zero_stage, data_parallel_only, self.precision, self.mixed_precision_reduce)
+
     def parallelize(self, module: LightningModule) -> None:
         """Split ``module.model`` over the mesh (see `parallelize_network`), then give it its weights."""
         network, layout = module.model, self.layout
@@ -338,7 +340,7 @@ class Parallel3DStrategy(ShardedCheckpoints, ModelParallelStrategy):
             virtual_pipeline_size=self.virtual_pipeline_size,
             activation_checkpointing=self.activation_checkpointing, compile=self.compile,
             mp_policy=mixed_precision_policy(self.precision, self.mixed_precision_reduce),
-            ddp=uses_ddp(self.zero_stage, layout.tp == layout.pp == 1, self.precision, self.mixed_precision_reduce),
+            ddp=self._ddp,
         )  # fmt: skip
         if any(p.is_meta for p in network.parameters()):
             for chunk in chunks:
@@ -353,35 +355,6 @@ class Parallel3DStrategy(ShardedCheckpoints, ModelParallelStrategy):
             # NOTE: fp16's loss scale multiplies the loss inside the schedule, whose backward is the only one; the
             # precision plugin unscales the gradients before the optimizer step as usual.
             self.pipeline.route(module, grad_scaler=lambda: getattr(self.precision_plugin, "scaler", None))
-
-    @override
-    def setup_optimizers(self, trainer: Trainer) -> None:
-        super().setup_optimizers(trainer)  # Lightning's drops the optimizers of an earlier setup first
-        # ZeRO-1 where the strategy applied data parallelism; a module that parallelises itself chose its own.
-        zero1 = self.zero_stage == 1 and self.layout.dp > 1 and self._parallelized is not None
-        bf16_reduce = is_bf16_mixed(self.precision) and self.mixed_precision_reduce == "bfloat16"
-        self._local_optimizers = {
-            id(opt): LocalShardOptimizer(
-                opt, self.device_mesh if zero1 else None, torch.bfloat16 if bf16_reduce else None
-            )
-            for opt in self.optimizers
-            if zero1 or (isinstance(opt, ELEMENTWISE_OPTIMIZERS) and _has_dtensor_params(opt))
-        }
-
-    @override
-    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        local = self._local_optimizers.get(id(optimizer))
-        if local is None:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-
-        def closure_then_scatter() -> Any:  # Lightning's closure: forward, backward (gradient clipping follows)
-            result = closure()
-            local.scatter_grads()
-            return result
-
-        result = super().optimizer_step(optimizer, closure_then_scatter, model, **kwargs)
-        local.gather_params()
-        return result
 
     # ------------------------------------------------------------------ a training step
 
@@ -427,14 +400,6 @@ class Parallel3DStrategy(ShardedCheckpoints, ModelParallelStrategy):
         with gradient_sync_off(modules, keep_gathered=self.zero_stage == 2):
             yield
 
-    def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
-        pipeline_group = self.device_mesh["pp"].get_group() if self.layout.pp > 1 else None
-        local = self._local_optimizers.get(id(optimizer))
-        if local is not None and local.zero1:  # the gradients are the DP averages of the optimizer's slices now
-            local.clip_grad_norm_(clip_val, pipeline_group)
-            return
-        clip_grad_norm_(self.lightning_module.parameters(), clip_val, pipeline_group)
-
     def _log_pipeline_activity(self) -> None:
         """Each stage's busy time, and the measured idle share of the step next to the schedule's theory."""
         theory = bubble_theory(
@@ -454,9 +419,3 @@ class Parallel3DStrategy(ShardedCheckpoints, ModelParallelStrategy):
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds in parameters, gradients and optimizer states (see `lit3d.strategies.memory`)."""
         return memory_by_component(self.lightning_module, self.optimizers)
-
-
-def _has_dtensor_params(optimizer: torch.optim.Optimizer) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for group in optimizer.param_groups for p in group["params"])

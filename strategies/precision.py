@@ -28,8 +28,13 @@ def is_bf16_mixed(precision: str) -> bool:
 def uses_ddp(zero_stage: int, data_parallel_only: bool, precision: str, mixed_precision_reduce: str) -> bool:
     """ZeRO-0 of a network that is only data parallel is DDP, unless bf16-mixed asks for bf16 reduction (which
     FSDP2's ``replicate`` does)."""
+    return zero_stage == 0 and data_parallel_only and reduce_dtype(precision, mixed_precision_reduce) is None
+
+
+def reduce_dtype(precision: str, mixed_precision_reduce: str) -> torch.dtype | None:
+    """The dtype gradients travel in when it differs from theirs: bf16 under bf16-mixed if asked; else None."""
     bf16_reduce = is_bf16_mixed(precision) and mixed_precision_reduce == "bfloat16"
-    return zero_stage == 0 and data_parallel_only and not bf16_reduce
+    return torch.bfloat16 if bf16_reduce else None
 
 
 def mixed_precision_policy(precision: str, mixed_precision_reduce: str) -> object | None:

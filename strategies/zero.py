@@ -254,6 +254,7 @@ class _Entry:
         _, size, _ = self.dp
         return [_rank_chunk(local, self.dim, size, r) for r in range(size)]
 
+    @functools.cached_property
     def slice_numel(self) -> int:
         """Elements of the largest DP slice (what each rank contributes to a collective, padded)."""
         return max(s.numel() for s in self.slices(self.param))
@@ -267,14 +268,14 @@ def _buckets(entries: list[_Entry]) -> list[list[_Entry]]:
     buckets: dict[tuple, list[list[_Entry]]] = {}
     for e in entries:
         groups = buckets.setdefault((e.dp[0], e.view.dtype), [[]])
-        if groups[-1] and sum(x.slice_numel() for x in groups[-1]) + e.slice_numel() > BUCKET_ELEMENTS:
+        if groups[-1] and sum(x.slice_numel for x in groups[-1]) + e.slice_numel > BUCKET_ELEMENTS:
             groups.append([])
         groups[-1].append(e)
     return [bucket for groups in buckets.values() for bucket in groups]
 
 
 def _offsets(bucket: list[_Entry]) -> tuple[list[int], int]:
-    sizes = [e.slice_numel() for e in bucket]
+    sizes = [e.slice_numel for e in bucket]
     return [sum(sizes[:i]) for i in range(len(sizes))], sum(sizes)
 
 

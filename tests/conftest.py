@@ -201,3 +201,14 @@ def merge(base: dict, overrides: dict) -> dict:
     for key, value in overrides.items():
         out[key] = {**base[key], **value} if isinstance(value, dict) and isinstance(base.get(key), dict) else value
     return out
+
+
+def dp2_then_resumed_on_one_process(job: dict, out: Path) -> dict[str, dict]:
+    """``job`` at DP2 checkpointed after step 4 (``"dp2"``), and resumed from that checkpoint on one process
+    (``"resume_single"``): for runs that must continue exactly on another data-parallel size."""
+    from spawned import run_jobs
+
+    step4 = str(out / "dp2" / "ckpts" / "step=4.ckpt")
+    results = run_jobs(2, {"dp2": merge(job, {"strategy": {}, "checkpoint_every": 4})}, out)
+    results.update(run_jobs(1, {"resume_single": merge(job, {"strategy": {}, "ckpt_path": step4})}, out))
+    return results

@@ -8,10 +8,10 @@ from helpers import fit, logged
 
 from lit3d import GPT
 from lit3d.cli import main
-from lit3d.data import TextDataModule, _tokenize
+from lit3d.data import TextDataModule
 from lit3d.prepared import PreparedBlocks
 from lit3d.sources import load_documents
-from lit3d.tokenizers import ByteTokenizer
+from lit3d.tokenizers import ByteTokenizer, tokenize_documents
 
 
 @pytest.fixture
@@ -27,7 +27,7 @@ def test_prepare_writes_every_document_in_order_and_reports_its_throughput(prepa
     index = json.loads((folder / "index.json").read_text())
     stream = np.concatenate([np.fromfile(folder / s["file"], dtype=index["dtype"]) for s in index["shards"]])
     documents = load_documents(str(text_folder))["text"]
-    expected = np.concatenate(_tokenize({"text": documents}, ByteTokenizer())["input_ids"])
+    expected = np.concatenate(tokenize_documents({"text": documents}, ByteTokenizer())["input_ids"])
     assert np.array_equal(stream, expected) and index["tokens"] == len(expected) and len(index["shards"]) > 2
     assert index["dtype"] == "uint16" and index["documents"] == 6
     assert "prepared 6 documents" in printed and "MB/s with 2 process(es)" in printed
@@ -78,16 +78,12 @@ def test_a_prepared_folder_mixes_with_other_sources_by_weight(prepared, tmp_path
 @pytest.fixture(scope="module")
 def resumed_from_shards(base_job, corpus, tmp_path_factory) -> dict:
     """Training from prepared shards at DP2, checkpointed after step 4 (mid-epoch), and resumed on one process."""
-    from conftest import merge
-    from spawned import run_jobs
+    from conftest import dp2_then_resumed_on_one_process, merge
 
     out = tmp_path_factory.mktemp("prepared_runs")
     main(["prepare", "--data_path", str(corpus), "--output", str(out / "shards"), "--num_proc", "1"])
     base = merge(base_job, {"data": {"data_path": str(out / "shards")}, "trainer": {"limit_val_batches": 0}})
-    step4 = str(out / "dp2" / "ckpts" / "step=4.ckpt")
-    results = run_jobs(2, {"dp2": merge(base, {"strategy": {}, "checkpoint_every": 4})}, out)
-    results.update(run_jobs(1, {"resume_single": merge(base, {"strategy": {}, "ckpt_path": step4})}, out))
-    return results
+    return dp2_then_resumed_on_one_process(base, out)
 
 
 def test_a_run_from_prepared_shards_resumes_mid_epoch_on_another_dp_size(resumed_from_shards):

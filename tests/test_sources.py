@@ -7,8 +7,9 @@ import json
 import datasets
 import pytest
 
-from lit3d.data import TextDataModule, _tokenize
+from lit3d.data import TextDataModule
 from lit3d.sources import file_format
+from lit3d.tokenizers import tokenize_documents
 
 DOCUMENTS = [f"document {i}: the quick brown fox jumps over the lazy dog " * 3 for i in range(40)]
 
@@ -108,7 +109,7 @@ def test_documents_get_the_bos_and_eos_their_tokenizer_defines(defined_by, tmp_p
     (tmp_path / "corpus.txt").write_text("the fox the fox")
     data = TextDataModule(str(tmp_path / "corpus.txt"), tokenizer=str(tmp_path))
     assert (data.tokenizer.bos_id, data.tokenizer.eos_id) == (1, 2)
-    assert _tokenize({"text": ["the fox"]}, data.tokenizer)["input_ids"][0].tolist() == [1, 3, 4, 2]
+    assert tokenize_documents({"text": ["the fox"]}, data.tokenizer)["input_ids"][0].tolist() == [1, 3, 4, 2]
 
 
 def test_a_mixture_from_the_command_line(tmp_path, monkeypatch):

@@ -106,15 +106,10 @@ def test_a_streaming_run_trains_and_records_its_position(jsonl_corpus, tmp_path)
 @pytest.fixture(scope="module")
 def resumed_from_a_stream(base_job, corpus, tmp_path_factory) -> dict:
     """A streaming run at DP2, checkpointed after step 4 (mid-epoch), and resumed on one process."""
-    from conftest import merge
-    from spawned import run_jobs
+    from conftest import dp2_then_resumed_on_one_process, merge
 
     out = tmp_path_factory.mktemp("streaming_runs")
-    base = merge(base_job, {"data": {"streaming": True}})
-    step4 = str(out / "dp2" / "ckpts" / "step=4.ckpt")
-    results = run_jobs(2, {"dp2": merge(base, {"strategy": {}, "checkpoint_every": 4})}, out)
-    results.update(run_jobs(1, {"resume_single": merge(base, {"strategy": {}, "ckpt_path": step4})}, out))
-    return results
+    return dp2_then_resumed_on_one_process(merge(base_job, {"data": {"streaming": True}}), out)
 
 
 def test_a_streaming_run_resumes_mid_epoch_on_another_dp_size(resumed_from_a_stream):

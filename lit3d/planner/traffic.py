@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from lit3d.config import GPTConfig
 from lit3d.planner.tensors import local_numel, rank_tensors
 from lit3d.strategies.layout import Layout
 from lit3d.strategies.stages import chunk_stage_ids
+from lit3d.strategies.zero import BUCKET_ELEMENTS
 
 if TYPE_CHECKING:
     from lit3d.planner.estimate import Precision, Training
@@ -22,19 +24,11 @@ def communication_bytes(
     side). Left out: scalars (the logged loss, the gradient norm).
     """
     tp, pp, dp = layout.tp, layout.pp, layout.dp
-    virtual = training.virtual_pipeline_size if pp > 1 else 1
-    microbatches = training.global_batch_size // (dp * training.micro_batch_size)
-    schedules = training.schedules_per_step(pp)
-    sp = training.sequence_parallel and tp > 1
+    virtual, microbatches, schedules, sp, per_block = _step_shape(layout, training)
     act_bytes = training.micro_batch_size * training.seq_len * config.d_model * precision.activations
     ring = 2 * (tp - 1) / tp  # all-reduce traffic per byte; SP's all-gather + reduce-scatter pair costs the same
-    per_block = _tp_collectives_per_block(training, sp)
     traffic = {"tp": 0.0, "pp": 0.0, "dp": 0.0}
-    for stage_rank in range(pp):
-        tensors = rank_tensors(config, pp, virtual, stage_rank)
-        stage_ids = chunk_stage_ids(stage_rank, pp, virtual) if pp > 1 else [0]
-        first, last = 0 in stage_ids, pp * virtual - 1 in stage_ids
-        blocks = len({t.block for t in tensors} - {None})
+    for tensors, first, last, blocks in _stages(config, pp, virtual):
         tp_bytes = (blocks * per_block + first + last) * act_bytes  # embedding (fwd) and head (bwd): one each
         if last:  # the vocabulary-parallel loss: 3 fp32 all-reduces per token (max, sum, target logit)
             tp_bytes += 3 * training.micro_batch_size * training.seq_len * 4
@@ -50,11 +44,37 @@ def communication_bytes(
         )
         traffic["dp"] = max(traffic["dp"], sent)
     if pp > 1:
-        # Each chunk sends its output forward and its input's gradient backward; the first chunk has no
-        # input and the last no output, so the middle ranks send the most, and with two ranks each sends 2v-1.
-        sends = 2 * virtual - (pp == 2)
-        traffic["pp"] = sends * microbatches * act_bytes / (tp if sp else 1)
+        traffic["pp"] = _pipeline_sends(pp, virtual) * microbatches * act_bytes / (tp if sp else 1)
     return traffic
+
+
+def _step_shape(layout: Layout, training: Training) -> tuple[int, int, int, bool, float]:
+    """(virtual stages per rank, micro-batches per replica and step, pipeline schedules per step, whether SP is
+    on, TP collectives per block and micro-batch)."""
+    pp, tp = layout.pp, layout.tp
+    sp = training.sequence_parallel and tp > 1
+    return (
+        training.virtual_pipeline_size if pp > 1 else 1,
+        training.global_batch_size // (layout.dp * training.micro_batch_size),
+        training.schedules_per_step(pp),
+        sp,
+        _tp_collectives_per_block(training, sp),
+    )
+
+
+def _stages(config: GPTConfig, pp: int, virtual: int) -> Iterator[tuple[list, bool, bool, int]]:
+    """Each pipeline rank's tensors, whether it holds the first and the last stage, and its number of blocks."""
+    for stage_rank in range(pp):
+        tensors = rank_tensors(config, pp, virtual, stage_rank)
+        stage_ids = chunk_stage_ids(stage_rank, pp, virtual) if pp > 1 else [0]
+        yield tensors, 0 in stage_ids, pp * virtual - 1 in stage_ids, len({t.block for t in tensors} - {None})
+
+
+def _pipeline_sends(pp: int, virtual: int) -> int:
+    """Sends per micro-batch of the busiest pipeline rank: each chunk sends its output forward and its input's
+    gradient backward; the first chunk has no input and the last no output, so the middle ranks send the most,
+    and with two ranks each sends 2v-1."""
+    return 2 * virtual - (pp == 2)
 
 
 def _tp_collectives_per_block(training: Training, sp: bool) -> float:
@@ -75,17 +95,9 @@ def collectives(config: GPTConfig, layout: Layout, training: Training) -> dict[s
     all-reduce over n ranks is 2 (n-1) hops, an all-gather or reduce-scatter n-1, a point-to-point send 1): the
     latency side of an α-β model, counted as `communication_bytes` counts the bytes."""
     tp, pp, dp = layout.tp, layout.pp, layout.dp
-    virtual = training.virtual_pipeline_size if pp > 1 else 1
-    microbatches = training.global_batch_size // (dp * training.micro_batch_size)
-    schedules = training.schedules_per_step(pp)
-    sp = training.sequence_parallel and tp > 1
-    per_block = _tp_collectives_per_block(training, sp)
+    virtual, microbatches, schedules, sp, per_block = _step_shape(layout, training)
     counts = {"tp": (0.0, 0.0), "pp": (0.0, 0.0), "dp": (0.0, 0.0)}
-    for stage_rank in range(pp):
-        tensors = rank_tensors(config, pp, virtual, stage_rank)
-        stage_ids = chunk_stage_ids(stage_rank, pp, virtual) if pp > 1 else [0]
-        first, last = 0 in stage_ids, pp * virtual - 1 in stage_ids
-        blocks = len({t.block for t in tensors} - {None})
+    for tensors, first, last, blocks in _stages(config, pp, virtual):
         if tp > 1:  # an all-reduce, or under SP an all-gather and a reduce-scatter, per count of `per_block`
             n = ((blocks * per_block + first + last) + 3 * last) * microbatches
             counts["tp"] = max(counts["tp"], (n * (2 if sp else 1), n * 2 * (tp - 1)))
@@ -93,8 +105,8 @@ def collectives(config: GPTConfig, layout: Layout, training: Training) -> dict[s
             units, steps = blocks + 1, schedules if pp > 1 else 1
             if training.zero_stage == 0:
                 n, hops = units * steps, 2 * (dp - 1)
-            elif training.zero_stage == 1:  # one reduce-scatter and one all-gather per bucket of 50M elements
-                n, hops = 2 * -(-sum(local_numel(t, tp) for t in tensors) // 50_000_000), dp - 1
+            elif training.zero_stage == 1:  # one reduce-scatter and one all-gather per bucket
+                n, hops = 2 * -(-sum(local_numel(t, tp) for t in tensors) // BUCKET_ELEMENTS), dp - 1
             elif training.zero_stage == 2:
                 n, hops = 2 * units * steps, dp - 1
             else:
@@ -102,7 +114,7 @@ def collectives(config: GPTConfig, layout: Layout, training: Training) -> dict[s
                 n, hops = (gathers[0] * blocks + gathers[1] + units) * steps, dp - 1
             counts["dp"] = max(counts["dp"], (n, n * hops))
     if pp > 1:
-        sends = (2 * virtual - (pp == 2)) * microbatches
+        sends = _pipeline_sends(pp, virtual) * microbatches
         counts["pp"] = (sends, sends)
     return counts
 

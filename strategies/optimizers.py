@@ -1,0 +1,57 @@
+"""The optimizer hooks of `Parallel3DStrategy` (a mixin before Lightning's strategy class): steps on local shards,
+ZeRO-1's reduce-scatter and all-gather around them, and gradient clipping by the norm of the whole split model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch import Trainer
+from typing_extensions import override
+
+from lit3d.strategies.grad_norm import clip_grad_norm_
+from lit3d.strategies.precision import reduce_dtype
+from lit3d.strategies.zero import ELEMENTWISE_OPTIMIZERS, LocalShardOptimizer
+
+
+class LocalOptimizerSteps:
+    @override
+    def setup_optimizers(self, trainer: Trainer) -> None:
+        super().setup_optimizers(trainer)  # Lightning's drops the optimizers of an earlier setup first
+        # ZeRO-1 where the strategy applied data parallelism; a module that parallelises itself chose its own.
+        zero1 = self.zero_stage == 1 and self.layout.dp > 1 and self._parallelized is not None
+        mesh, dtype = self.device_mesh if zero1 else None, reduce_dtype(self.precision, self.mixed_precision_reduce)
+        self._local_optimizers = {
+            id(opt): LocalShardOptimizer(opt, mesh, dtype)
+            for opt in self.optimizers
+            if zero1 or (isinstance(opt, ELEMENTWISE_OPTIMIZERS) and _has_dtensor_params(opt))
+        }
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        local = self._local_optimizers.get(id(optimizer))
+        if local is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+        def closure_then_scatter() -> Any:  # Lightning's closure: forward, backward (gradient clipping follows)
+            result = closure()
+            local.scatter_grads()
+            return result
+
+        result = super().optimizer_step(optimizer, closure_then_scatter, model, **kwargs)
+        local.gather_params()
+        return result
+
+    def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
+        pipeline_group = self.device_mesh["pp"].get_group() if self.layout.pp > 1 else None
+        local = self._local_optimizers.get(id(optimizer))
+        if local is not None and local.zero1:  # the gradients are the DP averages of the optimizer's slices now
+            local.clip_grad_norm_(clip_val, pipeline_group)
+            return
+        clip_grad_norm_(self.lightning_module.parameters(), clip_val, pipeline_group)
+
+
+def _has_dtensor_params(optimizer: torch.optim.Optimizer) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for group in optimizer.param_groups for p in group["params"])
