@@ -95,3 +95,8 @@ def test_registered_as_3d():
     from lightning.pytorch.strategies import StrategyRegistry
 
     assert StrategyRegistry["3d"]["strategy"] is Parallel3DStrategy
+
+
+def test_an_unknown_reduce_dtype_is_refused_before_any_process_starts():
+    with pytest.raises(ValueError, match="mixed_precision_reduce='fp8' is not one of 'float32', 'bfloat16'"):
+        Parallel3DStrategy(mixed_precision_reduce="fp8")
