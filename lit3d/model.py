@@ -53,20 +53,23 @@ TENSOR_PARALLEL_PLAN: dict[str, str] = {
 }
 
 
-def rotary_tables(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_tables(
+    seq_len: int, head_dim: int, theta: float, device: torch.device, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the rotary angles, ``[seq, head_dim]``, in the rotate-half layout HuggingFace Llama uses.
 
-    Computed once per (head_dim, theta, device) for the longest sequence asked so far, and sliced: not again in
-    every block of every forward.
+    Computed (in fp32, then cast to ``dtype``) once per (head_dim, theta, device, dtype) for the longest sequence
+    asked so far, and sliced: not again in every block of every forward, and no cast copy kept for backward.
     """
     if torch.compiler.is_compiling():
-        return _rotary_tables(seq_len, head_dim, theta, device)
-    key = (head_dim, theta, str(device))
+        return tuple(t.to(dtype) for t in _rotary_tables(seq_len, head_dim, theta, device))
+    key = (head_dim, theta, str(device), dtype)
     tables = _ROTARY_TABLES.get(key)
     if tables is None or tables[0].shape[0] < seq_len:
         # Plain tensors even under inference mode: training saves them for backward later.
         with torch.inference_mode(False), torch.no_grad():
-            tables = _ROTARY_TABLES[key] = _rotary_tables(seq_len, head_dim, theta, device)
+            tables = tuple(t.to(dtype) for t in _rotary_tables(seq_len, head_dim, theta, device))
+            _ROTARY_TABLES[key] = tables
     return tables[0][:seq_len], tables[1][:seq_len]
 
 
@@ -86,7 +89,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotate ``x`` of shape ``[batch, seq, heads, head_dim]`` by position."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)  # no copy when the tables are in x's dtype
     return x * cos + rotated * sin
 
 
@@ -107,7 +110,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(batch, seq, -1, hd)
         k = self.k_proj(x).view(batch, seq, -1, hd)
         v = self.v_proj(x).view(batch, seq, -1, hd)
-        cos, sin = rotary_tables(seq, hd, self.config.rope_theta, x.device)
+        cos, sin = rotary_tables(seq, hd, self.config.rope_theta, x.device, q.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         y = causal_attention(q, k, v, self.config.attention)
         return self.o_proj(y.reshape(batch, seq, -1))
@@ -137,8 +140,17 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
-        return x + self.mlp(self.mlp_norm(x))
+        x = x + self.attn(compute_dtype(self.attn_norm(x)))
+        return x + self.mlp(compute_dtype(self.mlp_norm(x)))
+
+
+def compute_dtype(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in autocast's dtype where autocast is on (bf16-mixed): a norm's output, cast once before it enters the
+    linears, instead of once by each of them (autocast casts every linear's input anew and keeps each copy for
+    backward: three for q, k and v). Under sequence parallelism its gather then moves bf16 too."""
+    if torch.is_autocast_enabled(x.device.type):
+        return x.to(torch.get_autocast_dtype(x.device.type))
+    return x
 
 
 class Transformer(nn.Module):
@@ -163,11 +175,11 @@ class Transformer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:
-            x = self.embed(x)
+            x = compute_dtype(self.embed(x))  # bf16-mixed: the residual stream in bf16 whatever holds the weights
         for block in self.blocks.values():
             x = block(x)
         if self.norm is not None:
-            x = self.norm(x)
+            x = compute_dtype(self.norm(x))
         if self.head is not None:
             x = mask_vocab_padding(self.head(x), self.config.vocab_size)
         return x

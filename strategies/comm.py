@@ -7,7 +7,7 @@ convention of the planner (`lit3d.planner.estimate`):
     all-reduce        2 (n-1)/n × tensor
     all-gather          (n-1)/n × gathered tensor
     reduce-scatter      (n-1)/n × input tensor
-    all-to-all          (n-1)/n × input tensor
+    all-to-all          (n-1)/n × input tensor; with split sizes, the parts for the other ranks
     send                          tensor (point to point, between pipeline stages)
 
 ``n`` is the size of the collective's process group, which also names its axis (`by_axis`).
@@ -50,6 +50,10 @@ _COLLECTIVES = {
 }
 
 
+_INPUT_SPLITS = {c10d.alltoall_base_.default: 4, funcol.all_to_all_single.default: 2}  # all-to-all: index of its
+# input_split_sizes
+
+
 class CommBytes(CommDebugMode):
     """`CommDebugMode` that also adds up the bytes this rank sends, per process group (``bytes_by_group``, keyed
     by the group's global ranks).
@@ -82,6 +86,9 @@ class CommBytes(CommDebugMode):
             kind, tensors, group = _COLLECTIVES[func]
             ranks, size = _group(args[group])
             payload = _nbytes(out if tensors == "out" else args[tensors])
+            if func in _INPUT_SPLITS and args[_INPUT_SPLITS[func]]:  # uneven splits: what goes to the others only
+                splits, me = args[_INPUT_SPLITS[func]], ranks.index(dist.get_rank())
+                kind, payload = "send", payload * (sum(splits) - splits[me]) / sum(splits)
             share = {
                 "all_reduce": 2 * (size - 1) / size,
                 "gather": (size - 1) / size,

@@ -3,6 +3,7 @@ ZeRO-1's reduce-scatter and all-gather around them, and gradient clipping by the
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ class LocalOptimizerSteps:
         zero1 = self.zero_stage == 1 and self.layout.dp > 1 and self._parallelized is not None
         mesh, dtype = self.device_mesh if zero1 else None, reduce_dtype(self.precision, self.mixed_precision_reduce)
         self._local_optimizers = {
-            id(opt): LocalShardOptimizer(opt, mesh, dtype)
+            id(opt): LocalShardOptimizer(opt, mesh, dtype, self.lightning_module)
             for opt in self.optimizers
             if zero1 or (isinstance(opt, ELEMENTWISE_OPTIMIZERS) and _has_dtensor_params(opt))
         }
@@ -34,7 +35,8 @@ class LocalOptimizerSteps:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
 
         def closure_then_scatter() -> Any:  # Lightning's closure: forward, backward (gradient clipping follows)
-            result = closure()
+            with local.overlap() if local.zero1 and self.layout.pp == 1 else nullcontext():
+                result = closure()
             local.scatter_grads()
             return result
 

@@ -41,10 +41,26 @@ def parallel_styles(sequence_parallel: bool) -> dict[str, ParallelStyle | None]:
         # or gate, up), so backward sums their partial input gradients and reduces them once per region.
         "tp_region": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
         "norm": SequenceParallel() if sequence_parallel else None,
-        "vocab_embedding": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
+        "vocab_embedding": VocabParallelEmbedding(input_layouts=Replicate(), output_layouts=between),
         # NOTE: logits stay a vocabulary-sharded DTensor so the loss never gathers them (loss_parallel).
         "vocab_head": ColwiseParallel(input_layouts=between, output_layouts=Shard(-1), use_local_output=False),
     }
+
+
+class VocabParallelEmbedding(RowwiseParallel):
+    """An embedding split by vocabulary rows: each rank looks up the ids in its rows and the partial outputs are
+    summed over TP. Under autocast (bf16-mixed) they are summed in the compute dtype: the lookup is no autocast op,
+    so with fp32 weights (DDP, ZeRO-1) the reduction would move fp32."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        from lit3d.model import compute_dtype
+
+        # NOTE: cast the local partial sums: DTensor would reduce a partial tensor before casting it.
+        local = compute_dtype(outputs.to_local())
+        if local.dtype != outputs.dtype:
+            outputs = DTensor.from_local(local, outputs.device_mesh, outputs.placements, run_check=False)
+        return RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
 
 
 def apply_tensor_parallel(

@@ -83,18 +83,21 @@ LAYOUTS: dict[str, tuple[int, dict]] = {
         for z in range(4)
     },
     **{  # 20 steps, compared with the single-process bf16-mixed run; CommReport measures step 5
-        f"dp2_zero{z}_bf16-mixed{suffix}": (
-            2,
+        f"{name}_bf16-mixed{suffix}": (
+            world,
             {
-                "strategy": {"zero_stage": z, **strategy},
+                "strategy": strategy,
                 "trainer": {"precision": "bf16-mixed", "max_steps": 20, "val_check_interval": 10},
                 "callbacks": [CommReport(step=5)],
             },
         )
-        for z, suffix, strategy in [
-            *((z, "", {}) for z in range(4)),
-            (3, "_reduce_bf16", {"mixed_precision_reduce": "bfloat16"}),
-            (0, "_reduce_bf16", {"mixed_precision_reduce": "bfloat16"}),
+        for name, suffix, world, strategy in [
+            *((f"dp2_zero{z}", "", 2, {"zero_stage": z}) for z in range(4)),
+            ("dp2_zero3", "_reduce_bf16", 2, {"zero_stage": 3, "mixed_precision_reduce": "bfloat16"}),
+            ("dp2_zero0", "_reduce_bf16", 2, {"zero_stage": 0, "mixed_precision_reduce": "bfloat16"}),
+            ("tp2_sequence_parallel", "", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
+            ("pp2_1f1b", "", 2, pp(2)),
+            ("dp2_tp2_zero3", "", 4, {"tensor_parallel_size": 2, "zero_stage": 3}),
         ]
     },
     "pp2_gpipe": (2, {"strategy": pp(2, "gpipe")}),

@@ -1,64 +1,125 @@
-"""The planner's activation memory against what autograd really saves (saved-tensor hooks, each storage once).
+"""The planner's activation memory against what autograd really saves, for a grid of layouts and precisions.
 
-Covered here, in fp32: TP 1 with recompute off and full, per block and at the output layer; TP 2 (one rank of a
-fake process group: real local shards, no real collectives) with and without sequence parallelism. Not yet:
-selective recompute (its kept tensors live in the checkpoint's own cache, out of reach of these hooks) and
-bf16-mixed (autocast keeps a bf16 copy of each linear's input).
+Saved-tensor hooks see each tensor autograd keeps for backward (each storage counted once, a DTensor by its local
+shard); under selective recompute the kept tensors live in the checkpoint's own cache instead, which is read too.
+TP 2 runs one rank of a fake process group: real local shards, no real collectives.
+
+Precisions: ``fp32``; ``bf16-mixed`` as FSDP2 runs it (bf16 parameters in forward, under autocast); and
+``bf16-mixed-autocast``, with fp32 parameters that autocast casts (DDP, ZeRO-1, one device), which also keeps a bf16
+copy of every weight. Every block starts from the residual stream in the compute dtype.
 """
 
 import pytest
 import torch
+import torch.utils.checkpoint as torch_checkpoint
+from torch.utils._pytree import tree_leaves
 
 from lit3d import GPTConfig
-from lit3d.model import Block, Transformer, cross_entropy, rotary_tables
-from lit3d.planner.estimate import activation_elements_per_token, output_layer_bytes
-from lit3d.strategies.recompute import apply_activation_checkpointing
+from lit3d.model import TENSOR_PARALLEL_PLAN, Transformer, cross_entropy, rotary_tables
+from lit3d.planner.estimate import activation_bytes_per_token, autocast_weight_bytes, output_layer_bytes
+from lit3d.strategies.layout import Layout
+from lit3d.strategies.parallelize import parallelize_network
 
 CONFIG = GPTConfig(n_layer=1, n_head=4, n_kv_head=2, d_model=64, d_ff=160, vocab_size=250, max_seq_len=64)
-BATCH, SEQ = 2, 32
+BATCH, SEQ = 2, 24  # 48 tokens: no activation shares a shape with a weight
+PRECISIONS = ["fp32", "bf16-mixed", "bf16-mixed-autocast"]
+CHECKPOINTING = [False, "full", "selective"]
 
 
-def saved_bytes(run, exclude: set[int]) -> int:
-    """Bytes of the tensors autograd saves while ``run()`` runs forward, each storage once (a DTensor's local
-    shard), leaving out the storages in ``exclude`` (parameters, the shared rotary tables)."""
-    seen: dict[int, int] = {}
+class SavedBytes:
+    """Bytes autograd keeps while forward runs: saved tensors plus selective recompute's cache, each storage
+    once, leaving out the parameters and the shared rotary tables. Create it before the checkpointed modules."""
 
-    def pack(tensor):
-        storage = getattr(tensor, "_local_tensor", tensor).untyped_storage()
-        if storage.data_ptr() not in exclude:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return tensor
+    def __init__(self, monkeypatch) -> None:
+        self.caches = []
+        make = torch_checkpoint.create_selective_checkpoint_contexts
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        run()
-    return sum(seen.values())
+        def keep_cache(*args, **kwargs):
+            caching, cached = make(*args, **kwargs)
+            self.caches.append(caching.storage)
+            return caching, cached
+
+        monkeypatch.setattr(torch_checkpoint, "create_selective_checkpoint_contexts", keep_cache)
+
+    def __call__(self, run, precision: str, module: torch.nn.Module) -> int:
+        tables = [t for dtype in (torch.float32, torch.bfloat16) for t in rotary_tables(SEQ, CONFIG.head_dim,
+                  CONFIG.rope_theta, torch.device("cpu"), dtype)]  # fmt: skip
+        exclude = {_storage(t) for t in [*module.parameters(), *tables]}
+        seen: dict[int, int] = {}
+
+        def pack(tensor):
+            local = getattr(tensor, "_local_tensor", tensor)
+            if _storage(local) not in exclude:
+                seen[_storage(local)] = local.untyped_storage().nbytes()
+            return tensor
+
+        for cache in self.caches:
+            cache.clear()
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision != "fp32")
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), autocast:
+            run()
+        for cache in self.caches:  # selective recompute: what its policy kept
+            for kept in cache.values():
+                for leaf in tree_leaves(list(kept.values())):
+                    if isinstance(getattr(leaf, "val", None), torch.Tensor):
+                        pack(leaf.val)
+        return sum(seen.values())
 
 
-def shared(module: torch.nn.Module) -> set[int]:
-    tables = rotary_tables(SEQ, CONFIG.head_dim, CONFIG.rope_theta, torch.device("cpu"))
-    return {getattr(t, "_local_tensor", t).untyped_storage().data_ptr() for t in [*module.parameters(), *tables]}
+@pytest.fixture
+def saved_bytes(monkeypatch) -> SavedBytes:
+    return SavedBytes(monkeypatch)
 
 
-@pytest.mark.parametrize("checkpointing", [False, "full"])
-def test_a_block_saves_what_the_planner_counts(checkpointing):
-    block = Block(CONFIG)
-    if checkpointing:
-        apply_activation_checkpointing([block], checkpointing)
-    x = torch.randn(BATCH, SEQ, CONFIG.d_model, requires_grad=True)
-    measured = saved_bytes(lambda: block(x), shared(block))
-    planned = activation_elements_per_token(CONFIG, 1, False, checkpointing) * BATCH * SEQ * 4
-    assert measured == pytest.approx(planned, rel=0.01)
+def _storage(tensor: torch.Tensor) -> int:
+    return getattr(tensor, "_local_tensor", tensor).untyped_storage().data_ptr()
 
 
-def test_the_output_layer_saves_what_the_planner_counts():
+def planned_block_bytes(tp: int, sequence_parallel: bool, checkpointing, precision: str) -> float:
+    bf16 = precision != "fp32"
+    per_token = activation_bytes_per_token(CONFIG, tp, sequence_parallel, checkpointing, 2 if bf16 else 4)
+    copies = autocast_weight_bytes(CONFIG, tp) if precision == "bf16-mixed-autocast" and not checkpointing else 0
+    return per_token * BATCH * SEQ + copies
+
+
+def build(tp_mesh, sequence_parallel: bool, checkpointing, precision: str) -> Transformer:
     net = Transformer(CONFIG)
+    tp = 1 if tp_mesh is None else 2
+    mesh = {} if tp_mesh is None else {"tp": tp_mesh}
+    parallelize_network(net, TENSOR_PARALLEL_PLAN, Layout(dp=1, tp=tp, pp=1, devices_per_node=tp), mesh, 0,
+                        zero_stage=0, sequence_parallel=sequence_parallel,
+                        activation_checkpointing=checkpointing)  # fmt: skip
+    if precision == "bf16-mixed":
+        net.to(torch.bfloat16)  # what FSDP2's mixed precision policy hands the blocks
+    return net
+
+
+def block_input(seq: int, precision: str) -> torch.Tensor:
+    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    return torch.randn(BATCH, seq, CONFIG.d_model, dtype=dtype, requires_grad=True) * 1  # not a leaf, as in a model
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("checkpointing", CHECKPOINTING)
+def test_a_block_saves_what_the_planner_counts(saved_bytes, checkpointing, precision):
+    net = build(None, False, checkpointing, precision)
+    x = block_input(SEQ, precision)
+    measured = saved_bytes(lambda: net.blocks["0"](x), precision, net)
+    assert measured == pytest.approx(planned_block_bytes(1, False, checkpointing, precision), rel=0.01)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_the_output_layer_saves_what_the_planner_counts(saved_bytes, precision):
+    net = build(None, False, False, precision)
     net.reset_parameters(0)
+    if precision != "fp32":
+        net.to(torch.bfloat16)
     ids = torch.randint(0, CONFIG.vocab_size, (BATCH, SEQ))
-    whole = saved_bytes(lambda: cross_entropy(net(ids), ids), shared(net))
-    block_input = torch.randn(BATCH, SEQ, CONFIG.d_model, requires_grad=True)
-    block = saved_bytes(lambda: net.blocks["0"](block_input), shared(net))
+    whole = saved_bytes(lambda: cross_entropy(net(ids), ids), precision, net)
+    x = block_input(SEQ, precision)
+    block = saved_bytes(lambda: net.blocks["0"](x), precision, net)
     ids_bytes = BATCH * SEQ * 8  # the embedding keeps the token ids
-    planned = output_layer_bytes(CONFIG, 1, False, BATCH * SEQ, 4)
+    planned = output_layer_bytes(CONFIG, 1, False, BATCH * SEQ, 4 if precision == "fp32" else 2)
     assert whole - block - ids_bytes == pytest.approx(planned, rel=0.01)
 
 
@@ -75,22 +136,27 @@ def tp2_mesh():
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("checkpointing", CHECKPOINTING)
 @pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_a_tensor_parallel_block_saves_what_the_planner_counts(tp2_mesh, sequence_parallel):
-    from lit3d.model import TENSOR_PARALLEL_PLAN
-    from lit3d.strategies.layout import Layout
-    from lit3d.strategies.parallelize import parallelize_network
+def test_a_tensor_parallel_block_saves_what_the_planner_counts(
+    saved_bytes, tp2_mesh, sequence_parallel, checkpointing, precision
+):
+    net = build(tp2_mesh, sequence_parallel, checkpointing, precision)
+    x = block_input(SEQ // 2 if sequence_parallel else SEQ, precision)
+    measured = saved_bytes(lambda: net.blocks["0"](x), precision, net)
+    assert measured == pytest.approx(planned_block_bytes(2, sequence_parallel, checkpointing, precision), rel=0.01)
 
-    net, layout = Transformer(CONFIG), Layout(dp=1, tp=2, pp=1, devices_per_node=2)
-    parallelize_network(net, TENSOR_PARALLEL_PLAN, layout, {"tp": tp2_mesh}, 0, zero_stage=0,
-                        sequence_parallel=sequence_parallel)  # fmt: skip
-    block = net.blocks["0"]
-    x = torch.randn(BATCH, SEQ // 2 if sequence_parallel else SEQ, CONFIG.d_model, requires_grad=True)
-    measured = saved_bytes(lambda: block(x), shared(net))
-    planned = activation_elements_per_token(CONFIG, 2, sequence_parallel, False) * BATCH * SEQ * 4
-    assert measured == pytest.approx(planned, rel=0.01)
-    unsplit = activation_elements_per_token(CONFIG, 1, False, False) * BATCH * SEQ * 4
-    if sequence_parallel:  # Korthikanti et al. 2022, Eq. 4: TP + SP keeps 1/t of the unsplit layer
-        assert measured / (unsplit / 2) == pytest.approx(1.0, abs=0.02)
-    else:  # without SP the norms and the gathered linear inputs stay whole
-        assert measured / (unsplit / 2) > 1.2
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_sequence_parallel_keeps_a_tth_of_the_unsplit_layer(saved_bytes, tp2_mesh, precision):
+    """Korthikanti et al. 2022, Eq. 4: TP + SP keeps 1/t of the unsplit layer (without SP the norms and the
+    gathered linear inputs stay whole)."""
+
+    def kept(mesh, sp: bool) -> int:
+        net, x = build(mesh, sp, False, precision), block_input(SEQ // 2 if sp else SEQ, precision)
+        return saved_bytes(lambda: net.blocks["0"](x), precision, net)
+
+    unsplit, kept = kept(None, False), {sp: kept(tp2_mesh, sp) for sp in (False, True)}
+    assert kept[True] / (unsplit / 2) == pytest.approx(1.0, abs=0.02)
+    assert kept[False] / (unsplit / 2) > 1.2

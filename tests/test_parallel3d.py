@@ -57,9 +57,12 @@ def test_bf16_mixed_follows_the_single_process_bf16_mixed_curve(layout, layout_r
 
 @pytest.mark.parametrize("layout", BF16_MIXED)
 def test_bf16_mixed_sends_what_the_planner_counts(layout, layout_runs):
+    """Per axis, in bf16 where the planner says so: parameter gathers, TP's activations and PP's sends."""
     comm = layout_runs[layout]["comm_bytes"]
     measured, planned = comm["measured"], comm["planned"]
-    assert planned["dp"] > 0 and planned["dp"] <= measured["dp"] <= planned["dp"] + 256, (measured, planned)
+    assert sum(planned.values()) > 0
+    for axis in ("dp", "tp", "pp"):
+        assert planned[axis] <= measured[axis] <= planned[axis] + 256, (axis, measured, planned)
 
 
 def test_bf16_mixed_gathers_parameters_in_bf16(layout_runs):
@@ -89,9 +92,9 @@ def test_no_gradient_sync_on_micro_steps_before_the_last(layout_runs, zero_stage
         assert lasts == [{"c10d.allreduce_": 2}] * 2
     else:
         # ZeRO-1: one reduce-scatter of all the gradients (one bucket), the logged loss, the gradient norm of the
-        # slices for clipping, then one all-gather of the updated slices.
+        # slices for clipping, then one all-gather of the updated slices; on CPU both as all-to-alls (zero.py).
         assert firsts == [{}, {}], f"collectives on a non-final micro-step: {firsts}"
-        expected = {"c10d._reduce_scatter_base_": 1, "c10d.allreduce_": 2, "c10d._allgather_base_": 1}
+        expected = {"c10d.alltoall_base_": 2, "c10d.allreduce_": 2}
         assert lasts == [expected] * 2
 
 

@@ -148,31 +148,50 @@ def _free_dim(tensor: Tensor) -> int:
     return next(d for d in range(len(tensor.shape)) if d != tensor.tp_dim)
 
 
-def activation_elements_per_token(
-    config: GPTConfig, tp: int, sequence_parallel: bool, checkpointing: bool | str
+def activation_bytes_per_token(
+    config: GPTConfig, tp: int, sequence_parallel: bool, checkpointing: bool | str, activations: int = 4
 ) -> float:
-    """Activations one block keeps for backward, per token (elements)."""
-    h, f, kv = config.d_model, config.d_ff, config.n_kv_head * config.head_dim
+    """Bytes one block keeps for backward, per token: what autograd saves (tests/test_activation_memory.py counts
+    it with saved-tensor hooks). ``activations``: bytes per element of the compute dtype (2 in bf16). The norms
+    compute in fp32 and attention's log-sum-exp is fp32 in any precision."""
+    h, f, kv, a = config.d_model, config.d_ff, config.n_kv_head * config.head_dim, activations
     split = tp if sequence_parallel else 1
-    if (
-        checkpointing == "selective"
-    ):  # the input, the matmul, attention and collective outputs (lit3d.strategies.recompute)
-        return 3 * h / split + (h + 2 * kv + h + 2 * f) / tp
+    lse = 4 * config.n_head / tp
+    if checkpointing == "selective":  # what `lit3d.strategies.recompute` keeps: matmul, attention, collective outputs
+        sharded = 2 * h + 2 * kv + 2 * f  # q, k, v, the attention output, gate and up
+        rowwise = 2 * h  # o_proj and down_proj outputs, before their reduction
+        reduced = 2 * h / split if tp > 1 else 0  # the all-reduce (SP: reduce-scatter) outputs
+        gathered = 2 * h if sequence_parallel else 0  # SP: the all-gathered inputs of both regions
+        return a * (h / split + sharded / tp + rowwise + reduced + gathered) + lse
     if checkpointing:
-        return h / split  # only the block's input; the rest is recomputed
-    # What autograd saves (tests/test_activation_memory.py counts it with saved-tensor hooks):
-    norms = 2 * (2 * h + 1)  # per norm: its input, the input times 1/rms, and 1/rms (split along the sequence under SP)
-    linear_inputs = 2 * h / split  # the column-parallel linears' input: under SP its shard (`KeepSequenceShard`)
-    attention = (h + 2 * kv) + h + config.n_head  # rotated q, k and v; the output; the log-sum-exp
-    mlp = 4 * f  # gate, up, silu(gate), their product
-    return norms / split + linear_inputs + (attention + mlp) / tp
+        return a * h / split  # only the block's input; the rest is recomputed
+    norms = 4 * 2 * (2 * h + 1)  # per norm, in fp32: its input, the input times 1/rms, and 1/rms
+    linear_inputs = a * 2 * h  # the norms' outputs in the compute dtype; under SP their shard (`KeepSequenceShard`)
+    attention = a * ((h + 2 * kv) + h) + 4 * config.n_head  # rotated q, k and v; the output; the log-sum-exp
+    mlp = a * 4 * f  # gate, up, silu(gate), their product
+    return (norms + linear_inputs) / split + (attention + mlp) / tp
+
+
+def autocast_weight_bytes(config: GPTConfig, tp: int) -> int:
+    """What autocast keeps per block where the parameters are fp32 in forward (bf16-mixed without FSDP2's cast:
+    DDP, ZeRO-1, a single device): the bf16 copy of every weight it cast, saved for backward."""
+    h, f, kv = config.d_model, config.d_ff, config.n_kv_head * config.head_dim
+    return 2 * (2 * h * h + 2 * h * kv + 3 * h * f) // tp
 
 
 def output_layer_bytes(config: GPTConfig, tp: int, sequence_parallel: bool, tokens: int, activations: int) -> float:
-    """What the final norm and the loss keep for backward: the norm's tensors as in a block, and the fp32
-    log-probabilities of the (vocabulary-split) logits."""
-    norm = (3 * config.d_model + 1) / (tp if sequence_parallel else 1)
-    return tokens * (norm * activations + config.padded_vocab_size / tp * 4)
+    """What the final norm and the loss keep for backward: the norm's fp32 tensors as in a block and its output in
+    the compute dtype (the head's input), and the fp32 log-probabilities of the (vocabulary-split) logits."""
+    norm = 4 * (2 * config.d_model + 1) + activations * config.d_model
+    return tokens * (norm / (tp if sequence_parallel else 1) + config.padded_vocab_size / tp * 4)
+
+
+def params_cast_by_fsdp(layout: Layout, zero_stage: int, precision: Precision) -> bool:
+    """Whether FSDP2 hands the blocks bf16 parameters (its mixed precision policy): ZeRO-2/3, and ZeRO-0 unless
+    it is DDP (`lit3d.strategies.precision.uses_ddp`)."""
+    if layout.dp == 1 or zero_stage == 1:
+        return False
+    return zero_stage >= 2 or layout.tp > 1 or layout.pp > 1 or precision.reduce_bytes < 4
 
 
 def estimate(
@@ -190,8 +209,13 @@ def estimate(
     sp = training.sequence_parallel and tp > 1
     tokens = b * s  # per micro-batch
 
-    per_token = activation_elements_per_token(config, tp, sp, training.activation_checkpointing)
+    a = precision.activations
+    per_token = activation_bytes_per_token(config, tp, sp, training.activation_checkpointing, a)
     full_recompute = training.activation_checkpointing in (True, "full")
+    # Mixed precision with fp32 parameters in forward: autocast's bf16 weight copies, one per block per step.
+    copies = precision.weights > a and not training.activation_checkpointing
+    copies = copies and not params_cast_by_fsdp(layout, training.zero_stage, precision)
+    weight_copies = autocast_weight_bytes(config, tp) if copies else 0
     by_stage, params_per_rank = [], 0
     for stage_rank in range(pp):
         tensors = rank_tensors(config, pp, virtual, stage_rank)
@@ -199,12 +223,11 @@ def estimate(
         params_per_rank = max(params_per_rank, memory["params"] // precision.weights)
         layers = len({t.block for t in tensors if t.block is not None})
         in_flight = _in_flight(training.pipeline_schedule, pp, virtual, schedule_m, stage_rank)
-        acts = layers * per_token * tokens * in_flight
+        acts = layers * (per_token * tokens * in_flight + weight_copies)
         if full_recompute:  # one block recomputed at a time, for one micro-batch
-            acts += activation_elements_per_token(config, tp, sp, False) * tokens
-        acts *= precision.activations
+            acts += activation_bytes_per_token(config, tp, sp, False, a) * tokens
         if any(t.name.startswith("head") for t in tensors):
-            acts += output_layer_bytes(config, tp, sp, tokens * in_flight, precision.activations)
+            acts += output_layer_bytes(config, tp, sp, tokens * in_flight, a)
         memory["activations"] = int(acts)
         memory["buffers"] = _buffer_bytes(tensors, layout, training.zero_stage, precision)
         memory["total"] = sum(memory.values())
@@ -266,7 +289,7 @@ def estimate(
         flops_per_step=float(model_flops),
         params_total=sum(local_numel(t, 1) for t in rank_tensors(config, 1, 1, 0)),
         params_per_rank=params_per_rank,
-        activation_bytes_per_layer=int(per_token * tokens * precision.activations),
+        activation_bytes_per_layer=int(per_token * tokens + weight_copies),
     )
 
 

@@ -1,0 +1,169 @@
+"""Mixture-of-Experts feed-forward layers: a router sends each token to ``n_expert_per_token`` of ``n_expert`` SwiGLU
+experts and sums their outputs, weighted.
+
+Routing is dropless: every token reaches its experts whatever the load, so results do not depend on the layout.
+Expert parallelism (``ep_group``, set by the strategy) spreads the experts over ranks; each layer then sends the
+tokens to the ranks of their experts and back with two all-to-alls (`dispatch`).
+
+The load-balancing loss is computed per sequence and averaged over sequences (DeepSeek-V3's sequence-wise form of
+the Switch loss): unlike a per-batch loss it is linear in the batch, so every data-parallel split of the batch
+trains the same model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lit3d.config import GPTConfig
+
+
+class Router(nn.Module):
+    """Scores every expert for each token and picks ``k``; returns (chosen ``[n, k]``, weights ``[n, k]``,
+    normalised scores ``[n, n_expert]``), in fp32.
+
+    ``softmax`` (Mixtral, Qwen3-MoE): the top-k of the softmax, weights renormalised over the chosen. ``sigmoid``
+    (DeepSeek-V3): the top-k of sigmoid scores plus ``expert_bias``, weights the chosen scores renormalised; the bias
+    is not learnt but nudged after each step toward the under-loaded experts (`update_bias`), balancing the load
+    without an auxiliary loss.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.kind, self.k = config.router, config.n_expert_per_token
+        self.gate = nn.Linear(config.d_model, config.n_expert, bias=False)
+        if self.kind == "sigmoid":
+            self.register_buffer("expert_bias", torch.zeros(config.n_expert))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, self.gate.weight.to(x.dtype)).float()
+        if self.kind == "softmax":
+            scores = logits.softmax(dim=-1)
+            weights, chosen = scores.topk(self.k, dim=-1)
+        else:
+            scores = logits.sigmoid()
+            chosen = (scores + self.expert_bias).topk(self.k, dim=-1).indices
+            weights = scores.gather(-1, chosen)
+            scores = scores / scores.sum(dim=-1, keepdim=True)
+        return chosen, weights / weights.sum(dim=-1, keepdim=True), scores
+
+    @torch.no_grad()
+    def update_bias(self, tokens_per_expert: torch.Tensor, rate: float) -> None:
+        """DeepSeek-V3's balancing: raise the bias of experts below the mean load, lower it above."""
+        if self.kind == "sigmoid":
+            load = tokens_per_expert.float()
+            self.expert_bias.add_(rate * torch.sign(load.mean() - load))
+
+
+def balance_loss(scores: torch.Tensor, chosen: torch.Tensor, n_expert: int, seq_len: int) -> torch.Tensor:
+    """Switch Transformer's load-balancing loss, per sequence, averaged over sequences: ``n_expert · Σ_e f_e P_e``
+    with ``f_e`` the share of the sequence's routed slots that go to expert e and ``P_e`` its mean score there.
+    1 when the load is even, up to ``n_expert`` when one expert takes everything."""
+    k = chosen.shape[-1]
+    per_sequence = chosen.view(-1, seq_len * k)
+    counts = torch.zeros(per_sequence.shape[0], n_expert, device=chosen.device)
+    counts.scatter_add_(1, per_sequence, torch.ones_like(per_sequence, dtype=counts.dtype))
+    share = counts / (seq_len * k)
+    mean_score = scores.view(-1, seq_len, n_expert).mean(dim=1)
+    return n_expert * (share * mean_score).sum(dim=-1).mean()
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """``x`` ``[n, a]`` in groups of ``counts`` rows, group g times ``weight[g]`` ``[a, b]``: ``[n, b]``.
+
+    PyTorch's grouped GEMM on GPUs that have it (bf16, Hopper and later); one matmul per group elsewhere.
+    """
+    if _has_grouped_gemm(x, weight):
+        offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        return torch._grouped_mm(x, weight, offs=offsets)
+    parts = x.split(counts)
+    return torch.cat([part @ weight[g] for g, part in enumerate(parts)]) if parts else x.new_empty(0, weight.shape[2])
+
+
+def _has_grouped_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    if not (x.is_cuda and hasattr(torch, "_grouped_mm") and x.dtype == weight.dtype == torch.bfloat16):
+        return False
+    return torch.cuda.get_device_capability(x.device) >= (9, 0)
+
+
+class Experts(nn.Module):
+    """``n_expert`` SwiGLU MLPs as three stacked weights (``[expert, in, out]``); under expert parallelism a rank
+    holds a contiguous run of them."""
+
+    def __init__(self, n_expert: int, d_model: int, d_ff: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Parameter(torch.empty(n_expert, d_model, d_ff))
+        self.up_proj = nn.Parameter(torch.empty(n_expert, d_model, d_ff))
+        self.down_proj = nn.Parameter(torch.empty(n_expert, d_ff, d_model))
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """``x``: tokens sorted by expert, ``counts[e]`` of them for local expert e."""
+        weights = [_local(w).to(x.dtype) for w in (self.gate_proj, self.up_proj, self.down_proj)]
+        hidden = F.silu(grouped_mm(x, weights[0], counts)) * grouped_mm(x, weights[1], counts)
+        return grouped_mm(hidden, weights[2], counts)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+class MoE(nn.Module):
+    """The feed-forward of an MoE block: routed experts (plus ``n_shared_expert`` always-on ones, one SwiGLU of
+    that many times the expert width). After a forward, ``stats`` holds the balance loss and the tokens per
+    expert of that forward (for the auxiliary loss and the logged balance)."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        from lit3d.model import MLP
+
+        self.n_expert, self.k = config.n_expert, config.n_expert_per_token
+        self.router = Router(config)
+        self.experts = Experts(config.n_expert, config.d_model, config.d_ff_expert)
+        shared = config.n_shared_expert * config.d_ff_expert
+        self.shared = MLP(config.replace(d_ff=shared)) if shared else None
+        self.ep_group = None  # expert parallelism: the process group the experts are split over
+        self.stats: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape
+        flat = x.reshape(-1, width)
+        chosen, weights, scores = self.router(flat)
+        tokens_per_expert = torch.bincount(chosen.flatten(), minlength=self.n_expert)
+        self.stats = (balance_loss(scores, chosen, self.n_expert, seq), tokens_per_expert.detach())
+        # Every (token, choice) pair, sorted by expert: the rows each expert computes are contiguous.
+        order = chosen.flatten().argsort(stable=True)
+        routed = flat[order // self.k]
+        if self.ep_group is None:
+            out = self.experts(routed, tokens_per_expert.tolist())
+        else:
+            out = dispatch(routed, tokens_per_expert, self.experts, self.ep_group)
+        combined = torch.empty_like(out).index_copy(0, order, out).view(-1, self.k, width)
+        y = (combined * weights.unsqueeze(-1).to(combined.dtype)).sum(dim=1).view(batch, seq, width)
+        return y if self.shared is None else y + self.shared(x)
+
+
+def dispatch(routed: torch.Tensor, tokens_per_expert: torch.Tensor, experts: Experts, group) -> torch.Tensor:
+    """Expert parallelism: send each row of ``routed`` (sorted by expert) to the rank holding its expert, run the
+    local experts on what arrives, and send the results back, in ``routed``'s order.
+
+    NOTE: dropless routing makes the split sizes data-dependent, so they are exchanged first (a small all-to-all)
+    and read on the host, as Megatron-Core and torchtitan do.
+    """
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    ranks = torch.distributed.get_world_size(group)
+    local = tokens_per_expert.numel() // ranks
+    received_counts = torch.empty_like(tokens_per_expert)
+    torch.distributed.all_to_all_single(received_counts, tokens_per_expert, group=group)
+    send = tokens_per_expert.view(ranks, local).sum(dim=1).tolist()
+    counts = received_counts.view(ranks, local)  # [source rank, local expert]
+    receive = counts.sum(dim=1).tolist()
+    arrived = all_to_all_single_autograd(routed, receive, send, group)
+    # Arrivals are ordered by source rank, then expert; the experts want them by expert, then source rank.
+    by_source = torch.arange(counts.numel(), device=counts.device).view(ranks, local)
+    segment = torch.repeat_interleave(by_source.flatten(), counts.flatten())
+    regroup = (segment % local * ranks + segment // local).argsort(stable=True)
+    out = experts(arrived[regroup], counts.sum(dim=0).tolist())
+    back = torch.empty_like(out).index_copy(0, regroup, out)
+    return all_to_all_single_autograd(back, send, receive, group)
