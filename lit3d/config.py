@@ -34,6 +34,15 @@ class GPTConfig:
         init_std: Standard deviation of the normal initialisation of matrices.
         attention: ``"sdpa"`` (PyTorch), ``"flash"`` (the flash-attn package) or ``"auto"`` (flash-attn on
             CUDA in bf16/fp16 when installed, else SDPA).
+        head_dim: Width of each attention head; ``None`` means ``d_model / n_head`` (Qwen3 sets it apart).
+        n_expert: Routed experts per Mixture-of-Experts layer; 0 means a dense model (`lit3d.moe`).
+        n_expert_per_token: Experts each token is routed to (top-k).
+        n_shared_expert: Experts every token also goes through (DeepSeek, Qwen2-MoE), as one wider SwiGLU.
+        d_ff_expert: Hidden width of each expert; ``None`` means ``d_ff``.
+        first_dense_layers: The first this many blocks keep a dense MLP (DeepSeek-V3: 3); the rest are MoE.
+        router: ``"softmax"`` top-k (Mixtral, Qwen3-MoE) or ``"sigmoid"`` with a balancing bias (DeepSeek-V3).
+        aux_loss_coef: Weight of the load-balancing loss added to the cross-entropy (0 turns it off).
+        router_bias_rate: How far the sigmoid router's bias moves per step toward an even load.
     """
 
     name: str = "custom"
@@ -50,8 +59,16 @@ class GPTConfig:
     pad_vocab_multiple: int = 64
     init_std: float = 0.02
     attention: AttentionBackend = "auto"
+    head_dim: int | None = None
+    n_expert: int = 0
+    n_expert_per_token: int = 2
+    n_shared_expert: int = 0
+    d_ff_expert: int | None = None
+    first_dense_layers: int = 0
+    router: Literal["softmax", "sigmoid"] = "softmax"
+    aux_loss_coef: float = 0.01
+    router_bias_rate: float = 1e-3
     # Derived in __post_init__, never set by hand.
-    head_dim: int = field(init=False)
     padded_vocab_size: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -71,16 +88,45 @@ class GPTConfig:
         ):
             if getattr(self, key) <= 0:
                 raise ValueError(f"GPTConfig.{key}={getattr(self, key)} must be positive")
-        if self.d_model % self.n_head:
+        if self.head_dim is None and self.d_model % self.n_head:
             raise ValueError(f"n_head={self.n_head} does not divide d_model={self.d_model}")
         if self.n_head % self.n_kv_head:
             raise ValueError(f"n_kv_head={self.n_kv_head} does not divide n_head={self.n_head}")
         if self.attention not in ("auto", "sdpa", "flash"):
             raise ValueError(f"attention={self.attention!r} is not one of 'auto', 'sdpa', 'flash'")
-        self.head_dim = self.d_model // self.n_head
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim={self.head_dim} (d_model / n_head) must be even for rotary embeddings")
+        self._explicit_head_dim = self.head_dim
+        if self.head_dim is None:
+            self.head_dim = self.d_model // self.n_head
+        if self.head_dim <= 0 or self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be positive and even for rotary embeddings")
         self.padded_vocab_size = _round_up(self.vocab_size, self.pad_vocab_multiple)
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        if self.d_ff_expert is None:
+            self.d_ff_expert = self.d_ff
+        if self.n_expert < 0 or self.n_shared_expert < 0 or self.d_ff_expert <= 0 or self.aux_loss_coef < 0:
+            raise ValueError(
+                f"n_expert={self.n_expert}, n_shared_expert={self.n_shared_expert}, d_ff_expert={self.d_ff_expert} "
+                f"and aux_loss_coef={self.aux_loss_coef} must not be negative (d_ff_expert positive)"
+            )
+        if self.n_expert and not 1 <= self.n_expert_per_token <= self.n_expert:
+            raise ValueError(
+                f"n_expert_per_token={self.n_expert_per_token} must be between 1 and n_expert={self.n_expert}"
+            )
+        if not 0 <= self.first_dense_layers <= self.n_layer:
+            raise ValueError(
+                f"first_dense_layers={self.first_dense_layers} must be between 0 and n_layer={self.n_layer}"
+            )
+        if self.router not in ("softmax", "sigmoid"):
+            raise ValueError(f"router={self.router!r} is not one of 'softmax', 'sigmoid'")
+
+    def is_moe_layer(self, index: int) -> bool:
+        return self.n_expert > 0 and index >= self.first_dense_layers
+
+    @property
+    def moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.n_layer))
 
     @classmethod
     def from_name(cls, name: str, **overrides: Any) -> GPTConfig:
@@ -108,8 +154,11 @@ class GPTConfig:
         return cls.from_name(spec)
 
     def to_dict(self) -> dict[str, Any]:
-        """The settable fields (derived ones are left out): ``GPTConfig(**config.to_dict()) == config``."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        """The settable fields (derived ones are left out): ``GPTConfig(**config.to_dict()) == config``.
+        ``head_dim`` is kept only when it was set apart from ``d_model / n_head``."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        fields["head_dim"] = self._explicit_head_dim
+        return fields
 
     def replace(self, **changes: Any) -> GPTConfig:
         """A copy with some fields changed (derived fields are recomputed)."""
@@ -119,15 +168,27 @@ class GPTConfig:
     def num_params(self) -> int:
         """Parameter count, embedding and head included (counted once when tied), without vocab padding."""
         return (
-            self.params_per_block * self.n_layer
-            + self.embedding_params * (1 if self.tie_embeddings else 2)
-            + self.d_model
+            self.block_params(active=False) + self.embedding_params * (1 if self.tie_embeddings else 2) + self.d_model
         )
 
     @property
+    def active_params(self) -> int:
+        """Parameters one token uses: all of a dense model; attention, shared and k routed experts of an MoE."""
+        return self.num_params - self.block_params(active=False) + self.block_params(active=True)
+
+    @property
     def params_per_block(self) -> int:
-        attention = self.d_model * self.head_dim * (2 * self.n_head + 2 * self.n_kv_head)
-        return attention + 3 * self.d_model * self.d_ff + 2 * self.d_model
+        """Parameters of a block, averaged over the blocks (MoE and dense ones differ)."""
+        return self.block_params(active=False) // self.n_layer
+
+    def block_params(self, active: bool) -> int:
+        """Parameters of all blocks; ``active``: only those one token uses (k of the routed experts)."""
+        attention = self.d_model * self.head_dim * (2 * self.n_head + 2 * self.n_kv_head) + 2 * self.d_model
+        dense = 3 * self.d_model * self.d_ff
+        expert = 3 * self.d_model * self.d_ff_expert
+        routed = self.n_expert_per_token if active else self.n_expert
+        moe = self.d_model * self.n_expert + (routed + self.n_shared_expert) * expert
+        return self.n_layer * attention + (self.n_layer - self.moe_layers) * dense + self.moe_layers * moe
 
     @property
     def embedding_params(self) -> int:
@@ -136,8 +197,8 @@ class GPTConfig:
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token (forward + backward): 6 per weight of every matmul (the embedding lookup is
         not one) plus attention's 12 · n_layer · d_model · seq_len (Chinchilla / PaLM accounting, no recompute)."""
-        matmul_params = self.num_params - (0 if self.tie_embeddings else self.embedding_params)
-        return 6 * matmul_params + 12 * self.n_layer * self.d_model * seq_len
+        matmul_params = self.active_params - (0 if self.tie_embeddings else self.embedding_params)
+        return 6 * matmul_params + 12 * self.n_layer * self.n_head * self.head_dim * seq_len
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -194,4 +255,28 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gpt3-175b": dict(
         n_layer=96, n_head=96, n_kv_head=96, d_model=12288, d_ff=32768, vocab_size=50257, max_seq_len=2048
     ),
-}
+    # Mixture-of-Experts, from the models' published config.json files (Qwen3's per-head q/k norms are left out:
+    # 2 * head_dim weights per block).
+    "moe-tiny": dict(
+        n_layer=4, n_head=4, n_kv_head=2, d_model=128, d_ff=384, vocab_size=256, max_seq_len=256,
+        n_expert=8, n_expert_per_token=2, d_ff_expert=128, first_dense_layers=1,
+    ),
+    "mixtral-8x7b": dict(
+        n_layer=32, n_head=32, n_kv_head=8, d_model=4096, d_ff=14336, vocab_size=32000, max_seq_len=32768,
+        rope_theta=1e6, n_expert=8, n_expert_per_token=2,
+    ),
+    "mixtral-8x22b": dict(
+        n_layer=56, n_head=48, n_kv_head=8, d_model=6144, d_ff=16384, vocab_size=32768, max_seq_len=65536,
+        rope_theta=1e6, n_expert=8, n_expert_per_token=2,
+    ),
+    "qwen3-30b-a3b": dict(
+        n_layer=48, n_head=32, n_kv_head=4, head_dim=128, d_model=2048, d_ff=6144, vocab_size=151936,
+        max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6, n_expert=128, n_expert_per_token=8, d_ff_expert=768,
+        aux_loss_coef=0.001,
+    ),
+    "qwen3-235b-a22b": dict(
+        n_layer=94, n_head=64, n_kv_head=4, head_dim=128, d_model=4096, d_ff=12288, vocab_size=151936,
+        max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6, n_expert=128, n_expert_per_token=8, d_ff_expert=1536,
+        aux_loss_coef=0.001,
+    ),
+}  # fmt: skip

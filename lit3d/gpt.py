@@ -12,7 +12,7 @@ from torchmetrics import MeanMetric
 from lit3d.config import GPTConfig
 from lit3d.generation import Sampling, next_token
 from lit3d.loop import ends_optimizer_step
-from lit3d.model import TENSOR_PARALLEL_PLAN, Transformer, cross_entropy
+from lit3d.model import Transformer, cross_entropy, tensor_parallel_plan
 from lit3d.pretrained import read_config, read_meta, read_tensors
 
 
@@ -72,9 +72,14 @@ class GPT(L.LightningModule):
         self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
         self._loss_sum: torch.Tensor | float = 0.0
         self._loss_count = 0
+        self._moe_aux: torch.Tensor | float = 0.0  # MoE: balance loss and tokens per expert of the step so far
+        self._moe_counts: torch.Tensor | int = 0
 
-    # The strategy reads this to apply tensor parallelism (module name pattern -> role, see `lit3d.model`).
-    tensor_parallel_plan: dict[str, str] = TENSOR_PARALLEL_PLAN  # names relative to `self.model`
+    @property
+    def tensor_parallel_plan(self) -> dict[str, str]:
+        """What the strategy reads to apply tensor parallelism: module name pattern → role (`lit3d.model`), names
+        relative to ``self.model``."""
+        return tensor_parallel_plan(self.config)
 
     def configure_model(self) -> None:
         """Build the network on the current default device (idempotent; Lightning calls this hook).
@@ -152,10 +157,37 @@ class GPT(L.LightningModule):
         loss = self.loss(batch)
         self._loss_sum = self._loss_sum + loss.detach()
         self._loss_count += 1
+        moe = self.model.moe_layers()
+        if moe:
+            loss = loss + self._balance_loss(moe)
         if ends_optimizer_step(self.trainer):
             self.log_train_loss(self._loss_sum / self._loss_count)
+            if moe:
+                self._log_balance(moe, self._loss_count)
             self._loss_sum, self._loss_count = 0.0, 0
         return loss
+
+    def _balance_loss(self, layers: list[torch.nn.Module]) -> torch.Tensor:
+        """The MoE layers' load-balancing loss of this forward, weighted; keeps it and the tokens per expert for
+        the step's log."""
+        aux = torch.stack([layer.stats[0] for layer in layers]).sum()
+        counts = torch.stack([layer.stats[1] for layer in layers])
+        self._moe_aux = self._moe_aux + aux.detach()
+        self._moe_counts = self._moe_counts + counts
+        return self.config.aux_loss_coef * aux
+
+    def _log_balance(self, layers: list[torch.nn.Module], micro_steps: int) -> None:
+        """Log ``moe/aux_loss`` (summed over layers, the mean of the global batch) and ``moe/load_imbalance`` (the
+        busiest expert's tokens over the mean, averaged over layers); move the sigmoid routers' biases."""
+        strategy = self.trainer.strategy
+        aux = strategy.reduce(self._moe_aux / micro_steps, reduce_op="mean")
+        counts = strategy.reduce(self._moe_counts.float(), reduce_op="mean")  # any multiple of the global counts
+        imbalance = (counts.amax(dim=1) / counts.mean(dim=1).clamp(min=1e-9)).mean()
+        self.log("moe/aux_loss", aux, on_step=True, on_epoch=False, batch_size=1)
+        self.log("moe/load_imbalance", imbalance, on_step=True, on_epoch=False, batch_size=1)
+        for layer, load in zip(layers, counts):
+            layer.router.update_bias(load, self.config.router_bias_rate)
+        self._moe_aux, self._moe_counts = 0.0, 0
 
     def log_train_loss(self, local_mean: torch.Tensor) -> None:
         """Log the global-batch mean loss (same value on every rank); stop on a non-finite loss."""

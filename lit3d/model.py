@@ -53,6 +53,21 @@ TENSOR_PARALLEL_PLAN: dict[str, str] = {
 }
 
 
+def tensor_parallel_plan(config: GPTConfig) -> dict[str, str]:
+    """`TENSOR_PARALLEL_PLAN` for ``config``: an MoE block's feed-forward is a ``replicated_region`` (every TP rank
+    routes the same tokens through the same experts; expert parallelism is what splits the experts)."""
+    if not config.n_expert:
+        return TENSOR_PARALLEL_PLAN
+    mlp = [k for k in TENSOR_PARALLEL_PLAN if k == "blocks.*.mlp" or k.startswith("blocks.*.mlp.")]
+    plan = {k: v for k, v in TENSOR_PARALLEL_PLAN.items() if k not in mlp}
+    for i in range(config.n_layer):
+        if config.is_moe_layer(i):
+            plan[f"blocks.{i}.mlp"] = "replicated_region"
+        else:
+            plan.update({k.replace("*", str(i)): TENSOR_PARALLEL_PLAN[k] for k in mlp})
+    return plan
+
+
 def rotary_tables(
     seq_len: int, head_dim: int, theta: float, device: torch.device, dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,14 +145,17 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x)); the MLP is a Mixture of Experts
+    (`lit3d.moe.MoE`) in the blocks ``config.is_moe_layer`` names."""
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, index: int = 0) -> None:
         super().__init__()
+        from lit3d.moe import MoE
+
         self.attn_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.attn = Attention(config)
         self.mlp_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MoE(config) if config.is_moe_layer(index) else MLP(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(compute_dtype(self.attn_norm(x)))
@@ -164,7 +182,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.embed: nn.Embedding | None = nn.Embedding(config.padded_vocab_size, config.d_model)
-        self.blocks = nn.ModuleDict({str(i): Block(config) for i in range(config.n_layer)})
+        self.blocks = nn.ModuleDict({str(i): Block(config, i) for i in range(config.n_layer)})
         self.norm: nn.RMSNorm | None = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.head: nn.Linear | None = nn.Linear(config.d_model, config.padded_vocab_size, bias=False)
         if config.tie_embeddings:
@@ -220,13 +238,23 @@ class Transformer(nn.Module):
                 _copy_full(param, full)
         source.clear()  # NOTE: also for pipeline chunks, which share this network's attributes
         self.init_source = None
+        for name, buffer in self.named_buffers():
+            if name.endswith("expert_bias"):  # the sigmoid router's balancing bias starts at zero
+                buffer.zero_()
+
+    def moe_layers(self) -> list[nn.Module]:
+        """The Mixture-of-Experts feed-forwards of the blocks this network (or pipeline stage) holds."""
+        from lit3d.moe import MoE
+
+        return [block.mlp for block in self.blocks.values() if isinstance(block.mlp, MoE)]
 
     def _init_values(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
         if name.endswith("norm.weight"):
             tensor.fill_(1.0)
             return
         # GPT-2's rule: the projections that write into the residual stream start smaller.
-        scale = 1 / math.sqrt(2 * self.config.n_layer) if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
+        residual = name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj"))
+        scale = 1 / math.sqrt(2 * self.config.n_layer) if residual else 1.0
         tensor.normal_(0.0, self.config.init_std * scale, generator=generator)
         if name in ("embed.weight", "head.weight"):
             tensor[self.config.vocab_size :] = 0  # padding rows stay inert

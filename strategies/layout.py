@@ -37,6 +37,7 @@ class Layout:
     tp: int
     pp: int
     devices_per_node: int
+    ep: int = 1  # expert parallelism: MoE experts split over groups of this many consecutive DP ranks
 
     @property
     def world_size(self) -> int:
@@ -66,6 +67,14 @@ class Layout:
         mesh.__class__ = _lightning_named(type(mesh))
         return mesh
 
+    def build_expert_mesh(self, device_type: str) -> DeviceMesh:
+        """The ``(pp, edp, ep, tp)`` mesh of MoE experts over the same ranks: ``dp = edp × ep``, with each group of
+        ``ep`` consecutive DP ranks splitting the experts and ``edp`` of those groups holding the same ones."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape = (self.pp, self.dp // self.ep, self.ep, self.tp)
+        return init_device_mesh(device_type, shape, mesh_dim_names=("pp", "edp", "ep", "tp"))
+
     def node(self, rank: int) -> int:
         return rank // self.devices_per_node
 
@@ -84,14 +93,20 @@ class Layout:
             f"groups: tensor-parallel of {self.tp} (consecutive ranks), data-parallel of {self.dp} "
             f"(stride {self.tp}), pipeline of {self.pp} (stride {self.tp * self.dp})",
         ]
+        if self.ep > 1:
+            lines.append(
+                f"expert-parallel of {self.ep} (consecutive data-parallel ranks, stride {self.tp}) split each MoE "
+                f"layer's experts; {self.dp // self.ep} such group(s) hold the same experts"
+            )
         crossing = self.tp_groups_across_nodes()
         if crossing:
             lines.append(f"WARNING: {len(crossing)} tensor-parallel group(s) span nodes, e.g. ranks {crossing[0]}")
-        lines.append("node  rank  (d, t, p)")
+        lines.append("node  rank  (d, t, p)" + ("  ep group, experts" if self.ep > 1 else ""))
         for rank in range(min(self.world_size, max_rows)):
             d, t, p = self.coordinate(rank)
             flag = "  <- TP group spans nodes" if any(rank in g for g in crossing) else ""
-            lines.append(f"{self.node(rank):>4}  {rank:>4}  ({d}, {t}, {p}){flag}")
+            experts = f"  {d // self.ep}, part {d % self.ep + 1}/{self.ep}" if self.ep > 1 else ""
+            lines.append(f"{self.node(rank):>4}  {rank:>4}  ({d}, {t}, {p}){experts}{flag}")
         if self.world_size > max_rows:
             lines.append(f"... {self.world_size - max_rows} more ranks, same pattern")
         return "\n".join(lines)
@@ -103,8 +118,10 @@ def resolve_layout(
     data_parallel_size: int | str,
     tensor_parallel_size: int,
     pipeline_parallel_size: int,
+    expert_parallel_size: int = 1,
 ) -> Layout:
-    """Sizes checked against the world; ``data_parallel_size="auto"`` takes what TP and PP leave."""
+    """Sizes checked against the world; ``data_parallel_size="auto"`` takes what TP and PP leave; expert
+    parallelism borrows its ranks from data parallelism."""
     tp, pp = tensor_parallel_size, pipeline_parallel_size
     if world_size % (tp * pp):
         raise ValueError(
@@ -117,7 +134,12 @@ def resolve_layout(
             f"but {world_size} ranks were launched (devices x num_nodes); make them equal or use "
             "data_parallel_size='auto'"
         )
-    return Layout(dp=dp, tp=tp, pp=pp, devices_per_node=devices_per_node)
+    if dp % expert_parallel_size:
+        raise ValueError(
+            f"expert_parallel_size={expert_parallel_size} does not divide data_parallel_size={dp}: expert "
+            "parallelism splits the experts over groups of data-parallel ranks"
+        )
+    return Layout(dp=dp, tp=tp, pp=pp, devices_per_node=devices_per_node, ep=expert_parallel_size)
 
 
 def check_sizes(**sizes: Any) -> None:
@@ -130,7 +152,14 @@ def check_sizes(**sizes: Any) -> None:
 
 
 def check_model_fits_layout(config: Any, layout: Layout) -> None:
-    """Refuse a model whose heads, MLP width or vocabulary cannot be split over ``layout.tp`` ranks."""
+    """Refuse a model whose heads, MLP width or vocabulary cannot be split over ``layout.tp`` ranks, or whose
+    experts cannot be split over ``layout.ep``."""
+    n_expert = getattr(config, "n_expert", 0)
+    if layout.ep > 1 and (not n_expert or n_expert % layout.ep):
+        raise ValueError(
+            f"expert_parallel_size={layout.ep} does not divide n_expert={n_expert}"
+            + (" (a dense model has no experts to split)" if not n_expert else "")
+        )
     tp = layout.tp
     for field in ("n_head", "n_kv_head", "d_ff", "padded_vocab_size"):
         value = getattr(config, field, None)

@@ -23,7 +23,7 @@ class LocalOptimizerSteps:
         zero1 = self.zero_stage == 1 and self.layout.dp > 1 and self._parallelized is not None
         mesh, dtype = self.device_mesh if zero1 else None, reduce_dtype(self.precision, self.mixed_precision_reduce)
         self._local_optimizers = {
-            id(opt): LocalShardOptimizer(opt, mesh, dtype, self.lightning_module)
+            id(opt): LocalShardOptimizer(opt, mesh, dtype, self.lightning_module, self._expert_mesh)
             for opt in self.optimizers
             if zero1 or (isinstance(opt, ELEMENTWISE_OPTIMIZERS) and _has_dtensor_params(opt))
         }

@@ -92,6 +92,8 @@ from lit3d.strategies.zero import (
 )
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
     from lit3d.planner.estimate import Plan
 
 
@@ -104,6 +106,8 @@ class Parallel3DStrategy(ShardedCheckpoints, LocalOptimizerSteps, ModelParallelS
         tensor_parallel_size: Ranks that split every layer (heads, MLP width, vocabulary). Keep it within a
             node: it communicates twice per layer.
         pipeline_parallel_size: Ranks that split the depth into stages of consecutive blocks.
+        expert_parallel_size: Ranks that split each Mixture-of-Experts layer's experts, borrowed from data
+            parallelism (it divides ``data_parallel_size``; tokens reach their experts by all-to-all).
         zero_stage: Sharding over the data-parallel ranks: 0 nothing (DDP); 1 optimizer states, the gradients
             reduce-scattered at the step (DDP's bytes); 2 and parameters between steps (gathered once per step);
             3 and parameters gathered block by block.
@@ -135,6 +139,7 @@ class Parallel3DStrategy(ShardedCheckpoints, LocalOptimizerSteps, ModelParallelS
         data_parallel_size: int | Literal["auto"] = "auto",
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
+        expert_parallel_size: int = 1,
         zero_stage: int = 1,
         sequence_parallel: bool = False,
         pipeline_schedule: str = "1f1b",
@@ -151,8 +156,14 @@ class Parallel3DStrategy(ShardedCheckpoints, LocalOptimizerSteps, ModelParallelS
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size,
+            expert_parallel_size=expert_parallel_size,
         )
         check_choices(zero_stage, pipeline_schedule)
+        if expert_parallel_size > 1 and (zero_stage != 1 or pipeline_parallel_size > 1):
+            raise ValueError(
+                f"expert_parallel_size={expert_parallel_size} runs with zero_stage=1 and no pipeline for now "
+                f"(got zero_stage={zero_stage}, pipeline_parallel_size={pipeline_parallel_size})"
+            )
         check_pipeline_arguments(pipeline_parallel_size, pipeline_schedule, num_microbatches, virtual_pipeline_size)
         check_setting(activation_checkpointing)
         check_reduce_dtype(mixed_precision_reduce)
@@ -167,7 +178,7 @@ class Parallel3DStrategy(ShardedCheckpoints, LocalOptimizerSteps, ModelParallelS
             )
         super().__init__(data_parallel_size, tensor_parallel_size, True, process_group_backend, timeout)
         self.start_method = start_method or ("fork" if interactive() else "popen")
-        self._sizes = (data_parallel_size, tensor_parallel_size, pipeline_parallel_size)
+        self._sizes = (data_parallel_size, tensor_parallel_size, pipeline_parallel_size, expert_parallel_size)
         self.zero_stage = zero_stage
         self.sequence_parallel = sequence_parallel and tensor_parallel_size > 1
         self.pipeline_schedule = pipeline_schedule
@@ -181,6 +192,7 @@ class Parallel3DStrategy(ShardedCheckpoints, LocalOptimizerSteps, ModelParallelS
         self.compile = compile
         self.mixed_precision_reduce = mixed_precision_reduce
         self._layout: Layout | None = None
+        self._expert_mesh: DeviceMesh | None = None  # (pp, edp, ep, tp), with expert parallelism
         self._local_optimizers: dict[int, LocalShardOptimizer] = {}
         self.pipeline: Pipeline | None = None  # this rank's stages and schedule, when pipeline_parallel_size > 1
         self._parallelized: nn.Module | None = None  # the network this strategy split
@@ -219,6 +231,11 @@ class Parallel3DStrategy(ShardedCheckpoints, LocalOptimizerSteps, ModelParallelS
         if config is not None:
             check_model_fits_layout(config, layout)
             check_model_fits_pipeline(config, layout.pp, self.virtual_pipeline_size)
+            if getattr(config, "n_expert", 0) and layout.pp > 1:
+                raise ValueError(
+                    f"pipeline_parallel_size={layout.pp} with n_expert={config.n_expert}: Mixture-of-Experts models "
+                    "do not run under pipeline parallelism yet (their balance loss lives on every stage)"
+                )
         if layout.pp > 1 and hasattr(module, "tensor_parallel_plan"):  # one the strategy splits (`model` comes later)
             check_pipeline_protocol(module, layout.pp)
         trainer = trainer or getattr(module, "_trainer", None)
@@ -238,6 +255,8 @@ class Parallel3DStrategy(ShardedCheckpoints, LocalOptimizerSteps, ModelParallelS
         agree_on_seed()
         layout = self.layout
         self._device_mesh = layout.build_mesh(self.root_device.type)
+        if layout.ep > 1:
+            self._expert_mesh = layout.build_expert_mesh(self.root_device.type)
         self.lightning_module._device_mesh = self._device_mesh  # for modules that parallelise themselves
         rank_zero_info(layout.rank_map())
         crossing = layout.tp_groups_across_nodes()
@@ -340,7 +359,7 @@ class Parallel3DStrategy(ShardedCheckpoints, LocalOptimizerSteps, ModelParallelS
             virtual_pipeline_size=self.virtual_pipeline_size,
             activation_checkpointing=self.activation_checkpointing, compile=self.compile,
             mp_policy=mixed_precision_policy(self.precision, self.mixed_precision_reduce),
-            ddp=self._ddp,
+            ddp=self._ddp, expert_mesh=self._expert_mesh,
         )  # fmt: skip
         if any(p.is_meta for p in network.parameters()):
             for chunk in chunks:

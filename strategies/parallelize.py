@@ -1,6 +1,6 @@
 """The order in which a network is split: one function, called by the strategy and by `lit3d plan --verify`.
 
-    pipeline stages → tensor parallel → activation checkpointing → compile → data parallel / ZeRO
+    pipeline stages → tensor parallel → expert parallel → activation checkpointing → compile → data parallel / ZeRO
 
 Each step works on what the previous one left: tensor parallelism turns the stage's parameters into DTensors,
 checkpointing and compile wrap the (already split) blocks, and data parallelism comes last so that FSDP2 shards
@@ -17,6 +17,25 @@ from lit3d.strategies.recompute import apply_activation_checkpointing
 from lit3d.strategies.stages import split_into_stages
 from lit3d.strategies.tensor_parallel import apply_tensor_parallel, check_plan, keep_sequence_shards
 from lit3d.strategies.zero import apply_data_parallel
+
+
+def apply_expert_parallel(network: nn.Module, ep_mesh: DeviceMesh) -> None:
+    """Split the experts of every MoE layer of ``network`` over ``ep_mesh``: each expert weight becomes a DTensor
+    sharded along its expert dim (each rank holds a contiguous run of experts), and the layer dispatches its
+    tokens over the mesh's group (`lit3d.moe.dispatch`)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from lit3d.moe import MoE
+
+    for moe in (m for m in network.modules() if isinstance(m, MoE)):
+        experts = moe.experts
+        for name, param in list(experts.named_parameters(recurse=False)):
+            rank, size = ep_mesh.get_local_rank(), ep_mesh.size()
+            local = param.detach().chunk(size, dim=0)[rank]
+            sharded = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False, shape=param.shape,
+                                         stride=param.stride())  # fmt: skip
+            setattr(experts, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        moe.ep_group = ep_mesh.get_group()
 
 
 def follows_plan(module: nn.Module) -> bool:
@@ -39,6 +58,7 @@ def parallelize_network(
     compile: bool | str = False,
     mp_policy: object | None = None,
     ddp: bool | None = None,
+    expert_mesh: DeviceMesh | None = None,
 ) -> tuple[list[nn.Module], list[int]]:
     """Split ``network`` for ``rank`` in place, in the fixed order, without giving it weights (it may stay on
     the meta device, as `lit3d plan --verify` keeps it).
@@ -57,6 +77,8 @@ def parallelize_network(
             keep_sequence_shards(network, plan)
         if hasattr(network, "tie_weights"):
             network.tie_weights()  # TP distributed the shared tensor once per module
+    if expert_mesh is not None:
+        apply_expert_parallel(network, expert_mesh["ep"])
     blocks = list(network.blocks.values())
     if activation_checkpointing:
         apply_activation_checkpointing(blocks, activation_checkpointing)

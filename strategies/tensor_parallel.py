@@ -19,12 +19,13 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
 
-ROLES = ("colwise", "rowwise", "tp_region", "norm", "vocab_embedding", "vocab_head")
+ROLES = ("colwise", "rowwise", "tp_region", "replicated_region", "norm", "vocab_embedding", "vocab_head")
 # The dim of its weight each role splits over the TP ranks (an ``nn.Linear`` weight is [out, in], an embedding's
 # [vocab, d]); the roles not named here leave their weights whole. The planner counts shards with this.
 SHARDED_DIM = {"colwise": 0, "rowwise": 1, "vocab_embedding": 0, "vocab_head": 0}
@@ -40,6 +41,17 @@ def parallel_styles(sequence_parallel: bool) -> dict[str, ParallelStyle | None]:
         # NOTE: the region's input becomes one replicated DTensor shared by its column-parallel linears (q, k, v
         # or gate, up), so backward sums their partial input gradients and reduces them once per region.
         "tp_region": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
+        # A module every TP rank runs whole on the whole sequence (an MoE layer: experts are split by expert
+        # parallelism instead): plain tensors in, its output back to the residual stream's layout. Every rank's
+        # input gradient is already the whole one, so nothing is summed over TP in backward.
+        "replicated_region": PrepareModuleInputOutput(
+            input_layouts=(between,),
+            desired_input_layouts=(Replicate(),),
+            use_local_input=True,
+            output_layouts=(Replicate(),),
+            desired_output_layouts=(between,),
+            use_local_output=True,
+        ),  # fmt: skip
         "norm": SequenceParallel() if sequence_parallel else None,
         "vocab_embedding": VocabParallelEmbedding(input_layouts=Replicate(), output_layouts=between),
         # NOTE: logits stay a vocabulary-sharded DTensor so the loss never gathers them (loss_parallel).

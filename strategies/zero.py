@@ -133,7 +133,8 @@ class LocalShardOptimizer:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, zero1_mesh: DeviceMesh | None = None,
-                 reduce_dtype: torch.dtype | None = None, module: nn.Module | None = None) -> None:  # fmt: skip
+                 reduce_dtype: torch.dtype | None = None, module: nn.Module | None = None,
+                 expert_mesh: DeviceMesh | None = None) -> None:  # fmt: skip
         if zero1_mesh is not None and not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
             raise TypeError(
                 f"{type(optimizer).__name__} is not one of the elementwise optimizers "
@@ -142,7 +143,7 @@ class LocalShardOptimizer:
             )
         if optimizer.state:
             raise RuntimeError("the optimizer's parameters must be swapped before its first step")
-        self.mesh, self.reduce_dtype = zero1_mesh, reduce_dtype
+        self.mesh, self.reduce_dtype, self.expert_mesh = zero1_mesh, reduce_dtype, expert_mesh
         self.entries: list[_Entry] = []
         for group in optimizer.param_groups:
             entries = [self._entry(p) for p in group["params"]]
@@ -162,6 +163,8 @@ class LocalShardOptimizer:
             if not isinstance(param, DTensor):
                 return _Entry(param, param)
             entry = _Entry(param, None, param.device_mesh, tuple(param.placements))
+        elif isinstance(param, DTensor) and param.device_mesh.mesh_dim_names == ("ep",):
+            entry = self._expert_entry(param)
         else:
             tp = tuple(param.placements) if isinstance(param, DTensor) else ()
             if isinstance(param, DTensor) and param.device_mesh.mesh_dim_names != ("tp",):
@@ -172,7 +175,22 @@ class LocalShardOptimizer:
                 raise ValueError(f"no dim of a {tuple(param.shape)} parameter is free for ZeRO-1 sharding")
             mesh = self.mesh["dp", "tp"] if tp else self.mesh["dp"]
             entry = _Entry(param, None, mesh, (Shard(dim), *tp), dim)
+            entry.tp_sharded = bool(taken)
         entry.view = nn.Parameter(entry.local(param).detach(), requires_grad=param.requires_grad)
+        return entry
+
+    def _expert_entry(self, param: DTensor) -> _Entry:
+        """An MoE expert weight, split over the EP ranks (dim 0). Its gradient already sums the tokens of every
+        rank of the EP group (the all-to-all's backward), so over the ``edp`` groups that hold the same experts it
+        is divided by the whole DP size, not theirs; with a single such group it is only scaled."""
+        edp, ep = self.expert_mesh["edp"].size(), self.expert_mesh["ep"].size()
+        if edp == 1:
+            entry = _Entry(param, None, param.device_mesh, tuple(param.placements))
+            entry.scale = 1 / ep
+            return entry
+        mesh = self.expert_mesh["edp", "ep"]
+        entry = _Entry(param, None, mesh, (Shard(1), *param.placements), 1, dp_dim="edp")
+        entry.divide = edp * ep
         return entry
 
     @property
@@ -223,6 +241,8 @@ class LocalShardOptimizer:
         for e in self.entries:
             if e.view is not e.param and e.dim is None:
                 e.view.grad = None if e.param.grad is None else e.local(e.param.grad)
+                if e.scale != 1 and e.view.grad is not None:
+                    e.view.grad.mul_(e.scale)
 
     @torch.no_grad()
     def gather_params(self) -> None:
@@ -243,11 +263,7 @@ class LocalShardOptimizer:
         """
         mesh, grads = self.mesh, [e.view.grad for e in self.entries if e.view.grad is not None]
         first_tp = "tp" not in mesh.mesh_dim_names or mesh["tp"].get_local_rank() == 0
-        counted = [
-            e.view.grad
-            for e in self.entries
-            if e.view.grad is not None and (first_tp or any(p.is_shard() for p in e.placements[1:]))
-        ]
+        counted = [e.view.grad for e in self.entries if e.view.grad is not None and (first_tp or e.tp_sharded)]
         squared = sum((g.float().square().sum() for g in counted), torch.zeros((), device=grads[0].device))
         for dim in ("dp", "tp", "pp"):
             group = pipeline_group if dim == "pp" else mesh[dim].get_group() if dim in mesh.mesh_dim_names else None
@@ -274,13 +290,17 @@ class _Entry:
     global tensor (``mesh`` and ``placements``; ``dim``: the dim ZeRO-1 splits over DP)."""
 
     def __init__(self, param: torch.Tensor, view: torch.Tensor | None, mesh: Any = None, placements: Any = None,
-                 dim: int | None = None) -> None:  # fmt: skip
+                 dim: int | None = None, dp_dim: str = "dp") -> None:  # fmt: skip
         self.param, self.view, self.mesh, self.placements, self.dim = param, view, mesh, placements, dim
+        self.dp_dim = dp_dim  # the mesh dim ZeRO-1 slices over ("edp" for MoE experts)
+        self.divide: int | None = None  # what the summed gradient is divided by; None: the DP group's size
+        self.scale = 1.0  # a factor on an unsliced gradient (experts without data-parallel replicas)
+        self.tp_sharded = False  # split over TP: every TP rank's part counts in the gradient norm
 
     @functools.cached_property
     def dp(self) -> tuple[Any, int, int]:
         """(process group, size, this rank's index) of the DP dim."""
-        dp = self.mesh["dp"]
+        dp = self.mesh[self.dp_dim]
         return dp.get_group(), dp.size(), dp.get_local_rank()
 
     def local(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -310,7 +330,7 @@ def _buckets(entries: list[_Entry]) -> list[_Bucket]:
     """ZeRO-1 entries in groups moved by one collective each: same DP group and dtype, bounded size."""
     buckets: dict[tuple, list[list[_Entry]]] = {}
     for e in entries:
-        groups = buckets.setdefault((e.dp[0], e.view.dtype), [[]])
+        groups = buckets.setdefault((e.dp[0], e.view.dtype, e.divide), [[]])
         if groups[-1] and sum(x.slice_numel for x in groups[-1]) + e.slice_numel > BUCKET_ELEMENTS:
             groups.append([])
         groups[-1].append(e)
@@ -390,7 +410,7 @@ class _Bucket:
                 own.add_(row)
             received = own
         view = self.entries[0].view
-        received = received.to(view.dtype).div_(self.size)
+        received = received.to(view.dtype).div_(self.entries[0].divide or self.size)
         for e, offset in zip(self.entries, self.offsets):
             e.view.grad = received[offset : offset + e.view.numel()].view(e.view.shape)
 
@@ -455,8 +475,8 @@ def check_replicas_in_sync(module: nn.Module, dp_mesh: DeviceMesh, other_roots: 
     for name, p in module.named_parameters():
         if isinstance(p, DTensor):
             names = p.device_mesh.mesh_dim_names
-            if dim in names and not p.placements[names.index(dim)].is_replicate():
-                continue  # sharded over the replicas (FSDP2's Shard, or _StridedShard with TP): nothing to compare
+            if dim in names and not p.placements[names.index(dim)].is_replicate() or "ep" in names:
+                continue  # sharded over the replicas (FSDP2's Shard, _StridedShard with TP, MoE experts)
             p = p.to_local()
         replicated[name] = p.detach()
     if not replicated:

@@ -123,6 +123,20 @@ LAYOUTS: dict[str, tuple[int, dict]] = {
 }
 
 
+# Mixture of Experts: 4 experts, 2 per token, after one dense block; compared with its own single-process run.
+SMALL_MOE = dict(SMALL_GPT, n_expert=4, n_expert_per_token=2, d_ff_expert=48, first_dense_layers=1)
+MOE_LAYOUTS = {
+    name: (world, {"model": {"config": SMALL_MOE}, "strategy": strategy})
+    for name, world, strategy in [
+        ("moe_ep2", 2, {"expert_parallel_size": 2}),
+        ("moe_tp2_sequence_parallel", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
+        ("moe_dp4_ep2", 4, {"expert_parallel_size": 2}),
+        ("moe_ep2_tp2_sequence_parallel", 4, {"expert_parallel_size": 2, "tensor_parallel_size": 2,
+                                               "sequence_parallel": True}),
+    ]
+}  # fmt: skip
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> Path:
     import random
@@ -163,13 +177,21 @@ def reference_bf16_run(base_job, tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="session")
+def reference_moe_run(base_job, tmp_path_factory) -> dict:
+    """The single-process run of the MoE model, which the MoE layouts are compared with."""
+    from spawned import run_job
+
+    return run_job(merge(base_job, {"model": {"config": SMALL_MOE}}), tmp_path_factory.mktemp("reference_moe"))
+
+
+@pytest.fixture(scope="session")
 def layout_runs(base_job, tmp_path_factory) -> dict[str, dict]:
     """Every layout of `LAYOUTS`, one spawn per world size."""
     from spawned import run_jobs
 
-    results = {}
-    for world in sorted({w for w, _ in LAYOUTS.values()}):
-        jobs = {name: merge(base_job, job) for name, (w, job) in LAYOUTS.items() if w == world}
+    results, layouts = {}, {**LAYOUTS, **MOE_LAYOUTS}
+    for world in sorted({w for w, _ in layouts.values()}):
+        jobs = {name: merge(base_job, job) for name, (w, job) in layouts.items() if w == world}
         results.update(run_jobs(world, jobs, tmp_path_factory.mktemp(f"world{world}")))
     return results
 

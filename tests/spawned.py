@@ -154,6 +154,8 @@ def _run_job(job: dict, job_dir: Path, devices: int) -> dict:
     if trainer.is_global_zero:
         log_dir = Path(logger.log_dir)
         result["losses"] = logged(log_dir, "train_loss")
+        result["aux_loss"] = logged(log_dir, "moe/aux_loss")
+        result["load_imbalance"] = logged(log_dir, "moe/load_imbalance")
         result["val_loss"] = logged(log_dir, "val_loss")
         result["pp_bubble"] = logged(log_dir, "pp/bubble")
         result["pp_bubble_theory"] = logged(log_dir, "pp/bubble_theory")

@@ -1,0 +1,113 @@
+"""Mixture of Experts: the layer against a token-by-token reference, its balance loss and router, the presets, the
+checks, and expert parallelism (with TP and SP) training exactly like one process."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import MOE_LAYOUTS, SMALL_MOE
+
+from lit3d import GPTConfig, Parallel3DStrategy
+from lit3d.model import Transformer, tensor_parallel_plan
+from lit3d.moe import MoE, balance_loss, grouped_mm
+from lit3d.strategies.layout import Layout, check_model_fits_layout, resolve_layout
+
+CONFIG = GPTConfig(**{**SMALL_MOE, "n_shared_expert": 1})
+
+
+def test_the_layer_sums_each_tokens_chosen_experts_by_their_weights():
+    torch.manual_seed(0)
+    layer = MoE(CONFIG)
+    for param in layer.parameters():
+        torch.nn.init.normal_(param, std=0.1)
+    x = torch.randn(2, 5, CONFIG.d_model)
+    out = layer(x).reshape(-1, CONFIG.d_model)
+    tokens = x.reshape(-1, CONFIG.d_model)
+    chosen, weights, _ = layer.router(tokens)
+    experts = layer.experts
+    for i, token in enumerate(tokens):
+        expected = layer.shared(token)
+        for e, w in zip(chosen[i].tolist(), weights[i]):
+            hidden = F.silu(token @ experts.gate_proj[e]) * (token @ experts.up_proj[e])
+            expected = expected + w * (hidden @ experts.down_proj[e])
+        torch.testing.assert_close(out[i], expected, rtol=1e-5, atol=1e-6)
+    assert layer.stats[1].sum() == tokens.shape[0] * CONFIG.n_expert_per_token  # every choice counted once
+
+
+def test_grouped_matmul_fallback_multiplies_each_group_by_its_weight():
+    x, weight = torch.randn(7, 3), torch.randn(3, 3, 4)
+    counts = [2, 0, 5]
+    expected = torch.cat([x[:2] @ weight[0], x[2:] @ weight[2]])
+    torch.testing.assert_close(grouped_mm(x, weight, counts), expected)
+
+
+def test_balance_loss_is_one_for_an_even_load_and_n_expert_when_one_expert_takes_all():
+    n_expert, seq = 4, 8
+    even_scores = torch.full((seq, n_expert), 1 / n_expert)
+    even_choice = torch.arange(seq).remainder(n_expert)[:, None]
+    assert balance_loss(even_scores, even_choice, n_expert, seq).item() == pytest.approx(1.0)
+    collapsed_scores = torch.nn.functional.one_hot(torch.zeros(seq, dtype=torch.long), n_expert).float()
+    collapsed_choice = torch.zeros(seq, 1, dtype=torch.long)
+    assert balance_loss(collapsed_scores, collapsed_choice, n_expert, seq).item() == pytest.approx(n_expert)
+
+
+def test_balance_loss_is_per_sequence_so_splitting_the_batch_does_not_change_it():
+    torch.manual_seed(0)
+    scores, chosen = torch.rand(4 * 6, 4).softmax(-1), torch.randint(0, 4, (4 * 6, 2))
+    whole = balance_loss(scores, chosen, 4, 6)
+    halves = [balance_loss(scores[i : i + 12], chosen[i : i + 12], 4, 6) for i in (0, 12)]
+    assert whole.item() == pytest.approx(sum(halves).item() / 2)
+
+
+def test_sigmoid_router_bias_moves_toward_the_underloaded_experts():
+    layer = MoE(CONFIG.replace(router="sigmoid"))
+    layer.router.update_bias(torch.tensor([10, 0, 5, 5]), rate=0.1)
+    assert layer.router.expert_bias.tolist() == pytest.approx([-0.1, 0.1, 0.0, 0.0])
+
+
+@pytest.mark.parametrize(
+    "name, total, active",
+    [("mixtral-8x7b", 46.7e9, 12.9e9), ("mixtral-8x22b", 140.6e9, 39.2e9), ("qwen3-30b-a3b", 30.5e9, 3.3e9),
+     ("qwen3-235b-a22b", 235.1e9, 22.2e9)],
+)  # fmt: skip
+def test_moe_presets_have_the_published_parameter_counts(name, total, active):
+    config = GPTConfig.from_name(name)  # the model cards round to three digits, or two (3.3B)
+    assert config.num_params == pytest.approx(total, rel=0.01)
+    assert config.active_params == pytest.approx(active, rel=0.02)
+
+
+def test_bad_moe_settings_are_refused_naming_the_values():
+    with pytest.raises(ValueError, match="n_expert_per_token=5 must be between 1 and n_expert=4"):
+        GPTConfig(**{**SMALL_MOE, "n_expert_per_token": 5})
+    with pytest.raises(ValueError, match="router='top1'"):
+        GPTConfig(**{**SMALL_MOE, "router": "top1"})
+    with pytest.raises(ValueError, match="expert_parallel_size=3 does not divide data_parallel_size=4"):
+        resolve_layout(4, 4, "auto", 1, 1, 3)
+    with pytest.raises(ValueError, match="expert_parallel_size=8 does not divide n_expert=4"):
+        check_model_fits_layout(GPTConfig(**SMALL_MOE), Layout(dp=8, tp=1, pp=1, devices_per_node=8, ep=8))
+    with pytest.raises(ValueError, match="a dense model has no experts"):
+        check_model_fits_layout(GPTConfig(), Layout(dp=2, tp=1, pp=1, devices_per_node=2, ep=2))
+    with pytest.raises(ValueError, match="expert_parallel_size=2 runs with zero_stage=1"):
+        Parallel3DStrategy(expert_parallel_size=2, zero_stage=3)
+
+
+def test_moe_blocks_are_replicated_regions_under_tensor_parallelism():
+    plan = tensor_parallel_plan(GPTConfig(**SMALL_MOE))
+    assert plan["blocks.0.mlp"] == "tp_region" and plan["blocks.0.mlp.gate_proj"] == "colwise"
+    assert plan["blocks.1.mlp"] == "replicated_region" and "blocks.1.mlp.gate_proj" not in plan
+    assert plan["blocks.*.mlp_norm"] == "norm"  # the norm before the experts still runs on sequence shards
+    Transformer(GPTConfig(**SMALL_MOE))  # the plan names modules the network has
+
+
+def test_the_rank_map_shows_expert_parallel_groups():
+    text = Layout(dp=4, tp=1, pp=1, devices_per_node=4, ep=2).rank_map()
+    assert "expert-parallel of 2" in text and "0, part 2/2" in text and "1, part 1/2" in text
+
+
+@pytest.mark.parametrize("layout", list(MOE_LAYOUTS))
+def test_moe_layout_matches_the_single_process_curve_and_balance(layout, layout_runs, reference_moe_run):
+    run, reference = layout_runs[layout], reference_moe_run
+    assert len(reference["losses"]) == 8 and reference["losses"][-1] < reference["losses"][0] - 1.0
+    for key in ("losses", "aux_loss", "load_imbalance"):
+        assert len(run[key]) == len(reference[key]) == 8
+        assert max(abs(a - b) / abs(b) for a, b in zip(run[key], reference[key])) <= 1e-5, key
+    assert all(1.0 <= x <= SMALL_MOE["n_expert"] for x in reference["aux_loss"])
