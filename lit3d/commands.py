@@ -45,6 +45,7 @@ def plan(
     tensor_parallel_size: int | None = None,
     pipeline_parallel_size: int | None = None,
     data_parallel_size: int | None = None,
+    expert_parallel_size: int | None = None,
     sequence_parallel: bool = True,
     activation_checkpointing: bool | Literal["full", "selective"] | None = None,
     pipeline_schedule: str = "1f1b",
@@ -80,6 +81,8 @@ def plan(
         tensor_parallel_size: Fix TP.
         pipeline_parallel_size: Fix PP.
         data_parallel_size: Fix DP (default: what TP and PP leave of the cluster).
+        expert_parallel_size: Fix EP (an MoE model: ranks borrowed from DP that split the experts); searched
+            when not given.
         sequence_parallel: Sequence parallelism between TP regions.
         activation_checkpointing: Recompute activations: ``true``/``full`` (each block's input only) or
             ``selective`` (keeps matmul, attention and collective outputs); searched (off or full) when not given,
@@ -140,6 +143,7 @@ def plan(
         tensor_parallel_size=tensor_parallel_size,
         pipeline_parallel_size=pipeline_parallel_size,
         data_parallel_size=data_parallel_size,
+        expert_parallel_size=expert_parallel_size,
         num_microbatches=num_microbatches,
         top=top,
     )
@@ -153,7 +157,9 @@ def plan(
                 f"{cluster.gpus} GPUs of the cluster; give data_parallel_size"
             )
         dp = data_parallel_size or cluster.gpus // (tp * pp)
-        layout = Layout(dp=dp, tp=tp, pp=pp, devices_per_node=gpus_per_node)
+        layout = Layout(dp=dp, tp=tp, pp=pp, devices_per_node=gpus_per_node, ep=expert_parallel_size or 1)
+        if dp % layout.ep:
+            raise ValueError(f"expert_parallel_size={layout.ep} does not divide data_parallel_size={dp}")
         if zero_stage is None:
             training.zero_stage = 1
         if num_microbatches is not None:
@@ -190,6 +196,7 @@ def plan(
             tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size,
             data_parallel_size=data_parallel_size,
+            expert_parallel_size=expert_parallel_size,
             zero_stages=ZERO_STAGES if zero_stage is None else (zero_stage,),
             checkpointing=(False, True) if activation_checkpointing is None else (activation_checkpointing,),
         )

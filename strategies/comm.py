@@ -64,6 +64,8 @@ class CommBytes(CommDebugMode):
     def __init__(self) -> None:
         super().__init__()
         self.bytes_by_group: dict[tuple[int, ...], float] = defaultdict(float)  # by the group's global ranks
+        self.bytes_by_name: dict[str, float] = defaultdict(float)  # by the process group's name
+        self.ranks_by_name: dict[str, tuple[int, ...]] = {}
 
     def __enter__(self) -> CommBytes:
         # NOTE: CommDebugMode's per-module tracker is left out: its global module hooks lose their place when the
@@ -74,6 +76,7 @@ class CommBytes(CommDebugMode):
         self.comm_module_counts = {"Global": {"forward": defaultdict(int), "backward": defaultdict(int)}}
         self.comm_module_operation_counts.clear()
         self.bytes_by_group.clear()
+        self.bytes_by_name.clear()
         TorchDispatchMode.__enter__(self)
         return self
 
@@ -84,7 +87,7 @@ class CommBytes(CommDebugMode):
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if out is not NotImplemented and func in _COLLECTIVES:
             kind, tensors, group = _COLLECTIVES[func]
-            ranks, size = _group(args[group])
+            ranks, size, name = _group(args[group])
             payload = _nbytes(out if tensors == "out" else args[tensors])
             if func in _INPUT_SPLITS and args[_INPUT_SPLITS[func]]:  # uneven splits: what goes to the others only
                 splits, me = args[_INPUT_SPLITS[func]], ranks.index(dist.get_rank())
@@ -96,30 +99,41 @@ class CommBytes(CommDebugMode):
                 "send": 1.0,
             }[kind]
             self.bytes_by_group[ranks] += share * payload
+            self.bytes_by_name[name] += share * payload
+            self.ranks_by_name[name] = ranks
         return out
 
-    def by_axis(self, mesh: DeviceMesh) -> dict[str, float]:
+    def by_axis(
+        self, mesh: DeviceMesh, expert_mesh: DeviceMesh | None = None, ep_group: Any = None
+    ) -> dict[str, float]:
         """Bytes per mesh dimension; groups of no single dimension (the whole world, say) go to "other".
 
         Groups are matched by their ranks: FSDP and DTensor may reach the same ranks through another group object.
+        With expert parallelism, ``ep_group`` (the tokens' all-to-alls; matched by name, since its ranks may be the
+        DP group's) is axis "ep", and the expert mesh's ``edp`` groups (ranks holding the same experts) count as
+        "dp".
         """
-        ranks = {
-            tuple(sorted(dist.get_process_group_ranks(mesh[dim].get_group()))): dim
-            for dim in mesh.mesh_dim_names
-            if mesh[dim].size() > 1
-        }
+        ranks = {_ranks(mesh[dim]): dim for dim in mesh.mesh_dim_names if mesh[dim].size() > 1}
+        ep_name = ep_group.group_name if ep_group is not None else None
+        if expert_mesh is not None and expert_mesh["edp"].size() > 1:
+            ranks.setdefault(_ranks(expert_mesh["edp"]), "dp")
         axes: dict[str, float] = defaultdict(float)
-        for group, sent in self.bytes_by_group.items():
-            axes[ranks.get(group, "other")] += sent
+        for name, sent in self.bytes_by_name.items():
+            axes["ep" if name == ep_name else ranks.get(self.ranks_by_name[name], "other")] += sent
         return dict(axes)
 
 
-def _group(group: Any) -> tuple[tuple[int, ...], int]:
-    """Global ranks and size of a collective's group: a boxed ProcessGroup (c10d ops) or a name (functional ops)."""
+def _group(group: Any) -> tuple[tuple[int, ...], int, str]:
+    """Global ranks, size and name of a collective's group: a boxed ProcessGroup (c10d ops) or a name (functional
+    ops)."""
     from torch.distributed.distributed_c10d import ProcessGroup, _resolve_process_group
 
     pg = _resolve_process_group(group) if isinstance(group, str) else ProcessGroup.unbox(group)
-    return tuple(sorted(dist.get_process_group_ranks(pg))), pg.size()
+    return tuple(sorted(dist.get_process_group_ranks(pg))), pg.size(), pg.group_name
+
+
+def _ranks(mesh: DeviceMesh) -> tuple[int, ...]:
+    return tuple(sorted(dist.get_process_group_ranks(mesh.get_group())))
 
 
 def _nbytes(tensors: Any) -> int:

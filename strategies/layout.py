@@ -75,6 +75,15 @@ class Layout:
         shape = (self.pp, self.dp // self.ep, self.ep, self.tp)
         return init_device_mesh(device_type, shape, mesh_dim_names=("pp", "edp", "ep", "tp"))
 
+    def ep_groups(self) -> list[list[int]]:
+        """The expert-parallel groups: ``ep`` consecutive data-parallel ranks each (same TP and PP coordinates)."""
+        return [
+            [self.rank(first + e, t, p) for e in range(self.ep)]
+            for p in range(self.pp)
+            for first in range(0, self.dp, self.ep)
+            for t in range(self.tp)
+        ]
+
     def node(self, rank: int) -> int:
         return rank // self.devices_per_node
 

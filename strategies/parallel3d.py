@@ -193,6 +193,7 @@ class Parallel3DStrategy(ShardedCheckpoints, LocalOptimizerSteps, ModelParallelS
         self.mixed_precision_reduce = mixed_precision_reduce
         self._layout: Layout | None = None
         self._expert_mesh: DeviceMesh | None = None  # (pp, edp, ep, tp), with expert parallelism
+        self._ep_group: Any = None  # the process group MoE layers dispatch their tokens over
         self._local_optimizers: dict[int, LocalShardOptimizer] = {}
         self.pipeline: Pipeline | None = None  # this rank's stages and schedule, when pipeline_parallel_size > 1
         self._parallelized: nn.Module | None = None  # the network this strategy split
@@ -257,6 +258,9 @@ class Parallel3DStrategy(ShardedCheckpoints, LocalOptimizerSteps, ModelParallelS
         self._device_mesh = layout.build_mesh(self.root_device.type)
         if layout.ep > 1:
             self._expert_mesh = layout.build_expert_mesh(self.root_device.type)
+            # NOTE: a group of its own for the tokens' all-to-alls, apart from the mesh's (which may be the very DP
+            # group when ep == dp), so `CommReport` tells expert-parallel bytes from data-parallel ones.
+            self._ep_group, _ = torch.distributed.new_subgroups_by_enumeration(layout.ep_groups())
         self.lightning_module._device_mesh = self._device_mesh  # for modules that parallelise themselves
         rank_zero_info(layout.rank_map())
         crossing = layout.tp_groups_across_nodes()
@@ -359,7 +363,7 @@ class Parallel3DStrategy(ShardedCheckpoints, LocalOptimizerSteps, ModelParallelS
             virtual_pipeline_size=self.virtual_pipeline_size,
             activation_checkpointing=self.activation_checkpointing, compile=self.compile,
             mp_policy=mixed_precision_policy(self.precision, self.mixed_precision_reduce),
-            ddp=self._ddp, expert_mesh=self._expert_mesh,
+            ddp=self._ddp, expert_mesh=self._expert_mesh, ep_group=self._ep_group,
         )  # fmt: skip
         if any(p.is_meta for p in network.parameters()):
             for chunk in chunks:

@@ -19,10 +19,10 @@ from lit3d.strategies.tensor_parallel import apply_tensor_parallel, check_plan, 
 from lit3d.strategies.zero import apply_data_parallel
 
 
-def apply_expert_parallel(network: nn.Module, ep_mesh: DeviceMesh) -> None:
+def apply_expert_parallel(network: nn.Module, ep_mesh: DeviceMesh, group: object | None = None) -> None:
     """Split the experts of every MoE layer of ``network`` over ``ep_mesh``: each expert weight becomes a DTensor
     sharded along its expert dim (each rank holds a contiguous run of experts), and the layer dispatches its
-    tokens over the mesh's group (`lit3d.moe.dispatch`)."""
+    tokens over ``group`` (the same ranks; default: the mesh's group) (`lit3d.moe.dispatch`)."""
     from torch.distributed.tensor import DTensor, Shard
 
     from lit3d.moe import MoE
@@ -35,7 +35,7 @@ def apply_expert_parallel(network: nn.Module, ep_mesh: DeviceMesh) -> None:
             sharded = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False, shape=param.shape,
                                          stride=param.stride())  # fmt: skip
             setattr(experts, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        moe.ep_group = ep_mesh.get_group()
+        moe.ep_group = group or ep_mesh.get_group()
 
 
 def follows_plan(module: nn.Module) -> bool:
@@ -59,6 +59,7 @@ def parallelize_network(
     mp_policy: object | None = None,
     ddp: bool | None = None,
     expert_mesh: DeviceMesh | None = None,
+    ep_group: object | None = None,
 ) -> tuple[list[nn.Module], list[int]]:
     """Split ``network`` for ``rank`` in place, in the fixed order, without giving it weights (it may stay on
     the meta device, as `lit3d plan --verify` keeps it).
@@ -78,7 +79,7 @@ def parallelize_network(
         if hasattr(network, "tie_weights"):
             network.tie_weights()  # TP distributed the shared tensor once per module
     if expert_mesh is not None:
-        apply_expert_parallel(network, expert_mesh["ep"])
+        apply_expert_parallel(network, expert_mesh["ep"], ep_group)
     blocks = list(network.blocks.values())
     if activation_checkpointing:
         apply_activation_checkpointing(blocks, activation_checkpointing)

@@ -135,6 +135,12 @@ MOE_LAYOUTS = {
                                                "sequence_parallel": True}),
     ]
 }  # fmt: skip
+# Every token to every expert: an even load, so the all-to-alls send exactly what the planner counts.
+MOE_LAYOUTS["moe_dp2_ep2_tp2_sequence_parallel_comms"] = (4, {
+    "model": {"config": dict(SMALL_MOE, n_expert_per_token=SMALL_MOE["n_expert"])},
+    "strategy": {"expert_parallel_size": 2, "tensor_parallel_size": 2, "sequence_parallel": True},
+    "callbacks": [CommReport(step=5)], "trainer": {"max_steps": 6},
+})  # fmt: skip
 
 
 @pytest.fixture(scope="session")

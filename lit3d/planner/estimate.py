@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from lit3d.config import GPTConfig
-from lit3d.planner.tensors import Tensor, local_numel, rank_tensors
+from lit3d.planner.tensors import Tensor, local_numel, rank_tensors, replicas
 from lit3d.planner.traffic import collectives, communication_bytes
 from lit3d.strategies.layout import Layout
 from lit3d.strategies.pipeline import bubble_theory
@@ -119,6 +119,7 @@ class Plan:
     flops_per_step: float = 0.0  # model FLOPs of one optimizer step, all GPUs (recompute not counted)
     params_total: int = 0
     params_per_rank: int = 0  # parameters (elements) the most loaded rank holds, ZeRO-3 shards included
+    params_active: int = 0  # parameters one token uses (MoE: k of the routed experts; a dense model: all)
     activation_bytes_per_layer: int = 0  # what one block keeps for backward, per micro-batch on one rank
 
     def to_dict(self) -> dict[str, Any]:
@@ -127,11 +128,13 @@ class Plan:
 
 def state_bytes(tensors: list[Tensor], layout: Layout, zero_stage: int, precision: Precision) -> dict[str, int]:
     """Weights, gradients and optimizer state of one rank (rank 0 of its TP and DP groups)."""
-    tp, dp = layout.tp, layout.dp
-    full = sum(local_numel(t, tp) for t in tensors)
-    sharded_params = sum(local_numel(t, tp, dp) for t in tensors) if zero_stage >= 2 and dp > 1 else full
-    if zero_stage >= 1 and dp > 1:  # ZeRO-1 slices a dim TP leaves whole; FSDP (2, 3) shards dim 0
-        optimizer = sum(local_numel(t, tp, dp, _free_dim(t)) for t in tensors) if zero_stage == 1 else sharded_params
+    tp, dp, ep = layout.tp, layout.dp, layout.ep
+    full = sum(local_numel(t, tp, ep=ep) for t in tensors)
+    sharded = sum(local_numel(t, tp, replicas(t, layout), ep=ep) for t in tensors)
+    sharded_params = sharded if zero_stage >= 2 and dp > 1 else full
+    if zero_stage >= 1 and dp > 1:  # ZeRO-1 slices a dim TP (and EP) leave whole; FSDP (2, 3) shards dim 0
+        sliced = sum(local_numel(t, tp, replicas(t, layout), t.free_dim, ep) for t in tensors)
+        optimizer = sliced if zero_stage == 1 else sharded_params
     else:
         optimizer = full
     step_counters = 4 * len(tensors)  # AdamW keeps one fp32 step count per tensor
@@ -142,10 +145,6 @@ def state_bytes(tensors: list[Tensor], layout: Layout, zero_stage: int, precisio
         "grads": grads * precision.grads,
         "optimizer": optimizer * precision.optimizer + step_counters,
     }
-
-
-def _free_dim(tensor: Tensor) -> int:
-    return next(d for d in range(len(tensor.shape)) if d != tensor.tp_dim)
 
 
 def activation_bytes_per_token(
@@ -240,6 +239,7 @@ def estimate(
         "tp": cluster.intra_node_gbps if cluster.gpus_per_node % tp == 0 else cluster.inter_node_gbps,
         "pp": cluster.intra_node_gbps if tp * dp * pp <= cluster.gpus_per_node else cluster.inter_node_gbps,
         "dp": cluster.intra_node_gbps if tp * dp <= cluster.gpus_per_node else cluster.inter_node_gbps,
+        "ep": cluster.intra_node_gbps if tp * layout.ep <= cluster.gpus_per_node else cluster.inter_node_gbps,
     }
     intra = {axis: links[axis] == cluster.intra_node_gbps for axis in links}
     counts = collectives(config, layout, training)
@@ -259,7 +259,8 @@ def estimate(
     compute *= cluster.gpus / layout.world_size  # the layout may use fewer GPUs than the cluster has
     bubble = bubble_theory(training.pipeline_schedule, pp, schedule_m, virtual) if pp > 1 else 0.0
     overlap = compute if training.zero_stage == 3 else compute * 2 / 3  # DP traffic hides behind backward
-    step = (compute + seconds["tp"] + seconds["pp"]) / (1 - bubble) + max(0.0, seconds["dp"] - overlap)
+    exposed = compute + seconds["tp"] + seconds["pp"] + seconds["ep"]  # the all-to-alls sit between the matmuls
+    step = exposed / (1 - bubble) + max(0.0, seconds["dp"] - overlap)
     mfu = model_flops / layout.world_size / (step * cluster.peak_tflops * 1e12)
     fits = peak["total"] <= cluster.gpu_memory_gb * GB * (1 - training.headroom)
     return Plan(
@@ -269,6 +270,7 @@ def estimate(
             "pipeline_parallel_size": pp,
             "zero_stage": training.zero_stage,
             "virtual_pipeline_size": virtual,
+            "expert_parallel_size": layout.ep,
         },
         memory_per_gpu=peak,
         memory_by_stage=by_stage,
@@ -289,6 +291,7 @@ def estimate(
         flops_per_step=float(model_flops),
         params_total=sum(local_numel(t, 1) for t in rank_tensors(config, 1, 1, 0)),
         params_per_rank=params_per_rank,
+        params_active=config.active_params,
         activation_bytes_per_layer=int(per_token * tokens + weight_copies),
     )
 

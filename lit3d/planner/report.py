@@ -100,12 +100,12 @@ def format_search(
         )
         return "\n".join(lines)
     lines.append(
-        f"{'#':>2}  {'dp':>5} {'tp':>3} {'pp':>3} {'zero':>4} {'ac':>3} {'m':>4} {'memory GB':>9} "
+        f"{'#':>2}  {'dp':>5} {'tp':>3} {'pp':>3} {'ep':>3} {'zero':>4} {'ac':>3} {'m':>4} {'memory GB':>9} "
         f"{'step s':>8} {'MFU':>6}"
     )
     for i, c in enumerate(candidates[:top], 1):
         lines.append(
-            f"{i:>2}  {c.layout.dp:>5} {c.layout.tp:>3} {c.layout.pp:>3} {c.training.zero_stage:>4} "
+            f"{i:>2}  {c.layout.dp:>5} {c.layout.tp:>3} {c.layout.pp:>3} {c.layout.ep:>3} {c.training.zero_stage:>4} "
             f"{'yes' if c.training.activation_checkpointing else 'no':>3} {c.plan.num_microbatches:>4} "
             f"{c.plan.memory_per_gpu['total'] / GB:>9.1f} {c.plan.step_time_s:>8.3f} {c.plan.mfu:>6.1%}"
         )
@@ -116,6 +116,8 @@ def format_search(
         f"--trainer.strategy.pipeline_parallel_size={best.layout.pp} "
         f"--trainer.strategy.zero_stage={best.training.zero_stage}"
     )
+    if best.layout.ep > 1:
+        flags += f" --trainer.strategy.expert_parallel_size={best.layout.ep}"
     if best.training.activation_checkpointing:
         flags += " --trainer.strategy.activation_checkpointing=true"
     lines.append(f"run the best with: lit3d fit ... --trainer.strategy=Parallel3DStrategy {flags}")

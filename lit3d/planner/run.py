@@ -20,7 +20,7 @@ def plan_of_run(strategy: Parallel3DStrategy) -> Plan | None:
     """
     module, layout = strategy.lightning_module, strategy.layout
     config = getattr(module, "config", None)
-    if not isinstance(config, GPTConfig) or config.n_expert:  # NOTE: the planner does not count MoE layers yet
+    if not isinstance(config, GPTConfig):
         return None
     trainer = module.trainer
     data = getattr(trainer, "datamodule", None)

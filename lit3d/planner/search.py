@@ -81,6 +81,15 @@ def layout_problem(config: GPTConfig, cluster: Cluster, layout: Layout, training
     return None
 
 
+def _pp_and_ep(config: GPTConfig, ranks: int, pps: list[int], ep: int | None) -> list[tuple[int, int]]:
+    """Pipeline and expert-parallel sizes to try over ``ranks`` (what TP leaves): a dense model any PP and no EP;
+    an MoE model no PP and every EP that divides both the DP ranks and the experts."""
+    if not config.n_expert:
+        return [(pp, 1) for pp in pps]
+    eps = [ep] if ep else [e for e in divisors(ranks) if config.n_expert % e == 0]
+    return [(1, e) for e in eps if ranks % e == 0]
+
+
 def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
@@ -93,23 +102,28 @@ def search(
     tensor_parallel_size: int | None = None,
     pipeline_parallel_size: int | None = None,
     data_parallel_size: int | None = None,
+    expert_parallel_size: int | None = None,
     zero_stages: tuple[int, ...] = ZERO_STAGES,
     checkpointing: tuple[bool, ...] = (False, True),
 ) -> tuple[list[Candidate], dict[str, int]]:
     """Layouts using every GPU of ``cluster`` (sizes given are kept), estimated; returns those that fit, best
-    first, and counts of what was dropped and why."""
+    first, and counts of what was dropped and why.
+
+    An MoE model is searched over expert parallelism too, as the strategy runs it: with ZeRO-1 and no pipeline."""
     dropped = {"invalid": 0, "out_of_memory": 0}
     fitting: list[Candidate] = []
+    pps = [pipeline_parallel_size] if pipeline_parallel_size else None
     for tp in [tensor_parallel_size] if tensor_parallel_size else divisors(cluster.gpus_per_node):
-        for pp in [pipeline_parallel_size] if pipeline_parallel_size else divisors(cluster.gpus // tp):
+        for pp, ep in _pp_and_ep(config, cluster.gpus // tp, pps or divisors(cluster.gpus // tp), expert_parallel_size):
             dp = cluster.gpus // (tp * pp)
             if data_parallel_size and data_parallel_size != dp:
                 continue
-            layout = Layout(dp=dp, tp=tp, pp=pp, devices_per_node=cluster.gpus_per_node)
+            layout = Layout(dp=dp, tp=tp, pp=pp, devices_per_node=cluster.gpus_per_node, ep=ep)
             if dp * tp * pp != cluster.gpus or layout_problem(config, cluster, layout, training):
                 dropped["invalid"] += 1
                 continue
-            for zero in zero_stages if dp > 1 else zero_stages[:1]:
+            stages = (1,) if ep > 1 else zero_stages
+            for zero in stages if dp > 1 else zero_stages[:1]:
                 for ac in checkpointing:
                     option = replace(training, zero_stage=zero, activation_checkpointing=ac)
                     plan = estimate(config, cluster, layout, option)
@@ -140,6 +154,12 @@ def why(candidate: Candidate, cluster: Cluster) -> str:
         )
     if layout.pp > 1:
         parts.append(f"PP{layout.pp} bubble {plan.pipeline_bubble:.1%} with {plan.num_microbatches} micro-batches")
+    if layout.ep > 1:
+        ep = plan.communication_per_step["ep"]
+        parts.append(
+            f"EP{layout.ep} holds 1/{layout.ep} of the experts per rank, all-to-alls move {ep['bytes'] / GB:.1f} "
+            f"GB/GPU in {ep['seconds']:.2f} s"
+        )
     if layout.dp > 1:
         dp = plan.communication_per_step["dp"]
         parts.append(

@@ -24,6 +24,12 @@ class Tensor:
     shape: tuple[int, ...]
     tp_dim: int | None  # the dim tensor parallelism splits, None when replicated
     block: int | None  # decoder block index; None for embedding, final norm, head
+    expert: bool = False  # an MoE expert weight: dim 0 is split over expert parallelism, dim 1 by ZeRO-1
+
+    @property
+    def free_dim(self) -> int:
+        """The dim ZeRO-1 slices over data parallelism (one TP and EP leave whole)."""
+        return 1 if self.expert else next(d for d in range(len(self.shape)) if d != self.tp_dim)
 
 
 def parameter_table(config: GPTConfig) -> tuple[Tensor, ...]:
@@ -35,16 +41,18 @@ def parameter_table(config: GPTConfig) -> tuple[Tensor, ...]:
 def _parameter_table(fields: tuple[tuple[str, Any], ...]) -> tuple[Tensor, ...]:
     import torch
 
-    from lit3d.model import TENSOR_PARALLEL_PLAN, Transformer
+    from lit3d.model import Transformer, tensor_parallel_plan
 
+    config = GPTConfig(**dict(fields))
     with torch.device("meta"):
-        network = Transformer(GPTConfig(**dict(fields)))
-    table = []
+        network = Transformer(config)
+    plan, table = tensor_parallel_plan(config), []
     for name, param in network.named_parameters():
         module = name.rsplit(".", 1)[0]
-        roles = [role for pattern, role in TENSOR_PARALLEL_PLAN.items() if fnmatchcase(module, pattern)]
+        roles = [role for pattern, role in plan.items() if fnmatchcase(module, pattern)]
         block = int(name.split(".")[1]) if name.startswith("blocks.") else None
-        table.append(Tensor(name, tuple(param.shape), SHARDED_DIM.get(roles[0]) if roles else None, block))
+        tp_dim = SHARDED_DIM.get(roles[0]) if roles else None
+        table.append(Tensor(name, tuple(param.shape), tp_dim, block, ".experts." in name))
     return tuple(table)
 
 
@@ -93,10 +101,19 @@ def _rank_tensors(key: tuple[tuple[str, Any], ...], pp: int, virtual: int, stage
     return tuple(kept)
 
 
-def local_numel(tensor: Tensor, tp: int, shard: int = 1, shard_dim: int = 0) -> int:
-    """Elements rank 0 of ``shard`` data-parallel ranks holds (torch.chunk's split, as DTensor's Shard)."""
+def local_numel(tensor: Tensor, tp: int, shard: int = 1, shard_dim: int = 0, ep: int = 1) -> int:
+    """Elements rank 0 of ``shard`` data-parallel ranks holds (torch.chunk's split, as DTensor's Shard); an expert
+    weight is first split over ``ep`` expert-parallel ranks."""
     shape = list(tensor.shape)
     if tensor.tp_dim is not None:
         shape[tensor.tp_dim] //= tp
+    if tensor.expert:
+        shape[0] = -(-shape[0] // ep)
     shape[shard_dim] = -(-shape[shard_dim] // shard)
     return math.prod(shape)
+
+
+def replicas(tensor: Tensor, layout: Any) -> int:
+    """Data-parallel ranks that hold the same copy of ``tensor``: all of DP, or for an expert the DP ranks over
+    expert-parallel groups."""
+    return layout.dp // layout.ep if tensor.expert else layout.dp

@@ -27,9 +27,11 @@ def communication_bytes(
     virtual, microbatches, schedules, sp, per_block = _step_shape(layout, training)
     act_bytes = training.micro_batch_size * training.seq_len * config.d_model * precision.activations
     ring = 2 * (tp - 1) / tp  # all-reduce traffic per byte; SP's all-gather + reduce-scatter pair costs the same
-    traffic = {"tp": 0.0, "pp": 0.0, "dp": 0.0}
+    traffic = {"tp": 0.0, "pp": 0.0, "dp": 0.0, "ep": 0.0}
     for tensors, first, last, blocks in _stages(config, pp, virtual):
-        tp_bytes = (blocks * per_block + first + last) * act_bytes  # embedding (fwd) and head (bwd): one each
+        moe = _moe_blocks(config, tensors)
+        tp_blocks = blocks * per_block + moe * _moe_tp_change(training, sp)
+        tp_bytes = (tp_blocks + first + last) * act_bytes  # embedding (fwd) and head (bwd): one each
         if last:  # the vocabulary-parallel loss: 3 fp32 all-reduces per token (max, sum, target logit)
             tp_bytes += 3 * training.micro_batch_size * training.seq_len * 4
         tp_bytes *= microbatches
@@ -38,14 +40,41 @@ def communication_bytes(
             tp_bytes += norms * (schedules if pp > 1 else microbatches)  # once per schedule: it spans its micro-batches
         traffic["tp"] = max(traffic["tp"], ring * tp_bytes)
         root = sum(local_numel(t, tp) for t in tensors if t.block is None)  # embedding, final norm, head
-        in_blocks = sum(local_numel(t, tp) for t in tensors if t.block is not None)
-        sent = _dp_traffic(
-            training.zero_stage, dp, in_blocks, root, microbatches // schedules, schedules, pp > 1, precision
-        )
+        in_blocks = sum(local_numel(t, tp) for t in tensors if t.block is not None and not t.expert)
+        experts = sum(local_numel(t, tp, ep=layout.ep) for t in tensors if t.expert)
+        shape = (microbatches // schedules, schedules, pp > 1, precision)
+        sent = _dp_traffic(training.zero_stage, dp, in_blocks, root, *shape)
+        sent += _dp_traffic(training.zero_stage, dp // layout.ep, experts, 0, *shape)  # over the same experts
         traffic["dp"] = max(traffic["dp"], sent)
+        traffic["ep"] = max(traffic["ep"], moe * microbatches * _all_to_all_bytes(config, layout, training, precision))
     if pp > 1:
         traffic["pp"] = _pipeline_sends(pp, virtual) * microbatches * act_bytes / (tp if sp else 1)
     return traffic
+
+
+def _moe_blocks(config: GPTConfig, tensors: list) -> int:
+    return len({t.block for t in tensors if t.expert})
+
+
+def _moe_tp_change(training: Training, sp: bool) -> float:
+    """TP collectives an MoE block has fewer than a dense one: its feed-forward is a replicated region, which
+    under SP gathers its input in forward and its output's gradient in backward (one pair), and nothing else."""
+    regather = sp and not training.activation_checkpointing
+    return (1.0 if sp else 0.0) - 2.0 - (0.5 if regather else 0.0)
+
+
+def _all_to_all_bytes(config: GPTConfig, layout: Layout, training: Training, precision: Precision) -> float:
+    """Bytes one rank sends per MoE block and micro-batch over expert parallelism, with an even load: the tokens'
+    expert counts, then each (token, choice) row not local to it, to its expert and back, forward and backward
+    (and forward again under full recompute)."""
+    ep = layout.ep
+    if ep == 1:
+        return 0.0
+    share = (ep - 1) / ep
+    rows = training.micro_batch_size * training.seq_len * config.n_expert_per_token * share
+    row_bytes = config.d_model * precision.activations
+    forwards = 2 if training.activation_checkpointing in (True, "full") else 1
+    return forwards * (config.n_expert * 8 * share + 2 * rows * row_bytes) + 2 * rows * row_bytes
 
 
 def _step_shape(layout: Layout, training: Training) -> tuple[int, int, int, bool, float]:
@@ -96,8 +125,11 @@ def collectives(config: GPTConfig, layout: Layout, training: Training) -> dict[s
     latency side of an α-β model, counted as `communication_bytes` counts the bytes."""
     tp, pp, dp = layout.tp, layout.pp, layout.dp
     virtual, microbatches, schedules, sp, per_block = _step_shape(layout, training)
-    counts = {"tp": (0.0, 0.0), "pp": (0.0, 0.0), "dp": (0.0, 0.0)}
+    counts = {"tp": (0.0, 0.0), "pp": (0.0, 0.0), "dp": (0.0, 0.0), "ep": (0.0, 0.0)}
     for tensors, first, last, blocks in _stages(config, pp, virtual):
+        if layout.ep > 1:  # three all-to-alls per MoE block forward (counts, dispatch, combine), two backward
+            n = _moe_blocks(config, tensors) * microbatches * 5
+            counts["ep"] = max(counts["ep"], (n, n * (layout.ep - 1)))
         if tp > 1:  # an all-reduce, or under SP an all-gather and a reduce-scatter, per count of `per_block`
             n = ((blocks * per_block + first + last) + 3 * last) * microbatches
             counts["tp"] = max(counts["tp"], (n * (2 if sp else 1), n * 2 * (tp - 1)))

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from lit3d.config import GPTConfig
-from lit3d.planner.tensors import local_numel, rank_tensors
+from lit3d.planner.tensors import local_numel, rank_tensors, replicas
 from lit3d.strategies.layout import Layout
 
 
@@ -33,8 +33,8 @@ class StageCount:
 
 def analytic_params(config: GPTConfig, layout: Layout, stage: int, zero_stage: int, virtual: int = 1) -> int:
     """Parameter elements the planner expects on rank (d=0, t=0, p=stage)."""
-    shard = layout.dp if zero_stage >= 2 else 1
-    return sum(local_numel(t, layout.tp, shard) for t in rank_tensors(config, layout.pp, virtual, stage))
+    tensors = rank_tensors(config, layout.pp, virtual, stage)
+    return sum(local_numel(t, layout.tp, replicas(t, layout) if zero_stage >= 2 else 1, ep=layout.ep) for t in tensors)
 
 
 def verify(
@@ -48,7 +48,7 @@ def verify(
     """Per pipeline stage: the parameter elements rank (d=0, t=0, p) holds after the real parallelisation."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from lit3d.model import TENSOR_PARALLEL_PLAN, Transformer
+    from lit3d.model import Transformer, tensor_parallel_plan
     from lit3d.strategies.parallelize import parallelize_network
 
     if dist.is_initialized():
@@ -59,11 +59,12 @@ def verify(
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
         try:
             mesh = layout.build_mesh("cpu")
+            expert_mesh = layout.build_expert_mesh("cpu") if layout.ep > 1 else None
             with torch.device("meta"):
                 network = Transformer(config)
             parallelize_network(
                 network,
-                TENSOR_PARALLEL_PLAN,
+                tensor_parallel_plan(config),
                 layout,
                 mesh,
                 rank,
@@ -71,6 +72,7 @@ def verify(
                 sequence_parallel=sequence_parallel,
                 virtual_pipeline_size=virtual_pipeline_size,
                 activation_checkpointing=activation_checkpointing,
+                expert_mesh=expert_mesh,
             )
             held = sum(_local(p).numel() for p in network.parameters())
         finally:
