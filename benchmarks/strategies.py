@@ -14,6 +14,7 @@ ratio against the Lightning strategy that does the same job, measured in this sa
     Parallel3DStrategy DP, ZeRO-0/1   vs  ddp
     Parallel3DStrategy DP, ZeRO-3     vs  fsdp (needs GPUs), else ModelParallelStrategy with FSDP2 over DP
     Parallel3DStrategy TP             vs  ModelParallelStrategy with the same tensor-parallel plan
+    Parallel3DStrategy DP2 EP2        vs  Parallel3DStrategy DP2, experts replicated (an MoE model: --experts)
 
 A ratio below 1 means lit3d is faster. ModelParallelStrategy leaves the parallelisation to the module: here a
 GPT subclass applies the same TP plan and FSDP2 in ``configure_model``, as Lightning's documentation shows.
@@ -58,7 +59,10 @@ CONFIGS = {
     "3d dp2 zero3": (2, {"zero_stage": 3}, ("fsdp", "mp dp2 fsdp2")),
     "mp tp2": (2, ("mp", 1, 2), ()),
     "3d tp2": (2, {"tensor_parallel_size": 2}, ("mp tp2",)),
+    # MoE models only (--experts): the experts split over 2 ranks, against every rank holding all of them
+    "3d dp2 ep2": (2, {"zero_stage": 1, "expert_parallel_size": 2}, ("3d dp2 zero1",)),
 }
+MOE_ONLY = {"3d dp2 ep2"}
 
 
 def main() -> None:
@@ -70,6 +74,12 @@ def main() -> None:
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--global-batch-size", type=int, default=8)
+    parser.add_argument(
+        "--experts",
+        type=int,
+        default=0,
+        help="an MoE model: this many experts per block (2 per token, after one dense block)",
+    )
     parser.add_argument(
         "--optimizer",
         default="auto",
@@ -90,8 +100,9 @@ def main() -> None:
 
     gpu = torch.cuda.is_available()
     cores = os.cpu_count() or 1
+    moe = f", {args.experts} experts (2 per token)" if args.experts else ""
     print(
-        f"model: n_layer={args.n_layer} d_model={args.d_model}, seq_len={args.seq_len}, global batch "
+        f"model: n_layer={args.n_layer} d_model={args.d_model}{moe}, seq_len={args.seq_len}, global batch "
         f"{args.global_batch_size}, AdamW {args.optimizer}; {'GPU' if gpu else f'CPU, {cores} cores'}; "
         f"{args.rounds} rounds of {args.steps} steps",
         flush=True,
@@ -102,6 +113,8 @@ def main() -> None:
         processes, strategy, _ = CONFIGS[name]
         if strategy == "fsdp" and not gpu:
             results[name] = {"skipped": "Lightning's FSDPStrategy requires GPUs"}
+        elif name in MOE_ONLY and not args.experts:
+            results[name] = {"skipped": "needs an MoE model (--experts)"}
         elif gpu and processes > torch.cuda.device_count():
             results[name] = {"skipped": f"needs {processes} GPUs"}
         else:
@@ -133,16 +146,20 @@ def main() -> None:
 def print_comm_report(results: dict[str, dict], names: list[str]) -> None:
     """Bytes per axis the busiest rank sent in one step: measured, and the planner's for lit3d's layouts."""
     print("\ncommunication in one step, MiB sent by the busiest rank: measured under CommDebugMode, and planned")
-    print(f"{'configuration':<16}{'tp':>10}{'planned':>10}{'dp':>10}{'planned':>10}{'other':>10}")
+    print(
+        f"{'configuration':<16}"
+        + "".join(f"{axis:>10}{'planned':>10}" for axis in ("tp", "dp", "ep"))
+        + f"{'other':>10}"
+    )
     for name in names:
         comm = results[name].get("comm")
         if not comm:
             continue
         measured, planned = comm["measured"], comm["planned"] or {}
         row = f"{name:<16}"
-        for axis in ("tp", "dp"):
+        for axis in ("tp", "dp", "ep"):
             plan = f"{planned[axis] / 2**20:.3f}" if axis in planned else "-"
-            row += f"{measured[axis] / 2**20:>10.3f}{plan:>10}"
+            row += f"{measured.get(axis, 0.0) / 2**20:>10.3f}{plan:>10}"
         print(row + f"{measured['other'] / 2**20:>10.3f}")
 
 
@@ -207,6 +224,7 @@ def _worker(rank: int, processes: int, port: int, schedule: list, args: dict, th
         d_ff=3 * d_model,
         vocab_size=256,
         max_seq_len=args["seq_len"],
+        **({"n_expert": args["experts"], "first_dense_layers": 1} if args["experts"] else {}),
     )
     for round_, name in schedule:
         strategy = CONFIGS[name][1]

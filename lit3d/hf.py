@@ -1,7 +1,9 @@
-"""HuggingFace Llama folders in and out: ``config.json`` + safetensors, local folders only (no hub).
+"""HuggingFace Llama and Mixtral folders in and out: ``config.json`` + safetensors, local folders only (no hub).
 
 The layouts match one to one (lit3d uses HuggingFace's rotate-half rotary convention), so weights are renamed,
-never permuted; lit3d's vocabulary padding rows are added on import and dropped on export.
+never permuted; lit3d's vocabulary padding rows are added on import and dropped on export. Mixtral's experts are
+read from the per-expert ``w1``/``w2``/``w3`` matrices of its published checkpoints (or transformers 5's stacked
+``gate_up_proj``/``down_proj``) into lit3d's stacked ``[expert, in, out]`` weights, and written back per expert.
 """
 
 from __future__ import annotations
@@ -32,19 +34,32 @@ NAMES = {
 }
 
 
+# lit3d MoE name -> Mixtral name ({e}: the expert); the lit3d tensors stack the experts and are transposed.
+MIXTRAL_NAMES = {
+    "blocks.{i}.mlp.router.gate.weight": "model.layers.{i}.block_sparse_moe.gate.weight",
+    "blocks.{i}.mlp.experts.gate_proj": "model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight",
+    "blocks.{i}.mlp.experts.down_proj": "model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight",
+    "blocks.{i}.mlp.experts.up_proj": "model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight",
+}
+
+
 def hf_name(name: str) -> str:
     """lit3d → HuggingFace parameter name."""
     block = re.match(r"blocks\.(\d+)\.", name)
     pattern = re.sub(r"^blocks\.\d+\.", "blocks.{i}.", name)
-    if pattern not in NAMES:
+    names = {**NAMES, **MIXTRAL_NAMES}
+    if pattern not in names:
         raise KeyError(f"no HuggingFace name for lit3d parameter {name!r}")
-    return NAMES[pattern].format(i=block.group(1) if block else "")
+    return names[pattern].format(i=block.group(1) if block else "", e="{e}")
 
 
 def config_from_hf(hf: dict[str, Any]) -> GPTConfig:
     """A `GPTConfig` from a Llama ``config.json``; refuses what lit3d's model does not compute."""
-    if hf.get("model_type", "llama") != "llama":
-        raise ValueError(f"model_type={hf.get('model_type')!r}: only Llama folders can be imported")
+    model_type = hf.get("model_type", "llama")
+    if model_type not in ("llama", "mixtral"):
+        raise ValueError(f"model_type={model_type!r}: only Llama and Mixtral folders can be imported")
+    if hf.get("sliding_window"):
+        raise ValueError(f"sliding_window={hf['sliding_window']} is not supported (lit3d attends to the whole context)")
     rope = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or ({} if rope.get("rope_type", "default") == "default" else rope)
     if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
@@ -70,10 +85,36 @@ def config_from_hf(hf: dict[str, Any]) -> GPTConfig:
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
         norm_eps=hf.get("rms_norm_eps", 1e-6),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        **(_moe_from_hf(hf) if model_type == "mixtral" else {}),
+    )
+
+
+def _moe_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    return dict(
+        n_expert=hf["num_local_experts"],
+        n_expert_per_token=hf["num_experts_per_tok"],
+        d_ff_expert=hf["intermediate_size"],
+        aux_loss_coef=hf.get("router_aux_loss_coef", 0.02),
     )
 
 
 def config_to_hf(config: GPTConfig, dtype: torch.dtype) -> dict[str, Any]:
+    """A Llama ``config.json``, or a Mixtral one for an MoE model Mixtral can express."""
+    moe = {}
+    if config.n_expert:
+        unlike = {"n_shared_expert": 0, "first_dense_layers": 0, "router": "softmax", "d_ff_expert": config.d_ff}
+        different = {k: getattr(config, k) for k, v in unlike.items() if getattr(config, k) != v}
+        if different:
+            raise ValueError(f"a Mixtral folder cannot hold {different} (Mixtral: {unlike})")
+        moe = {
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            "num_local_experts": config.n_expert,
+            "num_experts_per_tok": config.n_expert_per_token,
+            "router_aux_loss_coef": config.aux_loss_coef,
+            "output_router_logits": False,
+            "sliding_window": None,
+        }
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -93,7 +134,7 @@ def config_to_hf(config: GPTConfig, dtype: torch.dtype) -> dict[str, Any]:
         "torch_dtype": str(dtype).removeprefix("torch."),
         "rope_theta": config.rope_theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
-    }
+    } | moe
 
 
 def read_config(folder: str | Path) -> GPTConfig:
@@ -129,9 +170,10 @@ def to_lit3d_names(config: GPTConfig, tensors: dict[str, torch.Tensor]) -> dict[
 
     with torch.device("meta"):
         network = Transformer(config)
+    tensors = _stack_experts(config, tensors)
     out, missing, wrong = {}, [], []
     for name, param in network.named_parameters():  # a tied head shares the embedding: not listed again
-        key = hf_name(name)
+        key = hf_name(name).replace(".{e}.", ".*.")
         if key not in tensors:
             missing.append(key)
             continue
@@ -144,6 +186,30 @@ def to_lit3d_names(config: GPTConfig, tensors: dict[str, torch.Tensor]) -> dict[
         out[name] = value
     if missing or wrong:
         raise ValueError(f"the HuggingFace weights do not fit: missing {missing[:5]}, mismatched {wrong[:5]}")
+    return out
+
+
+def _stack_experts(config: GPTConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Mixtral's experts as lit3d stacks them (``[expert, in, out]``), keyed ``...experts.*.w1.weight`` etc.: from
+    the per-expert matrices of published checkpoints, or from transformers 5's ``gate_up_proj``/``down_proj``."""
+    if not config.n_expert:
+        return tensors
+    out = dict(tensors)
+    for i in range(config.n_layer):
+        layer = f"model.layers.{i}"
+        fused = f"{layer}.mlp.experts.gate_up_proj"
+        if fused in tensors:  # transformers 5: [expert, 2 f, h] and [expert, h, f], router at mlp.gate.weight
+            gate, up = tensors[fused].chunk(2, dim=1)
+            parts = {"w1": gate, "w3": up, "w2": tensors[f"{layer}.mlp.experts.down_proj"]}
+            out[f"{layer}.block_sparse_moe.gate.weight"] = tensors[f"{layer}.mlp.gate.weight"]
+        else:
+            parts = {}
+            for w in ("w1", "w2", "w3"):
+                keys = [f"{layer}.block_sparse_moe.experts.{e}.{w}.weight" for e in range(config.n_expert)]
+                if all(k in tensors for k in keys):
+                    parts[w] = torch.stack([tensors[k] for k in keys])
+        for w, stacked in parts.items():
+            out[f"{layer}.block_sparse_moe.experts.*.{w}.weight"] = stacked.transpose(1, 2)
     return out
 
 
@@ -161,7 +227,12 @@ def write_folder(
             continue
         if name in ("embed.weight", "head.weight"):
             value = value[: config.vocab_size]  # drop lit3d's padding rows
-        tensors[hf_name(name)] = value.to(dtype).contiguous()
+        key = hf_name(name)
+        if "{e}" in key:  # an MoE expert stack: Mixtral keeps one [out, in] matrix per expert
+            for e, matrix in enumerate(value.transpose(1, 2)):
+                tensors[key.format(e=e)] = matrix.to(dtype).contiguous()
+            continue
+        tensors[key] = value.to(dtype).contiguous()
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(config_to_hf(config, dtype), indent=2))
     return folder

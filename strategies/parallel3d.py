@@ -397,6 +397,12 @@ class Parallel3DStrategy(ShardedCheckpoints, LocalOptimizerSteps, ModelParallelS
         return output
 
     @override
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        if self.layout.world_size == 1:  # nothing to reduce: no collective on every logged value
+            return tensor
+        return super().reduce(tensor, group, reduce_op)
+
+    @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         module = self.lightning_module
         if self.pipeline is not None:

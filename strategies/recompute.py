@@ -26,6 +26,7 @@ def _saved_ops() -> set:
         c10d.all_reduce.default,
         c10d.all_gather_into_tensor.default,
         c10d.reduce_scatter_tensor.default,
+        c10d.all_to_all_single.default,  # expert parallelism's token dispatch and combine
     }
     for name in (
         "_scaled_dot_product_flash_attention",

@@ -130,6 +130,7 @@ MOE_LAYOUTS = {
     for name, world, strategy in [
         ("moe_ep2", 2, {"expert_parallel_size": 2}),
         ("moe_tp2_sequence_parallel", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
+        ("moe_ep2_selective_recompute", 2, {"expert_parallel_size": 2, "activation_checkpointing": "selective"}),
         ("moe_dp4_ep2", 4, {"expert_parallel_size": 2}),
         ("moe_ep2_tp2_sequence_parallel", 4, {"expert_parallel_size": 2, "tensor_parallel_size": 2,
                                                "sequence_parallel": True}),

@@ -162,3 +162,49 @@ def test_the_planner_splits_an_moe_model_with_expert_parallelism():
     assert config.flops_per_token(4096) < 0.3 * GPTConfig.from_name(
         "mixtral-8x7b", n_expert_per_token=8
     ).flops_per_token(4096)
+
+
+def _random_mixtral():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    config = MixtralConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=100, max_position_embeddings=64, rope_theta=1e6, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=None, router_jitter_noise=0.0,
+    )  # fmt: skip
+    return MixtralForCausalLM(config).eval()
+
+
+def test_a_huggingface_mixtral_imports_and_exports_with_the_same_logits(tmp_path):
+    from transformers import MixtralForCausalLM
+
+    from lit3d import GPT
+    from lit3d.hf import write_folder
+
+    reference = _random_mixtral()
+    reference.save_pretrained(tmp_path / "hf")
+    model = GPT.from_pretrained(str(tmp_path / "hf"))
+    config = model.config
+    assert (config.n_expert, config.n_expert_per_token, config.d_ff_expert, config.rope_theta) == (4, 2, 48, 1e6)
+    tokens = torch.randint(0, 100, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), reference(tokens).logits, rtol=1e-4, atol=1e-4)
+    # Back out, one matrix per expert as the published Mixtral checkpoints hold them, and in again.
+    write_folder(tmp_path / "out", config, model.model.state_dict())
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
+        assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in f.keys()
+    exported = MixtralForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+    again = GPT.from_pretrained(str(tmp_path / "out"))
+    with torch.no_grad():
+        torch.testing.assert_close(exported(tokens).logits, reference(tokens).logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(again(tokens), model(tokens), rtol=0, atol=0)
+
+
+def test_moe_models_mixtral_cannot_hold_are_not_exported_as_mixtral():
+    from lit3d.hf import config_to_hf
+
+    with pytest.raises(ValueError, match="first_dense_layers"):
+        config_to_hf(GPTConfig(**SMALL_MOE), torch.float32)
