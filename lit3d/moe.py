@@ -96,12 +96,31 @@ class Experts(nn.Module):
         self.gate_proj = nn.Parameter(torch.empty(n_expert, d_model, d_ff))
         self.up_proj = nn.Parameter(torch.empty(n_expert, d_model, d_ff))
         self.down_proj = nn.Parameter(torch.empty(n_expert, d_ff, d_model))
+        # Under expert parallelism 1 / ep: each rank's expert gradients sum the tokens of its whole EP group (the
+        # all-to-all's backward), so any data-parallel average over the ranks that hold the same experts then
+        # yields the average over all data-parallel ranks, as for every other parameter.
+        self.grad_scale = 1.0
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """``x``: tokens sorted by expert, ``counts[e]`` of them for local expert e."""
         weights = [_local(w).to(x.dtype) for w in (self.gate_proj, self.up_proj, self.down_proj)]
+        if self.grad_scale != 1.0:
+            weights = [_ScaleGrad.apply(w, self.grad_scale) for w in weights]
         hidden = F.silu(grouped_mm(x, weights[0], counts)) * grouped_mm(x, weights[1], counts)
         return grouped_mm(hidden, weights[2], counts)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """The identity, whose backward multiplies the gradient by ``scale``."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -159,10 +159,10 @@ class Parallel3DStrategy(ShardedCheckpoints, LocalOptimizerSteps, ModelParallelS
             expert_parallel_size=expert_parallel_size,
         )
         check_choices(zero_stage, pipeline_schedule)
-        if expert_parallel_size > 1 and (zero_stage != 1 or pipeline_parallel_size > 1):
+        if expert_parallel_size > 1 and pipeline_parallel_size > 1:
             raise ValueError(
-                f"expert_parallel_size={expert_parallel_size} runs with zero_stage=1 and no pipeline for now "
-                f"(got zero_stage={zero_stage}, pipeline_parallel_size={pipeline_parallel_size})"
+                f"expert_parallel_size={expert_parallel_size} with pipeline_parallel_size={pipeline_parallel_size}: "
+                "expert parallelism does not run under pipeline parallelism yet"
             )
         check_pipeline_arguments(pipeline_parallel_size, pipeline_schedule, num_microbatches, virtual_pipeline_size)
         check_setting(activation_checkpointing)
@@ -342,7 +342,7 @@ class Parallel3DStrategy(ShardedCheckpoints, LocalOptimizerSteps, ModelParallelS
     @property
     def _ddp(self) -> bool:
         """Whether ZeRO-0 is PyTorch's DDP here (see `lit3d.strategies.precision.uses_ddp`)."""
-        data_parallel_only = self.layout.tp == self.layout.pp == 1
+        data_parallel_only = self.layout.tp == self.layout.pp == self.layout.ep == 1  # DDP takes no DTensor
         return uses_ddp(self.zero_stage, data_parallel_only, self.precision, self.mixed_precision_reduce)
 
     def parallelize(self, module: LightningModule) -> None:

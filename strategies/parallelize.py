@@ -35,6 +35,7 @@ def apply_expert_parallel(network: nn.Module, ep_mesh: DeviceMesh, group: object
             sharded = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False, shape=param.shape,
                                          stride=param.stride())  # fmt: skip
             setattr(experts, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        experts.grad_scale = 1 / ep_mesh.size()
         moe.ep_group = group or ep_mesh.get_group()
 
 
@@ -98,6 +99,7 @@ def parallelize_network(
                 mesh["dp"],
                 zero_stage,
                 mp_policy,
-                data_parallel_only=layout.tp == layout.pp == 1 if ddp is None else ddp,
+                data_parallel_only=layout.tp == layout.pp == 1 and layout.ep == 1 if ddp is None else ddp,
+                expert_mesh=expert_mesh,
             )
     return chunks, stage_ids

@@ -44,10 +44,13 @@ def apply_data_parallel(
     mp_policy: Any = None,
     *,
     data_parallel_only: bool = False,
+    expert_mesh: DeviceMesh | None = None,
 ) -> None:
     """Make ``network`` data parallel over ``dp_mesh`` in place; each of ``blocks`` is one communication unit.
 
     ``data_parallel_only``: the network is neither tensor- nor pipeline-parallel, so ZeRO-0 can be PyTorch's DDP.
+    ``expert_mesh``: with expert parallelism, MoE experts are data parallel over its ``edp`` dim instead
+    (`_experts_data_parallel`).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -69,20 +72,48 @@ def apply_data_parallel(
         network._lit3d_zero1 = True
         return
     mp_policy = mp_policy or MixedPrecisionPolicy()
+    ignored = _experts_data_parallel(network, expert_mesh, zero_stage, mp_policy)
     if zero_stage == 0:
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
         # One gradient all-reduce per block, issued as soon as backward is done with it (overlaps the rest).
         for block in blocks:
-            replicate(block, mesh=dp_mesh, mp_policy=mp_policy)
-        replicate(network, mesh=dp_mesh, mp_policy=mp_policy)
+            replicate(block, mesh=dp_mesh, mp_policy=mp_policy, ignored_params=ignored)
+        replicate(network, mesh=dp_mesh, mp_policy=mp_policy, ignored_params=ignored)
         return
     reshard = zero_stage == 3
     for block in blocks:
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy, ignored_params=ignored)
     # The root holds what is left (embedding, final norm, head); NOTE: not resharded after forward because
     # backward starts with it.
-    fully_shard(network, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy)
+    fully_shard(network, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy, ignored_params=ignored)
+
+
+def _experts_data_parallel(
+    network: nn.Module, expert_mesh: DeviceMesh | None, zero_stage: int, mp_policy: Any
+) -> set[nn.Parameter] | None:
+    """Expert parallelism under ZeRO-0/2/3: each MoE layer's experts become an FSDP2 unit (ZeRO-0: ``replicate``)
+    of their own over the ranks that hold the same experts (``edp``); with a single such group there is nothing to
+    sync, and the experts are left out of the DP units (returned, to ignore). (Their gradients come scaled for
+    this: `lit3d.moe.Experts.grad_scale`.)"""
+    from torch.distributed.fsdp import fully_shard
+
+    from lit3d.moe import MoE
+
+    experts = [m.experts for m in network.modules() if isinstance(m, MoE) and m.ep_group is not None]
+    if expert_mesh is None or not experts:
+        return None
+    edp = expert_mesh["edp"]
+    if edp.size() == 1:
+        return {p for e in experts for p in e.parameters()}
+    for unit in experts:
+        if zero_stage == 0:
+            from torch.distributed._composable.replicate_with_fsdp import replicate
+
+            replicate(unit, mesh=edp, mp_policy=mp_policy)
+        else:
+            fully_shard(unit, mesh=edp, reshard_after_forward=zero_stage == 3, mp_policy=mp_policy)
+    return None
 
 
 @contextmanager
@@ -180,18 +211,13 @@ class LocalShardOptimizer:
         return entry
 
     def _expert_entry(self, param: DTensor) -> _Entry:
-        """An MoE expert weight, split over the EP ranks (dim 0). Its gradient already sums the tokens of every
-        rank of the EP group (the all-to-all's backward), so over the ``edp`` groups that hold the same experts it
-        is divided by the whole DP size, not theirs; with a single such group it is only scaled."""
-        edp, ep = self.expert_mesh["edp"].size(), self.expert_mesh["ep"].size()
-        if edp == 1:
-            entry = _Entry(param, None, param.device_mesh, tuple(param.placements))
-            entry.scale = 1 / ep
-            return entry
+        """An MoE expert weight, split over the EP ranks (dim 0), sliced and averaged over the ``edp`` ranks that
+        hold the same experts (with a single such group, nothing to average). Its gradient comes scaled already
+        (`lit3d.moe.Experts.grad_scale`)."""
+        if self.expert_mesh["edp"].size() == 1:
+            return _Entry(param, None, param.device_mesh, tuple(param.placements))
         mesh = self.expert_mesh["edp", "ep"]
-        entry = _Entry(param, None, mesh, (Shard(1), *param.placements), 1, dp_dim="edp")
-        entry.divide = edp * ep
-        return entry
+        return _Entry(param, None, mesh, (Shard(1), *param.placements), 1, dp_dim="edp")
 
     @property
     def zero1(self) -> bool:
@@ -241,8 +267,6 @@ class LocalShardOptimizer:
         for e in self.entries:
             if e.view is not e.param and e.dim is None:
                 e.view.grad = None if e.param.grad is None else e.local(e.param.grad)
-                if e.scale != 1 and e.view.grad is not None:
-                    e.view.grad.mul_(e.scale)
 
     @torch.no_grad()
     def gather_params(self) -> None:
@@ -293,8 +317,6 @@ class _Entry:
                  dim: int | None = None, dp_dim: str = "dp") -> None:  # fmt: skip
         self.param, self.view, self.mesh, self.placements, self.dim = param, view, mesh, placements, dim
         self.dp_dim = dp_dim  # the mesh dim ZeRO-1 slices over ("edp" for MoE experts)
-        self.divide: int | None = None  # what the summed gradient is divided by; None: the DP group's size
-        self.scale = 1.0  # a factor on an unsliced gradient (experts without data-parallel replicas)
         self.tp_sharded = False  # split over TP: every TP rank's part counts in the gradient norm
 
     @functools.cached_property
@@ -330,7 +352,7 @@ def _buckets(entries: list[_Entry]) -> list[_Bucket]:
     """ZeRO-1 entries in groups moved by one collective each: same DP group and dtype, bounded size."""
     buckets: dict[tuple, list[list[_Entry]]] = {}
     for e in entries:
-        groups = buckets.setdefault((e.dp[0], e.view.dtype, e.divide), [[]])
+        groups = buckets.setdefault((e.dp[0], e.view.dtype), [[]])
         if groups[-1] and sum(x.slice_numel for x in groups[-1]) + e.slice_numel > BUCKET_ELEMENTS:
             groups.append([])
         groups[-1].append(e)
@@ -410,7 +432,7 @@ class _Bucket:
                 own.add_(row)
             received = own
         view = self.entries[0].view
-        received = received.to(view.dtype).div_(self.entries[0].divide or self.size)
+        received = received.to(view.dtype).div_(self.size)
         for e, offset in zip(self.entries, self.offsets):
             e.view.grad = received[offset : offset + e.view.numel()].view(e.view.shape)
 

@@ -312,11 +312,16 @@ def _buffer_bytes(tensors: list[Tensor], layout: Layout, zero_stage: int, precis
     """Gathered parameters that sharded data parallelism holds during a step."""
     if layout.dp == 1 or zero_stage < 2:
         return 0
-    gathered = sum(local_numel(t, layout.tp) - local_numel(t, layout.tp, layout.dp) for t in tensors)
+
+    def whole(t: Tensor) -> int:
+        return local_numel(t, layout.tp, ep=layout.ep)
+
+    def extra(t: Tensor) -> int:  # gathered beyond this rank's shard
+        return whole(t) - local_numel(t, layout.tp, replicas(t, layout), ep=layout.ep)
+
+    gathered = sum(extra(t) for t in tensors)
     if zero_stage == 3:  # one block at a time and the next one prefetched, and the root (gathered for the step)
         blocks = {t.block for t in tensors if t.block is not None} or {None}
-        gathered = 2 * max(sum(local_numel(t, layout.tp) for t in tensors if t.block == b) for b in blocks)
-        gathered += sum(
-            local_numel(t, layout.tp) - local_numel(t, layout.tp, layout.dp) for t in tensors if t.block is None
-        )
+        gathered = 2 * max(sum(whole(t) for t in tensors if t.block == b) for b in blocks)
+        gathered += sum(extra(t) for t in tensors if t.block is None)
     return int(gathered * precision.weights)

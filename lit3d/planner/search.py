@@ -109,7 +109,7 @@ def search(
     """Layouts using every GPU of ``cluster`` (sizes given are kept), estimated; returns those that fit, best
     first, and counts of what was dropped and why.
 
-    An MoE model is searched over expert parallelism too, as the strategy runs it: with ZeRO-1 and no pipeline."""
+    An MoE model is searched over expert parallelism too, as the strategy runs it: without a pipeline."""
     dropped = {"invalid": 0, "out_of_memory": 0}
     fitting: list[Candidate] = []
     pps = [pipeline_parallel_size] if pipeline_parallel_size else None
@@ -122,8 +122,7 @@ def search(
             if dp * tp * pp != cluster.gpus or layout_problem(config, cluster, layout, training):
                 dropped["invalid"] += 1
                 continue
-            stages = (1,) if ep > 1 else zero_stages
-            for zero in stages if dp > 1 else zero_stages[:1]:
+            for zero in zero_stages if dp > 1 else zero_stages[:1]:
                 for ac in checkpointing:
                     option = replace(training, zero_stage=zero, activation_checkpointing=ac)
                     plan = estimate(config, cluster, layout, option)
