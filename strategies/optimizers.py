@@ -12,7 +12,7 @@ from typing_extensions import override
 
 from lit3d.strategies.grad_norm import clip_grad_norm_
 from lit3d.strategies.precision import reduce_dtype
-from lit3d.strategies.zero import ELEMENTWISE_OPTIMIZERS, LocalShardOptimizer
+from lit3d.strategies.zero1 import ELEMENTWISE_OPTIMIZERS, LocalShardOptimizer
 
 
 class LocalOptimizerSteps:

@@ -85,11 +85,8 @@ from lit3d.strategies.precision import (
 from lit3d.strategies.recompute import check_setting
 from lit3d.strategies.tensor_parallel import lay_out_grads_like_params
 from lit3d.strategies.timeline import PipelineTimeline
-from lit3d.strategies.zero import (
-    LocalShardOptimizer,
-    check_replicas_in_sync,
-    gradient_sync_off,
-)
+from lit3d.strategies.zero import check_replicas_in_sync, gradient_sync_off
+from lit3d.strategies.zero1 import LocalShardOptimizer
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

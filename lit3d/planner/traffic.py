@@ -9,7 +9,7 @@ from lit3d.config import GPTConfig
 from lit3d.planner.tensors import local_numel, rank_tensors
 from lit3d.strategies.layout import Layout
 from lit3d.strategies.stages import chunk_stage_ids
-from lit3d.strategies.zero import BUCKET_ELEMENTS
+from lit3d.strategies.zero1 import BUCKET_ELEMENTS
 
 if TYPE_CHECKING:
     from lit3d.planner.estimate import Precision, Training
