@@ -72,8 +72,6 @@ class GPT(L.LightningModule):
         self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
         self._loss_sum: torch.Tensor | float = 0.0
         self._loss_count = 0
-        self._moe_aux: torch.Tensor | float = 0.0  # MoE: balance loss and tokens per expert of the step so far
-        self._moe_counts: torch.Tensor | int = 0
 
     @property
     def tensor_parallel_plan(self) -> dict[str, str]:
@@ -157,37 +155,43 @@ class GPT(L.LightningModule):
         loss = self.loss(batch)
         self._loss_sum = self._loss_sum + loss.detach()
         self._loss_count += 1
-        moe = self.model.moe_layers()
+        moe = self.model.moe_layers()  # a pipeline stage may hold none, but still joins the balance's reduce
         if moe:
             loss = loss + self._balance_loss(moe)
         if ends_optimizer_step(self.trainer):
             self.log_train_loss(self._loss_sum / self._loss_count)
-            if moe:
+            if self.config.n_expert:
                 self._log_balance(moe, self._loss_count)
             self._loss_sum, self._loss_count = 0.0, 0
         return loss
 
     def _balance_loss(self, layers: list[torch.nn.Module]) -> torch.Tensor:
-        """The MoE layers' load-balancing loss of this forward, weighted; keeps it and the tokens per expert for
-        the step's log."""
-        aux = torch.stack([layer.stats[0] for layer in layers]).sum()
-        counts = torch.stack([layer.stats[1] for layer in layers])
-        self._moe_aux = self._moe_aux + aux.detach()
-        self._moe_counts = self._moe_counts + counts
-        return self.config.aux_loss_coef * aux
+        """The MoE layers' load-balancing term of this forward's objective."""
+        return self.config.aux_loss_coef * torch.stack([layer.stats[0] for layer in layers]).sum()
 
     def _log_balance(self, layers: list[torch.nn.Module], micro_steps: int) -> None:
-        """Log ``moe/aux_loss`` (summed over layers, the mean of the global batch) and ``moe/load_imbalance`` (the
-        busiest expert's tokens over the mean, averaged over layers); move the sigmoid routers' biases."""
-        strategy = self.trainer.strategy
-        aux = strategy.reduce(self._moe_aux / micro_steps, reduce_op="mean")
-        counts = strategy.reduce(self._moe_counts.float(), reduce_op="mean")  # any multiple of the global counts
-        imbalance = (counts.amax(dim=1) / counts.mean(dim=1).clamp(min=1e-9)).mean()
-        self.log("moe/aux_loss", aux, on_step=True, on_epoch=False, batch_size=1)
+        """Log ``moe/aux_loss`` (the balance loss summed over layers, the mean of the step's micro-batches and
+        replicas) and ``moe/load_imbalance`` (each layer's busiest expert's tokens over the mean, averaged over
+        layers), and move the sigmoid routers' biases. One reduce over all ranks: each rank contributes the layers
+        it holds (a pipeline stage holds some), and each layer is divided by the ranks that hold it."""
+        n_layer, n_expert = self.config.n_layer, self.config.n_expert
+        pipeline = getattr(self.trainer.strategy, "pipeline", None)
+        # The step's micro-batches (a pipeline's first step also runs a stage on placeholders to learn shapes).
+        forwards = micro_steps * (pipeline.microbatches if pipeline is not None else 1)
+        stats = torch.zeros(n_layer, 2 + n_expert, device=self.device)  # aux, held, tokens per expert
+        for layer in layers:
+            history, layer.history = layer.history[-forwards:], []
+            stats[layer.index, 0] = torch.stack([aux for aux, _ in history]).mean()
+            stats[layer.index, 1] = 1.0
+            stats[layer.index, 2:] = torch.stack([tokens for _, tokens in history]).sum(dim=0)
+        stats = self.trainer.strategy.reduce(stats, reduce_op="sum")
+        held = stats[:, 1] > 0
+        aux, tokens = stats[held, 0] / stats[held, 1], stats[held, 2:]
+        imbalance = (tokens.amax(dim=1) / tokens.mean(dim=1).clamp(min=1e-9)).mean()
+        self.log("moe/aux_loss", aux.sum(), on_step=True, on_epoch=False, batch_size=1)
         self.log("moe/load_imbalance", imbalance, on_step=True, on_epoch=False, batch_size=1)
-        for layer, load in zip(layers, counts):
-            layer.router.update_bias(load, self.config.router_bias_rate)
-        self._moe_aux, self._moe_counts = 0.0, 0
+        for layer in layers:  # any multiple of the global tokens per expert does
+            layer.router.update_bias(stats[layer.index, 2:], self.config.router_bias_rate)
 
     def log_train_loss(self, local_mean: torch.Tensor) -> None:
         """Log the global-batch mean loss (same value on every rank); stop on a non-finite loss."""

@@ -155,7 +155,7 @@ class Block(nn.Module):
         self.attn_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.attn = Attention(config)
         self.mlp_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
-        self.mlp = MoE(config) if config.is_moe_layer(index) else MLP(config)
+        self.mlp = MoE(config, index) if config.is_moe_layer(index) else MLP(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(compute_dtype(self.attn_norm(x)))

@@ -7,10 +7,14 @@ tokens to the ranks of their experts and back with two all-to-alls (`dispatch`).
 
 The load-balancing loss is computed per sequence and averaged over sequences (DeepSeek-V3's sequence-wise form of
 the Switch loss): unlike a per-batch loss it is linear in the batch, so every data-parallel split of the batch
-trains the same model.
+trains the same model. Where the loss is computed on another rank (a pipeline's last stage), the layer hands its
+balance loss's gradient to backward itself (`balance_loss_weight`), as Megatron-Core's MoE layers do.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
@@ -127,29 +131,69 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
+_LOSS_WEIGHT: list[float] = []
+
+
+@contextmanager
+def balance_loss_weight(weight: float) -> Iterator[None]:
+    """Inside, every MoE forward adds ``weight × aux_loss_coef × its balance loss`` to the training objective
+    through backward (the gradient of that term joins its output's), instead of leaving the term to the caller:
+    for a pipeline, whose loss only the last stage sees (``weight``: what the loss of one micro-batch is weighed
+    by)."""
+    _LOSS_WEIGHT.append(weight)
+    try:
+        yield
+    finally:
+        _LOSS_WEIGHT.pop()
+
+
+class _AddToObjective(torch.autograd.Function):
+    """The identity on ``output``; in backward, ``weight`` becomes the gradient of ``term``, as if ``weight × term``
+    had been added to the loss."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, term: torch.Tensor, weight: float) -> torch.Tensor:
+        ctx.weight = weight
+        ctx.save_for_backward(term)
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        (term,) = ctx.saved_tensors
+        return grad, torch.full_like(term, ctx.weight), None
+
+
 class MoE(nn.Module):
     """The feed-forward of an MoE block: routed experts (plus ``n_shared_expert`` always-on ones, one SwiGLU of
     that many times the expert width). After a forward, ``stats`` holds the balance loss and the tokens per
-    expert of that forward (for the auxiliary loss and the logged balance)."""
+    expert of that forward (the balance loss's term of the objective); ``history`` keeps them for each training
+    forward since it was last cleared, recompute left out (the logged balance)."""
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, index: int = 0) -> None:
         super().__init__()
         from lit3d.model import MLP
 
+        self.index = index  # the block's
         self.n_expert, self.k = config.n_expert, config.n_expert_per_token
         self.router = Router(config)
         self.experts = Experts(config.n_expert, config.d_model, config.d_ff_expert)
         shared = config.n_shared_expert * config.d_ff_expert
         self.shared = MLP(config.replace(d_ff=shared)) if shared else None
         self.ep_group = None  # expert parallelism: the process group the experts are split over
+        self.coef = config.aux_loss_coef
         self.stats: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.history: list[tuple[torch.Tensor, torch.Tensor]] = []  # stats of the training forwards, until cleared
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, width = x.shape
         flat = x.reshape(-1, width)
         chosen, weights, scores = self.router(flat)
         tokens_per_expert = torch.bincount(chosen.flatten(), minlength=self.n_expert)
-        self.stats = (balance_loss(scores, chosen, self.n_expert, seq), tokens_per_expert.detach())
+        aux = balance_loss(scores, chosen, self.n_expert, seq)
+        self.stats = (aux, tokens_per_expert.detach())
+        record = (aux.detach(), self.stats[1])
+        if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:  # training, not a recompute
+            self.history.append(record)
         # Every (token, choice) pair, sorted by expert: the rows each expert computes are contiguous.
         order = chosen.flatten().argsort(stable=True)
         routed = flat[order // self.k]
@@ -159,6 +203,8 @@ class MoE(nn.Module):
             out = dispatch(routed, tokens_per_expert, self.experts, self.ep_group)
         combined = torch.empty_like(out).index_copy(0, order, out).view(-1, self.k, width)
         y = (combined * weights.unsqueeze(-1).to(combined.dtype)).sum(dim=1).view(batch, seq, width)
+        if _LOSS_WEIGHT and torch.is_grad_enabled():
+            y = _AddToObjective.apply(y, aux, _LOSS_WEIGHT[-1] * self.coef)
         return y if self.shared is None else y + self.shared(x)
 
 

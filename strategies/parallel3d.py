@@ -156,11 +156,6 @@ class Parallel3DStrategy(ShardedCheckpoints, LocalOptimizerSteps, ModelParallelS
             expert_parallel_size=expert_parallel_size,
         )
         check_choices(zero_stage, pipeline_schedule)
-        if expert_parallel_size > 1 and pipeline_parallel_size > 1:
-            raise ValueError(
-                f"expert_parallel_size={expert_parallel_size} with pipeline_parallel_size={pipeline_parallel_size}: "
-                "expert parallelism does not run under pipeline parallelism yet"
-            )
         check_pipeline_arguments(pipeline_parallel_size, pipeline_schedule, num_microbatches, virtual_pipeline_size)
         check_setting(activation_checkpointing)
         check_reduce_dtype(mixed_precision_reduce)
@@ -229,11 +224,7 @@ class Parallel3DStrategy(ShardedCheckpoints, LocalOptimizerSteps, ModelParallelS
         if config is not None:
             check_model_fits_layout(config, layout)
             check_model_fits_pipeline(config, layout.pp, self.virtual_pipeline_size)
-            if getattr(config, "n_expert", 0) and layout.pp > 1:
-                raise ValueError(
-                    f"pipeline_parallel_size={layout.pp} with n_expert={config.n_expert}: Mixture-of-Experts models "
-                    "do not run under pipeline parallelism yet (their balance loss lives on every stage)"
-                )
+
         if layout.pp > 1 and hasattr(module, "tensor_parallel_plan"):  # one the strategy splits (`model` comes later)
             check_pipeline_protocol(module, layout.pp)
         trainer = trainer or getattr(module, "_trainer", None)

@@ -19,6 +19,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lit3d.model import loss_parallel_scope
+from lit3d.moe import balance_loss_weight
 
 MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")
 # What a module split by the strategy provides so that its loss can run as a schedule: `loss(batch)` is
@@ -153,7 +154,8 @@ class Pipeline:
         self.clock.start_step()
         with loss_parallel_scope() if self.loss_parallel else nullcontext():
             if torch.is_grad_enabled():
-                with self._gradients_set_aside():
+                scale = self._scale * (grad_scaler.get_scale() if grad_scaler is not None else 1.0)
+                with self._gradients_set_aside(), balance_loss_weight(scale):  # MoE layers on every stage
                     self.schedule.step(*args, target=target)
             else:  # validation: forward only, and not in inference mode (the stages' buffers outlive this call)
                 with torch.inference_mode(False):

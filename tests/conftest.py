@@ -135,6 +135,10 @@ MOE_LAYOUTS = {
         ("moe_ep2_zero3", 2, {"expert_parallel_size": 2, "zero_stage": 3}),
         ("moe_dp4_ep2_zero3", 4, {"expert_parallel_size": 2, "zero_stage": 3}),
         ("moe_dp4_ep2_zero0", 4, {"expert_parallel_size": 2, "zero_stage": 0}),
+        ("moe_pp2", 2, {"pipeline_parallel_size": 2}),
+        ("moe_ep2_pp2", 4, {"expert_parallel_size": 2, "pipeline_parallel_size": 2}),
+        ("moe_dp2_ep2_tp2_pp2_sequence_parallel", 8, {"expert_parallel_size": 2, "tensor_parallel_size": 2,
+                                                       "pipeline_parallel_size": 2, "sequence_parallel": True}),
         ("moe_ep2_tp2_sequence_parallel", 4, {"expert_parallel_size": 2, "tensor_parallel_size": 2,
                                                "sequence_parallel": True}),
     ]

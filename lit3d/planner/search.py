@@ -82,12 +82,12 @@ def layout_problem(config: GPTConfig, cluster: Cluster, layout: Layout, training
 
 
 def _pp_and_ep(config: GPTConfig, ranks: int, pps: list[int], ep: int | None) -> list[tuple[int, int]]:
-    """Pipeline and expert-parallel sizes to try over ``ranks`` (what TP leaves): a dense model any PP and no EP;
-    an MoE model no PP and every EP that divides both the DP ranks and the experts."""
+    """Pipeline and expert-parallel sizes to try over ``ranks`` (what TP leaves): a dense model no EP, an MoE model
+    every EP that divides both the DP ranks and the experts."""
     if not config.n_expert:
         return [(pp, 1) for pp in pps]
     eps = [ep] if ep else [e for e in divisors(ranks) if config.n_expert % e == 0]
-    return [(1, e) for e in eps if ranks % e == 0]
+    return [(pp, e) for pp in pps for e in eps if ranks % pp == 0 and (ranks // pp) % e == 0]
 
 
 def divisors(n: int) -> list[int]:
@@ -109,7 +109,7 @@ def search(
     """Layouts using every GPU of ``cluster`` (sizes given are kept), estimated; returns those that fit, best
     first, and counts of what was dropped and why.
 
-    An MoE model is searched over expert parallelism too, as the strategy runs it: without a pipeline."""
+    An MoE model is searched over expert parallelism too."""
     dropped = {"invalid": 0, "out_of_memory": 0}
     fitting: list[Candidate] = []
     pps = [pipeline_parallel_size] if pipeline_parallel_size else None
