@@ -43,6 +43,9 @@ class GPTConfig:
         router: ``"softmax"`` top-k (Mixtral, Qwen3-MoE) or ``"sigmoid"`` with a balancing bias (DeepSeek-V3).
         aux_loss_coef: Weight of the load-balancing loss added to the cross-entropy (0 turns it off).
         router_bias_rate: How far the sigmoid router's bias moves per step toward an even load.
+        capacity_factor: ``None`` routes dropless (every token reaches its experts: the default, and what keeps
+            results independent of the layout); a number caps each expert at that many times its even share of a
+            micro-batch's (token, choice) pairs on a rank, dropping the rest (Switch Transformer, GShard).
     """
 
     name: str = "custom"
@@ -68,6 +71,7 @@ class GPTConfig:
     router: Literal["softmax", "sigmoid"] = "softmax"
     aux_loss_coef: float = 0.01
     router_bias_rate: float = 1e-3
+    capacity_factor: float | None = None
     # Derived in __post_init__, never set by hand.
     padded_vocab_size: int = field(init=False)
 
@@ -120,6 +124,8 @@ class GPTConfig:
             )
         if self.router not in ("softmax", "sigmoid"):
             raise ValueError(f"router={self.router!r} is not one of 'softmax', 'sigmoid'")
+        if self.capacity_factor is not None and self.capacity_factor <= 0:
+            raise ValueError(f"capacity_factor={self.capacity_factor} must be positive (or None: dropless)")
 
     def is_moe_layer(self, index: int) -> bool:
         return self.n_expert > 0 and index >= self.first_dense_layers

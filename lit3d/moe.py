@@ -1,7 +1,8 @@
 """Mixture-of-Experts feed-forward layers: a router sends each token to ``n_expert_per_token`` of ``n_expert`` SwiGLU
 experts and sums their outputs, weighted.
 
-Routing is dropless: every token reaches its experts whatever the load, so results do not depend on the layout.
+Routing is dropless by default: every token reaches its experts whatever the load, so results do not depend on the
+layout (``capacity_factor`` caps each expert instead, dropping what exceeds it, as Switch and GShard do).
 Expert parallelism (``ep_group``, set by the strategy) spreads the experts over ranks; each layer then sends the
 tokens to the ranks of their experts and back with two all-to-alls (`dispatch`).
 
@@ -13,6 +14,7 @@ balance loss's gradient to backward itself (`balance_loss_weight`), as Megatron-
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -180,7 +182,7 @@ class MoE(nn.Module):
         shared = config.n_shared_expert * config.d_ff_expert
         self.shared = MLP(config.replace(d_ff=shared)) if shared else None
         self.ep_group = None  # expert parallelism: the process group the experts are split over
-        self.coef = config.aux_loss_coef
+        self.coef, self.capacity_factor = config.aux_loss_coef, config.capacity_factor
         self.stats: tuple[torch.Tensor, torch.Tensor] | None = None
         self.history: list[tuple[torch.Tensor, torch.Tensor]] = []  # stats of the training forwards, until cleared
 
@@ -196,16 +198,30 @@ class MoE(nn.Module):
             self.history.append(record)
         # Every (token, choice) pair, sorted by expert: the rows each expert computes are contiguous.
         order = chosen.flatten().argsort(stable=True)
+        computed = tokens_per_expert
+        if self.capacity_factor is not None:  # each expert keeps its first `capacity` pairs, in token order
+            order, computed = _within_capacity(order, tokens_per_expert, self.capacity_factor)
         routed = flat[order // self.k]
         if self.ep_group is None:
-            out = self.experts(routed, tokens_per_expert.tolist())
+            out = self.experts(routed, computed.tolist())
         else:
-            out = dispatch(routed, tokens_per_expert, self.experts, self.ep_group)
-        combined = torch.empty_like(out).index_copy(0, order, out).view(-1, self.k, width)
+            out = dispatch(routed, computed, self.experts, self.ep_group)
+        combined = out.new_zeros(flat.shape[0] * self.k, width).index_copy(0, order, out).view(-1, self.k, width)
         y = (combined * weights.unsqueeze(-1).to(combined.dtype)).sum(dim=1).view(batch, seq, width)
         if _LOSS_WEIGHT and torch.is_grad_enabled():
             y = _AddToObjective.apply(y, aux, _LOSS_WEIGHT[-1] * self.coef)
         return y if self.shared is None else y + self.shared(x)
+
+
+def _within_capacity(
+    order: torch.Tensor, tokens_per_expert: torch.Tensor, capacity_factor: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pairs of ``order`` (sorted by expert) that fit each expert's capacity, and how many each expert keeps."""
+    n_expert = tokens_per_expert.numel()
+    capacity = math.ceil(capacity_factor * order.numel() / n_expert)
+    starts = torch.cumsum(tokens_per_expert, 0) - tokens_per_expert
+    rank_in_expert = torch.arange(order.numel(), device=order.device) - starts.repeat_interleave(tokens_per_expert)
+    return order[rank_in_expert < capacity], tokens_per_expert.clamp(max=capacity)
 
 
 def dispatch(routed: torch.Tensor, tokens_per_expert: torch.Tensor, experts: Experts, group) -> torch.Tensor:

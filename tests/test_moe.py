@@ -33,6 +33,32 @@ def test_the_layer_sums_each_tokens_chosen_experts_by_their_weights():
     assert layer.stats[1].sum() == tokens.shape[0] * CONFIG.n_expert_per_token  # every choice counted once
 
 
+def test_a_capacity_factor_drops_the_pairs_beyond_each_experts_capacity():
+    torch.manual_seed(0)
+    config = CONFIG.replace(n_shared_expert=0, capacity_factor=0.5)
+    layer = MoE(config)
+    for param in layer.parameters():
+        torch.nn.init.normal_(param, std=0.1)
+    x = torch.randn(2, 8, config.d_model)
+    out = layer(x).reshape(-1, config.d_model)
+    tokens = x.reshape(-1, config.d_model)
+    chosen, weights, _ = layer.router(tokens)
+    capacity = -(-int(0.5 * tokens.shape[0] * config.n_expert_per_token) // config.n_expert)  # 4 pairs each
+    taken = [0] * config.n_expert
+    experts, dropped = layer.experts, 0
+    for i, token in enumerate(tokens):  # each expert takes its pairs in token order, up to its capacity
+        expected = torch.zeros(config.d_model)
+        for e, w in zip(chosen[i].tolist(), weights[i]):
+            taken[e] += 1
+            if taken[e] > capacity:
+                dropped += 1
+                continue
+            hidden = F.silu(token @ experts.gate_proj[e]) * (token @ experts.up_proj[e])
+            expected = expected + w * (hidden @ experts.down_proj[e])
+        torch.testing.assert_close(out[i], expected, rtol=1e-5, atol=1e-6)
+    assert dropped > 0  # the cap did bite
+
+
 def test_grouped_matmul_fallback_multiplies_each_group_by_its_weight():
     x, weight = torch.randn(7, 3), torch.randn(3, 3, 4)
     counts = [2, 0, 5]
