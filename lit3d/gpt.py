@@ -156,7 +156,8 @@ class GPT(L.LightningModule):
         self._loss_sum = self._loss_sum + loss.detach()
         self._loss_count += 1
         moe = self.model.moe_layers()  # a pipeline stage may hold none, but still joins the balance's reduce
-        if moe:
+        if moe and getattr(self.trainer.strategy, "pipeline", None) is None:
+            # (A pipeline's MoE layers added their term in backward already: `lit3d.moe.balance_loss_weight`.)
             loss = loss + self._balance_loss(moe)
         if ends_optimizer_step(self.trainer):
             self.log_train_loss(self._loss_sum / self._loss_count)

@@ -186,6 +186,9 @@ class MoE(nn.Module):
         self.stats: tuple[torch.Tensor, torch.Tensor] | None = None
         self.history: list[tuple[torch.Tensor, torch.Tensor]] = []  # stats of the training forwards, until cleared
 
+    # NOTE: left to eager under `compile`: dropless routing reads its split sizes on the host (data-dependent
+    # shapes), and the rest of the block (attention, norms) is where compiling pays.
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, width = x.shape
         flat = x.reshape(-1, width)

@@ -177,8 +177,8 @@ def test_the_planner_splits_an_moe_model_with_expert_parallelism():
 
     config, cluster = GPTConfig.from_name("mixtral-8x7b"), Cluster(nodes=8)
     fitting, _ = search(config, cluster, Training(seq_len=4096, global_batch_size=512))
-    assert fitting and all(c.layout.ep > 1 for c in fitting)
     best = fitting[0]
+    assert best.layout.ep > 1 and any(c.layout.ep > 1 and c.layout.pp > 1 for c in fitting)  # EP also with PP
     assert "EP" in why(best, cluster) and best.plan.communication_per_step["ep"]["bytes"] > 0
     assert best.plan.params_total == config.num_params and best.plan.params_active == config.active_params
     # compute follows the active parameters: 12.9B of 46.7B
@@ -232,3 +232,17 @@ def test_moe_models_mixtral_cannot_hold_are_not_exported_as_mixtral():
 
     with pytest.raises(ValueError, match="first_dense_layers"):
         config_to_hf(GPTConfig(**SMALL_MOE), torch.float32)
+
+
+@pytest.mark.gpu
+def test_grouped_gemm_on_the_gpu_matches_the_per_group_loop():
+    """The CUDA path of `grouped_mm` (PyTorch's grouped GEMM, bf16, Hopper and later) against the CPU loop."""
+    from lit3d.moe import _has_grouped_gemm
+
+    x = torch.randn(96, 64, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(4, 64, 32, device="cuda", dtype=torch.bfloat16)
+    if not _has_grouped_gemm(x, weight):
+        pytest.skip("this GPU or PyTorch build has no grouped GEMM")
+    counts = [16, 32, 0, 48]
+    expected = grouped_mm(x.cpu().float(), weight.cpu().float(), counts)
+    torch.testing.assert_close(grouped_mm(x, weight, counts).cpu().float(), expected, rtol=2e-2, atol=2e-2)
