@@ -53,7 +53,6 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lit3d.model import loss_parallel_scope
 from lit3d.strategies.checkpoint import ShardedCheckpoints
 from lit3d.strategies.launchers import (
     CheckingLauncher,
@@ -75,7 +74,7 @@ from lit3d.strategies.layout import (
 from lit3d.strategies.memory import memory_by_component
 from lit3d.strategies.optimizers import LocalOptimizerSteps
 from lit3d.strategies.parallelize import follows_plan, parallelize_network
-from lit3d.strategies.pipeline import Pipeline, bubble_theory, check_pipeline_protocol
+from lit3d.strategies.pipeline import Pipeline, check_pipeline_protocol
 from lit3d.strategies.precision import (
     check_reduce_dtype,
     describe,
@@ -83,9 +82,8 @@ from lit3d.strategies.precision import (
     uses_ddp,
 )
 from lit3d.strategies.recompute import check_setting
-from lit3d.strategies.tensor_parallel import lay_out_grads_like_params
-from lit3d.strategies.timeline import PipelineTimeline
-from lit3d.strategies.zero import check_replicas_in_sync, gradient_sync_off
+from lit3d.strategies.steps import StepHooks
+from lit3d.strategies.zero import check_replicas_in_sync
 from lit3d.strategies.zero1 import LocalShardOptimizer
 
 if TYPE_CHECKING:
@@ -94,7 +92,7 @@ if TYPE_CHECKING:
     from lit3d.planner.estimate import Plan
 
 
-class Parallel3DStrategy(ShardedCheckpoints, LocalOptimizerSteps, ModelParallelStrategy):
+class Parallel3DStrategy(ShardedCheckpoints, StepHooks, LocalOptimizerSteps, ModelParallelStrategy):
     """Data × tensor × pipeline parallel training with ZeRO sharding; ``world = dp × tp × pp``.
 
     Args:
@@ -366,64 +364,6 @@ class Parallel3DStrategy(ShardedCheckpoints, LocalOptimizerSteps, ModelParallelS
             # NOTE: fp16's loss scale multiplies the loss inside the schedule, whose backward is the only one; the
             # precision plugin unscales the gradients before the optimizer step as usual.
             self.pipeline.route(module, grad_scaler=lambda: getattr(self.precision_plugin, "scaler", None))
-
-    # ------------------------------------------------------------------ a training step
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.pipeline is None:
-            return super().training_step(*args, **kwargs)
-        # NOTE: the stage clock runs, and its metrics are gathered (a collective and a host sync), only on the
-        # steps Lightning logs or a timeline draws.
-        trainer = self.lightning_module.trainer
-        logs = trainer._logger_connector.should_update_logs
-        timelines = [cb for cb in trainer.callbacks if isinstance(cb, PipelineTimeline)]
-        self.pipeline.clock.enabled = logs or any(cb.wants(trainer) for cb in timelines)
-        output = super().training_step(*args, **kwargs)
-        if logs:
-            self._log_pipeline_activity()
-        return output
-
-    @override
-    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        if self.layout.world_size == 1:  # nothing to reduce: no collective on every logged value
-            return tensor
-        return super().reduce(tensor, group, reduce_op)
-
-    @override
-    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        module = self.lightning_module
-        if self.pipeline is not None:
-            # The schedule already ran backward, micro-batch by micro-batch, in the training step: its gradients
-            # join the parameters' now, where Lightning expects backward.
-            closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-            self.pipeline.accumulate_gradients()
-            return self.precision_plugin.post_backward(closure_loss, module)
-        # The vocabulary-parallel loss's backward needs DTensor's loss_parallel handlers too.
-        with loss_parallel_scope() if self.layout.tp > 1 else nullcontext():
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
-
-    @override
-    def post_backward(self, closure_loss: torch.Tensor) -> None:
-        if self.layout.tp > 1:
-            lay_out_grads_like_params(self.lightning_module.parameters())
-
-    @contextmanager
-    @override
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        """No gradient communication on the micro-steps of an accumulation window but the last."""
-        # NOTE: under pipeline parallelism the schedule itself syncs once per schedule, after its micro-batches.
-        modules = [] if self.pipeline is not None else list(self.lightning_module.modules())
-        with gradient_sync_off(modules, keep_gathered=self.zero_stage == 2):
-            yield
-
-    def _log_pipeline_activity(self) -> None:
-        """Each stage's busy time, and the measured idle share of the step next to the schedule's theory."""
-        theory = bubble_theory(
-            self.pipeline_schedule, self.layout.pp, self.num_microbatches, self.virtual_pipeline_size
-        )
-        for name, value in {**self.pipeline.activity(), "pp/bubble_theory": theory}.items():
-            self.lightning_module.log(name, value, on_step=True, rank_zero_only=True, batch_size=1)
 
     # ------------------------------------------------------------------ what the planner expects of this run
 

@@ -1,6 +1,8 @@
 """Mixture of Experts: the layer against a token-by-token reference, its balance loss and router, the presets, the
 checks, and expert parallelism (with TP and SP) training exactly like one process."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,40 +16,21 @@ from lit3d.strategies.layout import Layout, check_model_fits_layout, resolve_lay
 CONFIG = GPTConfig(**{**SMALL_MOE, "n_shared_expert": 1})
 
 
-def test_the_layer_sums_each_tokens_chosen_experts_by_their_weights():
+def token_by_token(config: GPTConfig, seq: int, capacity: float = math.inf) -> tuple[MoE, torch.Tensor, int]:
+    """An MoE layer with random weights, checked on random tokens against a token-by-token reference in which each
+    expert takes its (token, choice) pairs in token order up to ``capacity``; returns the layer, its tokens and how
+    many pairs the cap dropped."""
     torch.manual_seed(0)
-    layer = MoE(CONFIG)
-    for param in layer.parameters():
-        torch.nn.init.normal_(param, std=0.1)
-    x = torch.randn(2, 5, CONFIG.d_model)
-    out = layer(x).reshape(-1, CONFIG.d_model)
-    tokens = x.reshape(-1, CONFIG.d_model)
-    chosen, weights, _ = layer.router(tokens)
-    experts = layer.experts
-    for i, token in enumerate(tokens):
-        expected = layer.shared(token)
-        for e, w in zip(chosen[i].tolist(), weights[i]):
-            hidden = F.silu(token @ experts.gate_proj[e]) * (token @ experts.up_proj[e])
-            expected = expected + w * (hidden @ experts.down_proj[e])
-        torch.testing.assert_close(out[i], expected, rtol=1e-5, atol=1e-6)
-    assert layer.stats[1].sum() == tokens.shape[0] * CONFIG.n_expert_per_token  # every choice counted once
-
-
-def test_a_capacity_factor_drops_the_pairs_beyond_each_experts_capacity():
-    torch.manual_seed(0)
-    config = CONFIG.replace(n_shared_expert=0, capacity_factor=0.5)
     layer = MoE(config)
     for param in layer.parameters():
         torch.nn.init.normal_(param, std=0.1)
-    x = torch.randn(2, 8, config.d_model)
+    x = torch.randn(2, seq, config.d_model)
     out = layer(x).reshape(-1, config.d_model)
     tokens = x.reshape(-1, config.d_model)
     chosen, weights, _ = layer.router(tokens)
-    capacity = -(-int(0.5 * tokens.shape[0] * config.n_expert_per_token) // config.n_expert)  # 4 pairs each
-    taken = [0] * config.n_expert
-    experts, dropped = layer.experts, 0
-    for i, token in enumerate(tokens):  # each expert takes its pairs in token order, up to its capacity
-        expected = torch.zeros(config.d_model)
+    experts, taken, dropped = layer.experts, [0] * config.n_expert, 0
+    for i, token in enumerate(tokens):
+        expected = layer.shared(token) if layer.shared is not None else torch.zeros(config.d_model)
         for e, w in zip(chosen[i].tolist(), weights[i]):
             taken[e] += 1
             if taken[e] > capacity:
@@ -56,6 +39,18 @@ def test_a_capacity_factor_drops_the_pairs_beyond_each_experts_capacity():
             hidden = F.silu(token @ experts.gate_proj[e]) * (token @ experts.up_proj[e])
             expected = expected + w * (hidden @ experts.down_proj[e])
         torch.testing.assert_close(out[i], expected, rtol=1e-5, atol=1e-6)
+    return layer, tokens, dropped
+
+
+def test_the_layer_sums_each_tokens_chosen_experts_by_their_weights():
+    layer, tokens, dropped = token_by_token(CONFIG, seq=5)
+    assert dropped == 0 and layer.stats[1].sum() == tokens.shape[0] * CONFIG.n_expert_per_token  # each choice once
+
+
+def test_a_capacity_factor_drops_the_pairs_beyond_each_experts_capacity():
+    config = CONFIG.replace(n_shared_expert=0, capacity_factor=0.5)
+    pairs = 2 * 8 * config.n_expert_per_token
+    _, _, dropped = token_by_token(config, seq=8, capacity=math.ceil(0.5 * pairs / config.n_expert))  # 4 each
     assert dropped > 0  # the cap did bite
 
 
