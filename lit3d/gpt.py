@@ -161,8 +161,13 @@ class GPT(L.LightningModule):
             loss = loss + self._balance_loss(moe)
         if ends_optimizer_step(self.trainer):
             self.log_train_loss(self._loss_sum / self._loss_count)
-            if self.config.n_expert:
+            # The balance is one collective: on the steps Lightning logs, and on every step a sigmoid router's
+            # bias follows it; the other steps only drop what their forwards kept.
+            logs = self.trainer._logger_connector.should_update_logs
+            if self.config.n_expert and (self.config.router == "sigmoid" or logs):
                 self._log_balance(moe, self._loss_count)
+            for layer in moe:
+                layer.history = []
             self._loss_sum, self._loss_count = 0.0, 0
         return loss
 
