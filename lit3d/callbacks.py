@@ -175,14 +175,19 @@ class CommReport(Callback):
         mode.__exit__(None, None, None)
         mesh = getattr(trainer.strategy, "_device_mesh", None)
         experts = getattr(trainer.strategy, "_expert_mesh", None), getattr(trainer.strategy, "_ep_group", None)
-        local = mode.by_axis(mesh, *experts) if mesh is not None else {"dp": sum(mode.bytes_by_group.values())}
-        axes = ("tp", "pp", "dp", "ep", "other")
+        replicas = getattr(trainer.strategy, "_replica_mesh", None)
+        if mesh is not None:
+            cp_group = getattr(trainer.strategy, "_cp_group", None)
+            local = mode.by_axis(mesh, *experts, replica_mesh=replicas, cp_group=cp_group)
+        else:
+            local = {"dp": sum(mode.bytes_by_group.values())}
+        axes = ("tp", "pp", "dp", "ep", "cp", "other")
         local = {_AXIS_NAMES.get(axis, axis): sent for axis, sent in local.items()}
         sent = torch.tensor([float(local.get(axis, 0.0)) for axis in axes], dtype=torch.float64)
         busiest = trainer.strategy.reduce(sent.to(pl_module.device), reduce_op="max").cpu().tolist()
         self.measured = dict(zip(axes, busiest))
         plan = getattr(trainer.strategy, "plan", None)
-        self.planned = {axis: plan.communication_per_step[axis]["bytes"] for axis in axes[:4]} if plan else None
+        self.planned = {axis: plan.communication_per_step[axis]["bytes"] for axis in axes[:5]} if plan else None
         for axis in axes:
             pl_module.log(
                 f"comm/{axis}_mb", self.measured[axis] / 2**20, rank_zero_only=True, on_step=True, on_epoch=False

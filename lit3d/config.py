@@ -204,7 +204,11 @@ class GPTConfig:
         """Training FLOPs per token (forward + backward): 6 per weight of every matmul (the embedding lookup is
         not one) plus attention's 12 · n_layer · d_model · seq_len (Chinchilla / PaLM accounting, no recompute)."""
         matmul_params = self.active_params - (0 if self.tie_embeddings else self.embedding_params)
-        return 6 * matmul_params + 12 * self.n_layer * self.n_head * self.head_dim * seq_len
+        return 6 * matmul_params + self.attention_flops_per_token(seq_len)
+
+    def attention_flops_per_token(self, seq_len: int) -> int:
+        """The attention scores and their weighted sum, forward and backward: 12 · n_layer · heads · seq_len."""
+        return 12 * self.n_layer * self.n_head * self.head_dim * seq_len
 
 
 def _round_up(value: int, multiple: int) -> int:

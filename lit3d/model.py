@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from lit3d.attention import causal_attention
 from lit3d.config import GPTConfig
+from lit3d.ring_attention import ContextParallel, positions, ring_attention
 
 # Which module does what under tensor parallelism, by name pattern. The strategy turns each role into a DTensor
 # parallel style (Megatron pattern: column-parallel in, row-parallel out, one all-reduce per region forward).
@@ -117,17 +118,24 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.d_model, config.n_kv_head * hd, bias=False)
         self.v_proj = nn.Linear(config.d_model, config.n_kv_head * hd, bias=False)
         self.o_proj = nn.Linear(config.n_head * hd, config.d_model, bias=False)
+        # Under context parallelism, x holds this rank's share of each sequence (`lit3d.ring_attention`).
+        self.context_parallel: ContextParallel | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
-        hd = self.config.head_dim
+        hd, cp = self.config.head_dim, self.context_parallel
         # NOTE: -1 heads: under tensor parallelism each rank holds only its share of the heads.
         q = self.q_proj(x).view(batch, seq, -1, hd)
         k = self.k_proj(x).view(batch, seq, -1, hd)
         v = self.v_proj(x).view(batch, seq, -1, hd)
-        cos, sin = rotary_tables(seq, hd, self.config.rope_theta, x.device, q.dtype)
+        if cp is None:
+            cos, sin = rotary_tables(seq, hd, self.config.rope_theta, x.device, q.dtype)
+        else:  # each token rotated by its true position
+            cos, sin = rotary_tables(seq * cp.size, hd, self.config.rope_theta, x.device, q.dtype)
+            where = positions(seq, cp.size, cp.rank, x.device)
+            cos, sin = cos[where], sin[where]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        y = causal_attention(q, k, v, self.config.attention)
+        y = causal_attention(q, k, v, self.config.attention) if cp is None else ring_attention(q, k, v, cp)
         return self.o_proj(y.reshape(batch, seq, -1))
 
 

@@ -104,22 +104,31 @@ class CommBytes(CommDebugMode):
         return out
 
     def by_axis(
-        self, mesh: DeviceMesh, expert_mesh: DeviceMesh | None = None, ep_group: Any = None
+        self,
+        mesh: DeviceMesh,
+        expert_mesh: DeviceMesh | None = None,
+        ep_group: Any = None,
+        replica_mesh: DeviceMesh | None = None,
+        cp_group: Any = None,
     ) -> dict[str, float]:
         """Bytes per mesh dimension; groups of no single dimension (the whole world, say) go to "other".
 
         Groups are matched by their ranks: FSDP and DTensor may reach the same ranks through another group object.
         With expert parallelism, ``ep_group`` (the tokens' all-to-alls; matched by name, since its ranks may be the
         DP group's) is axis "ep", and the expert mesh's ``edp`` groups (ranks holding the same experts) count as
-        "dp".
+        "dp". With context parallelism, ``cp_group`` (the ring attention's hops; matched by name, since with
+        ``dp == 1`` its ranks are the weights' DP group's) is axis "cp", and the ``dp`` groups of ``replica_mesh``
+        (the ``dp × cp`` ranks that sync the weights) count as "dp".
         """
         ranks = {_ranks(mesh[dim]): dim for dim in mesh.mesh_dim_names if mesh[dim].size() > 1}
-        ep_name = ep_group.group_name if ep_group is not None else None
+        if replica_mesh is not None and replica_mesh["dp"].size() > 1:
+            ranks[_ranks(replica_mesh["dp"])] = "dp"
+        names = {group.group_name: axis for axis, group in (("ep", ep_group), ("cp", cp_group)) if group is not None}
         if expert_mesh is not None and expert_mesh["edp"].size() > 1:
             ranks.setdefault(_ranks(expert_mesh["edp"]), "dp")
         axes: dict[str, float] = defaultdict(float)
         for name, sent in self.bytes_by_name.items():
-            axes["ep" if name == ep_name else ranks.get(self.ranks_by_name[name], "other")] += sent
+            axes[names.get(name) or ranks.get(self.ranks_by_name[name], "other")] += sent
         return dict(axes)
 
 

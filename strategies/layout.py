@@ -1,11 +1,15 @@
-"""The rank grid: sizes of the three axes, each rank's coordinate, the checks and the rank map.
+"""The rank grid: sizes of the axes, each rank's coordinate, the checks and the rank map.
 
-Ranks are laid out TP-innermost (Megatron's formula)::
+Ranks are laid out TP-innermost (Megatron's formula, with context parallelism between DP and TP)::
 
-    global_rank = t + d * T + p * T * D
+    global_rank = t + c * T + d * T * C + p * T * C * D
 
 so a TP group is a run of T consecutive ranks, which land on one node when T divides the devices per node
-(TP is the chattiest axis and wants the fastest link); PP is outermost and crosses nodes.
+(TP is the chattiest axis and wants the fastest link), a CP ring comes next; PP is outermost and crosses nodes.
+
+CP ranks hold the same weights and see different tokens of the same sequences: for everything but attention
+they are data-parallel replicas, and gradients are averaged and ZeRO shards over the ``dp × cp`` replicas (the
+``replicas`` of a layout; `Layout.build_replica_mesh`), as torchtitan does.
 """
 
 from __future__ import annotations
@@ -18,9 +22,14 @@ if TYPE_CHECKING:
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 ZERO_STAGES = (0, 1, 2, 3)
-MESH_DIMS = ("pp", "dp", "tp")  # outermost first: the order of the rank formula
+MESH_DIMS = ("pp", "dp", "cp", "tp")  # outermost first: the order of the rank formula
 # Lightning's `ModelParallelStrategy` names its mesh dims so; modules written for it index the mesh with them.
-LIGHTNING_DIM_NAMES = {"data_parallel": "dp", "tensor_parallel": "tp", "pipeline_parallel": "pp"}
+LIGHTNING_DIM_NAMES = {
+    "data_parallel": "dp",
+    "tensor_parallel": "tp",
+    "pipeline_parallel": "pp",
+    "context_parallel": "cp",
+}
 
 
 class Coordinate(NamedTuple):
@@ -31,41 +40,77 @@ class Coordinate(NamedTuple):
 
 @dataclass(frozen=True)
 class Layout:
-    """``dp × tp × pp`` ranks, ``devices_per_node`` of them on each node."""
+    """``dp × cp × tp × pp`` ranks, ``devices_per_node`` of them on each node."""
 
     dp: int
     tp: int
     pp: int
     devices_per_node: int
     ep: int = 1  # expert parallelism: MoE experts split over groups of this many consecutive DP ranks
+    cp: int = 1  # context parallelism: every sequence split over this many ranks
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def replicas(self) -> int:
+        """Ranks that hold the same weights (same TP and PP coordinates): ``dp × cp``."""
+        return self.dp * self.cp
 
     @property
     def num_nodes(self) -> int:
         return -(-self.world_size // self.devices_per_node)
 
     def coordinate(self, rank: int) -> Coordinate:
-        return Coordinate(d=(rank // self.tp) % self.dp, t=rank % self.tp, p=rank // (self.tp * self.dp))
+        """(d, t, p) of ``rank``; its place in the CP ring is `cp_rank`."""
+        t, c, d, p = self._digits(rank)
+        return Coordinate(d=d, t=t, p=p)
 
-    def rank(self, d: int, t: int, p: int) -> int:
-        return t + d * self.tp + p * self.tp * self.dp
+    def cp_rank(self, rank: int) -> int:
+        return self._digits(rank)[1]
+
+    def _digits(self, rank: int) -> tuple[int, int, int, int]:
+        t, rest = rank % self.tp, rank // self.tp
+        c, rest = rest % self.cp, rest // self.cp
+        return t, c, rest % self.dp, rest // self.dp
+
+    def rank(self, d: int, t: int, p: int, c: int = 0) -> int:
+        return t + self.tp * (c + self.cp * (d + self.dp * p))
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """The ``(pp, dp, tp)`` device mesh of this layout over the default process group (every rank calls it).
+        """The ``(pp, dp, cp, tp)`` device mesh of this layout over the default process group (every rank calls
+        it).
 
         It answers Lightning's dim names too (``mesh["data_parallel"]`` is ``mesh["dp"]``), so a module written for
         `ModelParallelStrategy` runs unchanged.
         """
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=MESH_DIMS)
+        mesh = init_device_mesh(device_type, (self.pp, self.dp, self.cp, self.tp), mesh_dim_names=MESH_DIMS)
         # NOTE: a subclass that renames on lookup, rather than DeviceMesh._flatten: no second process group per
         # dim, and no slicing of flattened dims (deprecated by PyTorch).
         mesh.__class__ = _lightning_named(type(mesh))
         return mesh
+
+    def build_replica_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The ``(pp, dp, tp)`` mesh the weights are split and synced over, its ``dp`` being the ``dp × cp``
+        replicas: ``mesh``'s own dims without CP (no new process group), else a mesh of its own."""
+        if self.cp == 1:
+            return mesh["pp", "dp", "tp"]
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape = (self.pp, self.replicas, self.tp)
+        return init_device_mesh(mesh.device_type, shape, mesh_dim_names=("pp", "dp", "tp"))
+
+    def cp_groups(self) -> list[list[int]]:
+        """The context-parallel rings: ``cp`` ranks with the same d, t and p, ``tp`` apart."""
+        return [
+            [self.rank(d, t, p, c) for c in range(self.cp)]
+            for p in range(self.pp)
+            for d in range(self.dp)
+            for t in range(self.tp)
+        ]
 
     def build_expert_mesh(self, device_type: str) -> DeviceMesh:
         """The ``(pp, edp, ep, tp)`` mesh of MoE experts over the same ranks: ``dp = edp × ep``, with each group of
@@ -88,7 +133,12 @@ class Layout:
         return rank // self.devices_per_node
 
     def tp_groups(self) -> list[list[int]]:
-        return [[self.rank(d, t, p) for t in range(self.tp)] for p in range(self.pp) for d in range(self.dp)]
+        return [
+            [self.rank(d, t, p, c) for t in range(self.tp)]
+            for p in range(self.pp)
+            for d in range(self.dp)
+            for c in range(self.cp)
+        ]
 
     def tp_groups_across_nodes(self) -> list[list[int]]:
         """TP groups whose ranks sit on more than one node (legal, but TP traffic then leaves the fast link)."""
@@ -96,12 +146,20 @@ class Layout:
 
     def rank_map(self, max_rows: int = 64) -> str:
         """A table of node, rank and (d, t, p) per rank, with the group sizes; rank 0 prints it at start."""
+        cp = f" x cp {self.cp}" if self.cp > 1 else ""
         lines = [
-            f"lit3d layout: {self.world_size} ranks = dp {self.dp} x tp {self.tp} x pp {self.pp}, "
+            f"lit3d layout: {self.world_size} ranks = dp {self.dp}{cp} x tp {self.tp} x pp {self.pp}, "
             f"{self.num_nodes} node(s) x {self.devices_per_node} device(s)",
-            f"groups: tensor-parallel of {self.tp} (consecutive ranks), data-parallel of {self.dp} "
-            f"(stride {self.tp}), pipeline of {self.pp} (stride {self.tp * self.dp})",
+            f"groups: tensor-parallel of {self.tp} (consecutive ranks), "
+            + (f"context-parallel ring of {self.cp} (stride {self.tp}), " if self.cp > 1 else "")
+            + f"data-parallel of {self.dp} (stride {self.tp * self.cp}), pipeline of {self.pp} "
+            f"(stride {self.tp * self.cp * self.dp})",
         ]
+        if self.cp > 1:
+            lines.append(
+                f"each context-parallel rank c holds sequence chunks c and {2 * self.cp - 1}-c of {2 * self.cp}; "
+                f"weights are synced over the {self.replicas} dp x cp replicas"
+            )
         if self.ep > 1:
             lines.append(
                 f"expert-parallel of {self.ep} (consecutive data-parallel ranks, stride {self.tp}) split each MoE "
@@ -110,12 +168,17 @@ class Layout:
         crossing = self.tp_groups_across_nodes()
         if crossing:
             lines.append(f"WARNING: {len(crossing)} tensor-parallel group(s) span nodes, e.g. ranks {crossing[0]}")
-        lines.append("node  rank  (d, t, p)" + ("  ep group, experts" if self.ep > 1 else ""))
+        lines.append(
+            "node  rank  "
+            + ("(d, c, t, p)" if self.cp > 1 else "(d, t, p)")
+            + ("  ep group, experts" if self.ep > 1 else "")
+        )
         for rank in range(min(self.world_size, max_rows)):
-            d, t, p = self.coordinate(rank)
+            t, c, d, p = self._digits(rank)
             flag = "  <- TP group spans nodes" if any(rank in g for g in crossing) else ""
             experts = f"  {d // self.ep}, part {d % self.ep + 1}/{self.ep}" if self.ep > 1 else ""
-            lines.append(f"{self.node(rank):>4}  {rank:>4}  ({d}, {t}, {p}){experts}{flag}")
+            where = f"({d}, {c}, {t}, {p})" if self.cp > 1 else f"({d}, {t}, {p})"
+            lines.append(f"{self.node(rank):>4}  {rank:>4}  {where}{experts}{flag}")
         if self.world_size > max_rows:
             lines.append(f"... {self.world_size - max_rows} more ranks, same pattern")
         return "\n".join(lines)
@@ -128,27 +191,28 @@ def resolve_layout(
     tensor_parallel_size: int,
     pipeline_parallel_size: int,
     expert_parallel_size: int = 1,
+    context_parallel_size: int = 1,
 ) -> Layout:
-    """Sizes checked against the world; ``data_parallel_size="auto"`` takes what TP and PP leave; expert
+    """Sizes checked against the world; ``data_parallel_size="auto"`` takes what TP, CP and PP leave; expert
     parallelism borrows its ranks from data parallelism."""
-    tp, pp = tensor_parallel_size, pipeline_parallel_size
-    if world_size % (tp * pp):
+    tp, pp, cp = tensor_parallel_size, pipeline_parallel_size, context_parallel_size
+    named = f"tensor_parallel_size={tp} x pipeline_parallel_size={pp}" + (
+        f" x context_parallel_size={cp}" if cp > 1 else ""
+    )
+    if world_size % (tp * pp * cp):
+        raise ValueError(f"{named} does not divide the {world_size} launched ranks")
+    dp = world_size // (tp * pp * cp) if data_parallel_size == "auto" else data_parallel_size
+    if dp * tp * pp * cp != world_size:
         raise ValueError(
-            f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} does not divide the {world_size} launched ranks"
-        )
-    dp = world_size // (tp * pp) if data_parallel_size == "auto" else data_parallel_size
-    if dp * tp * pp != world_size:
-        raise ValueError(
-            f"data_parallel_size={dp} x tensor_parallel_size={tp} x pipeline_parallel_size={pp} = {dp * tp * pp}, "
-            f"but {world_size} ranks were launched (devices x num_nodes); make them equal or use "
-            "data_parallel_size='auto'"
+            f"data_parallel_size={dp} x {named} = {dp * tp * pp * cp}, but {world_size} ranks were launched "
+            "(devices x num_nodes); make them equal or use data_parallel_size='auto'"
         )
     if dp % expert_parallel_size:
         raise ValueError(
             f"expert_parallel_size={expert_parallel_size} does not divide data_parallel_size={dp}: expert "
             "parallelism splits the experts over groups of data-parallel ranks"
         )
-    return Layout(dp=dp, tp=tp, pp=pp, devices_per_node=devices_per_node, ep=expert_parallel_size)
+    return Layout(dp=dp, tp=tp, pp=pp, devices_per_node=devices_per_node, ep=expert_parallel_size, cp=cp)
 
 
 def check_sizes(**sizes: Any) -> None:

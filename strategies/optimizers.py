@@ -20,8 +20,8 @@ class LocalOptimizerSteps:
     def setup_optimizers(self, trainer: Trainer) -> None:
         super().setup_optimizers(trainer)  # Lightning's drops the optimizers of an earlier setup first
         # ZeRO-1 where the strategy applied data parallelism; a module that parallelises itself chose its own.
-        zero1 = self.zero_stage == 1 and self.layout.dp > 1 and self._parallelized is not None
-        mesh, dtype = self.device_mesh if zero1 else None, reduce_dtype(self.precision, self.mixed_precision_reduce)
+        zero1 = self.zero_stage == 1 and self.layout.replicas > 1 and self._parallelized is not None
+        mesh, dtype = self.replica_mesh if zero1 else None, reduce_dtype(self.precision, self.mixed_precision_reduce)
         self._local_optimizers = {
             id(opt): LocalShardOptimizer(opt, mesh, dtype, self.lightning_module, self._expert_mesh)
             for opt in self.optimizers

@@ -54,6 +54,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lit3d.strategies.checkpoint import ShardedCheckpoints
+from lit3d.strategies.context_parallel import apply_context_parallel, check_context_parallel, route_context_parallel
 from lit3d.strategies.launchers import (
     CheckingLauncher,
     ForkLauncher,
@@ -103,6 +104,9 @@ class Parallel3DStrategy(ShardedCheckpoints, StepHooks, LocalOptimizerSteps, Mod
         pipeline_parallel_size: Ranks that split the depth into stages of consecutive blocks.
         expert_parallel_size: Ranks that split each Mixture-of-Experts layer's experts, borrowed from data
             parallelism (it divides ``data_parallel_size``; tokens reach their experts by all-to-all).
+        context_parallel_size: Ranks that split every sequence (long contexts): each holds two of ``2 x cp``
+            chunks, attention is a ring over them (`lit3d.ring_attention`), and the weights are synced and
+            ZeRO-sharded over the ``dp x cp`` ranks. The mesh is ``(pp, dp, cp, tp)``.
         zero_stage: Sharding over the data-parallel ranks: 0 nothing (DDP); 1 optimizer states, the gradients
             reduce-scattered at the step (DDP's bytes); 2 and parameters between steps (gathered once per step);
             3 and parameters gathered block by block.
@@ -135,6 +139,7 @@ class Parallel3DStrategy(ShardedCheckpoints, StepHooks, LocalOptimizerSteps, Mod
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
         expert_parallel_size: int = 1,
+        context_parallel_size: int = 1,
         zero_stage: int = 1,
         sequence_parallel: bool = False,
         pipeline_schedule: str = "1f1b",
@@ -152,6 +157,7 @@ class Parallel3DStrategy(ShardedCheckpoints, StepHooks, LocalOptimizerSteps, Mod
             tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size,
             expert_parallel_size=expert_parallel_size,
+            context_parallel_size=context_parallel_size,
         )
         check_choices(zero_stage, pipeline_schedule)
         check_pipeline_arguments(pipeline_parallel_size, pipeline_schedule, num_microbatches, virtual_pipeline_size)
@@ -168,7 +174,10 @@ class Parallel3DStrategy(ShardedCheckpoints, StepHooks, LocalOptimizerSteps, Mod
             )
         super().__init__(data_parallel_size, tensor_parallel_size, True, process_group_backend, timeout)
         self.start_method = start_method or ("fork" if interactive() else "popen")
-        self._sizes = (data_parallel_size, tensor_parallel_size, pipeline_parallel_size, expert_parallel_size)
+        self._sizes = (
+            data_parallel_size, tensor_parallel_size, pipeline_parallel_size, expert_parallel_size,
+            context_parallel_size,
+        )  # fmt: skip
         self.zero_stage = zero_stage
         self.sequence_parallel = sequence_parallel and tensor_parallel_size > 1
         self.pipeline_schedule = pipeline_schedule
@@ -182,6 +191,8 @@ class Parallel3DStrategy(ShardedCheckpoints, StepHooks, LocalOptimizerSteps, Mod
         self.compile = compile
         self.mixed_precision_reduce = mixed_precision_reduce
         self._layout: Layout | None = None
+        self._replica_mesh: DeviceMesh | None = None  # (pp, dp, tp), its dp the dp x cp ranks with the same weights
+        self._cp_group: Any = None  # the ring attention's group, with context parallelism
         self._expert_mesh: DeviceMesh | None = None  # (pp, edp, ep, tp), with expert parallelism
         self._ep_group: Any = None  # the process group MoE layers dispatch their tokens over
         self._local_optimizers: dict[int, LocalShardOptimizer] = {}
@@ -202,7 +213,8 @@ class Parallel3DStrategy(ShardedCheckpoints, StepHooks, LocalOptimizerSteps, Mod
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Data is split over DP replicas only: all TP and PP ranks of a replica see the same batch.
+        # Data is split over DP replicas only: all TP, CP and PP ranks of a replica see the same batch (each CP
+        # rank keeps its share of every sequence: `route_context_parallel`).
         return {"num_replicas": self.layout.dp, "rank": self.layout.coordinate(self.global_rank).d}
 
     @override
@@ -222,11 +234,14 @@ class Parallel3DStrategy(ShardedCheckpoints, StepHooks, LocalOptimizerSteps, Mod
         if config is not None:
             check_model_fits_layout(config, layout)
             check_model_fits_pipeline(config, layout.pp, self.virtual_pipeline_size)
+        trainer = trainer or getattr(module, "_trainer", None)
+        datamodule = datamodule or getattr(trainer, "datamodule", None)
+        check_context_parallel(
+            config, layout.cp, getattr(datamodule, "seq_len", None), layout.tp, self.sequence_parallel
+        )
 
         if layout.pp > 1 and hasattr(module, "tensor_parallel_plan"):  # one the strategy splits (`model` comes later)
             check_pipeline_protocol(module, layout.pp)
-        trainer = trainer or getattr(module, "_trainer", None)
-        datamodule = datamodule or getattr(trainer, "datamodule", None)
         if layout.pp > 1 and hasattr(datamodule, "global_batch_size"):
             self.num_microbatches = pipeline_microbatches(
                 self._num_microbatches, datamodule.global_batch_size, layout.dp, trainer.accumulate_grad_batches,
@@ -242,6 +257,11 @@ class Parallel3DStrategy(ShardedCheckpoints, StepHooks, LocalOptimizerSteps, Mod
         agree_on_seed()
         layout = self.layout
         self._device_mesh = layout.build_mesh(self.root_device.type)
+        self._replica_mesh = layout.build_replica_mesh(self._device_mesh)
+        if layout.cp > 1:
+            # NOTE: the ring's own group, as for EP: the mesh's CP group may be the very group the weights sync over
+            # (dp == 1), and `CommReport` tells ring bytes from gradient bytes by group.
+            self._cp_group, _ = torch.distributed.new_subgroups_by_enumeration(layout.cp_groups())
         if layout.ep > 1:
             self._expert_mesh = layout.build_expert_mesh(self.root_device.type)
             # NOTE: a group of its own for the tokens' all-to-alls, apart from the mesh's (which may be the very DP
@@ -287,9 +307,9 @@ class Parallel3DStrategy(ShardedCheckpoints, StepHooks, LocalOptimizerSteps, Mod
                 "parallelise it there with `self.device_mesh`"
             )
         self.model_to_device()
-        if self.layout.dp > 1:  # before any step: replicas that are not kept in sync would silently drift apart
+        if self.layout.replicas > 1:  # before any step: replicas that are not kept in sync would silently drift
             chunks = tuple(self.pipeline.chunks) if self.pipeline is not None else ()
-            check_replicas_in_sync(module, self.device_mesh["dp"], chunks)
+            check_replicas_in_sync(module, self.replica_mesh["dp"], chunks)
         # NOTE: Lightning's precision plugins clip by the norm over this process's parameters; a split model
         # needs the norm reduced over every shard and stage.
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
@@ -321,6 +341,13 @@ class Parallel3DStrategy(ShardedCheckpoints, StepHooks, LocalOptimizerSteps, Mod
                 child.to(self.root_device)
 
     @property
+    def replica_mesh(self) -> DeviceMesh:
+        """``(pp, dp, tp)``: the mesh the weights are split and synced over; its ``dp`` is the ``dp x cp`` ranks
+        that hold the same weights (`device_mesh` itself without context parallelism)."""
+        assert self._replica_mesh is not None, "the mesh is built in setup_environment"
+        return self._replica_mesh
+
+    @property
     def precision(self) -> str:
         """Lightning's precision setting of this run (``"32-true"``, ``"bf16-mixed"``, ...)."""
         return str(getattr(self.precision_plugin, "precision", "32-true"))
@@ -344,13 +371,17 @@ class Parallel3DStrategy(ShardedCheckpoints, StepHooks, LocalOptimizerSteps, Mod
         self._parallelized = network
         network._lit3d_split = layout.world_size > 1  # 1x1x1 leaves it as it is
         chunks, stage_ids = parallelize_network(
-            network, module.tensor_parallel_plan, layout, self.device_mesh, self.global_rank,
+            network, module.tensor_parallel_plan, layout, self.replica_mesh, self.global_rank,
             zero_stage=self.zero_stage, sequence_parallel=self.sequence_parallel,
             virtual_pipeline_size=self.virtual_pipeline_size,
             activation_checkpointing=self.activation_checkpointing, compile=self.compile,
             mp_policy=mixed_precision_policy(self.precision, self.mixed_precision_reduce),
             ddp=self._ddp, expert_mesh=self._expert_mesh, ep_group=self._ep_group,
         )  # fmt: skip
+        if layout.cp > 1:
+            cp_rank = layout.cp_rank(self.global_rank)
+            apply_context_parallel(network, self._cp_group, layout.cp, cp_rank)
+            route_context_parallel(module, layout.cp, cp_rank)
         if any(p.is_meta for p in network.parameters()):
             for chunk in chunks:
                 chunk.to_empty(device=self.root_device)

@@ -66,8 +66,9 @@ def parallelize_network(
     the meta device, as `lit3d plan --verify` keeps it).
 
     Returns this rank's pipeline chunks (views of ``network``; ``[network]`` without pipeline parallelism) and
-    their stage indices. ``mp_policy``: FSDP2's mixed precision (`lit3d.strategies.precision`); ``ddp``: whether
-    ZeRO-0 may be PyTorch's DDP (default: when the network is data parallel only).
+    their stage indices. ``mesh``: the ``(pp, dp, tp)`` mesh the weights are split over (its ``dp``: the ``dp × cp``
+    replicas); ``mp_policy``: FSDP2's mixed precision (`lit3d.strategies.precision`); ``ddp``: whether ZeRO-0
+    may be PyTorch's DDP (default: when the network is data parallel only).
     """
     check_plan(network, plan)
     chunks, stage_ids = [network], [0]
@@ -91,7 +92,7 @@ def parallelize_network(
             # its sub-modules do.
             for part in block.children() if activation_checkpointing else [block]:
                 part.compile(**options)
-    if layout.dp > 1:
+    if layout.replicas > 1:  # dp x cp ranks hold the same weights
         for chunk in chunks:  # each pipeline chunk is a data-parallel root of its own
             apply_data_parallel(
                 chunk,

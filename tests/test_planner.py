@@ -220,9 +220,10 @@ def test_cli_plan_json_verify_and_map(tmp_path, capsys):
         "zero_stage": 1,
         "virtual_pipeline_size": 1,
         "expert_parallel_size": 1,
+        "context_parallel_size": 1,
     }
     assert set(report["memory_per_gpu"]) >= {"params", "grads", "optimizer", "activations", "total"}
-    assert set(report["communication_per_step"]) == {"tp", "pp", "dp", "ep"}
+    assert set(report["communication_per_step"]) == {"tp", "pp", "dp", "ep", "cp"}
     assert report["communication_per_step"]["ep"]["bytes"] == 0  # a dense model
     assert report["pipeline_bubble"] == pytest.approx(
         15 / (192 + 15)

@@ -128,7 +128,7 @@ class Plan:
 
 def state_bytes(tensors: list[Tensor], layout: Layout, zero_stage: int, precision: Precision) -> dict[str, int]:
     """Weights, gradients and optimizer state of one rank (rank 0 of its TP and DP groups)."""
-    tp, dp, ep = layout.tp, layout.dp, layout.ep
+    tp, dp, ep = layout.tp, layout.replicas, layout.ep
     full = sum(local_numel(t, tp, ep=ep) for t in tensors)
     sharded = sum(local_numel(t, tp, replicas(t, layout), ep=ep) for t in tensors)
     sharded_params = sharded if zero_stage >= 2 and dp > 1 else full
@@ -188,7 +188,7 @@ def output_layer_bytes(config: GPTConfig, tp: int, sequence_parallel: bool, toke
 def params_cast_by_fsdp(layout: Layout, zero_stage: int, precision: Precision) -> bool:
     """Whether FSDP2 hands the blocks bf16 parameters (its mixed precision policy): ZeRO-2/3, and ZeRO-0 unless
     it is DDP (`lit3d.strategies.precision.uses_ddp`)."""
-    if layout.dp == 1 or zero_stage == 1:
+    if layout.replicas == 1 or zero_stage == 1:
         return False
     return zero_stage >= 2 or layout.tp > 1 or layout.pp > 1 or precision.reduce_bytes < 4
 
@@ -206,7 +206,7 @@ def estimate(
     microbatches = training.global_batch_size // (dp * b)
     schedule_m = microbatches // training.schedules_per_step(pp)  # micro-batches of one pipeline schedule
     sp = training.sequence_parallel and tp > 1
-    tokens = b * s  # per micro-batch
+    tokens = b * s // layout.cp  # a rank's, per micro-batch
 
     a = precision.activations
     per_token = activation_bytes_per_token(config, tp, sp, training.activation_checkpointing, a)
@@ -235,12 +235,13 @@ def estimate(
 
     # Communication per GPU per step, and the time it takes on its link.
     traffic = communication_bytes(config, layout, training, precision)
+    cp = layout.cp
+    spans = {"tp": tp, "cp": tp * cp, "dp": tp * cp * dp, "pp": layout.world_size, "ep": tp * cp * layout.ep}
     links = {
-        "tp": cluster.intra_node_gbps if cluster.gpus_per_node % tp == 0 else cluster.inter_node_gbps,
-        "pp": cluster.intra_node_gbps if tp * dp * pp <= cluster.gpus_per_node else cluster.inter_node_gbps,
-        "dp": cluster.intra_node_gbps if tp * dp <= cluster.gpus_per_node else cluster.inter_node_gbps,
-        "ep": cluster.intra_node_gbps if tp * layout.ep <= cluster.gpus_per_node else cluster.inter_node_gbps,
+        axis: cluster.intra_node_gbps if span <= cluster.gpus_per_node else cluster.inter_node_gbps
+        for axis, span in spans.items()
     }
+    links["tp"] = cluster.intra_node_gbps if cluster.gpus_per_node % tp == 0 else cluster.inter_node_gbps
     intra = {axis: links[axis] == cluster.intra_node_gbps for axis in links}
     counts = collectives(config, layout, training)
     latency = {
@@ -259,7 +260,10 @@ def estimate(
     compute *= cluster.gpus / layout.world_size  # the layout may use fewer GPUs than the cluster has
     bubble = bubble_theory(training.pipeline_schedule, pp, schedule_m, virtual) if pp > 1 else 0.0
     overlap = compute if training.zero_stage == 3 else compute * 2 / 3  # DP traffic hides behind backward
-    exposed = compute + seconds["tp"] + seconds["pp"] + seconds["ep"]  # the all-to-alls sit between the matmuls
+    # The ring's next K/V block travels while attention computes on this one: it hides behind attention only.
+    attention = compute * config.attention_flops_per_token(s) / config.flops_per_token(s)
+    hidden = {"cp": min(seconds["cp"], attention)}
+    exposed = compute + seconds["tp"] + seconds["pp"] + seconds["ep"] + seconds["cp"] - hidden["cp"]
     step = exposed / (1 - bubble) + max(0.0, seconds["dp"] - overlap)
     mfu = model_flops / layout.world_size / (step * cluster.peak_tflops * 1e12)
     fits = peak["total"] <= cluster.gpu_memory_gb * GB * (1 - training.headroom)
@@ -271,6 +275,7 @@ def estimate(
             "zero_stage": training.zero_stage,
             "virtual_pipeline_size": virtual,
             "expert_parallel_size": layout.ep,
+            "context_parallel_size": cp,
         },
         memory_per_gpu=peak,
         memory_by_stage=by_stage,
@@ -280,6 +285,7 @@ def estimate(
                 "seconds": seconds[axis],
                 "latency_s": latency[axis],
                 "link_gbps": links[axis],
+                **({"hidden_s": hidden[axis]} if axis in hidden else {}),
             }
             for axis in traffic
         },
@@ -310,7 +316,7 @@ def _in_flight(schedule: str, pp: int, virtual: int, microbatches: int, stage_ra
 
 def _buffer_bytes(tensors: list[Tensor], layout: Layout, zero_stage: int, precision: Precision) -> int:
     """Gathered parameters that sharded data parallelism holds during a step."""
-    if layout.dp == 1 or zero_stage < 2:
+    if layout.replicas == 1 or zero_stage < 2:
         return 0
 
     def whole(t: Tensor) -> int:

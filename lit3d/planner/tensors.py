@@ -114,6 +114,6 @@ def local_numel(tensor: Tensor, tp: int, shard: int = 1, shard_dim: int = 0, ep:
 
 
 def replicas(tensor: Tensor, layout: Any) -> int:
-    """Data-parallel ranks that hold the same copy of ``tensor``: all of DP, or for an expert the DP ranks over
-    expert-parallel groups."""
-    return layout.dp // layout.ep if tensor.expert else layout.dp
+    """Ranks that hold the same copy of ``tensor`` and shard it under ZeRO: the ``dp × cp`` replicas, or for an
+    expert the DP ranks over expert-parallel groups."""
+    return layout.dp // layout.ep if tensor.expert else layout.dp * getattr(layout, "cp", 1)

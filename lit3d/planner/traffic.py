@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from lit3d.config import GPTConfig
 from lit3d.planner.tensors import local_numel, rank_tensors
+from lit3d.ring_attention import ring_bytes_per_layer
 from lit3d.strategies.layout import Layout
 from lit3d.strategies.stages import chunk_stage_ids
 from lit3d.strategies.zero1 import BUCKET_ELEMENTS
@@ -23,17 +24,18 @@ def communication_bytes(
     all of it. `lit3d.strategies.comm.CommBytes` measures the same way (`lit3d.callbacks.CommReport` puts both side by
     side). Left out: scalars (the logged loss, the gradient norm).
     """
-    tp, pp, dp = layout.tp, layout.pp, layout.dp
+    tp, pp, replicas = layout.tp, layout.pp, layout.replicas
     virtual, microbatches, schedules, sp, per_block = _step_shape(layout, training)
-    act_bytes = training.micro_batch_size * training.seq_len * config.d_model * precision.activations
+    tokens = training.micro_batch_size * training.seq_len // layout.cp  # a rank's tokens per micro-batch
+    act_bytes = tokens * config.d_model * precision.activations
     ring = 2 * (tp - 1) / tp  # all-reduce traffic per byte; SP's all-gather + reduce-scatter pair costs the same
-    traffic = {"tp": 0.0, "pp": 0.0, "dp": 0.0, "ep": 0.0}
+    traffic = {"tp": 0.0, "pp": 0.0, "dp": 0.0, "ep": 0.0, "cp": 0.0}
     for tensors, first, last, blocks in _stages(config, pp, virtual):
         moe = _moe_blocks(config, tensors)
         tp_blocks = blocks * per_block + moe * _moe_tp_change(training, sp)
         tp_bytes = (tp_blocks + first + last) * act_bytes  # embedding (fwd) and head (bwd): one each
         if last:  # the vocabulary-parallel loss: 3 fp32 all-reduces per token (max, sum, target logit)
-            tp_bytes += 3 * training.micro_batch_size * training.seq_len * 4
+            tp_bytes += 3 * tokens * 4
         tp_bytes *= microbatches
         if sp:  # SP norms see part of the sequence, so their weights' gradients are all-reduced after each backward
             norms = sum(local_numel(t, tp) for t in tensors if "norm" in t.name) * precision.grads
@@ -43,13 +45,22 @@ def communication_bytes(
         in_blocks = sum(local_numel(t, tp) for t in tensors if t.block is not None and not t.expert)
         experts = sum(local_numel(t, tp, ep=layout.ep) for t in tensors if t.expert)
         shape = (microbatches // schedules, schedules, pp > 1, precision)
-        sent = _dp_traffic(training.zero_stage, dp, in_blocks, root, *shape)
-        sent += _dp_traffic(training.zero_stage, dp // layout.ep, experts, 0, *shape)  # over the same experts
+        sent = _dp_traffic(training.zero_stage, replicas, in_blocks, root, *shape)
+        sent += _dp_traffic(training.zero_stage, layout.dp // layout.ep, experts, 0, *shape)  # over the same experts
         traffic["dp"] = max(traffic["dp"], sent)
         traffic["ep"] = max(traffic["ep"], moe * microbatches * _all_to_all_bytes(config, layout, training, precision))
+        traffic["cp"] = max(traffic["cp"], blocks * microbatches * _ring_bytes(config, layout, training, precision))
     if pp > 1:
         traffic["pp"] = _pipeline_sends(pp, virtual) * microbatches * act_bytes / (tp if sp else 1)
     return traffic
+
+
+def _ring_bytes(config: GPTConfig, layout: Layout, training: Training, precision: Precision) -> float:
+    """Bytes one rank sends around the CP ring per attention layer and micro-batch (`ring_bytes_per_layer`): its
+    K and V (its tokens, its TP share of the K/V heads) hop ``cp − 1`` times each way, their gradient ``cp`` times."""
+    tokens = training.micro_batch_size * training.seq_len // layout.cp
+    kv = 2 * tokens * config.n_kv_head // layout.tp * config.head_dim
+    return ring_bytes_per_layer(kv, precision.activations, layout.cp, bool(training.activation_checkpointing))
 
 
 def _moe_blocks(config: GPTConfig, tensors: list) -> int:
@@ -123,10 +134,14 @@ def collectives(config: GPTConfig, layout: Layout, training: Training) -> dict[s
     """Per axis, the collectives the busiest GPU waits on per optimizer step and their ring hops in all (a ring
     all-reduce over n ranks is 2 (n-1) hops, an all-gather or reduce-scatter n-1, a point-to-point send 1): the
     latency side of an α-β model, counted as `communication_bytes` counts the bytes."""
-    tp, pp, dp = layout.tp, layout.pp, layout.dp
+    tp, pp, dp = layout.tp, layout.pp, layout.replicas
     virtual, microbatches, schedules, sp, per_block = _step_shape(layout, training)
-    counts = {"tp": (0.0, 0.0), "pp": (0.0, 0.0), "dp": (0.0, 0.0), "ep": (0.0, 0.0)}
+    counts = {"tp": (0.0, 0.0), "pp": (0.0, 0.0), "dp": (0.0, 0.0), "ep": (0.0, 0.0), "cp": (0.0, 0.0)}
+    cp = layout.cp
     for tensors, first, last, blocks in _stages(config, pp, virtual):
+        if cp > 1:  # point-to-point hops per attention layer: forward (again under recompute), then backward
+            hops = (cp - 1) * (2 if training.activation_checkpointing else 1) + (cp - 1) + cp
+            counts["cp"] = max(counts["cp"], (blocks * microbatches * hops,) * 2)
         if layout.ep > 1:  # three all-to-alls per MoE block forward (counts, dispatch, combine), two backward
             n = _moe_blocks(config, tensors) * microbatches * 5
             counts["ep"] = max(counts["ep"], (n, n * (layout.ep - 1)))

@@ -1,0 +1,60 @@
+"""Context parallelism in the strategy: the checks, the ring on each attention layer, each rank's share of a batch.
+
+The algorithm (load-balanced chunks, ring attention) is `lit3d.ring_attention`. Here: a CP rank's module still
+receives whole sequences from the data (CP ranks of a replica are dealt the same batch), and its
+``inputs_and_targets`` keeps this rank's two chunks of inputs and targets; every attention layer gets the CP ring
+(`apply_context_parallel`). Everything else is per token, and the weights are synced over the ``dp × cp``
+replicas. Each CP rank's loss is the mean over its tokens; every rank holds as many, so the mean of the ranks'
+losses (and of their gradients) is the mean over all tokens of the global batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn as nn
+
+from lit3d.ring_attention import ContextParallel, shard_sequence
+
+
+def check_context_parallel(config: Any, cp: int, seq_len: int | None, tp: int = 1, sp: bool = False) -> None:
+    """Refuse what context parallelism cannot run, naming the values: sequences that do not split into ``2·cp``
+    equal chunks (and, under sequence parallelism, a rank's share that does not split over TP), and MoE models."""
+    if cp == 1:
+        return
+    if getattr(config, "n_expert", 0):
+        raise ValueError(
+            f"context_parallel_size={cp} with an MoE model (n_expert={config.n_expert}) is not supported yet: the "
+            "load-balancing loss is per sequence, and a CP rank sees only part of each; use context_parallel_size=1"
+        )
+    if seq_len is None:
+        return
+    if seq_len % (2 * cp):
+        raise ValueError(
+            f"seq_len={seq_len} is not divisible by 2 x context_parallel_size={2 * cp}: each CP rank holds two "
+            "equal chunks of every sequence (an early and a late one, for balanced causal attention)"
+        )
+    if sp and (seq_len // cp) % tp:
+        raise ValueError(
+            f"sequence_parallel splits each CP rank's {seq_len // cp} tokens (seq_len={seq_len} / "
+            f"context_parallel_size={cp}) over tensor_parallel_size={tp}, which does not divide them"
+        )
+
+
+def apply_context_parallel(network: nn.Module, group: Any, size: int, rank: int) -> None:
+    """Give every attention layer of ``network`` the CP ring (its layers that have ``context_parallel``)."""
+    cp = ContextParallel(group, size, rank)
+    for module in network.modules():
+        if hasattr(module, "context_parallel"):
+            module.context_parallel = cp
+
+
+def route_context_parallel(module: Any, size: int, rank: int) -> None:
+    """``module.inputs_and_targets`` (lit3d's protocol) keeps this CP rank's tokens of the inputs and targets."""
+    whole = module.inputs_and_targets
+
+    def inputs_and_targets(batch: Any) -> tuple[Any, Any]:
+        inputs, targets = whole(batch)
+        return shard_sequence(inputs, size, rank), shard_sequence(targets, size, rank)
+
+    module.inputs_and_targets = inputs_and_targets
