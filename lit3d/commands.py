@@ -46,6 +46,7 @@ def plan(
     pipeline_parallel_size: int | None = None,
     data_parallel_size: int | None = None,
     expert_parallel_size: int | None = None,
+    context_parallel_size: int | None = None,
     sequence_parallel: bool = True,
     activation_checkpointing: bool | Literal["full", "selective"] | None = None,
     pipeline_schedule: str = "1f1b",
@@ -83,6 +84,8 @@ def plan(
         data_parallel_size: Fix DP (default: what TP and PP leave of the cluster).
         expert_parallel_size: Fix EP (an MoE model: ranks borrowed from DP that split the experts); searched
             when not given.
+        context_parallel_size: Fix CP (ranks that split every sequence; between DP and TP); searched when not
+            given for sequences of 16k tokens and more (1 otherwise).
         sequence_parallel: Sequence parallelism between TP regions.
         activation_checkpointing: Recompute activations: ``true``/``full`` (each block's input only) or
             ``selective`` (keeps matmul, attention and collective outputs); searched (off or full) when not given,
@@ -144,20 +147,21 @@ def plan(
         pipeline_parallel_size=pipeline_parallel_size,
         data_parallel_size=data_parallel_size,
         expert_parallel_size=expert_parallel_size,
+        context_parallel_size=context_parallel_size,
         num_microbatches=num_microbatches,
         top=top,
     )
     check_sizes(**{name: value for name, value in sizes.items() if value is not None})
 
     if tensor_parallel_size and pipeline_parallel_size:  # one layout
-        tp, pp = tensor_parallel_size, pipeline_parallel_size
-        if data_parallel_size is None and cluster.gpus % (tp * pp):
+        tp, pp, cp = tensor_parallel_size, pipeline_parallel_size, context_parallel_size or 1
+        if data_parallel_size is None and cluster.gpus % (tp * pp * cp):
             raise ValueError(
-                f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} does not divide the "
-                f"{cluster.gpus} GPUs of the cluster; give data_parallel_size"
+                f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} x context_parallel_size={cp} does not "
+                f"divide the {cluster.gpus} GPUs of the cluster; give data_parallel_size"
             )
-        dp = data_parallel_size or cluster.gpus // (tp * pp)
-        layout = Layout(dp=dp, tp=tp, pp=pp, devices_per_node=gpus_per_node, ep=expert_parallel_size or 1)
+        dp = data_parallel_size or cluster.gpus // (tp * pp * cp)
+        layout = Layout(dp=dp, tp=tp, pp=pp, devices_per_node=gpus_per_node, ep=expert_parallel_size or 1, cp=cp)
         if dp % layout.ep:
             raise ValueError(f"expert_parallel_size={layout.ep} does not divide data_parallel_size={dp}")
         if zero_stage is None:
@@ -197,6 +201,7 @@ def plan(
             pipeline_parallel_size=pipeline_parallel_size,
             data_parallel_size=data_parallel_size,
             expert_parallel_size=expert_parallel_size,
+            context_parallel_size=context_parallel_size,
             zero_stages=ZERO_STAGES if zero_stage is None else (zero_stage,),
             checkpointing=(False, True) if activation_checkpointing is None else (activation_checkpointing,),
         )

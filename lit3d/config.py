@@ -259,7 +259,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         d_model=16384,
         d_ff=53248,
         vocab_size=128256,
-        max_seq_len=8192,
+        max_seq_len=131072,  # Llama 3.1: 128k tokens after the long-context stage (trained at TP8 x CP16 x PP16)
         rope_theta=500000.0,
     ),
     "gpt3-175b": dict(

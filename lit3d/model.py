@@ -92,6 +92,22 @@ def rotary_tables(
 _ROTARY_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
+def context_parallel_rotary_tables(
+    cp: ContextParallel, seq_len: int, head_dim: int, theta: float, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rotary_tables` at the true positions of the ``seq_len`` tokens a CP rank holds (`lit3d.ring_attention`),
+    cached the same way."""
+    cos, sin = rotary_tables(seq_len * cp.size, head_dim, theta, device, dtype)
+    where = positions(seq_len, cp.size, cp.rank, device)
+    if torch.compiler.is_compiling():
+        return cos[where], sin[where]
+    key = ("cp", seq_len, cp.size, cp.rank, head_dim, theta, str(device), dtype)
+    if key not in _ROTARY_TABLES:
+        with torch.inference_mode(False), torch.no_grad():
+            _ROTARY_TABLES[key] = cos[where], sin[where]
+    return _ROTARY_TABLES[key]
+
+
 def _rotary_tables(
     seq_len: int, head_dim: int, theta: float, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,9 +147,7 @@ class Attention(nn.Module):
         if cp is None:
             cos, sin = rotary_tables(seq, hd, self.config.rope_theta, x.device, q.dtype)
         else:  # each token rotated by its true position
-            cos, sin = rotary_tables(seq * cp.size, hd, self.config.rope_theta, x.device, q.dtype)
-            where = positions(seq, cp.size, cp.rank, x.device)
-            cos, sin = cos[where], sin[where]
+            cos, sin = context_parallel_rotary_tables(cp, seq, hd, self.config.rope_theta, x.device, q.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         y = causal_attention(q, k, v, self.config.attention) if cp is None else ring_attention(q, k, v, cp)
         return self.o_proj(y.reshape(batch, seq, -1))

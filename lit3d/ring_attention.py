@@ -102,7 +102,10 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
         ring = _Ring(cp)
         half = q.shape[2] // 2
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        # NOTE: laid out [b, s, h, d] in memory, as the model reads it: the caller's reshape is then a view, and
+        # the tensor saved here is the one the output projection saves.
+        b, h, s, d = q.shape
+        out = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device).transpose(1, 2)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
         block = torch.stack((k, v)).contiguous()
         for step in range(cp.size):

@@ -152,6 +152,24 @@ MOE_LAYOUTS["moe_dp2_ep2_tp2_sequence_parallel_comms"] = (4, {
 })  # fmt: skip
 
 
+# Context parallelism: sequences of 256 tokens (2 x cp chunks each), compared with their own single-process run;
+# every layout also measures its bytes per axis in step 5.
+LONG = {"model": {"config": dict(SMALL_GPT, max_seq_len=256)}, "data": {"seq_len": 256, "global_batch_size": 4}}
+CP_LAYOUTS = {
+    name: (world, {**LONG, "strategy": strategy, "callbacks": [CommReport(step=5)]})
+    for name, world, strategy in [
+        ("cp2", 2, {"context_parallel_size": 2}),
+        ("cp4", 4, {"context_parallel_size": 4}),
+        ("cp2_tp2_sequence_parallel", 4, {"context_parallel_size": 2, "tensor_parallel_size": 2,
+                                          "sequence_parallel": True}),
+        ("dp2_cp2_zero3", 4, {"context_parallel_size": 2, "zero_stage": 3}),
+        ("cp2_pp2", 4, {"context_parallel_size": 2, **pp(2)}),
+        ("cp2_full_recompute", 2, {"context_parallel_size": 2, "activation_checkpointing": "full"}),
+        ("dp2_cp2_tp2_zero1", 8, {"context_parallel_size": 2, "tensor_parallel_size": 2, "zero_stage": 1}),
+    ]
+}  # fmt: skip
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> Path:
     import random
@@ -200,11 +218,19 @@ def reference_moe_run(base_job, tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="session")
+def reference_long_run(base_job, tmp_path_factory) -> dict:
+    """The single-process run of 256-token sequences, which the context-parallel layouts are compared with."""
+    from spawned import run_job
+
+    return run_job(merge(base_job, LONG), tmp_path_factory.mktemp("reference_long"))
+
+
+@pytest.fixture(scope="session")
 def layout_runs(base_job, tmp_path_factory) -> dict[str, dict]:
-    """Every layout of `LAYOUTS`, one spawn per world size."""
+    """Every layout of `LAYOUTS`, `MOE_LAYOUTS` and `CP_LAYOUTS`, one spawn per world size."""
     from spawned import run_jobs
 
-    results, layouts = {}, {**LAYOUTS, **MOE_LAYOUTS}
+    results, layouts = {}, {**LAYOUTS, **MOE_LAYOUTS, **CP_LAYOUTS}
     for world in sorted({w for w, _ in layouts.values()}):
         jobs = {name: merge(base_job, job) for name, (w, job) in layouts.items() if w == world}
         results.update(run_jobs(world, jobs, tmp_path_factory.mktemp(f"world{world}")))

@@ -41,10 +41,11 @@ class SavedBytes:
 
         monkeypatch.setattr(torch_checkpoint, "create_selective_checkpoint_contexts", keep_cache)
 
-    def __call__(self, run, precision: str, module: torch.nn.Module) -> int:
+    def __call__(self, run, precision: str, module: torch.nn.Module, shared: tuple = ()) -> int:
+        """``shared``: more tensors every layer shares, left out like the rotary tables."""
         tables = [t for dtype in (torch.float32, torch.bfloat16) for t in rotary_tables(SEQ, CONFIG.head_dim,
                   CONFIG.rope_theta, torch.device("cpu"), dtype)]  # fmt: skip
-        exclude = {_storage(t) for t in [*module.parameters(), *tables]}
+        exclude = {_storage(t) for t in [*module.parameters(), *tables, *shared]}
         seen: dict[int, int] = {}
 
         def pack(tensor):
@@ -160,3 +161,41 @@ def test_sequence_parallel_keeps_a_tth_of_the_unsplit_layer(saved_bytes, tp2_mes
     unsplit, kept = kept(None, False), {sp: kept(tp2_mesh, sp) for sp in (False, True)}
     assert kept[True] / (unsplit / 2) == pytest.approx(1.0, abs=0.02)
     assert kept[False] / (unsplit / 2) > 1.2
+
+
+@pytest.fixture(scope="module")
+def cp4_group():
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_context_parallel_divides_a_blocks_activations_as_the_planner_says(saved_bytes, cp4_group, cp, precision):
+    """A CP rank's block keeps what the planner counts for its share of the tokens: 1/cp of the unsplit block.
+    (Ring attention runs on one rank of a fake process group: real shapes, no real hops.)"""
+    from lit3d.model import context_parallel_rotary_tables
+    from lit3d.ring_attention import ContextParallel
+    from lit3d.strategies.context_parallel import apply_context_parallel
+
+    unsplit = build(None, False, False, precision)
+    whole = saved_bytes(lambda: unsplit.blocks["0"](block_input(SEQ, precision)), precision, unsplit)
+    net = build(None, False, False, precision)
+    apply_context_parallel(net, cp4_group, cp, 0)
+    tables = [  # this rank's rotary tables, shared by every layer like the whole-sequence ones
+        table
+        for dtype in (torch.float32, torch.bfloat16)
+        for table in context_parallel_rotary_tables(
+            ContextParallel(cp4_group, cp, 0), SEQ // cp, CONFIG.head_dim, CONFIG.rope_theta, torch.device("cpu"), dtype
+        )
+    ]
+    x = block_input(SEQ // cp, precision)
+    measured = saved_bytes(lambda: net.blocks["0"](x), precision, net, shared=tables)
+    assert measured == pytest.approx(planned_block_bytes(1, False, False, precision) / cp, rel=0.01)
+    assert measured / (whole / cp) == pytest.approx(1.0, abs=0.02)

@@ -87,13 +87,14 @@ class RankMap:
                 if rank >= layout.world_size:
                     continue
                 d, t, p = layout.coordinate(rank)
+                c = layout.cp_rank(rank)
                 shown = not one_replica or d == 0
                 edge = ("red", 2.5) if rank in crossing else ("white", 1)
                 colour = colours(p % colours.N) if shown else "#eeeeee"
                 ax.add_patch(
                     Rectangle((slot, -row - 1), 0.94, 0.9, facecolor=colour, edgecolor=edge[0], linewidth=edge[1])
                 )
-                label = f"r{rank}\nt{t} p{p}" + ("" if one_replica else f" d{d}")
+                label = f"r{rank}\nt{t} p{p}" + (f" c{c}" if layout.cp > 1 else "") + ("" if one_replica else f" d{d}")
                 if self.plan is not None and shown:
                     label += "\n" + size(self.plan.memory_by_stage[p]["total"])
                 ax.text(slot + 0.47, -row - 0.55, label if shown else f"d{d}", ha="center", va="center", fontsize=6)
@@ -111,8 +112,12 @@ class RankMap:
         from lit3d.planner.report import plural, size
 
         layout = self.layout
-        lines = [f"{layout.world_size} {plural(self.device)} = dp {layout.dp} x tp {layout.tp} x pp {layout.pp} on "
+        cp = f" x cp {layout.cp}" if layout.cp > 1 else ""
+        lines = [f"{layout.world_size} {plural(self.device)} = dp {layout.dp}{cp} x tp {layout.tp} x pp {layout.pp} on "
                  f"{layout.num_nodes} node(s); colour = pipeline stage"]  # fmt: skip
+        if layout.cp > 1:
+            lines.append(f"c = place in the context-parallel ring (ranks {layout.tp} apart; each holds sequence chunks "
+                         f"c and {2 * layout.cp - 1}-c)")  # fmt: skip
         if self.plan is not None:
             plan = self.plan
             memory = size(plan.memory_per_gpu["total"])

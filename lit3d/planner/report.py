@@ -38,7 +38,8 @@ def describe(config: GPTConfig, cluster: Cluster) -> str:
 
 
 def settings(layout: Layout, training: Training, plan: Plan) -> str:
-    parts = [f"dp {layout.dp} x tp {layout.tp} x pp {layout.pp}", f"ZeRO-{training.zero_stage}", training.precision]
+    cp = f" x cp {layout.cp}" if layout.cp > 1 else ""
+    parts = [f"dp {layout.dp}{cp} x tp {layout.tp} x pp {layout.pp}", f"ZeRO-{training.zero_stage}", training.precision]
     if training.activation_checkpointing:
         selective = training.activation_checkpointing == "selective"
         parts.append("selective activation checkpointing" if selective else "activation checkpointing")
@@ -100,12 +101,13 @@ def format_search(
         )
         return "\n".join(lines)
     lines.append(
-        f"{'#':>2}  {'dp':>5} {'tp':>3} {'pp':>3} {'ep':>3} {'zero':>4} {'ac':>3} {'m':>4} {'memory GB':>9} "
+        f"{'#':>2}  {'dp':>5} {'cp':>3} {'tp':>3} {'pp':>3} {'ep':>3} {'zero':>4} {'ac':>3} {'m':>4} {'memory GB':>9} "
         f"{'step s':>8} {'MFU':>6}"
     )
     for i, c in enumerate(candidates[:top], 1):
         lines.append(
-            f"{i:>2}  {c.layout.dp:>5} {c.layout.tp:>3} {c.layout.pp:>3} {c.layout.ep:>3} {c.training.zero_stage:>4} "
+            f"{i:>2}  {c.layout.dp:>5} {c.layout.cp:>3} {c.layout.tp:>3} {c.layout.pp:>3} {c.layout.ep:>3} "
+            f"{c.training.zero_stage:>4} "
             f"{'yes' if c.training.activation_checkpointing else 'no':>3} {c.plan.num_microbatches:>4} "
             f"{c.plan.memory_per_gpu['total'] / GB:>9.1f} {c.plan.step_time_s:>8.3f} {c.plan.mfu:>6.1%}"
         )
@@ -118,6 +120,8 @@ def format_search(
     )
     if best.layout.ep > 1:
         flags += f" --trainer.strategy.expert_parallel_size={best.layout.ep}"
+    if best.layout.cp > 1:
+        flags += f" --trainer.strategy.context_parallel_size={best.layout.cp}"
     if best.training.activation_checkpointing:
         flags += " --trainer.strategy.activation_checkpointing=true"
     lines.append(f"run the best with: lit3d fit ... --trainer.strategy=Parallel3DStrategy {flags}")

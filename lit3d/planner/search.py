@@ -1,8 +1,10 @@
-"""The layout search: every valid (dp, tp, pp, ZeRO, checkpointing) on a cluster, the ones that fit, fastest first.
+"""The layout search: every valid (dp, cp, tp, pp, ZeRO, checkpointing) on a cluster, the ones that fit, fastest
+first.
 
 A layout is valid when tensor parallelism stays inside a node and divides the heads, kv heads, MLP width and
 (padded) vocabulary; the pipeline has at least one block per chunk (and an untied head); the global batch
-splits into whole micro-batches per replica that the schedule can run. Those that do not fit in memory are
+splits into whole micro-batches per replica that the schedule can run; context parallelism splits sequences of
+`LONG_SEQUENCE` tokens or more into two equal chunks per rank. Those that do not fit in memory are
 dropped; the rest are ranked by estimated step time, then by data-parallel traffic and memory.
 """
 
@@ -13,6 +15,7 @@ from dataclasses import dataclass, replace
 
 from lit3d.config import GPTConfig
 from lit3d.planner.estimate import GB, PRECISIONS, Cluster, Plan, Training, estimate
+from lit3d.strategies.context_parallel import check_context_parallel
 from lit3d.strategies.layout import (
     ZERO_STAGES,
     Layout,
@@ -22,6 +25,9 @@ from lit3d.strategies.layout import (
     check_sizes,
     microbatch_problem,
 )
+
+LONG_SEQUENCE = 16384  # tokens from which the search tries context parallelism
+MIN_CP_CHUNK = 2048  # tokens a CP rank keeps at least (shorter shares leave the ring's hops exposed)
 
 
 @dataclass
@@ -59,8 +65,9 @@ def layout_problem(config: GPTConfig, cluster: Cluster, layout: Layout, training
     """Why ``layout`` cannot run ``config`` with ``training`` on ``cluster`` (None if it can)."""
     tp, pp, dp = layout.tp, layout.pp, layout.dp
     if layout.world_size > cluster.gpus:
+        cp = f" x context_parallel_size={layout.cp}" if layout.cp > 1 else ""
         return (
-            f"data_parallel_size={dp} x tensor_parallel_size={tp} x pipeline_parallel_size={pp} = "
+            f"data_parallel_size={dp} x tensor_parallel_size={tp} x pipeline_parallel_size={pp}{cp} = "
             f"{layout.world_size} GPUs, but the cluster has {cluster.nodes} x {cluster.gpus_per_node} = "
             f"{cluster.gpus}"
         )
@@ -68,6 +75,7 @@ def layout_problem(config: GPTConfig, cluster: Cluster, layout: Layout, training
     try:
         check_model_fits_layout(config, layout)
         check_model_fits_pipeline(config, pp, virtual)
+        check_context_parallel(config, layout.cp, training.seq_len, tp, training.sequence_parallel and tp > 1)
     except ValueError as error:
         return str(error)
     per_step = dp * training.micro_batch_size
@@ -90,6 +98,17 @@ def _pp_and_ep(config: GPTConfig, ranks: int, pps: list[int], ep: int | None) ->
     return [(pp, e) for pp in pps for e in eps if ranks % pp == 0 and (ranks // pp) % e == 0]
 
 
+def context_parallel_sizes(training: Training, ranks: int, cp: int | None) -> list[int]:
+    """CP sizes to try over ``ranks``: the one given, else 1, and for a long sequence every power of two that
+    leaves each rank two equal chunks of at least `MIN_CP_CHUNK` tokens in all."""
+    if cp:
+        return [cp]
+    s, sizes = training.seq_len, [1]
+    while s >= LONG_SEQUENCE and s % (4 * sizes[-1]) == 0 and s // (2 * sizes[-1]) >= MIN_CP_CHUNK:
+        sizes.append(2 * sizes[-1])
+    return [c for c in sizes if ranks % c == 0]
+
+
 def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
@@ -103,33 +122,41 @@ def search(
     pipeline_parallel_size: int | None = None,
     data_parallel_size: int | None = None,
     expert_parallel_size: int | None = None,
+    context_parallel_size: int | None = None,
     zero_stages: tuple[int, ...] = ZERO_STAGES,
     checkpointing: tuple[bool, ...] = (False, True),
 ) -> tuple[list[Candidate], dict[str, int]]:
     """Layouts using every GPU of ``cluster`` (sizes given are kept), estimated; returns those that fit, best
     first, and counts of what was dropped and why.
 
-    An MoE model is searched over expert parallelism too."""
+    An MoE model is searched over expert parallelism too, a long sequence over context parallelism."""
     dropped = {"invalid": 0, "out_of_memory": 0}
     fitting: list[Candidate] = []
     pps = [pipeline_parallel_size] if pipeline_parallel_size else None
-    for tp in [tensor_parallel_size] if tensor_parallel_size else divisors(cluster.gpus_per_node):
-        for pp, ep in _pp_and_ep(config, cluster.gpus // tp, pps or divisors(cluster.gpus // tp), expert_parallel_size):
-            dp = cluster.gpus // (tp * pp)
-            if data_parallel_size and data_parallel_size != dp:
-                continue
-            layout = Layout(dp=dp, tp=tp, pp=pp, devices_per_node=cluster.gpus_per_node, ep=ep)
-            if dp * tp * pp != cluster.gpus or layout_problem(config, cluster, layout, training):
-                dropped["invalid"] += 1
-                continue
-            for zero in zero_stages if dp > 1 else zero_stages[:1]:
-                for ac in checkpointing:
-                    option = replace(training, zero_stage=zero, activation_checkpointing=ac)
-                    plan = estimate(config, cluster, layout, option)
-                    if plan.fits:
-                        fitting.append(Candidate(layout, option, plan))
-                    else:
-                        dropped["out_of_memory"] += 1
+    shapes = [
+        (tp, cp, pp, ep)
+        for tp in ([tensor_parallel_size] if tensor_parallel_size else divisors(cluster.gpus_per_node))
+        for cp in context_parallel_sizes(training, cluster.gpus // tp, context_parallel_size)
+        for pp, ep in _pp_and_ep(
+            config, cluster.gpus // (tp * cp), pps or divisors(cluster.gpus // (tp * cp)), expert_parallel_size
+        )
+    ]
+    for tp, cp, pp, ep in shapes:
+        dp = cluster.gpus // (tp * pp * cp)
+        if data_parallel_size and data_parallel_size != dp:
+            continue
+        layout = Layout(dp=dp, tp=tp, pp=pp, devices_per_node=cluster.gpus_per_node, ep=ep, cp=cp)
+        if layout.world_size != cluster.gpus or layout_problem(config, cluster, layout, training):
+            dropped["invalid"] += 1
+            continue
+        for zero in zero_stages if layout.replicas > 1 else zero_stages[:1]:
+            for ac in checkpointing:
+                option = replace(training, zero_stage=zero, activation_checkpointing=ac)
+                plan = estimate(config, cluster, layout, option)
+                if plan.fits:
+                    fitting.append(Candidate(layout, option, plan))
+                else:
+                    dropped["out_of_memory"] += 1
     # Fastest first; among equals, the least data-parallel traffic, then the least memory.
     fitting.sort(
         key=lambda c: (
@@ -159,10 +186,17 @@ def why(candidate: Candidate, cluster: Cluster) -> str:
             f"EP{layout.ep} holds 1/{layout.ep} of the experts per rank, all-to-alls move {ep['bytes'] / GB:.1f} "
             f"GB/GPU in {ep['seconds']:.2f} s"
         )
-    if layout.dp > 1:
-        dp = plan.communication_per_step["dp"]
+    if layout.cp > 1:
+        cp = plan.communication_per_step["cp"]
         parts.append(
-            f"DP{layout.dp} ZeRO-{training.zero_stage} moves {dp['bytes'] / GB:.1f} GB/GPU in {dp['seconds']:.2f} s"
+            f"CP{layout.cp} keeps {training.seq_len // layout.cp:,} of {training.seq_len:,} tokens per rank, its ring "
+            f"moves {cp['bytes'] / GB:.1f} GB/GPU in {cp['seconds']:.2f} s, {cp['hidden_s']:.2f} s hidden by attention"
+        )
+    if layout.replicas > 1:
+        dp = plan.communication_per_step["dp"]
+        replicas = f"DP{layout.dp}" + (f" x CP{layout.cp}" if layout.cp > 1 else "")
+        parts.append(
+            f"{replicas} ZeRO-{training.zero_stage} moves {dp['bytes'] / GB:.1f} GB/GPU in {dp['seconds']:.2f} s"
         )
     if training.activation_checkpointing:
         parts.append("recomputes activations (+33% compute)")

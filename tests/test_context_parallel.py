@@ -1,0 +1,172 @@
+"""Context parallelism: the chunks, ring attention against whole-sequence attention, layouts against the
+single-process curve, bytes against the planner, checkpoints across CP sizes, and the refusals."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import CP_LAYOUTS, LONG, SMALL_GPT, merge
+
+from lit3d import GPTConfig
+from lit3d.ring_attention import ContextParallel, positions, ring_attention, shard_sequence, unshard_sequence
+from lit3d.strategies.context_parallel import check_context_parallel
+from lit3d.strategies.layout import Layout, resolve_layout
+
+
+def test_each_rank_holds_an_early_and_a_late_chunk_at_their_true_positions():
+    tokens = torch.arange(16)[None]
+    shards = [shard_sequence(tokens, 4, rank) for rank in range(4)]
+    assert shards[0].tolist() == [[0, 1, 14, 15]] and shards[3].tolist() == [[6, 7, 8, 9]]
+    assert torch.equal(unshard_sequence(shards), tokens)
+    assert all(torch.equal(positions(4, 4, rank), shard[0]) for rank, shard in enumerate(shards))
+
+
+def _ring_worker(rank: int, world: int, port: int, folder: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    errors = {}
+    pairs, _ = dist.new_subgroups(2)
+    for cp, group, heads, dtype in [(4, dist.group.WORLD, (4, 2), torch.float32), (2, pairs, (4, 1), torch.float32),
+                                    (4, dist.group.WORLD, (4, 4), torch.bfloat16)]:  # fmt: skip
+        me = dist.get_rank(group)
+        (hq, hkv), b, s, d = heads, 2, 8 * cp, 8
+        q, g = torch.randn(b, s, hq, d, dtype=dtype), torch.randn(b, s, hq, d, dtype=dtype)
+        k, v = torch.randn(b, s, hkv, d, dtype=dtype), torch.randn(b, s, hkv, d, dtype=dtype)
+        whole = [t.clone().requires_grad_() for t in (q, k, v)]
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            *(t.transpose(1, 2) for t in whole), is_causal=True, enable_gqa=hq != hkv
+        ).transpose(1, 2)
+        expected.backward(g)
+        mine = [shard_sequence(t, cp, me).requires_grad_() for t in (q, k, v)]
+        out = ring_attention(*mine, ContextParallel(group, cp, me))
+        out.backward(shard_sequence(g, cp, me))
+        for name, got, want in [("out", out, expected), *zip(("dq", "dk", "dv"), (t.grad for t in mine),
+                                                            (t.grad for t in whole))]:  # fmt: skip
+            every = [torch.empty_like(got) for _ in range(cp)]
+            dist.all_gather(every, got.detach().contiguous(), group=group)
+            errors[f"cp{cp} {dtype} {name}"] = (unshard_sequence(every).float() - want.float()).abs().max().item()
+    torch.save(errors, f"{folder}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_ring_attention_equals_whole_sequence_attention_forward_and_backward(tmp_path):
+    """Grouped-query heads, CP 2 and 4, fp32 and bf16: the merged ring equals causal SDPA over the whole sequence."""
+    from spawned import free_port
+
+    mp.start_processes(_ring_worker, args=(4, free_port(), str(tmp_path)), nprocs=4, start_method="spawn")
+    errors = torch.load(tmp_path / "rank0.pt")
+    assert len(errors) == 12
+    for name, error in errors.items():
+        assert error <= (3e-2 if "bfloat16" in name else 2e-6), (name, error)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA flash kernel: needs a GPU")
+def test_the_cuda_kernels_of_the_ring_match_sdpa_on_one_block():
+    """The CUDA side of `lit3d.ring_attention` (its CPU side runs in every test above): one block's output,
+    log-sum-exp and gradients from the flash kernel, against SDPA's autograd."""
+    from lit3d.ring_attention import _attend, _attend_backward
+
+    q, k, v = (torch.randn(2, 4, 64, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    out, lse = _attend(q.detach(), k.detach(), v.detach(), True)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    grad = torch.randn_like(expected)
+    expected.backward(grad)
+    grads = _attend_backward(grad, q.detach(), k.detach(), v.detach(), out, lse, True)
+    assert (out - expected).abs().max() <= 2e-2
+    for got, want in zip(grads, (q.grad, k.grad, v.grad)):
+        assert (got.float() - want.float()).abs().max() <= 5e-2
+
+
+@pytest.mark.parametrize("layout", list(CP_LAYOUTS))
+def test_context_parallel_layout_matches_the_single_process_curve(layout, layout_runs, reference_long_run):
+    run, reference = layout_runs[layout], reference_long_run
+    assert len(reference["losses"]) == len(run["losses"]) == 8
+    assert reference["losses"][-1] < reference["losses"][0] - 1.0
+    assert max(abs(a - b) for a, b in zip(run["losses"], reference["losses"])) <= 1e-5
+    assert max(abs(a - b) for a, b in zip(run["val_loss"], reference["val_loss"])) <= 1e-5
+
+
+@pytest.mark.parametrize("layout", list(CP_LAYOUTS))
+def test_the_ring_and_every_other_axis_send_what_the_planner_counts(layout, layout_runs):
+    strategy = CP_LAYOUTS[layout][1]["strategy"]
+    comm = layout_runs[layout]["comm_bytes"]
+    measured, planned = comm["measured"], comm["planned"]
+    assert planned["cp"] > 0
+    assert (planned["tp"] > 0) == (strategy.get("tensor_parallel_size", 1) > 1)
+    assert (planned["pp"] > 0) == ("pipeline_parallel_size" in strategy)
+    for axis in ("tp", "pp", "dp", "cp", "ep"):
+        assert planned[axis] <= measured[axis] <= planned[axis] + 256, (axis, measured, planned)
+    assert measured["other"] <= 64
+
+
+@pytest.fixture(scope="module")
+def cp_saved(base_job, tmp_path_factory) -> dict:
+    """Runs checkpointed after step 4 at CP2 and on one process, each resumed in the other layout."""
+    from spawned import run_jobs
+
+    base = merge(merge(base_job, LONG), {"trainer": {"limit_val_batches": 0}})
+    out = tmp_path_factory.mktemp("cp_checkpoints")
+    cp2 = {"strategy": {"context_parallel_size": 2}}
+    step4 = {name: str(out / name / "ckpts" / "step=4.ckpt") for name in ("cp2", "single")}
+    results = run_jobs(1, {
+        "single": merge(base, {"strategy": {}, "checkpoint_every": 4}),
+    }, out)  # fmt: skip
+    results.update(run_jobs(2, {
+        "cp2": merge(base, {**cp2, "checkpoint_every": 4}),
+        "single_resumed_at_cp2": merge(base, {**cp2, "ckpt_path": step4["single"]}),
+    }, out))  # fmt: skip
+    results.update(run_jobs(1, {"cp2_resumed_on_one": merge(base, {"strategy": {}, "ckpt_path": step4["cp2"]})}, out))
+    return results
+
+
+@pytest.mark.parametrize(("saved", "resumed"), [("cp2", "cp2_resumed_on_one"), ("single", "single_resumed_at_cp2")])
+def test_a_checkpoint_resumes_at_another_context_parallel_size(cp_saved, saved, resumed):
+    uninterrupted, continued = cp_saved[saved]["losses"], cp_saved[resumed]["losses"]
+    assert len(uninterrupted) == 8 and len(continued) == 4
+    assert max(abs(a - b) for a, b in zip(continued, uninterrupted[4:])) <= 1e-5
+
+
+def test_bad_context_parallel_settings_are_refused_naming_the_values():
+    config = GPTConfig(**SMALL_GPT)
+    with pytest.raises(ValueError, match=r"seq_len=100 is not divisible by 2 x context_parallel_size=8"):
+        check_context_parallel(config, 4, 100)
+    with pytest.raises(ValueError, match=r"context_parallel_size=2 with an MoE model \(n_expert=4\)"):
+        check_context_parallel(GPTConfig(**dict(SMALL_GPT, n_expert=4, n_expert_per_token=2)), 2, 64)
+    with pytest.raises(ValueError, match=r"24 tokens .* tensor_parallel_size=5"):
+        check_context_parallel(config, 2, 48, tp=5, sp=True)
+    with pytest.raises(ValueError, match=r"context_parallel_size=3 does not divide the 8 launched ranks"):
+        resolve_layout(8, 8, "auto", 1, 1, 1, 3)
+    from lit3d.strategies import Parallel3DStrategy
+
+    with pytest.raises(ValueError, match=r"context_parallel_size=0 must be a positive integer"):
+        Parallel3DStrategy(context_parallel_size=0)
+
+
+def test_context_parallel_sits_between_data_and_tensor_parallel_in_the_rank_map():
+    layout = Layout(dp=2, tp=2, pp=2, devices_per_node=8, cp=2)
+    assert layout.world_size == 16 and layout.replicas == 4
+    assert layout.cp_groups()[0] == [0, 2] and layout.tp_groups()[0] == [0, 1]
+    assert all(layout.rank(*layout.coordinate(r), c=layout.cp_rank(r)) == r for r in range(16))
+    text = layout.rank_map()
+    assert "dp 2 x cp 2 x tp 2 x pp 2" in text and "context-parallel ring of 2 (stride 2)" in text
+    assert "(d, c, t, p)" in text and "   0     6  (1, 1, 0, 0)" in text
+
+
+def test_the_planner_needs_context_parallelism_for_llama_405b_at_128k_tokens(capsys):
+    """16,384 H100s, 128k-token sequences: no layout without CP fits; the search finds ones with it, and says why."""
+    from lit3d.cli import main
+    from lit3d.planner import Cluster, Training, search
+
+    llama = GPTConfig.from_name("llama-405b")
+    without, dropped = search(llama, Cluster(nodes=2048), Training(seq_len=131072, global_batch_size=2048),
+                              context_parallel_size=1, tensor_parallel_size=8)  # fmt: skip
+    assert not without and dropped["out_of_memory"] > 0
+    main(["plan", "--model", "llama-405b", "--seq_len", "131072", "--nodes", "2048", "--global_batch_size", "2048",
+          "--top", "1"])  # fmt: skip
+    text = capsys.readouterr().out
+    header, best = (line.split() for line in text.splitlines()[2:4])
+    assert header[:3] == ["#", "dp", "cp"] and int(best[2]) > 1, text
+    assert "tokens per rank, its ring moves" in text and "--trainer.strategy.context_parallel_size=" in text
