@@ -14,6 +14,8 @@ class StepTimer(Callback):
 
     Memory: on GPUs the peak allocated during training; on CPUs (no allocator statistics) the bytes held in
     parameters, gradients and optimizer states just before the last step. Both are for the most loaded rank.
+    Also ``activation_bytes``: what autograd keeps at the end of one forward (saved-tensor hooks, each storage
+    once, parameters left out), on the most loaded rank, measured in a warm-up step that the timing leaves out.
 
     Args:
         path: Where rank 0 writes the result.
@@ -25,10 +27,32 @@ class StepTimer(Callback):
         self.times: list[float] = []
         self._last: float | None = None
         self._state_bytes = 0
+        self._activation_bytes = 0
+        self._saved: dict[int, int] | None = None
+        self._hooks = None
 
     def on_train_start(self, trainer, pl_module):
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == 1 and self.warmup >= 2 and self._hooks is None:
+            params = {p.untyped_storage().data_ptr() for p in pl_module.parameters()}
+            self._saved = {}
+
+            def pack(tensor):
+                local = getattr(tensor, "_local_tensor", tensor)
+                if local.untyped_storage().data_ptr() not in params:
+                    self._saved[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+                return tensor
+
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor)
+            self._hooks.__enter__()
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        if self._hooks is not None and self._saved is not None:
+            self._hooks.__exit__(None, None, None)
+            self._activation_bytes, self._saved = sum(self._saved.values()), None
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         if trainer.global_step == trainer.max_steps - 1:
@@ -44,8 +68,10 @@ class StepTimer(Callback):
 
     def on_train_end(self, trainer, pl_module):
         local = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else self._state_bytes
-        peak = trainer.strategy.reduce(torch.tensor(float(local), device=pl_module.device), reduce_op="max")
+        mine = torch.tensor([float(local), float(self._activation_bytes)], device=pl_module.device)
+        peak, activations = trainer.strategy.reduce(mine, reduce_op="max").tolist()
         if trainer.is_global_zero:
             steps = sorted(self.times[self.warmup :])
+            result = {"median_step_s": steps[len(steps) // 2], "steps": len(steps), "peak_bytes": int(peak)}
             with open(self.path, "w") as f:
-                json.dump({"median_step_s": steps[len(steps) // 2], "steps": len(steps), "peak_bytes": int(peak)}, f)
+                json.dump({**result, "activation_bytes": int(activations)}, f)

@@ -15,6 +15,14 @@ ratio against the Lightning strategy that does the same job, measured in this sa
     Parallel3DStrategy DP, ZeRO-3     vs  fsdp (needs GPUs), else ModelParallelStrategy with FSDP2 over DP
     Parallel3DStrategy TP             vs  ModelParallelStrategy with the same tensor-parallel plan
     Parallel3DStrategy DP2 EP2        vs  Parallel3DStrategy DP2, experts replicated (an MoE model: --experts)
+    Parallel3DStrategy CP2, CP4       vs  Parallel3DStrategy 1x1x1 (long sequences: --context)
+
+Long sequences (``--context``): each CP rank keeps 1/cp of every sequence, so the activations autograd keeps per
+rank (column ``act MB``, measured with saved-tensor hooks in a warm-up step) fall by cp, while each rank's step
+time shows the ring's cost (on a CPU machine, also that cp processes share its cores)::
+
+    python benchmarks/strategies.py --context --seq-len 4096 --n-layer 2 --d-model 128 --global-batch-size 1 \
+        --configs "3d 1x1x1" "3d cp2" "3d cp4"
 
 A ratio below 1 means lit3d is faster. ModelParallelStrategy leaves the parallelisation to the module: here a
 GPT subclass applies the same TP plan and FSDP2 in ``configure_model``, as Lightning's documentation shows.
@@ -61,8 +69,12 @@ CONFIGS = {
     "3d tp2": (2, {"tensor_parallel_size": 2}, ("mp tp2",)),
     # MoE models only (--experts): the experts split over 2 ranks, against every rank holding all of them
     "3d dp2 ep2": (2, {"zero_stage": 1, "expert_parallel_size": 2}, ("3d dp2 zero1",)),
+    # Long sequences only (--context): every sequence split over 2 or 4 ranks, against one rank holding it all
+    "3d cp2": (2, {"zero_stage": 0, "context_parallel_size": 2}, ("3d 1x1x1",)),
+    "3d cp4": (4, {"zero_stage": 0, "context_parallel_size": 4}, ("3d 1x1x1",)),
 }
 MOE_ONLY = {"3d dp2 ep2"}
+CONTEXT_ONLY = {"3d cp2", "3d cp4"}
 
 
 def main() -> None:
@@ -80,6 +92,7 @@ def main() -> None:
         default=0,
         help="an MoE model: this many experts per block (2 per token, after one dense block)",
     )
+    parser.add_argument("--context", action="store_true", help="run the context-parallel configurations too")
     parser.add_argument(
         "--optimizer",
         default="auto",
@@ -115,6 +128,8 @@ def main() -> None:
             results[name] = {"skipped": "Lightning's FSDPStrategy requires GPUs"}
         elif name in MOE_ONLY and not args.experts:
             results[name] = {"skipped": "needs an MoE model (--experts)"}
+        elif name in CONTEXT_ONLY and not args.context:
+            results[name] = {"skipped": "a long-sequence configuration (--context)"}
         elif gpu and processes > torch.cuda.device_count():
             results[name] = {"skipped": f"needs {processes} GPUs"}
         else:
@@ -124,7 +139,9 @@ def main() -> None:
         results.update(run_group(processes, names, args, threads=max(1, cores // processes)))
 
     tokens = args.global_batch_size * args.seq_len
-    print(f"\n{'configuration':<16}{'ms/step':>10}{'tokens/s':>11}{'mem MB':>10}   vs baseline (same run)")
+    print(
+        f"\n{'configuration':<16}{'ms/step':>10}{'tokens/s':>11}{'mem MB':>10}{'act MB':>10}   vs baseline (same run)"
+    )
     for name in args.configs:
         result = results[name]
         if "skipped" in result:
@@ -136,7 +153,8 @@ def main() -> None:
         if baseline:
             result["ratio"] = step / results[baseline]["median_step_s"]
             versus = f"{result['ratio']:.3f} x {baseline}"
-        print(f"{name:<16}{step * 1000:>10.1f}{tokens / step:>11.0f}{result['peak_bytes'] / 2**20:>10.0f}   {versus}")
+        memory = f"{result['peak_bytes'] / 2**20:>10.0f}{result['activation_bytes'] / 2**20:>10.1f}"
+        print(f"{name:<16}{step * 1000:>10.1f}{tokens / step:>11.0f}{memory}   {versus}")
     print_comm_report(results, args.configs)
     print(f"({time.time() - started:.0f} s)")
     if args.json:
@@ -148,7 +166,7 @@ def print_comm_report(results: dict[str, dict], names: list[str]) -> None:
     print("\ncommunication in one step, MiB sent by the busiest rank: measured under CommDebugMode, and planned")
     print(
         f"{'configuration':<16}"
-        + "".join(f"{axis:>10}{'planned':>10}" for axis in ("tp", "dp", "ep"))
+        + "".join(f"{axis:>10}{'planned':>10}" for axis in ("tp", "dp", "ep", "cp"))
         + f"{'other':>10}"
     )
     for name in names:
@@ -157,7 +175,7 @@ def print_comm_report(results: dict[str, dict], names: list[str]) -> None:
             continue
         measured, planned = comm["measured"], comm["planned"] or {}
         row = f"{name:<16}"
-        for axis in ("tp", "dp", "ep"):
+        for axis in ("tp", "dp", "ep", "cp"):
             plan = f"{planned[axis] / 2**20:.3f}" if axis in planned else "-"
             row += f"{measured.get(axis, 0.0) / 2**20:>10.3f}{plan:>10}"
         print(row + f"{measured['other'] / 2**20:>10.3f}")
@@ -182,6 +200,7 @@ def run_group(processes: int, names: list[str], args: argparse.Namespace, thread
                 "median_step_s": statistics.median(run["median_step_s"] for run in runs),
                 "per_round_s": [run["median_step_s"] for run in runs],
                 "peak_bytes": max(run["peak_bytes"] for run in runs),
+                "activation_bytes": max(run["activation_bytes"] for run in runs),
                 "comm": json.loads(comm.read_text()) if comm.exists() else None,
             }
             print(
