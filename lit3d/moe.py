@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -62,16 +63,30 @@ class Router(nn.Module):
             self.expert_bias.add_(rate * torch.sign(load.mean() - load))
 
 
-def balance_loss(scores: torch.Tensor, chosen: torch.Tensor, n_expert: int, seq_len: int) -> torch.Tensor:
+def balance_loss(
+    scores: torch.Tensor, chosen: torch.Tensor, n_expert: int, seq_len: int, context_parallel: Any = None
+) -> torch.Tensor:
     """Switch Transformer's load-balancing loss, per sequence, averaged over sequences: ``n_expert · Σ_e f_e P_e``
     with ``f_e`` the share of the sequence's routed slots that go to expert e and ``P_e`` its mean score there.
-    1 when the load is even, up to ``n_expert`` when one expert takes everything."""
+    1 when the load is even, up to ``n_expert`` when one expert takes everything.
+
+    ``context_parallel`` (`lit3d.ring_attention.ContextParallel`): each rank holds ``seq_len`` tokens of every
+    sequence; the slots and scores are summed over the CP ranks first (one all-reduce), so every rank gets the
+    whole sequences' loss, and its gradient through this rank's scores comes scaled by the CP size: averaged over
+    the ranks as gradients are, the parts add up to the whole sequences' gradient."""
     k = chosen.shape[-1]
     per_sequence = chosen.view(-1, seq_len * k)
     counts = torch.zeros(per_sequence.shape[0], n_expert, device=chosen.device)
     counts.scatter_add_(1, per_sequence, torch.ones_like(per_sequence, dtype=counts.dtype))
-    share = counts / (seq_len * k)
-    mean_score = scores.view(-1, seq_len, n_expert).mean(dim=1)
+    score_sums = scores.view(-1, seq_len, n_expert).float().sum(dim=1)
+    if context_parallel is not None and context_parallel.size > 1:
+        cp = context_parallel
+        whole = torch.cat((counts, score_sums.detach()))
+        torch.distributed.all_reduce(whole, group=cp.group)
+        counts, whole_scores = whole.chunk(2)
+        score_sums = whole_scores + cp.size * (score_sums - score_sums.detach())
+        seq_len = seq_len * cp.size
+    share, mean_score = counts / (seq_len * k), score_sums / seq_len
     return n_expert * (share * mean_score).sum(dim=-1).mean()
 
 
@@ -182,6 +197,7 @@ class MoE(nn.Module):
         shared = config.n_shared_expert * config.d_ff_expert
         self.shared = MLP(config.replace(d_ff=shared)) if shared else None
         self.ep_group = None  # expert parallelism: the process group the experts are split over
+        self.context_parallel = None  # context parallelism: the balance loss sums its sequences over the CP ranks
         self.coef, self.capacity_factor = config.aux_loss_coef, config.capacity_factor
         self.stats: tuple[torch.Tensor, torch.Tensor] | None = None
         self.history: list[tuple[torch.Tensor, torch.Tensor]] = []  # stats of the training forwards, until cleared
@@ -194,7 +210,7 @@ class MoE(nn.Module):
         flat = x.reshape(-1, width)
         chosen, weights, scores = self.router(flat)
         tokens_per_expert = torch.bincount(chosen.flatten(), minlength=self.n_expert)
-        aux = balance_loss(scores, chosen, self.n_expert, seq)
+        aux = balance_loss(scores, chosen, self.n_expert, seq, self.context_parallel)
         self.stats = (aux, tokens_per_expert.detach())
         record = (aux.detach(), self.stats[1])
         if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:  # training, not a recompute

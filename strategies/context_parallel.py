@@ -17,15 +17,18 @@ import torch.nn as nn
 from lit3d.ring_attention import ContextParallel, shard_sequence
 
 
-def check_context_parallel(config: Any, cp: int, seq_len: int | None, tp: int = 1, sp: bool = False) -> None:
+def check_context_parallel(
+    config: Any, cp: int, seq_len: int | None, tp: int = 1, sp: bool = False, ep: int = 1
+) -> None:
     """Refuse what context parallelism cannot run, naming the values: sequences that do not split into ``2·cp``
-    equal chunks (and, under sequence parallelism, a rank's share that does not split over TP), and MoE models."""
+    equal chunks (and, under sequence parallelism, a rank's share that does not split over TP), and expert
+    parallelism alongside it."""
     if cp == 1:
         return
-    if getattr(config, "n_expert", 0):
+    if ep > 1:
         raise ValueError(
-            f"context_parallel_size={cp} with an MoE model (n_expert={config.n_expert}) is not supported yet: the "
-            "load-balancing loss is per sequence, and a CP rank sees only part of each; use context_parallel_size=1"
+            f"context_parallel_size={cp} with expert_parallel_size={ep} is not supported yet: an MoE model runs "
+            "under context parallelism with its experts on every rank (expert_parallel_size=1)"
         )
     if seq_len is None:
         return
@@ -42,7 +45,8 @@ def check_context_parallel(config: Any, cp: int, seq_len: int | None, tp: int = 
 
 
 def apply_context_parallel(network: nn.Module, group: Any, size: int, rank: int) -> None:
-    """Give every attention layer of ``network`` the CP ring (its layers that have ``context_parallel``)."""
+    """Give every layer of ``network`` that has a ``context_parallel`` attribute the CP ring: attention, and MoE
+    layers (their balance loss is per whole sequence)."""
     cp = ContextParallel(group, size, rank)
     for module in network.modules():
         if hasattr(module, "context_parallel"):

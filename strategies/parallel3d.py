@@ -237,7 +237,7 @@ class Parallel3DStrategy(ShardedCheckpoints, StepHooks, LocalOptimizerSteps, Mod
         trainer = trainer or getattr(module, "_trainer", None)
         datamodule = datamodule or getattr(trainer, "datamodule", None)
         check_context_parallel(
-            config, layout.cp, getattr(datamodule, "seq_len", None), layout.tp, self.sequence_parallel
+            config, layout.cp, getattr(datamodule, "seq_len", None), layout.tp, self.sequence_parallel, layout.ep
         )
 
         if layout.pp > 1 and hasattr(module, "tensor_parallel_plan"):  # one the strategy splits (`model` comes later)

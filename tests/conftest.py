@@ -168,6 +168,8 @@ CP_LAYOUTS = {
         ("dp2_cp2_tp2_zero1", 8, {"context_parallel_size": 2, "tensor_parallel_size": 2, "zero_stage": 1}),
     ]
 }  # fmt: skip
+LONG_MOE = {**LONG, "model": {"config": dict(SMALL_MOE, max_seq_len=256)}}
+CP_LAYOUTS["moe_cp2"] = (2, {**LONG_MOE, "strategy": {"context_parallel_size": 2}, "callbacks": [CommReport(step=5)]})
 
 
 @pytest.fixture(scope="session")
@@ -223,6 +225,14 @@ def reference_long_run(base_job, tmp_path_factory) -> dict:
     from spawned import run_job
 
     return run_job(merge(base_job, LONG), tmp_path_factory.mktemp("reference_long"))
+
+
+@pytest.fixture(scope="session")
+def reference_long_moe_run(base_job, tmp_path_factory) -> dict:
+    """The single-process run of the MoE model on 256-token sequences."""
+    from spawned import run_job
+
+    return run_job(merge(base_job, LONG_MOE), tmp_path_factory.mktemp("reference_long_moe"))
 
 
 @pytest.fixture(scope="session")

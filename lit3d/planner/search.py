@@ -75,7 +75,8 @@ def layout_problem(config: GPTConfig, cluster: Cluster, layout: Layout, training
     try:
         check_model_fits_layout(config, layout)
         check_model_fits_pipeline(config, pp, virtual)
-        check_context_parallel(config, layout.cp, training.seq_len, tp, training.sequence_parallel and tp > 1)
+        sp = training.sequence_parallel and tp > 1
+        check_context_parallel(config, layout.cp, training.seq_len, tp, sp, layout.ep)
     except ValueError as error:
         return str(error)
     per_step = dp * training.micro_batch_size

@@ -116,4 +116,5 @@ def local_numel(tensor: Tensor, tp: int, shard: int = 1, shard_dim: int = 0, ep:
 def replicas(tensor: Tensor, layout: Any) -> int:
     """Ranks that hold the same copy of ``tensor`` and shard it under ZeRO: the ``dp × cp`` replicas, or for an
     expert the DP ranks over expert-parallel groups."""
-    return layout.dp // layout.ep if tensor.expert else layout.dp * getattr(layout, "cp", 1)
+    every = layout.dp * getattr(layout, "cp", 1)
+    return every // layout.ep if tensor.expert else every

@@ -46,10 +46,13 @@ def communication_bytes(
         experts = sum(local_numel(t, tp, ep=layout.ep) for t in tensors if t.expert)
         shape = (microbatches // schedules, schedules, pp > 1, precision)
         sent = _dp_traffic(training.zero_stage, replicas, in_blocks, root, *shape)
-        sent += _dp_traffic(training.zero_stage, layout.dp // layout.ep, experts, 0, *shape)  # over the same experts
+        sent += _dp_traffic(training.zero_stage, replicas // layout.ep, experts, 0, *shape)  # over the same experts
         traffic["dp"] = max(traffic["dp"], sent)
         traffic["ep"] = max(traffic["ep"], moe * microbatches * _all_to_all_bytes(config, layout, training, precision))
-        traffic["cp"] = max(traffic["cp"], blocks * microbatches * _ring_bytes(config, layout, training, precision))
+        cp_bytes = blocks * _ring_bytes(config, layout, training, precision) + moe * _balance_bytes(
+            config, layout, training
+        )
+        traffic["cp"] = max(traffic["cp"], microbatches * cp_bytes)
     if pp > 1:
         traffic["pp"] = _pipeline_sends(pp, virtual) * microbatches * act_bytes / (tp if sp else 1)
     return traffic
@@ -61,6 +64,15 @@ def _ring_bytes(config: GPTConfig, layout: Layout, training: Training, precision
     tokens = training.micro_batch_size * training.seq_len // layout.cp
     kv = 2 * tokens * config.n_kv_head // layout.tp * config.head_dim
     return ring_bytes_per_layer(kv, precision.activations, layout.cp, bool(training.activation_checkpointing))
+
+
+def _balance_bytes(config: GPTConfig, layout: Layout, training: Training) -> float:
+    """Bytes one rank sends over CP per MoE block and micro-batch: the all-reduce of each sequence's slots and
+    scores per expert (fp32) that makes the balance loss whole-sequence (again under full recompute)."""
+    if layout.cp == 1:
+        return 0.0
+    forwards = 2 if training.activation_checkpointing in (True, "full") else 1
+    return forwards * 2 * (layout.cp - 1) / layout.cp * training.micro_batch_size * 2 * config.n_expert * 4
 
 
 def _moe_blocks(config: GPTConfig, tensors: list) -> int:
