@@ -44,6 +44,23 @@ def check_context_parallel(
         )
 
 
+def check_module_for_context_parallel(module: Any, cp: int, predicting: bool = False) -> None:
+    """Refuse a module context parallelism cannot split: it needs lit3d's protocol (a ``tensor_parallel_plan``, and
+    ``inputs_and_targets`` to cut each rank's tokens from), and whole sequences on every rank to predict."""
+    if cp == 1:
+        return
+    if not (hasattr(module, "tensor_parallel_plan") and hasattr(module, "inputs_and_targets")):
+        raise TypeError(
+            f"context_parallel_size={cp} needs a module the strategy splits, with `inputs_and_targets(batch)` "
+            f"(like lit3d.GPT); {type(module).__name__} parallelises itself: use context_parallel_size=1"
+        )
+    if predicting:
+        raise ValueError(
+            f"context_parallel_size={cp} splits every sequence over ranks, but prediction samples from whole "
+            "sequences: predict with context_parallel_size=1 (a checkpoint loads in any layout)"
+        )
+
+
 def apply_context_parallel(network: nn.Module, group: Any, size: int, rank: int) -> None:
     """Give every layer of ``network`` that has a ``context_parallel`` attribute the CP ring: attention, and MoE
     layers (their balance loss is per whole sequence)."""

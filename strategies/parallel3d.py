@@ -54,7 +54,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lit3d.strategies.checkpoint import ShardedCheckpoints
-from lit3d.strategies.context_parallel import apply_context_parallel, check_context_parallel, route_context_parallel
+from lit3d.strategies.context_parallel import (
+    apply_context_parallel,
+    check_context_parallel,
+    check_module_for_context_parallel,
+    route_context_parallel,
+)
 from lit3d.strategies.launchers import (
     CheckingLauncher,
     ForkLauncher,
@@ -239,6 +244,8 @@ class Parallel3DStrategy(ShardedCheckpoints, StepHooks, LocalOptimizerSteps, Mod
         check_context_parallel(
             config, layout.cp, getattr(datamodule, "seq_len", None), layout.tp, self.sequence_parallel, layout.ep
         )
+        predicting = trainer is not None and trainer.state.fn == TrainerFn.PREDICTING
+        check_module_for_context_parallel(module, layout.cp, predicting)
 
         if layout.pp > 1 and hasattr(module, "tensor_parallel_plan"):  # one the strategy splits (`model` comes later)
             check_pipeline_protocol(module, layout.pp)

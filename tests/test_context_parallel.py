@@ -146,10 +146,16 @@ def test_bad_context_parallel_settings_are_refused_naming_the_values():
         check_context_parallel(config, 2, 48, tp=5, sp=True)
     with pytest.raises(ValueError, match=r"context_parallel_size=3 does not divide the 8 launched ranks"):
         resolve_layout(8, 8, "auto", 1, 1, 1, 3)
+    from lit3d import GPT
     from lit3d.strategies import Parallel3DStrategy
+    from lit3d.strategies.context_parallel import check_module_for_context_parallel
 
     with pytest.raises(ValueError, match=r"context_parallel_size=0 must be a positive integer"):
         Parallel3DStrategy(context_parallel_size=0)
+    with pytest.raises(TypeError, match=r"context_parallel_size=2 needs a module the strategy splits"):
+        check_module_for_context_parallel(torch.nn.Linear(2, 2), 2)
+    with pytest.raises(ValueError, match=r"predict with context_parallel_size=1"):
+        check_module_for_context_parallel(GPT(config), 2, predicting=True)
 
 
 def test_context_parallel_sits_between_data_and_tensor_parallel_in_the_rank_map():
