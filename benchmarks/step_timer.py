@@ -37,13 +37,17 @@ class StepTimer(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step == 1 and self.warmup >= 2 and self._hooks is None:
-            params = {p.untyped_storage().data_ptr() for p in pl_module.parameters()}
+            params = {getattr(p, "_local_tensor", p).untyped_storage().data_ptr() for p in pl_module.parameters()}
             self._saved = {}
 
             def pack(tensor):
                 local = getattr(tensor, "_local_tensor", tensor)
-                if local.untyped_storage().data_ptr() not in params:
-                    self._saved[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+                try:
+                    key, size = local.untyped_storage().data_ptr(), local.untyped_storage().nbytes()
+                except RuntimeError:  # a tensor subclass without a storage of its own: its elements
+                    key, size = id(local), local.numel() * local.element_size()
+                if key not in params:
+                    self._saved[key] = size
                 return tensor
 
             self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor)

@@ -17,19 +17,11 @@ import torch.nn as nn
 from lit3d.ring_attention import ContextParallel, shard_sequence
 
 
-def check_context_parallel(
-    config: Any, cp: int, seq_len: int | None, tp: int = 1, sp: bool = False, ep: int = 1
-) -> None:
+def check_context_parallel(config: Any, cp: int, seq_len: int | None, tp: int = 1, sp: bool = False) -> None:
     """Refuse what context parallelism cannot run, naming the values: sequences that do not split into ``2·cp``
-    equal chunks (and, under sequence parallelism, a rank's share that does not split over TP), and expert
-    parallelism alongside it."""
+    equal chunks (and, under sequence parallelism, a rank's share that does not split over TP)."""
     if cp == 1:
         return
-    if ep > 1:
-        raise ValueError(
-            f"context_parallel_size={cp} with expert_parallel_size={ep} is not supported yet: an MoE model runs "
-            "under context parallelism with its experts on every rank (expert_parallel_size=1)"
-        )
     if seq_len is None:
         return
     if seq_len % (2 * cp):

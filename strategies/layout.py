@@ -114,18 +114,24 @@ class Layout:
 
     def build_expert_mesh(self, device_type: str) -> DeviceMesh:
         """The ``(pp, edp, ep, tp)`` mesh of MoE experts over the same ranks: ``dp = edp × ep``, with each group of
-        ``ep`` consecutive DP ranks splitting the experts and ``edp`` of those groups holding the same ones."""
-        from torch.distributed.device_mesh import init_device_mesh
+        ``ep`` consecutive DP ranks splitting the experts and the other ranks that hold the same ones along
+        ``edp``: the other such groups, times the CP ranks (``edp`` is ``dp / ep × cp`` ranks)."""
+        import torch
+        from torch.distributed.device_mesh import DeviceMesh
 
-        shape = (self.pp, self.dp // self.ep, self.ep, self.tp)
-        return init_device_mesh(device_type, shape, mesh_dim_names=("pp", "edp", "ep", "tp"))
+        # rank = t + c·T + d·T·C + p·T·C·D with d = g·ep + e: regroup the digits as (p, (g, c), e, t)
+        ranks = torch.arange(self.world_size).view(self.pp, self.dp // self.ep, self.ep, self.cp, self.tp)
+        ranks = ranks.permute(0, 1, 3, 2, 4).reshape(self.pp, self.dp // self.ep * self.cp, self.ep, self.tp)
+        return DeviceMesh(device_type, ranks, mesh_dim_names=("pp", "edp", "ep", "tp"))
 
     def ep_groups(self) -> list[list[int]]:
-        """The expert-parallel groups: ``ep`` consecutive data-parallel ranks each (same TP and PP coordinates)."""
+        """The expert-parallel groups: ``ep`` consecutive data-parallel ranks each (same TP, CP and PP
+        coordinates)."""
         return [
-            [self.rank(first + e, t, p) for e in range(self.ep)]
+            [self.rank(first + e, t, p, c) for e in range(self.ep)]
             for p in range(self.pp)
             for first in range(0, self.dp, self.ep)
+            for c in range(self.cp)
             for t in range(self.tp)
         ]
 

@@ -242,7 +242,7 @@ class Parallel3DStrategy(ShardedCheckpoints, StepHooks, LocalOptimizerSteps, Mod
         trainer = trainer or getattr(module, "_trainer", None)
         datamodule = datamodule or getattr(trainer, "datamodule", None)
         check_context_parallel(
-            config, layout.cp, getattr(datamodule, "seq_len", None), layout.tp, self.sequence_parallel, layout.ep
+            config, layout.cp, getattr(datamodule, "seq_len", None), layout.tp, self.sequence_parallel
         )
         predicting = trainer is not None and trainer.state.fn == TrainerFn.PREDICTING
         check_module_for_context_parallel(module, layout.cp, predicting)

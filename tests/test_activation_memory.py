@@ -125,16 +125,23 @@ def test_the_output_layer_saves_what_the_planner_counts(saved_bytes, precision):
 
 
 @pytest.fixture(scope="module")
-def tp2_mesh():
+def fake_world():
+    """Rank 0 of a fake 4-rank process group: real local shapes, no real collectives."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
     try:
-        yield init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        yield dist.group.WORLD
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def tp2_mesh(fake_world):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh("cpu", torch.tensor([0, 1]), mesh_dim_names=("tp",))
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -163,21 +170,9 @@ def test_sequence_parallel_keeps_a_tth_of_the_unsplit_layer(saved_bytes, tp2_mes
     assert kept[False] / (unsplit / 2) > 1.2
 
 
-@pytest.fixture(scope="module")
-def cp4_group():
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
 @pytest.mark.parametrize("cp", [2, 4])
-def test_context_parallel_divides_a_blocks_activations_as_the_planner_says(saved_bytes, cp4_group, cp, precision):
+def test_context_parallel_divides_a_blocks_activations_as_the_planner_says(saved_bytes, fake_world, cp, precision):
     """A CP rank's block keeps what the planner counts for its share of the tokens: 1/cp of the unsplit block.
     (Ring attention runs on one rank of a fake process group: real shapes, no real hops.)"""
     from lit3d.model import context_parallel_rotary_tables
@@ -187,12 +182,17 @@ def test_context_parallel_divides_a_blocks_activations_as_the_planner_says(saved
     unsplit = build(None, False, False, precision)
     whole = saved_bytes(lambda: unsplit.blocks["0"](block_input(SEQ, precision)), precision, unsplit)
     net = build(None, False, False, precision)
-    apply_context_parallel(net, cp4_group, cp, 0)
+    apply_context_parallel(net, fake_world, cp, 0)
     tables = [  # this rank's rotary tables, shared by every layer like the whole-sequence ones
         table
         for dtype in (torch.float32, torch.bfloat16)
         for table in context_parallel_rotary_tables(
-            ContextParallel(cp4_group, cp, 0), SEQ // cp, CONFIG.head_dim, CONFIG.rope_theta, torch.device("cpu"), dtype
+            ContextParallel(fake_world, cp, 0),
+            SEQ // cp,
+            CONFIG.head_dim,
+            CONFIG.rope_theta,
+            torch.device("cpu"),
+            dtype,
         )
     ]
     x = block_input(SEQ // cp, precision)

@@ -76,7 +76,7 @@ def layout_problem(config: GPTConfig, cluster: Cluster, layout: Layout, training
         check_model_fits_layout(config, layout)
         check_model_fits_pipeline(config, pp, virtual)
         sp = training.sequence_parallel and tp > 1
-        check_context_parallel(config, layout.cp, training.seq_len, tp, sp, layout.ep)
+        check_context_parallel(config, layout.cp, training.seq_len, tp, sp)
     except ValueError as error:
         return str(error)
     per_step = dp * training.micro_batch_size

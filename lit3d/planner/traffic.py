@@ -94,7 +94,7 @@ def _all_to_all_bytes(config: GPTConfig, layout: Layout, training: Training, pre
     if ep == 1:
         return 0.0
     share = (ep - 1) / ep
-    rows = training.micro_batch_size * training.seq_len * config.n_expert_per_token * share
+    rows = training.micro_batch_size * training.seq_len // layout.cp * config.n_expert_per_token * share
     row_bytes = config.d_model * precision.activations
     forwards = 2 if training.activation_checkpointing in (True, "full") else 1
     return forwards * (config.n_expert * 8 * share + 2 * rows * row_bytes) + 2 * rows * row_bytes
