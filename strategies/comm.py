@@ -91,7 +91,7 @@ class CommBytes(CommDebugMode):
             payload = _nbytes(out if tensors == "out" else args[tensors])
             if func in _INPUT_SPLITS and args[_INPUT_SPLITS[func]]:  # uneven splits: what goes to the others only
                 splits, me = args[_INPUT_SPLITS[func]], ranks.index(dist.get_rank())
-                kind, payload = "send", payload * (sum(splits) - splits[me]) / sum(splits)
+                kind, payload = "send", payload * (sum(splits) - splits[me]) / max(1, sum(splits))
             share = {
                 "all_reduce": 2 * (size - 1) / size,
                 "gather": (size - 1) / size,
@@ -125,7 +125,7 @@ class CommBytes(CommDebugMode):
             ranks[_ranks(replica_mesh["dp"])] = "dp"
         names = {group.group_name: axis for axis, group in (("ep", ep_group), ("cp", cp_group)) if group is not None}
         if expert_mesh is not None and expert_mesh["edp"].size() > 1:
-            ranks.setdefault(_ranks(expert_mesh["edp"]), "dp")
+            ranks[_ranks(expert_mesh["edp"])] = "dp"  # (with CP its ranks may be a CP dim's: the ring goes by name)
         axes: dict[str, float] = defaultdict(float)
         for name, sent in self.bytes_by_name.items():
             axes[names.get(name) or ranks.get(self.ranks_by_name[name], "other")] += sent

@@ -169,7 +169,13 @@ CP_LAYOUTS = {
     ]
 }  # fmt: skip
 LONG_MOE = {**LONG, "model": {"config": dict(SMALL_MOE, max_seq_len=256)}}
-CP_LAYOUTS["moe_cp2"] = (2, {**LONG_MOE, "strategy": {"context_parallel_size": 2}, "callbacks": [CommReport(step=5)]})
+CP_LAYOUTS.update({
+    name: (world, {**LONG_MOE, "strategy": strategy, "callbacks": [CommReport(step=5)]})
+    for name, world, strategy in [
+        ("moe_cp2", 2, {"context_parallel_size": 2}),
+        ("moe_dp2_ep2_cp2", 4, {"context_parallel_size": 2, "expert_parallel_size": 2}),
+    ]
+})  # fmt: skip
 
 
 @pytest.fixture(scope="session")
