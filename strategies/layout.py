@@ -168,8 +168,8 @@ class Layout:
             )
         if self.ep > 1:
             lines.append(
-                f"expert-parallel of {self.ep} (consecutive data-parallel ranks, stride {self.tp * self.cp}) split each MoE "
-                f"layer's experts; {self.dp // self.ep} such group(s) hold the same experts"
+                f"expert-parallel of {self.ep} (consecutive data-parallel ranks, stride {self.tp * self.cp}) split "
+                f"each MoE layer's experts; {self.dp // self.ep} such group(s) hold the same experts"
             )
         crossing = self.tp_groups_across_nodes()
         if crossing:
