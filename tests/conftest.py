@@ -165,6 +165,7 @@ CP_LAYOUTS = {
         ("dp2_cp2_zero3", 4, {"context_parallel_size": 2, "zero_stage": 3}),
         ("cp2_pp2", 4, {"context_parallel_size": 2, **pp(2)}),
         ("cp2_full_recompute", 2, {"context_parallel_size": 2, "activation_checkpointing": "full"}),
+        ("cp2_selective_recompute", 2, {"context_parallel_size": 2, "activation_checkpointing": "selective"}),
         ("dp2_cp2_tp2_zero1", 8, {"context_parallel_size": 2, "tensor_parallel_size": 2, "zero_stage": 1}),
     ]
 }  # fmt: skip
