@@ -29,6 +29,7 @@ import torch.nn as nn
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.checkpoint.api import CheckpointException  # NOTE: a BaseException, not an Exception
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
@@ -106,13 +107,18 @@ def save(path: Path, tensors: dict[str, Any], meta: dict[str, Any], is_global_ze
         torch.save(meta, partial / META_FILE)
     _barrier()
     if is_global_zero:
-        previous = path.with_name(path.name + ".old")
-        if path.exists():
-            path.rename(previous)
-        partial.rename(path)
-        if previous.exists():
-            shutil.rmtree(previous) if previous.is_dir() else previous.unlink()
+        publish(path, partial)
     _barrier()
+
+
+def publish(path: Path, partial: Path) -> None:
+    """Move a complete ``partial`` folder into place at ``path`` (rank 0), replacing what was there."""
+    previous = path.with_name(path.name + ".old")
+    if path.exists():
+        path.rename(previous)
+    partial.rename(path)
+    if previous.exists():
+        shutil.rmtree(previous) if previous.is_dir() else previous.unlink()
 
 
 def check_readable(path: Path) -> None:
@@ -280,7 +286,11 @@ def _barrier() -> None:
 
 class ShardedCheckpoints:
     """The checkpoint hooks of `Parallel3DStrategy` (a mixin before Lightning's strategy class): every rank writes
-    and reads its own shards, under parameter names, with the functions above."""
+    and reads its own shards, under parameter names, with the functions above; with ``async_checkpoint`` the
+    writes go on in the background (`lit3d.strategies.async_checkpoint`)."""
+
+    async_checkpoint: bool = False
+    _background: Any = None  # BackgroundSaves, from the first asynchronous save on
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -309,10 +319,37 @@ class ShardedCheckpoints:
             "optimizer_states": checkpoint.pop("optimizer_states", []),
         }
         checkpoint["rng"] = _collect_rng_states()  # rank 0's; every rank was seeded alike
-        save(path, tensors, checkpoint, self.is_global_zero)
+        if not self.async_checkpoint:
+            save(path, tensors, checkpoint, self.is_global_zero)
+            return
+        if self._background is None:
+            from lit3d.strategies.async_checkpoint import BackgroundSaves
+
+            self._background = BackgroundSaves()
+        self._background.start(path, tensors, checkpoint, self.is_global_zero)
+
+    def wait_for_checkpoint(self, agree: bool = True) -> None:
+        """Block until a save in flight is complete; raise if it failed (naming the folder)."""
+        if self._background is not None:
+            self._background.wait(agree)
+
+    @override
+    def on_train_end(self) -> None:
+        self.wait_for_checkpoint()  # the end of training waits for the last save (and reports its failure)
+        super().on_train_end()
+
+    @override
+    def teardown(self) -> None:
+        if self._background is not None and self._background.pending is not None:  # fit ended by an error
+            try:
+                self._background.wait(agree=False)
+            except RuntimeError as error:
+                rank_zero_warn(str(error))
+        super().teardown()
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        self.wait_for_checkpoint()
         path = Path(self.broadcast(str(checkpoint_path)))
         check_readable(path)
         tensors: dict[str, Any] = {"state_dict": self.lightning_module.state_dict()}

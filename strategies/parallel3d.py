@@ -129,6 +129,10 @@ class Parallel3DStrategy(ShardedCheckpoints, StepHooks, LocalOptimizerSteps, Mod
         mixed_precision_reduce: Under ``precision="bf16-mixed"``, the dtype gradients are reduced in over DP:
             ``"float32"`` (torchtitan's default) or ``"bfloat16"`` (half the bytes). Parameters are gathered in
             bf16 either way; the rank-0 log says what each axis sends (`lit3d.strategies.precision`).
+        async_checkpoint: Write sharded checkpoints in the background: training waits only while each rank's
+            shards are copied to host memory (DCP's ``async_save``); the folder still appears complete or not at
+            all, one save is in flight at most, and a failed write is raised at the next save or at the end of
+            training, naming the folder (`lit3d.strategies.async_checkpoint`).
         process_group_backend: ``nccl`` or ``gloo``; default picks by device (NCCL on GPUs, gloo on CPU).
         timeout: How long a collective may wait for a peer before the job fails.
         start_method: How local ranks are started when nothing else starts them (torchrun and SLURM do):
@@ -153,6 +157,7 @@ class Parallel3DStrategy(ShardedCheckpoints, StepHooks, LocalOptimizerSteps, Mod
         activation_checkpointing: bool | Literal["full", "selective"] = False,
         compile: bool | str = False,
         mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32",
+        async_checkpoint: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta = timedelta(minutes=10),
         start_method: Literal["popen", "fork"] | None = None,
@@ -195,6 +200,9 @@ class Parallel3DStrategy(ShardedCheckpoints, StepHooks, LocalOptimizerSteps, Mod
         self.activation_checkpointing = activation_checkpointing
         self.compile = compile
         self.mixed_precision_reduce = mixed_precision_reduce
+        if not isinstance(async_checkpoint, bool):
+            raise ValueError(f"async_checkpoint={async_checkpoint!r} must be True or False")
+        self.async_checkpoint = async_checkpoint
         self._layout: Layout | None = None
         self._replica_mesh: DeviceMesh | None = None  # (pp, dp, tp), its dp the dp x cp ranks with the same weights
         self._cp_group: Any = None  # the ring attention's group, with context parallelism

@@ -104,8 +104,11 @@ def test_the_ring_and_every_other_axis_send_what_the_planner_counts(layout, layo
     assert planned["cp"] > 0
     assert (planned["tp"] > 0) == (strategy.get("tensor_parallel_size", 1) > 1)
     assert (planned["pp"] > 0) == ("pipeline_parallel_size" in strategy)
-    for axis in ("tp", "pp", "dp", "cp", "ep"):
+    uneven = strategy.get("expert_parallel_size", 1) > 1  # the planner counts the all-to-alls for an even load
+    for axis in ("tp", "pp", "dp", "cp", *(() if uneven else ("ep",))):
         assert planned[axis] <= measured[axis] <= planned[axis] + 256, (axis, measured, planned)
+    if uneven:  # (tests/test_moe.py measures them exactly with every token sent to every expert)
+        assert measured["ep"] == pytest.approx(planned["ep"], rel=0.05) and planned["ep"] > 0
     assert measured["other"] <= 64
 
 

@@ -1,0 +1,92 @@
+"""Sharded saves written in the background: they resume like synchronous ones, a failed write is raised naming
+its folder, and a process killed mid-write leaves the previous checkpoint as it was."""
+
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import merge
+
+from lit3d.strategies.async_checkpoint import BackgroundSaves
+from lit3d.strategies.checkpoint import PARTIAL_SUFFIX, check_readable, read_weights
+
+
+@pytest.fixture(scope="module")
+def async_saved(base_job, tmp_path_factory) -> dict:
+    """DP2 ZeRO-1 saving in the background after steps 4 and 8, resumed from step 4 at TP2 (also in the
+    background)."""
+    from spawned import run_jobs
+
+    out = tmp_path_factory.mktemp("async_checkpoints")
+    base = merge(base_job, {"trainer": {"limit_val_batches": 0}})
+    step4 = str(out / "dp2" / "ckpts" / "step=4.ckpt")
+    results = run_jobs(2, {"dp2": merge(base, {"strategy": {"async_checkpoint": True}, "checkpoint_every": 4})}, out)
+    resumed = {"strategy": {"async_checkpoint": True, "tensor_parallel_size": 2}, "ckpt_path": step4}
+    results.update(run_jobs(2, {"resume_tp2": merge(base, resumed)}, out))
+    return {**results, "folder": out / "dp2" / "ckpts"}
+
+
+def test_background_saves_are_complete_at_the_end_and_resume_in_another_layout(async_saved):
+    folder = async_saved["folder"]
+    assert sorted(p.name for p in folder.iterdir()) == ["step=4.ckpt", "step=8.ckpt"]  # no .partial left
+    for name in ("step=4.ckpt", "step=8.ckpt"):
+        check_readable(folder / name)  # the end of training waited for the last one
+    uninterrupted, resumed = async_saved["dp2"]["losses"], async_saved["resume_tp2"]["losses"]
+    assert len(uninterrupted) == 8 and len(resumed) == 4
+    assert max(abs(a - b) for a, b in zip(resumed, uninterrupted[4:])) <= 1e-5
+
+
+def test_a_failed_background_write_is_raised_at_the_next_save_naming_the_folder(tmp_path):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the checkpoint's parent folder should be")
+    saves, tensors = BackgroundSaves(), {"state_dict": {"w": torch.ones(3)}}
+    saves.start(blocker / "step=1.ckpt", tensors, {}, True)  # returns: the write fails in the background
+    with pytest.raises(RuntimeError, match=r"background save of checkpoint '.*step=1.ckpt' failed on rank\(s\) \[0\]"):
+        saves.start(tmp_path / "step=2.ckpt", tensors, {}, True)
+    saves.start(tmp_path / "step=3.ckpt", tensors, {"step": 3}, True)  # the failure was reported once
+    saves.wait()
+    assert read_weights(tmp_path / "step=3.ckpt")["step"] == 3
+
+
+SLOW_SECOND_SAVE = """
+import sys, time
+from pathlib import Path
+import torch
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from lit3d.strategies.async_checkpoint import BackgroundSaves
+
+folder, saves = Path(sys.argv[1]), BackgroundSaves()
+saves.start(folder / "step=1.ckpt", {"state_dict": {"w": torch.full((1000,), 1.0)}}, {"step": 1}, True)
+saves.wait()
+write = FileSystemWriter.write_data
+def slow(self, *args, **kwargs):
+    print("writing", flush=True)  # in the background thread, inside the write of step=2.ckpt's shards
+    time.sleep(60)
+    return write(self, *args, **kwargs)
+FileSystemWriter.write_data = slow
+saves.start(folder / "step=2.ckpt", {"state_dict": {"w": torch.full((1000,), 2.0)}}, {"step": 2}, True)
+time.sleep(60)
+"""
+
+
+def test_a_process_killed_during_a_background_write_leaves_the_previous_checkpoint(tmp_path):
+    process = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(SLOW_SECOND_SAVE), str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).parent,
+    )
+    try:
+        assert process.stdout.readline().strip() == "writing"
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=30)
+    finally:
+        process.kill()
+    assert read_weights(tmp_path / "step=1.ckpt")["state_dict"]["w"].eq(1.0).all()
+    assert not (tmp_path / "step=2.ckpt").exists() and (tmp_path / f"step=2.ckpt{PARTIAL_SUFFIX}").exists()
+    with pytest.raises(FileNotFoundError, match="step=2.ckpt"):
+        check_readable(tmp_path / "step=2.ckpt")
