@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from pathlib import Path
 from typing import Any
 
 from lightning.fabric.plugins import CheckpointIO
@@ -26,6 +27,7 @@ import lit3d.strategies  # registers "3d" and makes `Parallel3DStrategy` resolva
 from lit3d.callbacks import PrintCompletions, Throughput
 from lit3d.gpt import GPT, check_model_fits_data
 from lit3d.strategies.checkpoint import ShardedCheckpointReader, check_ckpt_path
+from lit3d.strategies.resume import newest_complete_checkpoint
 from lit3d.strategies.safe_io import UnsafeCheckpointError
 
 
@@ -91,6 +93,16 @@ class Lit3DCLI(LightningCLI):
             raise SystemExit(f"lit3d {self.subcommand}: error: {error}") from None
 
     before_fit = before_validate = before_test = before_predict = _check_model_and_data
+
+    def _prepare_subcommand_kwargs(self, subcommand: str) -> dict[str, Any]:
+        """Lightning's; ``fit --ckpt_path last`` is the newest complete checkpoint in the run's checkpoint folders
+        (`lit3d.strategies.resume`), or a fresh start: the same command resumes a requeued job."""
+        kwargs = super()._prepare_subcommand_kwargs(subcommand)
+        if subcommand == "fit" and kwargs.get("ckpt_path") == "last":
+            folders = [Path(cb.dirpath) for cb in self.trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)]
+            newest = newest_complete_checkpoint(folders)
+            kwargs["ckpt_path"] = None if newest is None else str(newest)
+        return kwargs
 
 
 def _resolve_lit3d_01_strategy_path() -> None:

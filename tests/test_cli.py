@@ -69,6 +69,28 @@ def test_fit_under_dp2_tp2_pp2_on_8_processes_gives_the_single_process_losses(tm
     torch.testing.assert_close(losses, single_process_losses, rtol=1e-5, atol=0)
 
 
+def test_fit_with_ckpt_path_last_starts_fresh_then_resumes_where_the_run_stopped(tmp_path, single_process_losses):
+    """The same command twice, as a requeued job runs it: DP2 saving in the background every 2 steps, stopped after
+    step 2, then continued to step 4 from the newest complete checkpoint."""
+    command = [
+        "fit", "--config", TINY, *QUICK, "--trainer.enable_checkpointing=true",
+        "--trainer.callbacks+=ModelCheckpoint", f"--trainer.callbacks.dirpath={tmp_path / 'ckpts'}",
+        "--trainer.callbacks.every_n_train_steps=2", "--trainer.callbacks.save_top_k=-1",
+        "--trainer.devices=2", "--trainer.strategy=Parallel3DStrategy", "--trainer.strategy.async_checkpoint=true",
+        "--ckpt_path=last",
+    ]  # fmt: skip
+    first = lit3d(*command, "--trainer.max_steps=2", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert (
+        "no complete checkpoint in" in first.stderr + first.stdout and "starting fresh" in first.stderr + first.stdout
+    )
+    second = lit3d(*command, "--trainer.max_steps=4", cwd=tmp_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resuming from" in second.stderr + second.stdout and "step=2.ckpt" in second.stderr + second.stdout
+    resumed = torch.tensor(logged(tmp_path / "runs" / "tiny" / "version_1", "train_loss"))
+    torch.testing.assert_close(resumed, single_process_losses[2:], rtol=1e-5, atol=0)
+
+
 LAYOUT_3D = ["--trainer.devices=4", "--trainer.strategy=Parallel3DStrategy"]
 # name -> (command line, environment); all run in one process (tests/cli_batch.py) and stop before training.
 EARLY_EXITS = {
