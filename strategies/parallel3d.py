@@ -87,6 +87,7 @@ from lit3d.strategies.precision import (
     mixed_precision_policy,
     uses_ddp,
 )
+from lit3d.strategies.preemption import StopOnSignal
 from lit3d.strategies.recompute import check_setting
 from lit3d.strategies.steps import StepHooks
 from lit3d.strategies.zero import check_replicas_in_sync
@@ -330,6 +331,8 @@ class Parallel3DStrategy(ShardedCheckpoints, StepHooks, LocalOptimizerSteps, Mod
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
+            if not any(isinstance(callback, StopOnSignal) for callback in trainer.callbacks):
+                trainer.callbacks.append(StopOnSignal())  # SIGTERM / SIGUSR1: agree, save, exit to be requeued
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:

@@ -83,3 +83,82 @@ def test_killing_one_of_4_ranks_ends_the_job(tmp_path, victim):
         for r in ranks:
             if alive(r):
                 os.kill(r, signal.SIGKILL)
+
+
+def cli(cwd, *args, max_steps, **popen):
+    command = [
+        sys.executable, str(ROOT / "cli.py"), "fit", "--config", str(ROOT / "configs" / "tiny.yaml"),
+        "--trainer.enable_progress_bar=false", "--trainer.log_every_n_steps=1",
+        "--data.init_args.seq_len=32", "--data.init_args.global_batch_size=8",
+        "--trainer.strategy=Parallel3DStrategy", f"--trainer.max_steps={max_steps}",
+        "--model.init_args.decay_steps=1000",  # the same learning-rate schedule whatever max_steps
+        *args,
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if popen:
+        return subprocess.Popen(command, cwd=cwd, env=env, text=True, start_new_session=True, **popen)
+    run = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
+@pytest.mark.parametrize("victim", ["rank 0 (the launching process)", "rank 2 (a child process)"])
+def test_sigterm_saves_exits_to_be_requeued_and_last_resumes_the_curve(tmp_path, victim):
+    """DP2 x PP2 sent SIGTERM mid-run, as a scheduler does: every rank stops after one agreed step, a checkpoint
+    lands in the run's checkpoint folder and the job exits with 143 (128 + SIGTERM). The same command with
+    ``--ckpt_path last`` continues exactly like an uninterrupted run; on another layout (TP2) within 1e-5."""
+    from helpers import logged
+
+    run, layout = tmp_path / "run", ["--trainer.devices=4", "--trainer.strategy.pipeline_parallel_size=2"]
+    run.mkdir()
+    saving = ["--trainer.callbacks+=ModelCheckpoint", f"--trainer.callbacks.dirpath={run / 'ckpts'}",
+              "--trainer.callbacks.every_n_train_steps=100000", "--ckpt_path=last"]  # fmt: skip
+    proc = cli(run, *layout, *saving, max_steps=100000, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    try:
+        deadline = time.time() + 180
+        while not (run / "runs" / "tiny" / "version_0" / "metrics.csv").exists():  # training is under way
+            assert proc.poll() is None and time.time() < deadline, "".join(lines)[-3000:]
+            time.sleep(0.5)
+        time.sleep(3)
+        ranks = children(proc.pid)
+        os.kill(proc.pid if victim.startswith("rank 0") else ranks[1], signal.SIGTERM)
+        signalled = time.time()
+        code = proc.wait(timeout=120)
+        print(f"{victim} sent SIGTERM: the job exited {code} after {time.time() - signalled:.1f} s")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL) if alive(proc.pid) else None
+    assert code == 143, "".join(lines)[-3000:]
+    (saved,) = (run / "ckpts").iterdir()
+    step = int(saved.name.removeprefix("preempted-step=").removesuffix(".ckpt"))
+    assert step >= 1 and any(f"stops after step {step}" in line for line in lines)
+    if not victim.startswith("rank 0"):
+        return  # (resuming is the same from here on, whichever rank got the signal)
+
+    cli(run, *layout, *saving, max_steps=step + 2)  # the requeued job: same command
+    resumed = logged(run / "runs" / "tiny" / "version_1", "train_loss")
+    uninterrupted_dir = tmp_path / "uninterrupted"
+    uninterrupted_dir.mkdir()
+    cli(uninterrupted_dir, *layout, "--trainer.enable_checkpointing=false", max_steps=step + 2)
+    uninterrupted = logged(uninterrupted_dir / "runs" / "tiny" / "version_0", "train_loss")
+    assert len(resumed) == 2 and resumed == uninterrupted[step:]  # exactly
+    cli(run, "--trainer.devices=2", "--trainer.strategy.tensor_parallel_size=2", f"--ckpt_path={saved}",
+        max_steps=step + 2)  # fmt: skip
+    other_layout = logged(run / "runs" / "tiny" / "version_2", "train_loss")
+    assert max(abs(a - b) for a, b in zip(other_layout, uninterrupted[step:], strict=True)) <= 1e-5
+
+
+def test_a_second_signal_ends_the_process_at_once():
+    script = (
+        "import signal\n"
+        "from lit3d.strategies.preemption import StopOnSignal\n"
+        "stop = StopOnSignal()\n"
+        "stop._note(signal.SIGUSR1, None)  # the first: noted, training would stop after an agreed step\n"
+        "print('noted', flush=True)\n"
+        "stop._note(signal.SIGUSR1, None)  # the second: the process ends here\n"
+        "print('still running')\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    assert run.returncode == 128 + signal.SIGUSR1 and run.stdout.split() == ["noted"]

@@ -1,0 +1,130 @@
+"""Preemption and time limits: stop every rank at the same step, save, and exit with the code a scheduler requeues.
+
+A scheduler ends a job with SIGTERM (SLURM at the time limit or on preemption; with ``--signal=USR1@90`` it warns
+with SIGUSR1 first). The signal may reach any process: the launcher (rank 0) or any rank. Each rank only notes it;
+at the end of every optimizer step the ranks combine their notes (an all-reduce over a gloo group of its own,
+started at one step's end and read at the next, so no step waits for it). The first step at which any rank has
+one is the step every rank stops after. Then:
+
+- every rank saves a checkpoint into the run's checkpoint folder (``preempted-step=N.ckpt`` beside the
+  `ModelCheckpoint` ones), where ``--ckpt_path last`` finds it, and waits until it is written, also a background
+  save already under way (a signal during a save waits for the save);
+- under SLURM with Lightning's ``SLURMEnvironment(auto_requeue=True)``, rank 0 requeues the job (``scontrol
+  requeue``);
+- every rank exits with ``128 + signal`` (143 for SIGTERM, 138 for SIGUSR1): non-zero, so nothing takes the job for
+  a finished run, and the code of a process ended by that signal, which ``RequeueExit`` in slurm.conf can name.
+
+A second signal to a process ends it at once (with the same code).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+from lit3d.loop import ends_optimizer_step
+
+log = logging.getLogger(__name__)
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class Preempted(SystemExit):
+    """Ends a rank after a preemption checkpoint, with ``128 + signal`` as its exit code."""
+
+
+class StopOnSignal(Callback):
+    """The preemption protocol above, as a callback the strategy adds to every fit."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None  # the signal this process received
+        self.stop_signal: int | None = None  # the signal every rank agreed to stop on
+        self._pending: tuple[Any, torch.Tensor] | None = None  # a started all-reduce of the notes and its tensor
+        self._group: Any = None
+        self._previous: dict[int, Any] = {}
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.received = self.stop_signal = self._pending = None
+        if dist.is_initialized() and self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        for number in SIGNALS:
+            self._previous[number] = signal.signal(number, self._note)
+
+    def _note(self, number: int, frame: Any) -> None:
+        if self.received is not None:  # the second signal: end now
+            os._exit(128 + number)
+        self.received = number
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        log.warning(f"rank {rank} received {signal.Signals(number).name}: every rank stops after an agreed step")
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+        if not ends_optimizer_step(trainer) or self.stop_signal is not None:
+            return
+        agreed = self._agree()
+        if agreed:
+            self.stop_signal = agreed
+            self._save_and_stop(trainer)
+
+    def _agree(self) -> int:
+        """The signal any rank noted by the previous step's end (0: none); starts the next step's combining."""
+        agreed = 0
+        if self._pending is not None:
+            work, notes = self._pending
+            work.wait()
+            agreed = int(notes.item())
+        mine = torch.tensor([float(self.received or 0)])
+        if self._group is None:  # one process: nothing to combine
+            self._pending = None
+            return agreed or int(mine.item())
+        self._pending = (dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self._group, async_op=True), mine)
+        return agreed
+
+    def _save_and_stop(self, trainer: L.Trainer) -> None:
+        folder = _checkpoint_folder(trainer)
+        path = folder / f"preempted-step={trainer.global_step}.ckpt"
+        name = signal.Signals(self.stop_signal).name
+        if trainer.is_global_zero:
+            log.warning(f"{name}: every rank stops after step {trainer.global_step}; saving {str(path)!r}")
+        trainer.save_checkpoint(path)
+        wait = getattr(trainer.strategy, "wait_for_checkpoint", None)
+        if wait is not None:
+            wait()
+        if trainer.is_global_zero:
+            _requeue_under_slurm(trainer)
+        trainer.should_stop = True
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+        self._previous = {}
+        if self._pending is not None:
+            self._pending[0].wait()
+            self._pending = None
+        if self.stop_signal is not None:
+            raise Preempted(128 + self.stop_signal)
+
+
+def _checkpoint_folder(trainer: L.Trainer) -> Path:
+    """The run's checkpoint folder: the first `ModelCheckpoint`'s, else ``<default_root_dir>/checkpoints``."""
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint) and callback.dirpath:
+            return Path(callback.dirpath)
+    return Path(trainer.default_root_dir) / "checkpoints"
+
+
+def _requeue_under_slurm(trainer: L.Trainer) -> None:
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    environment = getattr(trainer.strategy, "cluster_environment", None)
+    job = os.environ.get("SLURM_ARRAY_JOB_ID") or os.environ.get("SLURM_JOB_ID")
+    if isinstance(environment, SLURMEnvironment) and environment.auto_requeue and job:
+        result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+        log.warning(f"scontrol requeue {job}: {'done' if result.returncode == 0 else result.stderr.strip()}")
