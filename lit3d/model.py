@@ -97,12 +97,13 @@ def context_parallel_rotary_tables(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`rotary_tables` at the true positions of the ``seq_len`` tokens a CP rank holds (`lit3d.ring_attention`),
     cached the same way."""
-    cos, sin = rotary_tables(seq_len * cp.size, head_dim, theta, device, dtype)
-    where = positions(seq_len, cp.size, cp.rank, device)
-    if torch.compiler.is_compiling():
-        return cos[where], sin[where]
     key = ("cp", seq_len, cp.size, cp.rank, head_dim, theta, str(device), dtype)
-    if key not in _ROTARY_TABLES:
+    compiling = torch.compiler.is_compiling()
+    if compiling or key not in _ROTARY_TABLES:
+        cos, sin = rotary_tables(seq_len * cp.size, head_dim, theta, device, dtype)
+        where = positions(seq_len, cp.size, cp.rank, device)
+        if compiling:
+            return cos[where], sin[where]
         with torch.inference_mode(False), torch.no_grad():
             _ROTARY_TABLES[key] = cos[where], sin[where]
     return _ROTARY_TABLES[key]

@@ -135,8 +135,9 @@ class _RingAttention(torch.autograd.Function):
                 grad_out[:, :, rows], q[:, :, rows], kk, vv, out[:, :, rows], lse[:, :, rows], causal
             )
             grad_q[:, :, rows] += dq
-            part = torch.zeros(block.shape, dtype=torch.float32, device=q.device)
-            part[:, :, :, keys] = torch.stack((_fold(dk, groups), _fold(dv, groups)))
+            part = torch.stack((_fold(dk, groups), _fold(dv, groups)))
+            if keys != slice(None):  # only the visiting block's first chunk was met: the rest gets no gradient here
+                part = torch.cat((part, part.new_zeros(part.shape)), dim=3)
             grads = part if arriving is None else arriving.wait().add_(part)
             arriving = ring.pass_on(grads)  # on to the next rank; after the last step, home to its owner
             if incoming is not None:

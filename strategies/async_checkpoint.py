@@ -16,7 +16,6 @@ they never interleave with the training's collectives on the main thread.
 
 from __future__ import annotations
 
-import shutil
 import time
 from concurrent.futures import Future
 from pathlib import Path
@@ -26,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from lit3d.strategies.checkpoint import META_FILE, PARTIAL_SUFFIX, check_readable, publish
+from lit3d.strategies.checkpoint import META_FILE, PARTIAL_SUFFIX, check_readable, prepare_partial, publish
 
 
 class BackgroundSaves:
@@ -42,10 +41,7 @@ class BackgroundSaves:
         """Stage ``tensors`` and write them in the background; rank 0 publishes the folder when all are written."""
         self.wait()
         began = time.perf_counter()
-        partial = path.with_name(path.name + PARTIAL_SUFFIX)
-        if is_global_zero and partial.exists():
-            shutil.rmtree(partial)  # left by an interrupted save
-        _barrier()
+        partial = prepare_partial(path, is_global_zero)
         future = dcp.async_save(tensors, checkpoint_id=str(partial), process_group=self.group)
         if is_global_zero:
             future = _then(future, lambda: _finish(path, partial, meta))
@@ -99,8 +95,3 @@ def _then(future: Future, step: Any) -> Future:
 
     future.add_done_callback(run)
     return chained
-
-
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()

@@ -98,10 +98,7 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 def save(path: Path, tensors: dict[str, Any], meta: dict[str, Any], is_global_zero: bool) -> None:
     """Collective: every rank writes its shards of ``tensors``; rank 0 writes ``meta`` and publishes the folder."""
-    partial = path.with_name(path.name + PARTIAL_SUFFIX)
-    if is_global_zero and partial.exists():
-        shutil.rmtree(partial)  # left by an interrupted save
-    _barrier()
+    partial = prepare_partial(path, is_global_zero)
     dcp.save(tensors, checkpoint_id=str(partial))
     if is_global_zero:
         torch.save(meta, partial / META_FILE)
@@ -109,6 +106,15 @@ def save(path: Path, tensors: dict[str, Any], meta: dict[str, Any], is_global_ze
     if is_global_zero:
         publish(path, partial)
     _barrier()
+
+
+def prepare_partial(path: Path, is_global_zero: bool) -> Path:
+    """Collective: the ``.partial`` folder a save of ``path`` writes into, emptied of an interrupted save's files."""
+    partial = path.with_name(path.name + PARTIAL_SUFFIX)
+    if is_global_zero and partial.exists():
+        shutil.rmtree(partial)
+    _barrier()
+    return partial
 
 
 def publish(path: Path, partial: Path) -> None:

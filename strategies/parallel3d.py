@@ -54,12 +54,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lit3d.strategies.checkpoint import ShardedCheckpoints
-from lit3d.strategies.context_parallel import (
-    apply_context_parallel,
-    check_context_parallel,
-    check_module_for_context_parallel,
-    route_context_parallel,
-)
+from lit3d.strategies.checks import ConfigurationChecks
+from lit3d.strategies.context_parallel import route_context_parallel
 from lit3d.strategies.launchers import (
     CheckingLauncher,
     ForkLauncher,
@@ -70,8 +66,6 @@ from lit3d.strategies.launchers import (
 from lit3d.strategies.layout import (
     Layout,
     check_choices,
-    check_model_fits_layout,
-    check_model_fits_pipeline,
     check_pipeline_arguments,
     check_sizes,
     pipeline_microbatches,
@@ -80,7 +74,7 @@ from lit3d.strategies.layout import (
 from lit3d.strategies.memory import memory_by_component
 from lit3d.strategies.optimizers import LocalOptimizerSteps
 from lit3d.strategies.parallelize import follows_plan, parallelize_network
-from lit3d.strategies.pipeline import Pipeline, check_pipeline_protocol
+from lit3d.strategies.pipeline import Pipeline
 from lit3d.strategies.precision import (
     check_reduce_dtype,
     describe,
@@ -99,8 +93,10 @@ if TYPE_CHECKING:
     from lit3d.planner.estimate import Plan
 
 
-class Parallel3DStrategy(ShardedCheckpoints, StepHooks, LocalOptimizerSteps, ModelParallelStrategy):
-    """Data × tensor × pipeline parallel training with ZeRO sharding; ``world = dp × tp × pp``.
+class Parallel3DStrategy(
+    ShardedCheckpoints, ConfigurationChecks, StepHooks, LocalOptimizerSteps, ModelParallelStrategy
+):
+    """Data × tensor × pipeline (× context, × expert) parallel training with ZeRO; ``world = dp × cp × tp × pp``.
 
     Args:
         data_parallel_size: Replicas of the model, each fed its share of the global batch; ``"auto"`` uses
@@ -237,33 +233,6 @@ class Parallel3DStrategy(ShardedCheckpoints, StepHooks, LocalOptimizerSteps, Mod
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = ForkLauncher(self) if self.start_method == "fork" else CheckingLauncher(self)
 
-    def check_configuration(self, trainer: Trainer | None = None, datamodule: Any = None) -> None:
-        """Refuse a bad layout or a model it cannot split, before any process group exists (the launcher calls
-        this before it starts a rank; ``trainer`` and ``datamodule`` are there before the module knows them)."""
-        layout = self.layout
-        if self.cluster_environment is not None:  # under torchrun / SLURM: devices x num_nodes = launched ranks
-            self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
-        module = self.lightning_module
-        config = getattr(module, "config", None)
-        if config is not None:
-            check_model_fits_layout(config, layout)
-            check_model_fits_pipeline(config, layout.pp, self.virtual_pipeline_size)
-        trainer = trainer or getattr(module, "_trainer", None)
-        datamodule = datamodule or getattr(trainer, "datamodule", None)
-        check_context_parallel(
-            config, layout.cp, getattr(datamodule, "seq_len", None), layout.tp, self.sequence_parallel
-        )
-        predicting = trainer is not None and trainer.state.fn == TrainerFn.PREDICTING
-        check_module_for_context_parallel(module, layout.cp, predicting)
-
-        if layout.pp > 1 and hasattr(module, "tensor_parallel_plan"):  # one the strategy splits (`model` comes later)
-            check_pipeline_protocol(module, layout.pp)
-        if layout.pp > 1 and hasattr(datamodule, "global_batch_size"):
-            self.num_microbatches = pipeline_microbatches(
-                self._num_microbatches, datamodule.global_batch_size, layout.dp, trainer.accumulate_grad_batches,
-                layout.pp, self.virtual_pipeline_size, self.pipeline_schedule,
-            )  # fmt: skip
-
     @override
     def setup_environment(self) -> None:
         self.check_configuration()
@@ -394,12 +363,10 @@ class Parallel3DStrategy(ShardedCheckpoints, StepHooks, LocalOptimizerSteps, Mod
             virtual_pipeline_size=self.virtual_pipeline_size,
             activation_checkpointing=self.activation_checkpointing, compile=self.compile,
             mp_policy=mixed_precision_policy(self.precision, self.mixed_precision_reduce),
-            ddp=self._ddp, expert_mesh=self._expert_mesh, ep_group=self._ep_group,
+            ddp=self._ddp, expert_mesh=self._expert_mesh, ep_group=self._ep_group, cp_group=self._cp_group,
         )  # fmt: skip
-        if layout.cp > 1:
-            cp_rank = layout.cp_rank(self.global_rank)
-            apply_context_parallel(network, self._cp_group, layout.cp, cp_rank)
-            route_context_parallel(module, layout.cp, cp_rank)
+        if layout.cp > 1:  # each rank's share of the batch's sequences
+            route_context_parallel(module, layout.cp, layout.cp_rank(self.global_rank))
         if any(p.is_meta for p in network.parameters()):
             for chunk in chunks:
                 chunk.to_empty(device=self.root_device)

@@ -1,6 +1,7 @@
 """The order in which a network is split: one function, called by the strategy and by `lit3d plan --verify`.
 
-    pipeline stages → tensor parallel → expert parallel → activation checkpointing → compile → data parallel / ZeRO
+    pipeline stages → tensor parallel → expert parallel → context parallel → activation checkpointing → compile
+    → data parallel / ZeRO
 
 Each step works on what the previous one left: tensor parallelism turns the stage's parameters into DTensors,
 checkpointing and compile wrap the (already split) blocks, and data parallelism comes last so that FSDP2 shards
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lit3d.strategies.context_parallel import apply_context_parallel
 from lit3d.strategies.layout import Layout
 from lit3d.strategies.recompute import apply_activation_checkpointing
 from lit3d.strategies.stages import split_into_stages
@@ -61,6 +63,7 @@ def parallelize_network(
     ddp: bool | None = None,
     expert_mesh: DeviceMesh | None = None,
     ep_group: object | None = None,
+    cp_group: object | None = None,
 ) -> tuple[list[nn.Module], list[int]]:
     """Split ``network`` for ``rank`` in place, in the fixed order, without giving it weights (it may stay on
     the meta device, as `lit3d plan --verify` keeps it).
@@ -68,7 +71,8 @@ def parallelize_network(
     Returns this rank's pipeline chunks (views of ``network``; ``[network]`` without pipeline parallelism) and
     their stage indices. ``mesh``: the ``(pp, dp, tp)`` mesh the weights are split over (its ``dp``: the ``dp × cp``
     replicas); ``mp_policy``: FSDP2's mixed precision (`lit3d.strategies.precision`); ``ddp``: whether ZeRO-0
-    may be PyTorch's DDP (default: when the network is data parallel only).
+    may be PyTorch's DDP (default: when the network is data parallel only); ``cp_group``: the ring of this rank's
+    context-parallel layers (with ``layout.cp > 1``).
     """
     check_plan(network, plan)
     chunks, stage_ids = [network], [0]
@@ -82,6 +86,8 @@ def parallelize_network(
             network.tie_weights()  # TP distributed the shared tensor once per module
     if expert_mesh is not None:
         apply_expert_parallel(network, expert_mesh["ep"], ep_group)
+    if layout.cp > 1:
+        apply_context_parallel(network, cp_group, layout.cp, layout.cp_rank(rank))
     blocks = list(network.blocks.values())
     if activation_checkpointing:
         apply_activation_checkpointing(blocks, activation_checkpointing)

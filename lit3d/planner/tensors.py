@@ -116,5 +116,4 @@ def local_numel(tensor: Tensor, tp: int, shard: int = 1, shard_dim: int = 0, ep:
 def replicas(tensor: Tensor, layout: Any) -> int:
     """Ranks that hold the same copy of ``tensor`` and shard it under ZeRO: the ``dp × cp`` replicas, or for an
     expert the DP ranks over expert-parallel groups."""
-    every = layout.dp * getattr(layout, "cp", 1)
-    return every // layout.ep if tensor.expert else every
+    return layout.replicas // layout.ep if tensor.expert else layout.replicas
