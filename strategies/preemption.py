@@ -23,6 +23,7 @@ import logging
 import os
 import signal
 import subprocess
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,12 @@ class StopOnSignal(Callback):
         self.received = self.stop_signal = self._pending = None
         if dist.is_initialized() and self._group is None:
             self._group = dist.new_group(backend="gloo")
+        if threading.current_thread() is not threading.main_thread():
+            # NOTE: Python delivers signals to the main thread only, and refuses handlers installed elsewhere; a fit
+            # run from a thread (a notebook's worker, a server) keeps its process's handlers, and still stops with
+            # every rank when another rank was signalled (the agreement below is the same).
+            log.info("fit runs outside the main thread: SIGTERM/SIGUSR1 handlers are left to the main thread")
+            return
         for number in SIGNALS:
             self._previous[number] = signal.signal(number, self._note)
 
@@ -99,6 +106,9 @@ class StopOnSignal(Callback):
             wait()
         if trainer.is_global_zero:
             _requeue_under_slurm(trainer)
+        # NOTE: no rank exits (128 + signal) before rank 0 has requeued: `srun --kill-on-bad-exit` ends every task
+        # as soon as one exits non-zero.
+        trainer.strategy.barrier("lit3d-preempted")
         trainer.should_stop = True
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
