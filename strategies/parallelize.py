@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lit3d.strategies.context_parallel import apply_context_parallel
 from lit3d.strategies.layout import Layout
 from lit3d.strategies.recompute import apply_activation_checkpointing
+from lit3d.strategies.schedules import SCHEDULES
 from lit3d.strategies.stages import split_into_stages
 from lit3d.strategies.tensor_parallel import apply_tensor_parallel, check_plan, keep_sequence_shards
 from lit3d.strategies.zero import apply_data_parallel
@@ -57,6 +58,7 @@ def parallelize_network(
     zero_stage: int,
     sequence_parallel: bool = False,
     virtual_pipeline_size: int = 1,
+    pipeline_schedule: str = "1f1b",
     activation_checkpointing: bool | str = False,
     compile: bool | str = False,
     mp_policy: object | None = None,
@@ -77,7 +79,9 @@ def parallelize_network(
     check_plan(network, plan)
     chunks, stage_ids = [network], [0]
     if layout.pp > 1:
-        chunks, stage_ids = split_into_stages(network, layout.coordinate(rank).p, layout.pp, virtual_pipeline_size)
+        placement = SCHEDULES[pipeline_schedule].placement  # which chunks a rank holds: a loop, or a V
+        p = layout.coordinate(rank).p
+        chunks, stage_ids = split_into_stages(network, p, layout.pp, virtual_pipeline_size, placement)
     if layout.tp > 1:
         apply_tensor_parallel(network, plan, mesh["tp"], sequence_parallel)
         if sequence_parallel and not activation_checkpointing and not compile:  # (recompute keeps less anyway)

@@ -3,7 +3,7 @@
 One training step runs the schedule's forward and backward over ``num_microbatches`` micro-batches, with the
 module's own loss function computed on the last stage; the loss is broadcast to every rank of the pipeline, so
 all ranks log the same value. With ``virtual > 1`` a rank holds ``virtual`` chunks that are not adjacent, for
-the interleaved schedules.
+the interleaved and V-shaped schedules (which schedule is which, and its theory: `lit3d.strategies.schedules`).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
+from functools import cache
 from typing import Any
 
 import torch
@@ -20,8 +21,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lit3d.model import loss_parallel_scope
 from lit3d.moe import balance_loss_weight
+from lit3d.strategies.schedules import SCHEDULES
+from lit3d.strategies.stages import stage_rank
 
-MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")
 # What a module split by the strategy provides so that its loss can run as a schedule: `loss(batch)` is
 # `loss_fn(model(inputs), targets)` with `inputs, targets = inputs_and_targets(batch)`.
 PIPELINE_PROTOCOL = ("inputs_and_targets", "loss_fn", "loss")
@@ -37,15 +39,6 @@ def check_pipeline_protocol(module: Any, pp: int) -> None:
         )
 
 
-def bubble_theory(schedule: str, pp: int, microbatches: int, virtual: int = 1) -> float:
-    """Idle share of a step: ``(p-1)/(m+p-1)`` for GPipe and 1F1B, ``(p-1)/(v·m+p-1)`` interleaved, ~0 for
-    zero-bubble (its backward-for-weights fills the gaps, given enough micro-batches)."""
-    if schedule == "zero_bubble":
-        return 0.0
-    v = virtual if schedule == "interleaved_1f1b" else 1
-    return (pp - 1) / (v * microbatches + pp - 1)
-
-
 class Pipeline:
     """This rank's stages and the schedule that runs them.
 
@@ -54,10 +47,12 @@ class Pipeline:
         stage_ids: Their global stage indices.
         num_stages: ``pp × virtual``.
         pp_mesh: The 1-D pipeline mesh of this rank.
-        schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b`` or ``zero_bubble``.
+        schedule: A name of `lit3d.strategies.schedules.SCHEDULES` (``1f1b``, ``zbv``, ...).
         microbatches: Micro-batches per step.
         device: Where the stages compute.
         loss_parallel: Whether the last stage's logits are vocabulary-parallel DTensors.
+        split_backward: Whether the zero-bubble schedules run the weight gradient apart from the input gradient
+            (``False`` under activation checkpointing: see `_stages`).
     """
 
     def __init__(
@@ -70,13 +65,16 @@ class Pipeline:
         microbatches: int,
         device: torch.device,
         loss_parallel: bool,
+        split_backward: bool = True,
     ) -> None:
         self.chunks, self.stage_ids, self.num_stages = chunks, stage_ids, num_stages
+        self.split_backward = split_backward
         self.pp_mesh, self.group = pp_mesh, pp_mesh.get_group()
         self.schedule_name, self.microbatches, self.device = schedule, microbatches, device
         self.loss_parallel = loss_parallel
         self.holds_first, self.holds_last = 0 in stage_ids, num_stages - 1 in stage_ids
-        self.last_rank = dist.get_global_rank(self.group, (num_stages - 1) % pp_mesh.size())
+        last = stage_rank(num_stages - 1, pp_mesh.size(), SCHEDULES[schedule].placement)  # rank 0 under a V
+        self.last_rank = dist.get_global_rank(self.group, last)
         self.clock = StageClock(device)
         self._loss_fn: Callable | None = None
         self._losses: list[torch.Tensor] = []
@@ -87,10 +85,14 @@ class Pipeline:
         self._inference: dict[tuple, Any] = {}
 
     def _stages(self, clock: StageClock | None) -> list[Any]:
-        from torch.distributed.pipelining import PipelineStage
-
+        # NOTE: PyTorch's checkpoint recomputes a block once per backward call, and its contexts serve one
+        # recomputation: a weight gradient run apart from its input gradient would recompute again and fail. Under
+        # activation checkpointing a zero-bubble schedule therefore runs each whole backward in its input-gradient
+        # slot (a `dw_builder` whose weight step is empty): the same order and gradients, the weight gradients no
+        # longer filling the bubbles (`lit3d.strategies.schedules.Costs.of`).
+        whole = None if self.split_backward else (lambda: _nothing)
         stages = [
-            PipelineStage(chunk, s, self.num_stages, self.device, group=self.group)
+            _stage_class()(chunk, s, self.num_stages, self.device, group=self.group, dw_builder=whole)
             for chunk, s in zip(self.chunks, self.stage_ids)
         ]
         if clock is not None:
@@ -100,23 +102,13 @@ class Pipeline:
 
     @staticmethod
     def _schedule(stages: list[Any], name: str, microbatches: int, loss_fn: Callable | None) -> Any:
-        from torch.distributed.pipelining import (
-            Schedule1F1B,
-            ScheduleGPipe,
-            ScheduleInterleaved1F1B,
-            ScheduleInterleavedZeroBubble,
-        )
+        import torch.distributed.pipelining as pipelining
 
-        cls = {
-            "gpipe": ScheduleGPipe,
-            "1f1b": Schedule1F1B,
-            "interleaved_1f1b": ScheduleInterleaved1F1B,
-            "zero_bubble": ScheduleInterleavedZeroBubble,
-        }[name]
+        schedule = SCHEDULES[name]
         # NOTE: scale_grads=False: the loss function divides by the micro-batch count itself, because the
         # schedule's own scaling would also shrink gradients accumulated over earlier Lightning micro-steps.
-        return cls(
-            stages if name in MULTI_STAGE_SCHEDULES else stages[0],
+        return getattr(pipelining, schedule.torch_class)(
+            stages if schedule.chunks != 1 else stages[0],
             n_microbatches=microbatches,
             loss_fn=loss_fn,
             scale_grads=False,
@@ -237,7 +229,7 @@ class Pipeline:
         with torch.inference_mode(False):
             key = tuple(inputs.shape)
             if key not in self._inference:
-                name = self.schedule_name if self.schedule_name in MULTI_STAGE_SCHEDULES else "gpipe"
+                name = SCHEDULES[self.schedule_name].forward_only or self.schedule_name
                 self._inference[key] = self._schedule(self._stages(None), name, 1, None)
             output = self._inference[key].eval(*((inputs,) if self.holds_first else ()))
             if self.holds_last:
@@ -249,6 +241,30 @@ class Pipeline:
                 output = torch.empty(shape[0][0], dtype=shape[0][1], device=self.device)
             dist.broadcast(output, src=self.last_rank, group=self.group)
         return output[:, :seq]
+
+
+def _nothing() -> None:
+    """The weight step of a backward that already ran whole."""
+
+
+@cache
+def _stage_class() -> type:
+    """PyTorch's `PipelineStage`, mended for forward-only runs (imported late: the module takes seconds to import)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    class Stage(PipelineStage):
+        """NOTE: the V-shaped schedules hold two adjacent stages on one rank and hand a backward's input gradient
+        from one to the other directly; PyTorch 2.13 does so in ``eval()`` too (validation, sampling), where there is
+        no backward, and fails. Nothing is handed over then."""
+
+        def get_local_bwd_output(self, mb_index: int) -> tuple:
+            return super().get_local_bwd_output(mb_index) if self.has_backward else ()
+
+        def set_local_bwd_input(self, next_stage_bwd_outputs: tuple, mb_index: int) -> None:
+            if self.has_backward:
+                super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
+
+    return Stage
 
 
 def _like_param(grad: torch.Tensor | None, param: torch.Tensor) -> torch.Tensor | None:

@@ -2,7 +2,8 @@
 
 The network's ``blocks`` (a ModuleDict of decoder blocks, in order) are cut into ``pp × virtual`` chunks of
 consecutive blocks, balanced by cost (parameter elements, the same as the matmul FLOPs per token of blocks and
-head); chunk ``s`` lives on pipeline rank ``s % pp``. The network's other top-level parts go with the ends: those
+head); chunk ``s`` lives on pipeline rank ``s % pp``, or for the V-shaped schedules (two chunks per rank) rank ``r``
+holds chunks ``r`` and ``2·pp - 1 - r`` (`chunk_stage_ids`). The network's other top-level parts go with the ends: those
 registered before ``blocks`` (an embedding) run on the first chunk, those after it (final norm, head) on the last.
 The network's ``forward`` must pass through a part that is ``None``: that is how a chunk skips what it lacks.
 
@@ -71,9 +72,19 @@ def block_costs(network: nn.Module) -> tuple[list[float], float, float]:
     return costs, sum(numel(network._modules[n]) for n in before), sum(numel(network._modules[n]) for n in after)
 
 
-def chunk_stage_ids(rank: int, pp: int, virtual: int) -> list[int]:
-    """Global stage indices held by pipeline rank ``rank`` (loop placement: stage s on rank s % pp)."""
+def chunk_stage_ids(rank: int, pp: int, virtual: int, placement: str = "loop") -> list[int]:
+    """Global stage indices held by pipeline rank ``rank``: ``"loop"``, stage s on rank s % pp; ``"v"`` (two chunks
+    per rank, the V-shaped schedules), stages ``rank`` and ``2·pp - 1 - rank``, so the last stage is on rank 0."""
+    if placement == "v":
+        return [rank, 2 * pp - 1 - rank]
     return [rank + v * pp for v in range(virtual)]
+
+
+def stage_rank(stage: int, pp: int, placement: str = "loop") -> int:
+    """The pipeline rank that holds global stage ``stage`` (the inverse of `chunk_stage_ids`)."""
+    if placement == "v" and stage >= pp:
+        return 2 * pp - 1 - stage
+    return stage % pp
 
 
 def stage_view(network: nn.Module, block_keys: list[str], first: bool, last: bool) -> nn.Module:
@@ -110,12 +121,14 @@ def prune(network: nn.Module, keep_blocks: set[str], keep_first: bool, keep_last
         setattr(network, name, None)
 
 
-def split_into_stages(network: nn.Module, rank: int, pp: int, virtual: int) -> tuple[list[nn.Module], list[int]]:
+def split_into_stages(
+    network: nn.Module, rank: int, pp: int, virtual: int, placement: str = "loop"
+) -> tuple[list[nn.Module], list[int]]:
     """Keep in ``network`` only what pipeline rank ``rank`` runs; return its chunk views and stage indices."""
     num_stages = pp * virtual
     runs = partition(*block_costs(network), num_stages)
     keys = list(network.blocks)
-    stage_ids = chunk_stage_ids(rank, pp, virtual)
+    stage_ids = chunk_stage_ids(rank, pp, virtual, placement)
     mine = {s: [keys[b] for b in runs[s]] for s in stage_ids}
     prune(network, {key for ids in mine.values() for key in ids}, 0 in stage_ids, num_stages - 1 in stage_ids)
     chunks = [stage_view(network, mine[s], first=s == 0, last=s == num_stages - 1) for s in stage_ids]

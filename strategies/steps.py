@@ -12,7 +12,7 @@ import torch
 from typing_extensions import override
 
 from lit3d.model import loss_parallel_scope
-from lit3d.strategies.pipeline import bubble_theory
+from lit3d.strategies.schedules import Costs, bubble_theory
 from lit3d.strategies.tensor_parallel import lay_out_grads_like_params
 from lit3d.strategies.timeline import PipelineTimeline
 from lit3d.strategies.zero import gradient_sync_off
@@ -69,8 +69,9 @@ class StepHooks:
 
     def _log_pipeline_activity(self) -> None:
         """Each stage's busy time, and the measured idle share of the step next to the schedule's theory."""
+        costs = Costs.of(self.activation_checkpointing)
         theory = bubble_theory(
-            self.pipeline_schedule, self.layout.pp, self.num_microbatches, self.virtual_pipeline_size
+            self.pipeline_schedule, self.layout.pp, self.num_microbatches, self.virtual_pipeline_size, costs
         )
         for name, value in {**self.pipeline.activity(), "pp/bubble_theory": theory}.items():
             self.lightning_module.log(name, value, on_step=True, rank_zero_only=True, batch_size=1)

@@ -6,6 +6,9 @@ from pathlib import Path
 
 from lightning.pytorch.callbacks import Callback
 
+from lit3d.strategies.schedules import SCHEDULES
+from lit3d.strategies.stages import stage_rank
+
 COLOURS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
 
 
@@ -14,11 +17,12 @@ def plot_timeline(
     path: str | Path,
     title: str = "",
     pipeline_ranks: int | None = None,
+    placement: str = "loop",
 ) -> Path:
     """Draw ``(stage, kind, micro-batch, start_s, end_s)`` events (any number of ranks) to a PNG/SVG file.
 
-    One row per pipeline rank (stage ``s`` runs on rank ``s % pipeline_ranks``; default: one row per stage);
-    each box is labelled with its stage and micro-batch; white is the bubble.
+    One row per pipeline rank (stage ``s`` runs on rank `stage_rank` of ``s``, ``pipeline_ranks`` and ``placement``;
+    default: one row per stage); each box is labelled with its stage and micro-batch; white is the bubble.
     """
     import matplotlib
 
@@ -26,12 +30,13 @@ def plot_timeline(
     import matplotlib.pyplot as plt
 
     ranks = pipeline_ranks or max(e[0] for e in events) + 1
-    rows = sorted({e[0] % ranks for e in events})
+    owner = {e[0]: stage_rank(e[0], ranks, placement) for e in events}
+    rows = sorted(set(owner.values()))
     interleaved = len({e[0] for e in events}) > len(rows)
     end = max(e[4] for e in events)
     fig, ax = plt.subplots(figsize=(max(6.0, min(16.0, 1.2 * len(events) ** 0.5 * 2)), 0.6 * len(rows) + 1.2))
     for stage, kind, microbatch, start, stop in events:
-        row = rows.index(stage % ranks)
+        row = rows.index(owner[stage])
         ax.broken_barh(
             [(start, stop - start)],
             (row - 0.4, 0.8),
@@ -42,7 +47,7 @@ def plot_timeline(
         if stop - start > end / 60:
             label = f"{kind}{microbatch}" + (f"/{stage}" if interleaved else "")
             ax.text((start + stop) / 2, row, label, ha="center", va="center", fontsize=6, color="white")
-    names = {r: sorted({e[0] for e in events if e[0] % ranks == r}) for r in rows}
+    names = {r: sorted({s for s in owner if owner[s] == r}) for r in rows}
     ax.set_yticks(range(len(rows)), [f"rank {r} (stage {', '.join(map(str, names[r]))})" for r in rows])
     ax.invert_yaxis()
     ax.set_xlim(0, end)
@@ -90,5 +95,6 @@ class PipelineTimeline(Callback):
                 path,
                 f"{trainer.strategy.pipeline_schedule}: step {trainer.global_step}",
                 pipeline_ranks=pipeline.pp_mesh.size(),
+                placement=SCHEDULES[trainer.strategy.pipeline_schedule].placement,
             )
             print(f"pipeline timeline: {path}")

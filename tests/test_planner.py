@@ -85,19 +85,22 @@ def test_llama_405b_fits_on_16384_h100s_and_70b_does_not_fit_on_one():
 
 
 @pytest.mark.parametrize(
-    "name, layout, zero_stage, virtual",
+    "name, layout, zero_stage, virtual, schedule",
     [
-        ("tiny", Layout(dp=2, tp=2, pp=2, devices_per_node=4), 3, 1),
-        ("tiny", Layout(dp=2, tp=1, pp=2, devices_per_node=4), 1, 2),
-        ("gpt3-175b", MEGATRON_GPT3, 0, 1),  # 1,024 simulated ranks
-        ("llama-8b", Layout(dp=32, tp=8, pp=4, devices_per_node=8), 2, 1),
+        ("tiny", Layout(dp=2, tp=2, pp=2, devices_per_node=4), 3, 1, "1f1b"),
+        ("tiny", Layout(dp=2, tp=1, pp=2, devices_per_node=4), 1, 2, "interleaved_1f1b"),
+        ("tiny", Layout(dp=2, tp=2, pp=2, devices_per_node=4), 2, 2, "zbv"),  # rank 0: the first and last stages
+        ("gpt3-175b", MEGATRON_GPT3, 0, 1, "1f1b"),  # 1,024 simulated ranks
+        ("llama-8b", Layout(dp=32, tp=8, pp=4, devices_per_node=8), 2, 1, "1f1b"),
     ],
 )
-def test_verify_counts_match_the_analytic_ones_exactly(name, layout, zero_stage, virtual):
+def test_verify_counts_match_the_analytic_ones_exactly(name, layout, zero_stage, virtual, schedule):
     import time
 
     start = time.perf_counter()
-    counts = verify(GPTConfig.from_name(name), layout, zero_stage, virtual_pipeline_size=virtual)
+    counts = verify(
+        GPTConfig.from_name(name), layout, zero_stage, virtual_pipeline_size=virtual, pipeline_schedule=schedule
+    )
     assert len(counts) == layout.pp
     assert [c.verified for c in counts] == [c.analytic for c in counts]
     assert all(c.verified > 0 for c in counts)
@@ -203,6 +206,8 @@ def test_cli_plan_json_verify_and_map(tmp_path, capsys):
             "16",
             "--zero_stage",
             "1",
+            "--pipeline_schedule",
+            "1f1b",
             "--global_batch_size",
             "1536",
             "--seq_len",
@@ -328,6 +333,42 @@ def test_plan_json_reports_flops_parameters_and_activations_per_layer(capsys):
     assert report["params_total"] / 4 < report["params_per_rank"] < report["params_total"] / 2  # a TP x PP quarter
     per_layer = [reports[c]["activation_bytes_per_layer"] for c in ("false", "selective", "full")]
     assert per_layer[0] > per_layer[1] > per_layer[2] > 0
+
+
+def test_plan_chooses_the_pipeline_schedule_and_reports_each_candidates_bubble(capsys):
+    from lit3d.planner.pipeline import CANDIDATES
+
+    args = ["plan", "--model", "llama-8b", "--tensor_parallel_size", "2", "--pipeline_parallel_size", "4",
+            "--seq_len", "4096", "--global_batch_size", "64"]  # fmt: skip
+    main([*args, "--json"])
+    report = json.loads(capsys.readouterr().out)
+    weighed = {(c["pipeline_schedule"], c["virtual_pipeline_size"]): c for c in report["schedule_candidates"]}
+    assert set(weighed) == set(CANDIDATES)
+    chosen = weighed[report["pipeline_schedule"], report["layout"]["virtual_pipeline_size"]]
+    assert chosen["fits"] and chosen["bubble"] == report["pipeline_bubble"]
+    assert chosen["step_time_s"] == min(c["step_time_s"] for c in weighed.values() if c["fits"])
+    # Memory is ample here: a zero-bubble schedule wins, with at most half of 1F1B's bubble.
+    assert report["pipeline_schedule"] in ("zero_bubble", "zbv", "dualpipev")
+    assert chosen["bubble"] <= weighed["1f1b", 1]["bubble"] / 2
+    main(args)
+    text = capsys.readouterr().out
+    assert "pipeline schedules weighed" in text and "against 1F1B" in text and "<- chosen" in text
+    # A schedule asked for is kept (and checked: DualPipe-V needs 2p micro-batches).
+    main([*args, "--pipeline_schedule", "zbv", "--json"])
+    assert json.loads(capsys.readouterr().out)["pipeline_schedule"] == "zbv"
+    with pytest.raises(SystemExit, match="needs num_microbatches >= 2 x pipeline_parallel_size = 8"):
+        main([*args, "--pipeline_schedule", "dualpipev", "--num_microbatches", "4", "--global_batch_size", "4"])
+
+
+def test_a_search_runs_each_layout_with_its_fastest_schedule_that_fits():
+    config, cluster = GPTConfig.from_name("llama-70b"), Cluster(nodes=4)
+    fitting, _ = search(config, cluster, Training(seq_len=4096, global_batch_size=256), zero_stages=(1,))
+    pipelined = [c for c in fitting if c.layout.pp > 1]
+    assert pipelined
+    for c in pipelined:
+        assert c.plan.pipeline_schedule == c.training.pipeline_schedule
+        fits = [o["step_time_s"] for o in c.plan.schedule_candidates if o["fits"]]
+        assert c.plan.step_time_s == min(fits)
 
 
 def test_collectives_pay_a_latency_per_ring_hop():

@@ -1,0 +1,158 @@
+"""The pipeline schedule and micro-batch count of a layout, chosen by the planner.
+
+Every schedule of `lit3d.strategies.schedules` is estimated with the most micro-batches per schedule that it runs and
+that fit in memory (the global batch over the replicas and the micro-batch size, or a half, a quarter, ... of it with
+gradient accumulation running the schedule again). More micro-batches shrink every bubble; only GPipe's memory grows
+with them. The fastest that fits wins; each candidate's bubble, step time and activations go into the plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from lit3d.config import GPTConfig
+from lit3d.planner.estimate import GB, Cluster, Plan, Training, estimate
+from lit3d.strategies.layout import Layout, check_model_fits_pipeline
+from lit3d.strategies.schedules import (
+    SCHEDULES,
+    check_composes,
+    last_stage_in_flight,
+    microbatch_problem,
+    peak_in_flight,
+)
+
+# (schedule, chunks per rank) the search tries: the interleaved and zero-bubble ones at two chunks (ZB-H1 at one).
+CANDIDATES = (
+    ("gpipe", 1),
+    ("1f1b", 1),
+    ("interleaved_1f1b", 2),
+    ("zero_bubble", 1),
+    ("zero_bubble", 2),
+    ("zbv", 2),
+    ("dualpipev", 2),
+)
+NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "interleaved 1F1B", "zero_bubble": "ZB-H1",
+         "zbv": "ZBV", "dualpipev": "DualPipe-V"}  # fmt: skip
+
+
+def candidates(schedule: str | None, virtual: int | None) -> list[tuple[str, int]]:
+    """What to try: every candidate, or those of the one ``schedule`` asked for (at ``virtual`` chunks if given)."""
+    if schedule is None:
+        return list(CANDIDATES)
+    fixed = SCHEDULES[schedule].chunks
+    if virtual or fixed:
+        return [(schedule, fixed or virtual)]
+    return [(name, v) for name, v in CANDIDATES if name == schedule]
+
+
+def choose_schedule(
+    config: GPTConfig,
+    cluster: Cluster,
+    layout: Layout,
+    training: Training,
+    schedules: list[tuple[str, int]],
+    microbatches: int | None = None,
+) -> tuple[Training, Plan] | None:
+    """The fastest of ``schedules`` (with their micro-batch counts) for ``layout`` that fits (if none does, the
+    fastest), its plan carrying every candidate's bubble; None if none can run. ``microbatches`` fixes the
+    micro-batches per schedule."""
+    per_replica = training.global_batch_size // (layout.data_replicas * training.micro_batch_size)
+    tried = {}  # (schedule, chunks): the most micro-batches that fit, else the fewest tried
+    for name, virtual in schedules:
+        try:
+            check_model_fits_pipeline(config, layout.pp, virtual)
+            check_composes(name, layout.pp, zero_stage=training.zero_stage)
+        except ValueError:
+            continue
+        held = None  # activations in flight of the last micro-batch count that did not fit
+        for accumulate in _accumulations(per_replica, microbatches):
+            m = per_replica // accumulate
+            if microbatch_problem(layout.pp, name, m) or _in_flight(name, layout.pp, m, virtual) == held:
+                continue  # (fewer micro-batches that hold as much do not fit either)
+            held = _in_flight(name, layout.pp, m, virtual)
+            option = replace(
+                training, pipeline_schedule=name, virtual_pipeline_size=virtual, accumulate_grad_batches=accumulate
+            )
+            tried[name, virtual] = option, estimate(config, cluster, layout, option)
+            if tried[name, virtual][1].fits:  # fewer micro-batches would only idle more
+                break
+    if not tried:
+        return None
+    fitting = [(option, plan) for option, plan in tried.values() if plan.fits] or list(tried.values())
+    best_training, best = min(fitting, key=lambda c: (round(c[1].step_time_s, 6), c[1].memory_per_gpu["total"]))
+    best.schedule_candidates = [_summary(option, plan) for option, plan in tried.values()]
+    return best_training, best
+
+
+def _accumulations(per_replica: int, microbatches: int | None) -> list[int]:
+    """Schedules per step to try, fewest first: 1, 2, 4, ... dividing the per-replica batch (or the one that
+    makes ``microbatches``)."""
+    if microbatches is not None:
+        return [per_replica // microbatches] if per_replica % microbatches == 0 else []
+    out, accumulate = [], 1
+    while accumulate <= per_replica:
+        if per_replica % accumulate == 0:
+            out.append(accumulate)
+        accumulate *= 2
+    return out
+
+
+def _in_flight(schedule: str, pp: int, m: int, virtual: int) -> tuple[float, int]:
+    peak = max(peak_in_flight(schedule, pp, m, virtual, rank) for rank in range(pp))
+    return peak, last_stage_in_flight(schedule, pp, m)
+
+
+def _summary(training: Training, plan: Plan) -> dict:
+    return {
+        "pipeline_schedule": training.pipeline_schedule,
+        "virtual_pipeline_size": training.virtual_pipeline_size,
+        "num_microbatches": plan.num_microbatches,
+        "accumulate_grad_batches": training.accumulate_grad_batches,
+        "bubble": plan.pipeline_bubble,
+        "step_time_s": plan.step_time_s,
+        "activations_bytes": plan.memory_per_gpu["activations"],
+        "fits": plan.fits,
+    }
+
+
+def label(schedule: str, virtual: int) -> str:
+    """``ZBV``, ``ZB-H1``, ``interleaved 1F1B v2``: a schedule as the reports name it."""
+    if schedule == "zero_bubble" and virtual > 1:
+        return f"zero bubble v{virtual}"
+    return NAMES[schedule] + (f" v{virtual}" if schedule == "interleaved_1f1b" else "")
+
+
+def why_schedule(plan: Plan) -> str:
+    """``ZBV: bubble 2.0% against 1F1B 16.0%, +1.3 GB activations``: the chosen schedule against 1F1B (or, when 1F1B
+    is chosen, against the runner-up)."""
+    chosen = next(c for c in plan.schedule_candidates if same_schedule(c, plan))
+    others = [c for c in plan.schedule_candidates if c["fits"] and not same_schedule(c, plan)]
+    versus = next((c for c in others if c["pipeline_schedule"] == "1f1b"), None)
+    versus = versus or min(others, key=lambda c: c["step_time_s"], default=None)
+    text = f"{label(chosen['pipeline_schedule'], chosen['virtual_pipeline_size'])}: bubble {chosen['bubble']:.1%}"
+    if versus is None:
+        return text
+    extra = (chosen["activations_bytes"] - versus["activations_bytes"]) / GB
+    other = f"{label(versus['pipeline_schedule'], versus['virtual_pipeline_size'])} {versus['bubble']:.1%}"
+    if versus["num_microbatches"] != chosen["num_microbatches"]:  # it fits only with fewer
+        other += f" (m={versus['num_microbatches']})"
+    return f"{text} against {other}, {extra:+.1f} GB activations"
+
+
+def same_schedule(candidate: dict, plan: Plan) -> bool:
+    chosen = (plan.pipeline_schedule, plan.layout["virtual_pipeline_size"])
+    return (candidate["pipeline_schedule"], candidate["virtual_pipeline_size"]) == chosen
+
+
+def schedule_flags(training: Training, plan: Plan) -> str:
+    """The command-line flags that run ``training``'s schedule as planned: its name, micro-batches per schedule,
+    chunks per rank, and the schedules per step (gradient accumulation)."""
+    flags = (
+        f" --trainer.strategy.pipeline_schedule={training.pipeline_schedule}"
+        f" --trainer.strategy.num_microbatches={plan.num_microbatches}"
+    )
+    if SCHEDULES[training.pipeline_schedule].chunks is None and training.virtual_pipeline_size > 1:
+        flags += f" --trainer.strategy.virtual_pipeline_size={training.virtual_pipeline_size}"
+    if training.accumulate_grad_batches > 1:
+        flags += f" --trainer.accumulate_grad_batches={training.accumulate_grad_batches}"
+    return flags
