@@ -151,6 +151,8 @@ def _run_job(job: dict, job_dir: Path, devices: int) -> dict:
     for callback in callbacks:
         if isinstance(callback, CommReport):
             result["comm_bytes"] = {"measured": callback.measured, "planned": callback.planned}
+        if hasattr(callback, "results"):  # a test's own probe (plain data)
+            result.update(callback.results())
     if trainer.is_global_zero:
         log_dir = Path(logger.log_dir)
         result["losses"] = logged(log_dir, "train_loss")
