@@ -144,17 +144,21 @@ class CommReport(Callback):
     a ring makes a rank send). Each axis reports its busiest rank, as the planner does (``plan.
     communication_per_step``, available under `Parallel3DStrategy` with a lit3d GPT). Rank 0 prints the table;
     ``comm/<axis>_mb`` goes to the logger. Strategies without a device mesh (``ddp``, ``fsdp``) are plain data
-    parallel: their traffic is reported as ``dp``.
+    parallel: their traffic is reported as ``dp``. Under DiLoCo the outer steps' traffic between islands is the
+    ``island`` axis; measure ``steps=sync_every`` steps to see its mean per step, as the planner counts it.
 
     Args:
         step: The optimizer step to measure; later than the first, whose setup may communicate more.
         verbose: Print the table on rank 0.
+        steps: Measure this many optimizer steps from ``step`` on, and report the mean per step.
     """
 
-    def __init__(self, step: int = 2, verbose: bool = True) -> None:
+    def __init__(self, step: int = 2, verbose: bool = True, steps: int = 1) -> None:
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"CommReport(step={step!r}): the step to measure must be an integer >= 0")
-        self.step, self.verbose = step, verbose
+        if not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"CommReport(steps={steps!r}): the steps to measure must be an integer >= 1")
+        self.step, self.steps, self.verbose = step, steps, verbose
         self.measured: dict[str, float] | None = None  # bytes, busiest rank per axis
         self.planned: dict[str, float] | None = None
         self._mode = None
@@ -169,8 +173,8 @@ class CommReport(Callback):
             self._mode = CommBytes().__enter__()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
-        if self._mode is None or trainer.global_step <= self.step:
-            return  # still inside the measured step (gradient accumulation)
+        if self._mode is None or trainer.global_step < self.step + self.steps:
+            return  # still inside the measured steps (gradient accumulation)
         mode, self._mode = self._mode, None
         mode.__exit__(None, None, None)
         mesh = getattr(trainer.strategy, "_device_mesh", None)
@@ -181,19 +185,20 @@ class CommReport(Callback):
             local = mode.by_axis(mesh, *experts, replica_mesh=replicas, cp_group=cp_group)
         else:
             local = {"dp": sum(mode.bytes_by_group.values())}
-        axes = ("tp", "pp", "dp", "ep", "cp", "other")
-        local = {_AXIS_NAMES.get(axis, axis): sent for axis, sent in local.items()}
+        islands = getattr(getattr(trainer.strategy, "layout", None), "islands", 1) > 1
+        axes = ("tp", "pp", "dp", "ep", "cp", *(("island",) if islands else ()), "other")
+        local = {_AXIS_NAMES.get(axis, axis): sent / self.steps for axis, sent in local.items()}
         sent = torch.tensor([float(local.get(axis, 0.0)) for axis in axes], dtype=torch.float64)
         busiest = trainer.strategy.reduce(sent.to(pl_module.device), reduce_op="max").cpu().tolist()
         self.measured = dict(zip(axes, busiest))
         plan = getattr(trainer.strategy, "plan", None)
-        self.planned = {axis: plan.communication_per_step[axis]["bytes"] for axis in axes[:5]} if plan else None
+        self.planned = {axis: plan.communication_per_step[axis]["bytes"] for axis in axes[:-1]} if plan else None
         for axis in axes:
             pl_module.log(
                 f"comm/{axis}_mb", self.measured[axis] / 2**20, rank_zero_only=True, on_step=True, on_epoch=False
             )
         if trainer.is_global_zero and self.verbose:
-            print(format_comm_report(self.measured, self.planned, self.step), flush=True)
+            print(format_comm_report(self.measured, self.planned, self.step, self.steps), flush=True)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.measured is None:
@@ -203,10 +208,11 @@ class CommReport(Callback):
             )
 
 
-def format_comm_report(measured: dict[str, float], planned: dict[str, float] | None, step: int) -> str:
+def format_comm_report(measured: dict[str, float], planned: dict[str, float] | None, step: int, steps: int = 1) -> str:
     """The table `CommReport` prints: MiB per axis, measured and planned, and their ratio."""
+    where = f"step {step}" if steps == 1 else f"steps {step}-{step + steps - 1}, the mean per step"
     lines = [
-        f"communication in step {step}, MiB sent by the busiest rank per axis:",
+        f"communication in {where}, MiB sent by the busiest rank per axis:",
         f"  {'axis':<6}{'measured':>10}{'planner':>10}{'ratio':>8}",
     ]
     for axis, sent in measured.items():

@@ -49,8 +49,14 @@ def plan(
     context_parallel_size: int | None = None,
     sequence_parallel: bool = True,
     activation_checkpointing: bool | Literal["full", "selective"] | None = None,
-    pipeline_schedule: str = "1f1b",
-    virtual_pipeline_size: int = 1,
+    pipeline_schedule: str | None = None,
+    virtual_pipeline_size: int | None = None,
+    islands: int = 1,
+    inter_island_bandwidth: float = 1.0,
+    inter_island_latency: float = 10.0,
+    sync_every: int = 500,
+    outer_fragments: int = 1,
+    outer_reduce_dtype: str = "float32",
     top: int = 5,
     json: bool = False,
     verify: bool = False,
@@ -90,8 +96,18 @@ def plan(
         activation_checkpointing: Recompute activations: ``true``/``full`` (each block's input only) or
             ``selective`` (keeps matmul, attention and collective outputs); searched (off or full) when not given,
             off for a fixed layout.
-        pipeline_schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b`` or ``zero_bubble``.
-        virtual_pipeline_size: Model chunks per pipeline rank (interleaved schedules).
+        pipeline_schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``zero_bubble``, ``zbv`` or ``dualpipev``;
+            when not given, each layout runs the schedule and micro-batch count with the shortest step that fits
+            (``--json``: ``pipeline_schedule`` and every candidate's bubble in ``schedule_candidates``).
+        virtual_pipeline_size: Model chunks per pipeline rank of ``interleaved_1f1b`` and ``zero_bubble``
+            (``zbv`` and ``dualpipev`` run 2).
+        islands: DiLoCo: the GPUs split into this many islands (datacenters) of the same layout, which meet only at
+            the outer step; prints the time per outer step and what it saves against synchronous DP.
+        inter_island_bandwidth: GB/s per GPU between islands.
+        inter_island_latency: Milliseconds per hop between islands.
+        sync_every: Inner steps per outer step with islands (DiLoCo's paper: 500).
+        outer_fragments: Streaming DiLoCo: fragments synced at staggered steps (the same bytes, fewer at a time).
+        outer_reduce_dtype: What the pseudo-gradients travel in: ``float32`` or ``bfloat16``.
         top: How many layouts a search prints.
         json: Print one JSON object instead of text.
         verify: Build the real model on the meta device, parallelise it for the layout in a fake process group
@@ -100,7 +116,7 @@ def plan(
             three side by side, with each rank's number and memory and each layout's traffic per link.
     """
     import json as json_module
-    from dataclasses import asdict
+    from dataclasses import asdict, replace
 
     from lit3d.config import GPTConfig
     from lit3d.hardware import GPUS
@@ -116,7 +132,11 @@ def plan(
         search,
     )
     from lit3d.planner import verify as verify_counts
-    from lit3d.strategies.layout import ZERO_STAGES, Layout, check_sizes
+    from lit3d.planner.islands import format_islands, versus_synchronous
+    from lit3d.planner.pipeline import candidates, choose_schedule
+    from lit3d.strategies.islands import check_outer_loop
+    from lit3d.strategies.layout import ZERO_STAGES, Layout, check_islands, check_sizes
+    from lit3d.strategies.schedules import chunks_per_rank
 
     if gpu not in GPUS:
         raise ValueError(f"gpu={gpu!r} is not one of {', '.join(GPUS)}; give gpu_memory, bandwidths and peak_tflops")
@@ -129,6 +149,8 @@ def plan(
         intra_node_gbps=intra_node_bandwidth or spec.intra_node_gbps,
         inter_node_gbps=inter_node_bandwidth or spec.inter_node_gbps,
         peak_tflops=peak_tflops or spec.peak_tflops,
+        inter_island_gbps=inter_island_bandwidth,
+        inter_island_latency_ms=inter_island_latency,
     )
     training = Training(
         seq_len=seq_len or config.max_seq_len,
@@ -138,10 +160,20 @@ def plan(
         zero_stage=zero_stage or 0,
         sequence_parallel=sequence_parallel,
         activation_checkpointing=activation_checkpointing or False,
-        pipeline_schedule=pipeline_schedule,
-        virtual_pipeline_size=virtual_pipeline_size,
+        pipeline_schedule=pipeline_schedule or "1f1b",  # (a search weighs them all)
+        virtual_pipeline_size=virtual_pipeline_size or 1,
+        sync_every=sync_every if islands > 1 else 1,
+        outer_fragments=outer_fragments,
+        outer_reduce_dtype=outer_reduce_dtype,
     )
     check_inputs(config, cluster, training)
+    if pipeline_schedule:
+        training.virtual_pipeline_size = chunks_per_rank(pipeline_schedule, virtual_pipeline_size)
+    schedules = candidates(pipeline_schedule, virtual_pipeline_size)
+    any_schedule = replace(training, pipeline_schedule="gpipe", virtual_pipeline_size=1)  # GPipe runs any m
+    check_outer_loop(islands, sync_every, 1.0, 0.0, outer_fragments, outer_reduce_dtype)
+    if islands > 1 and cluster.gpus % islands:
+        raise ValueError(f"islands={islands} does not divide the {cluster.gpus} GPUs of the cluster")
     sizes = dict(
         tensor_parallel_size=tensor_parallel_size,
         pipeline_parallel_size=pipeline_parallel_size,
@@ -160,8 +192,10 @@ def plan(
                 f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} x context_parallel_size={cp} does not "
                 f"divide the {cluster.gpus} GPUs of the cluster; give data_parallel_size"
             )
-        dp = data_parallel_size or cluster.gpus // (tp * pp * cp)
-        layout = Layout(dp=dp, tp=tp, pp=pp, devices_per_node=gpus_per_node, ep=expert_parallel_size or 1, cp=cp)
+        dp = data_parallel_size or cluster.gpus // (tp * pp * cp)  # every island's replicas
+        check_islands(islands, dp, expert_parallel_size or 1, cp)
+        layout = Layout(dp=dp // islands, tp=tp, pp=pp, devices_per_node=gpus_per_node, ep=expert_parallel_size or 1,
+                        cp=cp, islands=islands)  # fmt: skip
         if dp % layout.ep:
             raise ValueError(f"expert_parallel_size={layout.ep} does not divide data_parallel_size={dp}")
         if zero_stage is None:
@@ -180,10 +214,13 @@ def plan(
                     f" = {derived}"
                 )
             training.micro_batch_size = derived
-        problem = layout_problem(config, cluster, layout, training)
+        problem = layout_problem(config, cluster, layout, training if pipeline_schedule else any_schedule)
         if problem:
             raise ValueError(problem)
-        result = estimate(config, cluster, layout, training)
+        chosen = None
+        if pp > 1 and not pipeline_schedule:
+            chosen = choose_schedule(config, cluster, layout, training, schedules, num_microbatches)
+        training, result = chosen or (training, estimate(config, cluster, layout, training))
         report, best = result.to_dict(), (layout, training)
         maps = [RankMap(layout, config.name, result, cluster.device)]
         text = format_plan(config, cluster, layout, training, result)
@@ -199,11 +236,13 @@ def plan(
             training,
             tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size,
-            data_parallel_size=data_parallel_size,
+            data_parallel_size=data_parallel_size // islands if data_parallel_size else None,  # of one island
             expert_parallel_size=expert_parallel_size,
             context_parallel_size=context_parallel_size,
             zero_stages=ZERO_STAGES if zero_stage is None else (zero_stage,),
             checkpointing=(False, True) if activation_checkpointing is None else (activation_checkpointing,),
+            islands=islands,
+            pipeline_schedules=schedules,
         )
         text = format_search(config, cluster, fitting, dropped, top)
         best = (fitting[0].layout, fitting[0].training) if fitting else None
@@ -211,6 +250,11 @@ def plan(
         report = fitting[0].plan.to_dict() if fitting else {"layout": None}
         report.update(alternatives=[c.plan.to_dict() for c in fitting[1:top]], dropped=dropped)
     report.update(model=config.name, cluster=asdict(cluster), fits=report.get("fits", False))
+    if islands > 1 and best:
+        layout, chosen = best
+        plan_of_best = estimate(config, cluster, layout, chosen)
+        report["islands"] = versus_synchronous(config, cluster, layout, chosen, plan_of_best)
+        text += "\n" + format_islands(report["islands"])
 
     if verify and best:
         layout, chosen = best
@@ -221,6 +265,7 @@ def plan(
             chosen.sequence_parallel,
             chosen.virtual_pipeline_size if layout.pp > 1 else 1,
             chosen.activation_checkpointing,
+            chosen.pipeline_schedule,
         )
         report["verify"] = [
             {"stage": c.stage, "rank": c.rank, "verified": c.verified, "analytic": c.analytic} for c in counts

@@ -132,7 +132,8 @@ class GPTConfig:
 
     @property
     def moe_layers(self) -> int:
-        return sum(self.is_moe_layer(i) for i in range(self.n_layer))
+        """How many layers `is_moe_layer` (all from ``first_dense_layers`` on; the planner asks this very often)."""
+        return max(0, self.n_layer - self.first_dense_layers) if self.n_expert > 0 else 0
 
     @classmethod
     def from_name(cls, name: str, **overrides: Any) -> GPTConfig:

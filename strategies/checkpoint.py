@@ -325,6 +325,7 @@ class ShardedCheckpoints:
             "optimizer_states": checkpoint.pop("optimizer_states", []),
         }
         checkpoint["rng"] = _collect_rng_states()  # rank 0's; every rank was seeded alike
+        tensors = self._with_islands(tensors)
         if not self.async_checkpoint:
             save(path, tensors, checkpoint, self.is_global_zero)
             return
@@ -333,6 +334,16 @@ class ShardedCheckpoints:
 
             self._background = BackgroundSaves()
         self._background.start(path, tensors, checkpoint, self.is_global_zero)
+
+    def _with_islands(self, tensors: dict[str, Any]) -> dict[str, Any]:
+        """Under DiLoCo: each island's own weights and inner optimizer states (they differ between outer steps),
+        island ``i > 0``'s under ``island<i>.`` (island 0's keep the plain names, which every other reader takes),
+        and the outer loop's anchor, momentum and step count under ``outer.`` (the same in every island)."""
+        loop = getattr(self, "outer_loop", None)
+        if loop is None:
+            return tensors
+        island = self.layout.island(self.global_rank)
+        return {**(tensors if island == 0 else {f"island{island}": tensors}), "outer": loop.state_by_name()}
 
     def wait_for_checkpoint(self, agree: bool = True) -> None:
         """Block until a save in flight is complete; raise if it failed (naming the folder)."""
@@ -363,7 +374,7 @@ class ShardedCheckpoints:
             for optimizer in self.optimizers:
                 init_optimizer_state(optimizer)
             tensors["optimizer_states"] = [self.optimizer_state(opt) for opt in self.optimizers]
-        meta = load(path, tensors)  # tensors were loaded in place; hyper-parameters come back as values
+        meta = load(path, self._with_islands(tensors))  # loaded in place; hyper-parameters come back as values
         for optimizer, loaded in zip(self.optimizers, tensors.get("optimizer_states", [])):
             restore_param_groups(optimizer, loaded)
         if "rng" in meta:

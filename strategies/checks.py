@@ -36,6 +36,6 @@ class ConfigurationChecks:
             check_pipeline_protocol(module, layout.pp)
         if layout.pp > 1 and hasattr(datamodule, "global_batch_size"):
             self.num_microbatches = pipeline_microbatches(
-                self._num_microbatches, datamodule.global_batch_size, layout.dp, trainer.accumulate_grad_batches,
-                layout.pp, self.virtual_pipeline_size, self.pipeline_schedule,
+                self._num_microbatches, datamodule.global_batch_size, layout.data_replicas,
+                trainer.accumulate_grad_batches, layout.pp, self.virtual_pipeline_size, self.pipeline_schedule,
             )  # fmt: skip

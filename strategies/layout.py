@@ -10,6 +10,11 @@ so a TP group is a run of T consecutive ranks, which land on one node when T div
 CP ranks hold the same weights and see different tokens of the same sequences: for everything but attention
 they are data-parallel replicas, and gradients are averaged and ZeRO shards over the ``dp × cp`` replicas (the
 ``replicas`` of a layout; `Layout.build_replica_mesh`), as torchtitan does.
+
+With DiLoCo's ``islands`` (`lit3d.strategies.islands`), the ranks split into that many islands of consecutive ranks,
+each a whole ``dp × cp × tp × pp`` layout (``dp`` counts an island's replicas, which sync every step), and the island
+is the outermost digit: ``global_rank = t + c·T + d·T·C + p·T·C·D + i·T·C·D·P``. The global batch is split over
+all ``islands × dp`` replicas (`Layout.data_replicas`).
 """
 
 from __future__ import annotations
@@ -17,10 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from lit3d.strategies.schedules import SCHEDULES, chunks_per_rank, microbatch_problem
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 ZERO_STAGES = (0, 1, 2, 3)
 MESH_DIMS = ("pp", "dp", "cp", "tp")  # outermost first: the order of the rank formula
 # Lightning's `ModelParallelStrategy` names its mesh dims so; modules written for it index the mesh with them.
@@ -48,10 +54,32 @@ class Layout:
     devices_per_node: int
     ep: int = 1  # expert parallelism: MoE experts split over groups of this many consecutive DP ranks
     cp: int = 1  # context parallelism: every sequence split over this many ranks
+    islands: int = 1  # DiLoCo: the layout is repeated this many times; islands sync only at the outer step
 
     @property
     def world_size(self) -> int:
+        return self.islands * self.island_size
+
+    @property
+    def island_size(self) -> int:
+        """Ranks of one island: ``dp × cp × tp × pp``."""
         return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def data_replicas(self) -> int:
+        """Replicas the global batch is split over: ``dp`` in every island."""
+        return self.islands * self.dp
+
+    def island(self, rank: int) -> int:
+        return rank // self.island_size
+
+    def data_rank(self, rank: int) -> int:
+        """This rank's replica among all `data_replicas` (its share of every global batch)."""
+        return self.island(rank) * self.dp + self.coordinate(rank).d
+
+    def island_groups(self) -> list[list[int]]:
+        """The ranks DiLoCo's outer step averages over: one per island, with the same (d, c, t, p)."""
+        return [[rank + i * self.island_size for i in range(self.islands)] for rank in range(self.island_size)]
 
     @property
     def replicas(self) -> int:
@@ -73,10 +101,10 @@ class Layout:
     def _digits(self, rank: int) -> tuple[int, int, int, int]:
         t, rest = rank % self.tp, rank // self.tp
         c, rest = rest % self.cp, rest // self.cp
-        return t, c, rest % self.dp, rest // self.dp
+        return t, c, rest % self.dp, rest // self.dp % self.pp
 
-    def rank(self, d: int, t: int, p: int, c: int = 0) -> int:
-        return t + self.tp * (c + self.cp * (d + self.dp * p))
+    def rank(self, d: int, t: int, p: int, c: int = 0, island: int = 0) -> int:
+        return t + self.tp * (c + self.cp * (d + self.dp * (p + self.pp * island)))
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """The ``(pp, dp, cp, tp)`` device mesh of this layout over the default process group (every rank calls
@@ -87,7 +115,10 @@ class Layout:
         """
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(device_type, (self.pp, self.dp, self.cp, self.tp), mesh_dim_names=MESH_DIMS)
+        shape, names = (self.pp, self.dp, self.cp, self.tp), MESH_DIMS
+        if self.islands > 1:  # NOTE: the other dims then name one island's ranks (its own sub-mesh)
+            shape, names = (self.islands, *shape), ("island", *names)
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
         # NOTE: a subclass that renames on lookup, rather than DeviceMesh._flatten: no second process group per
         # dim, and no slicing of flattened dims (deprecated by PyTorch).
         mesh.__class__ = _lightning_named(type(mesh))
@@ -140,7 +171,8 @@ class Layout:
 
     def tp_groups(self) -> list[list[int]]:
         return [
-            [self.rank(d, t, p, c) for t in range(self.tp)]
+            [self.rank(d, t, p, c, i) for t in range(self.tp)]
+            for i in range(self.islands)
             for p in range(self.pp)
             for d in range(self.dp)
             for c in range(self.cp)
@@ -153,8 +185,10 @@ class Layout:
     def rank_map(self, max_rows: int = 64) -> str:
         """A table of node, rank and (d, t, p) per rank, with the group sizes; rank 0 prints it at start."""
         cp = f" x cp {self.cp}" if self.cp > 1 else ""
+        grid = f"dp {self.dp}{cp} x tp {self.tp} x pp {self.pp}"
+        grid = f"{self.islands} islands x ({grid})" if self.islands > 1 else grid
         lines = [
-            f"lit3d layout: {self.world_size} ranks = dp {self.dp}{cp} x tp {self.tp} x pp {self.pp}, "
+            f"lit3d layout: {self.world_size} ranks = {grid}, "
             f"{self.num_nodes} node(s) x {self.devices_per_node} device(s)",
             f"groups: tensor-parallel of {self.tp} (consecutive ranks), "
             + (f"context-parallel ring of {self.cp} (stride {self.tp}), " if self.cp > 1 else "")
@@ -171,11 +205,18 @@ class Layout:
                 f"expert-parallel of {self.ep} (consecutive data-parallel ranks, stride {self.tp * self.cp}) split "
                 f"each MoE layer's experts; {self.dp // self.ep} such group(s) hold the same experts"
             )
+        if self.islands > 1:
+            lines.append(
+                f"islands: {self.islands} of {self.island_size} consecutive ranks each, synced only at DiLoCo's outer "
+                f"step (ranks {self.island_size} apart: same d, t, p); the global batch is split over all "
+                f"{self.data_replicas} replicas"
+            )
         crossing = self.tp_groups_across_nodes()
         if crossing:
             lines.append(f"WARNING: {len(crossing)} tensor-parallel group(s) span nodes, e.g. ranks {crossing[0]}")
         lines.append(
             "node  rank  "
+            + ("island  " if self.islands > 1 else "")
             + ("(d, c, t, p)" if self.cp > 1 else "(d, t, p)")
             + ("  ep group, experts" if self.ep > 1 else "")
         )
@@ -184,7 +225,8 @@ class Layout:
             flag = "  <- TP group spans nodes" if any(rank in g for g in crossing) else ""
             experts = f"  {d // self.ep}, part {d % self.ep + 1}/{self.ep}" if self.ep > 1 else ""
             where = f"({d}, {c}, {t}, {p})" if self.cp > 1 else f"({d}, {t}, {p})"
-            lines.append(f"{self.node(rank):>4}  {rank:>4}  {where}{experts}{flag}")
+            island = f"{self.island(rank):>6}  " if self.islands > 1 else ""
+            lines.append(f"{self.node(rank):>4}  {rank:>4}  {island}{where}{experts}{flag}")
         if self.world_size > max_rows:
             lines.append(f"... {self.world_size - max_rows} more ranks, same pattern")
         return "\n".join(lines)
@@ -198,9 +240,11 @@ def resolve_layout(
     pipeline_parallel_size: int,
     expert_parallel_size: int = 1,
     context_parallel_size: int = 1,
+    islands: int = 1,
 ) -> Layout:
     """Sizes checked against the world; ``data_parallel_size="auto"`` takes what TP, CP and PP leave; expert
-    parallelism borrows its ranks from data parallelism."""
+    parallelism borrows its ranks from data parallelism, and DiLoCo's ``islands`` split the data-parallel replicas
+    (``data_parallel_size`` counts all of them)."""
     tp, pp, cp = tensor_parallel_size, pipeline_parallel_size, context_parallel_size
     named = f"tensor_parallel_size={tp} x pipeline_parallel_size={pp}" + (
         f" x context_parallel_size={cp}" if cp > 1 else ""
@@ -218,7 +262,25 @@ def resolve_layout(
             f"expert_parallel_size={expert_parallel_size} does not divide data_parallel_size={dp}: expert "
             "parallelism splits the experts over groups of data-parallel ranks"
         )
-    return Layout(dp=dp, tp=tp, pp=pp, devices_per_node=devices_per_node, ep=expert_parallel_size, cp=cp)
+    check_islands(islands, dp, expert_parallel_size, cp)
+    return Layout(
+        dp=dp // islands, tp=tp, pp=pp, devices_per_node=devices_per_node, ep=expert_parallel_size, cp=cp,
+        islands=islands,
+    )  # fmt: skip
+
+
+def check_islands(islands: int, data_parallel_size: int, expert_parallel_size: int = 1, cp: int = 1) -> None:
+    """DiLoCo's islands are groups of whole data-parallel replicas (asked by the strategy and by `lit3d plan`)."""
+    if data_parallel_size % islands:
+        raise ValueError(
+            f"islands={islands} does not divide data_parallel_size={data_parallel_size}: each island holds the "
+            "same number of data-parallel replicas"
+        )
+    if islands > 1 and (expert_parallel_size > 1 or cp > 1):
+        raise ValueError(
+            f"islands={islands} with expert_parallel_size={expert_parallel_size} and context_parallel_size={cp} is "
+            "not supported: DiLoCo's islands run data, tensor and pipeline parallelism (and ZeRO) inside them"
+        )
 
 
 def check_sizes(**sizes: Any) -> None:
@@ -261,27 +323,11 @@ def check_pipeline_arguments(pp: int, schedule: str, microbatches: int | None, v
         raise ValueError(f"virtual_pipeline_size={virtual!r} must be a positive integer")
     if microbatches is not None and (not isinstance(microbatches, int) or microbatches < 1):
         raise ValueError(f"num_microbatches={microbatches!r} must be a positive integer")
-    v = virtual or 1
-    if v > 1 and schedule in ("gpipe", "1f1b"):
-        raise ValueError(
-            f"virtual_pipeline_size={v} needs pipeline_schedule='interleaved_1f1b' or 'zero_bubble', not {schedule!r}"
-        )
+    chunks_per_rank(schedule, virtual)  # the chunks per rank the schedule runs
     if microbatches is not None:
         problem = microbatch_problem(pp, schedule, microbatches)
         if problem:
             raise ValueError(problem)
-
-
-def microbatch_problem(pp: int, schedule: str, m: int) -> str | None:
-    """Why ``m`` micro-batches cannot run ``schedule`` on ``pp`` stages (None if they can)."""
-    if pp > 1 and schedule == "1f1b" and m < pp:
-        return f"pipeline_schedule='1f1b' needs num_microbatches >= pipeline_parallel_size={pp}, got {m}"
-    if pp > 1 and schedule in ("interleaved_1f1b", "zero_bubble") and m % max(1, m // pp):
-        return (
-            f"pipeline_schedule={schedule!r} needs num_microbatches={m} to be a multiple of "
-            f"pipeline_parallel_size={pp} (or at most it)"
-        )
-    return None
 
 
 def default_microbatches(per_replica_batch: int | None, pp: int, virtual: int, schedule: str) -> int:

@@ -1,5 +1,6 @@
 """The optimizer hooks of `Parallel3DStrategy` (a mixin before Lightning's strategy class): steps on local shards,
-ZeRO-1's reduce-scatter and all-gather around them, and gradient clipping by the norm of the whole split model."""
+ZeRO-1's reduce-scatter and all-gather around them, gradient clipping by the norm of the whole split model, and
+DiLoCo's outer step after the inner one (`lit3d.strategies.islands`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from lightning.pytorch import Trainer
 from typing_extensions import override
 
 from lit3d.strategies.grad_norm import clip_grad_norm_
+from lit3d.strategies.islands import build_outer_loop
 from lit3d.strategies.precision import reduce_dtype
 from lit3d.strategies.zero1 import ELEMENTWISE_OPTIMIZERS, LocalShardOptimizer
 
@@ -27,12 +29,17 @@ class LocalOptimizerSteps:
             for opt in self.optimizers
             if zero1 or (isinstance(opt, ELEMENTWISE_OPTIMIZERS) and _has_dtensor_params(opt))
         }
+        diloco = self.layout.islands > 1 or self.sync_every > 1
+        self.outer_loop = build_outer_loop(self, self.optimizers) if diloco else None
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         local = self._local_optimizers.get(id(optimizer))
         if local is None:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
+            result = super().optimizer_step(optimizer, closure, model, **kwargs)
+            if self.outer_loop is not None:
+                self.outer_loop.after_inner_step()
+            return result
 
         def closure_then_scatter() -> Any:  # Lightning's closure: forward, backward (gradient clipping follows)
             with local.overlap() if local.zero1 and self.layout.pp == 1 else nullcontext():
@@ -41,6 +48,8 @@ class LocalOptimizerSteps:
             return result
 
         result = super().optimizer_step(optimizer, closure_then_scatter, model, **kwargs)
+        if self.outer_loop is not None:  # NOTE: before the gather: only this rank's slices cross the island link
+            self.outer_loop.after_inner_step()
         local.gather_params()
         return result
 

@@ -56,6 +56,7 @@ from typing_extensions import override
 from lit3d.strategies.checkpoint import ShardedCheckpoints
 from lit3d.strategies.checks import ConfigurationChecks
 from lit3d.strategies.context_parallel import route_context_parallel
+from lit3d.strategies.islands import OuterLoop, check_outer_loop
 from lit3d.strategies.launchers import (
     CheckingLauncher,
     ForkLauncher,
@@ -66,6 +67,7 @@ from lit3d.strategies.launchers import (
 from lit3d.strategies.layout import (
     Layout,
     check_choices,
+    check_islands,
     check_pipeline_arguments,
     check_sizes,
     pipeline_microbatches,
@@ -83,7 +85,9 @@ from lit3d.strategies.precision import (
 )
 from lit3d.strategies.preemption import StopOnSignal
 from lit3d.strategies.recompute import check_setting
+from lit3d.strategies.schedules import check_composes, chunks_per_rank
 from lit3d.strategies.steps import StepHooks
+from lit3d.strategies.watchdog import WatchedSteps
 from lit3d.strategies.zero import check_replicas_in_sync
 from lit3d.strategies.zero1 import LocalShardOptimizer
 
@@ -94,7 +98,7 @@ if TYPE_CHECKING:
 
 
 class Parallel3DStrategy(
-    ShardedCheckpoints, ConfigurationChecks, StepHooks, LocalOptimizerSteps, ModelParallelStrategy
+    WatchedSteps, ShardedCheckpoints, ConfigurationChecks, StepHooks, LocalOptimizerSteps, ModelParallelStrategy
 ):
     """Data × tensor × pipeline (× context, × expert) parallel training with ZeRO; ``world = dp × cp × tp × pp``.
 
@@ -115,10 +119,14 @@ class Parallel3DStrategy(
         sequence_parallel: Between tensor-parallel regions, keep activations (norms, residual stream) split
             along the sequence, and keep only that shard of each region's input for backward (gathered again
             there): 1/t of the layer's activations for one more all-gather per region in backward.
-        pipeline_schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b`` or ``zero_bubble``.
+        pipeline_schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``zero_bubble`` (backward split into input
+            and weight gradients, the latter filling the bubbles), ``zbv`` (zero bubble over two chunks per rank in
+            a V) or ``dualpipev`` (DeepSeek's DualPipe-V, the same V); their bubbles and memory:
+            `lit3d.strategies.schedules`.
         num_microbatches: Micro-batches each replica's batch is split into for the pipeline (default: the most,
             up to 2 x pipeline_parallel_size x virtual_pipeline_size, that divide the per-replica batch).
-        virtual_pipeline_size: Model chunks per pipeline rank (interleaved schedules).
+        virtual_pipeline_size: Model chunks per pipeline rank (interleaved schedules; ``zbv`` and ``dualpipev``
+            run 2).
         activation_checkpointing: Recompute activations in backward instead of storing them: ``True`` or
             ``"full"`` keeps only each block's input; ``"selective"`` keeps matmul, attention and collective
             outputs and recomputes the elementwise ops (see `lit3d.strategies.recompute`).
@@ -131,10 +139,22 @@ class Parallel3DStrategy(
             all, one save is in flight at most, and a failed write is raised at the next save or at the end of
             training, naming the folder (`lit3d.strategies.async_checkpoint`).
         process_group_backend: ``nccl`` or ``gloo``; default picks by device (NCCL on GPUs, gloo on CPU).
-        timeout: How long a collective may wait for a peer before the job fails.
+        timeout: How long a collective may wait for a peer before the job fails. At 90 % of it without progress,
+            each rank logs the collective it waits in (`lit3d.strategies.watchdog`).
         start_method: How local ranks are started when nothing else starts them (torchrun and SLURM do):
             ``"popen"`` re-runs the script per rank (Lightning's default); ``"fork"`` forks the current process,
             the only way from a Jupyter notebook. ``None`` picks ``"fork"`` in a notebook, else ``"popen"``.
+        islands: DiLoCo (`lit3d.strategies.islands`): the data-parallel replicas split into this many islands of
+            consecutive ranks, each a whole ``dp x tp x pp`` layout that syncs every step inside itself; islands
+            communicate only at the outer step. ``data_parallel_size`` counts the replicas of all islands.
+        sync_every: Inner steps between DiLoCo's outer steps (``H``). DiLoCo runs when ``islands > 1`` or
+            ``sync_every > 1`` (one island then is DiLoCo's outer optimizer around plain training).
+        outer_lr: The outer SGD's learning rate (DiLoCo's 0.7).
+        outer_momentum: The outer SGD's Nesterov momentum (DiLoCo's 0.9; 0 for none).
+        outer_fragments: Streaming DiLoCo: the weights are synced in this many fragments at staggered inner steps,
+            each once every ``sync_every`` steps (the same bytes, ``1/outer_fragments`` of them at a time).
+        outer_reduce_dtype: The dtype the pseudo-gradients travel between islands in: ``"float32"`` or
+            ``"bfloat16"`` (half the bytes); the anchor and the outer step stay fp32.
     """
 
     strategy_name = "3d"
@@ -158,6 +178,12 @@ class Parallel3DStrategy(
         process_group_backend: str | None = None,
         timeout: timedelta = timedelta(minutes=10),
         start_method: Literal["popen", "fork"] | None = None,
+        islands: int = 1,
+        sync_every: int = 1,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        outer_fragments: int = 1,
+        outer_reduce_dtype: Literal["float32", "bfloat16"] = "float32",
     ) -> None:
         check_sizes(
             data_parallel_size=data_parallel_size,
@@ -168,8 +194,12 @@ class Parallel3DStrategy(
         )
         check_choices(zero_stage, pipeline_schedule)
         check_pipeline_arguments(pipeline_parallel_size, pipeline_schedule, num_microbatches, virtual_pipeline_size)
+        check_composes(pipeline_schedule, pipeline_parallel_size, compile, zero_stage)
         check_setting(activation_checkpointing)
         check_reduce_dtype(mixed_precision_reduce)
+        check_outer_loop(islands, sync_every, outer_lr, outer_momentum, outer_fragments, outer_reduce_dtype)
+        if data_parallel_size != "auto":
+            check_islands(islands, data_parallel_size, expert_parallel_size, context_parallel_size)
         if sequence_parallel and tensor_parallel_size == 1:
             rank_zero_warn("sequence_parallel=True does nothing with tensor_parallel_size=1")
         if start_method not in (None, "popen", "fork"):
@@ -183,12 +213,15 @@ class Parallel3DStrategy(
         self.start_method = start_method or ("fork" if interactive() else "popen")
         self._sizes = (
             data_parallel_size, tensor_parallel_size, pipeline_parallel_size, expert_parallel_size,
-            context_parallel_size,
+            context_parallel_size, islands,
         )  # fmt: skip
+        self.islands, self.sync_every, self.outer_fragments = islands, sync_every, outer_fragments
+        self.outer_lr, self.outer_momentum, self.outer_reduce_dtype = outer_lr, outer_momentum, outer_reduce_dtype
+        self.outer_loop: OuterLoop | None = None  # DiLoCo's outer step, built with the optimizers
         self.zero_stage = zero_stage
         self.sequence_parallel = sequence_parallel and tensor_parallel_size > 1
         self.pipeline_schedule = pipeline_schedule
-        self.virtual_pipeline_size = virtual_pipeline_size or 1
+        self.virtual_pipeline_size = chunks_per_rank(pipeline_schedule, virtual_pipeline_size)
         self._num_microbatches = num_microbatches  # as given; None: chosen from the batch (check_configuration)
         self.num_microbatches = pipeline_microbatches(  # until the batch is known
             num_microbatches, global_batch_size=None, dp=1, accumulate=1, pp=pipeline_parallel_size,
@@ -225,7 +258,7 @@ class Parallel3DStrategy(
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Data is split over DP replicas only: all TP, CP and PP ranks of a replica see the same batch (each CP
         # rank keeps its share of every sequence: `route_context_parallel`).
-        return {"num_replicas": self.layout.dp, "rank": self.layout.coordinate(self.global_rank).d}
+        return {"num_replicas": self.layout.data_replicas, "rank": self.layout.data_rank(self.global_rank)}
 
     @override
     def _configure_launcher(self) -> None:
@@ -240,6 +273,7 @@ class Parallel3DStrategy(
         _set_num_threads_if_needed(self.num_processes)  # CPU ranks share the cores (torchrun sets 1)
         self._setup_distributed()  # Lightning's: device, seed, world ranks, process group
         agree_on_seed()
+        self.start_watchdog()  # a rank that stops making progress says where it is (`lit3d.strategies.watchdog`)
         layout = self.layout
         self._device_mesh = layout.build_mesh(self.root_device.type)
         self._replica_mesh = layout.build_replica_mesh(self._device_mesh)
@@ -360,7 +394,7 @@ class Parallel3DStrategy(
         chunks, stage_ids = parallelize_network(
             network, module.tensor_parallel_plan, layout, self.replica_mesh, self.global_rank,
             zero_stage=self.zero_stage, sequence_parallel=self.sequence_parallel,
-            virtual_pipeline_size=self.virtual_pipeline_size,
+            virtual_pipeline_size=self.virtual_pipeline_size, pipeline_schedule=self.pipeline_schedule,
             activation_checkpointing=self.activation_checkpointing, compile=self.compile,
             mp_policy=mixed_precision_policy(self.precision, self.mixed_precision_reduce),
             ddp=self._ddp, expert_mesh=self._expert_mesh, ep_group=self._ep_group, cp_group=self._cp_group,
@@ -376,6 +410,7 @@ class Parallel3DStrategy(
             self.pipeline = Pipeline(
                 chunks, stage_ids, layout.pp * self.virtual_pipeline_size, self.device_mesh["pp"],
                 self.pipeline_schedule, self.num_microbatches, self.root_device, loss_parallel=layout.tp > 1,
+                split_backward=not self.activation_checkpointing,
             )  # fmt: skip
             # NOTE: fp16's loss scale multiplies the loss inside the schedule, whose backward is the only one; the
             # precision plugin unscales the gradients before the optimizer step as usual.

@@ -11,6 +11,11 @@ os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
 
 def pytest_collection_modifyitems(config, items):
+    # NOTE: `layout_runs` spawns every layout once for the session (about 5 minutes on 2 cores); the first test that
+    # asks for it pays for that, so tests that use it get a longer limit than the suite's 300 s.
+    for item in items:
+        if "layout_runs" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.timeout(900))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device; its CPU counterpart runs instead")
@@ -104,6 +109,10 @@ LAYOUTS: dict[str, tuple[int, dict]] = {
     "pp2_1f1b": (2, {"strategy": pp(2)}),
     "pp2_interleaved_1f1b": (2, {"strategy": pp(2, "interleaved_1f1b", virtual_pipeline_size=2)}),
     "pp2_zero_bubble": (2, {"strategy": pp(2, "zero_bubble", virtual_pipeline_size=2)}),
+    # The V-shaped schedules (two chunks per rank, stages r and 2p-1-r): alone, under full recompute, and on all
+    # three axes with ZeRO and selective recompute.
+    "pp2_zbv": (2, {"strategy": pp(2, "zbv")}),
+    "pp2_dualpipev_full_recompute": (2, {"strategy": pp(2, "dualpipev", activation_checkpointing="full")}),
     "pp2_1f1b_accumulate2": (2, {"strategy": pp(2), "trainer": {"accumulate_grad_batches": 2}}),
     "pp2_1f1b_loss_scaled": (2, {"strategy": pp(2), "loss_scale": 1024.0}),
     "dp2_pp2_zero1_accumulate2": (4, {"strategy": pp(2, zero_stage=1), "trainer": {"accumulate_grad_batches": 2}}),
@@ -113,6 +122,11 @@ LAYOUTS: dict[str, tuple[int, dict]] = {
     "dp2_tp2_pp2_zero1": (
         8,
         {"strategy": pp(2, tensor_parallel_size=2, zero_stage=1), "checkpoint_every": 8, "test_after_fit": True},
+    ),
+    "dp2_tp2_pp2_zbv_zero1": (8, {"strategy": pp(2, "zbv", tensor_parallel_size=2, zero_stage=1)}),
+    "dp2_pp2_dualpipev_zero2_selective_recompute": (
+        4,
+        {"strategy": pp(2, "dualpipev", zero_stage=2, activation_checkpointing="selective")},
     ),
     "dp2_tp2_zero1": (4, {"strategy": {"tensor_parallel_size": 2, "zero_stage": 1}}),
     "dp2_tp2_zero3": (4, {"strategy": {"tensor_parallel_size": 2, "zero_stage": 3}}),

@@ -12,13 +12,14 @@ where it fits, the whole stretched by the pipeline bubble.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from functools import lru_cache
 from typing import Any
 
 from lit3d.config import GPTConfig
-from lit3d.planner.tensors import Tensor, local_numel, rank_tensors, replicas
+from lit3d.planner.tensors import Tensor, _key, local_numel, rank_tensors, replicas, stepped_numel
 from lit3d.planner.traffic import collectives, communication_bytes
 from lit3d.strategies.layout import Layout
-from lit3d.strategies.pipeline import bubble_theory
+from lit3d.strategies.schedules import SCHEDULES, Costs, bubble_theory, last_stage_in_flight, peak_in_flight
 
 GB = 1e9
 
@@ -75,6 +76,10 @@ class Cluster:
     collective_latency_us: float = 8.4
     intra_node_hop_us: float = 5.7
     inter_node_hop_us: float = 6.6
+    # The link between DiLoCo's islands (datacenters), per GPU as the links above: about a hundredth of InfiniBand's
+    # bandwidth, and milliseconds of latency per hop.
+    inter_island_gbps: float = 1.0
+    inter_island_latency_ms: float = 10.0
     device: str = "GPU"  # what the reports call one rank's device ("CPU process" for a rehearsal on CPU)
 
     @property
@@ -97,6 +102,9 @@ class Training:
     activation_checkpointing: bool | str = False  # True or "full", "selective"
     pipeline_schedule: str = "1f1b"
     virtual_pipeline_size: int = 1
+    sync_every: int = 1  # DiLoCo's inner steps per outer step (with islands)
+    outer_reduce_dtype: str = "float32"  # what the pseudo-gradients travel between islands in
+    outer_fragments: int = 1  # streaming DiLoCo: fragments synced at staggered steps
     efficiency: float = 0.6  # share of the peak that matmuls reach
     headroom: float = 0.1  # of GPU memory kept free for the allocator, CUDA context and buffers
 
@@ -121,6 +129,10 @@ class Plan:
     params_per_rank: int = 0  # parameters (elements) the most loaded rank holds, ZeRO-3 shards included
     params_active: int = 0  # parameters one token uses (MoE: k of the routed experts; a dense model: all)
     activation_bytes_per_layer: int = 0  # what one block keeps for backward, per micro-batch on one rank
+    pipeline_schedule: str | None = None  # with a pipeline: the schedule this estimate runs
+    # With a pipeline: every schedule the planner weighed for this layout (`lit3d.planner.pipeline`), each with its
+    # micro-batches, bubble, step time and activations.
+    schedule_candidates: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -132,11 +144,7 @@ def state_bytes(tensors: list[Tensor], layout: Layout, zero_stage: int, precisio
     full = sum(local_numel(t, tp, ep=ep) for t in tensors)
     sharded = sum(local_numel(t, tp, replicas(t, layout), ep=ep) for t in tensors)
     sharded_params = sharded if zero_stage >= 2 and dp > 1 else full
-    if zero_stage >= 1 and dp > 1:  # ZeRO-1 slices a dim TP (and EP) leave whole; FSDP (2, 3) shards dim 0
-        sliced = sum(local_numel(t, tp, replicas(t, layout), t.free_dim, ep) for t in tensors)
-        optimizer = sliced if zero_stage == 1 else sharded_params
-    else:
-        optimizer = full
+    optimizer = stepped_numel(tensors, layout, zero_stage)  # ZeRO-1 slices a dim TP (and EP) leave whole
     step_counters = 4 * len(tensors)  # AdamW keeps one fp32 step count per tensor
     # ZeRO-1 keeps the DP average of its optimizer slice only (backward's whole gradients go at the reduce-scatter).
     grads = optimizer if zero_stage == 1 and dp > 1 else sharded_params
@@ -203,7 +211,7 @@ def estimate(
     tp, pp, dp = layout.tp, layout.pp, layout.dp
     virtual = training.virtual_pipeline_size if pp > 1 else 1
     b, s = training.micro_batch_size, training.seq_len
-    microbatches = training.global_batch_size // (dp * b)
+    microbatches = training.global_batch_size // (layout.data_replicas * b)  # per replica (of every island)
     schedule_m = microbatches // training.schedules_per_step(pp)  # micro-batches of one pipeline schedule
     sp = training.sequence_parallel and tp > 1
     tokens = b * s // layout.cp  # a rank's, per micro-batch
@@ -217,18 +225,19 @@ def estimate(
     weight_copies = autocast_weight_bytes(config, tp) if copies else 0
     by_stage, params_per_rank = [], 0
     for stage_rank in range(pp):
-        tensors = rank_tensors(config, pp, virtual, stage_rank)
-        memory = state_bytes(tensors, layout, training.zero_stage, precision)
+        placement = SCHEDULES[training.pipeline_schedule].placement
+        held = _stage_state(_key(config), layout, virtual, stage_rank, placement, training.zero_stage, precision)
+        memory, layers, holds_head, buffers = dict(held[0]), *held[1:]
         params_per_rank = max(params_per_rank, memory["params"] // precision.weights)
-        layers = len({t.block for t in tensors if t.block is not None})
-        in_flight = _in_flight(training.pipeline_schedule, pp, virtual, schedule_m, stage_rank)
+        in_flight = peak_in_flight(training.pipeline_schedule, pp, schedule_m, virtual, stage_rank)
         acts = layers * (per_token * tokens * in_flight + weight_copies)
         if full_recompute:  # one block recomputed at a time, for one micro-batch
             acts += activation_bytes_per_token(config, tp, sp, False, a) * tokens
-        if any(t.name.startswith("head") for t in tensors):
-            acts += output_layer_bytes(config, tp, sp, tokens * in_flight, a)
+        if holds_head:
+            losses = in_flight if pp == 1 else last_stage_in_flight(training.pipeline_schedule, pp, schedule_m)
+            acts += output_layer_bytes(config, tp, sp, tokens * losses, a)
         memory["activations"] = int(acts)
-        memory["buffers"] = _buffer_bytes(tensors, layout, training.zero_stage, precision)
+        memory["buffers"] = buffers
         memory["total"] = sum(memory.values())
         by_stage.append(memory)
     peak = max(by_stage, key=lambda m: m["total"])
@@ -236,7 +245,7 @@ def estimate(
     # Communication per GPU per step, and the time it takes on its link.
     traffic = communication_bytes(config, layout, training, precision)
     cp = layout.cp
-    spans = {"tp": tp, "cp": tp * cp, "dp": tp * cp * dp, "pp": layout.world_size, "ep": tp * cp * layout.ep}
+    spans = {"tp": tp, "cp": tp * cp, "dp": tp * cp * dp, "pp": layout.island_size, "ep": tp * cp * layout.ep}
     links = {
         axis: cluster.intra_node_gbps if span <= cluster.gpus_per_node else cluster.inter_node_gbps
         for axis, span in spans.items()
@@ -248,7 +257,12 @@ def estimate(
         axis: (n * cluster.collective_latency_us + hops * (cluster.intra_node_hop_us if intra[axis] else
                cluster.inter_node_hop_us)) * 1e-6
         for axis, (n, hops) in counts.items()
+        if axis != "island"
     }  # fmt: skip
+    if layout.islands > 1:  # DiLoCo's outer step crosses the link between islands
+        links["island"] = cluster.inter_island_gbps
+        n, hops = counts["island"]
+        latency["island"] = n * cluster.collective_latency_us * 1e-6 + hops * cluster.inter_island_latency_ms * 1e-3
     seconds = {axis: traffic[axis] / (links[axis] * GB) + latency[axis] for axis in traffic}
 
     # Compute: model FLOPs per token (6 per weight of every matmul, plus attention), recompute on top with AC.
@@ -258,13 +272,15 @@ def estimate(
         hardware_flops / cluster.gpus_per_node / cluster.nodes / (cluster.peak_tflops * 1e12 * training.efficiency)
     )
     compute *= cluster.gpus / layout.world_size  # the layout may use fewer GPUs than the cluster has
-    bubble = bubble_theory(training.pipeline_schedule, pp, schedule_m, virtual) if pp > 1 else 0.0
+    costs = Costs.of(training.activation_checkpointing)
+    bubble = bubble_theory(training.pipeline_schedule, pp, schedule_m, virtual, costs) if pp > 1 else 0.0
     overlap = compute if training.zero_stage == 3 else compute * 2 / 3  # DP traffic hides behind backward
     # The ring's next K/V block travels while attention computes on this one: it hides behind attention only.
     attention = compute * config.attention_flops_per_token(s) / config.flops_per_token(s)
     hidden = {"cp": min(seconds["cp"], attention)}
     exposed = compute + seconds["tp"] + seconds["pp"] + seconds["ep"] + seconds["cp"] - hidden["cp"]
-    step = exposed / (1 - bubble) + max(0.0, seconds["dp"] - overlap)
+    # NOTE: the outer step waits for its all-reduce (nothing computes meanwhile): amortised over its inner steps.
+    step = exposed / (1 - bubble) + max(0.0, seconds["dp"] - overlap) + seconds.get("island", 0.0)
     mfu = model_flops / layout.world_size / (step * cluster.peak_tflops * 1e12)
     fits = peak["total"] <= cluster.gpu_memory_gb * GB * (1 - training.headroom)
     return Plan(
@@ -276,6 +292,7 @@ def estimate(
             "virtual_pipeline_size": virtual,
             "expert_parallel_size": layout.ep,
             "context_parallel_size": cp,
+            **({"islands": layout.islands, "sync_every": training.sync_every} if layout.islands > 1 else {}),
         },
         memory_per_gpu=peak,
         memory_by_stage=by_stage,
@@ -295,23 +312,33 @@ def estimate(
         fits=fits,
         num_microbatches=schedule_m,
         flops_per_step=float(model_flops),
-        params_total=sum(local_numel(t, 1) for t in rank_tensors(config, 1, 1, 0)),
+        params_total=_params_total(_key(config)),
         params_per_rank=params_per_rank,
         params_active=config.active_params,
         activation_bytes_per_layer=int(per_token * tokens + weight_copies),
+        pipeline_schedule=training.pipeline_schedule if pp > 1 else None,
     )
 
 
-def _in_flight(schedule: str, pp: int, virtual: int, microbatches: int, stage_rank: int) -> float:
-    """Micro-batches whose activations a stage holds at its peak."""
-    if pp == 1:
-        return 1.0  # gradient accumulation runs one micro-batch at a time
-    if schedule == "gpipe":
-        return float(microbatches)
-    held = min(microbatches, pp - stage_rank)  # 1F1B: the first stage holds p, the last one
-    if schedule in ("interleaved_1f1b", "zero_bubble"):
-        return held * (1 + (pp - 1) / (pp * virtual))  # Narayanan et al. (2021)
-    return float(held)
+@lru_cache(maxsize=64)
+def _params_total(key: tuple) -> int:
+    """Elements of the whole model (cached: the search weighs every schedule of every layout)."""
+    return sum(local_numel(t, 1) for t in rank_tensors(GPTConfig(**dict(key)), 1, 1, 0))
+
+
+@lru_cache(maxsize=4096)
+def _stage_state(
+    key: tuple, layout: Layout, virtual: int, stage_rank: int, placement: str, zero_stage: int, precision: Precision
+) -> tuple[tuple[tuple[str, int], ...], int, bool, int]:
+    """What pipeline rank ``stage_rank`` holds whatever the schedule's micro-batches: its weights, gradients and
+    optimizer state, its number of blocks, whether it holds the head, its gathered-parameter buffers.
+
+    NOTE: cached, as the planner weighs every schedule for each layout and these sums over the tensors dominate."""
+    tensors = rank_tensors(GPTConfig(**dict(key)), layout.pp, virtual, stage_rank, placement)
+    state = tuple(state_bytes(tensors, layout, zero_stage, precision).items())
+    layers = len({t.block for t in tensors if t.block is not None})
+    head = any(t.name.startswith("head") for t in tensors)
+    return state, layers, head, _buffer_bytes(tensors, layout, zero_stage, precision)
 
 
 def _buffer_bytes(tensors: list[Tensor], layout: Layout, zero_stage: int, precision: Precision) -> int:

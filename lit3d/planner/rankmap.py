@@ -95,6 +95,7 @@ class RankMap:
                     Rectangle((slot, -row - 1), 0.94, 0.9, facecolor=colour, edgecolor=edge[0], linewidth=edge[1])
                 )
                 label = f"r{rank}\nt{t} p{p}" + (f" c{c}" if layout.cp > 1 else "") + ("" if one_replica else f" d{d}")
+                label += f" i{layout.island(rank)}" if layout.islands > 1 else ""
                 if self.plan is not None and shown:
                     label += "\n" + size(self.plan.memory_by_stage[p]["total"])
                 ax.text(slot + 0.47, -row - 0.55, label if shown else f"d{d}", ha="center", va="center", fontsize=6)
@@ -115,6 +116,8 @@ class RankMap:
         cp = f" x cp {layout.cp}" if layout.cp > 1 else ""
         lines = [f"{layout.world_size} {plural(self.device)} = dp {layout.dp}{cp} x tp {layout.tp} x pp {layout.pp} on "
                  f"{layout.num_nodes} node(s); colour = pipeline stage"]  # fmt: skip
+        if layout.islands > 1:
+            lines[0] = lines[0].replace(" = ", f" = {layout.islands} DiLoCo islands (i) x ", 1)
         if layout.cp > 1:
             lines.append(f"c = place in the context-parallel ring (ranks {layout.tp} apart; each holds sequence chunks "
                          f"c and {2 * layout.cp - 1}-c)")  # fmt: skip

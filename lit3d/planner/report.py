@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from lit3d.config import GPTConfig
 from lit3d.planner.estimate import GB, Cluster, Plan, Training
+from lit3d.planner.pipeline import label, same_schedule, schedule_flags, why_schedule
 from lit3d.planner.search import Candidate, tokens_per_second, why
 from lit3d.strategies.layout import Layout
 
@@ -39,7 +40,9 @@ def describe(config: GPTConfig, cluster: Cluster) -> str:
 
 def settings(layout: Layout, training: Training, plan: Plan) -> str:
     cp = f" x cp {layout.cp}" if layout.cp > 1 else ""
-    parts = [f"dp {layout.dp}{cp} x tp {layout.tp} x pp {layout.pp}", f"ZeRO-{training.zero_stage}", training.precision]
+    grid = f"dp {layout.dp}{cp} x tp {layout.tp} x pp {layout.pp}"
+    grid = f"{layout.islands} islands x ({grid})" if layout.islands > 1 else grid
+    parts = [grid, f"ZeRO-{training.zero_stage}", training.precision]
     if training.activation_checkpointing:
         selective = training.activation_checkpointing == "selective"
         parts.append("selective activation checkpointing" if selective else "activation checkpointing")
@@ -79,11 +82,34 @@ def format_plan(config: GPTConfig, cluster: Cluster, layout: Layout, training: T
             f"pipeline bubble: {plan.pipeline_bubble:.1%} ({training.pipeline_schedule}, p={layout.pp}, "
             f"m={plan.num_microbatches})"
         )
+        if plan.schedule_candidates:
+            lines += format_candidates(plan)
     lines.append(
         f"step time: {plan.step_time_s:.3f} s, {tokens_per_second(plan, training):,.0f} tokens/s, "
         f"MFU {plan.mfu:.1%} (matmuls assumed at {training.efficiency:.0%} of peak)"
     )
     return "\n".join(lines)
+
+
+def format_candidates(plan: Plan) -> list[str]:
+    """The report's lines on the schedules weighed for one layout, the chosen one first."""
+    lines = [f"pipeline schedules weighed ({why_schedule(plan)}):"]
+    lines.append(f"  {'schedule':<22}{'m':>5}{'bubble':>9}{'step s':>10}{'activations':>14}  fits")
+    order = lambda c: (not same_schedule(c, plan), not c["fits"], c["step_time_s"])  # the chosen one first
+    ranked = sorted(plan.schedule_candidates, key=order)
+    for c in ranked:
+        lines.append(
+            f"  {label(c['pipeline_schedule'], c['virtual_pipeline_size']):<22}{c['num_microbatches']:>5}"
+            f"{c['bubble']:>9.1%}{c['step_time_s']:>10.3f}{size(c['activations_bytes']):>14}  "
+            + ("yes" if c["fits"] else "no")
+            + ("  <- chosen" if same_schedule(c, plan) else "")
+        )
+    return lines
+
+
+def _schedule(candidate: Candidate) -> str:
+    training = candidate.training
+    return label(training.pipeline_schedule, training.virtual_pipeline_size) if candidate.layout.pp > 1 else "-"
 
 
 def format_search(
@@ -100,16 +126,19 @@ def format_search(
             "lower micro_batch_size or seq_len"
         )
         return "\n".join(lines)
+    if candidates[0].layout.islands > 1:
+        lines.append(f"each of {candidates[0].layout.islands} islands runs the layout (dp: replicas per island)")
     lines.append(
-        f"{'#':>2}  {'dp':>5} {'cp':>3} {'tp':>3} {'pp':>3} {'ep':>3} {'zero':>4} {'ac':>3} {'m':>4} {'memory GB':>9} "
-        f"{'step s':>8} {'MFU':>6}"
+        f"{'#':>2}  {'dp':>5} {'cp':>3} {'tp':>3} {'pp':>3} {'ep':>3} {'zero':>4} {'ac':>3} {'m':>4} {'schedule':>16} "
+        f"{'memory GB':>9} {'step s':>8} {'MFU':>6}"
     )
     for i, c in enumerate(candidates[:top], 1):
         lines.append(
             f"{i:>2}  {c.layout.dp:>5} {c.layout.cp:>3} {c.layout.tp:>3} {c.layout.pp:>3} {c.layout.ep:>3} "
             f"{c.training.zero_stage:>4} "
             f"{'yes' if c.training.activation_checkpointing else 'no':>3} {c.plan.num_microbatches:>4} "
-            f"{c.plan.memory_per_gpu['total'] / GB:>9.1f} {c.plan.step_time_s:>8.3f} {c.plan.mfu:>6.1%}"
+            f"{_schedule(c):>16} {c.plan.memory_per_gpu['total'] / GB:>9.1f} {c.plan.step_time_s:>8.3f} "
+            f"{c.plan.mfu:>6.1%}"
         )
         lines.append(f"    why: {why(c, cluster)}")
     best = candidates[0]
@@ -124,5 +153,10 @@ def format_search(
         flags += f" --trainer.strategy.context_parallel_size={best.layout.cp}"
     if best.training.activation_checkpointing:
         flags += " --trainer.strategy.activation_checkpointing=true"
+    if best.layout.pp > 1:
+        flags += schedule_flags(best.training, best.plan)
+    if best.layout.islands > 1:
+        islands, h = best.layout.islands, best.training.sync_every
+        flags += f" --trainer.strategy.islands={islands} --trainer.strategy.sync_every={h}"
     lines.append(f"run the best with: lit3d fit ... --trainer.strategy=Parallel3DStrategy {flags}")
     return "\n".join(lines)

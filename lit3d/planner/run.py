@@ -26,18 +26,22 @@ def plan_of_run(strategy: Parallel3DStrategy) -> Plan | None:
     data = getattr(trainer, "datamodule", None)
     accumulate = trainer.accumulate_grad_batches
     micro_batches = accumulate * (strategy.num_microbatches if layout.pp > 1 else 1)  # per replica and step
-    global_batch = getattr(data, "global_batch_size", layout.dp * micro_batches)
-    micro = max(1, global_batch // (layout.dp * micro_batches))
+    replicas = layout.data_replicas  # every island's
+    global_batch = getattr(data, "global_batch_size", replicas * micro_batches)
+    micro = max(1, global_batch // (replicas * micro_batches))
     training = Training(
         seq_len=getattr(data, "seq_len", config.max_seq_len),
         micro_batch_size=micro,
-        global_batch_size=micro * layout.dp * micro_batches,
+        global_batch_size=micro * replicas * micro_batches,
         accumulate_grad_batches=accumulate,
         zero_stage=strategy.zero_stage,
         sequence_parallel=strategy.sequence_parallel,
         activation_checkpointing=strategy.activation_checkpointing,
         pipeline_schedule=strategy.pipeline_schedule,
         virtual_pipeline_size=strategy.virtual_pipeline_size,
+        sync_every=strategy.sync_every,
+        outer_reduce_dtype=strategy.outer_reduce_dtype,
+        outer_fragments=strategy.outer_fragments,
     )
     precision = RUNTIME_PRECISIONS.get(str(trainer.precision), RUNTIME_PRECISIONS["32-true"])
     if str(trainer.precision) == "bf16-mixed" and getattr(strategy, "mixed_precision_reduce", "") == "bfloat16":

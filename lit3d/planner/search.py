@@ -4,8 +4,9 @@ first.
 A layout is valid when tensor parallelism stays inside a node and divides the heads, kv heads, MLP width and
 (padded) vocabulary; the pipeline has at least one block per chunk (and an untied head); the global batch
 splits into whole micro-batches per replica that the schedule can run; context parallelism splits sequences of
-`LONG_SEQUENCE` tokens or more into two equal chunks per rank. Those that do not fit in memory are
-dropped; the rest are ranked by estimated step time, then by data-parallel traffic and memory.
+`LONG_SEQUENCE` tokens or more into two equal chunks per rank. With a pipeline, each layout runs the schedule and
+micro-batch count that give it the shortest step and fit (`lit3d.planner.pipeline`). Those that do not fit in memory
+are dropped; the rest are ranked by estimated step time, then by data-parallel traffic and memory.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass, replace
 
 from lit3d.config import GPTConfig
 from lit3d.planner.estimate import GB, PRECISIONS, Cluster, Plan, Training, estimate
+from lit3d.planner.pipeline import CANDIDATES, choose_schedule, why_schedule
 from lit3d.strategies.context_parallel import check_context_parallel
 from lit3d.strategies.layout import (
     ZERO_STAGES,
@@ -23,8 +25,8 @@ from lit3d.strategies.layout import (
     check_model_fits_layout,
     check_model_fits_pipeline,
     check_sizes,
-    microbatch_problem,
 )
+from lit3d.strategies.schedules import check_composes, microbatch_problem
 
 LONG_SEQUENCE = 16384  # tokens from which the search tries context parallelism
 MIN_CP_CHUNK = 2048  # tokens a CP rank keeps at least (shorter shares leave the ring's hops exposed)
@@ -75,15 +77,16 @@ def layout_problem(config: GPTConfig, cluster: Cluster, layout: Layout, training
     try:
         check_model_fits_layout(config, layout)
         check_model_fits_pipeline(config, pp, virtual)
+        check_composes(training.pipeline_schedule, pp, zero_stage=training.zero_stage)
         sp = training.sequence_parallel and tp > 1
         check_context_parallel(config, layout.cp, training.seq_len, tp, sp)
     except ValueError as error:
         return str(error)
-    per_step = dp * training.micro_batch_size
+    per_step = layout.data_replicas * training.micro_batch_size
     if training.global_batch_size % per_step:
         return (
-            f"global_batch_size={training.global_batch_size} is not divisible by data_parallel_size={dp} x "
-            f"micro_batch_size={training.micro_batch_size}"
+            f"global_batch_size={training.global_batch_size} is not divisible by data_parallel_size="
+            f"{layout.data_replicas} x micro_batch_size={training.micro_batch_size}"
         )
     if pp > 1:
         return microbatch_problem(pp, training.pipeline_schedule, training.global_batch_size // per_step)
@@ -126,34 +129,47 @@ def search(
     context_parallel_size: int | None = None,
     zero_stages: tuple[int, ...] = ZERO_STAGES,
     checkpointing: tuple[bool, ...] = (False, True),
+    islands: int = 1,
+    pipeline_schedules: list[tuple[str, int]] | None = None,
 ) -> tuple[list[Candidate], dict[str, int]]:
     """Layouts using every GPU of ``cluster`` (sizes given are kept), estimated; returns those that fit, best
     first, and counts of what was dropped and why.
 
-    An MoE model is searched over expert parallelism too, a long sequence over context parallelism."""
+    An MoE model is searched over expert parallelism too, a long sequence over context parallelism. With DiLoCo's
+    ``islands``, each island gets ``1/islands`` of the GPUs and the same layout (``data_parallel_size`` then counts
+    the replicas of one island). A pipelined layout runs the fastest of ``pipeline_schedules`` (``(schedule, chunks
+    per rank)``; default: every one of `lit3d.planner.pipeline.CANDIDATES`) that fits."""
     dropped = {"invalid": 0, "out_of_memory": 0}
+    # NOTE: GPipe runs any micro-batch count on one chunk: the layout check leaves the schedules to `choose_schedule`.
+    any_schedule = replace(training, pipeline_schedule="gpipe", virtual_pipeline_size=1)
     fitting: list[Candidate] = []
     pps = [pipeline_parallel_size] if pipeline_parallel_size else None
+    gpus = cluster.gpus // islands  # of one island
     shapes = [
         (tp, cp, pp, ep)
         for tp in ([tensor_parallel_size] if tensor_parallel_size else divisors(cluster.gpus_per_node))
-        for cp in context_parallel_sizes(training, cluster.gpus // tp, context_parallel_size)
-        for pp, ep in _pp_and_ep(
-            config, cluster.gpus // (tp * cp), pps or divisors(cluster.gpus // (tp * cp)), expert_parallel_size
-        )
+        for cp in context_parallel_sizes(training, gpus // tp, context_parallel_size)
+        for pp, ep in _pp_and_ep(config, gpus // (tp * cp), pps or divisors(gpus // (tp * cp)), expert_parallel_size)
     ]
     for tp, cp, pp, ep in shapes:
-        dp = cluster.gpus // (tp * pp * cp)
-        if data_parallel_size and data_parallel_size != dp:
+        dp = gpus // (tp * pp * cp)
+        if data_parallel_size and data_parallel_size != dp or islands > 1 and (ep > 1 or cp > 1):
             continue
-        layout = Layout(dp=dp, tp=tp, pp=pp, devices_per_node=cluster.gpus_per_node, ep=ep, cp=cp)
-        if layout.world_size != cluster.gpus or layout_problem(config, cluster, layout, training):
+        layout = Layout(dp=dp, tp=tp, pp=pp, devices_per_node=cluster.gpus_per_node, ep=ep, cp=cp, islands=islands)
+        if layout.world_size != cluster.gpus or layout_problem(config, cluster, layout, any_schedule):
             dropped["invalid"] += 1
             continue
         for zero in zero_stages if layout.replicas > 1 else zero_stages[:1]:
             for ac in checkpointing:
                 option = replace(training, zero_stage=zero, activation_checkpointing=ac)
-                plan = estimate(config, cluster, layout, option)
+                if pp > 1:
+                    chosen = choose_schedule(config, cluster, layout, option, pipeline_schedules or list(CANDIDATES))
+                    if chosen is None:  # no schedule runs the micro-batches there are
+                        dropped["invalid"] += 1
+                        continue
+                    option, plan = chosen
+                else:
+                    plan = estimate(config, cluster, layout, option)
                 if plan.fits:
                     fitting.append(Candidate(layout, option, plan))
                 else:
@@ -180,7 +196,11 @@ def why(candidate: Candidate, cluster: Cluster) -> str:
             f"TP{layout.tp} inside a node ({link}), {plan.communication_per_step['tp']['seconds']:.2f} s exposed"
         )
     if layout.pp > 1:
-        parts.append(f"PP{layout.pp} bubble {plan.pipeline_bubble:.1%} with {plan.num_microbatches} micro-batches")
+        parts.append(f"PP{layout.pp} with {plan.num_microbatches} micro-batches")
+        if plan.schedule_candidates:
+            parts[-1] += f", {why_schedule(plan)}"
+        else:
+            parts[-1] += f", bubble {plan.pipeline_bubble:.1%}"
     if layout.ep > 1:
         ep = plan.communication_per_step["ep"]
         parts.append(

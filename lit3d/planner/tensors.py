@@ -72,9 +72,10 @@ def _stage_blocks(key: tuple[tuple[str, Any], ...], chunks: int) -> tuple[tuple[
     return tuple(tuple(run) for run in partition(*block_costs(network), chunks))
 
 
-def rank_tensors(config: GPTConfig, pp: int, virtual: int, stage_rank: int) -> list[Tensor]:
-    """The parameters pipeline rank ``stage_rank`` holds (its chunks' blocks, embedding/head on the ends)."""
-    return list(_rank_tensors(_key(config), pp, virtual, stage_rank))
+def rank_tensors(config: GPTConfig, pp: int, virtual: int, stage_rank: int, placement: str = "loop") -> list[Tensor]:
+    """The parameters pipeline rank ``stage_rank`` holds (its chunks' blocks, embedding/head on the ends), its chunks
+    placed as the schedule places them (`chunk_stage_ids`)."""
+    return list(_rank_tensors(_key(config), pp, virtual, stage_rank, placement))
 
 
 def _key(config: GPTConfig) -> tuple[tuple[str, Any], ...]:
@@ -83,10 +84,12 @@ def _key(config: GPTConfig) -> tuple[tuple[str, Any], ...]:
 
 
 @lru_cache(maxsize=1024)
-def _rank_tensors(key: tuple[tuple[str, Any], ...], pp: int, virtual: int, stage_rank: int) -> tuple[Tensor, ...]:
+def _rank_tensors(
+    key: tuple[tuple[str, Any], ...], pp: int, virtual: int, stage_rank: int, placement: str
+) -> tuple[Tensor, ...]:
     config = GPTConfig(**dict(key))
     chunks = pp * virtual
-    stage_ids = chunk_stage_ids(stage_rank, pp, virtual) if pp > 1 else [0]
+    stage_ids = chunk_stage_ids(stage_rank, pp, virtual, placement) if pp > 1 else [0]
     runs = stage_blocks(config, chunks) if pp > 1 else (tuple(range(config.n_layer)),)
     blocks = {b for s in stage_ids for b in runs[s]}
     first, last = 0 in stage_ids, chunks - 1 in stage_ids
@@ -117,3 +120,14 @@ def replicas(tensor: Tensor, layout: Any) -> int:
     """Ranks that hold the same copy of ``tensor`` and shard it under ZeRO: the ``dp × cp`` replicas, or for an
     expert the DP ranks over expert-parallel groups."""
     return layout.replicas // layout.ep if tensor.expert else layout.replicas
+
+
+def stepped_numel(tensors: list[Tensor], layout: Any, zero_stage: int) -> int:
+    """Elements of ``tensors`` that rank 0's optimizer steps: ZeRO-1's slices (of a dim TP and EP leave whole),
+    ZeRO-2/3's shards, else its whole tensor-parallel shards. DiLoCo's anchor and outer step cover the same."""
+    tp, ep, dp = layout.tp, layout.ep, layout.replicas
+    if zero_stage == 0 or dp == 1:
+        return sum(local_numel(t, tp, ep=ep) for t in tensors)
+    if zero_stage == 1:
+        return sum(local_numel(t, tp, replicas(t, layout), t.free_dim, ep) for t in tensors)
+    return sum(local_numel(t, tp, replicas(t, layout), ep=ep) for t in tensors)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from functools import lru_cache
+from typing import TYPE_CHECKING, NamedTuple
 
 from lit3d.config import GPTConfig
-from lit3d.planner.tensors import local_numel, rank_tensors
+from lit3d.planner.tensors import _key, local_numel, rank_tensors, stepped_numel
 from lit3d.ring_attention import ring_bytes_per_layer
 from lit3d.strategies.layout import Layout
+from lit3d.strategies.schedules import SCHEDULES
 from lit3d.strategies.stages import chunk_stage_ids
 from lit3d.strategies.zero1 import BUCKET_ELEMENTS
 
@@ -30,23 +31,21 @@ def communication_bytes(
     act_bytes = tokens * config.d_model * precision.activations
     ring = 2 * (tp - 1) / tp  # all-reduce traffic per byte; SP's all-gather + reduce-scatter pair costs the same
     traffic = {"tp": 0.0, "pp": 0.0, "dp": 0.0, "ep": 0.0, "cp": 0.0}
-    for tensors, first, last, blocks in _stages(config, pp, virtual):
-        moe = _moe_blocks(config, tensors)
+    placement = SCHEDULES[training.pipeline_schedule].placement
+    for stage in _stages(config, pp, virtual, placement, tp, layout.ep):
+        moe, first, last, blocks = stage.moe, stage.first, stage.last, stage.blocks
         tp_blocks = blocks * per_block + moe * _moe_tp_change(training, sp)
         tp_bytes = (tp_blocks + first + last) * act_bytes  # embedding (fwd) and head (bwd): one each
         if last:  # the vocabulary-parallel loss: 3 fp32 all-reduces per token (max, sum, target logit)
             tp_bytes += 3 * tokens * 4
         tp_bytes *= microbatches
         if sp:  # SP norms see part of the sequence, so their weights' gradients are all-reduced after each backward
-            norms = sum(local_numel(t, tp) for t in tensors if "norm" in t.name) * precision.grads
+            norms = stage.norms * precision.grads
             tp_bytes += norms * (schedules if pp > 1 else microbatches)  # once per schedule: it spans its micro-batches
         traffic["tp"] = max(traffic["tp"], ring * tp_bytes)
-        root = sum(local_numel(t, tp) for t in tensors if t.block is None)  # embedding, final norm, head
-        in_blocks = sum(local_numel(t, tp) for t in tensors if t.block is not None and not t.expert)
-        experts = sum(local_numel(t, tp, ep=layout.ep) for t in tensors if t.expert)
         shape = (microbatches // schedules, schedules, pp > 1, precision)
-        sent = _dp_traffic(training.zero_stage, replicas, in_blocks, root, *shape)
-        sent += _dp_traffic(training.zero_stage, replicas // layout.ep, experts, 0, *shape)  # over the same experts
+        sent = _dp_traffic(training.zero_stage, replicas, stage.in_blocks, stage.root, *shape)
+        sent += _dp_traffic(training.zero_stage, replicas // layout.ep, stage.experts, 0, *shape)  # same experts
         traffic["dp"] = max(traffic["dp"], sent)
         traffic["ep"] = max(traffic["ep"], moe * microbatches * _all_to_all_bytes(config, layout, training, precision))
         cp_bytes = blocks * _ring_bytes(config, layout, training, precision) + moe * _balance_bytes(
@@ -54,8 +53,26 @@ def communication_bytes(
         )
         traffic["cp"] = max(traffic["cp"], microbatches * cp_bytes)
     if pp > 1:
-        traffic["pp"] = _pipeline_sends(pp, virtual) * microbatches * act_bytes / (tp if sp else 1)
+        traffic["pp"] = _pipeline_sends(pp, virtual, placement) * microbatches * act_bytes / (tp if sp else 1)
+    if layout.islands > 1:  # per step on average: one outer step every sync_every steps
+        traffic["island"] = island_bytes_per_sync(config, layout, training) / training.sync_every
     return traffic
+
+
+def island_bytes_per_sync(config: GPTConfig, layout: Layout, training: Training) -> float:
+    """Bytes the busiest rank sends to the other islands at one DiLoCo outer step (all its fragments): the
+    all-reduce over the islands of the pseudo-gradient of what its optimizer steps (`stepped_numel`: its ZeRO-1
+    slices, ZeRO-2/3 shards or TP shards), in ``training.outer_reduce_dtype`` (`lit3d.strategies.islands`)."""
+    if layout.islands == 1:
+        return 0.0
+    virtual = training.virtual_pipeline_size if layout.pp > 1 else 1
+    placement = SCHEDULES[training.pipeline_schedule].placement
+    numel = max(
+        stepped_numel(rank_tensors(config, layout.pp, virtual, stage, placement), layout, training.zero_stage)
+        for stage in range(layout.pp)
+    )
+    element = 2 if training.outer_reduce_dtype == "bfloat16" else 4
+    return 2 * (layout.islands - 1) / layout.islands * numel * element
 
 
 def _ring_bytes(config: GPTConfig, layout: Layout, training: Training, precision: Precision) -> float:
@@ -73,10 +90,6 @@ def _balance_bytes(config: GPTConfig, layout: Layout, training: Training) -> flo
         return 0.0
     forwards = 2 if training.activation_checkpointing in (True, "full") else 1
     return forwards * 2 * (layout.cp - 1) / layout.cp * training.micro_batch_size * 2 * config.n_expert * 4
-
-
-def _moe_blocks(config: GPTConfig, tensors: list) -> int:
-    return len({t.block for t in tensors if t.expert})
 
 
 def _moe_tp_change(training: Training, sp: bool) -> float:
@@ -107,25 +120,59 @@ def _step_shape(layout: Layout, training: Training) -> tuple[int, int, int, bool
     sp = training.sequence_parallel and tp > 1
     return (
         training.virtual_pipeline_size if pp > 1 else 1,
-        training.global_batch_size // (layout.dp * training.micro_batch_size),
+        training.global_batch_size // (layout.data_replicas * training.micro_batch_size),
         training.schedules_per_step(pp),
         sp,
         _tp_collectives_per_block(training, sp),
     )
 
 
-def _stages(config: GPTConfig, pp: int, virtual: int) -> Iterator[tuple[list, bool, bool, int]]:
-    """Each pipeline rank's tensors, whether it holds the first and the last stage, and its number of blocks."""
-    for stage_rank in range(pp):
-        tensors = rank_tensors(config, pp, virtual, stage_rank)
-        stage_ids = chunk_stage_ids(stage_rank, pp, virtual) if pp > 1 else [0]
-        yield tensors, 0 in stage_ids, pp * virtual - 1 in stage_ids, len({t.block for t in tensors} - {None})
+def _stages(config: GPTConfig, pp: int, virtual: int, placement: str, tp: int, ep: int) -> list[StageSums]:
+    """Each pipeline rank's `StageSums` (cached: the search weighs every schedule of every layout with them)."""
+    key = _key(config)
+    return [_stage_sums(key, pp, virtual, placement, stage_rank, tp, ep) for stage_rank in range(pp)]
 
 
-def _pipeline_sends(pp: int, virtual: int) -> int:
+class StageSums(NamedTuple):
+    """What one pipeline rank holds, summed: elements of its norms, of the root (embedding, final norm, head), of
+    its blocks' dense weights, of its expert weights and of all (each as a TP rank holds it; experts also over EP),
+    its MoE blocks and blocks, and whether it holds the first and the last stage."""
+
+    norms: int
+    root: int
+    in_blocks: int
+    experts: int
+    total: int
+    moe: int
+    blocks: int
+    first: bool
+    last: bool
+
+
+@lru_cache(maxsize=8192)
+def _stage_sums(key: tuple, pp: int, virtual: int, placement: str, stage_rank: int, tp: int, ep: int) -> StageSums:
+    tensors = rank_tensors(GPTConfig(**dict(key)), pp, virtual, stage_rank, placement)
+    stage_ids = chunk_stage_ids(stage_rank, pp, virtual, placement) if pp > 1 else [0]
+    return StageSums(
+        norms=sum(local_numel(t, tp) for t in tensors if "norm" in t.name),
+        root=sum(local_numel(t, tp) for t in tensors if t.block is None),
+        in_blocks=sum(local_numel(t, tp) for t in tensors if t.block is not None and not t.expert),
+        experts=sum(local_numel(t, tp, ep=ep) for t in tensors if t.expert),
+        total=sum(local_numel(t, tp) for t in tensors),
+        moe=len({t.block for t in tensors if t.expert}),
+        blocks=len({t.block for t in tensors} - {None}),
+        first=0 in stage_ids,
+        last=pp * virtual - 1 in stage_ids,
+    )
+
+
+def _pipeline_sends(pp: int, virtual: int, placement: str = "loop") -> int:
     """Sends per micro-batch of the busiest pipeline rank: each chunk sends its output forward and its input's
     gradient backward; the first chunk has no input and the last no output, so the middle ranks send the most,
-    and with two ranks each sends 2v-1."""
+    and with two ranks each sends 2v-1. In a V the two chunks that meet at the turn share a rank and hand over
+    without a send: the end ranks send 2, the middle ones 4."""
+    if placement == "v":
+        return 2 if pp == 2 else 4
     return 2 * virtual - (pp == 2)
 
 
@@ -150,12 +197,14 @@ def collectives(config: GPTConfig, layout: Layout, training: Training) -> dict[s
     virtual, microbatches, schedules, sp, per_block = _step_shape(layout, training)
     counts = {"tp": (0.0, 0.0), "pp": (0.0, 0.0), "dp": (0.0, 0.0), "ep": (0.0, 0.0), "cp": (0.0, 0.0)}
     cp = layout.cp
-    for tensors, first, last, blocks in _stages(config, pp, virtual):
+    placement = SCHEDULES[training.pipeline_schedule].placement
+    for stage in _stages(config, pp, virtual, placement, tp, layout.ep):
+        first, last, blocks = stage.first, stage.last, stage.blocks
         if cp > 1:  # point-to-point hops per attention layer: forward (again under recompute), then backward
             hops = (cp - 1) * (2 if training.activation_checkpointing else 1) + (cp - 1) + cp
             counts["cp"] = max(counts["cp"], (blocks * microbatches * hops,) * 2)
         if layout.ep > 1:  # three all-to-alls per MoE block forward (counts, dispatch, combine), two backward
-            n = _moe_blocks(config, tensors) * microbatches * 5
+            n = stage.moe * microbatches * 5
             counts["ep"] = max(counts["ep"], (n, n * (layout.ep - 1)))
         if tp > 1:  # an all-reduce, or under SP an all-gather and a reduce-scatter, per count of `per_block`
             n = ((blocks * per_block + first + last) + 3 * last) * microbatches
@@ -165,7 +214,7 @@ def collectives(config: GPTConfig, layout: Layout, training: Training) -> dict[s
             if training.zero_stage == 0:
                 n, hops = units * steps, 2 * (dp - 1)
             elif training.zero_stage == 1:  # one reduce-scatter and one all-gather per bucket
-                n, hops = 2 * -(-sum(local_numel(t, tp) for t in tensors) // BUCKET_ELEMENTS), dp - 1
+                n, hops = 2 * -(-stage.total // BUCKET_ELEMENTS), dp - 1
             elif training.zero_stage == 2:
                 n, hops = 2 * units * steps, dp - 1
             else:
@@ -173,8 +222,11 @@ def collectives(config: GPTConfig, layout: Layout, training: Training) -> dict[s
                 n, hops = (gathers[0] * blocks + gathers[1] + units) * steps, dp - 1
             counts["dp"] = max(counts["dp"], (n, n * hops))
     if pp > 1:
-        sends = _pipeline_sends(pp, virtual) * microbatches
+        sends = _pipeline_sends(pp, virtual, placement) * microbatches
         counts["pp"] = (sends, sends)
+    if layout.islands > 1:  # one all-reduce per fragment per outer step, over a ring of the islands
+        n = training.outer_fragments / training.sync_every
+        counts["island"] = (n, n * 2 * (layout.islands - 1))
     return counts
 
 

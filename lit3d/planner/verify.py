@@ -17,6 +17,7 @@ import torch.distributed as dist
 from lit3d.config import GPTConfig
 from lit3d.planner.tensors import local_numel, rank_tensors, replicas
 from lit3d.strategies.layout import Layout
+from lit3d.strategies.schedules import SCHEDULES
 
 
 @dataclass
@@ -31,9 +32,11 @@ class StageCount:
         return self.verified == self.analytic
 
 
-def analytic_params(config: GPTConfig, layout: Layout, stage: int, zero_stage: int, virtual: int = 1) -> int:
+def analytic_params(
+    config: GPTConfig, layout: Layout, stage: int, zero_stage: int, virtual: int = 1, pipeline_schedule: str = "1f1b"
+) -> int:
     """Parameter elements the planner expects on rank (d=0, t=0, p=stage)."""
-    tensors = rank_tensors(config, layout.pp, virtual, stage)
+    tensors = rank_tensors(config, layout.pp, virtual, stage, SCHEDULES[pipeline_schedule].placement)
     return sum(local_numel(t, layout.tp, replicas(t, layout) if zero_stage >= 2 else 1, ep=layout.ep) for t in tensors)
 
 
@@ -44,6 +47,7 @@ def verify(
     sequence_parallel: bool = False,
     virtual_pipeline_size: int = 1,
     activation_checkpointing: bool = False,
+    pipeline_schedule: str = "1f1b",
 ) -> list[StageCount]:
     """Per pipeline stage: the parameter elements rank (d=0, t=0, p) holds after the real parallelisation."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -71,15 +75,15 @@ def verify(
                 zero_stage=zero_stage,
                 sequence_parallel=sequence_parallel,
                 virtual_pipeline_size=virtual_pipeline_size,
+                pipeline_schedule=pipeline_schedule,
                 activation_checkpointing=activation_checkpointing,
                 expert_mesh=expert_mesh,
             )
             held = sum(_local(p).numel() for p in network.parameters())
         finally:
             dist.destroy_process_group()
-        counts.append(
-            StageCount(stage, rank, held, analytic_params(config, layout, stage, zero_stage, virtual_pipeline_size))
-        )
+        analytic = analytic_params(config, layout, stage, zero_stage, virtual_pipeline_size, pipeline_schedule)
+        counts.append(StageCount(stage, rank, held, analytic))
     return counts
 
 
