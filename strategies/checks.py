@@ -7,13 +7,81 @@ from typing import Any
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lit3d.strategies.context_parallel import check_context_parallel, check_module_for_context_parallel
-from lit3d.strategies.layout import check_model_fits_layout, check_model_fits_pipeline, pipeline_microbatches
+from lit3d.strategies.islands import check_outer_loop
+from lit3d.strategies.launchers import interactive
+from lit3d.strategies.layout import (
+    check_choices,
+    check_islands,
+    check_model_fits_layout,
+    check_model_fits_pipeline,
+    check_pipeline_arguments,
+    check_sizes,
+    pipeline_microbatches,
+)
 from lit3d.strategies.pipeline import check_pipeline_protocol
+from lit3d.strategies.precision import check_reduce_dtype
+from lit3d.strategies.recompute import check_setting
+from lit3d.strategies.schedules import check_composes
 
 
 class ConfigurationChecks:
+    @staticmethod
+    def check_arguments(
+        *,
+        data_parallel_size: int | str,
+        tensor_parallel_size: int,
+        pipeline_parallel_size: int,
+        expert_parallel_size: int,
+        context_parallel_size: int,
+        zero_stage: int,
+        sequence_parallel: bool,
+        pipeline_schedule: str,
+        num_microbatches: int | None,
+        virtual_pipeline_size: int | None,
+        activation_checkpointing: bool | str,
+        compile: bool | str,
+        mixed_precision_reduce: str,
+        async_checkpoint: bool,
+        start_method: str | None,
+        islands: int,
+        sync_every: int,
+        outer_lr: float,
+        outer_momentum: float,
+        outer_fragments: int,
+        outer_reduce_dtype: str,
+        **others: Any,  # (process_group_backend, timeout: Lightning's to check)
+    ) -> None:
+        """`Parallel3DStrategy`'s arguments that no run could use, refused in its constructor, naming the values."""
+        check_sizes(
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            expert_parallel_size=expert_parallel_size,
+            context_parallel_size=context_parallel_size,
+        )
+        check_choices(zero_stage, pipeline_schedule)
+        check_pipeline_arguments(pipeline_parallel_size, pipeline_schedule, num_microbatches, virtual_pipeline_size)
+        check_composes(pipeline_schedule, pipeline_parallel_size, compile, zero_stage)
+        check_setting(activation_checkpointing)
+        check_reduce_dtype(mixed_precision_reduce)
+        check_outer_loop(islands, sync_every, outer_lr, outer_momentum, outer_fragments, outer_reduce_dtype)
+        if data_parallel_size != "auto":
+            check_islands(islands, data_parallel_size, expert_parallel_size, context_parallel_size)
+        if sequence_parallel and tensor_parallel_size == 1:
+            rank_zero_warn("sequence_parallel=True does nothing with tensor_parallel_size=1")
+        if start_method not in (None, "popen", "fork"):
+            raise ValueError(f"start_method={start_method!r} is not one of 'popen', 'fork' (or None: automatic)")
+        if start_method == "popen" and interactive():
+            raise ValueError(
+                "start_method='popen' cannot start ranks from a notebook or an interactive session: "
+                "use start_method='fork' (or leave it unset), or run a script"
+            )
+        if not isinstance(async_checkpoint, bool):
+            raise ValueError(f"async_checkpoint={async_checkpoint!r} must be True or False")
+
     def check_configuration(self, trainer: Trainer | None = None, datamodule: Any = None) -> None:
         """Refuse a bad layout or a model it cannot split, before any process group exists (the launcher calls
         this before it starts a rank; ``trainer`` and ``datamodule`` are there before the module knows them)."""

@@ -78,7 +78,7 @@ class Layout:
         return self.island(rank) * self.dp + self.coordinate(rank).d
 
     def island_groups(self) -> list[list[int]]:
-        """The ranks DiLoCo's outer step averages over: one per island, with the same (d, c, t, p)."""
+        """The ranks DiLoCo's outer step averages over (the mesh's ``island`` dim): one group per (d, c, t, p)."""
         return [[rank + i * self.island_size for i in range(self.islands)] for rank in range(self.island_size)]
 
     @property

@@ -56,7 +56,7 @@ from typing_extensions import override
 from lit3d.strategies.checkpoint import ShardedCheckpoints
 from lit3d.strategies.checks import ConfigurationChecks
 from lit3d.strategies.context_parallel import route_context_parallel
-from lit3d.strategies.islands import OuterLoop, check_outer_loop
+from lit3d.strategies.islands import OuterLoop
 from lit3d.strategies.launchers import (
     CheckingLauncher,
     ForkLauncher,
@@ -66,10 +66,6 @@ from lit3d.strategies.launchers import (
 )
 from lit3d.strategies.layout import (
     Layout,
-    check_choices,
-    check_islands,
-    check_pipeline_arguments,
-    check_sizes,
     pipeline_microbatches,
     resolve_layout,
 )
@@ -78,14 +74,12 @@ from lit3d.strategies.optimizers import LocalOptimizerSteps
 from lit3d.strategies.parallelize import follows_plan, parallelize_network
 from lit3d.strategies.pipeline import Pipeline
 from lit3d.strategies.precision import (
-    check_reduce_dtype,
     describe,
     mixed_precision_policy,
     uses_ddp,
 )
 from lit3d.strategies.preemption import StopOnSignal
-from lit3d.strategies.recompute import check_setting
-from lit3d.strategies.schedules import check_composes, chunks_per_rank
+from lit3d.strategies.schedules import chunks_per_rank
 from lit3d.strategies.steps import StepHooks
 from lit3d.strategies.watchdog import WatchedSteps
 from lit3d.strategies.zero import check_replicas_in_sync
@@ -185,30 +179,8 @@ class Parallel3DStrategy(
         outer_fragments: int = 1,
         outer_reduce_dtype: Literal["float32", "bfloat16"] = "float32",
     ) -> None:
-        check_sizes(
-            data_parallel_size=data_parallel_size,
-            tensor_parallel_size=tensor_parallel_size,
-            pipeline_parallel_size=pipeline_parallel_size,
-            expert_parallel_size=expert_parallel_size,
-            context_parallel_size=context_parallel_size,
-        )
-        check_choices(zero_stage, pipeline_schedule)
-        check_pipeline_arguments(pipeline_parallel_size, pipeline_schedule, num_microbatches, virtual_pipeline_size)
-        check_composes(pipeline_schedule, pipeline_parallel_size, compile, zero_stage)
-        check_setting(activation_checkpointing)
-        check_reduce_dtype(mixed_precision_reduce)
-        check_outer_loop(islands, sync_every, outer_lr, outer_momentum, outer_fragments, outer_reduce_dtype)
-        if data_parallel_size != "auto":
-            check_islands(islands, data_parallel_size, expert_parallel_size, context_parallel_size)
-        if sequence_parallel and tensor_parallel_size == 1:
-            rank_zero_warn("sequence_parallel=True does nothing with tensor_parallel_size=1")
-        if start_method not in (None, "popen", "fork"):
-            raise ValueError(f"start_method={start_method!r} is not one of 'popen', 'fork' (or None: automatic)")
-        if start_method == "popen" and interactive():
-            raise ValueError(
-                "start_method='popen' cannot start ranks from a notebook or an interactive session: "
-                "use start_method='fork' (or leave it unset), or run a script"
-            )
+        # every argument by name, refused before anything starts (`ConfigurationChecks.check_arguments`)
+        self.check_arguments(**{name: value for name, value in locals().items() if name not in ("self", "__class__")})
         super().__init__(data_parallel_size, tensor_parallel_size, True, process_group_backend, timeout)
         self.start_method = start_method or ("fork" if interactive() else "popen")
         self._sizes = (
@@ -230,8 +202,6 @@ class Parallel3DStrategy(
         self.activation_checkpointing = activation_checkpointing
         self.compile = compile
         self.mixed_precision_reduce = mixed_precision_reduce
-        if not isinstance(async_checkpoint, bool):
-            raise ValueError(f"async_checkpoint={async_checkpoint!r} must be True or False")
         self.async_checkpoint = async_checkpoint
         self._layout: Layout | None = None
         self._replica_mesh: DeviceMesh | None = None  # (pp, dp, tp), its dp the dp x cp ranks with the same weights

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 TORCH = str(Path(__import__("torch").__file__).parent)
 DISTRIBUTED = str(Path(TORCH) / "distributed")
 STDLIB = str(Path(threading.__file__).parent)
+BATCHES = {"train": "training", "validate": "validation", "sanity_check": "validation", "predict": "prediction"}
 
 
 def where(frames: list[traceback.FrameSummary]) -> str:
@@ -118,7 +119,7 @@ class Watchdog:
 
 class WatchedSteps:
     """`Parallel3DStrategy`'s part (a mixin before Lightning's strategy class): a `Watchdog` per rank of a
-    multi-rank run, beaten at every step and save, and the failed rank named when an exception ends the run."""
+    multi-rank run, beaten at every batch and save, and the failed rank named when an exception ends the run."""
 
     _watchdog: Watchdog | None = None
 
@@ -133,24 +134,12 @@ class WatchedSteps:
             self._watchdog.beat(f"the start of {doing} (step {self.lightning_module.trainer.global_step})")
 
     @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._beat("a training batch")
-        return super().training_step(*args, **kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._beat("a validation batch")
-        return super().validation_step(*args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._beat("a test batch")
-        return super().test_step(*args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._beat("a prediction batch")
-        return super().predict_step(*args, **kwargs)
+    def batch_to_device(self, batch: Any, device: Any = None, dataloader_idx: int = 0) -> Any:
+        # NOTE: every loop (training, validation, test, prediction) moves each batch here first: one beat per batch.
+        if self._watchdog is not None:
+            stage = self.lightning_module.trainer.state.stage
+            self._beat(f"a {BATCHES.get(stage.value, stage.value) if stage else ''} batch")
+        return super().batch_to_device(batch, device, dataloader_idx)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:

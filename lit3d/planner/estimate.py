@@ -16,7 +16,7 @@ from functools import lru_cache
 from typing import Any
 
 from lit3d.config import GPTConfig
-from lit3d.planner.tensors import Tensor, _key, local_numel, rank_tensors, replicas, stepped_numel
+from lit3d.planner.tensors import Tensor, config_key, local_numel, rank_tensors, replicas, stepped_numel
 from lit3d.planner.traffic import collectives, communication_bytes
 from lit3d.strategies.layout import Layout
 from lit3d.strategies.schedules import SCHEDULES, Costs, bubble_theory, last_stage_in_flight, peak_in_flight
@@ -224,9 +224,10 @@ def estimate(
     copies = copies and not params_cast_by_fsdp(layout, training.zero_stage, precision)
     weight_copies = autocast_weight_bytes(config, tp) if copies else 0
     by_stage, params_per_rank = [], 0
+    placement = SCHEDULES[training.pipeline_schedule].placement  # which chunks each pipeline rank holds
+    key = config_key(config)
     for stage_rank in range(pp):
-        placement = SCHEDULES[training.pipeline_schedule].placement
-        held = _stage_state(_key(config), layout, virtual, stage_rank, placement, training.zero_stage, precision)
+        held = _stage_state(key, layout, virtual, stage_rank, placement, training.zero_stage, precision)
         memory, layers, holds_head, buffers = dict(held[0]), *held[1:]
         params_per_rank = max(params_per_rank, memory["params"] // precision.weights)
         in_flight = peak_in_flight(training.pipeline_schedule, pp, schedule_m, virtual, stage_rank)
@@ -312,7 +313,7 @@ def estimate(
         fits=fits,
         num_microbatches=schedule_m,
         flops_per_step=float(model_flops),
-        params_total=_params_total(_key(config)),
+        params_total=_params_total(key),
         params_per_rank=params_per_rank,
         params_active=config.active_params,
         activation_bytes_per_layer=int(per_token * tokens + weight_copies),

@@ -34,7 +34,7 @@ class Tensor:
 
 def parameter_table(config: GPTConfig) -> tuple[Tensor, ...]:
     """Every parameter tensor of the model: name, shape, the dim TP splits, its block."""
-    return _parameter_table(_key(config))
+    return _parameter_table(config_key(config))
 
 
 @lru_cache(maxsize=16)
@@ -58,7 +58,7 @@ def _parameter_table(fields: tuple[tuple[str, Any], ...]) -> tuple[Tensor, ...]:
 
 def stage_blocks(config: GPTConfig, chunks: int) -> tuple[tuple[int, ...], ...]:
     """Blocks of each pipeline chunk, as the strategy splits them."""
-    return _stage_blocks(_key(config), chunks)
+    return _stage_blocks(config_key(config), chunks)
 
 
 @lru_cache(maxsize=64)
@@ -75,10 +75,10 @@ def _stage_blocks(key: tuple[tuple[str, Any], ...], chunks: int) -> tuple[tuple[
 def rank_tensors(config: GPTConfig, pp: int, virtual: int, stage_rank: int, placement: str = "loop") -> list[Tensor]:
     """The parameters pipeline rank ``stage_rank`` holds (its chunks' blocks, embedding/head on the ends), its chunks
     placed as the schedule places them (`chunk_stage_ids`)."""
-    return list(_rank_tensors(_key(config), pp, virtual, stage_rank, placement))
+    return list(_rank_tensors(config_key(config), pp, virtual, stage_rank, placement))
 
 
-def _key(config: GPTConfig) -> tuple[tuple[str, Any], ...]:
+def config_key(config: GPTConfig) -> tuple[tuple[str, Any], ...]:
     """A hashable stand-in for a (mutable, so unhashable) config, for the caches."""
     return tuple(sorted(config.to_dict().items()))
 

@@ -6,7 +6,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, NamedTuple
 
 from lit3d.config import GPTConfig
-from lit3d.planner.tensors import _key, local_numel, rank_tensors, stepped_numel
+from lit3d.planner.tensors import config_key, local_numel, rank_tensors, stepped_numel
 from lit3d.ring_attention import ring_bytes_per_layer
 from lit3d.strategies.layout import Layout
 from lit3d.strategies.schedules import SCHEDULES
@@ -129,7 +129,7 @@ def _step_shape(layout: Layout, training: Training) -> tuple[int, int, int, bool
 
 def _stages(config: GPTConfig, pp: int, virtual: int, placement: str, tp: int, ep: int) -> list[StageSums]:
     """Each pipeline rank's `StageSums` (cached: the search weighs every schedule of every layout with them)."""
-    key = _key(config)
+    key = config_key(config)
     return [_stage_sums(key, pp, virtual, placement, stage_rank, tp, ep) for stage_rank in range(pp)]
 
 
