@@ -93,6 +93,17 @@ def test_one_island_with_plain_outer_steps_is_synchronous_data_parallelism(runs)
     assert relative_difference(one["val_loss"], sync["val_loss"]) <= 1e-5
 
 
+def test_synchronous_dp4_and_one_island_follow_the_single_process_curve(runs, base_job, tmp_path):
+    from spawned import run_job
+
+    # the same 16 steps on one process (the learning-rate schedule follows max_steps)
+    one = run_job(merge(base_job, {"trainer": {"max_steps": 16, "val_check_interval": 8}}), tmp_path)
+    for job in ("sync_dp4", "one_island_h3"):
+        difference = max(abs(a - b) for a, b in zip(runs[job]["losses"], one["losses"], strict=True))
+        print(f"\n{job} vs one process: max abs {difference:.2e}")
+        assert difference <= 1e-5
+
+
 @pytest.mark.parametrize("job", ["average_h1", "average_h1_zero3", "average_h1_pp2", "average_h1_tp2"])
 def test_every_step_averaged_islands_hold_the_mean_of_their_inner_steps(runs, job):
     records = runs[job]["outer_steps"]
