@@ -7,6 +7,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torchmetrics import MeanMetric
 
 from lit3d.config import GPTConfig
@@ -28,7 +29,11 @@ class GPT(L.LightningModule):
         eps: AdamW epsilon.
         warmup_steps: Optimizer steps of linear warm-up from 0.
         decay_steps: Step at which the cosine decay reaches its floor; ``None`` uses the trainer's
-            ``max_steps`` (or its estimated number of steps).
+            ``max_steps`` (or its estimated number of steps). The schedule is a function of the step and of this
+            run's horizon, also on a resumed run: continued with a larger ``max_steps``, a run follows from the step
+            it resumes at the schedule planned for the new horizon (a 20-step run resumed with ``max_steps=40``
+            takes at step 20 the learning rate a 40-step run has there, not its floor) and logs that the schedule
+            was stretched; set ``decay_steps`` to the old horizon to keep the old schedule (its floor from there).
         min_lr_ratio: The floor of the cosine decay as a fraction of ``learning_rate``.
         optimizer_impl: AdamW implementation: ``"foreach"``, ``"fused"`` or ``"auto"`` (PyTorch's choice).
         pretrained: Start from these weights instead of the seed: a local HuggingFace Llama folder
@@ -241,6 +246,37 @@ class GPT(L.LightningModule):
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
+    def on_train_start(self) -> None:
+        """A resumed run's schedule follows this run's horizon (``decay_steps`` above), not the checkpoint's."""
+        planned = WarmupCosine(self.warmup_steps, self._decay_steps(), self.min_lr_ratio)
+        for config in self.trainer.lr_scheduler_configs:
+            self._follow_schedule(config.scheduler, planned)
+
+    def _follow_schedule(self, scheduler: Any, planned: WarmupCosine) -> None:
+        """Set a `WarmupCosine` schedule restored from a checkpoint to ``planned`` (what this run is configured
+        with), and the optimizer's learning rates to what ``planned`` gives the step about to run; say so."""
+        restored = [f for f in getattr(scheduler, "lr_lambdas", []) if isinstance(f, WarmupCosine)]
+        if all(vars(f) == vars(planned) for f in restored):
+            return  # a fresh run, or one resumed with the same horizon
+        # NOTE: LambdaLR's state holds its multiplier's fields (`LambdaLR.state_dict`), so a checkpoint brings back
+        # the horizon of the run that saved it; left so, a run continued further would sit at the old floor.
+        step, old, groups = scheduler.last_epoch, WarmupCosine(**vars(restored[0])), scheduler.optimizer.param_groups
+        old_lr = groups[0]["lr"]
+        for multiplier in restored:
+            vars(multiplier).update(vars(planned))
+        for group, base_lr, multiplier in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas):
+            group["lr"] = base_lr * multiplier(step)
+        scheduler._last_lr = [group["lr"] for group in groups]  # what `get_last_lr()` reports
+        longer, shorter = planned.decay_steps > old.decay_steps, planned.decay_steps < old.decay_steps
+        how = "stretched" if longer else "shortened" if shorter else "changed"
+        source = "decay_steps" if self.decay_steps is not None else "max_steps"
+        rank_zero_info(
+            f"learning-rate schedule {how} from {old.decay_steps} to {planned.decay_steps} steps (this run's "
+            f"{source}): from step {step} it follows "
+            f"{planned}, so the learning rate is {groups[0]['lr']:.3g}, not {old_lr:.3g}; "
+            f"set decay_steps={old.decay_steps} to keep the checkpoint's schedule"
+        )
+
     def _decay_steps(self) -> int:
         if self.decay_steps is not None:
             return self.decay_steps
@@ -277,10 +313,15 @@ class GPT(L.LightningModule):
 
 
 class WarmupCosine:
-    """LR multiplier: linear warm-up from 0 to 1 over ``warmup_steps``, then cosine down to ``min_ratio``."""
+    """LR multiplier: linear warm-up from 0 to 1 over ``warmup_steps``, then cosine down to ``min_ratio`` at step
+    ``decay_steps``, and ``min_ratio`` after it. A function of the step alone: `GPT` sets ``decay_steps`` to the
+    current run's horizon, also when it resumes a run that had another."""
 
     def __init__(self, warmup_steps: int, decay_steps: int, min_ratio: float) -> None:
         self.warmup_steps, self.decay_steps, self.min_ratio = warmup_steps, decay_steps, min_ratio
+
+    def __repr__(self) -> str:
+        return f"warm-up over {self.warmup_steps} steps, cosine to {self.min_ratio} x at step {self.decay_steps}"
 
     def __call__(self, step: int) -> float:
         if step < self.warmup_steps:

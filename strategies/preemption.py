@@ -9,10 +9,16 @@ one is the step every rank stops after. Then:
 - every rank saves a checkpoint into the run's checkpoint folder (``preempted-step=N.ckpt`` beside the
   `ModelCheckpoint` ones), where ``--ckpt_path last`` finds it, and waits until it is written, also a background
   save already under way (a signal during a save waits for the save);
+- rank 0 links it as ``last-preempted.ckpt`` in that folder: Lightning's own ``fit(ckpt_path="last")`` takes the
+  newest ``last*.ckpt`` of the run's `ModelCheckpoint` folders, whatever their ``save_last``;
 - under SLURM with Lightning's ``SLURMEnvironment(auto_requeue=True)``, rank 0 requeues the job (``scontrol
   requeue``);
 - every rank exits with ``128 + signal`` (143 for SIGTERM, 138 for SIGUSR1): non-zero, so nothing takes the job for
   a finished run, and the code of a process ended by that signal, which ``RequeueExit`` in slurm.conf can name.
+
+The exit is raised right after the save, in the step's end: Lightning does not finish the epoch, so no
+`ModelCheckpoint` writes a newer checkpoint (by epochs, or ``last.ckpt``) whose loops count the epoch as done, which
+a resume would take and start the next epoch's shuffle from. Whatever its settings, "last" is where the run stopped.
 
 A second signal to a process ends it at once (with the same code).
 """
@@ -105,29 +111,55 @@ class StopOnSignal(Callback):
         if wait is not None:
             wait()
         if trainer.is_global_zero:
+            _link_as_last(trainer, path)
             _requeue_under_slurm(trainer)
         # NOTE: no rank exits (128 + signal) before rank 0 has requeued: `srun --kill-on-bad-exit` ends every task
         # as soon as one exits non-zero.
         trainer.strategy.barrier("lit3d-preempted")
-        trainer.should_stop = True
+        self._stop_listening(wait=True)
+        # NOTE: not `trainer.should_stop`: Lightning would then end the epoch, and a ModelCheckpoint would save after
+        # this checkpoint one that counts the epoch as done (see the module's docstring).
+        raise Preempted(128 + self.stop_signal)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._stop_listening(wait=True)
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        # NOTE: after a failure a peer may never finish the combining in flight (it died): dropped, not awaited.
+        self._stop_listening(wait=False)
+
+    def _stop_listening(self, wait: bool) -> None:
+        """Give the process its signal handlers back, and wait for (or drop) the combining in flight."""
         for number, handler in self._previous.items():
             signal.signal(number, handler)
         self._previous = {}
-        if self._pending is not None:
+        if self._pending is not None and wait:
             self._pending[0].wait()
-            self._pending = None
-        if self.stop_signal is not None:
-            raise Preempted(128 + self.stop_signal)
+        self._pending = None
 
 
 def _checkpoint_folder(trainer: L.Trainer) -> Path:
     """The run's checkpoint folder: the first `ModelCheckpoint`'s, else ``<default_root_dir>/checkpoints``."""
-    for callback in trainer.checkpoint_callbacks:
-        if isinstance(callback, ModelCheckpoint) and callback.dirpath:
-            return Path(callback.dirpath)
-    return Path(trainer.default_root_dir) / "checkpoints"
+    callback = _first_model_checkpoint(trainer)
+    return Path(callback.dirpath) if callback is not None else Path(trainer.default_root_dir) / "checkpoints"
+
+
+def _first_model_checkpoint(trainer: L.Trainer) -> ModelCheckpoint | None:
+    return next((c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint) and c.dirpath), None)
+
+
+def _link_as_last(trainer: L.Trainer, path: Path) -> None:
+    """Rank 0: ``last-preempted.ckpt`` -> ``path``, beside it, where Lightning's ``ckpt_path="last"`` looks (the
+    newest file or folder named ``last*.ckpt`` in each `ModelCheckpoint`'s folder)."""
+    callback = _first_model_checkpoint(trainer)
+    if callback is None:
+        return  # no ModelCheckpoint: Lightning's "last" looks nowhere
+    link = path.with_name(f"{callback.CHECKPOINT_NAME_LAST}-preempted{callback.FILE_EXTENSION}")
+    try:
+        link.unlink(missing_ok=True)  # an earlier preemption's
+        link.symlink_to(path.name)  # NOTE: relative, so the folder can be moved
+    except OSError as error:
+        log.warning(f"could not link {str(link)!r} to {path.name!r} ({error}): Lightning's ckpt_path='last' misses it")
 
 
 def _requeue_under_slurm(trainer: L.Trainer) -> None:

@@ -2,9 +2,10 @@
 
 What a requeued job needs: the same command finds where the run left off. Candidates are lit3d's checkpoint
 folders (and single ``.ckpt`` files) in the folders of the run's `ModelCheckpoint` callbacks, newest first (by
-when their last file was written). A ``.partial`` folder (a save that never finished) or an ``.old`` one (the
-checkpoint a save replaced) is never a candidate; an incomplete or corrupt one is refused with a message naming it,
-and the one before it is tried. With none left, training starts fresh and says so.
+when their last file was written); a symbolic link (Lightning's ``save_last="link"``, the ``last-preempted.ckpt``
+a preempted run leaves) counts as the checkpoint it points at. A ``.partial`` folder (a save that never finished)
+or an ``.old`` one (the checkpoint a save replaced) is never a candidate; an incomplete or corrupt one is refused
+with a message naming it, and the one before it is tried. With none left, training starts fresh and says so.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from lit3d.strategies.checkpoint import META_FILE, PARTIAL_SUFFIX, check_readabl
 
 def newest_complete_checkpoint(folders: list[Path]) -> Path | None:
     """The newest complete checkpoint among ``folders``' entries; None (said on rank 0) if there is none."""
-    candidates = [entry for folder in folders if folder.is_dir() for entry in folder.iterdir() if _candidate(entry)]
+    entries = [entry for folder in folders if folder.is_dir() for entry in folder.iterdir()]
+    targets = dict.fromkeys(entry.resolve() if entry.is_symlink() else entry for entry in entries)  # once each
+    candidates = [entry for entry in targets if _candidate(entry)]
     for path in sorted(candidates, key=_written, reverse=True):
         if not is_sharded_checkpoint(path):
             return path  # a single-file checkpoint (another strategy's): Lightning reads and checks it

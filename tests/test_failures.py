@@ -157,7 +157,8 @@ def test_sigterm_saves_exits_to_be_requeued_and_last_resumes_the_curve(tmp_path,
     finally:
         os.killpg(proc.pid, signal.SIGKILL) if alive(proc.pid) else None
     assert code == 143, "".join(lines)[-3000:]
-    (saved,) = (run / "ckpts").iterdir()
+    (saved,) = (run / "ckpts").glob("preempted-step=*.ckpt")
+    assert (run / "ckpts" / "last-preempted.ckpt").resolve() == saved.resolve()  # for Lightning's ckpt_path="last"
     step = int(saved.name.removeprefix("preempted-step=").removesuffix(".ckpt"))
     assert step >= 1 and any(f"stops after step {step}" in line for line in lines)
     if not victim.startswith("rank 0"):
