@@ -27,6 +27,12 @@ from lit3d.strategies.recompute import check_setting
 from lit3d.strategies.schedules import check_composes
 
 
+class ConfigurationError(ValueError):
+    """A configuration refused before any process group exists: in the launching process before any rank starts, or
+    first thing in each rank that torchrun or SLURM started. Nothing has run, so nothing failed: the ``lit3d`` command
+    prints it as one line, and the watchdog does not report it as a failed rank."""
+
+
 class ConfigurationChecks:
     @staticmethod
     def check_arguments(
@@ -84,7 +90,14 @@ class ConfigurationChecks:
 
     def check_configuration(self, trainer: Trainer | None = None, datamodule: Any = None) -> None:
         """Refuse a bad layout or a model it cannot split, before any process group exists (the launcher calls
-        this before it starts a rank; ``trainer`` and ``datamodule`` are there before the module knows them)."""
+        this before it starts a rank; ``trainer`` and ``datamodule`` are there before the module knows them), as a
+        `ConfigurationError` naming the values."""
+        try:
+            self._check_layout_and_module(trainer, datamodule)
+        except (ValueError, TypeError) as error:
+            raise ConfigurationError(str(error)) from error
+
+    def _check_layout_and_module(self, trainer: Trainer | None, datamodule: Any) -> None:
         layout = self.layout
         if self.cluster_environment is not None:  # under torchrun / SLURM: devices x num_nodes = launched ranks
             self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
@@ -92,7 +105,7 @@ class ConfigurationChecks:
         config = getattr(module, "config", None)
         if config is not None:
             check_model_fits_layout(config, layout)
-            check_model_fits_pipeline(config, layout.pp, self.virtual_pipeline_size)
+            check_model_fits_pipeline(config, layout.pp, self.virtual_pipeline_size, self.pipeline_schedule)
         trainer = trainer or getattr(module, "_trainer", None)
         datamodule = datamodule or getattr(trainer, "datamodule", None)
         seq_len = getattr(datamodule, "seq_len", None)

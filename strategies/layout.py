@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from lit3d.strategies.schedules import SCHEDULES, chunks_per_rank, microbatch_problem
+from lit3d.strategies.schedules import DEFAULT_CHUNKS, SCHEDULES, chunks_per_rank, microbatch_problem
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -366,13 +366,14 @@ def pipeline_microbatches(
     return m
 
 
-def check_model_fits_pipeline(config: Any, pp: int, virtual: int) -> None:
+def check_model_fits_pipeline(config: Any, pp: int, virtual: int, schedule: str | None = None) -> None:
     """Every pipeline chunk needs a block of its own, and a tied embedding cannot span stages."""
     chunks = pp * virtual
     if chunks > config.n_layer:
+        default = f" ({schedule}'s default)" if schedule in DEFAULT_CHUNKS and virtual == DEFAULT_CHUNKS[schedule] else ""
         raise ValueError(
-            f"pipeline_parallel_size={pp} x virtual_pipeline_size={virtual} = {chunks} stages, but the model has "
-            f"only n_layer={config.n_layer} blocks"
+            f"pipeline_parallel_size={pp} x virtual_pipeline_size={virtual}{default} = {chunks} stages, but the model "
+            f"has only n_layer={config.n_layer} blocks"
         )
     if pp > 1 and getattr(config, "tie_embeddings", False):
         raise ValueError(

@@ -79,7 +79,7 @@ from lit3d.strategies.precision import (
     uses_ddp,
 )
 from lit3d.strategies.preemption import StopOnSignal
-from lit3d.strategies.schedules import chunks_per_rank
+from lit3d.strategies.schedules import chunks_per_rank, describe_schedule
 from lit3d.strategies.steps import StepHooks
 from lit3d.strategies.watchdog import WatchedSteps
 from lit3d.strategies.zero import check_replicas_in_sync
@@ -258,6 +258,10 @@ class Parallel3DStrategy(
             self._ep_group, _ = torch.distributed.new_subgroups_by_enumeration(layout.ep_groups())
         self.lightning_module._device_mesh = self._device_mesh  # for modules that parallelise themselves
         rank_zero_info(layout.rank_map())
+        if layout.pp > 1:
+            rank_zero_info(
+                describe_schedule(self.pipeline_schedule, layout.pp, self.num_microbatches, self.virtual_pipeline_size)
+            )
         crossing = layout.tp_groups_across_nodes()
         if crossing:
             rank_zero_warn(

@@ -90,6 +90,12 @@ SCHEDULES = {
 }
 
 
+# NOTE: interleaved 1F1B on one chunk per rank is plain 1F1B under another name (its bubble is 1F1B's), so unset it
+# runs two, the fewest that interleave (Megatron's virtual stages; the bubble halves). ``zero_bubble`` on one chunk is a
+# schedule of its own (ZB-H1) and keeps one.
+DEFAULT_CHUNKS = {"interleaved_1f1b": 2}
+
+
 def check_composes(schedule: str, pp: int, compile: bool | str = False, zero_stage: int = 1) -> None:
     """Refuse what ``schedule`` cannot run with, naming both (asked before any process starts)."""
     if pp == 1 or schedule not in SPLIT_BACKWARD:
@@ -113,10 +119,10 @@ def check_composes(schedule: str, pp: int, compile: bool | str = False, zero_sta
 
 def chunks_per_rank(schedule: str, virtual: int | None) -> int:
     """The chunks each rank runs: what ``schedule`` needs, checked against ``virtual_pipeline_size`` (None: its
-    default, 1 where the schedule takes any)."""
+    default, `DEFAULT_CHUNKS` or 1)."""
     fixed = SCHEDULES[schedule].chunks
     if fixed is None or virtual in (None, fixed):
-        return virtual or fixed or 1
+        return virtual or fixed or DEFAULT_CHUNKS.get(schedule, 1)
     if fixed == 1:
         takes = " or ".join(repr(name) for name, s in SCHEDULES.items() if s.chunks is None)
         raise ValueError(f"virtual_pipeline_size={virtual} needs pipeline_schedule={takes}, not {schedule!r}")
@@ -194,3 +200,12 @@ def last_stage_in_flight(schedule: str, pp: int, microbatches: int) -> int:
     if pp == 1 or schedule not in ("gpipe", "zero_bubble"):
         return 1
     return microbatches if schedule == "gpipe" else min(microbatches, pp)
+
+
+def describe_schedule(schedule: str, pp: int, microbatches: int, virtual: int) -> str:
+    """One line for the rank-0 layout log: the schedule, its micro-batches, chunks per rank and bubble."""
+    return (
+        f"pipeline: {schedule} over {pp} ranks, {virtual} chunk(s) per rank ({pp * virtual} stages), "
+        f"{microbatches} micro-batches per schedule; bubble {bubble_theory(schedule, pp, microbatches, virtual):.3f} "
+        "of the step in theory (forward = backward = weight-gradient time)"
+    )

@@ -10,7 +10,7 @@ from lit3d import GPTConfig
 from lit3d.model import Transformer
 from lit3d.strategies import Parallel3DStrategy
 from lit3d.strategies.layout import check_model_fits_pipeline, default_microbatches
-from lit3d.strategies.schedules import SCHEDULES, Costs, bubble_theory, idle_time, peak_in_flight
+from lit3d.strategies.schedules import SCHEDULES, Costs, bubble_theory, describe_schedule, idle_time, peak_in_flight
 from lit3d.strategies.stages import block_costs, chunk_stage_ids, partition, split_into_stages, stage_rank
 
 
@@ -210,6 +210,18 @@ def test_a_model_too_shallow_or_tied_is_refused():
         check_model_fits_pipeline(GPTConfig(n_layer=4), pp=4, virtual=2)
     with pytest.raises(ValueError, match="tie_embeddings=True with pipeline_parallel_size > 1"):
         check_model_fits_pipeline(GPTConfig(n_layer=4, tie_embeddings=True), pp=2, virtual=1)
+
+
+def test_interleaved_1f1b_interleaves_by_default_and_says_so():
+    # One chunk per rank would be plain 1F1B under the interleaved name (its bubble, 0.2 at p=2, m=4, not 1/17).
+    strategy = Parallel3DStrategy(pipeline_parallel_size=2, pipeline_schedule="interleaved_1f1b")
+    assert strategy.virtual_pipeline_size == 2
+    assert Parallel3DStrategy(pipeline_parallel_size=2, pipeline_schedule="zero_bubble").virtual_pipeline_size == 1
+    line = describe_schedule("interleaved_1f1b", 2, 8, 2)
+    assert "interleaved_1f1b over 2 ranks, 2 chunk(s) per rank (4 stages), 8 micro-batches" in line
+    assert f"bubble {1 / 17:.3f}" in line
+    with pytest.raises(ValueError, match=r"virtual_pipeline_size=2 \(interleaved_1f1b's default\) = 4 stages"):
+        check_model_fits_pipeline(GPTConfig(n_layer=3), pp=2, virtual=2, schedule="interleaved_1f1b")
 
 
 def test_default_microbatches_divide_the_batch_and_suit_the_schedule():
