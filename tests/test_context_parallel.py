@@ -54,9 +54,9 @@ def _ring_worker(rank: int, world: int, port: int, folder: str) -> None:
 
 def test_ring_attention_equals_whole_sequence_attention_forward_and_backward(tmp_path):
     """Grouped-query heads, CP 2 and 4, fp32 and bf16: the merged ring equals causal SDPA over the whole sequence."""
-    from spawned import free_port
+    from spawned import START_METHOD, free_port
 
-    mp.start_processes(_ring_worker, args=(4, free_port(), str(tmp_path)), nprocs=4, start_method="spawn")
+    mp.start_processes(_ring_worker, args=(4, free_port(), str(tmp_path)), nprocs=4, start_method=START_METHOD)
     errors = torch.load(tmp_path / "rank0.pt")
     assert len(errors) == 12
     for name, error in errors.items():
