@@ -133,6 +133,8 @@ def check_readable(path: Path) -> None:
         previous = path.with_name(path.name + ".old")
         hint = f" ({str(previous)!r} is the checkpoint an interrupted save replaced)" if previous.exists() else ""
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist{hint}")
+    if path.is_dir() and not any(path.iterdir()):
+        raise ValueError(f"checkpoint folder {str(path)!r} is empty")
     missing = [name for name in (".metadata", META_FILE) if not (path / name).is_file()]
     if missing:
         raise ValueError(
@@ -191,8 +193,8 @@ def check_ckpt_path(ckpt_path: Any) -> None:
         or str(ckpt_path).startswith("registry:")
     ):
         return
-    if is_sharded_checkpoint(ckpt_path):
-        check_readable(Path(ckpt_path))
+    if Path(ckpt_path).is_dir():
+        load_meta(ckpt_path)  # NOTE: `check_readable`, then meta.pt: a broken one is refused before any rank starts
     elif not Path(ckpt_path).is_file():
         raise FileNotFoundError(f"ckpt_path={str(ckpt_path)!r} does not exist")
 
@@ -300,7 +302,7 @@ class ShardedCheckpoints:
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return self.lightning_module.state_dict()  # DTensor shards under layout-free names
+        return self.with_master_weights(self.lightning_module.state_dict())  # DTensor shards, layout-free names
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
@@ -369,12 +371,13 @@ class ShardedCheckpoints:
         self.wait_for_checkpoint()
         path = Path(self.broadcast(str(checkpoint_path)))
         check_readable(path)
-        tensors: dict[str, Any] = {"state_dict": self.lightning_module.state_dict()}
+        tensors: dict[str, Any] = {"state_dict": self.lightning_module_state_dict()}
         if self.lightning_module.trainer.state.fn == TrainerFn.FITTING and self.optimizers:
             for optimizer in self.optimizers:
                 init_optimizer_state(optimizer)
             tensors["optimizer_states"] = [self.optimizer_state(opt) for opt in self.optimizers]
         meta = load(path, self._with_islands(tensors))  # loaded in place; hyper-parameters come back as values
+        self.master_weights_loaded()
         for optimizer, loaded in zip(self.optimizers, tensors.get("optimizer_states", [])):
             restore_param_groups(optimizer, loaded)
         if "rng" in meta:

@@ -1,4 +1,5 @@
-"""Per-rank memory accounting: bytes this rank holds in parameters, gradients and optimizer states."""
+"""Per-rank memory accounting: bytes this rank holds in parameters, gradients and optimizer states (master weights
+included)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,15 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def local_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of this rank's part of each tensor (a DTensor's shard), each storage counted once."""
     seen, total = set(), 0
     for tensor in tensors:
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        local = _local(tensor)
         key = (local.untyped_storage().data_ptr(), local.storage_offset(), local.numel())
         if local.numel() and key not in seen:
             seen.add(key)
@@ -36,11 +41,14 @@ def memory_by_component(module: nn.Module, optimizers: Iterable[torch.optim.Opti
         if isinstance(value, torch.Tensor)
     ]
     stepped = [p for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]]
+    held = {_local(p).untyped_storage().data_ptr() for p in params}
+    masters = [p for p in stepped if _local(p).untyped_storage().data_ptr() not in held]
     report = {
         "params": local_bytes(params),
         # The optimizer's own parameters may be slices with gradients of their own (ZeRO-1's DP averages).
         "grads": local_bytes(p.grad for p in [*params, *stepped] if p.grad is not None),
-        "optimizer": local_bytes(states),
+        # Parameters of its own (ZeRO-1's fp32 master weights of bf16 parameters) are optimizer state too.
+        "optimizer": local_bytes([*states, *masters]),
     }
     report["total"] = sum(report.values())
     return report

@@ -1,6 +1,6 @@
 """The optimizer hooks of `Parallel3DStrategy` (a mixin before Lightning's strategy class): steps on local shards,
-ZeRO-1's reduce-scatter and all-gather around them, gradient clipping by the norm of the whole split model, and
-DiLoCo's outer step after the inner one (`lit3d.strategies.islands`)."""
+ZeRO-1's reduce-scatter and all-gather around them (under bf16-mixed on fp32 master weights), gradient clipping by
+the norm of the whole split model, and DiLoCo's outer step after the inner one (`lit3d.strategies.islands`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing_extensions import override
 
 from lit3d.strategies.grad_norm import clip_grad_norm_
 from lit3d.strategies.islands import build_outer_loop
-from lit3d.strategies.precision import reduce_dtype
+from lit3d.strategies.precision import keeps_master_weights, reduce_dtype
 from lit3d.strategies.zero1 import ELEMENTWISE_OPTIMIZERS, LocalShardOptimizer
 
 
@@ -24,8 +24,14 @@ class LocalOptimizerSteps:
         # ZeRO-1 where the strategy applied data parallelism; a module that parallelises itself chose its own.
         zero1 = self.zero_stage == 1 and self.layout.replicas > 1 and self._parallelized is not None
         mesh, dtype = self.replica_mesh if zero1 else None, reduce_dtype(self.precision, self.mixed_precision_reduce)
+        masters = zero1 and keeps_master_weights(self.precision, self.zero_stage, self.layout.replicas)
+        earlier = {key: _local(value) for key, value in self._master_weights().items()}  # a second fit's setup
+        for local in self._local_optimizers.values():
+            local.remove_hooks()
         self._local_optimizers = {
-            id(opt): LocalShardOptimizer(opt, mesh, dtype, self.lightning_module, self._expert_mesh)
+            id(opt): LocalShardOptimizer(
+                opt, mesh, dtype, self.lightning_module, self._expert_mesh, torch.bfloat16 if masters else None, earlier
+            )
             for opt in self.optimizers
             if zero1 or (isinstance(opt, ELEMENTWISE_OPTIMIZERS) and _has_dtensor_params(opt))
         }
@@ -53,6 +59,27 @@ class LocalOptimizerSteps:
         local.gather_params()
         return result
 
+    def with_master_weights(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """The module's ``state_dict`` with the fp32 master weights in place of bf16 parameters that have them
+        (ZeRO-1 under bf16-mixed), each a DTensor of this rank's slice: what checkpoints save and load."""
+        masters = self._master_weights()
+        if not masters:
+            return state_dict
+        parameters = self.lightning_module.named_parameters(remove_duplicate=False)  # a tied weight under each name
+        named = {name: masters[id(p)] for name, p in parameters if id(p) in masters}
+        return {key: named.get(key, value) for key, value in state_dict.items()}
+
+    def _master_weights(self) -> dict[int, torch.Tensor]:
+        return {
+            key: value for local in self._local_optimizers.values() for key, value in local.master_weights().items()
+        }
+
+    def master_weights_loaded(self) -> None:
+        """After a checkpoint filled the master weights (`with_master_weights`): the parameters from them."""
+        for local in self._local_optimizers.values():
+            if local.param_dtype is not None:
+                local.gather_params()
+
     def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
         pipeline_group = self.device_mesh["pp"].get_group() if self.layout.pp > 1 else None
         local = self._local_optimizers.get(id(optimizer))
@@ -60,6 +87,12 @@ class LocalOptimizerSteps:
             local.clip_grad_norm_(clip_val, pipeline_group)
             return
         clip_grad_norm_(self.lightning_module.parameters(), clip_val, pipeline_group)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _has_dtensor_params(optimizer: torch.optim.Optimizer) -> bool:

@@ -315,7 +315,11 @@ class Parallel3DStrategy(
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
             if self.layout.world_size > 1:
-                rank_zero_info(describe(self.precision, self.zero_stage, self._ddp, self.mixed_precision_reduce))
+                rank_zero_info(
+                    describe(
+                        self.precision, self.zero_stage, self._ddp, self.mixed_precision_reduce, self.layout.replicas
+                    )
+                )
             self.plan = self.planned()
             if self.plan is not None:
                 self.memory_estimate = self.plan.memory_by_stage[self.layout.coordinate(self.global_rank).p]

@@ -1,10 +1,18 @@
-"""The dtypes a run computes and communicates in, per axis, from Lightning's ``precision`` and the ZeRO stage.
+"""The dtypes a run holds, computes and communicates in, per axis, from Lightning's ``precision`` and the ZeRO stage.
 
-``bf16-mixed`` as torchtitan and Megatron run it: fp32 master weights and optimizer states, compute in bf16
-(Lightning's autocast), and FSDP2 (ZeRO-2/3, and ZeRO-0 with TP or PP) gathering the parameters in bf16 and
-reducing the gradients in fp32 (``mixed_precision_reduce="bfloat16"`` halves those bytes too, at some accuracy).
-ZeRO-1 and DDP (ZeRO-0, data parallel only) hold the fp32 parameters themselves: DDP all-reduces the fp32
-gradients autocast leaves, and ZeRO-1 reduce-scatters them in the reduce dtype and all-gathers the fp32 slices.
+``bf16-mixed`` as torchtitan and Megatron run it: fp32 master weights and optimizer states, compute in bf16, and
+gradients reduced in fp32 (``mixed_precision_reduce="bfloat16"`` halves those bytes, at some accuracy). Where the
+master weights live depends on the data-parallel wrapper:
+
+- FSDP2 (ZeRO-2/3, and ZeRO-0 with TP or PP): the fp32 parameter shards are the master weights; its mixed
+  precision policy gathers them in bf16 for compute.
+- DDP (ZeRO-0, data parallel only) and a run without data parallelism: the fp32 parameters themselves, which
+  autocast casts to bf16 in every forward (keeping each bf16 copy for backward).
+- ZeRO-1 (`keeps_master_weights`): bf16 parameters, and the fp32 master weights of each rank's slice in the sharded
+  optimizer state (Megatron's distributed optimizer); the bf16 gradients are reduce-scattered in the reduce dtype
+  and the updated slices all-gathered in bf16.
+
+The planner counts what each holds from the same rule (`lit3d.planner.estimate.held_precision`).
 """
 
 from __future__ import annotations
@@ -23,6 +31,12 @@ def check_reduce_dtype(mixed_precision_reduce: str) -> None:
 
 def is_bf16_mixed(precision: str) -> bool:
     return str(precision) == "bf16-mixed"
+
+
+def keeps_master_weights(precision: str, zero_stage: int, replicas: int) -> bool:
+    """Whether the model's parameters are bf16 and the optimizer steps fp32 master copies of this rank's slices:
+    ZeRO-1 under bf16-mixed with data-parallel replicas (`lit3d.strategies.zero1.LocalShardOptimizer`)."""
+    return is_bf16_mixed(precision) and zero_stage == 1 and replicas > 1
 
 
 def uses_ddp(zero_stage: int, data_parallel_only: bool, precision: str, mixed_precision_reduce: str) -> bool:
@@ -46,21 +60,26 @@ def mixed_precision_policy(precision: str, mixed_precision_reduce: str) -> objec
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=REDUCE_DTYPES[mixed_precision_reduce])
 
 
-def describe(precision: str, zero_stage: int, ddp: bool, mixed_precision_reduce: str) -> str:
-    """One line for the rank-0 log: what each axis sends, in which dtype."""
+def describe(precision: str, zero_stage: int, ddp: bool, mixed_precision_reduce: str, replicas: int) -> str:
+    """One line for the rank-0 log: what each rank holds and what each axis sends, in which dtype."""
     precision = str(precision)
     if not is_bf16_mixed(precision):
         dtype = "bf16" if precision.startswith("bf16") else "fp16" if precision.startswith("16") else "fp32"
         return f"precision {precision}: every axis communicates in {dtype}"
     reduce = "bf16" if mixed_precision_reduce == "bfloat16" else "fp32"
     if ddp:
+        held = "fp32 parameters (autocast keeps a bf16 copy of each weight for backward)"
         dp = "gradients all-reduced in fp32 (DDP)"
-    elif zero_stage == 1:
-        dp = f"gradients reduce-scattered in {reduce}, updated fp32 slices all-gathered (ZeRO-1)"
+    elif replicas == 1:  # nothing to shard over: the optimizer steps the fp32 parameters themselves
+        held, dp = "fp32 parameters", "no data parallelism"
+    elif keeps_master_weights(precision, zero_stage, replicas):
+        held = "bf16 parameters, fp32 master weights in the optimizer slices"
+        dp = f"gradients reduce-scattered in {reduce}, updated slices all-gathered in bf16 (ZeRO-1)"
     else:
+        held = "fp32 parameters" + ("" if zero_stage == 0 else " sharded") + ", cast to bf16 by FSDP2"
         gathers = "" if zero_stage == 0 else ", parameters gathered in bf16"
         dp = f"gradients reduced in {reduce}{gathers} (FSDP2)"
     return (
-        f"precision bf16-mixed: fp32 master weights and optimizer states, bf16 compute; dp: {dp}; tp and pp: "
+        f"precision bf16-mixed: {held}, fp32 optimizer states, bf16 compute; dp: {dp}; tp and pp: "
         "activations as autocast leaves them (bf16 matmul outputs)"
     )

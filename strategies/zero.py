@@ -16,7 +16,8 @@ DDP takes neither DTensor parameters nor a pipeline schedule's micro-batches, so
 
 Stage 1 sends what DDP sends (the ZeRO paper's P_os): after backward, one reduce-scatter per bucket of gradients
 and, after the step, one all-gather of the updated slices, 2·Ψ·(D−1)/D in all; nothing moves on the micro-steps of
-an accumulation window (or of a pipeline schedule), since no wrapper syncs during backward.
+an accumulation window (or of a pipeline schedule), since no wrapper syncs during backward. Under bf16-mixed its
+parameters are bf16 and the fp32 master weights live in the optimizer's slices, so the all-gather moves bf16.
 
 Stage 2 gathers each block's parameters in forward and keeps them until its backward is done (no second
 gather), then frees them: between steps a rank holds only its shard, as in stage 3.

@@ -1,6 +1,8 @@
 """ZeRO-1 by the ZeRO paper (P_os): the optimizer steps each rank's slice of every parameter, on plain local
 tensors; the gradients are reduce-scattered to it in buckets and the updated slices all-gathered back (DDP's
-bytes). Also the local-shard stepping every DTensor-sharded layout uses (`LocalShardOptimizer` without a mesh).
+bytes). Under bf16-mixed the parameters are bf16 and the optimizer steps fp32 master copies of the slices
+(Megatron's distributed optimizer). Also the local-shard stepping every DTensor-sharded layout uses
+(`LocalShardOptimizer` without a mesh).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+
+from lit3d.strategies.zero1_buckets import buckets, rank_chunk
 
 ELEMENTWISE_OPTIMIZERS = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
 
@@ -34,12 +38,19 @@ class LocalShardOptimizer:
     own gradients are then dropped), the optimizer steps the slices, and `gather_params` all-gathers the updated
     slices back into every replica. Each parameter is split along a tensor dim that TP leaves whole; the optimizer
     states are 1/D the size, and `as_global` places them in the global tensor for checkpoints.
-    ``reduce_dtype`` (e.g. bf16) is the dtype the gradients travel in; the average lands in the parameter's.
+    ``reduce_dtype`` (e.g. bf16) is the dtype the gradients travel in; the average lands in the optimizer's.
+
+    ``param_dtype`` (ZeRO-1 under bf16-mixed: bf16) makes it Megatron's distributed optimizer: the parameters are
+    cast to it (the values autocast would compute with anyway), the optimizer steps an fp32 master copy of each
+    slice, backward's gradients are summed in fp32 across backwards (as fp32 parameters would sum them) and the
+    updated masters all-gathered in ``param_dtype``: ``2 + (4 + 12) / D`` bytes per parameter, not ``4 + (4 + 8) /
+    D``. Checkpoints hold the masters as the weights (`master_weights`); ``masters``: those of an earlier setup.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, zero1_mesh: DeviceMesh | None = None,
                  reduce_dtype: torch.dtype | None = None, module: nn.Module | None = None,
-                 expert_mesh: DeviceMesh | None = None) -> None:  # fmt: skip
+                 expert_mesh: DeviceMesh | None = None, param_dtype: torch.dtype | None = None,
+                 masters: dict[int, torch.Tensor] | None = None) -> None:  # fmt: skip
         if zero1_mesh is not None and not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
             raise TypeError(
                 f"{type(optimizer).__name__} is not one of the elementwise optimizers "
@@ -48,19 +59,29 @@ class LocalShardOptimizer:
             )
         if optimizer.state:
             raise RuntimeError("the optimizer's parameters must be swapped before its first step")
+        if param_dtype is not None and zero1_mesh is None:
+            raise ValueError("master weights (param_dtype) are ZeRO-1's: give its mesh")
         self.mesh, self.reduce_dtype, self.expert_mesh = zero1_mesh, reduce_dtype, expert_mesh
+        self.param_dtype, self._masters = param_dtype, masters or {}
         self.entries: list[_Entry] = []
         for group in optimizer.param_groups:
             entries = [self._entry(p) for p in group["params"]]
             self.entries += entries
             group["params"] = [e.view for e in entries]
+        self._hooks: list[Any] = []
+        if param_dtype is not None:
+            for e in self.entries:
+                _hold_in(e.param, param_dtype)
+            # NOTE: before `overlap`'s hooks, which then find the gradient set aside
+            needed = [e for e in self.entries if e.param.requires_grad]
+            self._hooks = [e.param.register_post_accumulate_grad_hook(e.set_grad_aside) for e in needed]
         self._by_view = {id(e.view): e for e in self.entries}
         sliced = [e for e in self.entries if e.dim is not None]
         if module is not None:  # buckets in the order backward finishes the gradients: the module's last first
             index = {id(p): i for i, p in enumerate(module.parameters())}
             sliced.sort(key=lambda e: -index.get(id(e.param), -1))
-        self._buckets = _buckets(sliced)
-        self._hooks: list[Any] = []
+        self._buckets = buckets(sliced)
+        self._overlap_hooks: list[Any] = []
         self._launched: int | None = None  # inside `overlap`: buckets up to this index have started
 
     def _entry(self, param: torch.Tensor) -> _Entry:
@@ -81,7 +102,10 @@ class LocalShardOptimizer:
             mesh = self.mesh["dp", "tp"] if tp else self.mesh["dp"]
             entry = _Entry(param, None, mesh, (Shard(dim), *tp), dim)
             entry.tp_sharded = bool(taken)
-        entry.view = nn.Parameter(entry.local(param).detach(), requires_grad=param.requires_grad)
+        view = entry.local(param).detach()
+        if self.param_dtype is not None:  # the fp32 master weights of this rank's part
+            view = self._masters.get(id(param), view).to(torch.float32, copy=True)
+        entry.view = nn.Parameter(view, requires_grad=param.requires_grad)
         return entry
 
     def _expert_entry(self, param: DTensor) -> _Entry:
@@ -92,6 +116,11 @@ class LocalShardOptimizer:
             return _Entry(param, None, param.device_mesh, tuple(param.placements))
         mesh = self.expert_mesh["edp", "ep"]
         return _Entry(param, None, mesh, (Shard(1), *param.placements), 1, dp_dim="edp")
+
+    def remove_hooks(self) -> None:
+        """Its backward hooks off the parameters, before another setup of them replaces it (a second fit)."""
+        for hook in [*self._hooks, *self._overlap_hooks]:
+            hook.remove()
 
     @property
     def zero1(self) -> bool:
@@ -106,10 +135,11 @@ class LocalShardOptimizer:
         Buckets start in one fixed order on every rank (a bucket waits for those before it), so the collectives
         match even where a parameter gets no gradient on some rank; `scatter_grads` starts whatever is left.
         """
-        if not self._hooks:
+        if not self._overlap_hooks:
             for i, bucket in enumerate(self._buckets):
                 for e in bucket.entries:
-                    self._hooks.append(e.param.register_post_accumulate_grad_hook(partial(self._grad_ready, i)))
+                    hook = e.param.register_post_accumulate_grad_hook(partial(self._grad_ready, i))
+                    self._overlap_hooks.append(hook)
         for bucket in self._buckets:
             bucket.ready = 0
         self._launched = -1
@@ -140,16 +170,20 @@ class LocalShardOptimizer:
             bucket.finish_reduce_scatter()
         for e in self.entries:
             if e.view is not e.param and e.dim is None:
-                e.view.grad = None if e.param.grad is None else e.local(e.param.grad)
+                grad = e.take_grad() if self.param_dtype is not None else e.param.grad
+                e.view.grad = None if grad is None else e.local(grad).to(e.view.dtype)
 
     @torch.no_grad()
     def gather_params(self) -> None:
+        """The updated slices into every replica's parameters (with master weights: cast to ``param_dtype``)."""
         for bucket in self._buckets:
             bucket.all_gather()
         for e in self.entries:
             if e.view is not e.param:
+                if self.param_dtype is not None:  # this rank's own part: from its master weights
+                    e.local(e.param).copy_(e.view)
                 # The model's gradients are what backward accumulates into; the step has consumed them.
-                e.param.grad = e.view.grad = None
+                e.param.grad = e.view.grad = e.grad_aside = None
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, pipeline_group: Any = None) -> torch.Tensor:
@@ -172,6 +206,14 @@ class LocalShardOptimizer:
         torch._foreach_mul_(grads, coef.to(grads[0].dtype))
         return norm
 
+    def master_weights(self) -> dict[int, torch.Tensor]:
+        """With ``param_dtype``: each parameter's fp32 master weights, this rank's part placed in the parameter's
+        global shape (`as_global`), by id of the parameter. Checkpoints hold these as the weights, so a resume is
+        exact and any layout reads the fp32 values; after loading into them, `gather_params` refreshes the model."""
+        if self.param_dtype is None:
+            return {}
+        return {id(e.param): self.as_global(e.view, e.view) for e in self.entries}
+
     def as_global(self, view: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
         """A state tensor of ``view`` (exp_avg, ...) as a DTensor placed in the parameter's global shape, sharing
         its storage; scalars (the step count) stay as they are. For checkpoints that any layout can read."""
@@ -192,6 +234,28 @@ class _Entry:
         self.param, self.view, self.mesh, self.placements, self.dim = param, view, mesh, placements, dim
         self.dp_dim = dp_dim  # the mesh dim ZeRO-1 slices over ("edp" for MoE experts)
         self.tp_sharded = False  # split over TP: every TP rank's part counts in the gradient norm
+        self.grad_aside: torch.Tensor | None = None  # with master weights: backward's gradients so far
+
+    @torch.no_grad()
+    def set_grad_aside(self, param: torch.Tensor) -> None:
+        """Post-accumulate-grad hook (master weights): move the gradient backward left to ``grad_aside``, adding it
+        to the earlier backwards' in fp32, as fp32 parameters would (gradient accumulation, pipeline micro-batches);
+        a single backward's bf16 gradient stays as it is."""
+        grad, param.grad = self.like_param(param.grad), None
+        self.grad_aside = grad if self.grad_aside is None else self.grad_aside.float().add_(grad)
+
+    def take_grad(self) -> torch.Tensor | None:
+        """The parameter's gradient (what backward set aside and left), laid out as the parameter; taken from it."""
+        grad, aside = self.param.grad, self.grad_aside
+        self.param.grad = self.grad_aside = None
+        grad = None if grad is None else self.like_param(grad)
+        return grad if aside is None else aside if grad is None else aside.float().add_(grad)
+
+    def like_param(self, grad: torch.Tensor) -> torch.Tensor:
+        if isinstance(grad, DTensor) and grad.placements != self.param.placements:
+            # e.g. the tied embedding's gradient, still replicated when backward hands it over: take its shard
+            grad = grad.redistribute(placements=self.param.placements)
+        return grad
 
     @functools.cached_property
     def dp(self) -> tuple[Any, int, int]:
@@ -205,13 +269,13 @@ class _Entry:
         if self.dim is None:
             return local
         _, size, rank = self.dp
-        return _rank_chunk(local, self.dim, size, rank)
+        return rank_chunk(local, self.dim, size, rank)
 
     def slices(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every DP rank's slice of ``tensor``'s local part (torch.chunk's split, as DTensor's ``Shard``)."""
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
         _, size, _ = self.dp
-        return [_rank_chunk(local, self.dim, size, r) for r in range(size)]
+        return [rank_chunk(local, self.dim, size, r) for r in range(size)]
 
     @functools.cached_property
     def slice_numel(self) -> int:
@@ -219,122 +283,7 @@ class _Entry:
         return max(s.numel() for s in self.slices(self.param))
 
 
-BUCKET_ELEMENTS = 50_000_000  # one collective moves at most this many elements per rank
-
-
-def _buckets(entries: list[_Entry]) -> list[_Bucket]:
-    """ZeRO-1 entries in groups moved by one collective each: same DP group and dtype, bounded size."""
-    buckets: dict[tuple, list[list[_Entry]]] = {}
-    for e in entries:
-        groups = buckets.setdefault((e.dp[0], e.view.dtype), [[]])
-        if groups[-1] and sum(x.slice_numel for x in groups[-1]) + e.slice_numel > BUCKET_ELEMENTS:
-            groups.append([])
-        groups[-1].append(e)
-    return [_Bucket(bucket) for groups in buckets.values() for bucket in groups]
-
-
-class _Bucket:
-    """Entries moved by one collective. Every rank lays out a bucket as ``size`` rows of ``total`` elements, one
-    row per rank, each holding that rank's slices at the same offsets (each slice padded to the largest).
-
-    NOTE: on CPU the rows go out through an all-to-all that skips this rank's own row, for both the reduce-scatter
-    and the all-gather: gloo's reduce-scatter and all-gather took 2.9x and 1.6x as long as that all-to-all of the
-    same bytes (13 MB over 2 ranks: 22 and 12 ms against 7.4 ms, measured). So on CPU this rank's own row is the
-    last and the others follow rank order; on GPUs row r is rank r's, as NCCL's collectives take them.
-    """
-
-    def __init__(self, entries: list[_Entry]) -> None:
-        self.entries = entries
-        sizes = [e.slice_numel for e in entries]
-        self.offsets, self.total = [sum(sizes[:i]) for i in range(len(sizes))], sum(sizes)
-        self.group, self.size, self.rank = entries[0].dp
-        self.cpu = entries[0].view.device.type == "cpu"
-        self._kept: dict[tuple, torch.Tensor] = {}
-        self.pending: tuple | None = None  # a launched reduce-scatter: (its work, the tensor it lands in)
-        self.ready = 0  # entries whose gradient backward has finished (`LocalShardOptimizer.overlap`)
-
-    def row(self, rank: int) -> int:
-        if not self.cpu:
-            return rank
-        return self.size - 1 if rank == self.rank else rank - (rank > self.rank)
-
-    def rows(self, key: str, dtype: torch.dtype) -> torch.Tensor:
-        """A ``[size, total]`` work buffer. NOTE: on CPU one is kept per (key, dtype): a fresh buffer of this size
-        comes from the OS as untouched pages, and faulting them in cost as much as the collective (measured: 13 MB
-        over 2 ranks, copy 10 -> 4 ms, all-to-all 21 -> 11 ms). CUDA's caching allocator reuses memory anyway."""
-        view = self.entries[0].view
-        if not self.cpu:
-            return view.new_empty(self.size, self.total, dtype=dtype)
-        if (key, dtype) not in self._kept:
-            self._kept[key, dtype] = view.new_empty(self.size, self.total, dtype=dtype)
-        return self._kept[key, dtype]
-
-    def _to_others(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Any:
-        """CPU: row i of ``input`` to the i-th other rank, whose row for this rank lands in row i of ``output``."""
-        splits = [int(r != self.rank) for r in range(self.size)]
-        return torch.distributed.all_to_all_single(output[:-1], input[:-1], splits, splits, group=self.group,
-                                                   async_op=async_op)  # fmt: skip
-
-    def start_reduce_scatter(self, dtype: torch.dtype | None) -> None:
-        """Launch the DP average of the gradients (not waiting for it), each rank to receive only its slices;
-        the model's gradients are dropped: each rank keeps only the average of its slice."""
-        send = self.rows("send", dtype or self.entries[0].view.dtype)  # its padding is never read: not zeroed
-        for e, offset in zip(self.entries, self.offsets):
-            grad = e.param.grad if e.param.grad is not None else torch.zeros_like(e.param)
-            if isinstance(grad, DTensor) and grad.placements != e.param.placements:
-                # e.g. the tied embedding's gradient, still replicated when backward hands it over: take its shard
-                grad = grad.redistribute(placements=e.param.placements)
-            for rank, part in enumerate(e.slices(grad)):
-                send[self.row(rank), offset : offset + part.numel()].copy_(part.reshape(-1))
-            e.param.grad = None
-        if self.cpu:
-            received = self.rows("receive", send.dtype)
-            work = self._to_others(received, send, async_op=True)
-            self.pending = (work, received, send[-1])
-        else:
-            received = send.new_empty(self.total)
-            work = torch.distributed.reduce_scatter_single(received, send.view(-1), group=self.group, async_op=True)
-            self.pending = (work, received, None)
-
-    def finish_reduce_scatter(self) -> None:
-        """Wait for the launched reduce-scatter and hand the optimizer's views their averaged gradients."""
-        work, received, own = self.pending
-        self.pending = None
-        work.wait()
-        if own is not None:  # CPU: this rank's own row plus the rows the others sent it
-            for row in received[:-1]:
-                own.add_(row)
-            received = own
-        view = self.entries[0].view
-        received = received.to(view.dtype).div_(self.size)
-        for e, offset in zip(self.entries, self.offsets):
-            e.view.grad = received[offset : offset + e.view.numel()].view(e.view.shape)
-
-    def all_gather(self) -> None:
-        """Replicate the updated slices over DP. The gradient views are dropped first: on CPU the buffers they
-        point into carry the slices."""
-        for e in self.entries:
-            e.view.grad = None
-        view = self.entries[0].view
-        gathered = self.rows("receive", view.dtype)
-        send = self.rows("send", view.dtype) if self.cpu else None
-        mine = send[0] if self.cpu else view.new_empty(self.total)
-        for e, offset in zip(self.entries, self.offsets):
-            mine[offset : offset + e.view.numel()].copy_(e.view.reshape(-1))
-        if self.cpu:
-            send[1:-1].copy_(mine.expand(self.size - 2, -1))  # the same row to every other rank
-            self._to_others(gathered, send)
-        else:
-            torch.distributed.all_gather_single(gathered.view(-1), mine, group=self.group)
-        for e, offset in zip(self.entries, self.offsets):
-            for rank, target in enumerate(e.slices(e.param)):
-                if rank != self.rank and target.numel():
-                    target.copy_(gathered[self.row(rank), offset : offset + target.numel()].view(target.shape))
-
-
-def _rank_chunk(tensor: torch.Tensor, dim: int, parts: int, index: int) -> torch.Tensor:
-    """``torch.chunk``'s split of ``dim`` (the one DTensor's ``Shard`` uses, trailing parts may be empty)."""
-    size = tensor.shape[dim]
-    step = -(-size // parts)
-    start = min(index * step, size)
-    return tensor.narrow(dim, start, min(step, size - start))
+def _hold_in(param: torch.Tensor, dtype: torch.dtype) -> None:
+    """Cast ``param`` in place, the object modules and ties hold (NOTE: as `nn.Module.to` casts a DTensor)."""
+    if param.dtype != dtype:
+        torch.utils.swap_tensors(param, nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad))

@@ -4,8 +4,8 @@ Saved-tensor hooks see each tensor autograd keeps for backward (each storage cou
 shard); under selective recompute the kept tensors live in the checkpoint's own cache instead, which is read too.
 TP 2 runs one rank of a fake process group: real local shards, no real collectives.
 
-Precisions: ``fp32``; ``bf16-mixed`` as FSDP2 runs it (bf16 parameters in forward, under autocast); and
-``bf16-mixed-autocast``, with fp32 parameters that autocast casts (DDP, ZeRO-1, one device), which also keeps a bf16
+Precisions: ``fp32``; ``bf16-mixed`` as FSDP2 and ZeRO-1 run it (bf16 parameters in forward, under autocast); and
+``bf16-mixed-autocast``, with fp32 parameters that autocast casts (DDP, no data parallelism), which also keeps a bf16
 copy of every weight. Every block starts from the residual stream in the compute dtype.
 """
 

@@ -77,7 +77,8 @@ def test_bf16_mixed_gathers_parameters_in_bf16(layout_runs):
     assert abs(dp["dp2_zero3_bf16-mixed"] - (reduce_scatter + gathers / 2)) <= 256
     assert dp["dp2_zero3_bf16-mixed_reduce_bf16"] / dp["dp2_zero3"] == pytest.approx(1 / 2, abs=1e-3)
     assert dp["dp2_zero0_bf16-mixed_reduce_bf16"] / dp["dp2_zero0"] == pytest.approx(1 / 2, abs=1e-3)
-    assert abs(dp["dp2_zero1_bf16-mixed"] - dp["dp2_zero0_bf16-mixed"]) <= 256  # ZeRO-1 sends what DDP sends
+    # ZeRO-1 reduce-scatters the fp32 gradients as DDP all-reduces them, and all-gathers the bf16 parameters: 3/4
+    assert abs(dp["dp2_zero1_bf16-mixed"] - dp["dp2_zero0_bf16-mixed"] * 3 / 4) <= 256
 
 
 @pytest.mark.parametrize("zero_stage", [0, 1])

@@ -25,22 +25,27 @@ def gpt3_plan(zero_stage):
 
 def test_gpt3_state_per_gpu_is_the_known_answer():
     plan = gpt3_plan(zero_stage=0)
-    # A stage of 6 of the 96 blocks split 8 ways: 2.7 GB of bf16 weights, 2.7 of gradients, 16.3 of optimizer
-    # (fp32 master weights and two moments), 21.8 GB of state; the end stages also hold the embedding or head.
+    # A stage of 6 of the 96 blocks split 8 ways holds 21.8 GB of state, 16 bytes per parameter (Megatron's 2 + 2 + 12
+    # of bf16 weights and gradients, fp32 master weights and two moments). Data parallelism over TP and PP is FSDP2's
+    # replicate, which holds them as lit3d runs them: 5.4 GB of fp32 weights (the master weights, cast to bf16 for
+    # compute), 5.4 of fp32 gradients, 10.9 of moments. The end stages also hold the embedding or head.
     middle = plan.memory_by_stage[1]
-    assert middle["params"] / GB == pytest.approx(2.7, rel=0.01)
-    assert middle["grads"] / GB == pytest.approx(2.7, rel=0.01)
-    assert middle["optimizer"] / GB == pytest.approx(16.4, rel=0.01)
+    assert middle["params"] / GB == pytest.approx(5.45, rel=0.01)
+    assert middle["grads"] / GB == pytest.approx(5.45, rel=0.01)
+    assert middle["optimizer"] / GB == pytest.approx(10.9, rel=0.01)
     assert sum(middle[k] for k in ("params", "grads", "optimizer")) / GB == pytest.approx(21.8, rel=0.01)
     most = plan.memory_per_gpu
     assert sum(most[k] for k in ("params", "grads", "optimizer")) / GB == pytest.approx(21.8, rel=0.07)
     assert most["total"] == max(stage["total"] for stage in plan.memory_by_stage)
 
 
-def test_zero1_divides_the_optimizer_state_and_the_kept_gradients_by_the_data_parallel_size():
+def test_zero1_keeps_bf16_weights_and_slices_master_weights_moments_and_kept_gradients_over_data_parallel():
     z0, z1 = gpt3_plan(0).memory_per_gpu, gpt3_plan(1).memory_per_gpu
-    assert z1["optimizer"] == pytest.approx(z0["optimizer"] / 8, rel=1e-4)  # but for the step counters
-    assert z1["params"] == z0["params"] and z1["grads"] == z0["grads"] / 8  # the reduce-scattered slice only
+    # ZeRO-1 under bf16-mixed is Megatron's distributed optimizer: bf16 parameters (half of ZeRO-0's fp32 ones), and
+    # of a 1/8 slice the fp32 gradient and the fp32 master weights with both moments: 2 + (4 + 12) / 8 bytes.
+    assert z1["params"] == z0["params"] / 2
+    assert z1["grads"] == z0["grads"] / 8  # the reduce-scattered slice only
+    assert z1["optimizer"] == pytest.approx(z0["optimizer"] * 12 / 8 / 8, rel=1e-4)  # but for the step counters
 
 
 def test_1f1b_bubble_is_p_minus_1_over_m_plus_p_minus_1():
@@ -311,11 +316,14 @@ def test_each_preset_config_parses_and_its_layout_fits_in_80_gb(name):
 def test_the_rank0_log_says_what_dtype_each_axis_communicates_in():
     from lit3d.strategies.precision import describe
 
-    assert "every axis communicates in fp32" in describe("32-true", 1, False, "float32")
-    line = describe("bf16-mixed", 3, False, "float32")
+    assert "every axis communicates in fp32" in describe("32-true", 1, False, "float32", 2)
+    line = describe("bf16-mixed", 3, False, "float32", 2)
     assert "parameters gathered in bf16" in line and "gradients reduced in fp32" in line
-    assert "reduce-scattered in bf16" in describe("bf16-mixed", 1, False, "bfloat16")
-    assert "all-reduced in fp32 (DDP)" in describe("bf16-mixed", 0, True, "float32")
+    zero1 = describe("bf16-mixed", 1, False, "bfloat16", 2)
+    assert "reduce-scattered in bf16" in zero1 and "bf16 parameters, fp32 master weights" in zero1
+    assert "all-reduced in fp32 (DDP)" in describe("bf16-mixed", 0, True, "float32", 2)
+    # ZeRO-1 without data-parallel replicas (TP only) has nothing to shard: it keeps fp32 parameters
+    assert "precision bf16-mixed: fp32 parameters, " in describe("bf16-mixed", 1, False, "float32", 1)
 
 
 def test_plan_json_reports_flops_parameters_and_activations_per_layer(capsys):

@@ -11,7 +11,7 @@ where it fits, the whole stretched by the pipeline bubble.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 from typing import Any
 
@@ -19,6 +19,7 @@ from lit3d.config import GPTConfig
 from lit3d.planner.tensors import Tensor, config_key, local_numel, rank_tensors, replicas, stepped_numel
 from lit3d.planner.traffic import collectives, communication_bytes
 from lit3d.strategies.layout import Layout
+from lit3d.strategies.precision import is_bf16_mixed, keeps_master_weights
 from lit3d.strategies.schedules import SCHEDULES, Costs, bubble_theory, last_stage_in_flight, peak_in_flight
 
 GB = 1e9
@@ -46,21 +47,20 @@ class Precision:
         return self.grads if self.reduced is None else self.reduced
 
 
+# Bytes per element a lit3d run holds and sends, by Lightning's precision: the one table both the search and the run's
+# own estimate (`lit3d.planner.run.plan_of_run`) read, through `held_precision`.
 PRECISIONS = {
     "32-true": Precision(4, 4, 8, 4),  # fp32 everything; AdamW's two moments
-    # The usual mixed-precision accounting (Megatron, DeepSpeed): bf16 weights and gradients for compute, fp32
-    # master weights and both moments in the optimizer. lit3d's bf16-mixed keeps the fp32 weights as the
-    # parameters themselves (4 + 4 + 8): the same 16 bytes per parameter, split differently.
-    # On the wire as torchtitan sends it: parameters gathered in bf16, gradients reduced in fp32.
-    "bf16-mixed": Precision(2, 2, 12, 2, gathered=2, reduced=4),
     "bf16-true": Precision(2, 2, 4, 2),
-}
-# What a lit3d run itself holds (its bf16-mixed autocasts fp32 parameters), for the estimate logged at fit start.
-RUNTIME_PRECISIONS = {
-    **PRECISIONS,
-    "bf16-mixed": Precision(4, 4, 8, 2, gathered=2, reduced=4),  # FSDP2's MixedPrecisionPolicy
+    # fp32 parameters computed in bf16 (`lit3d.strategies.precision`): FSDP2's shards gathered in bf16, DDP's replicas
+    # cast by autocast (its bf16 copies are activations: `autocast_weight_bytes`); gradients reduced in fp32.
+    "bf16-mixed": Precision(4, 4, 8, 2, gathered=2, reduced=4),
     "16-mixed": Precision(4, 4, 8, 2),
 }
+# ZeRO-1 under bf16-mixed (`keeps_master_weights`): bf16 parameters; in the optimizer's slices the fp32 master weights,
+# both moments and the fp32 gradient; the updated slices all-gathered in bf16. Megatron's distributed optimizer:
+# 2 + (4 + 12) / D bytes per parameter.
+MASTER_WEIGHTS = Precision(2, 4, 12, 2, gathered=2, reduced=4)
 
 
 @dataclass
@@ -97,6 +97,7 @@ class Training:
     # every micro-batch is a micro-step of its own already.
     accumulate_grad_batches: int = 1
     precision: str = "bf16-mixed"
+    mixed_precision_reduce: str = "float32"  # under bf16-mixed, what gradients are reduced in ("bfloat16": half)
     zero_stage: int = 1
     sequence_parallel: bool = True
     activation_checkpointing: bool | str = False  # True or "full", "selective"
@@ -136,6 +137,17 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def held_precision(training: Training, layout: Layout) -> Precision:
+    """Bytes per element that a lit3d run of ``training`` on ``layout`` holds and sends: ``training.precision``'s row
+    of `PRECISIONS`, or `MASTER_WEIGHTS` where the strategy keeps master weights, with the reduce dtype asked for."""
+    precision = PRECISIONS[training.precision]
+    if keeps_master_weights(training.precision, training.zero_stage, layout.replicas):
+        precision = MASTER_WEIGHTS
+    if is_bf16_mixed(training.precision) and training.mixed_precision_reduce == "bfloat16":
+        precision = replace(precision, reduced=2)
+    return precision
 
 
 def state_bytes(tensors: list[Tensor], layout: Layout, zero_stage: int, precision: Precision) -> dict[str, int]:
@@ -181,7 +193,7 @@ def activation_bytes_per_token(
 
 def autocast_weight_bytes(config: GPTConfig, tp: int) -> int:
     """What autocast keeps per block where the parameters are fp32 in forward (bf16-mixed without FSDP2's cast:
-    DDP, ZeRO-1, a single device): the bf16 copy of every weight it cast, saved for backward."""
+    DDP, no data parallelism): the bf16 copy of every weight it cast, saved for backward."""
     h, f, kv = config.d_model, config.d_ff, config.n_kv_head * config.head_dim
     return 2 * (2 * h * h + 2 * h * kv + 3 * h * f) // tp
 
@@ -201,13 +213,9 @@ def params_cast_by_fsdp(layout: Layout, zero_stage: int, precision: Precision) -
     return zero_stage >= 2 or layout.tp > 1 or layout.pp > 1 or precision.reduce_bytes < 4
 
 
-def estimate(
-    config: GPTConfig, cluster: Cluster, layout: Layout, training: Training, precision: Precision | None = None
-) -> Plan:
-    """Memory, communication, bubble and step time of ``layout`` (no checks: see `search.layout_problem`).
-
-    ``precision`` overrides the bytes per element that ``training.precision`` stands for."""
-    precision = precision or PRECISIONS[training.precision]
+def estimate(config: GPTConfig, cluster: Cluster, layout: Layout, training: Training) -> Plan:
+    """Memory, communication, bubble and step time of ``layout`` (no checks: see `search.layout_problem`)."""
+    precision = held_precision(training, layout)
     tp, pp, dp = layout.tp, layout.pp, layout.dp
     virtual = training.virtual_pipeline_size if pp > 1 else 1
     b, s = training.micro_batch_size, training.seq_len
@@ -343,19 +351,17 @@ def _stage_state(
 
 
 def _buffer_bytes(tensors: list[Tensor], layout: Layout, zero_stage: int, precision: Precision) -> int:
-    """Gathered parameters that sharded data parallelism holds during a step."""
+    """Gathered parameters that sharded data parallelism holds during a step: FSDP2 gathers each whole tensor into
+    a buffer of its own (apart from the shard) in the dtype it gathers in (bf16 under bf16-mixed)."""
     if layout.replicas == 1 or zero_stage < 2:
         return 0
 
     def whole(t: Tensor) -> int:
         return local_numel(t, layout.tp, ep=layout.ep)
 
-    def extra(t: Tensor) -> int:  # gathered beyond this rank's shard
-        return whole(t) - local_numel(t, layout.tp, replicas(t, layout), ep=layout.ep)
-
-    gathered = sum(extra(t) for t in tensors)
+    gathered = sum(whole(t) for t in tensors)  # ZeRO-2: every block from its forward to its backward
     if zero_stage == 3:  # one block at a time and the next one prefetched, and the root (gathered for the step)
         blocks = {t.block for t in tensors if t.block is not None} or {None}
         gathered = 2 * max(sum(whole(t) for t in tensors if t.block == b) for b in blocks)
-        gathered += sum(extra(t) for t in tensors if t.block is None)
-    return int(gathered * precision.weights)
+        gathered += sum(whole(t) for t in tensors if t.block is None)
+    return int(gathered * precision.gather_bytes)

@@ -14,20 +14,19 @@ from dataclasses import replace
 from typing import Any
 
 from lit3d.config import GPTConfig
-from lit3d.planner.estimate import Cluster, Plan, Precision, Training, estimate
+from lit3d.planner.estimate import Cluster, Plan, Training, estimate, held_precision
 from lit3d.strategies.layout import Layout
 
 
 def versus_synchronous(
-    config: GPTConfig, cluster: Cluster, layout: Layout, training: Training, plan: Plan,
-    precision: Precision | None = None,
-) -> dict[str, Any]:  # fmt: skip
+    config: GPTConfig, cluster: Cluster, layout: Layout, training: Training, plan: Plan
+) -> dict[str, Any]:
     """The outer step of ``plan`` (a layout with ``islands > 1``) and what synchronous DP would cost instead:
     bytes each GPU sends to the other islands and seconds, per outer step (``sync_every`` inner steps)."""
     h = training.sync_every
-    gradients = "bfloat16" if precision is not None and precision.reduce_bytes == 2 else "float32"
+    gradients = "bfloat16" if held_precision(training, layout).reduce_bytes == 2 else "float32"
     synchronous = estimate(config, cluster, layout, replace(training, sync_every=1, outer_reduce_dtype=gradients,
-                                                            outer_fragments=1), precision)  # fmt: skip
+                                                            outer_fragments=1))  # fmt: skip
     outer, every_step = plan.communication_per_step["island"], synchronous.communication_per_step["island"]
     return {
         "islands": layout.islands,

@@ -1,12 +1,15 @@
-"""The planner's estimate of a running fit: what `Parallel3DStrategy` logs at the start and `CommReport` compares."""
+"""The planner's estimate of a running fit: what `Parallel3DStrategy` logs at the start and `CommReport` compares.
+
+It is the search's own estimate (`estimate`) of the run's layout and settings: one table of what each precision
+holds (`lit3d.planner.estimate.held_precision`) serves both, so `lit3d plan` plans what the run holds.
+"""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from lit3d.config import GPTConfig
-from lit3d.planner.estimate import RUNTIME_PRECISIONS, Cluster, Plan, Training, estimate
+from lit3d.planner.estimate import PRECISIONS, Cluster, Plan, Training, estimate
 
 if TYPE_CHECKING:
     from lit3d.strategies import Parallel3DStrategy
@@ -29,11 +32,14 @@ def plan_of_run(strategy: Parallel3DStrategy) -> Plan | None:
     replicas = layout.data_replicas  # every island's
     global_batch = getattr(data, "global_batch_size", replicas * micro_batches)
     micro = max(1, global_batch // (replicas * micro_batches))
+    precision = str(trainer.precision)
     training = Training(
         seq_len=getattr(data, "seq_len", config.max_seq_len),
         micro_batch_size=micro,
         global_batch_size=micro * replicas * micro_batches,
         accumulate_grad_batches=accumulate,
+        precision=precision if precision in PRECISIONS else "32-true",
+        mixed_precision_reduce=strategy.mixed_precision_reduce,
         zero_stage=strategy.zero_stage,
         sequence_parallel=strategy.sequence_parallel,
         activation_checkpointing=strategy.activation_checkpointing,
@@ -43,8 +49,5 @@ def plan_of_run(strategy: Parallel3DStrategy) -> Plan | None:
         outer_reduce_dtype=strategy.outer_reduce_dtype,
         outer_fragments=strategy.outer_fragments,
     )
-    precision = RUNTIME_PRECISIONS.get(str(trainer.precision), RUNTIME_PRECISIONS["32-true"])
-    if str(trainer.precision) == "bf16-mixed" and getattr(strategy, "mixed_precision_reduce", "") == "bfloat16":
-        precision = replace(precision, reduced=2)
     cluster = Cluster(nodes=strategy.num_nodes, gpus_per_node=strategy.num_processes)
-    return estimate(config, cluster, layout, training, precision)
+    return estimate(config, cluster, layout, training)

@@ -26,6 +26,7 @@ from lit3d.strategies.layout import (
     check_model_fits_pipeline,
     check_sizes,
 )
+from lit3d.strategies.precision import check_reduce_dtype
 from lit3d.strategies.schedules import check_composes, microbatch_problem
 
 LONG_SEQUENCE = 16384  # tokens from which the search tries context parallelism
@@ -60,6 +61,7 @@ def check_inputs(config: GPTConfig, cluster: Cluster, training: Training) -> Non
         raise ValueError(f"seq_len={training.seq_len} is above the model's max_seq_len={config.max_seq_len}")
     if training.precision not in PRECISIONS:
         raise ValueError(f"precision={training.precision!r} is not one of {', '.join(PRECISIONS)}")
+    check_reduce_dtype(training.mixed_precision_reduce)
     check_choices(training.zero_stage, training.pipeline_schedule)
 
 

@@ -11,7 +11,7 @@ from lit3d.ring_attention import ring_bytes_per_layer
 from lit3d.strategies.layout import Layout
 from lit3d.strategies.schedules import SCHEDULES
 from lit3d.strategies.stages import chunk_stage_ids
-from lit3d.strategies.zero1 import BUCKET_ELEMENTS
+from lit3d.strategies.zero1_buckets import BUCKET_ELEMENTS
 
 if TYPE_CHECKING:
     from lit3d.planner.estimate import Precision, Training
@@ -40,7 +40,7 @@ def communication_bytes(
             tp_bytes += 3 * tokens * 4
         tp_bytes *= microbatches
         if sp:  # SP norms see part of the sequence, so their weights' gradients are all-reduced after each backward
-            norms = stage.norms * precision.grads
+            norms = stage.norms * precision.weights  # NOTE: gradients in the parameters' dtype, not the slices'
             tp_bytes += norms * (schedules if pp > 1 else microbatches)  # once per schedule: it spans its micro-batches
         traffic["tp"] = max(traffic["tp"], ring * tp_bytes)
         shape = (microbatches // schedules, schedules, pp > 1, precision)

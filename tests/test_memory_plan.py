@@ -1,0 +1,134 @@
+"""What `lit3d plan` plans for a bf16-mixed run against what the run holds, at ZeRO 0, 1 and 3 on 2 ranks.
+
+The plan is the search's own `estimate` of the layout (what `lit3d plan` prints and picks by), not the run's. The run
+measures its parameters, gradients and optimizer states at the last optimizer step (`memory_report`), and the bytes
+autograd saves in each forward (saved-tensor hooks: the activations, with autocast's bf16 copies of fp32 weights). A
+model wide enough for its weights and optimizer states to dominate, as in a real run.
+
+ZeRO-0 here is DDP (fp32 parameters, autocast's bf16 copies saved for backward), ZeRO-1 Megatron's distributed
+optimizer (bf16 parameters, fp32 master weights in the optimizer's slices), ZeRO-3 FSDP2 (fp32 shards gathered in
+bf16).
+"""
+
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from conftest import merge
+
+from lit3d import GPTConfig
+from lit3d.planner import Cluster, Training, estimate
+from lit3d.strategies.layout import Layout
+
+CONFIG = dict(n_layer=2, n_head=6, n_kv_head=2, d_model=384, d_ff=1024, vocab_size=257, max_seq_len=32)
+SEQ, BATCH = 16, 8  # 4 sequences per replica: one micro-batch of 64 tokens
+STAGES = (0, 1, 3)
+
+
+class SavedActivations(L.Callback):
+    """The most bytes autograd keeps for backward after one forward, each storage once, a DTensor by its local shard.
+    Left out: parameters (FSDP2's gathered ones too, which the plan counts as buffers) and the rotary tables
+    (computed once, shared by every step)."""
+
+    def __init__(self) -> None:
+        self.most, self._seen, self._hooks = 0, {}, None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        from lit3d.model import rotary_tables
+
+        config = pl_module.config
+        tables = [t for dtype in (torch.float32, torch.bfloat16) for t in rotary_tables(
+            SEQ, config.head_dim, config.rope_theta, pl_module.device, dtype)]  # fmt: skip
+        tables = {_storage(t) for t in tables}
+        self._seen = {}
+
+        def pack(tensor):
+            # NOTE: the parameters as registered now: FSDP2 registers its gathered ones for the forward
+            storage, params = _storage(tensor), {_storage(p) for p in pl_module.parameters()}
+            if storage not in tables and storage not in params:
+                self._seen[storage] = getattr(tensor, "_local_tensor", tensor).untyped_storage().nbytes()
+            return tensor
+
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor)
+        self._hooks.__enter__()
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        self._hooks.__exit__(None, None, None)
+        self.most = max(self.most, sum(self._seen.values()))
+
+    def results(self) -> dict:
+        return {"activations": self.most}
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    return getattr(tensor, "_local_tensor", tensor).untyped_storage().data_ptr()
+
+
+def planned(zero_stage: int) -> dict[str, int]:
+    """What `lit3d plan` counts for rank 0 of this run's layout."""
+    training = Training(seq_len=SEQ, micro_batch_size=BATCH // 2, global_batch_size=BATCH, precision="bf16-mixed",
+                        zero_stage=zero_stage, sequence_parallel=False)  # fmt: skip
+    layout = Layout(dp=2, tp=1, pp=1, devices_per_node=2)
+    return estimate(GPTConfig(**CONFIG), Cluster(nodes=1, gpus_per_node=2), layout, training).memory_by_stage[0]
+
+
+@pytest.fixture(scope="module")
+def runs(corpus, tmp_path_factory) -> dict[str, dict]:
+    """4 steps at each ZeRO stage; ZeRO-1 checkpoints after step 2 and is resumed from there."""
+    from spawned import run_jobs
+
+    base = dict(
+        model=dict(config=CONFIG, learning_rate=3e-3, warmup_steps=2),
+        data=dict(data_path=str(corpus), seq_len=SEQ, global_batch_size=BATCH, val_fraction=0.1),
+        trainer=dict(max_steps=4, limit_val_batches=0, precision="bf16-mixed"),
+    )
+    jobs = {f"zero{z}": merge(base, {"strategy": {"zero_stage": z}, "callbacks": [SavedActivations()]}) for z in STAGES}
+    jobs["zero1"]["checkpoint_every"] = 2
+    out = Path(tmp_path_factory.mktemp("memory_plan"))
+    results = run_jobs(2, jobs, out)
+    step2 = out / "zero1" / "ckpts" / "step=2.ckpt"
+    resumed = {"zero1_resumed": merge(base, {"strategy": {"zero_stage": 1}, "ckpt_path": str(step2)})}
+    return {**results, **run_jobs(2, resumed, out), "step2": step2}
+
+
+@pytest.mark.parametrize("zero_stage", STAGES)
+def test_the_plan_is_what_a_bf16_mixed_run_holds(runs, zero_stage):
+    plan = planned(zero_stage)
+    for rank, report in enumerate(runs[f"zero{zero_stage}"]["ranks"]):
+        measured = {**report["memory"], "activations": report["activations"]}
+        assert measured["estimate"] == plan, f"rank {rank}: the run's own estimate is the plan"
+        for key in ("params", "grads", "optimizer"):
+            assert measured[key] == plan[key], (rank, key, measured[key], plan[key])
+        assert measured["activations"] == pytest.approx(plan["activations"], rel=0.05), rank
+        keys = ("params", "grads", "optimizer", "activations")
+        assert sum(measured[k] for k in keys) == pytest.approx(sum(plan[k] for k in keys), rel=0.05), rank
+
+
+def test_zero1_holds_bf16_weights_and_fp32_master_weights_in_its_slices(runs):
+    """Megatron's distributed optimizer: per parameter 2 bytes of bf16 weights, and of a half slice the fp32
+    gradient (4) and fp32 master weights and two moments (12): 10 bytes on 2 ranks, against DDP's 16."""
+    zero0, zero1 = runs["zero0"]["memory"], runs["zero1"]["memory"]
+    assert zero1["params"] * 2 == zero0["params"]
+    assert zero1["grads"] * 2 == zero0["grads"]
+    steps = zero0["optimizer"] - zero0["params"] * 2  # AdamW's fp32 step counter per tensor
+    assert zero1["optimizer"] - steps == pytest.approx(zero0["params"] * 3 / 2, abs=8)
+
+
+def test_every_stage_trains_as_ddp_does(runs):
+    """bf16 weights stepped through fp32 master weights (ZeRO-1) and FSDP2's bf16 gathers (ZeRO-3) follow DDP's
+    fp32 weights under autocast: the forward sees the same bf16 values."""
+    ddp = runs["zero0"]["losses"]
+    for zero_stage in (1, 3):
+        losses = runs[f"zero{zero_stage}"]["losses"]
+        assert len(losses) == len(ddp) == 4 and ddp[-1] < ddp[0] - 0.5
+        assert max(abs(a - b) / abs(b) for a, b in zip(losses, ddp)) <= 1e-2, zero_stage
+
+
+def test_zero1_checkpoints_hold_the_fp32_master_weights_and_resume_exactly(runs):
+    from lit3d.strategies.checkpoint import read_weights
+
+    assert runs["zero1_resumed"]["losses"] == runs["zero1"]["losses"][2:]  # bit-identical
+    weights = read_weights(runs["step2"])["state_dict"]
+    up = weights["model.blocks.0.mlp.up_proj.weight"]  # the masters, which bf16 cannot hold, not the bf16 weights
+    assert up.dtype == torch.float32 and (up != up.bfloat16().float()).any()
