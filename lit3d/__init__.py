@@ -1,8 +1,30 @@
 """lit3d: 3D-parallel (data x tensor x pipeline) training of Llama-style GPTs with PyTorch Lightning."""
 
-from lit3d.config import GPTConfig
-from lit3d.gpt import GPT
-from lit3d.strategies import Parallel3DStrategy
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lit3d.config import GPTConfig
+    from lit3d.gpt import GPT
+    from lit3d.strategies import Parallel3DStrategy
 
 __all__ = ["GPT", "GPTConfig", "Parallel3DStrategy"]
 __version__ = "0.1.0"
+
+# NOTE: the names load on first use (PEP 562): `lit3d --help` and `lit3d plan` import `lit3d.*` modules that need
+# neither Lightning nor the model, and importing this package must not pull them in.
+_HOMES = {"GPT": "lit3d.gpt", "GPTConfig": "lit3d.config", "Parallel3DStrategy": "lit3d.strategies"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'lit3d' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOMES[name]), name)
+    globals()[name] = value  # later lookups find it directly
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-from lit3d.gpt import GPT
+from lit3d.config import PRESETS
+from lit3d.hardware import GPUS
 
 
 def export(ckpt_path: str, output: str, dtype: str = "float32") -> None:
@@ -13,8 +14,9 @@ def export(ckpt_path: str, output: str, dtype: str = "float32") -> None:
 
     Args:
         ckpt_path: The checkpoint folder (e.g. ``runs/tiny/version_0/checkpoints/epoch=0-step=600.ckpt``).
-        output: The folder to write: ``config.json`` and ``model.safetensors`` (and ``tokenizer.json`` when the
-            run used one), loadable with ``transformers.AutoModelForCausalLM.from_pretrained(output)``.
+        output: The folder to write: ``config.json`` (with the source's BOS/EOS ids), ``model.safetensors``, the
+            source's ``generation_config.json`` and the run's tokenizer, loadable with
+            ``transformers.AutoModelForCausalLM.from_pretrained(output)`` and ``AutoTokenizer``.
         dtype: ``float32``, ``bfloat16`` or ``float16``.
     """
     import torch
@@ -23,8 +25,8 @@ def export(ckpt_path: str, output: str, dtype: str = "float32") -> None:
 
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype={dtype!r} is not one of float32, bfloat16, float16")
-    folder = export_checkpoint(ckpt_path, output, getattr(torch, dtype))
-    print(f"wrote {folder}: {', '.join(sorted(p.name for p in folder.iterdir()))}")
+    folder, notes = export_checkpoint(ckpt_path, output, getattr(torch, dtype))
+    print("\n".join([f"wrote {folder}: {', '.join(sorted(p.name for p in folder.iterdir()))}", *notes]))
 
 
 def plan(
@@ -69,12 +71,11 @@ def plan(
     prints the fastest.
 
     Args:
-        model: A preset name (``tiny``, ``125m``, ``1b``, ``llama-8b``, ``llama-70b``, ``llama-405b``,
-            ``gpt3-175b``) or a model YAML file.
+        model: A preset name ({presets}) or a model YAML file.
         nodes: Number of nodes.
         gpus_per_node: GPUs in each node.
-        gpu: A known GPU (H100, H200, A100, A100 40GB, L40S, A10G) whose memory, peak and link speeds are
-            the defaults of the next four arguments.
+        gpu: A known device ({gpus}) whose memory, peak and link speeds are the defaults of the next four
+            arguments (``CPU``: one core of a CPU rehearsal per rank).
         gpu_memory: Memory of one GPU, GB.
         intra_node_bandwidth: GB/s per GPU and direction inside a node (NVLink).
         inter_node_bandwidth: GB/s per GPU between nodes (InfiniBand).
@@ -113,13 +114,12 @@ def plan(
         verify: Build the real model on the meta device, parallelise it for the layout in a fake process group
             of the full world size, and compare its per-rank parameter counts with the analytic ones.
         map: Draw the rank map to this ``.svg``, ``.png`` or ``.html`` file: of the layout, or of a search's best
-            three side by side, with each rank's number and memory and each layout's traffic per link.
+            three one above the other, with each rank's number and memory and each layout's traffic per link.
     """
     import json as json_module
     from dataclasses import asdict, replace
 
     from lit3d.config import GPTConfig
-    from lit3d.hardware import GPUS
     from lit3d.planner import (
         Cluster,
         RankMap,
@@ -134,38 +134,43 @@ def plan(
     from lit3d.planner import verify as verify_counts
     from lit3d.planner.islands import format_islands, versus_synchronous
     from lit3d.planner.pipeline import candidates, choose_schedule
+    from lit3d.planner.report import format_verify
     from lit3d.strategies.islands import check_outer_loop
     from lit3d.strategies.layout import ZERO_STAGES, Layout, check_islands, check_sizes
     from lit3d.strategies.schedules import chunks_per_rank
 
     if gpu not in GPUS:
         raise ValueError(f"gpu={gpu!r} is not one of {', '.join(GPUS)}; give gpu_memory, bandwidths and peak_tflops")
-    spec = GPUS[gpu]
-    config = GPTConfig.load(model)
+    spec, config = GPUS[gpu], GPTConfig.load(model)
+    given = lambda value, default: default if value is None else value  # NOTE: 0 is a value (refused), not "unset"
     cluster = Cluster(
         nodes=nodes,
         gpus_per_node=gpus_per_node,
-        gpu_memory_gb=gpu_memory or spec.memory_gb,
-        intra_node_gbps=intra_node_bandwidth or spec.intra_node_gbps,
-        inter_node_gbps=inter_node_bandwidth or spec.inter_node_gbps,
-        peak_tflops=peak_tflops or spec.peak_tflops,
+        gpu_memory_gb=given(gpu_memory, spec.memory_gb),
+        intra_node_gbps=given(intra_node_bandwidth, spec.intra_node_gbps),
+        inter_node_gbps=given(inter_node_bandwidth, spec.inter_node_gbps),
+        peak_tflops=given(peak_tflops, spec.peak_tflops),
         inter_island_gbps=inter_island_bandwidth,
         inter_island_latency_ms=inter_island_latency,
+        device=spec.device,
     )
     training = Training(
-        seq_len=seq_len or config.max_seq_len,
-        micro_batch_size=micro_batch_size or 1,
+        seq_len=given(seq_len, config.max_seq_len),
+        micro_batch_size=given(micro_batch_size, 1),
         global_batch_size=global_batch_size,
         precision=precision,
-        zero_stage=zero_stage or 0,
+        zero_stage=given(zero_stage, 0),
         sequence_parallel=sequence_parallel,
         activation_checkpointing=activation_checkpointing or False,
         pipeline_schedule=pipeline_schedule or "1f1b",  # (a search weighs them all)
-        virtual_pipeline_size=virtual_pipeline_size or 1,
+        virtual_pipeline_size=given(virtual_pipeline_size, 1),
         sync_every=sync_every if islands > 1 else 1,
         outer_fragments=outer_fragments,
         outer_reduce_dtype=outer_reduce_dtype,
     )
+    if not inter_island_bandwidth > 0 or not inter_island_latency >= 0:
+        raise ValueError(f"inter_island_bandwidth={inter_island_bandwidth!r} must be positive and "
+                         f"inter_island_latency={inter_island_latency!r} at least 0")  # fmt: skip
     check_inputs(config, cluster, training)
     if pipeline_schedule:
         training.virtual_pipeline_size = chunks_per_rank(pipeline_schedule, virtual_pipeline_size)
@@ -270,21 +275,19 @@ def plan(
         report["verify"] = [
             {"stage": c.stage, "rank": c.rank, "verified": c.verified, "analytic": c.analytic} for c in counts
         ]
-        text += (
-            f"\nverify: the real parallelisation on {layout.world_size} simulated ranks (meta device, fake "
-            "process group), parameters on rank (d=0, t=0, p):"
-        )
-        for c in counts:
-            text += (
-                f"\n  stage {c.stage:>3} rank {c.rank:>6}: {c.verified:>14,} verified  {c.analytic:>14,} analytic"
-                f"  {'match' if c.matches else 'MISMATCH'}"
-            )
+        text += "\n" + format_verify(layout, counts)
     if map and best:
         path = RankMap.side_by_side(maps).save(map)
         text += f"\nrank map: {path}"
     print(json_module.dumps(report, indent=2) if json else text)
     if verify and best and not all(c["verified"] == c["analytic"] for c in report["verify"]):
         raise SystemExit("lit3d plan --verify: analytic and verified parameter counts differ")
+
+
+# NOTE: the lists come from the tables themselves, so a new preset or device shows in `lit3d plan --help` unedited.
+if plan.__doc__:  # (None under python -OO)
+    presets = ", ".join(f"``{name}``" for name in PRESETS)
+    plan.__doc__ = plan.__doc__.replace("{presets}", presets).replace("{gpus}", ", ".join(GPUS))
 
 
 def convert(ckpt_path: str, output: str) -> None:
@@ -340,6 +343,7 @@ def generate(
     from lit3d.callbacks import PrintCompletions
     from lit3d.data import TextDataModule
     from lit3d.generation import Sampling
+    from lit3d.gpt import GPT
     from lit3d.pretrained import tokenizer_of
     from lit3d.strategies import Parallel3DStrategy
 

@@ -16,7 +16,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, Subset
 
 from lit3d.mixture import MixtureBlocks
-from lit3d.prepared import PreparedBlocks, is_prepared
+from lit3d.prepared import PreparedBlocks, is_prepared, read_index
 from lit3d.sampler import GlobalBatchSampler
 from lit3d.sources import check_source, load_documents, resolve_files
 from lit3d.streaming import StreamedBlocks, held_out
@@ -104,8 +104,10 @@ class TextDataModule(L.LightningDataModule):
         self.streaming = streaming
         self.tokenizer: Tokenizer = load_tokenizer(tokenizer)
         self.sources = mixture_weights(data_path)  # source -> share of the blocks
-        for source in self.sources:
-            check_source(source)
+        for source in self.sources:  # NOTE: here, in the launching process, so a source no rank can read fails once
+            check_source(source, text_column, split)
+            if is_prepared(source):
+                read_index(source, self.tokenizer)
             if streaming and is_prepared(source):
                 raise ValueError(f"{source!r} is a prepared folder, read memory-mapped: train on it without streaming")
         if streaming and num_workers > 1:
@@ -244,7 +246,8 @@ class TextDataModule(L.LightningDataModule):
         # Validation deals out whole rounds of one micro-batch per replica, so every layout sees the same blocks.
         per_step = self.global_batch_size if shuffle else micro * replicas
         sampler = GlobalBatchSampler(dataset, per_step, replicas, rank, shuffle=shuffle, seed=self.seed)
-        return DataLoader(dataset, batch_size=micro, sampler=sampler, drop_last=True, num_workers=self.num_workers)
+        loader = ResumableLoader if shuffle else DataLoader  # training's position is restored; evaluation starts over
+        return loader(dataset, batch_size=micro, sampler=sampler, drop_last=True, num_workers=self.num_workers)
 
     def _packed_blocks(self) -> Any:
         """The sources' documents tokenized and packed into blocks (a prepared folder's read memory-mapped); a
@@ -277,7 +280,7 @@ class TextDataModule(L.LightningDataModule):
         blocks = StreamedBlocks(self._open_documents(), self.sources, self.tokenizer, self.seq_len + 1,
                                 self.global_batch_size, replicas, rank, self.seed, self.train_start,
                                 resume)  # fmt: skip
-        return DataLoader(blocks, batch_size=self.micro_batch_size(), num_workers=self.num_workers)
+        return ResumableLoader(blocks, batch_size=self.micro_batch_size(), num_workers=self.num_workers)
 
     def _packed(self, source: str) -> Any:
         import datasets
@@ -293,6 +296,22 @@ class TextDataModule(L.LightningDataModule):
                                                  fn_kwargs={"block": self.seq_len + 1},
                                                  new_fingerprint=f"pack-{fingerprint}", desc="packing")  # fmt: skip
         return packed.with_format(None)
+
+
+class ResumableLoader(DataLoader):
+    """The training DataLoader of `TextDataModule`, which resumes exactly: the data module saves the position in every
+    checkpoint (`TextDataModule.state_dict`) and starts the sampler or the stream there.
+
+    NOTE: Lightning asks the loader itself whether it resumes (``state_dict`` and ``load_state_dict``), and warns on
+    every mid-epoch resume when it does not; the position has one owner, the data module, so the loader says yes
+    with nothing of its own to save.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Nothing to load: the data module has restored the position before the loader was made."""
 
 
 def mixture_weights(data_path: str | dict[str, float] | None) -> dict[str, float]:

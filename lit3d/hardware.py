@@ -1,38 +1,92 @@
-"""Known accelerators: dense bf16 peak, memory and link speeds, for MFU and for the planner.
+"""Known accelerators: dense bf16 peak, memory and link speeds, for MFU and for the planner; and the share of this
+machine's CPU that one process of a CPU rehearsal gets.
 
 Peaks are the vendors' dense (not sparse) bf16/fp16 tensor-core numbers. Link speeds are per GPU and per
-direction: NVLink inside a node, the InfiniBand/RoCE share of one GPU between nodes.
+direction: NVLink (Infinity Fabric on AMD) inside a node, the InfiniBand/RoCE share of one GPU between nodes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
 class GPU:
     name: str
-    peak_tflops: float  # dense bf16
+    peak_tflops: float  # dense bf16 (fp32 for a CPU, which lit3d runs in fp32)
     memory_gb: float
     intra_node_gbps: float  # GB/s per direction (NVLink)
     inter_node_gbps: float  # GB/s per GPU between nodes
+    memory_bandwidth_gbps: float  # HBM (a CPU's DRAM), GB/s
+    device: str = "GPU"  # what the planner's reports call one of them
 
 
 GPUS: dict[str, GPU] = {
-    "H200": GPU("H200", 989.0, 141.0, 450.0, 50.0),
-    "H100": GPU("H100", 989.0, 80.0, 450.0, 50.0),
-    "H100 PCIe": GPU("H100 PCIe", 756.0, 80.0, 300.0, 50.0),
-    "A100": GPU("A100", 312.0, 80.0, 300.0, 25.0),
-    "A100 40GB": GPU("A100 40GB", 312.0, 40.0, 300.0, 25.0),
-    "L40S": GPU("L40S", 362.0, 48.0, 32.0, 25.0),
-    "A10G": GPU("A10G", 125.0, 24.0, 32.0, 12.5),
+    # NVIDIA B200 (HGX B200, 1,000 W): HGX B200 datasheet / Blackwell architecture technical brief: 2.25 PFLOP/s
+    # dense BF16 (4.5 with sparsity), 180 GB HBM3e at 8 TB/s, NVLink 5 at 1.8 TB/s both directions; DGX B200 gives
+    # each GPU one 400 Gb/s ConnectX-7 port.
+    "B200": GPU("B200", 2250.0, 180.0, 900.0, 50.0, 8000.0),
+    # NVIDIA GB200 (GB200 NVL72, 1,200 W per GPU): GB200 NVL72 datasheet: 360 PFLOP/s sparse BF16 over 72 GPUs = 2.5
+    # dense each, 13.4 TB HBM3e at 576 TB/s = 186 GB at 8 TB/s each, NVLink 5 at 1.8 TB/s both directions (one
+    # NVLink domain is the 72-GPU rack: plan it with --gpus_per_node 72); 400 Gb/s ConnectX-7 per GPU.
+    "GB200": GPU("GB200", 2500.0, 186.0, 900.0, 50.0, 8000.0),
+    # NVIDIA H200 SXM datasheet: 989 TFLOP/s dense BF16, 141 GB HBM3e at 4.8 TB/s, NVLink 4 at 900 GB/s both ways.
+    "H200": GPU("H200", 989.0, 141.0, 450.0, 50.0, 4800.0),
+    # NVIDIA H100 SXM datasheet: 989 TFLOP/s dense BF16, 80 GB HBM3 at 3.35 TB/s, NVLink 4 at 900 GB/s both ways.
+    "H100": GPU("H100", 989.0, 80.0, 450.0, 50.0, 3350.0),
+    # NVIDIA H100 NVL/PCIe datasheet: 756 TFLOP/s dense BF16 (PCIe), 80 GB HBM2e at 2 TB/s, NVLink bridge 600 GB/s.
+    "H100 PCIe": GPU("H100 PCIe", 756.0, 80.0, 300.0, 50.0, 2000.0),
+    # NVIDIA A100 datasheet: 312 TFLOP/s dense BF16, 80 GB HBM2e at 2,039 GB/s (40 GB: 1,555), NVLink 3 600 GB/s.
+    "A100": GPU("A100", 312.0, 80.0, 300.0, 25.0, 2039.0),
+    "A100 40GB": GPU("A100 40GB", 312.0, 40.0, 300.0, 25.0, 1555.0),
+    # AMD Instinct MI300X data sheet: 1,307.4 TFLOP/s dense BF16 (2,614.9 with sparsity), 192 GB HBM3 at 5.3 TB/s;
+    # Infinity Fabric: each GPU reaches the other 7 of the platform over one 128 GB/s (both ways) link each:
+    # 7 x 64 = 448 GB/s per direction. A 400 Gb/s NIC per GPU between nodes.
+    "MI300X": GPU("MI300X", 1307.4, 192.0, 448.0, 50.0, 5300.0),
+    # NVIDIA L40S datasheet: 362 TFLOP/s dense BF16, 48 GB GDDR6 at 864 GB/s, PCIe 4 (no NVLink).
+    "L40S": GPU("L40S", 362.0, 48.0, 32.0, 25.0, 864.0),
+    # NVIDIA A10G (AWS G5): 125 TFLOP/s dense BF16, 24 GB GDDR6 at 600 GB/s, PCIe 4.
+    "A10G": GPU("A10G", 125.0, 24.0, 32.0, 12.5, 600.0),
+    # One process of a CPU rehearsal, on one core (stated, not measured): a 2020s x86 core at ~3 GHz with AVX2's two
+    # 8-lane fp32 FMA units does 32 FLOP per cycle, ~0.1 TFLOP/s fp32; an 8-core laptop's 32 GB and ~80 GB/s of
+    # dual-channel DDR5 shared by 8; gloo between processes over shared memory, a few GB/s; 10 Gb/s Ethernet between
+    # machines. `cpu_share` fits it to this machine.
+    "CPU": GPU("CPU", 0.096, 4.0, 5.0, 1.25, 10.0, device="CPU process"),
 }
 
 
+def cpu_share(processes: int, cores: int | None = None, memory_gb: float | None = None) -> GPU:
+    """What each of ``processes`` CPU processes gets of this machine: its cores' peak (``GPUS["CPU"]`` per core) and
+    its memory, divided among them. ``cores`` and ``memory_gb`` default to this machine's (counted, not measured)."""
+    if processes < 1:
+        raise ValueError(f"processes={processes} must be a positive integer")
+    cores = cores or os.cpu_count() or 1
+    if memory_gb is None:
+        try:
+            memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+        except (ValueError, OSError, AttributeError):  # NOTE: no sysconf (Windows): a laptop's 16 GB
+            memory_gb = 16.0
+    # NOTE: Lightning gives each of its CPU processes cores / processes threads (`_set_num_threads_if_needed`).
+    core, share = GPUS["CPU"], cores / processes
+    return replace(
+        core,
+        peak_tflops=core.peak_tflops * share,
+        memory_gb=round(memory_gb / processes, 1),
+        memory_bandwidth_gbps=core.memory_bandwidth_gbps * share,
+    )
+
+
 def identify(device_name: str) -> GPU | None:
-    """The table entry for a CUDA device name (``torch.cuda.get_device_name()``), or None when unknown: an
-    unknown device gets no MFU rather than a wrong one."""
+    """The table entry for a CUDA (or ROCm) device name (``torch.cuda.get_device_name()``), or None when unknown:
+    an unknown device gets no MFU rather than a wrong one."""
     name = device_name.upper()
+    if "GB200" in name:
+        return GPUS["GB200"]
+    if "B200" in name:
+        return GPUS["B200"]
+    if "MI300X" in name:
+        return GPUS["MI300X"]
     if "H200" in name:
         return GPUS["H200"]
     if "H100" in name:

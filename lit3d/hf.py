@@ -214,9 +214,14 @@ def _stack_experts(config: GPTConfig, tensors: dict[str, torch.Tensor]) -> dict[
 
 
 def write_folder(
-    folder: str | Path, config: GPTConfig, network_state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32
+    folder: str | Path,
+    config: GPTConfig,
+    network_state: dict[str, torch.Tensor],
+    dtype: torch.dtype = torch.float32,
+    token_ids: dict[str, Any] | None = None,
 ) -> Path:
-    """Write a HuggingFace Llama folder from a lit3d `Transformer` state dict (names relative to it)."""
+    """Write a HuggingFace Llama folder from a lit3d `Transformer` state dict (names relative to it); ``token_ids``
+    (``bos_token_id``, ``eos_token_id``, ...) go into its ``config.json``."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
@@ -234,22 +239,76 @@ def write_folder(
             continue
         tensors[key] = value.to(dtype).contiguous()
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(config_to_hf(config, dtype), indent=2))
+    (folder / "config.json").write_text(json.dumps(config_to_hf(config, dtype) | (token_ids or {}), indent=2))
     return folder
 
 
-def export_checkpoint(ckpt_path: str | Path, output: str | Path, dtype: torch.dtype = torch.float32) -> Path:
-    """A lit3d checkpoint of any layout → a HuggingFace Llama folder (one process, no GPU needed).
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def export_checkpoint(
+    ckpt_path: str | Path, output: str | Path, dtype: torch.dtype = torch.float32
+) -> tuple[Path, list[str]]:
+    """A lit3d checkpoint of any layout → a HuggingFace Llama folder (one process, no GPU needed), and one line per
+    thing generation needs on where it came from (token ids, generation config, tokenizer).
 
     The sharded tensors are read whole with `torch.distributed.checkpoint` (`lit3d.pretrained.read_checkpoint`),
-    which reassembles the shards of every layout from their recorded global offsets.
+    which reassembles the shards of every layout from their recorded global offsets. The BOS/EOS/pad ids and
+    ``generation_config.json`` are the HuggingFace folder's the weights started from (`source_folder`); else the
+    run's tokenizer's ids. The tokenizer is the run's own (`lit3d.tokenizers.export_tokenizer`).
     """
+    import shutil
+
     from lit3d.pretrained import read_checkpoint
+    from lit3d.tokenizers import export_tokenizer
 
     config, network_state, meta = read_checkpoint(ckpt_path)
-    folder = write_folder(output, config, network_state, dtype)
-    tokenizer = meta.get("datamodule_hyper_parameters", {}).get("tokenizer")
-    if tokenizer and tokenizer != "byte" and Path(tokenizer).exists():
-        source = Path(tokenizer) / "tokenizer.json" if Path(tokenizer).is_dir() else Path(tokenizer)
-        (folder / "tokenizer.json").write_bytes(source.read_bytes())
-    return folder
+    source, notes = source_folder(meta)
+    tokenizer = (meta.get("datamodule_hyper_parameters") or {}).get("tokenizer")
+    if tokenizer is None and source is not None and (source / "tokenizer.json").is_file():
+        tokenizer = str(source)  # NOTE: a run without a datamodule (plain dataloaders) kept the source's
+    if source is not None:
+        hf = json.loads((source / "config.json").read_text())
+        token_ids = {key: hf[key] for key in TOKEN_IDS if key in hf}
+    else:
+        token_ids = _tokenizer_ids(tokenizer)
+    folder = write_folder(output, config, network_state, dtype, token_ids)
+    ids = ", ".join(f"{key}={value}" for key, value in token_ids.items() if value is not None)
+    origin = f"{str(source)!r}" if source is not None else f"the tokenizer {tokenizer!r}"
+    if ids:
+        notes.append(f"token ids: {ids} from {origin}")
+    else:  # NOTE: null rather than LlamaConfig's defaults, which would stop generation at the wrong token
+        why = "the byte tokenizer has no BOS/EOS" if tokenizer == "byte" else "no source folder or tokenizer names them"
+        notes.append(f"token ids: none ({why}; config.json says null, so generation stops at max_new_tokens)")
+    if source is not None and (source / "generation_config.json").is_file():
+        shutil.copyfile(source / "generation_config.json", folder / "generation_config.json")
+        notes.append(f"generation_config.json: {str(source)!r}'s")
+    notes.append(export_tokenizer(tokenizer, folder, config.max_seq_len))
+    return folder, notes
+
+
+def source_folder(meta: dict[str, Any]) -> tuple[Path | None, list[str]]:
+    """The HuggingFace folder a checkpoint's weights started from (``GPT(pretrained=...)``, followed back through
+    lit3d checkpoints that started from one), and a note when that folder is gone."""
+    from lit3d.pretrained import is_hf_folder, read_meta
+
+    pretrained, seen = (meta.get("hyper_parameters") or {}).get("pretrained"), set()
+    while pretrained and pretrained not in seen:
+        seen.add(pretrained)
+        if is_hf_folder(pretrained):
+            return Path(pretrained), []
+        if not Path(pretrained).exists():
+            return None, [f"source: {pretrained!r}, where the weights started, is gone: its token ids are not kept"]
+        pretrained = (read_meta(pretrained).get("hyper_parameters") or {}).get("pretrained")
+    return None, []
+
+
+def _tokenizer_ids(tokenizer: str | None) -> dict[str, Any]:
+    """BOS/EOS of the run's tokenizer (None where it has none, rather than LlamaConfig's defaults 1 and 2)."""
+    from lit3d.tokenizers import load_tokenizer
+
+    try:
+        loaded = load_tokenizer(tokenizer) if tokenizer else None
+    except (FileNotFoundError, ValueError):
+        loaded = None  # NOTE: `export_tokenizer` says so
+    return {"bos_token_id": getattr(loaded, "bos_id", None), "eos_token_id": getattr(loaded, "eos_id", None)}

@@ -72,17 +72,23 @@ def write(documents: Any, tokenizer: Any, tokenizer_name: str, output: str | Pat
     return index
 
 
+def read_index(folder: str | Path, tokenizer: Any) -> dict[str, Any]:
+    """A prepared folder's index, refused if another tokenizer than ``tokenizer`` wrote its tokens."""
+    index = json.loads((Path(folder) / INDEX).read_text())
+    if index["tokenizer_fingerprint"] != tokenizer.fingerprint:
+        raise ValueError(
+            f"{str(folder)!r} was tokenized with tokenizer={index['tokenizer']!r}, which is not this data "
+            "module's tokenizer; give the same tokenizer, or prepare the corpus again"
+        )
+    return index
+
+
 class PreparedBlocks(torch.utils.data.Dataset):
     """The ``block``-token blocks of a prepared folder's stream, read from its memory-mapped shards."""
 
     def __init__(self, folder: str | Path, block: int, tokenizer: Any) -> None:
         self.folder, self.block = Path(folder), block
-        index = json.loads((self.folder / INDEX).read_text())
-        if index["tokenizer_fingerprint"] != tokenizer.fingerprint:
-            raise ValueError(
-                f"{str(folder)!r} was tokenized with tokenizer={index['tokenizer']!r}, which is not this data "
-                "module's tokenizer; give the same tokenizer, or prepare the corpus again"
-            )
+        index = read_index(folder, tokenizer)
         self.files, self.dtype = [self.folder / s["file"] for s in index["shards"]], index["dtype"]
         self.shards = self._map()
         self.starts = np.cumsum([0] + [len(s) for s in self.shards])

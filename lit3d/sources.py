@@ -14,7 +14,11 @@ column, naming the columns the file has: nothing is read as text that is not tex
 
 from __future__ import annotations
 
+import csv
 import glob
+import gzip
+import itertools
+import json
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -72,14 +76,85 @@ def is_saved_dataset(path: str | Path) -> bool:
     return path.is_dir() and any((path / name).is_file() for name in ("state.json", "dataset_dict.json"))
 
 
-def check_source(data_path: str) -> None:
-    """Refuse, before anything is read, a source that does not exist or holds a file of an unknown format."""
+def check_source(data_path: str, text_column: str | None = None, split: str = "train") -> None:
+    """Refuse, before anything is read, a source that does not exist or holds a file of an unknown format, and given
+    ``text_column``, a table or saved dataset without that column (only headers and schemas are read)."""
     from lit3d.prepared import is_prepared
 
-    if data_path.startswith(HUB_PREFIX) or is_saved_dataset(data_path) or is_prepared(data_path):
+    if data_path.startswith(HUB_PREFIX) or is_prepared(data_path):
         return
-    for file in resolve_files(data_path):
-        file_format(file)
+    if is_saved_dataset(data_path):
+        if text_column is not None:
+            check_column(saved_columns(data_path, split), text_column, data_path)
+        return
+    files = resolve_files(data_path)
+    tables = [file for file in files if file_format(file) != "text"]  # every file's format first, then the columns
+    for file in tables if text_column is not None else []:
+        check_column(table_columns(file), text_column, file)
+
+
+def check_column(columns: list[str] | None, column: str, source: str) -> None:
+    """Refuse a source whose ``columns`` lack the text ``column`` (None: columns unknown until the rows are read)."""
+    if columns is not None and column not in columns:
+        raise ValueError(f"{source!r} has no column {column!r} (its columns: {columns}); set text_column")
+
+
+def table_columns(file: str) -> list[str] | None:
+    """The columns of a table file from its header or schema, as `datasets` will read them; None where that takes
+    reading the whole file (a JSON array)."""
+    builder = file_format(file)
+    if builder == "parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_schema(file).names
+    if builder == "arrow":  # `datasets` writes the streaming format; the file format has a footer instead
+        import pyarrow as pa
+
+        with pa.memory_map(file) as source:
+            try:
+                return pa.ipc.open_stream(source).schema.names
+            except pa.ArrowInvalid:
+                return pa.ipc.open_file(source).schema.names
+    if builder == "csv":
+        with open(file, newline="", encoding="utf-8") as f:
+            return next(csv.reader(f), [])
+    return _json_lines_columns(file)
+
+
+def _json_lines_columns(file: str, head_bytes: int = 2**20) -> list[str] | None:
+    """The keys of the records on the first lines (up to ``head_bytes``), in order of first appearance, as pyarrow
+    infers a JSON Lines schema; None if a line is not one record (a JSON array, or an object over many lines)."""
+    suffix = Path(file).suffix.lower()
+    if suffix == ".zst":
+        import zstandard  # as `datasets` reads it
+
+        opened = zstandard.open(file, "rt", encoding="utf-8")
+    else:
+        opened = gzip.open(file, "rt", encoding="utf-8") if suffix == ".gz" else open(file, encoding="utf-8")
+    columns: dict[str, None] = {}
+    with opened as lines:
+        for line in itertools.islice(lines, 1000):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                return None
+            if not isinstance(record, dict):
+                return None
+            columns.update(dict.fromkeys(record))
+            head_bytes -= len(line)
+            if head_bytes <= 0:
+                break
+    return list(columns) if columns else None
+
+
+def saved_columns(path: str, split: str) -> list[str] | None:
+    """The columns of a `save_to_disk` folder (its ``split`` if a ``DatasetDict``), from its ``dataset_info.json``."""
+    folder = Path(path) / split if (Path(path) / "dataset_dict.json").is_file() else Path(path)
+    info = folder / "dataset_info.json"
+    features = json.loads(info.read_text()).get("features") if info.is_file() else None
+    return list(features) if isinstance(features, dict) else None
 
 
 def load_documents(data_path: str, text_column: str = "text", name: str | None = None, split: str = "train",
@@ -117,7 +192,6 @@ def _text_column(dataset: Any, column: str, source: str) -> Any:
     columns = dataset.column_names
     if columns is None:  # a stream whose columns show only in its rows
         columns = list(next(iter(dataset), {}))
-    if column not in columns:
-        raise ValueError(f"{source!r} has no column {column!r} (its columns: {columns}); set text_column")
+    check_column(columns, column, source)
     dataset = dataset.select_columns([column])
     return dataset.rename_column(column, "text") if column != "text" else dataset

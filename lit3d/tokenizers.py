@@ -107,3 +107,47 @@ def tokenize_documents(batch: dict[str, list], tokenizer: Tokenizer) -> dict[str
     if tokenizer.eos_id is not None:
         ids = [np.append(doc, tokenizer.eos_id) for doc in ids]
     return {"input_ids": ids}
+
+
+def export_tokenizer(name: str | None, folder: Path, max_seq_len: int) -> str:
+    """Write the tokenizer a run trained with (``"byte"`` or a ``tokenizer.json``) into an exported model folder, so
+    ``transformers.AutoTokenizer.from_pretrained(folder)`` loads it; returns one line on what was written, or why
+    nothing was."""
+    import json
+    import shutil
+
+    if name is None:
+        return "tokenizer: not written (the checkpoint does not say which tokenizer its run used)"
+    settings: dict = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_seq_len}
+    if name == "byte":
+        (folder / "tokenizer.json").write_text(_byte_level_json())
+        (folder / "tokenizer_config.json").write_text(json.dumps({**settings, "clean_up_tokenization_spaces": False}))
+        return "tokenizer: lit3d's byte tokenizer (256 ids, one per UTF-8 byte; no BOS/EOS) as tokenizer.json"
+    source = Path(name) / "tokenizer.json" if Path(name).is_dir() else Path(name)
+    if not source.is_file():
+        return f"tokenizer: not written ({str(source)!r}, the run's tokenizer, is gone)"
+    shutil.copyfile(source, folder / "tokenizer.json")
+    beside = [source.with_name(n) for n in ("tokenizer_config.json", "special_tokens_map.json")]
+    for file in (f for f in beside if f.is_file()):
+        shutil.copyfile(file, folder / file.name)
+    if not beside[0].is_file():  # NOTE: without one, transformers picks a tokenizer class from the model type
+        tokenizer = HFTokenizer(source)
+        named = {key: tokenizer._tokenizer.id_to_token(i) for key, i in
+                 (("bos_token", tokenizer.bos_id), ("eos_token", tokenizer.eos_id)) if i is not None}  # fmt: skip
+        (folder / "tokenizer_config.json").write_text(json.dumps({**settings, **named}))
+    return f"tokenizer: {str(source)!r}, the run's own"
+
+
+def _byte_level_json() -> str:
+    """`ByteTokenizer` as a HuggingFace ``tokenizer.json``: byte-level pre-tokenization (GPT-2's byte-to-character
+    table) and a vocabulary of the 256 byte characters, each id the byte's value, with no merges."""
+    from tokenizers import Tokenizer as _Tokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    unprintable = iter(range(256, 512))  # GPT-2 moves the other bytes past 255, in byte order
+    character = {b: chr(b if b in printable else next(unprintable)) for b in range(256)}
+    tokenizer = _Tokenizer(models.BPE(vocab={character[b]: b for b in range(256)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer.to_str()

@@ -370,7 +370,8 @@ def check_model_fits_pipeline(config: Any, pp: int, virtual: int, schedule: str 
     """Every pipeline chunk needs a block of its own, and a tied embedding cannot span stages."""
     chunks = pp * virtual
     if chunks > config.n_layer:
-        default = f" ({schedule}'s default)" if schedule in DEFAULT_CHUNKS and virtual == DEFAULT_CHUNKS[schedule] else ""
+        by_default = schedule in DEFAULT_CHUNKS and virtual == DEFAULT_CHUNKS[schedule]
+        default = f" ({schedule}'s default)" if by_default else ""
         raise ValueError(
             f"pipeline_parallel_size={pp} x virtual_pipeline_size={virtual}{default} = {chunks} stages, but the model "
             f"has only n_layer={config.n_layer} blocks"

@@ -11,8 +11,10 @@ unpickling runs whatever a crafted file asks for:
 - DCP's non-tensor entries (e.g. optimizer hyper-parameters) are read by `SafeLoadPlanner` with
   ``weights_only=True``; DCP's own planner reads them with ``weights_only=False``.
 
-Anything else is refused with `UnsafeCheckpointError`, naming the file and what it tried to load. Every lit3d
-path that opens a checkpoint reads through these (``tests/test_safe_loading.py`` checks that none bypasses them).
+Anything else is refused with `UnsafeCheckpointError`, naming the file and what it tried to load; a file that is
+empty, truncated or damaged (its pickle does not parse to its end) with `CorruptCheckpointError`, which says so
+rather than advise loading it unchecked. Every lit3d path that opens a checkpoint reads through these
+(``tests/test_safe_loading.py`` checks that none bypasses them).
 """
 
 from __future__ import annotations
@@ -27,9 +29,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-
-class UnsafeCheckpointError(pickle.UnpicklingError):
-    """A checkpoint file asked to load something other than data."""
+from lit3d.strategies.errors import CorruptCheckpointError, UnsafeCheckpointError
 
 
 def _data_globals() -> list[Any]:
@@ -42,16 +42,65 @@ def _data_globals() -> list[Any]:
 
 
 def load_meta(path: str | Path) -> Any:
-    """``torch.load`` of a file lit3d wrote (``meta.pt``, or a ``lit3d convert`` file): data only."""
+    """``torch.load`` of a file lit3d wrote (``meta.pt``, or a ``lit3d convert`` file): data only. A checkpoint folder
+    reads its ``meta.pt``, once `check_readable` finds the folder whole.
+
+    A file that holds code is refused with `UnsafeCheckpointError`; one that is empty, truncated or damaged with
+    `CorruptCheckpointError` (loading it without the safety checks would not help).
+    """
+    path = Path(path)
+    if path.is_dir():
+        from lit3d.strategies.checkpoint import META_FILE, check_readable
+
+        check_readable(path)
+        path = path / META_FILE
     try:
         with torch.serialization.safe_globals(_data_globals()):
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
-        reason = str(error).split("WeightsUnpickler error: ")[-1].split(". ")[0]
+        # NOTE: the weights-only unpickler refuses broken bytes and code alike; only a pickle that parses whole can
+        # hold code worth refusing.
+        if not _parses_whole(path):
+            raise corrupt(path, error) from None
+        reason = first_line(str(error).split("WeightsUnpickler error: ")[-1]).split(". ")[0]
         raise UnsafeCheckpointError(
             f"{str(path)!r} holds more than data ({reason}); lit3d refuses to run code from a checkpoint. If you "
             "trust the file, load it yourself with torch.load(..., weights_only=False) and save it again"
         ) from None
+    except (EOFError, RuntimeError, KeyError, ValueError) as error:  # torch's readers on broken bytes
+        raise corrupt(path, error) from None
+
+
+def first_line(text: str) -> str:
+    return next((line.strip() for line in text.splitlines() if line.strip()), "")[:160]
+
+
+def corrupt(path: str | Path, error: BaseException) -> CorruptCheckpointError:
+    """The error for a checkpoint file no loader can read, naming it and what its reader met."""
+    if Path(path).is_file() and Path(path).stat().st_size == 0:
+        return CorruptCheckpointError(f"{str(path)!r} is empty (0 bytes): an interrupted save or copy")
+    reason = first_line(str(error)).split(". ")[0] or type(error).__name__
+    return CorruptCheckpointError(
+        f"{str(path)!r} is corrupt or truncated ({reason}); use an earlier checkpoint or copy this one again"
+    )
+
+
+def _parses_whole(path: Path) -> bool:
+    """Whether the file's pickle (``data.pkl`` of torch's zip format, else the file) parses from start to STOP."""
+    import pickletools
+    import zipfile
+
+    try:
+        if zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as archive:
+                data = archive.read(next(n for n in archive.namelist() if n.rsplit("/", 1)[-1] == "data.pkl"))
+        else:
+            data = path.read_bytes()
+        for _ in pickletools.genops(data):
+            pass
+        return True
+    except Exception:  # NOTE: any failure to parse means broken bytes, whatever the parser raised
+        return False
 
 
 # DCP's `.metadata`: module -> names its unpickler may rebuild (torch dtypes are checked by type below).
@@ -90,7 +139,12 @@ class SafeFileSystemReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as file:
-            metadata = _MetadataUnpickler(file, str(path)).load()
+            try:
+                metadata = _MetadataUnpickler(file, str(path)).load()
+            except UnsafeCheckpointError:
+                raise
+            except Exception as error:  # NOTE: it rebuilds only metadata classes: anything else is broken bytes
+                raise corrupt(path, error) from None
         if not isinstance(metadata, Metadata):
             raise UnsafeCheckpointError(f"{str(path)!r} holds a {type(metadata).__name__}, not DCP metadata")
         if getattr(metadata, "storage_meta", None) is None:

@@ -30,6 +30,8 @@ from typing import Any
 
 from typing_extensions import override
 
+from lit3d.strategies.checks import ConfigurationError
+
 log = logging.getLogger(__name__)
 TORCH = str(Path(__import__("torch").__file__).parent)
 DISTRIBUTED = str(Path(TORCH) / "distributed")
@@ -149,8 +151,11 @@ class WatchedSteps:
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        if not isinstance(exception, SystemExit | KeyboardInterrupt):  # a preemption exit is not a failure
-            step = self.lightning_module.trainer.global_step if self.lightning_module is not None else 0
+        # NOTE: neither a preemption exit nor a configuration refused before any rank ran is a failed rank; the
+        # launching process has no trainer attached to the module yet, so the step is read where it may be absent.
+        if not isinstance(exception, SystemExit | KeyboardInterrupt | ConfigurationError):
+            trainer = getattr(self.lightning_module, "_trainer", None)
+            step = trainer.global_step if trainer is not None else 0
             log.error(describe_failure(self.global_rank, self.world_size, step, exception))
         super().on_exception(exception)
 

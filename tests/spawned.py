@@ -39,7 +39,6 @@ from lit3d.callbacks import CommReport
 from lit3d.data import TextDataModule
 from lit3d.strategies import Parallel3DStrategy
 
-
 # NOTE: ranks are forked from a server process that has imported torch, Lightning and lit3d once for the session
 # (and has started no thread), instead of each spawned rank importing them again: about 5 s of one core per rank.
 START_METHOD = "forkserver"

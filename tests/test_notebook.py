@@ -24,5 +24,15 @@ def test_prototype_notebook_runs_without_error(tmp_path, monkeypatch):
     text = "".join(o.get("text", "") for o in outputs)
     assert "layout(s) fit" in text and "train_loss" in text
     assert "853.1K parameters) on 1 node(s) x 8 CPU processes" in text and "0.00 GB" not in text  # units by size
+    cpu_line = next(line for line in text.splitlines() if "x 8 CPU processes (" in line)
+    assert float(cpu_line.split(" TFLOP/s")[0].rsplit(" ", 1)[-1]) < 1  # a CPU's peak, not an H100's 989
     losses = logged(tmp_path / "runs" / "notebook" / "prototype", "train_loss")
     assert len(losses) == 12 and losses[-1] < losses[0]
+
+
+def test_the_notebook_extra_installs_what_runs_it_headless():
+    import tomllib
+
+    extras = tomllib.loads((NOTEBOOK.parents[1] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    names = {requirement.split(">")[0].split("=")[0].strip() for requirement in extras["notebook"]}
+    assert {"ipykernel", "matplotlib", "nbclient", "nbformat", "nbconvert"} <= names, names

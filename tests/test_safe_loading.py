@@ -2,6 +2,7 @@
 fails before anything large is allocated."""
 
 import pickle
+import random
 import re
 import shutil
 import types
@@ -12,7 +13,14 @@ import pytest
 import torch
 
 from lit3d import GPT
-from lit3d.strategies.checkpoint import META_FILE, ShardedCheckpointReader, check_readable, load, read_weights
+from lit3d.strategies.checkpoint import (
+    META_FILE,
+    ShardedCheckpointReader,
+    check_ckpt_path,
+    check_readable,
+    load,
+    read_weights,
+)
 from lit3d.strategies.safe_io import SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpointError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -151,3 +159,80 @@ def test_every_checkpoint_reader_goes_through_the_safe_ones():
                 found.append(f"{source.relative_to(ROOT)}:{number}: a DCP load without SafeFileSystemReader")
     assert not found, "\n".join(found)
     assert len(sources) > 30  # the scan sees the whole library
+
+
+@pytest.fixture
+def tiny_folder(tmp_path) -> Path:
+    """A one-process lit3d checkpoint folder of two numbers (``.metadata``, one shard, ``meta.pt``)."""
+    from lit3d.strategies.checkpoint import save
+
+    folder = tmp_path / "tiny.ckpt"
+    with pytest.warns(UserWarning, match="single process"):
+        save(folder, {"state_dict": {"model.x": torch.zeros(2)}}, {"hyper_parameters": {"config": "tiny"}}, True)
+    return folder
+
+
+BROKEN = {
+    "empty": lambda good: b"",
+    "truncated": lambda good: good[: len(good) // 2],
+    "garbage": lambda good: random.Random(0).randbytes(200),
+    "text": lambda good: b"not a checkpoint\n",
+}
+
+
+@pytest.mark.parametrize("kind", BROKEN)
+def test_a_corrupt_meta_file_is_called_corrupt_not_a_security_refusal(tiny_folder, kind, tmp_path):
+    """A broken ``meta.pt`` was refused as if it held code, with advice to load it with ``weights_only=False``."""
+    from lit3d.cli import main
+    from lit3d.strategies.safe_io import CorruptCheckpointError, load_meta
+
+    meta = tiny_folder / META_FILE
+    meta.write_bytes(BROKEN[kind](meta.read_bytes()))
+    with pytest.raises(CorruptCheckpointError) as error:
+        load_meta(meta)
+    message = str(error.value)
+    assert str(meta) in message and ("corrupt" in message or "empty" in message), message
+    assert "weights_only" not in message and "code" not in message and "\n" not in message, message
+    with pytest.raises(SystemExit) as ended:
+        main(["convert", "--ckpt_path", str(tiny_folder), "--output", str(tmp_path / "one.ckpt")])
+    assert str(ended.value.code) == f"lit3d convert: error: {message}"
+    with pytest.raises(CorruptCheckpointError):  # `fit/validate --ckpt_path`: before any rank starts
+        check_ckpt_path(tiny_folder)
+
+
+def test_a_meta_file_that_holds_code_is_still_refused_as_unsafe(tmp_path):
+    from lit3d.strategies.safe_io import load_meta
+
+    marker, path = tmp_path / "MARKER", tmp_path / "meta.pt"
+    torch.save({"hyper_parameters": {"x": CreatesMarker(marker)}}, path)
+    with pytest.raises(UnsafeCheckpointError, match="holds more than data"):
+        load_meta(path)
+    assert not marker.exists()
+
+
+def test_a_corrupt_dcp_index_is_called_corrupt(tiny_folder):
+    from lit3d.strategies.safe_io import CorruptCheckpointError
+
+    index = tiny_folder / ".metadata"
+    index.write_bytes(index.read_bytes()[:40])
+    with pytest.raises(CorruptCheckpointError, match=re.escape(f"{str(index)!r} is corrupt or truncated")):
+        check_readable(tiny_folder)
+
+
+@pytest.mark.parametrize("command", ["convert", "export", "validate"])
+def test_an_empty_checkpoint_folder_is_empty_not_missing(command, tmp_path, monkeypatch):
+    from lit3d.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    empty = tmp_path / "step=8.ckpt"
+    empty.mkdir()
+    with pytest.raises(ValueError, match=re.escape(f"checkpoint folder {str(empty)!r} is empty")):
+        check_readable(empty)
+    args = {
+        "convert": ["convert", "--ckpt_path", str(empty), "--output", str(tmp_path / "one.ckpt")],
+        "export": ["export", "--ckpt_path", str(empty), "--output", str(tmp_path / "hf")],
+        "validate": ["validate", "--ckpt_path", str(empty), "--trainer.logger=false"],
+    }[command]
+    with pytest.raises(SystemExit) as ended:
+        main(args)
+    assert str(ended.value.code) == f"lit3d {command}: error: checkpoint folder {str(empty)!r} is empty", ended.value

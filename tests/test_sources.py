@@ -57,11 +57,11 @@ def test_each_format_is_read_as_what_it_is(fmt, tmp_path):
     assert '{"' not in text and '"content"' not in text and "\\n" not in text  # no syntax of the file's format
 
 
-def test_a_missing_column_is_refused_naming_the_file_and_its_columns(tmp_path):
-    write(tmp_path / "corpus.jsonl", "jsonl")
-    data = TextDataModule(str(tmp_path / "corpus.jsonl"), text_column="text", seq_len=31, global_batch_size=2)
-    with pytest.raises(ValueError, match=r"corpus.jsonl' has no column 'text' \(its columns: \['id', 'content'\]\)"):
-        data.setup("fit")
+@pytest.mark.parametrize("fmt", ["jsonl", "jsonl.gz", "parquet", "csv", "arrow"])
+def test_a_missing_column_is_refused_naming_the_file_and_its_columns_before_anything_is_read(fmt, tmp_path):
+    write(tmp_path / f"corpus.{fmt}", fmt)
+    with pytest.raises(ValueError, match=r"corpus.\S+' has no column 'text' \(its columns: \['id', 'content'\]\)"):
+        TextDataModule(str(tmp_path / f"corpus.{fmt}"), text_column="text", seq_len=31, global_batch_size=2)
 
 
 def test_a_file_of_unknown_format_is_refused_before_anything_is_read(tmp_path):

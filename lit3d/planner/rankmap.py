@@ -1,6 +1,7 @@
 """The rank map as a picture: nodes × devices, each cell a rank with its global number, (t, p) coordinate and, given
-the planner's estimate, the memory it holds; coloured by pipeline stage. Several layouts can be drawn side by side,
-each with its memory, step time and the traffic on each link, to answer "which layout, and why".
+the planner's estimate, the memory it holds; coloured by pipeline stage. Several layouts can be drawn one above the
+other, each with its memory, step time and the traffic on each link, to answer "which layout, and why"; the picture
+keeps a page's width (eight devices per row) so that it stays readable when shrunk.
 
 Small fleets are drawn whole (each cell also names its replica d). A large fleet repeats the same pattern for
 every data-parallel replica, so only the nodes that hold replica d = 0 are drawn, with the replica count in
@@ -22,7 +23,19 @@ from lit3d.strategies.layout import Layout
 if TYPE_CHECKING:
     from lit3d.planner.estimate import Plan
 
-MAX_NODES = 32  # rows drawn at most
+MAX_NODES = 32  # nodes drawn at most
+COLUMNS = 8  # devices per row of the picture; a wider node wraps (a GB200 NVL72 "node" is 72 GPUs)
+CELL_WIDTH, CELL_HEIGHT = 1.1, 0.75  # inches: room for three 8-point lines
+DPI = 150  # of a saved .png
+GOLDEN = (5**0.5 - 1) / 2
+
+
+def stage_colour(stage: int) -> tuple[float, float, float]:
+    """The colour of pipeline stage ``stage``: hues a golden-ratio turn apart (never equal, neighbours far apart),
+    light and darker in turn; distinct for every stage count a map draws (tested to 128)."""
+    import colorsys
+
+    return colorsys.hls_to_rgb((stage * GOLDEN) % 1.0, 0.78 if stage % 2 else 0.6, 0.65)
 
 
 class RankMap:
@@ -42,7 +55,7 @@ class RankMap:
 
     @classmethod
     def side_by_side(cls, maps: list[RankMap]) -> RankMap:
-        """One picture of several maps, left to right (e.g. the best layouts of a search)."""
+        """One picture of several maps, one above the other (e.g. the best layouts of a search)."""
         if not maps:
             raise ValueError("no rank map to draw")
         combined = cls(maps[0].layout, maps[0].title, maps[0].plan, maps[0].device)
@@ -58,31 +71,40 @@ class RankMap:
         return nodes[:MAX_NODES], True
 
     def figure(self):
+        """The maps stacked top to bottom, each at most `COLUMNS` cells wide: the picture keeps a page's width."""
         try:
             import matplotlib.pyplot as plt
         except ImportError as error:
             raise ImportError('drawing the rank map needs matplotlib: pip install "lit3d[plot]"') from error
-        rows = max(len(m.nodes_drawn()[0]) for m in self._maps)
-        width = sum(1.0 + 0.9 * m.layout.devices_per_node for m in self._maps)
-        fig, axes = plt.subplots(1, len(self._maps), figsize=(width, 1.6 + 0.6 * rows), squeeze=False)
-        for ax, one in zip(axes[0], self._maps):
-            one._draw(ax)
+        columns = max(min(m.layout.devices_per_node, COLUMNS) for m in self._maps)
+        heights = [1.3 + 0.2 * m._heading(*m._drawn()).count("\n") + CELL_HEIGHT * len(m._rows()) for m in self._maps]
+        fig, axes = plt.subplots(len(self._maps), 1, figsize=(1.2 + CELL_WIDTH * columns, sum(heights)), squeeze=False,
+                                 gridspec_kw={"height_ratios": heights})  # fmt: skip
+        for ax, one in zip(axes[:, 0], self._maps):
+            one._draw(ax, columns)
         fig.tight_layout()
         return fig
 
-    def _draw(self, ax) -> None:
-        import matplotlib.pyplot as plt
+    def _drawn(self) -> tuple[bool, int, set[int]]:
+        """(only replica d = 0 shown, nodes drawn, ranks of tensor-parallel groups that span nodes): the heading's."""
+        nodes, one_replica = self.nodes_drawn()
+        return one_replica, len(nodes), {r for group in self.layout.tp_groups_across_nodes() for r in group}
+
+    def _rows(self) -> list[tuple[int, int]]:
+        """(node, first slot) of each drawn row: a node wider than `COLUMNS` devices wraps onto more rows."""
+        per_node = self.layout.devices_per_node
+        return [(node, slot) for node in self.nodes_drawn()[0] for slot in range(0, per_node, COLUMNS)]
+
+    def _draw(self, ax, columns: int) -> None:
         from matplotlib.patches import Rectangle
 
         from lit3d.planner.report import size
 
         layout = self.layout
-        nodes, one_replica = self.nodes_drawn()
-        per_node = layout.devices_per_node
-        crossing = {r for group in layout.tp_groups_across_nodes() for r in group}
-        colours = plt.get_cmap("tab20" if layout.pp > 10 else "tab10")
-        for row, node in enumerate(nodes):
-            for slot in range(per_node):
+        one_replica, nodes_drawn, crossing = self._drawn()
+        rows, per_node = self._rows(), layout.devices_per_node
+        for row, (node, first) in enumerate(rows):
+            for slot in range(first, min(first + COLUMNS, per_node)):
                 rank = node * per_node + slot
                 if rank >= layout.world_size:
                     continue
@@ -90,24 +112,29 @@ class RankMap:
                 c = layout.cp_rank(rank)
                 shown = not one_replica or d == 0
                 edge = ("red", 2.5) if rank in crossing else ("white", 1)
-                colour = colours(p % colours.N) if shown else "#eeeeee"
+                colour = stage_colour(p) if shown else "#eeeeee"
+                x = slot - first
                 ax.add_patch(
-                    Rectangle((slot, -row - 1), 0.94, 0.9, facecolor=colour, edgecolor=edge[0], linewidth=edge[1])
+                    Rectangle((x, -row - 1), 0.94, 0.9, facecolor=colour, edgecolor=edge[0], linewidth=edge[1])
                 )
                 label = f"r{rank}\nt{t} p{p}" + (f" c{c}" if layout.cp > 1 else "") + ("" if one_replica else f" d{d}")
                 label += f" i{layout.island(rank)}" if layout.islands > 1 else ""
                 if self.plan is not None and shown:
                     label += "\n" + size(self.plan.memory_by_stage[p]["total"])
-                ax.text(slot + 0.47, -row - 0.55, label if shown else f"d{d}", ha="center", va="center", fontsize=6)
-        ax.set_xlim(0, per_node)
-        ax.set_ylim(-len(nodes), 0)
-        ax.set_xticks([g + 0.47 for g in range(per_node)], [f"{self.device} {g}" for g in range(per_node)], fontsize=6)
-        ax.set_yticks([-r - 0.55 for r in range(len(nodes))], [f"node {n}" for n in nodes], fontsize=7)
+                ax.text(x + 0.47, -row - 0.55, label if shown else f"d{d}", ha="center", va="center", fontsize=8)
+        ax.set_xlim(0, columns)
+        ax.set_ylim(-len(rows), 0)
+        wraps = per_node > COLUMNS  # then a row names its devices, a column the place in the row
+        ticks = [f"+{g}" if wraps else f"{self.device} {g}" for g in range(columns)]
+        ax.set_xticks([g + 0.47 for g in range(columns)], ticks, fontsize=8)
+        last = lambda first: min(first + COLUMNS, per_node) - 1
+        names = [f"node {node}" + (f", {first}-{last(first)}" if wraps else "") for node, first in rows]
+        ax.set_yticks([-r - 0.55 for r in range(len(rows))], names, fontsize=9)
         ax.tick_params(length=0)
         for side in ax.spines.values():
             side.set_visible(False)
-        ax.set_title((self.title + "\n" if self.title else "") + self._heading(one_replica, len(nodes), crossing),
-                     fontsize=7)  # fmt: skip
+        heading = self._heading(one_replica, nodes_drawn, crossing)
+        ax.set_title((self.title + "\n" if self.title else "") + heading, fontsize=9)
 
     def _heading(self, one_replica: bool, nodes_drawn: int, crossing: set[int]) -> str:
         from lit3d.planner.report import plural, size
@@ -141,7 +168,7 @@ class RankMap:
 
         fig = self.figure()
         buffer = io.BytesIO()
-        fig.savefig(buffer, format=fmt, dpi=150)
+        fig.savefig(buffer, format=fmt, dpi=DPI)
         plt.close(fig)
         return buffer.getvalue()
 

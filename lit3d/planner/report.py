@@ -160,3 +160,17 @@ def format_search(
         flags += f" --trainer.strategy.islands={islands} --trainer.strategy.sync_every={h}"
     lines.append(f"run the best with: lit3d fit ... --trainer.strategy=Parallel3DStrategy {flags}")
     return "\n".join(lines)
+
+
+def format_verify(layout: Layout, counts: list) -> str:
+    """The report's lines on `lit3d.planner.verify`'s per-stage parameter counts against the analytic ones."""
+    lines = [
+        f"verify: the real parallelisation on {layout.world_size} simulated ranks (meta device, fake process group), "
+        "parameters on rank (d=0, t=0, p):"
+    ]
+    for c in counts:
+        lines.append(
+            f"  stage {c.stage:>3} rank {c.rank:>6}: {c.verified:>14,} verified  {c.analytic:>14,} analytic"
+            f"  {'match' if c.matches else 'MISMATCH'}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,46 @@
+"""Start-up: ``lit3d --help`` prints without importing torch, ``lit3d plan`` runs without Lightning, and the lazy
+package still answers every documented name (``from lit3d import GPT, GPTConfig, Parallel3DStrategy``, ``"3d"``)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+HEAVY = ("lightning", "pytorch_lightning", "lightning_fabric", "torchmetrics")
+
+
+def modules_after(code: str) -> dict:
+    """Runs ``code`` in a fresh interpreter; what it printed last, and the top-level modules it imported."""
+    epilogue = "import json, sys; print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))"
+    run = subprocess.run([sys.executable, "-c", f"{code}\n{epilogue}"], capture_output=True, text=True, timeout=240,
+                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.strip().splitlines()
+    return {"out": "\n".join(lines[:-1]), "modules": set(json.loads(lines[-1]))}
+
+
+def test_lit3d_help_imports_neither_torch_nor_lightning():
+    ran = modules_after("from lit3d.cli import main\nmain(['--help'])")
+    assert "commands:" in ran["out"]
+    assert not ran["modules"] & {"torch", *HEAVY}, ran["modules"] & {"torch", *HEAVY}
+
+
+def test_lit3d_plan_does_not_import_lightning():
+    ran = modules_after("from lit3d.cli import main\nmain(['plan', '--model', 'tiny', '--gpus_per_node', '2'])")
+    assert "layout(s) fit" in ran["out"]
+    assert not ran["modules"] & set(HEAVY), ran["modules"] & set(HEAVY)
+
+
+def test_the_lazy_package_keeps_its_names_and_registers_3d_when_the_strategy_is_named():
+    ran = modules_after(
+        "import lit3d, lit3d.strategies\n"
+        "assert 'lightning' not in __import__('sys').modules\n"
+        "from lit3d import GPT, GPTConfig, Parallel3DStrategy\n"
+        "from lightning.pytorch.strategies import StrategyRegistry\n"
+        "assert StrategyRegistry['3d']['strategy'] is Parallel3DStrategy is lit3d.strategies.Parallel3DStrategy\n"
+        "assert lit3d.GPT is GPT and GPT.__module__ == 'lit3d.gpt' and GPTConfig.__module__ == 'lit3d.config'\n"
+        "print(sorted(n for n in dir(lit3d) if not n.startswith('_')))"
+    )
+    assert {"GPT", "GPTConfig", "Parallel3DStrategy"} <= set(eval(ran["out"]))
