@@ -11,7 +11,7 @@ rather than compute: p processes on a small machine then do not compete for core
 schedule itself, run by lit3d's `lit3d.strategies.pipeline.Pipeline` on `torch.distributed.pipelining` (gloo).
 
 Per configuration the table shows the measured bubble (the mean over ranks of the share of the step a rank does not
-compute; median of ``--steps``), the theory of `lit3d.strategies.schedules` (the papers' formulas), and a replay of
+compute; median of ``--steps``), the theory of `lit3d.parallel.schedules` (the papers' formulas), and a replay of
 PyTorch's own order of actions for that schedule with the same costs and free communication: where theory and replay
 differ, the schedule's order leaves its paper's regime (too few micro-batches); where replay and measurement differ,
 the runtime costs something. ``peak`` is the most micro-batches' activations a rank held at once (counted from
@@ -87,14 +87,14 @@ class SplitBlock(nn.Module):
 
 def parse_schedule(token: str) -> tuple[str, int]:
     """``name`` or ``name:v`` (chunks per rank) -> (name, chunks)."""
-    from lit3d.strategies.schedules import chunks_per_rank
+    from lit3d.parallel.schedules import chunks_per_rank
 
     name, _, virtual = token.partition(":")
     return name, chunks_per_rank(name, int(virtual) if virtual else None)
 
 
 def label(name: str, chunks: int) -> str:
-    from lit3d.strategies.schedules import SCHEDULES
+    from lit3d.parallel.schedules import SCHEDULES
 
     return name if SCHEDULES[name].chunks == chunks else f"{name} v{chunks}"
 
@@ -112,7 +112,7 @@ def main() -> None:
     parser.add_argument("--json", type=str, default=None, help="also write the results to this file")
     args = parser.parse_args()
 
-    from lit3d.strategies.schedules import Costs
+    from lit3d.parallel.schedules import Costs
 
     schedules = [parse_schedule(token) for token in args.schedules]
     costs = Costs(args.forward_ms, args.input_grad_ms, args.weight_grad_ms)
@@ -155,9 +155,9 @@ def _worker(rank, p, port, microbatches, schedules, costs, steps, timeline_dir, 
     from torch.distributed.device_mesh import init_device_mesh
 
     from benchmarks.pipeline_replay import measured, nominal, order_of, replay
+    from lit3d.parallel.schedules import SCHEDULES, bubble_theory, microbatch_problem, peak_in_flight
+    from lit3d.parallel.stages import chunk_stage_ids
     from lit3d.strategies.pipeline import Pipeline
-    from lit3d.strategies.schedules import SCHEDULES, bubble_theory, microbatch_problem, peak_in_flight
-    from lit3d.strategies.stages import chunk_stage_ids
     from lit3d.strategies.timeline import plot_timeline
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -102,7 +102,7 @@ def nominal(forward: float, input_grad: float, weight_grad: float) -> Callable:
 def measured(events: list[tuple[int, str, int, float, float]], p: int, placement: str) -> tuple[Callable, float]:
     """Each action's duration as measured, and the median pause between one action and the next on a rank: the
     runtime's own time per action (Python, posting the point-to-point sends and receives)."""
-    from lit3d.strategies.stages import stage_rank
+    from lit3d.parallel.stages import stage_rank
 
     took = {(s, kind, mb): end - start for s, kind, mb, start, end in events}
     pauses = []

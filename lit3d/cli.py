@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 # NOTE: nothing heavy at the top: `lit3d --help` imports no torch and `lit3d plan` no Lightning. The LightningCLI
 # (`lit3d.lightning_cli`) loads in `make_cli`, the other commands in `main`.
-from lit3d.strategies.errors import UnsafeCheckpointError
+from lit3d.checkpoint_errors import UnsafeCheckpointError
 
 if TYPE_CHECKING:
     from lit3d.lightning_cli import Lit3DCLI

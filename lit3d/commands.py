@@ -120,6 +120,9 @@ def plan(
     from dataclasses import asdict, replace
 
     from lit3d.config import GPTConfig
+    from lit3d.parallel.layout import ZERO_STAGES, Layout, check_islands, check_sizes
+    from lit3d.parallel.outer import check_outer_loop
+    from lit3d.parallel.schedules import chunks_per_rank
     from lit3d.planner import (
         Cluster,
         RankMap,
@@ -135,9 +138,6 @@ def plan(
     from lit3d.planner.islands import format_islands, versus_synchronous
     from lit3d.planner.pipeline import candidates, choose_schedule
     from lit3d.planner.report import format_verify
-    from lit3d.strategies.islands import check_outer_loop
-    from lit3d.strategies.layout import ZERO_STAGES, Layout, check_islands, check_sizes
-    from lit3d.strategies.schedules import chunks_per_rank
 
     if gpu not in GPUS:
         raise ValueError(f"gpu={gpu!r} is not one of {', '.join(GPUS)}; give gpu_memory, bandwidths and peak_tflops")

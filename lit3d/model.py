@@ -1,4 +1,4 @@
-"""The Llama-style decoder as a plain `nn.Module`, with its tensor-parallel plan declared as data.
+"""The Llama-style decoder as a plain `nn.Module`, with its tensor-parallel plan declared as data (`lit3d.tp_plan`).
 
 Layout (parameter names are the same in every parallel layout, which keeps checkpoints portable)::
 
@@ -29,44 +29,10 @@ from lit3d.attention import causal_attention
 from lit3d.config import GPTConfig
 from lit3d.ring_attention import ContextParallel, positions, ring_attention
 
-# Which module does what under tensor parallelism, by name pattern. The strategy turns each role into a DTensor
-# parallel style (Megatron pattern: column-parallel in, row-parallel out, one all-reduce per region forward).
-#   colwise / rowwise  split the output / input features of a linear
-#   tp_region          a module that runs on the full sequence (its input is gathered under sequence parallel)
-#   norm               runs on sequence shards under sequence parallel, replicated otherwise
-#   vocab_embedding    embedding rows split by vocabulary
-#   vocab_head         LM head split by vocabulary; its logits stay sharded for the parallel loss
-TENSOR_PARALLEL_PLAN: dict[str, str] = {
-    "embed": "vocab_embedding",
-    "blocks.*.attn_norm": "norm",
-    "blocks.*.attn": "tp_region",
-    "blocks.*.attn.q_proj": "colwise",
-    "blocks.*.attn.k_proj": "colwise",
-    "blocks.*.attn.v_proj": "colwise",
-    "blocks.*.attn.o_proj": "rowwise",
-    "blocks.*.mlp_norm": "norm",
-    "blocks.*.mlp": "tp_region",
-    "blocks.*.mlp.gate_proj": "colwise",
-    "blocks.*.mlp.up_proj": "colwise",
-    "blocks.*.mlp.down_proj": "rowwise",
-    "norm": "norm",
-    "head": "vocab_head",
-}
-
-
-def tensor_parallel_plan(config: GPTConfig) -> dict[str, str]:
-    """`TENSOR_PARALLEL_PLAN` for ``config``: an MoE block's feed-forward is a ``replicated_region`` (every TP rank
-    routes the same tokens through the same experts; expert parallelism is what splits the experts)."""
-    if not config.n_expert:
-        return TENSOR_PARALLEL_PLAN
-    mlp = [k for k in TENSOR_PARALLEL_PLAN if k == "blocks.*.mlp" or k.startswith("blocks.*.mlp.")]
-    plan = {k: v for k, v in TENSOR_PARALLEL_PLAN.items() if k not in mlp}
-    for i in range(config.n_layer):
-        if config.is_moe_layer(i):
-            plan[f"blocks.{i}.mlp"] = "replicated_region"
-        else:
-            plan.update({k.replace("*", str(i)): TENSOR_PARALLEL_PLAN[k] for k in mlp})
-    return plan
+# NOTE: the tensor-parallel plan is data about this model's module names, kept in the torch-free `lit3d.tp_plan` so
+# that the planner reads it without importing torch; the names stay importable from here.
+from lit3d.tp_plan import TENSOR_PARALLEL_PLAN as TENSOR_PARALLEL_PLAN
+from lit3d.tp_plan import tensor_parallel_plan as tensor_parallel_plan
 
 
 def rotary_tables(

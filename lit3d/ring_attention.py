@@ -77,16 +77,6 @@ def positions(local_len: int, cp: int, rank: int, device: torch.device | None = 
     )
 
 
-def ring_bytes_per_layer(kv_elements: float, dtype_bytes: int, cp: int, recomputed: bool = False) -> float:
-    """Bytes one rank sends over the CP ring per attention layer and micro-batch: forward's ``cp − 1`` K/V hops
-    (twice with a recompute of forward in backward), then backward's ``cp − 1`` K/V hops and ``cp`` hops of the
-    K/V gradient, which travels in fp32. ``kv_elements``: the rank's K and V together (its tokens, its K/V heads)."""
-    if cp == 1:
-        return 0.0
-    hops = (cp - 1) * kv_elements * dtype_bytes
-    return hops * (2 if recomputed else 1) + hops + cp * kv_elements * 4
-
-
 @torch.compiler.disable  # point-to-point communication inside: stays eager under torch.compile
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
     """Causal attention of the CP-sharded sequence; tensors ``[batch, seq, heads, head_dim]`` as in

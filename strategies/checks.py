@@ -9,10 +9,8 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lit3d.strategies.context_parallel import check_context_parallel, check_module_for_context_parallel
-from lit3d.strategies.islands import check_outer_loop
-from lit3d.strategies.launchers import interactive
-from lit3d.strategies.layout import (
+from lit3d.parallel.context import check_context_parallel
+from lit3d.parallel.layout import (
     check_choices,
     check_islands,
     check_model_fits_layout,
@@ -21,10 +19,13 @@ from lit3d.strategies.layout import (
     check_sizes,
     pipeline_microbatches,
 )
+from lit3d.parallel.outer import check_outer_loop
+from lit3d.parallel.precision import check_reduce_dtype
+from lit3d.parallel.schedules import check_composes
+from lit3d.strategies.context_parallel import check_module_for_context_parallel
+from lit3d.strategies.launchers import interactive
 from lit3d.strategies.pipeline import check_pipeline_protocol
-from lit3d.strategies.precision import check_reduce_dtype
 from lit3d.strategies.recompute import check_setting
-from lit3d.strategies.schedules import check_composes
 
 
 class ConfigurationError(ValueError):

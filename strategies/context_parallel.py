@@ -17,25 +17,6 @@ import torch.nn as nn
 from lit3d.ring_attention import ContextParallel, shard_sequence
 
 
-def check_context_parallel(config: Any, cp: int, seq_len: int | None, tp: int = 1, sp: bool = False) -> None:
-    """Refuse what context parallelism cannot run, naming the values: sequences that do not split into ``2·cp``
-    equal chunks (and, under sequence parallelism, a rank's share that does not split over TP)."""
-    if cp == 1:
-        return
-    if seq_len is None:
-        return
-    if seq_len % (2 * cp):
-        raise ValueError(
-            f"seq_len={seq_len} is not divisible by 2 x context_parallel_size={2 * cp}: each CP rank holds two "
-            "equal chunks of every sequence (an early and a late one, for balanced causal attention)"
-        )
-    if sp and (seq_len // cp) % tp:
-        raise ValueError(
-            f"sequence_parallel splits each CP rank's {seq_len // cp} tokens (seq_len={seq_len} / "
-            f"context_parallel_size={cp}) over tensor_parallel_size={tp}, which does not divide them"
-        )
-
-
 def check_module_for_context_parallel(module: Any, cp: int, predicting: bool = False) -> None:
     """Refuse a module context parallelism cannot split: it needs lit3d's protocol (a ``tensor_parallel_plan``, and
     ``inputs_and_targets`` to cut each rank's tokens from), and whole sequences on every rank to predict."""

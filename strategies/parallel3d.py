@@ -53,6 +53,12 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lit3d.parallel.layout import (
+    Layout,
+    pipeline_microbatches,
+    resolve_layout,
+)
+from lit3d.parallel.schedules import chunks_per_rank, describe_schedule
 from lit3d.strategies.checkpoint import ShardedCheckpoints
 from lit3d.strategies.checks import ConfigurationChecks
 from lit3d.strategies.context_parallel import route_context_parallel
@@ -64,11 +70,6 @@ from lit3d.strategies.launchers import (
     exit_when_launcher_dies,
     interactive,
 )
-from lit3d.strategies.layout import (
-    Layout,
-    pipeline_microbatches,
-    resolve_layout,
-)
 from lit3d.strategies.memory import memory_by_component
 from lit3d.strategies.optimizers import LocalOptimizerSteps
 from lit3d.strategies.parallelize import follows_plan, parallelize_network
@@ -79,7 +80,6 @@ from lit3d.strategies.precision import (
     uses_ddp,
 )
 from lit3d.strategies.preemption import StopOnSignal
-from lit3d.strategies.schedules import chunks_per_rank, describe_schedule
 from lit3d.strategies.steps import StepHooks
 from lit3d.strategies.watchdog import WatchedSteps
 from lit3d.strategies.zero import check_replicas_in_sync
@@ -116,7 +116,7 @@ class Parallel3DStrategy(
         pipeline_schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``zero_bubble`` (backward split into input
             and weight gradients, the latter filling the bubbles), ``zbv`` (zero bubble over two chunks per rank in
             a V) or ``dualpipev`` (DeepSeek's DualPipe-V, the same V); their bubbles and memory:
-            `lit3d.strategies.schedules`.
+            `lit3d.parallel.schedules`.
         num_microbatches: Micro-batches each replica's batch is split into for the pipeline (default: the most,
             up to 2 x pipeline_parallel_size x virtual_pipeline_size, that divide the per-replica batch).
         virtual_pipeline_size: Model chunks per pipeline rank (interleaved schedules; ``zbv`` and ``dualpipev``

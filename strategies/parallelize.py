@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lit3d.parallel.layout import Layout
+from lit3d.parallel.schedules import SCHEDULES
 from lit3d.strategies.context_parallel import apply_context_parallel
-from lit3d.strategies.layout import Layout
 from lit3d.strategies.recompute import apply_activation_checkpointing
-from lit3d.strategies.schedules import SCHEDULES
 from lit3d.strategies.stages import split_into_stages
 from lit3d.strategies.tensor_parallel import apply_tensor_parallel, check_plan, keep_sequence_shards
 from lit3d.strategies.zero import apply_data_parallel

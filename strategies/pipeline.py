@@ -3,7 +3,7 @@
 One training step runs the schedule's forward and backward over ``num_microbatches`` micro-batches, with the
 module's own loss function computed on the last stage; the loss is broadcast to every rank of the pipeline, so
 all ranks log the same value. With ``virtual > 1`` a rank holds ``virtual`` chunks that are not adjacent, for
-the interleaved and V-shaped schedules (which schedule is which, and its theory: `lit3d.strategies.schedules`).
+the interleaved and V-shaped schedules (which schedule is which, and its theory: `lit3d.parallel.schedules`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lit3d.model import loss_parallel_scope
 from lit3d.moe import balance_loss_weight
-from lit3d.strategies.schedules import SCHEDULES
-from lit3d.strategies.stages import stage_rank
+from lit3d.parallel.schedules import SCHEDULES
+from lit3d.parallel.stages import stage_rank
 
 # What a module split by the strategy provides so that its loss can run as a schedule: `loss(batch)` is
 # `loss_fn(model(inputs), targets)` with `inputs, targets = inputs_and_targets(batch)`.
@@ -47,7 +47,7 @@ class Pipeline:
         stage_ids: Their global stage indices.
         num_stages: ``pp × virtual``.
         pp_mesh: The 1-D pipeline mesh of this rank.
-        schedule: A name of `lit3d.strategies.schedules.SCHEDULES` (``1f1b``, ``zbv``, ...).
+        schedule: A name of `lit3d.parallel.schedules.SCHEDULES` (``1f1b``, ``zbv``, ...).
         microbatches: Micro-batches per step.
         device: Where the stages compute.
         loss_parallel: Whether the last stage's logits are vocabulary-parallel DTensors.
@@ -89,7 +89,7 @@ class Pipeline:
         # recomputation: a weight gradient run apart from its input gradient would recompute again and fail. Under
         # activation checkpointing a zero-bubble schedule therefore runs each whole backward in its input-gradient
         # slot (a `dw_builder` whose weight step is empty): the same order and gradients, the weight gradients no
-        # longer filling the bubbles (`lit3d.strategies.schedules.Costs.of`).
+        # longer filling the bubbles (`lit3d.parallel.schedules.Costs.of`).
         whole = None if self.split_backward else (lambda: _nothing)
         stages = [
             _stage_class()(chunk, s, self.num_stages, self.device, group=self.group, dw_builder=whole)

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from lit3d.strategies.errors import CorruptCheckpointError, UnsafeCheckpointError
+from lit3d.checkpoint_errors import CorruptCheckpointError, UnsafeCheckpointError
 
 
 def _data_globals() -> list[Any]:

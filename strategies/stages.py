@@ -1,11 +1,10 @@
-"""The depth cut into pipeline stages: which blocks each chunk runs, and the chunk modules themselves.
+"""The chunk modules themselves: a network's pipeline chunks as views of it, and the pruning of what a rank does
+not run. Where the cut falls (which blocks each chunk runs, on which rank) is `lit3d.parallel.stages`.
 
-The network's ``blocks`` (a ModuleDict of decoder blocks, in order) are cut into ``pp × virtual`` chunks of
-consecutive blocks, balanced by cost (parameter elements, the same as the matmul FLOPs per token of blocks and
-head); chunk ``s`` lives on pipeline rank ``s % pp``, or for the V-shaped schedules (two chunks per rank) rank ``r``
-holds chunks ``r`` and ``2·pp - 1 - r`` (`chunk_stage_ids`). The network's other top-level parts go with the ends: those
-registered before ``blocks`` (an embedding) run on the first chunk, those after it (final norm, head) on the last.
-The network's ``forward`` must pass through a part that is ``None``: that is how a chunk skips what it lacks.
+The network's ``blocks`` (a ModuleDict of decoder blocks, in order) are cut into chunks; its other top-level parts
+go with the ends: those registered before ``blocks`` (an embedding) run on the first chunk, those after it (final
+norm, head) on the last. The network's ``forward`` must pass through a part that is ``None``: that is how a chunk
+skips what it lacks.
 
 A chunk is a *view* of the network: a module of the network's class with every attribute of the network, the
 same block objects under the same keys, and the parts it does not run set to ``None``. Parameter names never
@@ -16,40 +15,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-
-def partition(costs: list[float], first_extra: float, last_extra: float, chunks: int) -> list[list[int]]:
-    """Cut blocks ``0..N-1`` (with ``costs``) into ``chunks`` consecutive, non-empty runs, minimising the
-    largest run cost; the first run also pays ``first_extra`` (the embedding), the last ``last_extra`` (the
-    head). Exact dynamic programme over cut points."""
-    n = len(costs)
-    if not 1 <= chunks <= n:
-        raise ValueError(f"cannot cut {n} blocks into {chunks} pipeline chunks")
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-
-    def run_cost(i: int, j: int, k: int) -> float:  # blocks i..j-1 as chunk k
-        return prefix[j] - prefix[i] + (first_extra if k == 0 else 0) + (last_extra if k == chunks - 1 else 0)
-
-    # best[k][j]: minimal largest cost of cutting blocks 0..j-1 into k+1 chunks; cut[k][j]: start of chunk k.
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(chunks)]
-    cut = [[0] * (n + 1) for _ in range(chunks)]
-    for j in range(1, n + 1):
-        best[0][j] = run_cost(0, j, 0)
-    for k in range(1, chunks):
-        for j in range(k + 1, n + 1):
-            for i in range(k, j):
-                value = max(best[k - 1][i], run_cost(i, j, k))
-                if value < best[k][j]:
-                    best[k][j], cut[k][j] = value, i
-    bounds, j = [], n
-    for k in range(chunks - 1, 0, -1):
-        i = cut[k][j]
-        bounds.append((i, j))
-        j = i
-    bounds.append((0, j))
-    return [list(range(i, j)) for i, j in reversed(bounds)]
+from lit3d.parallel.stages import chunk_stage_ids, partition
 
 
 def end_parts(network: nn.Module) -> tuple[list[str], list[str]]:
@@ -70,21 +36,6 @@ def block_costs(network: nn.Module) -> tuple[list[float], float, float]:
     before, after = end_parts(network)
     costs = [numel(block) for block in network.blocks.values()]
     return costs, sum(numel(network._modules[n]) for n in before), sum(numel(network._modules[n]) for n in after)
-
-
-def chunk_stage_ids(rank: int, pp: int, virtual: int, placement: str = "loop") -> list[int]:
-    """Global stage indices held by pipeline rank ``rank``: ``"loop"``, stage s on rank s % pp; ``"v"`` (two chunks
-    per rank, the V-shaped schedules), stages ``rank`` and ``2·pp - 1 - rank``, so the last stage is on rank 0."""
-    if placement == "v":
-        return [rank, 2 * pp - 1 - rank]
-    return [rank + v * pp for v in range(virtual)]
-
-
-def stage_rank(stage: int, pp: int, placement: str = "loop") -> int:
-    """The pipeline rank that holds global stage ``stage`` (the inverse of `chunk_stage_ids`)."""
-    if placement == "v" and stage >= pp:
-        return 2 * pp - 1 - stage
-    return stage % pp
 
 
 def stage_view(network: nn.Module, block_keys: list[str], first: bool, last: bool) -> nn.Module:

@@ -12,7 +12,7 @@ import torch
 from typing_extensions import override
 
 from lit3d.model import loss_parallel_scope
-from lit3d.strategies.schedules import Costs, bubble_theory
+from lit3d.parallel.schedules import Costs, bubble_theory
 from lit3d.strategies.tensor_parallel import lay_out_grads_like_params
 from lit3d.strategies.timeline import PipelineTimeline
 from lit3d.strategies.zero import gradient_sync_off

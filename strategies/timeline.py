@@ -6,8 +6,8 @@ from pathlib import Path
 
 from lightning.pytorch.callbacks import Callback
 
-from lit3d.strategies.schedules import SCHEDULES
-from lit3d.strategies.stages import stage_rank
+from lit3d.parallel.schedules import SCHEDULES
+from lit3d.parallel.stages import stage_rank
 
 COLOURS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
 

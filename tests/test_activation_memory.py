@@ -16,8 +16,8 @@ from torch.utils._pytree import tree_leaves
 
 from lit3d import GPTConfig
 from lit3d.model import TENSOR_PARALLEL_PLAN, Transformer, cross_entropy, rotary_tables
+from lit3d.parallel.layout import Layout
 from lit3d.planner.estimate import activation_bytes_per_token, autocast_weight_bytes, output_layer_bytes
-from lit3d.strategies.layout import Layout
 from lit3d.strategies.parallelize import parallelize_network
 
 CONFIG = GPTConfig(n_layer=1, n_head=4, n_kv_head=2, d_model=64, d_ff=160, vocab_size=250, max_seq_len=64)

@@ -10,9 +10,9 @@ import torch.multiprocessing as mp
 from conftest import CP_LAYOUTS, LONG, SMALL_GPT, merge
 
 from lit3d import GPTConfig
+from lit3d.parallel.context import check_context_parallel
+from lit3d.parallel.layout import Layout, resolve_layout
 from lit3d.ring_attention import ContextParallel, positions, ring_attention, shard_sequence, unshard_sequence
-from lit3d.strategies.context_parallel import check_context_parallel
-from lit3d.strategies.layout import Layout, resolve_layout
 
 
 def test_each_rank_holds_an_early_and_a_late_chunk_at_their_true_positions():

@@ -186,7 +186,7 @@ def test_bad_island_settings_are_refused_with_the_values_named(kwargs, message):
 
 
 def test_islands_are_the_outermost_digit_and_the_rank_map_shows_them():
-    from lit3d.strategies.layout import resolve_layout
+    from lit3d.parallel.layout import resolve_layout
 
     layout = resolve_layout(8, 4, "auto", 2, 1, islands=2)  # 2 islands x (dp 2 x tp 2), 4 devices per node
     assert (layout.dp, layout.islands, layout.data_replicas) == (2, 2, 4)

@@ -3,8 +3,8 @@
 import pytest
 
 from lit3d import GPTConfig
+from lit3d.parallel.layout import Layout, check_model_fits_layout, resolve_layout
 from lit3d.strategies import Parallel3DStrategy
-from lit3d.strategies.layout import Layout, check_model_fits_layout, resolve_layout
 
 
 def test_tp_is_innermost_and_pp_outermost():

@@ -11,7 +11,7 @@ from conftest import MOE_LAYOUTS, SMALL_MOE
 from lit3d import GPTConfig
 from lit3d.model import Transformer, tensor_parallel_plan
 from lit3d.moe import MoE, balance_loss, grouped_mm
-from lit3d.strategies.layout import Layout, check_model_fits_layout, resolve_layout
+from lit3d.parallel.layout import Layout, check_model_fits_layout, resolve_layout
 
 CONFIG = GPTConfig(**{**SMALL_MOE, "n_shared_expert": 1})
 

@@ -18,7 +18,7 @@ from lit3d.callbacks import CommReport, Throughput
 from lit3d.data import TextDataModule
 from lit3d.hardware import identify
 from lit3d.model import TENSOR_PARALLEL_PLAN, Transformer
-from lit3d.strategies.layout import Layout
+from lit3d.parallel.layout import Layout
 
 ROOT = Path(__file__).resolve().parents[1]
 

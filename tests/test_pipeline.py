@@ -8,10 +8,11 @@ import torch
 
 from lit3d import GPTConfig
 from lit3d.model import Transformer
+from lit3d.parallel.layout import check_model_fits_pipeline, default_microbatches
+from lit3d.parallel.schedules import SCHEDULES, Costs, bubble_theory, describe_schedule, idle_time, peak_in_flight
+from lit3d.parallel.stages import chunk_stage_ids, partition, stage_rank
 from lit3d.strategies import Parallel3DStrategy
-from lit3d.strategies.layout import check_model_fits_pipeline, default_microbatches
-from lit3d.strategies.schedules import SCHEDULES, Costs, bubble_theory, describe_schedule, idle_time, peak_in_flight
-from lit3d.strategies.stages import block_costs, chunk_stage_ids, partition, split_into_stages, stage_rank
+from lit3d.strategies.stages import block_costs, split_into_stages
 
 
 def test_partition_balances_cost_with_embedding_and_head_counted():

@@ -6,8 +6,8 @@ import json
 import pytest
 
 from lit3d.cli import main
+from lit3d.parallel.layout import Layout
 from lit3d.planner import RankMap
-from lit3d.strategies.layout import Layout
 
 
 @pytest.mark.parametrize(

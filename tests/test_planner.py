@@ -7,8 +7,8 @@ import pytest
 
 from lit3d.cli import main
 from lit3d.config import GPTConfig
+from lit3d.parallel.layout import Layout
 from lit3d.planner import GB, Cluster, RankMap, Training, estimate, layout_problem, search, verify
-from lit3d.strategies.layout import Layout
 
 GPT3 = GPTConfig.from_name("gpt3-175b")
 MEGATRON_GPT3 = Layout(dp=8, tp=8, pp=16, devices_per_node=8)  # 1,024 GPUs on 128 nodes

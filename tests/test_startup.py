@@ -1,5 +1,6 @@
-"""Start-up: ``lit3d --help`` prints without importing torch, ``lit3d plan`` runs without Lightning, and the lazy
-package still answers every documented name (``from lit3d import GPT, GPTConfig, Parallel3DStrategy``, ``"3d"``)."""
+"""Start-up: ``lit3d --help`` prints without importing torch, ``lit3d plan`` runs without Lightning or torch (but
+``--verify`` builds the real model), and the lazy package still answers every documented name (``from lit3d import
+GPT, GPTConfig, Parallel3DStrategy``, ``"3d"``)."""
 
 import json
 import os
@@ -27,18 +28,31 @@ def test_lit3d_help_imports_neither_torch_nor_lightning():
     assert not ran["modules"] & {"torch", *HEAVY}, ran["modules"] & {"torch", *HEAVY}
 
 
-def test_lit3d_plan_does_not_import_lightning():
+def test_lit3d_plan_imports_neither_lightning_nor_torch():
+    """The planner counts from the config alone (`lit3d.planner.shapes`): ``import torch`` alone takes seconds."""
     ran = modules_after("from lit3d.cli import main\nmain(['plan', '--model', 'tiny', '--gpus_per_node', '2'])")
     assert "layout(s) fit" in ran["out"]
-    assert not ran["modules"] & set(HEAVY), ran["modules"] & set(HEAVY)
+    assert not ran["modules"] & {"torch", *HEAVY}, ran["modules"] & {"torch", *HEAVY}
+    fixed = "main(['plan', '--model', 'moe-tiny', '--gpus_per_node', '4', '--tensor_parallel_size', '2', "
+    ran = modules_after(f"from lit3d.cli import main\n{fixed}'--pipeline_parallel_size', '2'])")
+    assert "torch" not in ran["modules"] and "memory per GPU" in ran["out"], ran["out"]
 
 
-def test_the_lazy_package_keeps_its_names_and_registers_3d_when_the_strategy_is_named():
+def test_lit3d_plan_verify_still_parallelises_the_real_model():
+    """``--verify`` alone pays for torch (and the strategy's `parallelize_network`, which brings Lightning)."""
+    args = "'--model', 'tiny', '--gpus_per_node', '4', '--tensor_parallel_size', '2', '--pipeline_parallel_size', '2'"
+    ran = modules_after(f"from lit3d.cli import main\nmain(['plan', {args}, '--verify'])")
+    assert "torch" in ran["modules"] and "match" in ran["out"] and "MISMATCH" not in ran["out"], ran["out"]
+
+
+def test_the_lazy_package_keeps_its_names_and_importing_the_strategies_registers_3d():
+    """``import lit3d`` loads nothing heavy; ``import lit3d.strategies`` (or naming the class) registers ``"3d"``."""
     ran = modules_after(
-        "import lit3d, lit3d.strategies\n"
-        "assert 'lightning' not in __import__('sys').modules\n"
-        "from lit3d import GPT, GPTConfig, Parallel3DStrategy\n"
+        "import sys, lit3d, lit3d.parallel, lit3d.planner\n"
+        "assert 'lightning' not in sys.modules and 'torch' not in sys.modules\n"
+        "import lit3d.strategies\n"
         "from lightning.pytorch.strategies import StrategyRegistry\n"
+        "from lit3d import GPT, GPTConfig, Parallel3DStrategy\n"
         "assert StrategyRegistry['3d']['strategy'] is Parallel3DStrategy is lit3d.strategies.Parallel3DStrategy\n"
         "assert lit3d.GPT is GPT and GPT.__module__ == 'lit3d.gpt' and GPTConfig.__module__ == 'lit3d.config'\n"
         "print(sorted(n for n in dir(lit3d) if not n.startswith('_')))"

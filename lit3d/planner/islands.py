@@ -14,8 +14,8 @@ from dataclasses import replace
 from typing import Any
 
 from lit3d.config import GPTConfig
+from lit3d.parallel.layout import Layout
 from lit3d.planner.estimate import Cluster, Plan, Training, estimate, held_precision
-from lit3d.strategies.layout import Layout
 
 
 def versus_synchronous(

@@ -1,6 +1,6 @@
 """The pipeline schedule and micro-batch count of a layout, chosen by the planner.
 
-Every schedule of `lit3d.strategies.schedules` is estimated with the most micro-batches per schedule that it runs and
+Every schedule of `lit3d.parallel.schedules` is estimated with the most micro-batches per schedule that it runs and
 that fit in memory (the global batch over the replicas and the micro-batch size, or a half, a quarter, ... of it with
 gradient accumulation running the schedule again). More micro-batches shrink every bubble; only GPipe's memory grows
 with them. The fastest that fits wins; each candidate's bubble, step time and activations go into the plan.
@@ -11,15 +11,15 @@ from __future__ import annotations
 from dataclasses import replace
 
 from lit3d.config import GPTConfig
-from lit3d.planner.estimate import GB, Cluster, Plan, Training, estimate
-from lit3d.strategies.layout import Layout, check_model_fits_pipeline
-from lit3d.strategies.schedules import (
+from lit3d.parallel.layout import Layout, check_model_fits_pipeline
+from lit3d.parallel.schedules import (
     SCHEDULES,
     check_composes,
     last_stage_in_flight,
     microbatch_problem,
     peak_in_flight,
 )
+from lit3d.planner.estimate import GB, Cluster, Plan, Training, estimate
 
 # (schedule, chunks per rank) the search tries: the interleaved and zero-bubble ones at two chunks (ZB-H1 at one).
 CANDIDATES = (

@@ -18,7 +18,7 @@ import io
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lit3d.strategies.layout import Layout
+from lit3d.parallel.layout import Layout
 
 if TYPE_CHECKING:
     from lit3d.planner.estimate import Plan

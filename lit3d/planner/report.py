@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from lit3d.config import GPTConfig
+from lit3d.parallel.layout import Layout
 from lit3d.planner.estimate import GB, Cluster, Plan, Training
 from lit3d.planner.pipeline import label, same_schedule, schedule_flags, why_schedule
 from lit3d.planner.search import Candidate, tokens_per_second, why
-from lit3d.strategies.layout import Layout
 
 
 def count(n: float) -> str:

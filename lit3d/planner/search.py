@@ -15,10 +15,8 @@ import math
 from dataclasses import dataclass, replace
 
 from lit3d.config import GPTConfig
-from lit3d.planner.estimate import GB, PRECISIONS, Cluster, Plan, Training, estimate
-from lit3d.planner.pipeline import CANDIDATES, choose_schedule, why_schedule
-from lit3d.strategies.context_parallel import check_context_parallel
-from lit3d.strategies.layout import (
+from lit3d.parallel.context import check_context_parallel
+from lit3d.parallel.layout import (
     ZERO_STAGES,
     Layout,
     check_choices,
@@ -26,8 +24,10 @@ from lit3d.strategies.layout import (
     check_model_fits_pipeline,
     check_sizes,
 )
-from lit3d.strategies.precision import check_reduce_dtype
-from lit3d.strategies.schedules import check_composes, microbatch_problem
+from lit3d.parallel.precision import check_reduce_dtype
+from lit3d.parallel.schedules import check_composes, microbatch_problem
+from lit3d.planner.estimate import GB, PRECISIONS, Cluster, Plan, Training, estimate
+from lit3d.planner.pipeline import CANDIDATES, choose_schedule, why_schedule
 
 LONG_SEQUENCE = 16384  # tokens from which the search tries context parallelism
 MIN_CP_CHUNK = 2048  # tokens a CP rank keeps at least (shorter shares leave the ring's hops exposed)

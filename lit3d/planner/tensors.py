@@ -1,8 +1,9 @@
 """The model's parameter tensors as the planner sees them: shape, the dim TP splits, which pipeline rank holds
 each, and how many elements a rank keeps after TP and data-parallel sharding.
 
-Shapes come from the real model built on the meta device, each tensor's split from the model's tensor-parallel
-plan and `lit3d.strategies.tensor_parallel.SHARDED_DIM`, its stage from the strategy's own partition.
+Shapes come from the model's config (`lit3d.planner.shapes`, checked against the real model by the tests), each
+tensor's split from the model's tensor-parallel plan (`lit3d.tp_plan`) and `lit3d.parallel.sharding.SHARDED_DIM`,
+its stage from the strategy's own partition (`lit3d.parallel.stages`); no torch (its import alone takes seconds).
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from functools import lru_cache
 from typing import Any
 
 from lit3d.config import GPTConfig
-from lit3d.strategies.stages import block_costs, chunk_stage_ids, partition
-from lit3d.strategies.tensor_parallel import SHARDED_DIM
+from lit3d.parallel.sharding import SHARDED_DIM
+from lit3d.parallel.stages import chunk_stage_ids, partition
+from lit3d.planner.shapes import block_costs, parameter_shapes
+from lit3d.tp_plan import tensor_parallel_plan
 
 
 @dataclass(frozen=True)
@@ -39,20 +42,14 @@ def parameter_table(config: GPTConfig) -> tuple[Tensor, ...]:
 
 @lru_cache(maxsize=16)
 def _parameter_table(fields: tuple[tuple[str, Any], ...]) -> tuple[Tensor, ...]:
-    import torch
-
-    from lit3d.model import Transformer, tensor_parallel_plan
-
     config = GPTConfig(**dict(fields))
-    with torch.device("meta"):
-        network = Transformer(config)
     plan, table = tensor_parallel_plan(config), []
-    for name, param in network.named_parameters():
+    for name, shape in parameter_shapes(config):
         module = name.rsplit(".", 1)[0]
         roles = [role for pattern, role in plan.items() if fnmatchcase(module, pattern)]
         block = int(name.split(".")[1]) if name.startswith("blocks.") else None
         tp_dim = SHARDED_DIM.get(roles[0]) if roles else None
-        table.append(Tensor(name, tuple(param.shape), tp_dim, block, ".experts." in name))
+        table.append(Tensor(name, shape, tp_dim, block, ".experts." in name))
     return tuple(table)
 
 
@@ -63,13 +60,7 @@ def stage_blocks(config: GPTConfig, chunks: int) -> tuple[tuple[int, ...], ...]:
 
 @lru_cache(maxsize=64)
 def _stage_blocks(key: tuple[tuple[str, Any], ...], chunks: int) -> tuple[tuple[int, ...], ...]:
-    import torch
-
-    from lit3d.model import Transformer
-
-    with torch.device("meta"):  # the strategy's own cost rule, on the real module: shapes only, no memory
-        network = Transformer(GPTConfig(**dict(key)))
-    return tuple(tuple(run) for run in partition(*block_costs(network), chunks))
+    return tuple(tuple(run) for run in partition(*block_costs(GPTConfig(**dict(key))), chunks))
 
 
 def rank_tensors(config: GPTConfig, pp: int, virtual: int, stage_rank: int, placement: str = "loop") -> list[Tensor]:
@@ -112,7 +103,8 @@ def local_numel(tensor: Tensor, tp: int, shard: int = 1, shard_dim: int = 0, ep:
         shape[tensor.tp_dim] //= tp
     if tensor.expert:
         shape[0] = -(-shape[0] // ep)
-    shape[shard_dim] = -(-shape[shard_dim] // shard)
+    if shard != 1:  # NOTE: the search calls this half a million times; most calls shard nothing
+        shape[shard_dim] = -(-shape[shard_dim] // shard)
     return math.prod(shape)
 
 

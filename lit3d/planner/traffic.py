@@ -6,12 +6,12 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, NamedTuple
 
 from lit3d.config import GPTConfig
+from lit3d.parallel.context import ring_bytes_per_layer
+from lit3d.parallel.layout import Layout
+from lit3d.parallel.schedules import SCHEDULES
+from lit3d.parallel.sharding import BUCKET_ELEMENTS
+from lit3d.parallel.stages import chunk_stage_ids
 from lit3d.planner.tensors import config_key, local_numel, rank_tensors, stepped_numel
-from lit3d.ring_attention import ring_bytes_per_layer
-from lit3d.strategies.layout import Layout
-from lit3d.strategies.schedules import SCHEDULES
-from lit3d.strategies.stages import chunk_stage_ids
-from lit3d.strategies.zero1_buckets import BUCKET_ELEMENTS
 
 if TYPE_CHECKING:
     from lit3d.planner.estimate import Precision, Training

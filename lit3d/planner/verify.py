@@ -10,14 +10,15 @@ ones. No memory is allocated, so a thousand simulated ranks take seconds.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from lit3d.config import GPTConfig
+from lit3d.parallel.layout import Layout
+from lit3d.parallel.schedules import SCHEDULES
 from lit3d.planner.tensors import local_numel, rank_tensors, replicas
-from lit3d.strategies.layout import Layout
-from lit3d.strategies.schedules import SCHEDULES
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -50,6 +51,9 @@ def verify(
     pipeline_schedule: str = "1f1b",
 ) -> list[StageCount]:
     """Per pipeline stage: the parameter elements rank (d=0, t=0, p) holds after the real parallelisation."""
+    # NOTE: torch only here: `lit3d plan` imports the planner, and only `--verify` needs the real model.
+    import torch
+    import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from lit3d.model import Transformer, tensor_parallel_plan

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from lit3d.strategies.schedules import DEFAULT_CHUNKS, SCHEDULES, chunks_per_rank, microbatch_problem
+from lit3d.parallel.schedules import DEFAULT_CHUNKS, SCHEDULES, chunks_per_rank, microbatch_problem
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

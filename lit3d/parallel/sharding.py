@@ -1,0 +1,12 @@
+"""What the sharding axes split: the dim of a weight each tensor-parallel role splits, and the size of ZeRO-1's
+collectives. The strategy applies these (`lit3d.strategies.tensor_parallel`, `lit3d.strategies.zero1_buckets`)
+and the planner counts with them."""
+
+from __future__ import annotations
+
+ROLES = ("colwise", "rowwise", "tp_region", "replicated_region", "norm", "vocab_embedding", "vocab_head")
+# The dim of its weight each role splits over the TP ranks (an ``nn.Linear`` weight is [out, in], an embedding's
+# [vocab, d]); the roles not named here leave their weights whole. The planner counts shards with this.
+SHARDED_DIM = {"colwise": 0, "rowwise": 1, "vocab_embedding": 0, "vocab_head": 0}
+
+BUCKET_ELEMENTS = 50_000_000  # one ZeRO-1 collective moves at most this many elements per rank

@@ -1,0 +1,69 @@
+"""The depth cut into pipeline stages, as arithmetic on block indices: which blocks each chunk runs, and which
+pipeline rank holds each chunk.
+
+The network's decoder blocks ``0..N-1`` are cut into ``pp × virtual`` chunks of consecutive blocks, balanced by cost
+(parameter elements, the same as the matmul FLOPs per token of blocks and head; `partition`); chunk ``s`` lives on
+pipeline rank ``s % pp``, or for the V-shaped schedules (two chunks per rank) rank ``r`` holds chunks ``r`` and
+``2·pp - 1 - r`` (`chunk_stage_ids`). The first chunk also runs the parts before the blocks (an embedding), the last
+those after them (final norm, head).
+
+No torch here: the planner cuts with these rules from the model's shapes alone. The chunk modules themselves (views
+of an ``nn.Module`` network) are `lit3d.strategies.stages`.
+"""
+
+from __future__ import annotations
+
+
+def partition(costs: list[float], first_extra: float, last_extra: float, chunks: int) -> list[list[int]]:
+    """Cut blocks ``0..N-1`` (with ``costs``) into ``chunks`` consecutive, non-empty runs, minimising the
+    largest run cost; the first run also pays ``first_extra`` (the embedding), the last ``last_extra`` (the
+    head). Exact dynamic programme over cut points."""
+    n = len(costs)
+    if not 1 <= chunks <= n:
+        raise ValueError(f"cannot cut {n} blocks into {chunks} pipeline chunks")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def run_cost(i: int, j: int, k: int) -> float:  # blocks i..j-1 as chunk k
+        return prefix[j] - prefix[i] + (first_extra if k == 0 else 0) + (last_extra if k == chunks - 1 else 0)
+
+    # best[k][j]: minimal largest cost of cutting blocks 0..j-1 into k+1 chunks; cut[k][j]: start of chunk k.
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(chunks)]
+    cut = [[0] * (n + 1) for _ in range(chunks)]
+    for j in range(1, n + 1):
+        best[0][j] = run_cost(0, j, 0)
+    for k in range(1, chunks):
+        # NOTE: `run_cost` written out, and no chunk k ending where too few blocks are left for the chunks after it:
+        # the planner cuts every model at every chunk count, and these loops were its slowest part.
+        extra = last_extra if k == chunks - 1 else 0
+        previous, row, starts = best[k - 1], best[k], cut[k]
+        for j in range(k + 1, n - (chunks - 1 - k) + 1):
+            end = prefix[j]
+            for i in range(k, j):
+                value = max(previous[i], end - prefix[i] + extra)
+                if value < row[j]:
+                    row[j], starts[j] = value, i
+    bounds, j = [], n
+    for k in range(chunks - 1, 0, -1):
+        i = cut[k][j]
+        bounds.append((i, j))
+        j = i
+    bounds.append((0, j))
+    return [list(range(i, j)) for i, j in reversed(bounds)]
+
+
+def chunk_stage_ids(rank: int, pp: int, virtual: int, placement: str = "loop") -> list[int]:
+    """Global stage indices held by pipeline rank ``rank``: ``"loop"``, stage s on rank s % pp; ``"v"`` (two chunks
+    per rank, the V-shaped schedules), stages ``rank`` and ``2·pp - 1 - rank``, so the last stage is on rank 0."""
+    if placement == "v":
+        return [rank, 2 * pp - 1 - rank]
+    return [rank + v * pp for v in range(virtual)]
+
+
+def stage_rank(stage: int, pp: int, placement: str = "loop") -> int:
+    """The pipeline rank that holds global stage ``stage`` (the inverse of `chunk_stage_ids`)."""
+    if placement == "v" and stage >= pp:
+        return 2 * pp - 1 - stage
+    return stage % pp

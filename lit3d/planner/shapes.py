@@ -1,0 +1,77 @@
+"""The model's parameter shapes from its `GPTConfig` alone, without torch: what the planner counts with.
+
+`parameter_shapes` is, name for name and in the same order, ``Transformer(config).named_parameters()``
+(`lit3d.model`, `lit3d.moe`), and `block_costs` what `lit3d.strategies.stages.block_costs` measures on that module
+(the pipeline cut's costs). Building the real model, even on the meta device, needs torch and costs seconds that
+``lit3d plan`` should not pay.
+
+NOTE: this is a second description of the model's shapes. tests/test_planner_shapes.py compares both functions with
+the meta model for every preset and the tests' small models, so a change to the model that is not made here fails
+the suite; ``lit3d plan --verify`` compares the planner with the really parallelised model.
+"""
+
+from __future__ import annotations
+
+import math
+
+from lit3d.config import GPTConfig
+
+Shape = tuple[int, ...]
+
+
+def parameter_shapes(config: GPTConfig) -> list[tuple[str, Shape]]:
+    """``(name, shape)`` of every parameter, as ``Transformer(config).named_parameters()`` lists them (a tied head
+    is the embedding's tensor, listed once)."""
+    shapes = []
+    for part, params in _parts(config):
+        if part == "head" and config.tie_embeddings:
+            continue
+        shapes += [(f"{part}.{name}", shape) for name, shape in params]
+    return shapes
+
+
+def block_costs(config: GPTConfig) -> tuple[list[float], float, float]:
+    """Parameter elements of each block, of the parts before the blocks (embedding) and of those after them (final
+    norm and head, the head counted even when tied): the pipeline cut's costs, as the strategy measures them."""
+    costs, before, after, seen_blocks = [], 0.0, 0.0, False
+    for part, params in _parts(config):
+        numel = float(sum(math.prod(shape) for _, shape in params))
+        if part.startswith("blocks."):
+            costs.append(numel)
+            seen_blocks = True
+        elif seen_blocks:
+            after += numel
+        else:
+            before += numel
+    return costs, before, after
+
+
+def _parts(config: GPTConfig) -> list[tuple[str, list[tuple[str, Shape]]]]:
+    """The network's top-level parts in registration order (each block its own part), with their parameters."""
+    vocab, d = config.padded_vocab_size, config.d_model
+    blocks = [(f"blocks.{i}", _block(config, i)) for i in range(config.n_layer)]
+    ends = [("norm", [("weight", (d,))]), ("head", [("weight", (vocab, d))])]
+    return [("embed", [("weight", (vocab, d))]), *blocks, *ends]
+
+
+def _block(config: GPTConfig, index: int) -> list[tuple[str, Shape]]:
+    """`lit3d.model.Block`: norm, attention, norm, then a SwiGLU MLP or (`is_moe_layer`) an MoE."""
+    d, q_width, kv_width = config.d_model, config.n_head * config.head_dim, config.n_kv_head * config.head_dim
+    attention = [("q_proj", (q_width, d)), ("k_proj", (kv_width, d)), ("v_proj", (kv_width, d))]
+    attention.append(("o_proj", (d, q_width)))
+    shapes = [("attn_norm.weight", (d,)), *[(f"attn.{name}.weight", shape) for name, shape in attention]]
+    shapes.append(("mlp_norm.weight", (d,)))
+    if not config.is_moe_layer(index):
+        return shapes + [(f"mlp.{name}", shape) for name, shape in _mlp(d, config.d_ff)]
+    experts, width = config.n_expert, config.d_ff_expert
+    shapes += [("mlp.router.gate.weight", (experts, d))]
+    shapes += [(f"mlp.experts.{name}", (experts, d, width)) for name in ("gate_proj", "up_proj")]
+    shapes += [("mlp.experts.down_proj", (experts, width, d))]
+    if config.n_shared_expert:
+        shapes += [(f"mlp.shared.{name}", shape) for name, shape in _mlp(d, config.n_shared_expert * width)]
+    return shapes
+
+
+def _mlp(d: int, hidden: int) -> list[tuple[str, Shape]]:
+    """`lit3d.model.MLP` (SwiGLU, no biases): ``nn.Linear`` weights are ``[out, in]``."""
+    return [("gate_proj.weight", (hidden, d)), ("up_proj.weight", (hidden, d)), ("down_proj.weight", (d, hidden))]
