@@ -11,9 +11,10 @@ import torch
 from lightning.pytorch import Trainer
 from typing_extensions import override
 
+from lit3d.parallel.precision import keeps_master_weights
 from lit3d.strategies.grad_norm import clip_grad_norm_
 from lit3d.strategies.islands import build_outer_loop
-from lit3d.strategies.precision import keeps_master_weights, reduce_dtype
+from lit3d.strategies.precision import reduce_dtype
 from lit3d.strategies.zero1 import ELEMENTWISE_OPTIMIZERS, LocalShardOptimizer
 
 

@@ -68,21 +68,28 @@ class LocalShardOptimizer:
             entries = [self._entry(p) for p in group["params"]]
             self.entries += entries
             group["params"] = [e.view for e in entries]
-        self._hooks: list[Any] = []
         if param_dtype is not None:
             for e in self.entries:
                 _hold_in(e.param, param_dtype)
-            # NOTE: before `overlap`'s hooks, which then find the gradient set aside
-            needed = [e for e in self.entries if e.param.requires_grad]
-            self._hooks = [e.param.register_post_accumulate_grad_hook(e.set_grad_aside) for e in needed]
         self._by_view = {id(e.view): e for e in self.entries}
         sliced = [e for e in self.entries if e.dim is not None]
         if module is not None:  # buckets in the order backward finishes the gradients: the module's last first
             index = {id(p): i for i, p in enumerate(module.parameters())}
             sliced.sort(key=lambda e: -index.get(id(e.param), -1))
         self._buckets = buckets(sliced)
-        self._overlap_hooks: list[Any] = []
-        self._launched: int | None = None  # inside `overlap`: buckets up to this index have started
+        # Each gradient goes to its bucket's rows as soon as backward has finished it; under master weights, those of
+        # the parameters ZeRO-1 does not slice are set aside in fp32.
+        self._hooks = [
+            e.param.register_post_accumulate_grad_hook(partial(self._grad_ready, i, e))
+            for i, bucket in enumerate(self._buckets)
+            for e in bucket.entries
+            if e.param.requires_grad
+        ]
+        if param_dtype is not None:
+            aside = [e for e in self.entries if e.dim is None and e.param.requires_grad]
+            self._hooks += [e.param.register_post_accumulate_grad_hook(e.set_grad_aside) for e in aside]
+        self._launched = -1  # buckets up to this index have started their reduce-scatter this step
+        self._overlapping = False  # inside `overlap`
 
     def _entry(self, param: torch.Tensor) -> _Entry:
         if self.mesh is None:
@@ -119,7 +126,7 @@ class LocalShardOptimizer:
 
     def remove_hooks(self) -> None:
         """Its backward hooks off the parameters, before another setup of them replaces it (a second fit)."""
-        for hook in [*self._hooks, *self._overlap_hooks]:
+        for hook in self._hooks:
             hook.remove()
 
     @property
@@ -135,39 +142,42 @@ class LocalShardOptimizer:
         Buckets start in one fixed order on every rank (a bucket waits for those before it), so the collectives
         match even where a parameter gets no gradient on some rank; `scatter_grads` starts whatever is left.
         """
-        if not self._overlap_hooks:
-            for i, bucket in enumerate(self._buckets):
-                for e in bucket.entries:
-                    hook = e.param.register_post_accumulate_grad_hook(partial(self._grad_ready, i))
-                    self._overlap_hooks.append(hook)
         for bucket in self._buckets:
             bucket.ready = 0
-        self._launched = -1
+        self._overlapping = True
         try:
             yield
         finally:
-            self._launched = None
+            self._overlapping = False
 
     @torch.no_grad()
-    def _grad_ready(self, index: int, param: torch.Tensor) -> None:
-        if self._launched is None:  # not inside `overlap`
+    def _grad_ready(self, index: int, entry: _Entry, param: torch.Tensor) -> None:
+        self._buckets[index].add_grad(entry)
+        if not self._overlapping:  # a micro-step before the last, or a pipeline's micro-batch: the rows sum it
             return
         self._buckets[index].ready += 1
         while self._launched + 1 < len(self._buckets):
             bucket = self._buckets[self._launched + 1]
             if bucket.ready < len(bucket.entries):
                 break
-            bucket.start_reduce_scatter(self.reduce_dtype)
-            self._launched += 1
+            self._launch_next()
+
+    def _launch_next(self) -> None:
+        """Start the next bucket's reduce-scatter, then finish the one before it. NOTE: so at most two buckets'
+        rows are alive at once, one in flight and one filling, not a whole gradient (Megatron's main_grad)."""
+        self._launched += 1
+        self._buckets[self._launched].start_reduce_scatter(self.reduce_dtype)
+        if self._launched > 0:
+            self._buckets[self._launched - 1].finish_reduce_scatter()
 
     @torch.no_grad()
     def scatter_grads(self) -> None:
         """Hand the optimizer its views of the gradients; with ZeRO-1, their DP averages (a reduce-scatter)."""
-        for bucket in self._buckets:
-            if bucket.pending is None:
-                bucket.start_reduce_scatter(self.reduce_dtype)
-        for bucket in self._buckets:
-            bucket.finish_reduce_scatter()
+        while self._launched + 1 < len(self._buckets):
+            self._launch_next()
+        if self._buckets:
+            self._buckets[-1].finish_reduce_scatter()
+        self._launched = -1
         for e in self.entries:
             if e.view is not e.param and e.dim is None:
                 grad = e.take_grad() if self.param_dtype is not None else e.param.grad

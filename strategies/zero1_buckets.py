@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lit3d.parallel.sharding import BUCKET_ELEMENTS
+
 if TYPE_CHECKING:
     from lit3d.strategies.zero1 import _Entry
-
-BUCKET_ELEMENTS = 50_000_000  # one collective moves at most this many elements per rank
 
 
 def buckets(entries: list[_Entry]) -> list[Bucket]:
@@ -25,23 +25,33 @@ def buckets(entries: list[_Entry]) -> list[Bucket]:
 
 
 class Bucket:
-    """Entries moved by one collective. Every rank lays out a bucket as ``size`` rows of ``total`` elements, one
-    row per rank, each holding that rank's slices at the same offsets (each slice padded to the largest).
+    """Entries moved by one collective. Every rank lays out a bucket's gradients as ``size`` rows of ``total``
+    elements, one row per rank, each holding that rank's slices at the same offsets (each slice padded to the
+    largest).
+
+    Those rows (``grads``) are the only whole gradient of the bucket a rank holds, as Megatron's main_grad buffer
+    but one bucket at a time: each parameter's gradient is added to them, in the optimizer's dtype (fp32 under
+    master weights), as soon as backward has finished it, and the parameter's own is dropped. They are made zero at
+    the step's first gradient, sum gradient accumulation's micro-steps and a pipeline's micro-batches, and are freed
+    once their reduce-scatter is done (`finish_reduce_scatter`).
 
     NOTE: on CPU the rows go out through an all-to-all that skips this rank's own row, for both the reduce-scatter
     and the all-gather: gloo's reduce-scatter and all-gather took 2.9x and 1.6x as long as that all-to-all of the
-    same bytes (13 MB over 2 ranks: 22 and 12 ms against 7.4 ms, measured). So on CPU this rank's own row is the
-    last and the others follow rank order; on GPUs row r is rank r's, as NCCL's collectives take them.
+    same bytes (13 MB over 2 ranks: 22 and 12 ms against 7.4 ms, measured), and gloo's reduce-scatter copies its
+    whole input. So on CPU this rank's own row is the last and the others follow rank order; on GPUs row r is rank
+    r's, as NCCL's collectives take them. Over 2 ranks both paths hold the same bytes (over more, the CPU path holds
+    a few more rows while a collective runs).
     """
 
     def __init__(self, entries: list[_Entry]) -> None:
         self.entries = entries
         sizes = [e.slice_numel for e in entries]
         self.offsets, self.total = [sum(sizes[:i]) for i in range(len(sizes))], sum(sizes)
+        self._offset = {id(e): offset for e, offset in zip(entries, self.offsets)}
         self.group, self.size, self.rank = entries[0].dp
         self.cpu = entries[0].view.device.type == "cpu"
-        self._kept: dict[str, torch.Tensor] = {}
-        self.pending: tuple | None = None  # a launched reduce-scatter: (its work, the tensor it lands in)
+        self.grads: torch.Tensor | None = None  # this step's gradient sums, ``[size, total]``, until reduce-scattered
+        self.pending: tuple | None = None  # a launched reduce-scatter: its work, the tensor it lands in, its input
         self.ready = 0  # entries whose gradient backward has finished (`LocalShardOptimizer.overlap`)
 
     def row(self, rank: int) -> int:
@@ -49,70 +59,77 @@ class Bucket:
             return rank
         return self.size - 1 if rank == self.rank else rank - (rank > self.rank)
 
-    def rows(self, key: str, dtype: torch.dtype) -> torch.Tensor:
-        """A ``[size, total]`` work buffer. NOTE: on CPU one is kept per key, the bytes of the widest dtype asked
-        for (the bf16 gathers of master weights reuse the fp32 reduce's): a fresh buffer of this size comes from
-        the OS as untouched pages, and faulting them in cost as much as the collective (measured: 13 MB over 2
-        ranks, copy 10 -> 4 ms, all-to-all 21 -> 11 ms). CUDA's caching allocator reuses memory anyway."""
-        view = self.entries[0].view
-        if not self.cpu:
-            return view.new_empty(self.size, self.total, dtype=dtype)
-        nbytes = self.size * self.total * dtype.itemsize
-        if key not in self._kept or self._kept[key].numel() < nbytes:
-            self._kept[key] = view.new_empty(nbytes, dtype=torch.uint8)
-        return self._kept[key][:nbytes].view(dtype).view(self.size, self.total)
+    @torch.no_grad()
+    def add_grad(self, entry: _Entry) -> None:
+        """Add the gradient left on ``entry``'s parameter to the bucket's rows (made zero at the step's first), and
+        drop it from the parameter. Exact: the rows hold what the parameter's own gradient would sum."""
+        grad, entry.param.grad = entry.param.grad, None
+        if grad is None:
+            return
+        if self.grads is None:
+            self.grads = entry.view.new_zeros(self.size, self.total)
+        offset = self._offset[id(entry)]
+        for rank, part in enumerate(entry.slices(entry.like_param(grad))):  # (bf16 gradients of master weights too)
+            self.grads[self.row(rank), offset : offset + part.numel()].view(part.shape).add_(part)
 
     def _to_others(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Any:
         """CPU: row i of ``input`` to the i-th other rank, whose row for this rank lands in row i of ``output``."""
         splits = [int(r != self.rank) for r in range(self.size)]
-        return torch.distributed.all_to_all_single(output[:-1], input[:-1], splits, splits, group=self.group,
+        return torch.distributed.all_to_all_single(output, input, splits, splits, group=self.group,
                                                    async_op=async_op)  # fmt: skip
 
+    @torch.no_grad()
     def start_reduce_scatter(self, dtype: torch.dtype | None) -> None:
-        """Launch the DP average of the gradients (not waiting for it), each rank to receive only its slices;
-        the model's gradients are dropped: each rank keeps only the average of its slice."""
-        send = self.rows("send", dtype or self.entries[0].view.dtype)  # its padding is never read: not zeroed
-        for e, offset in zip(self.entries, self.offsets):
-            grad = e.take_grad()
-            grad = grad if grad is not None else torch.zeros_like(e.param)
-            for rank, part in enumerate(e.slices(grad)):  # (bf16 gradients of master weights: upcast here)
-                send[self.row(rank), offset : offset + part.numel()].copy_(part.reshape(-1))
+        """Launch the DP sum of the rows (not waiting for it), in ``dtype`` if given, each rank to receive only its
+        slices. A gradient still on a parameter (one set without its hook, e.g. by a zero-bubble schedule's weight
+        pass) joins the rows first; a bucket that got no gradient sends zeros."""
+        for e in self.entries:
+            self.add_grad(e)
+        rows, self.grads = self.grads, None
+        rows = rows if rows is not None else self.entries[0].view.new_zeros(self.size, self.total)
+        send = rows if dtype is None else rows.to(dtype)
+        del rows  # NOTE: rows cast for the wire are freed here, before the collective's buffers are made
         if self.cpu:
-            received = self.rows("receive", send.dtype)
-            work = self._to_others(received, send, async_op=True)
-            self.pending = (work, received, send[-1])
+            received = send.new_empty(self.size - 1, self.total)
+            work = self._to_others(received, send[:-1], async_op=True)
         else:
             received = send.new_empty(self.total)
             work = torch.distributed.reduce_scatter_single(received, send.view(-1), group=self.group, async_op=True)
-            self.pending = (work, received, None)
+        self.pending = (work, received, send)
 
+    @torch.no_grad()
     def finish_reduce_scatter(self) -> None:
-        """Wait for the launched reduce-scatter and hand the optimizer's views their averaged gradients."""
-        work, received, own = self.pending
+        """Wait for the launched reduce-scatter, free what it sent, and hand the optimizer's views their averaged
+        gradients."""
+        work, received, send = self.pending
         self.pending = None
         work.wait()
-        if own is not None:  # CPU: this rank's own row plus the rows the others sent it
-            for row in received[:-1]:
-                own.add_(row)
-            received = own
+        if self.cpu:  # the rows the others sent this rank plus its own, summed in the first (a + b is b + a)
+            summed = received[0].add_(send[-1])
+            for row in received[1:]:
+                summed.add_(row)
+            received = summed.clone() if self.size > 2 else summed
+        del send
         view = self.entries[0].view
         received = received.to(view.dtype).div_(self.size)
         for e, offset in zip(self.entries, self.offsets):
             e.view.grad = received[offset : offset + e.view.numel()].view(e.view.shape)
 
+    @torch.no_grad()
     def all_gather(self) -> None:
-        """Replicate the updated slices over DP, in the parameters' dtype. The gradient views are dropped first: on
-        CPU the buffers they point into carry the slices."""
+        """Replicate the updated slices over DP, in the parameters' dtype. The gradient views are dropped first, so
+        their bytes are free for the gathered rows."""
         for e in self.entries:
             e.view.grad = None
-        dtype = self.entries[0].param.dtype
-        gathered = self.rows("receive", dtype)
-        send = self.rows("send", dtype) if self.cpu else None
-        mine = send[0] if self.cpu else self.entries[0].view.new_empty(self.total, dtype=dtype)
+        dtype, view = self.entries[0].param.dtype, self.entries[0].view
+        rows = self.size - 1 if self.cpu else self.size  # CPU: the other ranks' rows only
+        gathered = view.new_empty(rows, self.total, dtype=dtype)
+        send = view.new_empty(self.size - 1, self.total, dtype=dtype) if self.cpu else None
+        mine = send[0] if self.cpu else view.new_empty(self.total, dtype=dtype)
         for e, offset in zip(self.entries, self.offsets):
-            mine[offset : offset + e.view.numel()].copy_(e.view.reshape(-1))
+            mine[offset : offset + e.view.numel()].view(e.view.shape).copy_(e.view)
         if self.cpu:
-            send[1:-1].copy_(mine.expand(self.size - 2, -1))  # the same row to every other rank
+            send[1:].copy_(mine.expand(self.size - 2, -1))  # the same row to every other rank
             self._to_others(gathered, send)
         else:
             torch.distributed.all_gather_single(gathered.view(-1), mine, group=self.group)

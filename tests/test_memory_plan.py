@@ -1,9 +1,11 @@
 """What `lit3d plan` plans for a bf16-mixed run against what the run holds, at ZeRO 0, 1 and 3 on 2 ranks.
 
 The plan is the search's own `estimate` of the layout (what `lit3d plan` prints and picks by), not the run's. The run
-measures its parameters, gradients and optimizer states at the last optimizer step (`memory_report`), and the bytes
-autograd saves in each forward (saved-tensor hooks: the activations, with autocast's bf16 copies of fp32 weights). A
-model wide enough for its weights and optimizer states to dominate, as in a real run.
+measures its parameters, gradients and optimizer states at the last optimizer step (`memory_report`), the bytes
+autograd saves in each forward (saved-tensor hooks: the activations, with autocast's bf16 copies of fp32 weights), and
+the most bytes of live tensors each rank holds over a whole step (`live_memory.PeakMemory`: what a GPU's allocator
+would hand out), against the plan's total. A model wide enough for its weights and optimizer states to dominate, as in
+a real run; AdamW as PyTorch runs it on GPUs by default (``foreach``: a temporary the size of what it steps).
 
 ZeRO-0 here is DDP (fp32 parameters, autocast's bf16 copies saved for backward), ZeRO-1 Megatron's distributed
 optimizer (bf16 parameters, fp32 master weights in the optimizer's slices), ZeRO-3 FSDP2 (fp32 shards gathered in
@@ -16,10 +18,11 @@ import lightning as L
 import pytest
 import torch
 from conftest import merge
+from live_memory import PeakMemory
 
 from lit3d import GPTConfig
+from lit3d.parallel.layout import Layout
 from lit3d.planner import Cluster, Training, estimate
-from lit3d.strategies.layout import Layout
 
 CONFIG = dict(n_layer=2, n_head=6, n_kv_head=2, d_model=384, d_ff=1024, vocab_size=257, max_seq_len=32)
 SEQ, BATCH = 16, 8  # 4 sequences per replica: one micro-batch of 64 tokens
@@ -79,11 +82,14 @@ def runs(corpus, tmp_path_factory) -> dict[str, dict]:
     from spawned import run_jobs
 
     base = dict(
-        model=dict(config=CONFIG, learning_rate=3e-3, warmup_steps=2),
+        model=dict(config=CONFIG, learning_rate=3e-3, warmup_steps=2, optimizer_impl="foreach"),
         data=dict(data_path=str(corpus), seq_len=SEQ, global_batch_size=BATCH, val_fraction=0.1),
         trainer=dict(max_steps=4, limit_val_batches=0, precision="bf16-mixed"),
     )
-    jobs = {f"zero{z}": merge(base, {"strategy": {"zero_stage": z}, "callbacks": [SavedActivations()]}) for z in STAGES}
+    jobs = {
+        f"zero{z}": merge(base, {"strategy": {"zero_stage": z}, "callbacks": [SavedActivations(), PeakMemory(step=2)]})
+        for z in STAGES
+    }
     jobs["zero1"]["checkpoint_every"] = 2
     out = Path(tmp_path_factory.mktemp("memory_plan"))
     results = run_jobs(2, jobs, out)
@@ -103,6 +109,27 @@ def test_the_plan_is_what_a_bf16_mixed_run_holds(runs, zero_stage):
         assert measured["activations"] == pytest.approx(plan["activations"], rel=0.05), rank
         keys = ("params", "grads", "optimizer", "activations")
         assert sum(measured[k] for k in keys) == pytest.approx(sum(plan[k] for k in keys), rel=0.05), rank
+
+
+@pytest.mark.parametrize("zero_stage", STAGES)
+def test_the_planned_total_is_the_measured_peak(runs, zero_stage):
+    """The most a rank holds at once over a step is the plan's total, within 5 %: ZeRO-0 (DDP) at the optimizer
+    step, AdamW's temporary beside every state; ZeRO-1 at backward's end, its bucket's fp32 gradient rows beside the
+    reduce-scattered slices; ZeRO-3 in backward, a block's reduce-scatter input beside the gathered parameters."""
+    plan = planned(zero_stage)
+    for rank, report in enumerate(runs[f"zero{zero_stage}"]["ranks"]):
+        assert report["peak_memory"]["peak"] == pytest.approx(plan["total"], rel=0.05), (rank, plan)
+
+
+def test_the_peak_leaves_out_only_gloos_copy_of_a_reduce_scatter_input(runs):
+    """Gloo copies a reduce-scatter's whole input where NCCL reads the caller's buffer: at ZeRO-3, FSDP2's fp32
+    gradient of one block (ZeRO-1 sends through an all-to-all, which copies nothing; DDP all-reduces in place)."""
+    from lit3d.model import Transformer
+
+    with torch.device("meta"):
+        block = sum(p.numel() for p in Transformer(GPTConfig(**CONFIG)).blocks["0"].parameters())
+    copies = {z: max(r["peak_memory"]["collective_copies"] for r in runs[f"zero{z}"]["ranks"]) for z in STAGES}
+    assert copies[0] < 64 and copies[1] < 64 and copies[3] == 4 * block, copies
 
 
 def test_zero1_holds_bf16_weights_and_fp32_master_weights_in_its_slices(runs):

@@ -109,10 +109,11 @@ def test_the_readme_moe_plan_commands_pick_the_layouts_it_quotes(capsys):
         plans = [report, *report["alternatives"]]
         ranked[command] = (list(dict.fromkeys(grid(p["layout"]) for p in plans)), [p["step_time_s"] for p in plans])
     grids, times = ranked["lit3d plan --model mixtral-8x7b --nodes 8 --seq_len 4096"]
-    assert grids[:3] == ["DP16 × PP4", "DP32 × PP2 × EP2", "DP64 × EP4"], grids
+    assert grids[:3] == ["DP32 × PP2 × EP8", "DP16 × PP4 × EP4", "DP4 × PP16"], grids
     assert max(times[:3]) < 1.01 * times[0]
-    assert ranked["lit3d plan --model mixtral-8x7b --nodes 8"][0][0] == "DP2 × CP8 × PP4"
-    assert "ranks DP16 × PP4, DP32 × PP2 × EP2 and DP64 × EP4 first" in " ".join(readme.split())
+    assert ranked["lit3d plan --model mixtral-8x7b --nodes 8"][0][0] == "DP1 × CP8 × PP8"
+    assert "ranks DP32 × PP2 × EP8, DP16 × PP4 × EP4 and DP4 × PP16 first" in " ".join(readme.split())
+    assert "splits each sequence instead: CP8 × PP8" in " ".join(readme.split())
 
 
 def test_a_cpu_rehearsal_plans_with_its_share_of_this_machines_cpu():

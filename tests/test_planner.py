@@ -142,7 +142,7 @@ def test_search_keeps_valid_layouts_that_fit_fastest_first():
     training = Training(seq_len=4096, global_batch_size=512)
     fitting, dropped = search(config, cluster, training)
     assert fitting and dropped["out_of_memory"] > 0
-    times = [c.plan.step_time_s for c in fitting]
+    times = [round(c.plan.step_time_s, 6) for c in fitting]  # equal to the microsecond: the least DP traffic first
     assert times == sorted(times)
     for c in fitting:
         assert c.plan.fits and c.layout.world_size == cluster.gpus

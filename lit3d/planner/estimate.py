@@ -16,11 +16,12 @@ from functools import lru_cache
 from typing import Any
 
 from lit3d.config import GPTConfig
+from lit3d.parallel.layout import Layout
+from lit3d.parallel.precision import is_bf16_mixed, keeps_master_weights
+from lit3d.parallel.schedules import SCHEDULES, Costs, bubble_theory, last_stage_in_flight, peak_in_flight
+from lit3d.planner.buffers import Transient, peak_memory, transient_bytes
 from lit3d.planner.tensors import Tensor, config_key, local_numel, rank_tensors, replicas, stepped_numel
 from lit3d.planner.traffic import collectives, communication_bytes
-from lit3d.strategies.layout import Layout
-from lit3d.strategies.precision import is_bf16_mixed, keeps_master_weights
-from lit3d.strategies.schedules import SCHEDULES, Costs, bubble_theory, last_stage_in_flight, peak_in_flight
 
 GB = 1e9
 
@@ -29,7 +30,7 @@ GB = 1e9
 class Precision:
     """Bytes per parameter held as weights, gradients and optimizer state, and per stored activation; and per
     element on the wire: ``gathered`` for FSDP's parameter gathers, ``reduced`` for gradient reductions (default:
-    as held)."""
+    as held); ``stepped``: of the tensors the optimizer steps (default: the weights; fp32 master weights)."""
 
     weights: int
     grads: int
@@ -37,6 +38,7 @@ class Precision:
     activations: int
     gathered: int | None = None
     reduced: int | None = None
+    stepped: int | None = None
 
     @property
     def gather_bytes(self) -> int:
@@ -45,6 +47,10 @@ class Precision:
     @property
     def reduce_bytes(self) -> int:
         return self.grads if self.reduced is None else self.reduced
+
+    @property
+    def stepped_bytes(self) -> int:
+        return self.weights if self.stepped is None else self.stepped
 
 
 # Bytes per element a lit3d run holds and sends, by Lightning's precision: the one table both the search and the run's
@@ -60,7 +66,7 @@ PRECISIONS = {
 # ZeRO-1 under bf16-mixed (`keeps_master_weights`): bf16 parameters; in the optimizer's slices the fp32 master weights,
 # both moments and the fp32 gradient; the updated slices all-gathered in bf16. Megatron's distributed optimizer:
 # 2 + (4 + 12) / D bytes per parameter.
-MASTER_WEIGHTS = Precision(2, 4, 12, 2, gathered=2, reduced=4)
+MASTER_WEIGHTS = Precision(2, 4, 12, 2, gathered=2, reduced=4, stepped=4)
 
 
 @dataclass
@@ -117,7 +123,9 @@ class Training:
 @dataclass
 class Plan:
     layout: dict[str, int]
-    memory_per_gpu: dict[str, int]  # bytes on the most loaded rank
+    # Bytes on the most loaded rank: what it holds of each kind at most, and its peak (``total``: the most of backward's
+    # start, its end and the optimizer step, not their sum, `buffers.peak_memory`), with the buffers of that moment.
+    memory_per_gpu: dict[str, int]
     communication_per_step: dict[str, dict[str, float]]  # per axis: bytes (per GPU) and seconds
     pipeline_bubble: float
     step_time_s: float
@@ -233,10 +241,14 @@ def estimate(config: GPTConfig, cluster: Cluster, layout: Layout, training: Trai
     weight_copies = autocast_weight_bytes(config, tp) if copies else 0
     by_stage, params_per_rank = [], 0
     placement = SCHEDULES[training.pipeline_schedule].placement  # which chunks each pipeline rank holds
+    summed = microbatches > 1  # gradients summed over micro-steps (accumulation) or a pipeline's micro-batches
+    # Whole gradients before backward starts: DDP's buckets, the parameters' sums of earlier micro-steps, or both.
+    ddp = layout.replicas > 1 and training.zero_stage == 0 and not params_cast_by_fsdp(layout, 0, precision)
+    grads_from_start = int(ddp) + int(summed and (training.zero_stage == 0 or layout.replicas == 1))
     key = config_key(config)
     for stage_rank in range(pp):
-        held = _stage_state(key, layout, virtual, stage_rank, placement, training.zero_stage, precision)
-        memory, layers, holds_head, buffers = dict(held[0]), *held[1:]
+        held = _stage_state(key, layout, virtual, stage_rank, placement, training.zero_stage, precision, summed)
+        memory, layers, holds_head, transient = dict(held[0]), *held[1:]
         params_per_rank = max(params_per_rank, memory["params"] // precision.weights)
         in_flight = peak_in_flight(training.pipeline_schedule, pp, schedule_m, virtual, stage_rank)
         acts = layers * (per_token * tokens * in_flight + weight_copies)
@@ -246,8 +258,7 @@ def estimate(config: GPTConfig, cluster: Cluster, layout: Layout, training: Trai
             losses = in_flight if pp == 1 else last_stage_in_flight(training.pipeline_schedule, pp, schedule_m)
             acts += output_layer_bytes(config, tp, sp, tokens * losses, a)
         memory["activations"] = int(acts)
-        memory["buffers"] = buffers
-        memory["total"] = sum(memory.values())
+        memory["buffers"], memory["total"] = peak_memory(memory, transient, grads_from_start)
         by_stage.append(memory)
     peak = max(by_stage, key=lambda m: m["total"])
 
@@ -337,31 +348,22 @@ def _params_total(key: tuple) -> int:
 
 @lru_cache(maxsize=4096)
 def _stage_state(
-    key: tuple, layout: Layout, virtual: int, stage_rank: int, placement: str, zero_stage: int, precision: Precision
-) -> tuple[tuple[tuple[str, int], ...], int, bool, int]:
+    key: tuple,
+    layout: Layout,
+    virtual: int,
+    stage_rank: int,
+    placement: str,
+    zero_stage: int,
+    precision: Precision,
+    summed: bool,
+) -> tuple[tuple[tuple[str, int], ...], int, bool, Transient]:
     """What pipeline rank ``stage_rank`` holds whatever the schedule's micro-batches: its weights, gradients and
-    optimizer state, its number of blocks, whether it holds the head, its gathered-parameter buffers.
+    optimizer state, its number of blocks, whether it holds the head, and what it holds for a moment only
+    (`lit3d.planner.buffers`; ``summed``: gradients summed over micro-steps or a pipeline's micro-batches).
 
     NOTE: cached, as the planner weighs every schedule for each layout and these sums over the tensors dominate."""
     tensors = rank_tensors(GPTConfig(**dict(key)), layout.pp, virtual, stage_rank, placement)
     state = tuple(state_bytes(tensors, layout, zero_stage, precision).items())
     layers = len({t.block for t in tensors if t.block is not None})
     head = any(t.name.startswith("head") for t in tensors)
-    return state, layers, head, _buffer_bytes(tensors, layout, zero_stage, precision)
-
-
-def _buffer_bytes(tensors: list[Tensor], layout: Layout, zero_stage: int, precision: Precision) -> int:
-    """Gathered parameters that sharded data parallelism holds during a step: FSDP2 gathers each whole tensor into
-    a buffer of its own (apart from the shard) in the dtype it gathers in (bf16 under bf16-mixed)."""
-    if layout.replicas == 1 or zero_stage < 2:
-        return 0
-
-    def whole(t: Tensor) -> int:
-        return local_numel(t, layout.tp, ep=layout.ep)
-
-    gathered = sum(whole(t) for t in tensors)  # ZeRO-2: every block from its forward to its backward
-    if zero_stage == 3:  # one block at a time and the next one prefetched, and the root (gathered for the step)
-        blocks = {t.block for t in tensors if t.block is not None} or {None}
-        gathered = 2 * max(sum(whole(t) for t in tensors if t.block == b) for b in blocks)
-        gathered += sum(whole(t) for t in tensors if t.block is None)
-    return int(gathered * precision.gather_bytes)
+    return state, layers, head, transient_bytes(tensors, layout, zero_stage, precision, summed)

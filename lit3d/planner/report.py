@@ -68,8 +68,8 @@ def format_plan(config: GPTConfig, cluster: Cluster, layout: Layout, training: T
         f"layout: {settings(layout, training, plan)}",
         f"memory per {cluster.device}, most loaded rank (pipeline stage {stage}):",
     ]
-    for key, value in plan.memory_per_gpu.items():
-        lines.append(f"  {key:<12}{size(value):>12}")
+    for key, value in plan.memory_per_gpu.items():  # NOTE: the total is the step's peak, less than the sum
+        lines.append(f"  {'peak' if key == 'total' else key:<12}{size(value):>12}")
     verdict = "fits" if plan.fits else "DOES NOT FIT"
     lines[-1] += (
         f"   of {usable:.1f} usable ({cluster.gpu_memory_gb:g} GB less {training.headroom:.0%} headroom): {verdict}"

@@ -1,0 +1,113 @@
+"""What a rank holds for part of a training step only, beyond its weights, gradients, optimizer states and
+activations, and when: the peak of a step is the most of three moments.
+
+- backward's start: every activation, beside the gradients already whole (DDP's buckets; the sums of earlier
+  micro-steps where the parameters hold them) and the buffers of the first blocks backward reaches;
+- backward's end: every gradient, beside the buffers of the last blocks;
+- the optimizer step: every gradient, beside AdamW's temporaries (PyTorch's default on GPUs, ``foreach``, makes
+  one tensor the size of the parameters it steps; ``fused`` makes none).
+
+The buffers by ZeRO stage, as lit3d runs them (measured with tests/live_memory.py on CPU ranks):
+
+- ZeRO-1 (`lit3d.strategies.zero1_buckets.Bucket`): each bucket's gradient rows in the optimizer's dtype, the only
+  whole gradient; one bucket filling and one in flight, or every bucket while micro-steps or a pipeline's
+  micro-batches sum into them; cast to the reduce dtype on the wire if it differs.
+- ZeRO-2/3 (FSDP2): parameters gathered in the gather dtype (ZeRO-3: the block computing, the next one's gather and
+  the root; ZeRO-2: every block from its forward to its backward), a block's reduce-scatter input in the reduce dtype
+  and the root's unsharded gradients, held until its reduce-scatter at backward's end. Without a gradient sync on
+  micro-steps or a pipeline's micro-batches, every unsharded gradient summed in the reduce dtype, and under a
+  pipeline every parameter kept gathered until the schedule's end (PyTorch's `PipelineStage`).
+- ZeRO-0: none beyond what it holds throughout (DDP's buckets are its gradients; summing micro-steps, the
+  parameters' own sums too: Lightning drops the gradients each step, so DDP's no-sync micro-steps sum into new ones).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from lit3d.parallel.sharding import BUCKET_ELEMENTS
+from lit3d.planner.tensors import Tensor, local_numel, replicas, stepped_numel
+
+
+@dataclass(frozen=True)
+class Transient:
+    """Bytes held for a moment of the step only: at backward's start, at its end, and in the optimizer step."""
+
+    start: int
+    end: int
+    step: int
+
+
+def transient_bytes(tensors: list[Tensor], layout: Any, zero_stage: int, precision: Any, summed: bool) -> Transient:
+    """What a rank holding ``tensors`` keeps for a moment only; ``summed``: gradients are summed over micro-steps or a
+    pipeline's micro-batches before they are reduced. ``precision``: `lit3d.planner.estimate.Precision`."""
+    matrices = [t for t in tensors if len(t.shape) >= 2]  # AdamW's larger parameter group (the norms are the other)
+    step = stepped_numel(matrices, layout, zero_stage) * precision.stepped_bytes
+    if layout.replicas == 1 or zero_stage == 0:
+        return Transient(0, 0, step)
+    if zero_stage == 1:
+        return _zero1(tensors, layout, precision, summed, step)
+    return _fsdp(tensors, layout, zero_stage, precision, summed, step)
+
+
+def _zero1(tensors: list[Tensor], layout: Any, precision: Any, summed: bool, step: int) -> Transient:
+    rows = sorted(zero1_bucket_rows(tensors, layout), reverse=True) + [0]
+    kept, wire = precision.stepped_bytes, precision.reduce_bytes
+    cast = rows[0] * wire if wire != kept else 0  # the largest bucket's rows, cast for the wire
+    if summed:  # every bucket's rows from the first micro-step on, and the sums of what ZeRO-1 leaves unsliced
+        whole = sum(rows) * kept
+        alone = [t for t in tensors if replicas(t, layout) == 1]  # experts with no replica: their own gradients
+        aside = sum(local_numel(t, layout.tp, ep=layout.ep) for t in alone) * precision.grads
+        return Transient(whole + aside, whole + cast, step)
+    # one bucket in flight while the next one fills (`LocalShardOptimizer._launch_next`)
+    return Transient(rows[0] * kept, rows[0] * kept + cast + rows[1] * wire, step)
+
+
+def zero1_bucket_rows(tensors: list[Tensor], layout: Any) -> list[int]:
+    """Elements of each ZeRO-1 bucket's rows on rank 0: every DP rank's slice of each tensor (padded to the largest),
+    packed in backward's order up to `BUCKET_ELEMENTS` per rank, experts apart (`zero1_buckets.buckets`)."""
+    packed: dict[bool, list[list[int]]] = {}
+    for t in reversed(tensors):
+        ranks = replicas(t, layout)
+        part = local_numel(t, layout.tp, ranks, t.free_dim, layout.ep)
+        buckets = packed.setdefault(t.expert, [[ranks, 0]])
+        if buckets[-1][1] and buckets[-1][1] + part > BUCKET_ELEMENTS:
+            buckets.append([ranks, 0])
+        buckets[-1][1] += part
+    return [ranks * total for buckets in packed.values() for ranks, total in buckets if ranks > 1]
+
+
+def _fsdp(tensors: list[Tensor], layout: Any, zero_stage: int, precision: Any, summed: bool, step: int) -> Transient:
+    def whole(group: list[Tensor]) -> int:
+        return sum(local_numel(t, layout.tp, ep=layout.ep) for t in group)
+
+    blocks = {t.block for t in tensors if t.block is not None}
+    block = max((whole([t for t in tensors if t.block == b]) for b in blocks), default=0)
+    root, every = whole([t for t in tensors if t.block is None]), whole(tensors)
+    gather, reduce = precision.gather_bytes, precision.reduce_bytes
+    scatter = block * reduce  # a block's reduce-scatter input
+    if summed and layout.pp > 1:  # every parameter kept gathered beside a block's gather, every gradient unsharded,
+        # to the schedule's end; there each block is resharded before its reduce-scatter (no more than that)
+        return Transient(every * (gather + reduce) + block * gather, scatter, step)
+    # The root stays gathered for the whole step, and its unsharded gradients wait for its reduce-scatter at
+    # backward's end; ZeRO-3 holds the block backward computes and the next one's gather, ZeRO-2 every block.
+    gathered = (every if zero_stage == 2 else root + 2 * block) * gather
+    end = (2 * root + block) * gather + scatter
+    if summed:  # every unsharded gradient summed in the reduce dtype, beside the first block's new ones
+        return Transient(gathered + every * reduce + block * gather, end, step)
+    return Transient(gathered + root * gather + scatter, end, step)
+
+
+def peak_memory(memory: dict[str, int], transient: Transient, grads_from_start: int) -> tuple[int, int]:
+    """``(buffers, total)`` at the step's peak, the most of backward's start, its end and the optimizer step.
+    ``grads_from_start``: how many whole copies of the gradients exist before backward starts (DDP's buckets, sums
+    of micro-steps that the parameters hold)."""
+    states = memory["params"] + memory["optimizer"]
+    grads = memory["grads"]
+    moments = [
+        (transient.start, states + grads * grads_from_start + memory["activations"] + transient.start),
+        (transient.end, states + grads + transient.end),
+        (transient.step, states + grads + transient.step),
+    ]
+    return max(moments, key=lambda moment: moment[1])
