@@ -131,12 +131,17 @@ def cli(cwd, *args, max_steps, check=True, **popen):
 
 @pytest.mark.parametrize("victim", ["rank 0 (the launching process)", "rank 2 (a child process)"])
 def test_sigterm_saves_exits_to_be_requeued_and_last_resumes_the_curve(tmp_path, victim):
-    """DP2 x PP2 sent SIGTERM mid-run, as a scheduler does: every rank stops after one agreed step, a checkpoint
-    lands in the run's checkpoint folder and the job exits with 143 (128 + SIGTERM). The same command with
-    ``--ckpt_path last`` continues exactly like an uninterrupted run; on another layout (TP2) within 1e-5."""
+    """DP2 x PP2 sent SIGTERM mid-run (DP2 when the launching process gets it), as a scheduler does: every rank
+    stops after one agreed step, a checkpoint lands in the run's checkpoint folder and the job exits with 143 (128 +
+    SIGTERM). The same command with ``--ckpt_path last`` continues exactly like an uninterrupted run; on another
+    layout (TP2) within 1e-5."""
     from helpers import logged
 
-    run, layout = tmp_path / "run", ["--trainer.devices=4", "--trainer.strategy.pipeline_parallel_size=2"]
+    # NOTE: the launcher's own signal path needs no pipeline: DP2 there (half the ranks to start), DP2 x PP2 for a child
+    launcher = victim.startswith("rank 0")
+    pipeline = ["--trainer.devices=4", "--trainer.strategy.pipeline_parallel_size=2"]
+    layout = ["--trainer.devices=2"] if launcher else pipeline
+    run = tmp_path / "run"
     run.mkdir()
     saving = ["--trainer.callbacks+=ModelCheckpoint", f"--trainer.callbacks.dirpath={run / 'ckpts'}",
               "--trainer.callbacks.every_n_train_steps=100000", "--ckpt_path=last"]  # fmt: skip
@@ -150,7 +155,7 @@ def test_sigterm_saves_exits_to_be_requeued_and_last_resumes_the_curve(tmp_path,
             time.sleep(0.5)
         time.sleep(3)
         ranks = children(proc.pid)
-        os.kill(proc.pid if victim.startswith("rank 0") else ranks[1], signal.SIGTERM)
+        os.kill(proc.pid if launcher else ranks[1], signal.SIGTERM)
         signalled = time.time()
         code = proc.wait(timeout=120)
         print(f"{victim} sent SIGTERM: the job exited {code} after {time.time() - signalled:.1f} s")
@@ -161,7 +166,7 @@ def test_sigterm_saves_exits_to_be_requeued_and_last_resumes_the_curve(tmp_path,
     assert (run / "ckpts" / "last-preempted.ckpt").resolve() == saved.resolve()  # for Lightning's ckpt_path="last"
     step = int(saved.name.removeprefix("preempted-step=").removesuffix(".ckpt"))
     assert step >= 1 and any(f"stops after step {step}" in line for line in lines)
-    if not victim.startswith("rank 0"):
+    if launcher:
         return  # (resuming is the same from here on, whichever rank got the signal)
 
     cli(run, *layout, *saving, max_steps=step + 2)  # the requeued job: same command
