@@ -53,11 +53,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lit3d.parallel.layout import (
-    Layout,
-    pipeline_microbatches,
-    resolve_layout,
-)
+from lit3d.parallel.layout import Layout, pipeline_microbatches, resolve_layout
 from lit3d.parallel.schedules import chunks_per_rank, describe_schedule
 from lit3d.strategies.checkpoint import ShardedCheckpoints
 from lit3d.strategies.checks import ConfigurationChecks
@@ -74,11 +70,7 @@ from lit3d.strategies.memory import memory_by_component
 from lit3d.strategies.optimizers import LocalOptimizerSteps
 from lit3d.strategies.parallelize import follows_plan, parallelize_network
 from lit3d.strategies.pipeline import Pipeline
-from lit3d.strategies.precision import (
-    describe,
-    mixed_precision_policy,
-    uses_ddp,
-)
+from lit3d.strategies.precision import describe, mixed_precision_policy, uses_ddp
 from lit3d.strategies.preemption import StopOnSignal
 from lit3d.strategies.steps import StepHooks
 from lit3d.strategies.watchdog import WatchedSteps
@@ -259,9 +251,8 @@ class Parallel3DStrategy(
         self.lightning_module._device_mesh = self._device_mesh  # for modules that parallelise themselves
         rank_zero_info(layout.rank_map())
         if layout.pp > 1:
-            rank_zero_info(
-                describe_schedule(self.pipeline_schedule, layout.pp, self.num_microbatches, self.virtual_pipeline_size)
-            )
+            microbatches, chunks = self.num_microbatches, self.virtual_pipeline_size
+            rank_zero_info(describe_schedule(self.pipeline_schedule, layout.pp, microbatches, chunks))
         crossing = layout.tp_groups_across_nodes()
         if crossing:
             rank_zero_warn(
@@ -315,18 +306,13 @@ class Parallel3DStrategy(
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
             if self.layout.world_size > 1:
-                rank_zero_info(
-                    describe(
-                        self.precision, self.zero_stage, self._ddp, self.mixed_precision_reduce, self.layout.replicas
-                    )
-                )
+                held = (self.precision, self.zero_stage, self._ddp, self.mixed_precision_reduce, self.layout.replicas)
+                rank_zero_info(describe(*held))
             self.plan = self.planned()
             if self.plan is not None:
                 self.memory_estimate = self.plan.memory_by_stage[self.layout.coordinate(self.global_rank).p]
-                rank_zero_info(
-                    "lit3d plan estimate for rank 0: "
-                    + ", ".join(f"{key} {value / 2**20:.1f} MiB" for key, value in self.memory_estimate.items())
-                )
+                sizes = ", ".join(f"{key} {value / 2**20:.1f} MiB" for key, value in self.memory_estimate.items())
+                rank_zero_info(f"lit3d plan estimate for rank 0: {sizes}")
 
     @override
     def model_to_device(self) -> None:
