@@ -47,19 +47,6 @@ def _bare_flags_true(argv: list[str]) -> list[str]:
     return out
 
 
-def strategy_class_paths(argv: list[str]) -> list[str]:
-    """``--trainer.strategy=3d`` (a registered name) with ``--trainer.strategy.*`` arguments after it: jsonargparse
-    needs the class path to take the arguments."""
-    if not any(arg.startswith("--trainer.strategy.") for arg in argv):
-        return argv  # alone, a registered name reaches Lightning's strategy registry as it is
-    out = []
-    for arg in argv:
-        key, _, value = arg.partition("=")
-        registered = key == "--trainer.strategy" and value.lower() in ("3d", "parallel3dstrategy")
-        out.append(f"{key}=lit3d.strategies.Parallel3DStrategy" if registered else arg)
-    return out
-
-
 def main(args: list[str] | None = None) -> None:
     argv = sys.argv[1:] if args is None else args
     if argv[:1] in ([], ["-h"], ["--help"]):

@@ -52,8 +52,6 @@ class Lit3DCLI(LightningCLI):
         """Lightning's, on the command line with registered strategy names as class paths (`strategy_class_paths`).
         NOTE: the rewritten command line is parsed here rather than handed to LightningCLI as ``args``, which it
         would take for a second command line and warn about, printing the whole argv."""
-        from lit3d.cli import strategy_class_paths
-
         if args is None:
             self.config = parser.parse_args(strategy_class_paths(sys.argv[1:]))
             return
@@ -163,3 +161,16 @@ def resolve_lit3d_01_strategy_path() -> None:
     that package itself.)"""
     if "strategies" not in sys.modules and importlib.util.find_spec("strategies") is None:
         sys.modules["strategies"] = lit3d.strategies
+
+
+def strategy_class_paths(argv: list[str]) -> list[str]:
+    """``--trainer.strategy=3d`` (a registered name) with ``--trainer.strategy.*`` arguments after it: jsonargparse
+    needs the class path to take the arguments."""
+    if not any(arg.startswith("--trainer.strategy.") for arg in argv):
+        return argv  # alone, a registered name reaches Lightning's strategy registry as it is
+    out = []
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        registered = key == "--trainer.strategy" and value.lower() in ("3d", "parallel3dstrategy")
+        out.append(f"{key}=lit3d.strategies.Parallel3DStrategy" if registered else arg)
+    return out
