@@ -13,8 +13,9 @@ from torchmetrics import MeanMetric
 from lit3d.config import GPTConfig
 from lit3d.generation import Sampling, next_token
 from lit3d.loop import ends_optimizer_step
-from lit3d.model import Transformer, cross_entropy, tensor_parallel_plan
+from lit3d.model import Transformer, cross_entropy
 from lit3d.pretrained import read_config, read_meta, read_tensors
+from lit3d.tp_plan import tensor_parallel_plan
 
 
 class GPT(L.LightningModule):

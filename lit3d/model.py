@@ -29,11 +29,6 @@ from lit3d.attention import causal_attention
 from lit3d.config import GPTConfig
 from lit3d.ring_attention import ContextParallel, positions, ring_attention
 
-# NOTE: the tensor-parallel plan is data about this model's module names, kept in the torch-free `lit3d.tp_plan` so
-# that the planner reads it without importing torch; the names stay importable from here.
-from lit3d.tp_plan import TENSOR_PARALLEL_PLAN as TENSOR_PARALLEL_PLAN
-from lit3d.tp_plan import tensor_parallel_plan as tensor_parallel_plan
-
 
 def rotary_tables(
     seq_len: int, head_dim: int, theta: float, device: torch.device, dtype: torch.dtype = torch.float32

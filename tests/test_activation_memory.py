@@ -15,10 +15,11 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch.utils._pytree import tree_leaves
 
 from lit3d import GPTConfig
-from lit3d.model import TENSOR_PARALLEL_PLAN, Transformer, cross_entropy, rotary_tables
+from lit3d.model import Transformer, cross_entropy, rotary_tables
 from lit3d.parallel.layout import Layout
 from lit3d.planner.estimate import activation_bytes_per_token, autocast_weight_bytes, output_layer_bytes
 from lit3d.strategies.parallelize import parallelize_network
+from lit3d.tp_plan import TENSOR_PARALLEL_PLAN
 
 CONFIG = GPTConfig(n_layer=1, n_head=4, n_kv_head=2, d_model=64, d_ff=160, vocab_size=250, max_seq_len=64)
 BATCH, SEQ = 2, 24  # 48 tokens: no activation shares a shape with a weight

@@ -9,9 +9,10 @@ import torch.nn.functional as F
 from conftest import MOE_LAYOUTS, SMALL_MOE
 
 from lit3d import GPTConfig
-from lit3d.model import Transformer, tensor_parallel_plan
+from lit3d.model import Transformer
 from lit3d.moe import MoE, balance_loss, grouped_mm
 from lit3d.parallel.layout import Layout, check_model_fits_layout, resolve_layout
+from lit3d.tp_plan import tensor_parallel_plan
 
 CONFIG = GPTConfig(**{**SMALL_MOE, "n_shared_expert": 1})
 

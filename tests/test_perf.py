@@ -17,8 +17,9 @@ from lit3d import GPT
 from lit3d.callbacks import CommReport, Throughput
 from lit3d.data import TextDataModule
 from lit3d.hardware import identify
-from lit3d.model import TENSOR_PARALLEL_PLAN, Transformer
+from lit3d.model import Transformer
 from lit3d.parallel.layout import Layout
+from lit3d.tp_plan import TENSOR_PARALLEL_PLAN
 
 ROOT = Path(__file__).resolve().parents[1]
 

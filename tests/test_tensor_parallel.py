@@ -8,8 +8,9 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from lit3d import GPTConfig
-from lit3d.model import TENSOR_PARALLEL_PLAN, Block
+from lit3d.model import Block
 from lit3d.strategies.tensor_parallel import apply_tensor_parallel
+from lit3d.tp_plan import TENSOR_PARALLEL_PLAN
 
 
 @pytest.fixture

@@ -56,8 +56,9 @@ def verify(
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from lit3d.model import Transformer, tensor_parallel_plan
+    from lit3d.model import Transformer
     from lit3d.strategies.parallelize import parallelize_network
+    from lit3d.tp_plan import tensor_parallel_plan
 
     if dist.is_initialized():
         raise RuntimeError("verify() starts its own fake process group; call it outside a distributed job")
