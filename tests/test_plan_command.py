@@ -124,3 +124,22 @@ def test_a_cpu_rehearsal_plans_with_its_share_of_this_machines_cpu():
     assert share.peak_tflops == pytest.approx(2 * GPUS["CPU"].peak_tflops) and share.peak_tflops < 1
     with pytest.raises(ValueError, match="processes=0"):
         cpu_share(0)
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        "lit3d plan --model llama-70b --nodes 8 --gpus_per_node 8 --seq_len 4096 --global_batch_size 512",
+        "lit3d plan --model llama-70b --nodes 16 --islands 2 --inter_island_bandwidth 1",
+    ],
+)
+def test_the_readme_plan_examples_print_the_rows_it_quotes(command, capsys):
+    """Each README plan example's first row (layout, memory, step time, MFU) is what the command prints now."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    after = readme[readme.index(command) :]
+    quoted = next(line for line in after.splitlines() if line.startswith(" 1 "))
+    main(command.split()[1:])
+    printed = capsys.readouterr().out
+    assert " ".join(quoted.split()) in {" ".join(line.split()) for line in printed.splitlines()}, printed[-2000:]
