@@ -77,11 +77,6 @@ class ForkLauncher(_ChecksFirst, _MultiProcessingLauncher):
         return _WorkerOutput(best, None, trainer.state, results, self.get_extra_results(trainer))
 
 
-def interactive() -> bool:
-    """A notebook or a Python prompt (Lightning's test): script launchers cannot re-run it per rank."""
-    return hasattr(sys, "ps1") or bool(sys.flags.interactive)
-
-
 def agree_on_seed() -> None:
     """Take rank 0's seed on every rank if they were seeded apart (no ``seed_everything``): the weights come from
     the seed (`Transformer.reset_parameters`), and replicas that start apart would stay apart."""

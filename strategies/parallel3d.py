@@ -37,6 +37,7 @@ see `lit3d.strategies.tensor_parallel`). For pipeline parallelism the module als
 from __future__ import annotations
 
 from collections.abc import Generator
+from dataclasses import fields
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
@@ -55,8 +56,9 @@ from typing_extensions import override
 
 from lit3d.parallel.layout import Layout, pipeline_microbatches, resolve_layout
 from lit3d.parallel.schedules import chunks_per_rank, describe_schedule
+from lit3d.parallel.settings import Parallelism, argument_docs
 from lit3d.strategies.checkpoint import ShardedCheckpoints
-from lit3d.strategies.checks import ConfigurationChecks
+from lit3d.strategies.checks import ConfigurationError, check_run
 from lit3d.strategies.context_parallel import route_context_parallel
 from lit3d.strategies.islands import OuterLoop
 from lit3d.strategies.launchers import (
@@ -64,7 +66,6 @@ from lit3d.strategies.launchers import (
     ForkLauncher,
     agree_on_seed,
     exit_when_launcher_dies,
-    interactive,
 )
 from lit3d.strategies.memory import memory_by_component
 from lit3d.strategies.optimizers import LocalOptimizerSteps
@@ -84,63 +85,14 @@ if TYPE_CHECKING:
 
 
 class Parallel3DStrategy(
-    WatchedSteps, ShardedCheckpoints, ConfigurationChecks, StepHooks, LocalOptimizerSteps, ModelParallelStrategy
+    WatchedSteps, ShardedCheckpoints, StepHooks, LocalOptimizerSteps, ModelParallelStrategy
 ):
-    """Data × tensor × pipeline (× context, × expert) parallel training with ZeRO; ``world = dp × cp × tp × pp``.
+    __doc__ = f"""Data × tensor × pipeline (× context, × expert) parallel training with ZeRO; ``world = dp × cp × tp × pp``.
 
-    Args:
-        data_parallel_size: Replicas of the model, each fed its share of the global batch; ``"auto"`` uses
-            every rank that tensor and pipeline parallelism leave.
-        tensor_parallel_size: Ranks that split every layer (heads, MLP width, vocabulary). Keep it within a
-            node: it communicates twice per layer.
-        pipeline_parallel_size: Ranks that split the depth into stages of consecutive blocks.
-        expert_parallel_size: Ranks that split each Mixture-of-Experts layer's experts, borrowed from data
-            parallelism (it divides ``data_parallel_size``; tokens reach their experts by all-to-all).
-        context_parallel_size: Ranks that split every sequence (long contexts): each holds two of ``2 x cp``
-            chunks, attention is a ring over them (`lit3d.ring_attention`), and the weights are synced and
-            ZeRO-sharded over the ``dp x cp`` ranks. The mesh is ``(pp, dp, cp, tp)``.
-        zero_stage: Sharding over the data-parallel ranks: 0 nothing (DDP); 1 optimizer states, the gradients
-            reduce-scattered at the step (DDP's bytes); 2 and parameters between steps (gathered once per step);
-            3 and parameters gathered block by block.
-        sequence_parallel: Between tensor-parallel regions, keep activations (norms, residual stream) split
-            along the sequence, and keep only that shard of each region's input for backward (gathered again
-            there): 1/t of the layer's activations for one more all-gather per region in backward.
-        pipeline_schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``zero_bubble`` (backward split into input
-            and weight gradients, the latter filling the bubbles), ``zbv`` (zero bubble over two chunks per rank in
-            a V) or ``dualpipev`` (DeepSeek's DualPipe-V, the same V); their bubbles and memory:
-            `lit3d.parallel.schedules`.
-        num_microbatches: Micro-batches each replica's batch is split into for the pipeline (default: the most,
-            up to 2 x pipeline_parallel_size x virtual_pipeline_size, that divide the per-replica batch).
-        virtual_pipeline_size: Model chunks per pipeline rank (interleaved schedules; ``zbv`` and ``dualpipev``
-            run 2).
-        activation_checkpointing: Recompute activations in backward instead of storing them: ``True`` or
-            ``"full"`` keeps only each block's input; ``"selective"`` keeps matmul, attention and collective
-            outputs and recomputes the elementwise ops (see `lit3d.strategies.recompute`).
-        compile: ``torch.compile`` each block (``True``: inductor; a string names another backend).
-        mixed_precision_reduce: Under ``precision="bf16-mixed"``, the dtype gradients are reduced in over DP:
-            ``"float32"`` (torchtitan's default) or ``"bfloat16"`` (half the bytes). Parameters are gathered in
-            bf16 either way; the rank-0 log says what each axis sends (`lit3d.strategies.precision`).
-        async_checkpoint: Write sharded checkpoints in the background: training waits only while each rank's
-            shards are copied to host memory (DCP's ``async_save``); the folder still appears complete or not at
-            all, one save is in flight at most, and a failed write is raised at the next save or at the end of
-            training, naming the folder (`lit3d.strategies.async_checkpoint`).
-        process_group_backend: ``nccl`` or ``gloo``; default picks by device (NCCL on GPUs, gloo on CPU).
-        timeout: How long a collective may wait for a peer before the job fails. At 90 % of it without progress,
-            each rank logs the collective it waits in (`lit3d.strategies.watchdog`).
-        start_method: How local ranks are started when nothing else starts them (torchrun and SLURM do):
-            ``"popen"`` re-runs the script per rank (Lightning's default); ``"fork"`` forks the current process,
-            the only way from a Jupyter notebook. ``None`` picks ``"fork"`` in a notebook, else ``"popen"``.
-        islands: DiLoCo (`lit3d.strategies.islands`): the data-parallel replicas split into this many islands of
-            consecutive ranks, each a whole ``dp x tp x pp`` layout that syncs every step inside itself; islands
-            communicate only at the outer step. ``data_parallel_size`` counts the replicas of all islands.
-        sync_every: Inner steps between DiLoCo's outer steps (``H``). DiLoCo runs when ``islands > 1`` or
-            ``sync_every > 1`` (one island then is DiLoCo's outer optimizer around plain training).
-        outer_lr: The outer SGD's learning rate (DiLoCo's 0.7).
-        outer_momentum: The outer SGD's Nesterov momentum (DiLoCo's 0.9; 0 for none).
-        outer_fragments: Streaming DiLoCo: the weights are synced in this many fragments at staggered inner steps,
-            each once every ``sync_every`` steps (the same bytes, ``1/outer_fragments`` of them at a time).
-        outer_reduce_dtype: The dtype the pseudo-gradients travel between islands in: ``"float32"`` or
-            ``"bfloat16"`` (half the bytes); the anchor and the outer step stay fp32.
+    Its arguments are the fields of `lit3d.parallel.Parallelism` (the one description of a run, which the planner
+    takes too); ``Parallel3DStrategy.of(parallelism)`` builds it from one.
+
+    {argument_docs("        ")}
     """
 
     strategy_name = "3d"
@@ -171,14 +123,13 @@ class Parallel3DStrategy(
         outer_fragments: int = 1,
         outer_reduce_dtype: Literal["float32", "bfloat16"] = "float32",
     ) -> None:
-        # every argument by name, refused before anything starts (`ConfigurationChecks.check_arguments`)
-        self.check_arguments(**{name: value for name, value in locals().items() if name not in ("self", "__class__")})
+        settings = {name: value for name, value in locals().items() if name not in ("self", "__class__")}
+        self.parallelism = Parallelism(**settings)  # refused here, before anything starts, naming the values
+        for warning in self.parallelism.warnings():
+            rank_zero_warn(warning)
         super().__init__(data_parallel_size, tensor_parallel_size, True, process_group_backend, timeout)
-        self.start_method = start_method or ("fork" if interactive() else "popen")
-        self._sizes = (
-            data_parallel_size, tensor_parallel_size, pipeline_parallel_size, expert_parallel_size,
-            context_parallel_size, islands,
-        )  # fmt: skip
+        self.start_method = self.parallelism.resolved_start_method()
+        self._sizes = tuple(self.parallelism.sizes().values()) + (islands,)
         self.islands, self.sync_every, self.outer_fragments = islands, sync_every, outer_fragments
         self.outer_lr, self.outer_momentum, self.outer_reduce_dtype = outer_lr, outer_momentum, outer_reduce_dtype
         self.outer_loop: OuterLoop | None = None  # DiLoCo's outer step, built with the optimizers
@@ -186,7 +137,6 @@ class Parallel3DStrategy(
         self.sequence_parallel = sequence_parallel and tensor_parallel_size > 1
         self.pipeline_schedule = pipeline_schedule
         self.virtual_pipeline_size = chunks_per_rank(pipeline_schedule, virtual_pipeline_size)
-        self._num_microbatches = num_microbatches  # as given; None: chosen from the batch (check_configuration)
         self.num_microbatches = pipeline_microbatches(  # until the batch is known
             num_microbatches, global_batch_size=None, dp=1, accumulate=1, pp=pipeline_parallel_size,
             virtual=self.virtual_pipeline_size, schedule=pipeline_schedule,
@@ -207,6 +157,25 @@ class Parallel3DStrategy(
         self.memory_estimate: dict[str, int] | None = None  # the planner's bytes for this rank's stage
 
     # ------------------------------------------------------------------ where things run
+
+    @classmethod
+    def of(cls, parallelism: Parallelism) -> Parallel3DStrategy:
+        """The strategy that runs ``parallelism``."""
+        return cls(**{f.name: getattr(parallelism, f.name) for f in fields(parallelism)})
+
+    def check_configuration(self, trainer: Trainer | None = None, datamodule: Any = None) -> None:
+        """Refuse a bad layout or a model it cannot split, before any process group exists (the launcher calls
+        this before it starts a rank; ``trainer`` and ``datamodule`` are there before the module knows them), as a
+        `ConfigurationError` naming the values (`lit3d.strategies.checks.check_run`)."""
+        try:
+            if self.cluster_environment is not None:  # under torchrun / SLURM: devices x num_nodes = launched ranks
+                self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+            module = self.lightning_module
+            trainer = trainer or getattr(module, "_trainer", None)
+            datamodule = datamodule or getattr(trainer, "datamodule", None)
+            self.num_microbatches = check_run(self.parallelism, self.layout, module, trainer, datamodule)
+        except (ValueError, TypeError) as error:
+            raise ConfigurationError(str(error)) from error
 
     @property
     def layout(self) -> Layout:

@@ -13,7 +13,8 @@ from functools import partial
 import torch
 import torch.nn as nn
 
-MODES = ("full", "selective")
+from lit3d.parallel.settings import check_recompute
+
 
 
 def _saved_ops() -> set:
@@ -45,21 +46,12 @@ def _keep_matmuls_and_collectives(saved: set, ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def check_setting(activation_checkpointing: bool | str) -> None:
-    """Refuse a value of the strategy's ``activation_checkpointing`` argument, naming it."""
-    if activation_checkpointing not in (True, False, *MODES):
-        raise ValueError(
-            f"activation_checkpointing={activation_checkpointing!r} is not one of True, False, "
-            f"{', '.join(map(repr, MODES))}"
-        )
-
-
 def apply_activation_checkpointing(blocks: list[nn.Module], activation_checkpointing: bool | str) -> None:
     """Checkpoint each of ``blocks`` in place (``True`` or ``"full"``, ``"selective"``); names are unchanged."""
     from torch.distributed._composable import checkpoint
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    check_setting(activation_checkpointing)
+    check_recompute(activation_checkpointing)
     for block in blocks:
         if activation_checkpointing in (True, "full"):
             checkpoint(block)

@@ -1,0 +1,192 @@
+"""`Parallelism`: every size and setting of a parallel run, as one frozen value.
+
+The one description of a run. `lit3d.strategies.Parallel3DStrategy` is built from it (its keyword arguments are
+these fields, tested to stay so), the planner (`lit3d.planner.plan`) and ``lit3d plan`` take it, and the strategy's
+argument documentation, ``lit3d plan``'s flags and the docs' table are all generated from the ``help`` of each field.
+`Parallelism.check` holds every rule a setting must follow on its own; the rules that also need the world size
+or the model are `lit3d.parallel.layout`'s.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import MISSING, dataclass, field, fields
+from datetime import timedelta
+from typing import Any, Literal
+
+from lit3d.parallel.layout import check_choices, check_islands, check_pipeline_arguments, check_sizes
+from lit3d.parallel.outer import check_outer_loop
+from lit3d.parallel.precision import check_reduce_dtype
+from lit3d.parallel.schedules import check_composes, chunks_per_rank
+
+RECOMPUTE_MODES = ("full", "selective")  # `activation_checkpointing`'s named choices (`lit3d.strategies.recompute`)
+START_METHODS = ("popen", "fork")
+
+
+def _setting(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": " ".join(help.split())})
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """Data × tensor × pipeline (× context, × expert) parallelism with ZeRO: ``world = dp × cp × tp × pp``."""
+
+    data_parallel_size: int | Literal["auto"] = _setting("auto", """Replicas of the model, each fed its share
+        of the global batch; ``"auto"`` uses every rank that tensor and pipeline parallelism leave.""")
+    tensor_parallel_size: int = _setting(1, """Ranks that split every layer (heads, MLP width, vocabulary).
+        Keep it within a node: it communicates twice per layer.""")
+    pipeline_parallel_size: int = _setting(1, "Ranks that split the depth into stages of consecutive blocks.")
+    expert_parallel_size: int = _setting(1, """Ranks that split each Mixture-of-Experts layer's experts,
+        borrowed from data parallelism (it divides ``data_parallel_size``; tokens reach their experts by
+        all-to-all).""")
+    context_parallel_size: int = _setting(1, """Ranks that split every sequence (long contexts): each holds two
+        of ``2 x cp`` chunks, attention is a ring over them, and the weights are synced and ZeRO-sharded over the
+        ``dp x cp`` ranks. The mesh is ``(pp, dp, cp, tp)``.""")
+    zero_stage: int = _setting(1, """Sharding over the data-parallel ranks: 0 nothing (DDP); 1 optimizer
+        states, the gradients reduce-scattered at the step (DDP's bytes); 2 and parameters between steps
+        (gathered once per step); 3 and parameters gathered block by block.""")
+    sequence_parallel: bool = _setting(False, """Between tensor-parallel regions, keep activations (norms,
+        residual stream) split along the sequence: 1/t of the layer's activations for one more all-gather per
+        region in backward.""")
+    pipeline_schedule: str = _setting("1f1b", """``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``zero_bubble``
+        (backward split into input and weight gradients, the latter filling the bubbles), ``zbv`` (zero bubble
+        over two chunks per rank in a V) or ``dualpipev`` (DeepSeek's DualPipe-V); their bubbles and memory:
+        `lit3d.parallel.schedules`.""")
+    num_microbatches: int | None = _setting(None, """Micro-batches each replica's batch is split into for the
+        pipeline (default: the most, up to 2 x pipeline_parallel_size x virtual_pipeline_size, that divide the
+        per-replica batch).""")
+    virtual_pipeline_size: int | None = _setting(None, """Model chunks per pipeline rank (interleaved
+        schedules, default 2; ``zbv`` and ``dualpipev`` run 2).""")
+    activation_checkpointing: bool | Literal["full", "selective"] = _setting(False, """Recompute activations
+        in backward instead of storing them: ``True`` or ``"full"`` keeps only each block's input;
+        ``"selective"`` keeps matmul, attention and collective outputs and recomputes the elementwise ops.""")
+    compile: bool | str = _setting(False, """``torch.compile`` each block (``True``: inductor; a string names
+        another backend).""")
+    mixed_precision_reduce: Literal["float32", "bfloat16"] = _setting("float32", """Under
+        ``precision="bf16-mixed"``, the dtype gradients are reduced in over DP: ``"float32"`` (torchtitan's
+        default) or ``"bfloat16"`` (half the bytes). Parameters are gathered in bf16 either way.""")
+    async_checkpoint: bool = _setting(False, """Write sharded checkpoints in the background: training waits
+        only while each rank's shards are copied to host memory; the folder still appears complete or not at
+        all, and a failed write is raised at the next save or at the end of training, naming the folder.""")
+    process_group_backend: str | None = _setting(None, """``nccl`` or ``gloo``; default picks by device (NCCL
+        on GPUs, gloo on CPU).""")
+    timeout: timedelta = _setting(timedelta(minutes=10), """How long a collective may wait for a peer before the
+        job fails. At 90 % of it without progress, each rank logs the collective it waits in.""")
+    start_method: Literal["popen", "fork"] | None = _setting(None, """How local ranks are started when nothing
+        else starts them (torchrun and SLURM do): ``"popen"`` re-runs the script per rank (Lightning's
+        default); ``"fork"`` forks the current process, the only way from a Jupyter notebook. ``None`` picks
+        ``"fork"`` in a notebook, else ``"popen"``.""")
+    islands: int = _setting(1, """DiLoCo: the data-parallel replicas split into this many islands of
+        consecutive ranks, each a whole ``dp x tp x pp`` layout that syncs every step inside itself; islands
+        communicate only at the outer step. ``data_parallel_size`` counts the replicas of all islands.""")
+    sync_every: int = _setting(1, """Inner steps between DiLoCo's outer steps (``H``). DiLoCo runs when
+        ``islands > 1`` or ``sync_every > 1``.""")
+    outer_lr: float = _setting(0.7, "The outer SGD's learning rate (DiLoCo's 0.7).")
+    outer_momentum: float = _setting(0.9, "The outer SGD's Nesterov momentum (DiLoCo's 0.9; 0 for none).")
+    outer_fragments: int = _setting(1, """Streaming DiLoCo: the weights are synced in this many fragments at
+        staggered inner steps, each once every ``sync_every`` steps.""")
+    outer_reduce_dtype: Literal["float32", "bfloat16"] = _setting("float32", """The dtype the pseudo-gradients
+        travel between islands in: ``"float32"`` or ``"bfloat16"`` (half the bytes).""")
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """Refuse settings that no run could use, naming the values (before any process starts)."""
+        check_sizes(**self.sizes())
+        check_choices(self.zero_stage, self.pipeline_schedule)
+        pp = self.pipeline_parallel_size
+        check_pipeline_arguments(pp, self.pipeline_schedule, self.num_microbatches, self.virtual_pipeline_size)
+        check_composes(self.pipeline_schedule, pp, self.compile, self.zero_stage)
+        check_recompute(self.activation_checkpointing)
+        check_reduce_dtype(self.mixed_precision_reduce)
+        check_outer_loop(
+            self.islands, self.sync_every, self.outer_lr, self.outer_momentum, self.outer_fragments,
+            self.outer_reduce_dtype,
+        )  # fmt: skip
+        if self.data_parallel_size != "auto":
+            check_islands(self.islands, self.data_parallel_size, self.expert_parallel_size, self.context_parallel_size)
+        self._check_process_settings()
+
+    def _check_process_settings(self) -> None:
+        if self.start_method not in (None, *START_METHODS):
+            raise ValueError(f"start_method={self.start_method!r} is not one of 'popen', 'fork' (or None: automatic)")
+        if self.start_method == "popen" and interactive():
+            raise ValueError(
+                "start_method='popen' cannot start ranks from a notebook or an interactive session: "
+                "use start_method='fork' (or leave it unset), or run a script"
+            )
+        if not isinstance(self.async_checkpoint, bool):
+            raise ValueError(f"async_checkpoint={self.async_checkpoint!r} must be True or False")
+        if not isinstance(self.timeout, timedelta) or self.timeout.total_seconds() <= 0:
+            raise ValueError(f"timeout={self.timeout!r} must be a positive datetime.timedelta")
+
+    def sizes(self) -> dict[str, int | str]:
+        """The axes' sizes by their argument names (what `lit3d.parallel.layout.resolve_layout` takes)."""
+        return {
+            "data_parallel_size": self.data_parallel_size,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "pipeline_parallel_size": self.pipeline_parallel_size,
+            "expert_parallel_size": self.expert_parallel_size,
+            "context_parallel_size": self.context_parallel_size,
+        }
+
+    def warnings(self) -> list[str]:
+        """Settings that are allowed but do nothing here."""
+        if self.sequence_parallel and self.tensor_parallel_size == 1:
+            return ["sequence_parallel=True does nothing with tensor_parallel_size=1"]
+        return []
+
+    @property
+    def chunks_per_rank(self) -> int:
+        """Model chunks each pipeline rank runs (``virtual_pipeline_size`` resolved for the schedule)."""
+        return chunks_per_rank(self.pipeline_schedule, self.virtual_pipeline_size)
+
+    @property
+    def splits_sequence(self) -> bool:
+        """Whether sequence parallelism runs (it needs tensor parallelism)."""
+        return self.sequence_parallel and self.tensor_parallel_size > 1
+
+    @property
+    def runs_outer_loop(self) -> bool:
+        """Whether DiLoCo's outer loop runs (islands, or one island with ``sync_every > 1``)."""
+        return self.islands > 1 or self.sync_every > 1
+
+    def resolved_start_method(self) -> str:
+        return self.start_method or ("fork" if interactive() else "popen")
+
+
+def check_recompute(activation_checkpointing: bool | str) -> None:
+    """Refuse a value of ``activation_checkpointing``, naming it."""
+    if activation_checkpointing not in (True, False, *RECOMPUTE_MODES):
+        raise ValueError(
+            f"activation_checkpointing={activation_checkpointing!r} is not one of True, False, "
+            + ", ".join(map(repr, RECOMPUTE_MODES))
+        )
+
+
+def interactive() -> bool:
+    """A notebook or a Python prompt (Lightning's test): script launchers cannot re-run it per rank."""
+    return hasattr(sys, "ps1") or bool(sys.flags.interactive)
+
+
+def defaults() -> dict[str, Any]:
+    """Each setting's default by name."""
+    return {f.name: f.default for f in fields(Parallelism) if f.default is not MISSING}
+
+
+def argument_docs(indent: str = "    ") -> str:
+    """Google-style ``Args:`` lines for every setting (the strategy's docstring, read by ``--help``)."""
+    lines = ["Args:"]
+    for f in fields(Parallelism):
+        lines.append(f"{indent}{f.name}: {f.metadata['help']}")
+    return "\n".join(lines)
+
+
+def argument_table() -> str:
+    """The settings as a Markdown table (the docs' table of the strategy's arguments)."""
+    rows = ["| argument | default | what it does |", "|---|---|---|"]
+    for f in fields(Parallelism):
+        default = "10 minutes" if f.name == "timeout" else repr(f.default)
+        rows.append(f"| `{f.name}` | `{default}` | {f.metadata['help']} |")
+    return "\n".join(rows)
