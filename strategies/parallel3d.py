@@ -37,8 +37,8 @@ see `lit3d.strategies.tensor_parallel`). For pipeline parallelism the module als
 from __future__ import annotations
 
 from collections.abc import Generator
-from dataclasses import fields
 from contextlib import contextmanager, nullcontext
+from dataclasses import fields
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -84,10 +84,8 @@ if TYPE_CHECKING:
     from lit3d.planner.estimate import Plan
 
 
-class Parallel3DStrategy(
-    WatchedSteps, ShardedCheckpoints, StepHooks, LocalOptimizerSteps, ModelParallelStrategy
-):
-    __doc__ = f"""Data × tensor × pipeline (× context, × expert) parallel training with ZeRO; ``world = dp × cp × tp × pp``.
+class Parallel3DStrategy(WatchedSteps, ShardedCheckpoints, StepHooks, LocalOptimizerSteps, ModelParallelStrategy):
+    __doc__ = f"""Data × tensor × pipeline (× context, × expert) parallelism with ZeRO; ``world = dp × cp × tp × pp``.
 
     Its arguments are the fields of `lit3d.parallel.Parallelism` (the one description of a run, which the planner
     takes too); ``Parallel3DStrategy.of(parallelism)`` builds it from one.

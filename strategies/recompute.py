@@ -16,7 +16,6 @@ import torch.nn as nn
 from lit3d.parallel.settings import check_recompute
 
 
-
 def _saved_ops() -> set:
     aten, c10d = torch.ops.aten, torch.ops._c10d_functional
     ops = {

@@ -31,62 +31,122 @@ def _setting(default: Any, help: str) -> Any:
 class Parallelism:
     """Data × tensor × pipeline (× context, × expert) parallelism with ZeRO: ``world = dp × cp × tp × pp``."""
 
-    data_parallel_size: int | Literal["auto"] = _setting("auto", """Replicas of the model, each fed its share
-        of the global batch; ``"auto"`` uses every rank that tensor and pipeline parallelism leave.""")
-    tensor_parallel_size: int = _setting(1, """Ranks that split every layer (heads, MLP width, vocabulary).
-        Keep it within a node: it communicates twice per layer.""")
+    data_parallel_size: int | Literal["auto"] = _setting(
+        "auto",
+        """Replicas of the model, each fed its share
+        of the global batch; ``"auto"`` uses every rank that tensor and pipeline parallelism leave.""",
+    )
+    tensor_parallel_size: int = _setting(
+        1,
+        """Ranks that split every layer (heads, MLP width, vocabulary).
+        Keep it within a node: it communicates twice per layer.""",
+    )
     pipeline_parallel_size: int = _setting(1, "Ranks that split the depth into stages of consecutive blocks.")
-    expert_parallel_size: int = _setting(1, """Ranks that split each Mixture-of-Experts layer's experts,
+    expert_parallel_size: int = _setting(
+        1,
+        """Ranks that split each Mixture-of-Experts layer's experts,
         borrowed from data parallelism (it divides ``data_parallel_size``; tokens reach their experts by
-        all-to-all).""")
-    context_parallel_size: int = _setting(1, """Ranks that split every sequence (long contexts): each holds two
+        all-to-all).""",
+    )
+    context_parallel_size: int = _setting(
+        1,
+        """Ranks that split every sequence (long contexts): each holds two
         of ``2 x cp`` chunks, attention is a ring over them, and the weights are synced and ZeRO-sharded over the
-        ``dp x cp`` ranks. The mesh is ``(pp, dp, cp, tp)``.""")
-    zero_stage: int = _setting(1, """Sharding over the data-parallel ranks: 0 nothing (DDP); 1 optimizer
+        ``dp x cp`` ranks. The mesh is ``(pp, dp, cp, tp)``.""",
+    )
+    zero_stage: int = _setting(
+        1,
+        """Sharding over the data-parallel ranks: 0 nothing (DDP); 1 optimizer
         states, the gradients reduce-scattered at the step (DDP's bytes); 2 and parameters between steps
-        (gathered once per step); 3 and parameters gathered block by block.""")
-    sequence_parallel: bool = _setting(False, """Between tensor-parallel regions, keep activations (norms,
+        (gathered once per step); 3 and parameters gathered block by block.""",
+    )
+    sequence_parallel: bool = _setting(
+        False,
+        """Between tensor-parallel regions, keep activations (norms,
         residual stream) split along the sequence: 1/t of the layer's activations for one more all-gather per
-        region in backward.""")
-    pipeline_schedule: str = _setting("1f1b", """``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``zero_bubble``
+        region in backward.""",
+    )
+    pipeline_schedule: str = _setting(
+        "1f1b",
+        """``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``zero_bubble``
         (backward split into input and weight gradients, the latter filling the bubbles), ``zbv`` (zero bubble
         over two chunks per rank in a V) or ``dualpipev`` (DeepSeek's DualPipe-V); their bubbles and memory:
-        `lit3d.parallel.schedules`.""")
-    num_microbatches: int | None = _setting(None, """Micro-batches each replica's batch is split into for the
+        `lit3d.parallel.schedules`.""",
+    )
+    num_microbatches: int | None = _setting(
+        None,
+        """Micro-batches each replica's batch is split into for the
         pipeline (default: the most, up to 2 x pipeline_parallel_size x virtual_pipeline_size, that divide the
-        per-replica batch).""")
-    virtual_pipeline_size: int | None = _setting(None, """Model chunks per pipeline rank (interleaved
-        schedules, default 2; ``zbv`` and ``dualpipev`` run 2).""")
-    activation_checkpointing: bool | Literal["full", "selective"] = _setting(False, """Recompute activations
+        per-replica batch).""",
+    )
+    virtual_pipeline_size: int | None = _setting(
+        None,
+        """Model chunks per pipeline rank (interleaved
+        schedules, default 2; ``zbv`` and ``dualpipev`` run 2).""",
+    )
+    activation_checkpointing: bool | Literal["full", "selective"] = _setting(
+        False,
+        """Recompute activations
         in backward instead of storing them: ``True`` or ``"full"`` keeps only each block's input;
-        ``"selective"`` keeps matmul, attention and collective outputs and recomputes the elementwise ops.""")
-    compile: bool | str = _setting(False, """``torch.compile`` each block (``True``: inductor; a string names
-        another backend).""")
-    mixed_precision_reduce: Literal["float32", "bfloat16"] = _setting("float32", """Under
+        ``"selective"`` keeps matmul, attention and collective outputs and recomputes the elementwise ops.""",
+    )
+    compile: bool | str = _setting(
+        False,
+        """``torch.compile`` each block (``True``: inductor; a string names
+        another backend).""",
+    )
+    mixed_precision_reduce: Literal["float32", "bfloat16"] = _setting(
+        "float32",
+        """Under
         ``precision="bf16-mixed"``, the dtype gradients are reduced in over DP: ``"float32"`` (torchtitan's
-        default) or ``"bfloat16"`` (half the bytes). Parameters are gathered in bf16 either way.""")
-    async_checkpoint: bool = _setting(False, """Write sharded checkpoints in the background: training waits
+        default) or ``"bfloat16"`` (half the bytes). Parameters are gathered in bf16 either way.""",
+    )
+    async_checkpoint: bool = _setting(
+        False,
+        """Write sharded checkpoints in the background: training waits
         only while each rank's shards are copied to host memory; the folder still appears complete or not at
-        all, and a failed write is raised at the next save or at the end of training, naming the folder.""")
-    process_group_backend: str | None = _setting(None, """``nccl`` or ``gloo``; default picks by device (NCCL
-        on GPUs, gloo on CPU).""")
-    timeout: timedelta = _setting(timedelta(minutes=10), """How long a collective may wait for a peer before the
-        job fails. At 90 % of it without progress, each rank logs the collective it waits in.""")
-    start_method: Literal["popen", "fork"] | None = _setting(None, """How local ranks are started when nothing
+        all, and a failed write is raised at the next save or at the end of training, naming the folder.""",
+    )
+    process_group_backend: str | None = _setting(
+        None,
+        """``nccl`` or ``gloo``; default picks by device (NCCL
+        on GPUs, gloo on CPU).""",
+    )
+    timeout: timedelta = _setting(
+        timedelta(minutes=10),
+        """How long a collective may wait for a peer before the
+        job fails. At 90 % of it without progress, each rank logs the collective it waits in.""",
+    )
+    start_method: Literal["popen", "fork"] | None = _setting(
+        None,
+        """How local ranks are started when nothing
         else starts them (torchrun and SLURM do): ``"popen"`` re-runs the script per rank (Lightning's
         default); ``"fork"`` forks the current process, the only way from a Jupyter notebook. ``None`` picks
-        ``"fork"`` in a notebook, else ``"popen"``.""")
-    islands: int = _setting(1, """DiLoCo: the data-parallel replicas split into this many islands of
+        ``"fork"`` in a notebook, else ``"popen"``.""",
+    )
+    islands: int = _setting(
+        1,
+        """DiLoCo: the data-parallel replicas split into this many islands of
         consecutive ranks, each a whole ``dp x tp x pp`` layout that syncs every step inside itself; islands
-        communicate only at the outer step. ``data_parallel_size`` counts the replicas of all islands.""")
-    sync_every: int = _setting(1, """Inner steps between DiLoCo's outer steps (``H``). DiLoCo runs when
-        ``islands > 1`` or ``sync_every > 1``.""")
+        communicate only at the outer step. ``data_parallel_size`` counts the replicas of all islands.""",
+    )
+    sync_every: int = _setting(
+        1,
+        """Inner steps between DiLoCo's outer steps (``H``). DiLoCo runs when
+        ``islands > 1`` or ``sync_every > 1``.""",
+    )
     outer_lr: float = _setting(0.7, "The outer SGD's learning rate (DiLoCo's 0.7).")
     outer_momentum: float = _setting(0.9, "The outer SGD's Nesterov momentum (DiLoCo's 0.9; 0 for none).")
-    outer_fragments: int = _setting(1, """Streaming DiLoCo: the weights are synced in this many fragments at
-        staggered inner steps, each once every ``sync_every`` steps.""")
-    outer_reduce_dtype: Literal["float32", "bfloat16"] = _setting("float32", """The dtype the pseudo-gradients
-        travel between islands in: ``"float32"`` or ``"bfloat16"`` (half the bytes).""")
+    outer_fragments: int = _setting(
+        1,
+        """Streaming DiLoCo: the weights are synced in this many fragments at
+        staggered inner steps, each once every ``sync_every`` steps.""",
+    )
+    outer_reduce_dtype: Literal["float32", "bfloat16"] = _setting(
+        "float32",
+        """The dtype the pseudo-gradients
+        travel between islands in: ``"float32"`` or ``"bfloat16"`` (half the bytes).""",
+    )
 
     def __post_init__(self) -> None:
         self.check()
