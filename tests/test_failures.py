@@ -71,7 +71,7 @@ def test_killing_one_rank_ends_the_job(tmp_path, victim):
         target = ranks[0] if victim.startswith("rank 1") else proc.pid
         os.kill(target, signal.SIGKILL)
         killed_at = time.time()
-        deadline = killed_at + 30  # README's "When a rank dies": within 30 s (measured 2.0-3.5 s)
+        deadline = killed_at + 30  # docs/launching.md, "When a rank dies": within 30 s (measured 2.0-3.5 s)
         while (alive(proc.pid) or any(alive(r) for r in ranks)) and time.time() < deadline:
             time.sleep(0.5)
         print(f"{victim} killed: every rank gone after {time.time() - killed_at:.1f} s")
@@ -88,9 +88,9 @@ def test_killing_one_rank_ends_the_job(tmp_path, victim):
 @pytest.mark.parametrize("kind", ["raise", "out_of_memory", "hang"])
 def test_a_failing_rank_ends_the_job_in_bounded_time_and_is_named(tmp_path, kind):
     """Rank 1 of 2 fails at step 2: an exception, an allocation that runs out of memory, or a hang (it never
-    reaches its next collective). The job exits non-zero within the bound README's "When a rank dies" documents
-    (the collective timeout, 15 s here, for a hang) and the log names the rank: the failed one, or for a hang
-    the stuck rank and the collective its peer waits in."""
+    reaches its next collective). The job exits non-zero within the bound docs/launching.md's "When a rank dies"
+    documents (the collective timeout, 15 s here, for a hang) and the log names the rank: the failed one, or for a
+    hang the stuck rank and the collective its peer waits in."""
     timeout_s = 15  # the collective timeout of the hang case (short, but well above a step on a loaded machine)
     inject = ["--trainer.callbacks+=faults.InjectFault", "--trainer.callbacks.rank=1",
               "--trainer.callbacks.step=2", f"--trainer.callbacks.kind={kind}"]  # fmt: skip
