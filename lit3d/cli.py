@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from lit3d.lightning_cli import Lit3DCLI
 
 
-FLAGS = ("--json", "--verify", "--sequence_parallel", "--activation_checkpointing")
+FLAGS = ("--json", "--verify")  # and the settings that may be true (`lit3d.commands.SWITCHES`)
 USAGE = """usage: lit3d COMMAND [--help] [arguments]
 
 Train and plan 3D-parallel (data x tensor x pipeline) GPTs with PyTorch Lightning.
@@ -39,10 +39,14 @@ COMMANDS = ("plan", "export", "convert", "generate", "prepare")
 
 
 def _bare_flags_true(argv: list[str]) -> list[str]:
-    """``--json`` alone means ``--json=true`` (jsonargparse wants a value for every bool)."""
+    """``--json`` alone means ``--json=true`` (jsonargparse wants a value for every bool), as does a setting of the
+    strategy that may be true (``lit3d plan --async_checkpoint``)."""
+    from lit3d.commands import SWITCHES
+
+    flags = {*FLAGS, *SWITCHES}
     out = []
     for i, arg in enumerate(argv):
-        bare = arg in FLAGS and (i + 1 == len(argv) or argv[i + 1].startswith("--"))
+        bare = arg in flags and (i + 1 == len(argv) or argv[i + 1].startswith("--"))
         out.append(f"{arg}=true" if bare else arg)
     return out
 

@@ -3,10 +3,20 @@ whose arguments and docstring are its command line (jsonargparse)."""
 
 from __future__ import annotations
 
-from typing import Literal
+import inspect
+import re
+from collections.abc import Callable
+from dataclasses import fields
+from json import dumps
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from lit3d.config import PRESETS
 from lit3d.hardware import GPUS
+from lit3d.parallel.settings import Parallelism
+from lit3d.planner import Cluster, RankMap, Request, format_report
+from lit3d.planner import plan as plan_request
+from lit3d.planner.request import DILOCO_SYNC_EVERY
 
 
 def export(ckpt_path: str, output: str, dtype: str = "float32") -> None:
@@ -41,41 +51,25 @@ def plan(
     seq_len: int | None = None,
     micro_batch_size: int | None = None,
     global_batch_size: int = 1024,
-    num_microbatches: int | None = None,
     precision: str = "bf16-mixed",
-    zero_stage: int | None = None,
-    tensor_parallel_size: int | None = None,
-    pipeline_parallel_size: int | None = None,
-    data_parallel_size: int | None = None,
-    expert_parallel_size: int | None = None,
-    context_parallel_size: int | None = None,
-    sequence_parallel: bool = True,
-    activation_checkpointing: bool | Literal["full", "selective"] | None = None,
-    pipeline_schedule: str | None = None,
-    virtual_pipeline_size: int | None = None,
-    islands: int = 1,
     inter_island_bandwidth: float = 1.0,
     inter_island_latency: float = 10.0,
-    sync_every: int = 500,
-    outer_fragments: int = 1,
-    outer_reduce_dtype: str = "float32",
     top: int = 5,
     json: bool = False,
     verify: bool = False,
     map: str | None = None,
+    **settings: Any,
 ) -> None:
     """Plan a layout: memory per GPU, communication, pipeline bubble and step time, before renting a GPU.
 
-    With ``tensor_parallel_size`` and ``pipeline_parallel_size`` given, reports that layout; otherwise
-    searches every valid layout of the cluster (sizes given are kept), drops those that do not fit and
-    prints the fastest.
+    With ``tensor_parallel_size`` and ``pipeline_parallel_size`` given, reports that layout; otherwise searches every
+    layout of the cluster that keeps the settings given and prints the fastest that fit. Takes every strategy argument.
 
     Args:
         model: A preset name ({presets}) or a model YAML file.
         nodes: Number of nodes.
         gpus_per_node: GPUs in each node.
-        gpu: A known device ({gpus}) whose memory, peak and link speeds are the defaults of the next four
-            arguments (``CPU``: one core of a CPU rehearsal per rank).
+        gpu: A known device ({gpus}) whose memory, peak and links are the next four's defaults (``CPU``: one core each).
         gpu_memory: Memory of one GPU, GB.
         intra_node_bandwidth: GB/s per GPU and direction inside a node (NVLink).
         inter_node_bandwidth: GB/s per GPU between nodes (InfiniBand).
@@ -83,67 +77,47 @@ def plan(
         seq_len: Tokens per sequence (default: the model's max_seq_len).
         micro_batch_size: Sequences per micro-batch (default 1, or global_batch_size / (dp x num_microbatches)).
         global_batch_size: Sequences per optimizer step over all replicas.
-        num_microbatches: Micro-batches per replica per step (needs a fixed layout).
         precision: ``bf16-mixed`` (2 + 2 + 12 bytes per parameter), ``bf16-true`` or ``32-true``.
-        zero_stage: 0-3; searched when not given (1 for a fixed layout).
-        tensor_parallel_size: Fix TP.
-        pipeline_parallel_size: Fix PP.
-        data_parallel_size: Fix DP (default: what TP and PP leave of the cluster).
-        expert_parallel_size: Fix EP (an MoE model: ranks borrowed from DP that split the experts); searched
-            when not given.
-        context_parallel_size: Fix CP (ranks that split every sequence; between DP and TP); searched when not
-            given for sequences of 16k tokens and more (1 otherwise).
-        sequence_parallel: Sequence parallelism between TP regions.
-        activation_checkpointing: Recompute activations: ``true``/``full`` (each block's input only) or
-            ``selective`` (keeps matmul, attention and collective outputs); searched (off or full) when not given,
-            off for a fixed layout.
-        pipeline_schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``zero_bubble``, ``zbv`` or ``dualpipev``;
-            when not given, each layout runs the schedule and micro-batch count with the shortest step that fits
-            (``--json``: ``pipeline_schedule`` and every candidate's bubble in ``schedule_candidates``).
-        virtual_pipeline_size: Model chunks per pipeline rank of ``interleaved_1f1b`` and ``zero_bubble``
-            (``zbv`` and ``dualpipev`` run 2).
-        islands: DiLoCo: the GPUs split into this many islands (datacenters) of the same layout, which meet only at
-            the outer step; prints the time per outer step and what it saves against synchronous DP.
-        inter_island_bandwidth: GB/s per GPU between islands.
+        inter_island_bandwidth: GB/s per GPU between DiLoCo's islands.
         inter_island_latency: Milliseconds per hop between islands.
-        sync_every: Inner steps per outer step with islands (DiLoCo's paper: 500).
-        outer_fragments: Streaming DiLoCo: fragments synced at staggered steps (the same bytes, fewer at a time).
-        outer_reduce_dtype: What the pseudo-gradients travel in: ``float32`` or ``bfloat16``.
         top: How many layouts a search prints.
         json: Print one JSON object instead of text.
         verify: Build the real model on the meta device, parallelise it for the layout in a fake process group
             of the full world size, and compare its per-rank parameter counts with the analytic ones.
         map: Draw the rank map to this ``.svg``, ``.png`` or ``.html`` file: of the layout, or of a search's best
             three one above the other, with each rank's number and memory and each layout's traffic per link.
+    {settings}
     """
-    import json as json_module
-    from dataclasses import asdict, replace
+    cluster = _cluster(gpu, nodes, gpus_per_node, gpu_memory, intra_node_bandwidth, inter_node_bandwidth, peak_tflops,
+                       inter_island_bandwidth, inter_island_latency)  # fmt: skip
+    numbers = dict(seq_len=seq_len, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size)
+    given = {name: value for name, value in {**numbers, **settings}.items() if value is not None}  # 0 is given
+    report = plan_request(Request.given(model, cluster, top=top, verify=verify, precision=precision, **given))
+    text = format_report(report)
+    if map and report.chosen:
+        text += f"\nrank map: {RankMap.side_by_side(report.rank_maps()).save(map)}"
+    print(dumps(report.to_dict(), indent=2) if json else text)
+    if not report.verified_exactly:
+        raise SystemExit("lit3d plan --verify: analytic and verified parameter counts differ")
 
-    from lit3d.config import GPTConfig
-    from lit3d.parallel.layout import ZERO_STAGES, Layout, check_islands, check_sizes
-    from lit3d.parallel.outer import check_outer_loop
-    from lit3d.parallel.schedules import chunks_per_rank
-    from lit3d.planner import (
-        Cluster,
-        RankMap,
-        Training,
-        check_inputs,
-        estimate,
-        format_plan,
-        format_search,
-        layout_problem,
-        search,
-    )
-    from lit3d.planner import verify as verify_counts
-    from lit3d.planner.islands import format_islands, versus_synchronous
-    from lit3d.planner.pipeline import candidates, choose_schedule
-    from lit3d.planner.report import format_verify
 
+def _cluster(
+    gpu: str,
+    nodes: int,
+    gpus_per_node: int,
+    gpu_memory: float | None,
+    intra_node_bandwidth: float | None,
+    inter_node_bandwidth: float | None,
+    peak_tflops: float | None,
+    inter_island_bandwidth: float,
+    inter_island_latency: float,
+) -> Cluster:
+    """The `lit3d.planner.Cluster` of ``nodes`` x ``gpus_per_node`` of ``gpu``, the numbers given replacing its own."""
     if gpu not in GPUS:
         raise ValueError(f"gpu={gpu!r} is not one of {', '.join(GPUS)}; give gpu_memory, bandwidths and peak_tflops")
-    spec, config = GPUS[gpu], GPTConfig.load(model)
+    spec = GPUS[gpu]
     given = lambda value, default: default if value is None else value  # NOTE: 0 is a value (refused), not "unset"
-    cluster = Cluster(
+    return Cluster(
         nodes=nodes,
         gpus_per_node=gpus_per_node,
         gpu_memory_gb=given(gpu_memory, spec.memory_gb),
@@ -154,140 +128,66 @@ def plan(
         inter_island_latency_ms=inter_island_latency,
         device=spec.device,
     )
-    training = Training(
-        seq_len=given(seq_len, config.max_seq_len),
-        micro_batch_size=given(micro_batch_size, 1),
-        global_batch_size=global_batch_size,
-        precision=precision,
-        zero_stage=given(zero_stage, 0),
-        sequence_parallel=sequence_parallel,
-        activation_checkpointing=activation_checkpointing or False,
-        pipeline_schedule=pipeline_schedule or "1f1b",  # (a search weighs them all)
-        virtual_pipeline_size=given(virtual_pipeline_size, 1),
-        sync_every=sync_every if islands > 1 else 1,
-        outer_fragments=outer_fragments,
-        outer_reduce_dtype=outer_reduce_dtype,
-    )
-    if not inter_island_bandwidth > 0 or not inter_island_latency >= 0:
-        raise ValueError(f"inter_island_bandwidth={inter_island_bandwidth!r} must be positive and "
-                         f"inter_island_latency={inter_island_latency!r} at least 0")  # fmt: skip
-    check_inputs(config, cluster, training)
-    if pipeline_schedule:
-        training.virtual_pipeline_size = chunks_per_rank(pipeline_schedule, virtual_pipeline_size)
-    schedules = candidates(pipeline_schedule, virtual_pipeline_size)
-    any_schedule = replace(training, pipeline_schedule="gpipe", virtual_pipeline_size=1)  # GPipe runs any m
-    check_outer_loop(islands, sync_every, 1.0, 0.0, outer_fragments, outer_reduce_dtype)
-    if islands > 1 and cluster.gpus % islands:
-        raise ValueError(f"islands={islands} does not divide the {cluster.gpus} GPUs of the cluster")
-    sizes = dict(
-        tensor_parallel_size=tensor_parallel_size,
-        pipeline_parallel_size=pipeline_parallel_size,
-        data_parallel_size=data_parallel_size,
-        expert_parallel_size=expert_parallel_size,
-        context_parallel_size=context_parallel_size,
-        num_microbatches=num_microbatches,
-        top=top,
-    )
-    check_sizes(**{name: value for name, value in sizes.items() if value is not None})
-
-    if tensor_parallel_size and pipeline_parallel_size:  # one layout
-        tp, pp, cp = tensor_parallel_size, pipeline_parallel_size, context_parallel_size or 1
-        if data_parallel_size is None and cluster.gpus % (tp * pp * cp):
-            raise ValueError(
-                f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} x context_parallel_size={cp} does not "
-                f"divide the {cluster.gpus} GPUs of the cluster; give data_parallel_size"
-            )
-        dp = data_parallel_size or cluster.gpus // (tp * pp * cp)  # every island's replicas
-        check_islands(islands, dp, expert_parallel_size or 1, cp)
-        layout = Layout(dp=dp // islands, tp=tp, pp=pp, devices_per_node=gpus_per_node, ep=expert_parallel_size or 1,
-                        cp=cp, islands=islands)  # fmt: skip
-        if dp % layout.ep:
-            raise ValueError(f"expert_parallel_size={layout.ep} does not divide data_parallel_size={dp}")
-        if zero_stage is None:
-            training.zero_stage = 1
-        if num_microbatches is not None:
-            if global_batch_size % (dp * num_microbatches):
-                raise ValueError(
-                    f"global_batch_size={global_batch_size} is not divisible by data_parallel_size={dp} "
-                    f"x num_microbatches={num_microbatches}"
-                )
-            derived = global_batch_size // (dp * num_microbatches)
-            if micro_batch_size not in (None, derived):
-                raise ValueError(
-                    f"micro_batch_size={micro_batch_size} disagrees with global_batch_size="
-                    f"{global_batch_size} / (data_parallel_size={dp} x num_microbatches={num_microbatches})"
-                    f" = {derived}"
-                )
-            training.micro_batch_size = derived
-        problem = layout_problem(config, cluster, layout, training if pipeline_schedule else any_schedule)
-        if problem:
-            raise ValueError(problem)
-        chosen = None
-        if pp > 1 and not pipeline_schedule:
-            chosen = choose_schedule(config, cluster, layout, training, schedules, num_microbatches)
-        training, result = chosen or (training, estimate(config, cluster, layout, training))
-        report, best = result.to_dict(), (layout, training)
-        maps = [RankMap(layout, config.name, result, cluster.device)]
-        text = format_plan(config, cluster, layout, training, result)
-    else:
-        if num_microbatches is not None:
-            raise ValueError(
-                f"num_microbatches={num_microbatches} needs a fixed layout (tensor_parallel_size and "
-                "pipeline_parallel_size); give micro_batch_size for a search"
-            )
-        fitting, dropped = search(
-            config,
-            cluster,
-            training,
-            tensor_parallel_size=tensor_parallel_size,
-            pipeline_parallel_size=pipeline_parallel_size,
-            data_parallel_size=data_parallel_size // islands if data_parallel_size else None,  # of one island
-            expert_parallel_size=expert_parallel_size,
-            context_parallel_size=context_parallel_size,
-            zero_stages=ZERO_STAGES if zero_stage is None else (zero_stage,),
-            checkpointing=(False, True) if activation_checkpointing is None else (activation_checkpointing,),
-            islands=islands,
-            pipeline_schedules=schedules,
-        )
-        text = format_search(config, cluster, fitting, dropped, top)
-        best = (fitting[0].layout, fitting[0].training) if fitting else None
-        maps = [RankMap(c.layout, f"#{i} {config.name}", c.plan, cluster.device) for i, c in enumerate(fitting[:3], 1)]
-        report = fitting[0].plan.to_dict() if fitting else {"layout": None}
-        report.update(alternatives=[c.plan.to_dict() for c in fitting[1:top]], dropped=dropped)
-    report.update(model=config.name, cluster=asdict(cluster), fits=report.get("fits", False))
-    if islands > 1 and best:
-        layout, chosen = best
-        plan_of_best = estimate(config, cluster, layout, chosen)
-        report["islands"] = versus_synchronous(config, cluster, layout, chosen, plan_of_best)
-        text += "\n" + format_islands(report["islands"])
-
-    if verify and best:
-        layout, chosen = best
-        counts = verify_counts(
-            config,
-            layout,
-            chosen.zero_stage,
-            chosen.sequence_parallel,
-            chosen.virtual_pipeline_size if layout.pp > 1 else 1,
-            chosen.activation_checkpointing,
-            chosen.pipeline_schedule,
-        )
-        report["verify"] = [
-            {"stage": c.stage, "rank": c.rank, "verified": c.verified, "analytic": c.analytic} for c in counts
-        ]
-        text += "\n" + format_verify(layout, counts)
-    if map and best:
-        path = RankMap.side_by_side(maps).save(map)
-        text += f"\nrank map: {path}"
-    print(json_module.dumps(report, indent=2) if json else text)
-    if verify and best and not all(c["verified"] == c["analytic"] for c in report["verify"]):
-        raise SystemExit("lit3d plan --verify: analytic and verified parameter counts differ")
 
 
-# NOTE: the lists come from the tables themselves, so a new preset or device shows in `lit3d plan --help` unedited.
-if plan.__doc__:  # (None under python -OO)
-    presets = ", ".join(f"``{name}``" for name in PRESETS)
-    plan.__doc__ = plan.__doc__.replace("{presets}", presets).replace("{gpus}", ", ".join(GPUS))
+# How `lit3d plan` uses each setting of the strategy, after the setting's own help (`Parallelism`'s field metadata).
+PLAN_NOTES = {
+    "data_parallel_size": "Planned: what tensor, context and pipeline parallelism leave of the cluster unless given.",
+    "tensor_parallel_size": "Searched when not given; given with ``pipeline_parallel_size``, the plan is that layout.",
+    "pipeline_parallel_size": "Searched when not given; given with ``tensor_parallel_size``, the plan is that layout.",
+    "expert_parallel_size": "Searched (an MoE model) when not given.",
+    "context_parallel_size": "Searched when not given for sequences of 16k tokens and more (1 otherwise).",
+    "zero_stage": "Searched when not given (1 for a fixed layout).",
+    "sequence_parallel": "Planned on unless given.",
+    "pipeline_schedule": "When not given, each layout runs the schedule and micro-batch count with the shortest step "
+    "that fits (``--json``: ``pipeline_schedule`` and every candidate's bubble in ``schedule_candidates``).",
+    "num_microbatches": "Needs a fixed layout; sets micro_batch_size.",
+    "virtual_pipeline_size": "Searched with the schedule when not given.",
+    "activation_checkpointing": "Searched (off or full) when not given, off for a fixed layout.",
+    "mixed_precision_reduce": "Planned as the run reduces: ``bfloat16`` halves the gradients' bytes.",
+    "islands": "The plan then prints the time per outer step and what it saves against synchronous DP.",
+    "sync_every": f"Planned: {DILOCO_SYNC_EVERY} (DiLoCo's paper) with islands unless given.",
+    "outer_fragments": "The same bytes, fewer at a time.",
+}
+NOT_PLANNED = "Accepted; the plan does not depend on it."
+
+
+def _with_every_setting(command: Callable[..., None]) -> None:
+    """Give ``command`` (whose ``**settings`` take them) a keyword for every field of `Parallelism`, typed as the
+    field (or None: not given) and documented with its help and `PLAN_NOTES`: what jsonargparse makes flags of, so a
+    new setting of the strategy is a flag of ``lit3d plan`` unedited."""
+    types, signature = get_type_hints(Parallelism), inspect.signature(command)
+    explicit = [p.replace(annotation=get_type_hints(command)[p.name]) for p in signature.parameters.values()
+                if p.kind is not p.VAR_KEYWORD]  # fmt: skip
+    keyword = lambda name: inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None,
+                                             annotation=_choices_as_str(types[name]) | None)  # fmt: skip
+    extra = [keyword(f.name) for f in fields(Parallelism)]
+    command.__signature__ = signature.replace(parameters=explicit + extra)  # type: ignore[attr-defined]
+    lines = [
+        f"        {f.name}: {f.metadata['help']} {PLAN_NOTES.get(f.name, NOT_PLANNED)}\n" for f in fields(Parallelism)
+    ]
+    if command.__doc__:  # (None under python -OO)
+        presets = ", ".join(f"``{name}``" for name in PRESETS)
+        doc = re.sub(r"^ *\{settings\}\n", lambda _: "".join(lines), command.__doc__, flags=re.MULTILINE)
+        command.__doc__ = doc.replace("{presets}", presets).replace("{gpus}", ", ".join(GPUS))
+
+
+def _choices_as_str(hint: Any) -> Any:
+    """``hint`` with each ``Literal`` of choices read as a ``str``: `Parallelism.check` then refuses a wrong one in one
+    line naming it and the choices, as every other bad setting (jsonargparse's own refusal is a page)."""
+    if get_origin(hint) is Literal:
+        return str
+    if get_origin(hint) in (Union, UnionType):
+        return Union[tuple(dict.fromkeys(_choices_as_str(arg) for arg in get_args(hint)))]  # noqa: UP007
+    return hint
+
+
+# The settings that may be true (``--async_checkpoint``): flags that may stand alone (`lit3d.cli`).
+SWITCHES = tuple(f"--{name}" for name, hint in get_type_hints(Parallelism).items() if bool in (hint, *get_args(hint)))
+
+# NOTE: the lists come from the tables themselves, so a new preset, device or setting shows in `lit3d plan --help`
+# unedited.
+_with_every_setting(plan)
 
 
 def convert(ckpt_path: str, output: str) -> None:

@@ -22,6 +22,7 @@ from live_memory import PeakMemory
 
 from lit3d import GPTConfig
 from lit3d.parallel.layout import Layout
+from lit3d.parallel.settings import Parallelism
 from lit3d.planner import Cluster, Training, estimate
 
 CONFIG = dict(n_layer=2, n_head=6, n_kv_head=2, d_model=384, d_ff=1024, vocab_size=257, max_seq_len=32)
@@ -70,10 +71,10 @@ def _storage(tensor: torch.Tensor) -> int:
 
 def planned(zero_stage: int) -> dict[str, int]:
     """What `lit3d plan` counts for rank 0 of this run's layout."""
-    training = Training(seq_len=SEQ, micro_batch_size=BATCH // 2, global_batch_size=BATCH, precision="bf16-mixed",
-                        zero_stage=zero_stage, sequence_parallel=False)  # fmt: skip
-    layout = Layout(dp=2, tp=1, pp=1, devices_per_node=2)
-    return estimate(GPTConfig(**CONFIG), Cluster(nodes=1, gpus_per_node=2), layout, training).memory_by_stage[0]
+    training = Training(seq_len=SEQ, micro_batch_size=BATCH // 2, global_batch_size=BATCH, precision="bf16-mixed")
+    layout, settings = Layout(dp=2, tp=1, pp=1, devices_per_node=2), Parallelism(zero_stage=zero_stage)
+    cluster = Cluster(nodes=1, gpus_per_node=2)
+    return estimate(GPTConfig(**CONFIG), cluster, layout, training, settings).memory_by_stage[0]
 
 
 @pytest.fixture(scope="module")

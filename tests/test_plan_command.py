@@ -126,3 +126,84 @@ def test_a_cpu_rehearsal_plans_with_its_share_of_this_machines_cpu():
     assert share.peak_tflops == pytest.approx(2 * GPUS["CPU"].peak_tflops) and share.peak_tflops < 1
     with pytest.raises(ValueError, match="processes=0"):
         cpu_share(0)
+
+
+def test_every_setting_of_the_strategy_is_a_plan_flag(capsys):
+    """The flags come from `Parallelism`'s fields, with their help: a new setting of the strategy is a flag unedited."""
+    from dataclasses import fields
+
+    from lit3d.parallel.settings import Parallelism
+
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for f in fields(Parallelism):
+        assert f"--{f.name} " in text, f.name
+        assert " ".join(f.metadata["help"].split()[:6]) in text, f.name
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [("--process_group_backend", "gloo"), ("--timeout", "0:20:00"), ("--start_method", "fork"),
+     ("--async_checkpoint", "true"), ("--compile", "true"), ("--outer_lr", "0.5"), ("--outer_momentum", "0.5")],
+)  # fmt: skip
+def test_settings_that_do_not_change_the_plan_are_accepted_and_passed_to_the_run(flag, value, capsys):
+    args = ["plan", "--model", "tiny", "--gpus_per_node", "2", "--global_batch_size", "8", "--seq_len", "64"]
+    main([*args, "--json"])
+    plain = json.loads(capsys.readouterr().out)
+    main([*args, flag, value, "--json"])
+    assert json.loads(capsys.readouterr().out)["step_time_s"] == plain["step_time_s"]
+    main([*args, flag, value])
+    assert f"--trainer.strategy.{flag[2:]}={value}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("zero_stage, ratio", [(0, 1 / 2), (1, 4 / 6), (2, 4 / 6), (3, None)])
+def test_gradients_reduced_in_bf16_send_the_dp_bytes_the_run_sends(zero_stage, ratio, capsys):
+    """Under bf16-mixed the run reduces gradients in fp32 unless ``mixed_precision_reduce="bfloat16"``: 2 bytes per
+    gradient element instead of 4. ZeRO-0 all-reduces gradients only (half the bytes); ZeRO-1 reduce-scatters them
+    and all-gathers the bf16 parameters (4 + 2 bytes per element become 2 + 2), as does ZeRO-2."""
+    args = ["plan", "--model", "llama-8b", "--nodes", "2", "--tensor_parallel_size", "2", "--pipeline_parallel_size",
+            "1", "--zero_stage", str(zero_stage), "--seq_len", "4096", "--global_batch_size", "64",
+            "--json"]  # fmt: skip
+    sent = {}
+    for dtype in ("float32", "bfloat16"):
+        main([*args, "--mixed_precision_reduce", dtype])
+        sent[dtype] = json.loads(capsys.readouterr().out)["communication_per_step"]["dp"]["bytes"]
+    if ratio is not None:
+        assert sent["bfloat16"] == pytest.approx(sent["float32"] * ratio, rel=1e-12)
+    else:  # ZeRO-3 gathers each block's bf16 weights for every forward and backward beside one gradient reduction
+        assert sent["float32"] > sent["bfloat16"] > sent["float32"] / 2
+    main([*args[:-1], "--precision", "32-true", "--mixed_precision_reduce", "bfloat16", "--json"])
+    fp32 = json.loads(capsys.readouterr().out)["communication_per_step"]["dp"]["bytes"]
+    main([*args[:-1], "--precision", "32-true", "--json"])
+    assert fp32 == json.loads(capsys.readouterr().out)["communication_per_step"]["dp"]["bytes"]  # bf16-mixed only
+
+
+def test_a_search_plans_and_runs_the_reduce_dtype_given(capsys):
+    args = ["plan", "--model", "llama-8b", "--nodes", "2", "--seq_len", "4096", "--global_batch_size", "64"]
+    main([*args, "--mixed_precision_reduce", "bfloat16"])
+    text = capsys.readouterr().out
+    assert "--trainer.strategy.mixed_precision_reduce=bfloat16" in text
+    main([*args, "--mixed_precision_reduce", "bfloat16", "--top", "1", "--json"])
+    halved = json.loads(capsys.readouterr().out)
+    main([*args, "--top", "1", "--json"])
+    assert halved["step_time_s"] <= json.loads(capsys.readouterr().out)["step_time_s"]
+
+
+def test_the_planner_is_a_function_from_a_request_to_a_report():
+    from lit3d.planner import Cluster, Request, format_report, plan
+
+    request = Request.given("llama-8b", Cluster(nodes=2), seq_len=4096, global_batch_size=64, tensor_parallel_size=2,
+                            pipeline_parallel_size=2, mixed_precision_reduce="bfloat16")  # fmt: skip
+    report = plan(request)
+    chosen = report.chosen
+    assert not report.searched and len(report.candidates) == 1
+    assert (chosen.layout.dp, chosen.layout.tp, chosen.layout.pp) == (4, 2, 2)
+    settings = chosen.parallelism  # what the strategy would be built from: the request's, sized and scheduled
+    assert (settings.data_parallel_size, settings.mixed_precision_reduce) == (4, "bfloat16")
+    assert settings.sequence_parallel and settings.pipeline_schedule == chosen.plan.pipeline_schedule
+    assert report.to_dict()["layout"]["pipeline_parallel_size"] == 2
+    assert "gradients reduced in bfloat16" in format_report(report)
+    searched = plan(Request.given("llama-8b", Cluster(nodes=2), seq_len=4096, global_batch_size=64, zero_stage=2))
+    assert searched.searched and {c.parallelism.zero_stage for c in searched.candidates} == {2}
+    assert all(c.parallelism.tensor_parallel_size == c.layout.tp for c in searched.candidates)

@@ -8,7 +8,9 @@ import pytest
 from lit3d.cli import main
 from lit3d.config import GPTConfig
 from lit3d.parallel.layout import Layout
+from lit3d.parallel.settings import Parallelism
 from lit3d.planner import GB, Cluster, RankMap, Training, estimate, layout_problem, search, verify
+from lit3d.planner.estimate import sizes_of
 
 GPT3 = GPTConfig.from_name("gpt3-175b")
 MEGATRON_GPT3 = Layout(dp=8, tp=8, pp=16, devices_per_node=8)  # 1,024 GPUs on 128 nodes
@@ -19,7 +21,8 @@ def gpt3_plan(zero_stage):
         GPT3,
         Cluster(nodes=128),
         MEGATRON_GPT3,
-        Training(seq_len=2048, global_batch_size=1536, zero_stage=zero_stage, sequence_parallel=False),
+        Training(seq_len=2048, global_batch_size=1536),
+        Parallelism(zero_stage=zero_stage),
     )
 
 
@@ -53,7 +56,8 @@ def test_1f1b_bubble_is_p_minus_1_over_m_plus_p_minus_1():
         GPTConfig.from_name("llama-8b"),
         Cluster(nodes=4),
         Layout(dp=2, tp=4, pp=4, devices_per_node=8),
-        Training(global_batch_size=32, pipeline_schedule="1f1b"),
+        Training(global_batch_size=32),
+        Parallelism(pipeline_schedule="1f1b"),
     )
     assert plan.num_microbatches == 16
     assert plan.pipeline_bubble == pytest.approx(3 / 19)
@@ -65,14 +69,16 @@ def test_llama_405b_fits_on_16384_h100s_and_70b_does_not_fit_on_one():
         llama405,
         Cluster(nodes=2048),
         Layout(dp=128, tp=8, pp=16, devices_per_node=8),
-        Training(seq_len=8192, micro_batch_size=1, global_batch_size=2048, zero_stage=1, activation_checkpointing=True),
+        Training(seq_len=8192, micro_batch_size=1, global_batch_size=2048),
+        Parallelism(zero_stage=1, sequence_parallel=True, activation_checkpointing=True),
     )
     assert plan.fits and plan.memory_per_gpu["total"] < 80 * GB
     without_checkpointing = estimate(
         llama405,
         Cluster(nodes=2048),
         Layout(dp=128, tp=8, pp=16, devices_per_node=8),
-        Training(seq_len=8192, global_batch_size=2048, zero_stage=1),
+        Training(seq_len=8192, global_batch_size=2048),
+        Parallelism(zero_stage=1, sequence_parallel=True),
     )
     assert not without_checkpointing.fits
     llama70 = GPTConfig.from_name("llama-70b")
@@ -82,7 +88,8 @@ def test_llama_405b_fits_on_16384_h100s_and_70b_does_not_fit_on_one():
             llama70,
             one_gpu,
             Layout(1, 1, 1, 1),
-            Training(seq_len=1024, global_batch_size=1, zero_stage=zero, activation_checkpointing=True),
+            Training(seq_len=1024, global_batch_size=1),
+            Parallelism(zero_stage=zero, activation_checkpointing=True),
         )
         assert not plan.fits and plan.memory_per_gpu["params"] > 80 * GB
     fitting, _ = search(llama70, one_gpu, Training(seq_len=1024, global_batch_size=1))
@@ -103,9 +110,9 @@ def test_verify_counts_match_the_analytic_ones_exactly(name, layout, zero_stage,
     import time
 
     start = time.perf_counter()
-    counts = verify(
-        GPTConfig.from_name(name), layout, zero_stage, virtual_pipeline_size=virtual, pipeline_schedule=schedule
-    )
+    settings = Parallelism(**sizes_of(layout), zero_stage=zero_stage, virtual_pipeline_size=virtual,
+                           pipeline_schedule=schedule)  # fmt: skip
+    counts = verify(GPTConfig.from_name(name), layout, settings)
     assert len(counts) == layout.pp
     assert [c.verified for c in counts] == [c.analytic for c in counts]
     assert all(c.verified > 0 for c in counts)
@@ -147,7 +154,8 @@ def test_search_keeps_valid_layouts_that_fit_fastest_first():
     for c in fitting:
         assert c.plan.fits and c.layout.world_size == cluster.gpus
         assert cluster.gpus_per_node % c.layout.tp == 0 and config.n_kv_head % c.layout.tp == 0
-        assert layout_problem(config, cluster, c.layout, c.training) is None
+        assert layout_problem(config, cluster, c.layout, c.training, c.parallelism) is None
+        assert (c.parallelism.tensor_parallel_size, c.parallelism.pipeline_parallel_size) == (c.layout.tp, c.layout.pp)
     # Sizes given are kept.
     fixed, _ = search(config, cluster, training, tensor_parallel_size=8)
     assert fixed and {c.layout.tp for c in fixed} == {8}
@@ -303,14 +311,12 @@ def test_each_preset_config_parses_and_its_layout_fits_in_80_gb(name):
         seq_len=data["seq_len"],
         global_batch_size=data["global_batch_size"],
         micro_batch_size=data["global_batch_size"] // (layout.dp * steps),
-        zero_stage=strategy["zero_stage"],
-        sequence_parallel=strategy.get("sequence_parallel", False),
-        activation_checkpointing=strategy.get("activation_checkpointing", False),
     )
+    settings = Parallelism(**strategy)  # the run's settings, as the strategy is built from them
     cluster = Cluster(nodes=trainer["num_nodes"], gpus_per_node=trainer["devices"])
     config = GPTConfig.from_name(name)
-    assert layout_problem(config, cluster, layout, training) is None
-    assert estimate(config, cluster, layout, training).fits
+    assert layout_problem(config, cluster, layout, training, settings) is None
+    assert estimate(config, cluster, layout, training, settings).fits
 
 
 def test_the_rank0_log_says_what_dtype_each_axis_communicates_in():
@@ -374,7 +380,7 @@ def test_a_search_runs_each_layout_with_its_fastest_schedule_that_fits():
     pipelined = [c for c in fitting if c.layout.pp > 1]
     assert pipelined
     for c in pipelined:
-        assert c.plan.pipeline_schedule == c.training.pipeline_schedule
+        assert c.plan.pipeline_schedule == c.parallelism.pipeline_schedule
         fits = [o["step_time_s"] for o in c.plan.schedule_candidates if o["fits"]]
         assert c.plan.step_time_s == min(fits)
 
@@ -384,8 +390,44 @@ def test_collectives_pay_a_latency_per_ring_hop():
     # bandwidth alone would not show; over 8 ranks it is milliseconds.
     config, latency = GPTConfig.from_name("llama-70b"), {}
     for dp in (8, 2048):  # one micro-batch per replica either way
-        training = Training(seq_len=4096, global_batch_size=dp, zero_stage=3)
+        training, settings = Training(seq_len=4096, global_batch_size=dp), Parallelism(zero_stage=3)
         layout = Layout(dp=dp, tp=8, pp=1, devices_per_node=8)
         cluster = Cluster(nodes=dp, gpus_per_node=8)
-        latency[dp] = estimate(config, cluster, layout, training).communication_per_step["dp"]["latency_s"]
+        latency[dp] = estimate(config, cluster, layout, training, settings).communication_per_step["dp"]["latency_s"]
     assert latency[2048] > 1.0 and latency[8] < 0.02
+
+
+def test_the_estimate_of_a_run_is_the_plan_of_its_settings_and_reads_nothing_else_of_the_strategy():
+    """`plan_of_run` reads the strategy's `Parallelism`, layout, micro-batches, nodes and processes, and its module's
+    config and trainer (a namespace holding only those answers nothing else), and plans them as `lit3d plan` does."""
+    from dataclasses import asdict
+    from types import SimpleNamespace
+
+    from lit3d.planner import Request, plan
+    from lit3d.planner.run import plan_of_run
+
+    config = GPTConfig.from_name("tiny")
+    settings = Parallelism(tensor_parallel_size=2, pipeline_parallel_size=2, pipeline_schedule="interleaved_1f1b",
+                           zero_stage=2, sequence_parallel=True, mixed_precision_reduce="bfloat16")  # fmt: skip
+    data = SimpleNamespace(global_batch_size=16, seq_len=64)
+    trainer = SimpleNamespace(datamodule=data, accumulate_grad_batches=2, precision="bf16-mixed")
+    strategy = SimpleNamespace(
+        parallelism=settings,
+        layout=Layout(dp=2, tp=2, pp=2, devices_per_node=8),
+        num_microbatches=2,
+        lightning_module=SimpleNamespace(config=config, trainer=trainer),
+        num_nodes=1,
+        num_processes=8,
+    )
+    planned = plan_of_run(strategy)
+    given = {name: value for name, value in asdict(settings).items() if name != "data_parallel_size"}
+    request = Request.given(config, Cluster(gpus_per_node=8), seq_len=64, global_batch_size=16,
+                            accumulate_grad_batches=2, **{**given, "num_microbatches": 2})  # fmt: skip
+    assert planned == plan(request).chosen.plan
+    assert planned.num_microbatches == 2 and planned.layout["virtual_pipeline_size"] == 2
+    in_fp32 = plan_of_run(
+        SimpleNamespace(
+            **{**vars(strategy), "parallelism": Parallelism(**{**given, "mixed_precision_reduce": "float32"})}
+        )
+    )
+    assert planned.communication_per_step["dp"]["bytes"] < in_fp32.communication_per_step["dp"]["bytes"]

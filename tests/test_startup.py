@@ -38,6 +38,16 @@ def test_lit3d_plan_imports_neither_lightning_nor_torch():
     assert "torch" not in ran["modules"] and "memory per GPU" in ran["out"], ran["out"]
 
 
+def test_planning_a_big_model_with_any_strategy_setting_loads_no_lightning():
+    """``lit3d plan`` takes every setting of the strategy (`lit3d.parallel.settings.Parallelism`), not the strategy."""
+    args = "'--model', 'llama-70b', '--nodes', '8', '--mixed_precision_reduce', 'bfloat16', '--timeout', '0:20:00'"
+    ran = modules_after(f"from lit3d.cli import main\nmain(['plan', {args}])")
+    assert "layout(s) fit" in ran["out"] and "mixed_precision_reduce=bfloat16" in ran["out"], ran["out"]
+    assert not ran["modules"] & {"torch", *HEAVY}, ran["modules"] & {"torch", *HEAVY}
+    ran = modules_after("import lit3d.parallel, lit3d.planner, sys\nassert 'lightning' not in sys.modules")
+    assert not ran["modules"] & {"torch", *HEAVY}, ran["modules"] & {"torch", *HEAVY}
+
+
 def test_lit3d_plan_verify_still_parallelises_the_real_model():
     """``--verify`` alone pays for torch (and the strategy's `parallelize_network`, which brings Lightning)."""
     args = "'--model', 'tiny', '--gpus_per_node', '4', '--tensor_parallel_size', '2', '--pipeline_parallel_size', '2'"

@@ -1,26 +1,34 @@
-"""The layout planner behind ``lit3d plan``: memory, communication, bubble and step time of a layout on a
-cluster (`estimate`), a search over layouts (`search`), an exact check against the real parallelisation on
-the meta device (`verify`) and the rank map picture (`RankMap`)."""
+"""The layout planner behind ``lit3d plan``: `plan(request) -> Report` plans a `Request` (a model on a `Cluster`, the
+training loop's numbers and the run's `lit3d.parallel.Parallelism`, with what the user fixed): memory,
+communication, bubble and step time of a layout (`estimate`), or of every layout of the cluster (`search`), an exact
+check against the real parallelisation on the meta device (`verify`) and the rank map picture (`RankMap`)."""
 
-from lit3d.planner.estimate import GB, PRECISIONS, Cluster, Plan, Training, estimate
+from lit3d.planner.estimate import GB, PLANNING_DEFAULTS, PRECISIONS, Cluster, Plan, Training, estimate
 from lit3d.planner.rankmap import RankMap
-from lit3d.planner.report import format_plan, format_search
+from lit3d.planner.report import format_plan, format_report, format_search
+from lit3d.planner.request import Report, Request, plan, planning_defaults
 from lit3d.planner.search import Candidate, check_inputs, layout_problem, search
 from lit3d.planner.verify import verify
 
 __all__ = [
     "GB",
+    "PLANNING_DEFAULTS",
     "PRECISIONS",
     "Candidate",
     "Cluster",
     "Plan",
     "RankMap",
+    "Report",
+    "Request",
     "Training",
     "check_inputs",
     "estimate",
     "format_plan",
+    "format_report",
     "format_search",
     "layout_problem",
+    "plan",
+    "planning_defaults",
     "search",
     "verify",
 ]

@@ -1,26 +1,36 @@
 """Memory, communication, bubble and step time of one layout: arithmetic only, no GPU.
 
-Parameter shapes come from the real model built on the meta device, and each tensor's split from the model's
-tensor-parallel plan, the strategy's pipeline partition and its ZeRO rules, so the per-rank counts are exact
-(`lit3d plan --verify` checks them against the real parallelised model). Activations follow the per-layer
-accounting of Korthikanti et al. (2022) for this architecture (RMSNorm, SwiGLU, grouped-query attention,
-fused attention that stores no score matrix). Step time is a simple roofline: matmul time at an assumed
-efficiency, tensor-parallel and pipeline traffic exposed, data-parallel traffic hidden behind backward
-where it fits, the whole stretched by the pipeline bubble.
+What is planned is described by three values: the `Cluster`, the training loop's numbers (`Training`) and the run's
+settings, the `lit3d.parallel.Parallelism` the strategy is built from (its sizes resolved into a `Layout`).
+
+Parameter shapes come from the model's config (the real model's, `lit3d.planner.shapes`), and each tensor's split
+from the model's tensor-parallel plan, the strategy's pipeline partition and its ZeRO rules, so the per-rank counts
+are exact (`lit3d plan --verify` checks them against the real parallelised model). Activations follow the per-layer
+accounting of Korthikanti et al. (2022) for this architecture (RMSNorm, SwiGLU, grouped-query attention, fused
+attention that stores no score matrix: `lit3d.planner.memory`). Step time is a simple roofline: matmul time at an
+assumed efficiency, tensor-parallel and pipeline traffic exposed, data-parallel traffic hidden behind backward where
+it fits, the whole stretched by the pipeline bubble.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
-from functools import lru_cache
 from typing import Any
 
 from lit3d.config import GPTConfig
 from lit3d.parallel.layout import Layout
 from lit3d.parallel.precision import is_bf16_mixed, keeps_master_weights
-from lit3d.parallel.schedules import SCHEDULES, Costs, bubble_theory, last_stage_in_flight, peak_in_flight
-from lit3d.planner.buffers import Transient, peak_memory, transient_bytes
-from lit3d.planner.tensors import Tensor, config_key, local_numel, rank_tensors, replicas, stepped_numel
+from lit3d.parallel.schedules import Costs, bubble_theory
+from lit3d.parallel.settings import Parallelism
+from lit3d.planner.memory import (  # noqa: F401 (the per-token counts are also read from here)
+    Memory,
+    activation_bytes_per_token,
+    autocast_weight_bytes,
+    memory_by_stage,
+    output_layer_bytes,
+    params_total,
+)
+from lit3d.planner.tensors import config_key
 from lit3d.planner.traffic import collectives, communication_bytes
 
 GB = 1e9
@@ -95,6 +105,8 @@ class Cluster:
 
 @dataclass
 class Training:
+    """The training loop's numbers; the run's settings (ZeRO, schedule, recompute, ...) are its `Parallelism`."""
+
     seq_len: int = 2048
     micro_batch_size: int = 1
     global_batch_size: int = 512  # sequences per optimizer step
@@ -102,16 +114,7 @@ class Training:
     # global_batch_size / (dp x micro_batch_size x accumulate_grad_batches) micro-batches. Without a pipeline
     # every micro-batch is a micro-step of its own already.
     accumulate_grad_batches: int = 1
-    precision: str = "bf16-mixed"
-    mixed_precision_reduce: str = "float32"  # under bf16-mixed, what gradients are reduced in ("bfloat16": half)
-    zero_stage: int = 1
-    sequence_parallel: bool = True
-    activation_checkpointing: bool | str = False  # True or "full", "selective"
-    pipeline_schedule: str = "1f1b"
-    virtual_pipeline_size: int = 1
-    sync_every: int = 1  # DiLoCo's inner steps per outer step (with islands)
-    outer_reduce_dtype: str = "float32"  # what the pseudo-gradients travel between islands in
-    outer_fragments: int = 1  # streaming DiLoCo: fragments synced at staggered steps
+    precision: str = "bf16-mixed"  # Lightning's
     efficiency: float = 0.6  # share of the peak that matmuls reach
     headroom: float = 0.1  # of GPU memory kept free for the allocator, CUDA context and buffers
 
@@ -147,223 +150,161 @@ class Plan:
         return asdict(self)
 
 
-def held_precision(training: Training, layout: Layout) -> Precision:
-    """Bytes per element that a lit3d run of ``training`` on ``layout`` holds and sends: ``training.precision``'s row
-    of `PRECISIONS`, or `MASTER_WEIGHTS` where the strategy keeps master weights, with the reduce dtype asked for."""
+# The settings the planner assumes where none are given: the strategy's defaults, with sequence parallelism on (with
+# tensor parallelism it only saves memory and traffic).
+PLANNING_DEFAULTS = Parallelism(sequence_parallel=True)
+
+
+def held_precision(training: Training, settings: Parallelism, layout: Layout) -> Precision:
+    """Bytes per element that a lit3d run of ``training`` with ``settings`` on ``layout`` holds and sends:
+    ``training.precision``'s row of `PRECISIONS`, or `MASTER_WEIGHTS` where the strategy keeps master weights, with
+    the reduce dtype asked for (``settings.mixed_precision_reduce``)."""
     precision = PRECISIONS[training.precision]
-    if keeps_master_weights(training.precision, training.zero_stage, layout.replicas):
+    if keeps_master_weights(training.precision, settings.zero_stage, layout.replicas):
         precision = MASTER_WEIGHTS
-    if is_bf16_mixed(training.precision) and training.mixed_precision_reduce == "bfloat16":
+    if is_bf16_mixed(training.precision) and settings.mixed_precision_reduce == "bfloat16":
         precision = replace(precision, reduced=2)
     return precision
 
 
-def state_bytes(tensors: list[Tensor], layout: Layout, zero_stage: int, precision: Precision) -> dict[str, int]:
-    """Weights, gradients and optimizer state of one rank (rank 0 of its TP and DP groups)."""
-    tp, dp, ep = layout.tp, layout.replicas, layout.ep
-    full = sum(local_numel(t, tp, ep=ep) for t in tensors)
-    sharded = sum(local_numel(t, tp, replicas(t, layout), ep=ep) for t in tensors)
-    sharded_params = sharded if zero_stage >= 2 and dp > 1 else full
-    optimizer = stepped_numel(tensors, layout, zero_stage)  # ZeRO-1 slices a dim TP (and EP) leave whole
-    step_counters = 4 * len(tensors)  # AdamW keeps one fp32 step count per tensor
-    # ZeRO-1 keeps the DP average of its optimizer slice only (backward's whole gradients go at the reduce-scatter).
-    grads = optimizer if zero_stage == 1 and dp > 1 else sharded_params
-    return {
-        "params": sharded_params * precision.weights,
-        "grads": grads * precision.grads,
-        "optimizer": optimizer * precision.optimizer + step_counters,
-    }
+def estimate(
+    config: GPTConfig,
+    cluster: Cluster,
+    layout: Layout,
+    training: Training,
+    settings: Parallelism = PLANNING_DEFAULTS,
+) -> Plan:
+    """Memory, communication, bubble and step time of ``layout`` (no checks: see `search.layout_problem`).
 
-
-def activation_bytes_per_token(
-    config: GPTConfig, tp: int, sequence_parallel: bool, checkpointing: bool | str, activations: int = 4
-) -> float:
-    """Bytes one block keeps for backward, per token: what autograd saves (tests/test_activation_memory.py counts
-    it with saved-tensor hooks). ``activations``: bytes per element of the compute dtype (2 in bf16). The norms
-    compute in fp32 and attention's log-sum-exp is fp32 in any precision."""
-    h, f, kv, a = config.d_model, config.d_ff, config.n_kv_head * config.head_dim, activations
-    split = tp if sequence_parallel else 1
-    lse = 4 * config.n_head / tp
-    if checkpointing == "selective":  # what `lit3d.strategies.recompute` keeps: matmul, attention, collective outputs
-        sharded = 2 * h + 2 * kv + 2 * f  # q, k, v, the attention output, gate and up
-        rowwise = 2 * h  # o_proj and down_proj outputs, before their reduction
-        reduced = 2 * h / split if tp > 1 else 0  # the all-reduce (SP: reduce-scatter) outputs
-        gathered = 2 * h if sequence_parallel else 0  # SP: the all-gathered inputs of both regions
-        return a * (h / split + sharded / tp + rowwise + reduced + gathered) + lse
-    if checkpointing:
-        return a * h / split  # only the block's input; the rest is recomputed
-    norms = 4 * 2 * (2 * h + 1)  # per norm, in fp32: its input, the input times 1/rms, and 1/rms
-    linear_inputs = a * 2 * h  # the norms' outputs in the compute dtype; under SP their shard (`KeepSequenceShard`)
-    attention = a * ((h + 2 * kv) + h) + 4 * config.n_head  # rotated q, k and v; the output; the log-sum-exp
-    mlp = a * 4 * f  # gate, up, silu(gate), their product
-    return (norms + linear_inputs) / split + (attention + mlp) / tp
-
-
-def autocast_weight_bytes(config: GPTConfig, tp: int) -> int:
-    """What autocast keeps per block where the parameters are fp32 in forward (bf16-mixed without FSDP2's cast:
-    DDP, no data parallelism): the bf16 copy of every weight it cast, saved for backward."""
-    h, f, kv = config.d_model, config.d_ff, config.n_kv_head * config.head_dim
-    return 2 * (2 * h * h + 2 * h * kv + 3 * h * f) // tp
-
-
-def output_layer_bytes(config: GPTConfig, tp: int, sequence_parallel: bool, tokens: int, activations: int) -> float:
-    """What the final norm and the loss keep for backward: the norm's fp32 tensors as in a block and its output in
-    the compute dtype (the head's input), and the fp32 log-probabilities of the (vocabulary-split) logits."""
-    norm = 4 * (2 * config.d_model + 1) + activations * config.d_model
-    return tokens * (norm / (tp if sequence_parallel else 1) + config.padded_vocab_size / tp * 4)
-
-
-def params_cast_by_fsdp(layout: Layout, zero_stage: int, precision: Precision) -> bool:
-    """Whether FSDP2 hands the blocks bf16 parameters (its mixed precision policy): ZeRO-2/3, and ZeRO-0 unless
-    it is DDP (`lit3d.strategies.precision.uses_ddp`)."""
-    if layout.replicas == 1 or zero_stage == 1:
-        return False
-    return zero_stage >= 2 or layout.tp > 1 or layout.pp > 1 or precision.reduce_bytes < 4
-
-
-def estimate(config: GPTConfig, cluster: Cluster, layout: Layout, training: Training) -> Plan:
-    """Memory, communication, bubble and step time of ``layout`` (no checks: see `search.layout_problem`)."""
-    precision = held_precision(training, layout)
-    tp, pp, dp = layout.tp, layout.pp, layout.dp
-    virtual = training.virtual_pipeline_size if pp > 1 else 1
-    b, s = training.micro_batch_size, training.seq_len
-    microbatches = training.global_batch_size // (layout.data_replicas * b)  # per replica (of every island)
-    schedule_m = microbatches // training.schedules_per_step(pp)  # micro-batches of one pipeline schedule
-    sp = training.sequence_parallel and tp > 1
-    tokens = b * s // layout.cp  # a rank's, per micro-batch
-
-    a = precision.activations
-    per_token = activation_bytes_per_token(config, tp, sp, training.activation_checkpointing, a)
-    full_recompute = training.activation_checkpointing in (True, "full")
-    # Mixed precision with fp32 parameters in forward: autocast's bf16 weight copies, one per block per step.
-    copies = precision.weights > a and not training.activation_checkpointing
-    copies = copies and not params_cast_by_fsdp(layout, training.zero_stage, precision)
-    weight_copies = autocast_weight_bytes(config, tp) if copies else 0
-    by_stage, params_per_rank = [], 0
-    placement = SCHEDULES[training.pipeline_schedule].placement  # which chunks each pipeline rank holds
-    summed = microbatches > 1  # gradients summed over micro-steps (accumulation) or a pipeline's micro-batches
-    # Whole gradients before backward starts: DDP's buckets, the parameters' sums of earlier micro-steps, or both.
-    ddp = layout.replicas > 1 and training.zero_stage == 0 and not params_cast_by_fsdp(layout, 0, precision)
-    grads_from_start = int(ddp) + int(summed and (training.zero_stage == 0 or layout.replicas == 1))
-    key = config_key(config)
-    for stage_rank in range(pp):
-        held = _stage_state(key, layout, virtual, stage_rank, placement, training.zero_stage, precision, summed)
-        memory, layers, holds_head, transient = dict(held[0]), *held[1:]
-        params_per_rank = max(params_per_rank, memory["params"] // precision.weights)
-        in_flight = peak_in_flight(training.pipeline_schedule, pp, schedule_m, virtual, stage_rank)
-        acts = layers * (per_token * tokens * in_flight + weight_copies)
-        if full_recompute:  # one block recomputed at a time, for one micro-batch
-            acts += activation_bytes_per_token(config, tp, sp, False, a) * tokens
-        if holds_head:
-            losses = in_flight if pp == 1 else last_stage_in_flight(training.pipeline_schedule, pp, schedule_m)
-            acts += output_layer_bytes(config, tp, sp, tokens * losses, a)
-        memory["activations"] = int(acts)
-        memory["buffers"], memory["total"] = peak_memory(memory, transient, grads_from_start)
-        by_stage.append(memory)
-    peak = max(by_stage, key=lambda m: m["total"])
-
-    # Communication per GPU per step, and the time it takes on its link.
-    traffic = communication_bytes(config, layout, training, precision)
-    cp = layout.cp
-    spans = {"tp": tp, "cp": tp * cp, "dp": tp * cp * dp, "pp": layout.island_size, "ep": tp * cp * layout.ep}
-    links = {
-        axis: cluster.intra_node_gbps if span <= cluster.gpus_per_node else cluster.inter_node_gbps
-        for axis, span in spans.items()
-    }
-    links["tp"] = cluster.intra_node_gbps if cluster.gpus_per_node % tp == 0 else cluster.inter_node_gbps
-    intra = {axis: links[axis] == cluster.intra_node_gbps for axis in links}
-    counts = collectives(config, layout, training)
-    latency = {
-        axis: (n * cluster.collective_latency_us + hops * (cluster.intra_node_hop_us if intra[axis] else
-               cluster.inter_node_hop_us)) * 1e-6
-        for axis, (n, hops) in counts.items()
-        if axis != "island"
-    }  # fmt: skip
-    if layout.islands > 1:  # DiLoCo's outer step crosses the link between islands
-        links["island"] = cluster.inter_island_gbps
-        n, hops = counts["island"]
-        latency["island"] = n * cluster.collective_latency_us * 1e-6 + hops * cluster.inter_island_latency_ms * 1e-3
+    ``settings``: the run's; its sizes are ``layout``'s (those ``settings`` holds are not read)."""
+    precision = held_precision(training, settings, layout)
+    memory = memory_by_stage(config, layout, training, settings, precision)
+    traffic = communication_bytes(config, layout, training, settings, precision)
+    links = link_speeds(cluster, layout)
+    latency = latencies(cluster, links, collectives(config, layout, training, settings))
     seconds = {axis: traffic[axis] / (links[axis] * GB) + latency[axis] for axis in traffic}
-
-    # Compute: model FLOPs per token (6 per weight of every matmul, plus attention), recompute on top with AC.
-    model_flops = config.flops_per_token(s) * training.global_batch_size * s
-    hardware_flops = model_flops * (8 / 6 if full_recompute else 1.0)
-    compute = (
-        hardware_flops / cluster.gpus_per_node / cluster.nodes / (cluster.peak_tflops * 1e12 * training.efficiency)
-    )
-    compute *= cluster.gpus / layout.world_size  # the layout may use fewer GPUs than the cluster has
-    costs = Costs.of(training.activation_checkpointing)
-    bubble = bubble_theory(training.pipeline_schedule, pp, schedule_m, virtual, costs) if pp > 1 else 0.0
-    overlap = compute if training.zero_stage == 3 else compute * 2 / 3  # DP traffic hides behind backward
-    # The ring's next K/V block travels while attention computes on this one: it hides behind attention only.
-    attention = compute * config.attention_flops_per_token(s) / config.flops_per_token(s)
-    hidden = {"cp": min(seconds["cp"], attention)}
-    exposed = compute + seconds["tp"] + seconds["pp"] + seconds["ep"] + seconds["cp"] - hidden["cp"]
-    # NOTE: the outer step waits for its all-reduce (nothing computes meanwhile): amortised over its inner steps.
-    step = exposed / (1 - bubble) + max(0.0, seconds["dp"] - overlap) + seconds.get("island", 0.0)
-    mfu = model_flops / layout.world_size / (step * cluster.peak_tflops * 1e12)
-    fits = peak["total"] <= cluster.gpu_memory_gb * GB * (1 - training.headroom)
+    time = step_time(config, cluster, layout, training, settings, seconds)
     return Plan(
-        layout={
-            "data_parallel_size": dp,
-            "tensor_parallel_size": tp,
-            "pipeline_parallel_size": pp,
-            "zero_stage": training.zero_stage,
-            "virtual_pipeline_size": virtual,
-            "expert_parallel_size": layout.ep,
-            "context_parallel_size": cp,
-            **({"islands": layout.islands, "sync_every": training.sync_every} if layout.islands > 1 else {}),
-        },
-        memory_per_gpu=peak,
-        memory_by_stage=by_stage,
+        layout=planned_layout(layout, settings),
+        memory_per_gpu=memory.peak,
+        memory_by_stage=memory.by_stage,
         communication_per_step={
             axis: {
                 "bytes": traffic[axis],
                 "seconds": seconds[axis],
                 "latency_s": latency[axis],
                 "link_gbps": links[axis],
-                **({"hidden_s": hidden[axis]} if axis in hidden else {}),
+                **({"hidden_s": time.hidden[axis]} if axis in time.hidden else {}),
             }
             for axis in traffic
         },
-        pipeline_bubble=bubble,
-        step_time_s=step,
-        mfu=mfu,
-        fits=fits,
-        num_microbatches=schedule_m,
-        flops_per_step=float(model_flops),
-        params_total=_params_total(key),
-        params_per_rank=params_per_rank,
+        pipeline_bubble=time.bubble,
+        step_time_s=time.step,
+        mfu=time.model_flops / layout.world_size / (time.step * cluster.peak_tflops * 1e12),
+        fits=memory.peak["total"] <= cluster.gpu_memory_gb * GB * (1 - training.headroom),
+        num_microbatches=time.microbatches,
+        flops_per_step=float(time.model_flops),
+        params_total=params_total(config_key(config)),
+        params_per_rank=memory.params_per_rank,
         params_active=config.active_params,
-        activation_bytes_per_layer=int(per_token * tokens + weight_copies),
-        pipeline_schedule=training.pipeline_schedule if pp > 1 else None,
+        activation_bytes_per_layer=memory.activation_bytes_per_layer,
+        pipeline_schedule=settings.pipeline_schedule if layout.pp > 1 else None,
     )
 
 
-@lru_cache(maxsize=64)
-def _params_total(key: tuple) -> int:
-    """Elements of the whole model (cached: the search weighs every schedule of every layout)."""
-    return sum(local_numel(t, 1) for t in rank_tensors(GPTConfig(**dict(key)), 1, 1, 0))
+def planned_layout(layout: Layout, settings: Parallelism) -> dict[str, int]:
+    """The sizes and settings a plan reports under ``layout`` (``data_parallel_size``: one island's replicas)."""
+    islands = {"islands": layout.islands, "sync_every": settings.sync_every} if layout.islands > 1 else {}
+    return {
+        "data_parallel_size": layout.dp,
+        "tensor_parallel_size": layout.tp,
+        "pipeline_parallel_size": layout.pp,
+        "zero_stage": settings.zero_stage,
+        "virtual_pipeline_size": settings.chunks_per_rank if layout.pp > 1 else 1,
+        "expert_parallel_size": layout.ep,
+        "context_parallel_size": layout.cp,
+        **islands,
+    }
 
 
-@lru_cache(maxsize=4096)
-def _stage_state(
-    key: tuple,
+def sizes_of(layout: Layout) -> dict[str, int]:
+    """The `Parallelism` sizes of ``layout`` (``data_parallel_size``: the replicas of every island)."""
+    return {
+        "data_parallel_size": layout.data_replicas,
+        "tensor_parallel_size": layout.tp,
+        "pipeline_parallel_size": layout.pp,
+        "expert_parallel_size": layout.ep,
+        "context_parallel_size": layout.cp,
+        "islands": layout.islands,
+    }
+
+
+def link_speeds(cluster: Cluster, layout: Layout) -> dict[str, float]:
+    """GB/s per GPU of the link each axis's traffic crosses: NVLink while its group stays inside a node (TP: while its
+    size divides a node's GPUs), else the network; DiLoCo's islands, the link between them."""
+    tp, cp, dp = layout.tp, layout.cp, layout.dp
+    spans = {"tp": tp, "cp": tp * cp, "dp": tp * cp * dp, "pp": layout.island_size, "ep": tp * cp * layout.ep}
+    links = {
+        axis: cluster.intra_node_gbps if span <= cluster.gpus_per_node else cluster.inter_node_gbps
+        for axis, span in spans.items()
+    }
+    links["tp"] = cluster.intra_node_gbps if cluster.gpus_per_node % tp == 0 else cluster.inter_node_gbps
+    if layout.islands > 1:  # DiLoCo's outer step crosses the link between islands
+        links["island"] = cluster.inter_island_gbps
+    return links
+
+
+def latencies(cluster: Cluster, links: dict[str, float], counts: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """Seconds of latency per axis and step: NCCL's base latency per collective and its latency per ring hop on the
+    axis's link (`traffic.collectives` counts both)."""
+    latency = {}
+    for axis, (n, hops) in counts.items():
+        if axis == "island":
+            latency[axis] = n * cluster.collective_latency_us * 1e-6 + hops * cluster.inter_island_latency_ms * 1e-3
+            continue
+        hop = cluster.intra_node_hop_us if links[axis] == cluster.intra_node_gbps else cluster.inter_node_hop_us
+        latency[axis] = (n * cluster.collective_latency_us + hops * hop) * 1e-6
+    return latency
+
+
+@dataclass(frozen=True)
+class StepTime:
+    step: float  # seconds per optimizer step
+    bubble: float  # the pipeline's idle share
+    microbatches: int  # of one pipeline schedule
+    model_flops: float  # of one optimizer step, all GPUs (recompute not counted)
+    hidden: dict[str, float]  # seconds of each axis's traffic hidden behind compute (the CP ring's, by attention)
+
+
+def step_time(
+    config: GPTConfig,
+    cluster: Cluster,
     layout: Layout,
-    virtual: int,
-    stage_rank: int,
-    placement: str,
-    zero_stage: int,
-    precision: Precision,
-    summed: bool,
-) -> tuple[tuple[tuple[str, int], ...], int, bool, Transient]:
-    """What pipeline rank ``stage_rank`` holds whatever the schedule's micro-batches: its weights, gradients and
-    optimizer state, its number of blocks, whether it holds the head, and what it holds for a moment only
-    (`lit3d.planner.buffers`; ``summed``: gradients summed over micro-steps or a pipeline's micro-batches).
-
-    NOTE: cached, as the planner weighs every schedule for each layout and these sums over the tensors dominate."""
-    tensors = rank_tensors(GPTConfig(**dict(key)), layout.pp, virtual, stage_rank, placement)
-    state = tuple(state_bytes(tensors, layout, zero_stage, precision).items())
-    layers = len({t.block for t in tensors if t.block is not None})
-    head = any(t.name.startswith("head") for t in tensors)
-    return state, layers, head, transient_bytes(tensors, layout, zero_stage, precision, summed)
+    training: Training,
+    settings: Parallelism,
+    seconds: dict[str, float],
+) -> StepTime:
+    """A roofline: matmuls at ``training.efficiency`` of the peak, TP, PP, EP and the CP ring's unhidden part exposed,
+    the whole stretched by the bubble, DP traffic hidden behind backward where it fits, DiLoCo's outer step on top."""
+    s, pp = training.seq_len, layout.pp
+    microbatches = training.global_batch_size // (layout.data_replicas * training.micro_batch_size)  # per replica
+    schedule_m = microbatches // training.schedules_per_step(pp)  # micro-batches of one pipeline schedule
+    # Compute: model FLOPs per token (6 per weight of every matmul, plus attention), recompute on top with AC.
+    model_flops = config.flops_per_token(s) * training.global_batch_size * s
+    full_recompute = settings.activation_checkpointing in (True, "full")
+    hardware_flops = model_flops * (8 / 6 if full_recompute else 1.0)
+    compute = (
+        hardware_flops / cluster.gpus_per_node / cluster.nodes / (cluster.peak_tflops * 1e12 * training.efficiency)
+    )
+    compute *= cluster.gpus / layout.world_size  # the layout may use fewer GPUs than the cluster has
+    costs = Costs.of(settings.activation_checkpointing)
+    virtual = settings.chunks_per_rank if pp > 1 else 1
+    bubble = bubble_theory(settings.pipeline_schedule, pp, schedule_m, virtual, costs) if pp > 1 else 0.0
+    overlap = compute if settings.zero_stage == 3 else compute * 2 / 3  # DP traffic hides behind backward
+    # The ring's next K/V block travels while attention computes on this one: it hides behind attention only.
+    attention = compute * config.attention_flops_per_token(s) / config.flops_per_token(s)
+    hidden = {"cp": min(seconds["cp"], attention)}
+    exposed = compute + seconds["tp"] + seconds["pp"] + seconds["ep"] + seconds["cp"] - hidden["cp"]
+    # NOTE: the outer step waits for its all-reduce (nothing computes meanwhile): amortised over its inner steps.
+    step = exposed / (1 - bubble) + max(0.0, seconds["dp"] - overlap) + seconds.get("island", 0.0)
+    return StepTime(step, bubble, schedule_m, model_flops, hidden)

@@ -14,29 +14,28 @@ from dataclasses import replace
 from typing import Any
 
 from lit3d.config import GPTConfig
-from lit3d.parallel.layout import Layout
-from lit3d.planner.estimate import Cluster, Plan, Training, estimate, held_precision
+from lit3d.planner.estimate import Cluster, estimate, held_precision
+from lit3d.planner.search import Candidate
 
 
-def versus_synchronous(
-    config: GPTConfig, cluster: Cluster, layout: Layout, training: Training, plan: Plan
-) -> dict[str, Any]:
-    """The outer step of ``plan`` (a layout with ``islands > 1``) and what synchronous DP would cost instead:
+def versus_synchronous(config: GPTConfig, cluster: Cluster, candidate: Candidate) -> dict[str, Any]:
+    """The outer step of ``candidate`` (a layout with ``islands > 1``) and what synchronous DP would cost instead:
     bytes each GPU sends to the other islands and seconds, per outer step (``sync_every`` inner steps)."""
-    h = training.sync_every
-    gradients = "bfloat16" if held_precision(training, layout).reduce_bytes == 2 else "float32"
-    synchronous = estimate(config, cluster, layout, replace(training, sync_every=1, outer_reduce_dtype=gradients,
-                                                            outer_fragments=1))  # fmt: skip
+    layout, training, settings, plan = candidate.layout, candidate.training, candidate.parallelism, candidate.plan
+    h = settings.sync_every
+    gradients = "bfloat16" if held_precision(training, settings, layout).reduce_bytes == 2 else "float32"
+    each_step = replace(settings, sync_every=1, outer_reduce_dtype=gradients, outer_fragments=1)
+    synchronous = estimate(config, cluster, layout, training, each_step)
     outer, every_step = plan.communication_per_step["island"], synchronous.communication_per_step["island"]
     return {
         "islands": layout.islands,
         "sync_every": h,
-        "fragments": training.outer_fragments,
+        "fragments": settings.outer_fragments,
         "link_gbps": cluster.inter_island_gbps,
         "latency_ms": cluster.inter_island_latency_ms,
         "outer_step_s": h * plan.step_time_s,
         "outer_sync_bytes": outer["bytes"] * h,  # per GPU, all fragments
-        "outer_sync_peak_bytes": outer["bytes"] * h / training.outer_fragments,
+        "outer_sync_peak_bytes": outer["bytes"] * h / settings.outer_fragments,
         "outer_sync_s": outer["seconds"] * h,
         "synchronous_bytes": every_step["bytes"] * h,  # per GPU over the same sync_every steps
         "synchronous_s": synchronous.step_time_s * h,

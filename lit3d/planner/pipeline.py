@@ -12,14 +12,9 @@ from dataclasses import replace
 
 from lit3d.config import GPTConfig
 from lit3d.parallel.layout import Layout, check_model_fits_pipeline
-from lit3d.parallel.schedules import (
-    SCHEDULES,
-    check_composes,
-    last_stage_in_flight,
-    microbatch_problem,
-    peak_in_flight,
-)
-from lit3d.planner.estimate import GB, Cluster, Plan, Training, estimate
+from lit3d.parallel.schedules import SCHEDULES, last_stage_in_flight, microbatch_problem, peak_in_flight
+from lit3d.parallel.settings import Parallelism
+from lit3d.planner.estimate import GB, Cluster, Plan, Training, estimate, sizes_of
 
 # (schedule, chunks per rank) the search tries: the interleaved and zero-bubble ones at two chunks (ZB-H1 at one).
 CANDIDATES = (
@@ -36,9 +31,13 @@ NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "interleaved 1F1B
 
 
 def candidates(schedule: str | None, virtual: int | None) -> list[tuple[str, int]]:
-    """What to try: every candidate, or those of the one ``schedule`` asked for (at ``virtual`` chunks if given)."""
-    if schedule is None:
+    """What to try: every candidate, or those of the one ``schedule`` asked for (at ``virtual`` chunks if given);
+    ``virtual`` alone: the candidates of that many chunks per rank (else every schedule that runs any number)."""
+    if schedule is None and virtual is None:
         return list(CANDIDATES)
+    if schedule is None:
+        same = [(name, chunks) for name, chunks in CANDIDATES if chunks == virtual]
+        return same or [(name, virtual) for name, s in SCHEDULES.items() if s.chunks is None]
     fixed = SCHEDULES[schedule].chunks
     if virtual or fixed:
         return [(schedule, fixed or virtual)]
@@ -50,38 +49,37 @@ def choose_schedule(
     cluster: Cluster,
     layout: Layout,
     training: Training,
+    settings: Parallelism,
     schedules: list[tuple[str, int]],
-    microbatches: int | None = None,
-) -> tuple[Training, Plan] | None:
+) -> tuple[Training, Parallelism, Plan] | None:
     """The fastest of ``schedules`` (with their micro-batch counts) for ``layout`` that fits (if none does, the
-    fastest), its plan carrying every candidate's bubble; None if none can run. ``microbatches`` fixes the
-    micro-batches per schedule."""
+    fastest), its plan carrying every candidate's bubble; None if none can run. ``settings.num_microbatches``, when
+    set, fixes the micro-batches per schedule."""
     per_replica = training.global_batch_size // (layout.data_replicas * training.micro_batch_size)
     tried = {}  # (schedule, chunks): the most micro-batches that fit, else the fewest tried
     for name, virtual in schedules:
         try:
             check_model_fits_pipeline(config, layout.pp, virtual)
-            check_composes(name, layout.pp, zero_stage=training.zero_stage)
+            # (a `Parallelism` checks itself: the schedule composes with the ZeRO stage, runs these micro-batches)
+            schedule = replace(settings, **sizes_of(layout), pipeline_schedule=name, virtual_pipeline_size=virtual)
         except ValueError:
             continue
         held = None  # activations in flight of the last micro-batch count that did not fit
-        for accumulate in _accumulations(per_replica, microbatches):
+        for accumulate in _accumulations(per_replica, settings.num_microbatches):
             m = per_replica // accumulate
             if microbatch_problem(layout.pp, name, m) or _in_flight(name, layout.pp, m, virtual) == held:
                 continue  # (fewer micro-batches that hold as much do not fit either)
             held = _in_flight(name, layout.pp, m, virtual)
-            option = replace(
-                training, pipeline_schedule=name, virtual_pipeline_size=virtual, accumulate_grad_batches=accumulate
-            )
-            tried[name, virtual] = option, estimate(config, cluster, layout, option)
-            if tried[name, virtual][1].fits:  # fewer micro-batches would only idle more
+            option = replace(training, accumulate_grad_batches=accumulate)
+            tried[name, virtual] = option, schedule, estimate(config, cluster, layout, option, schedule)
+            if tried[name, virtual][2].fits:  # fewer micro-batches would only idle more
                 break
     if not tried:
         return None
-    fitting = [(option, plan) for option, plan in tried.values() if plan.fits] or list(tried.values())
-    best_training, best = min(fitting, key=lambda c: (round(c[1].step_time_s, 6), c[1].memory_per_gpu["total"]))
-    best.schedule_candidates = [_summary(option, plan) for option, plan in tried.values()]
-    return best_training, best
+    fitting = [option for option in tried.values() if option[2].fits] or list(tried.values())
+    best = min(fitting, key=lambda c: (round(c[2].step_time_s, 6), c[2].memory_per_gpu["total"]))
+    best[2].schedule_candidates = [_summary(*option) for option in tried.values()]
+    return best
 
 
 def _accumulations(per_replica: int, microbatches: int | None) -> list[int]:
@@ -102,10 +100,10 @@ def _in_flight(schedule: str, pp: int, m: int, virtual: int) -> tuple[float, int
     return peak, last_stage_in_flight(schedule, pp, m)
 
 
-def _summary(training: Training, plan: Plan) -> dict:
+def _summary(training: Training, settings: Parallelism, plan: Plan) -> dict:
     return {
-        "pipeline_schedule": training.pipeline_schedule,
-        "virtual_pipeline_size": training.virtual_pipeline_size,
+        "pipeline_schedule": settings.pipeline_schedule,
+        "virtual_pipeline_size": settings.chunks_per_rank,
         "num_microbatches": plan.num_microbatches,
         "accumulate_grad_batches": training.accumulate_grad_batches,
         "bubble": plan.pipeline_bubble,
@@ -144,15 +142,15 @@ def same_schedule(candidate: dict, plan: Plan) -> bool:
     return (candidate["pipeline_schedule"], candidate["virtual_pipeline_size"]) == chosen
 
 
-def schedule_flags(training: Training, plan: Plan) -> str:
-    """The command-line flags that run ``training``'s schedule as planned: its name, micro-batches per schedule,
-    chunks per rank, and the schedules per step (gradient accumulation)."""
+def schedule_flags(training: Training, settings: Parallelism, plan: Plan) -> str:
+    """The command-line flags that run the schedule as planned: its name, micro-batches per schedule, chunks per
+    rank, and the schedules per step (gradient accumulation)."""
     flags = (
-        f" --trainer.strategy.pipeline_schedule={training.pipeline_schedule}"
+        f" --trainer.strategy.pipeline_schedule={settings.pipeline_schedule}"
         f" --trainer.strategy.num_microbatches={plan.num_microbatches}"
     )
-    if SCHEDULES[training.pipeline_schedule].chunks is None and training.virtual_pipeline_size > 1:
-        flags += f" --trainer.strategy.virtual_pipeline_size={training.virtual_pipeline_size}"
+    if SCHEDULES[settings.pipeline_schedule].chunks is None and settings.chunks_per_rank > 1:
+        flags += f" --trainer.strategy.virtual_pipeline_size={settings.chunks_per_rank}"
     if training.accumulate_grad_batches > 1:
         flags += f" --trainer.accumulate_grad_batches={training.accumulate_grad_batches}"
     return flags

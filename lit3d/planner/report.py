@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+from typing import TYPE_CHECKING
+
 from lit3d.config import GPTConfig
 from lit3d.parallel.layout import Layout
-from lit3d.planner.estimate import GB, Cluster, Plan, Training
+from lit3d.parallel.settings import Parallelism, defaults
+from lit3d.planner.estimate import GB, Cluster, Plan
 from lit3d.planner.pipeline import label, same_schedule, schedule_flags, why_schedule
 from lit3d.planner.search import Candidate, tokens_per_second, why
+
+if TYPE_CHECKING:
+    from lit3d.planner.request import Report
 
 
 def count(n: float) -> str:
@@ -38,21 +45,22 @@ def describe(config: GPTConfig, cluster: Cluster) -> str:
     )
 
 
-def settings(layout: Layout, training: Training, plan: Plan) -> str:
+def settings(candidate: Candidate) -> str:
+    """The layout line of a report: the grid and the settings that change what it holds and sends."""
+    layout, training, run, plan = candidate.layout, candidate.training, candidate.parallelism, candidate.plan
     cp = f" x cp {layout.cp}" if layout.cp > 1 else ""
     grid = f"dp {layout.dp}{cp} x tp {layout.tp} x pp {layout.pp}"
     grid = f"{layout.islands} islands x ({grid})" if layout.islands > 1 else grid
-    parts = [grid, f"ZeRO-{training.zero_stage}", training.precision]
-    if training.activation_checkpointing:
-        selective = training.activation_checkpointing == "selective"
+    parts = [grid, f"ZeRO-{run.zero_stage}", training.precision]
+    if run.mixed_precision_reduce != "float32" and training.precision == "bf16-mixed":
+        parts.append(f"gradients reduced in {run.mixed_precision_reduce}")
+    if run.activation_checkpointing:
+        selective = run.activation_checkpointing == "selective"
         parts.append("selective activation checkpointing" if selective else "activation checkpointing")
-    if training.sequence_parallel and layout.tp > 1:
+    if run.splits_sequence:
         parts.append("sequence parallel")
     if layout.pp > 1:
-        parts.append(
-            training.pipeline_schedule
-            + (f" v{training.virtual_pipeline_size}" if training.virtual_pipeline_size > 1 else "")
-        )
+        parts.append(run.pipeline_schedule + (f" v{run.chunks_per_rank}" if run.chunks_per_rank > 1 else ""))
     parts.append(
         f"{plan.num_microbatches} micro-batch(es) of {training.micro_batch_size} x {training.seq_len} tokens "
         "per replica"
@@ -60,12 +68,14 @@ def settings(layout: Layout, training: Training, plan: Plan) -> str:
     return ", ".join(parts)
 
 
-def format_plan(config: GPTConfig, cluster: Cluster, layout: Layout, training: Training, plan: Plan) -> str:
+def format_plan(config: GPTConfig, cluster: Cluster, candidate: Candidate) -> str:
+    """One layout in detail: memory per kind, traffic per axis, the pipeline's bubble and schedules, the step."""
+    layout, training, plan = candidate.layout, candidate.training, candidate.plan
     usable = cluster.gpu_memory_gb * (1 - training.headroom)
     stage = plan.memory_by_stage.index(plan.memory_per_gpu)
     lines = [
         f"lit3d plan: {describe(config, cluster)}",
-        f"layout: {settings(layout, training, plan)}",
+        f"layout: {settings(candidate)}",
         f"memory per {cluster.device}, most loaded rank (pipeline stage {stage}):",
     ]
     for key, value in plan.memory_per_gpu.items():  # NOTE: the total is the step's peak, less than the sum
@@ -79,7 +89,7 @@ def format_plan(config: GPTConfig, cluster: Cluster, layout: Layout, training: T
         lines.append(f"  {axis:<4}{size(comm['bytes']):>12}  {comm['seconds']:>8.3f} s  on {comm['link_gbps']:g} GB/s")
     if layout.pp > 1:
         lines.append(
-            f"pipeline bubble: {plan.pipeline_bubble:.1%} ({training.pipeline_schedule}, p={layout.pp}, "
+            f"pipeline bubble: {plan.pipeline_bubble:.1%} ({candidate.parallelism.pipeline_schedule}, p={layout.pp}, "
             f"m={plan.num_microbatches})"
         )
         if plan.schedule_candidates:
@@ -108,13 +118,20 @@ def format_candidates(plan: Plan) -> list[str]:
 
 
 def _schedule(candidate: Candidate) -> str:
-    training = candidate.training
-    return label(training.pipeline_schedule, training.virtual_pipeline_size) if candidate.layout.pp > 1 else "-"
+    run = candidate.parallelism
+    return label(run.pipeline_schedule, run.chunks_per_rank) if candidate.layout.pp > 1 else "-"
 
 
 def format_search(
-    config: GPTConfig, cluster: Cluster, candidates: list[Candidate], dropped: dict[str, int], top: int
+    config: GPTConfig,
+    cluster: Cluster,
+    candidates: list[Candidate],
+    dropped: dict[str, int],
+    top: int,
+    given: frozenset[str] = frozenset(),
 ) -> str:
+    """The best ``top`` layouts of a search, each with why, and the command that runs the best (with the settings
+    ``given``)."""
     lines = [
         f"lit3d plan: {describe(config, cluster)}",
         f"{len(candidates)} layout(s) fit; dropped {dropped['invalid']} invalid and "
@@ -135,31 +152,71 @@ def format_search(
     for i, c in enumerate(candidates[:top], 1):
         lines.append(
             f"{i:>2}  {c.layout.dp:>5} {c.layout.cp:>3} {c.layout.tp:>3} {c.layout.pp:>3} {c.layout.ep:>3} "
-            f"{c.training.zero_stage:>4} "
-            f"{'yes' if c.training.activation_checkpointing else 'no':>3} {c.plan.num_microbatches:>4} "
+            f"{c.parallelism.zero_stage:>4} "
+            f"{'yes' if c.parallelism.activation_checkpointing else 'no':>3} {c.plan.num_microbatches:>4} "
             f"{_schedule(c):>16} {c.plan.memory_per_gpu['total'] / GB:>9.1f} {c.plan.step_time_s:>8.3f} "
             f"{c.plan.mfu:>6.1%}"
         )
         lines.append(f"    why: {why(c, cluster)}")
-    best = candidates[0]
-    flags = (
-        f"--trainer.strategy.tensor_parallel_size={best.layout.tp} "
-        f"--trainer.strategy.pipeline_parallel_size={best.layout.pp} "
-        f"--trainer.strategy.zero_stage={best.training.zero_stage}"
+    lines.append(
+        f"run the best with: lit3d fit ... --trainer.strategy=Parallel3DStrategy {run_flags(candidates[0], given)}"
     )
-    if best.layout.ep > 1:
-        flags += f" --trainer.strategy.expert_parallel_size={best.layout.ep}"
-    if best.layout.cp > 1:
-        flags += f" --trainer.strategy.context_parallel_size={best.layout.cp}"
-    if best.training.activation_checkpointing:
-        flags += " --trainer.strategy.activation_checkpointing=true"
-    if best.layout.pp > 1:
-        flags += schedule_flags(best.training, best.plan)
-    if best.layout.islands > 1:
-        islands, h = best.layout.islands, best.training.sync_every
-        flags += f" --trainer.strategy.islands={islands} --trainer.strategy.sync_every={h}"
-    lines.append(f"run the best with: lit3d fit ... --trainer.strategy=Parallel3DStrategy {flags}")
     return "\n".join(lines)
+
+
+# Settings `run_flags` writes whatever their value (the search chose them), in this order, and those it leaves out:
+# the sizes it writes as they are planned, the micro-batches with the schedule.
+CHOSEN = ("tensor_parallel_size", "pipeline_parallel_size", "zero_stage")
+UNWRITTEN = ("data_parallel_size", "num_microbatches", "virtual_pipeline_size", "pipeline_schedule", "sync_every")
+
+
+def run_flags(candidate: Candidate, given: frozenset[str] = frozenset()) -> str:
+    """The strategy's flags that run ``candidate`` as planned: its sizes and ZeRO stage, what else it chose (recompute,
+    the schedule, DiLoCo's islands), and the settings ``given`` that differ from the strategy's defaults."""
+    layout, run = candidate.layout, candidate.parallelism
+    flags = [f"--trainer.strategy.{name}={getattr(run, name)}" for name in CHOSEN]
+    written = {*CHOSEN, *UNWRITTEN, "islands", "activation_checkpointing"}
+    for name, size in (("expert_parallel_size", layout.ep), ("context_parallel_size", layout.cp)):
+        written.add(name)
+        if size > 1:
+            flags.append(f"--trainer.strategy.{name}={size}")
+    if run.activation_checkpointing:
+        flags.append(f"--trainer.strategy.activation_checkpointing={_flag(run.activation_checkpointing)}")
+    text = " ".join(flags)
+    if layout.pp > 1:
+        text += schedule_flags(candidate.training, run, candidate.plan)
+    if layout.islands > 1:
+        text += f" --trainer.strategy.islands={layout.islands} --trainer.strategy.sync_every={run.sync_every}"
+    if run.splits_sequence:  # planned with it (`PLANNING_DEFAULTS`), which the strategy leaves off unless told
+        text += " --trainer.strategy.sequence_parallel=true"
+    written.add("sequence_parallel")
+    default = defaults()
+    for f in fields(Parallelism):
+        if f.name in given and f.name not in written and getattr(run, f.name) != default.get(f.name):
+            text += f" --trainer.strategy.{f.name}={_flag(getattr(run, f.name))}"
+    return text
+
+
+def _flag(value: object) -> str:
+    """A value as the command line takes it (``true``, ``selective``, ``bfloat16``)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def format_report(report: Report) -> str:
+    """What ``lit3d plan`` prints: the layout (or the search's best), DiLoCo's comparison, ``--verify``'s counts."""
+    request = report.request
+    if report.searched:
+        text = format_search(report.config, request.cluster, report.candidates, report.dropped, request.top,
+                             request.fixed)  # fmt: skip
+    else:
+        text = format_plan(report.config, request.cluster, report.chosen)
+    if report.islands:
+        from lit3d.planner.islands import format_islands
+
+        text += "\n" + format_islands(report.islands)
+    if report.verified is not None:
+        text += "\n" + format_verify(report.chosen.layout, report.verified)
+    return text
 
 
 def format_verify(layout: Layout, counts: list) -> str:

@@ -1,25 +1,33 @@
 """The planner's estimate of a running fit: what `Parallel3DStrategy` logs at the start and `CommReport` compares.
 
-It is the search's own estimate (`estimate`) of the run's layout and settings: one table of what each precision
-holds (`lit3d.planner.estimate.held_precision`) serves both, so `lit3d plan` plans what the run holds.
+It is the plan of a request that fixes every setting of the run (`lit3d.planner.plan`), built from the strategy's own
+`Parallelism`: the one table of what each precision holds (`lit3d.planner.estimate.held_precision`) and the same
+arithmetic serve both, so `lit3d plan` plans what the run holds.
 """
 
 from __future__ import annotations
 
+from dataclasses import fields, replace
 from typing import TYPE_CHECKING
 
 from lit3d.config import GPTConfig
-from lit3d.planner.estimate import PRECISIONS, Cluster, Plan, Training, estimate
+from lit3d.parallel.settings import Parallelism
+from lit3d.planner.estimate import PRECISIONS, Cluster, Plan, Training, sizes_of
+from lit3d.planner.request import Request, plan
 
 if TYPE_CHECKING:
     from lit3d.strategies import Parallel3DStrategy
+
+EVERY_SETTING = frozenset(f.name for f in fields(Parallelism)) | {"micro_batch_size"}
 
 
 def plan_of_run(strategy: Parallel3DStrategy) -> Plan | None:
     """Memory and communication of the strategy's run as the planner counts them; None unless it trains a lit3d GPT.
 
-    The micro-batch is what one replica computes at once: the global batch over data-parallel replicas, gradient
-    accumulation's micro-steps and, with a pipeline, the schedule's micro-batches (each micro-step runs a schedule).
+    Reads the strategy's ``parallelism``, ``layout`` (its sizes resolved), ``num_microbatches``, ``num_nodes`` and
+    ``num_processes``, and its module's ``config`` and ``trainer``. The micro-batch is what one replica computes at
+    once: the global batch over data-parallel replicas, gradient accumulation's micro-steps and, with a pipeline, the
+    schedule's micro-batches (each micro-step runs a schedule).
     """
     module, layout = strategy.lightning_module, strategy.layout
     config = getattr(module, "config", None)
@@ -28,7 +36,8 @@ def plan_of_run(strategy: Parallel3DStrategy) -> Plan | None:
     trainer = module.trainer
     data = getattr(trainer, "datamodule", None)
     accumulate = trainer.accumulate_grad_batches
-    micro_batches = accumulate * (strategy.num_microbatches if layout.pp > 1 else 1)  # per replica and step
+    pipelined = layout.pp > 1
+    micro_batches = accumulate * (strategy.num_microbatches if pipelined else 1)  # per replica and step
     replicas = layout.data_replicas  # every island's
     global_batch = getattr(data, "global_batch_size", replicas * micro_batches)
     micro = max(1, global_batch // (replicas * micro_batches))
@@ -39,15 +48,8 @@ def plan_of_run(strategy: Parallel3DStrategy) -> Plan | None:
         global_batch_size=micro * replicas * micro_batches,
         accumulate_grad_batches=accumulate,
         precision=precision if precision in PRECISIONS else "32-true",
-        mixed_precision_reduce=strategy.mixed_precision_reduce,
-        zero_stage=strategy.zero_stage,
-        sequence_parallel=strategy.sequence_parallel,
-        activation_checkpointing=strategy.activation_checkpointing,
-        pipeline_schedule=strategy.pipeline_schedule,
-        virtual_pipeline_size=strategy.virtual_pipeline_size,
-        sync_every=strategy.sync_every,
-        outer_reduce_dtype=strategy.outer_reduce_dtype,
-        outer_fragments=strategy.outer_fragments,
     )
+    microbatches = strategy.num_microbatches if pipelined else None
+    settings = replace(strategy.parallelism, **sizes_of(layout), num_microbatches=microbatches)
     cluster = Cluster(nodes=strategy.num_nodes, gpus_per_node=strategy.num_processes)
-    return estimate(config, cluster, layout, training)
+    return plan(Request(config, cluster, training, settings, EVERY_SETTING)).chosen.plan

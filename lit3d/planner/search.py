@@ -19,14 +19,13 @@ from lit3d.parallel.context import check_context_parallel
 from lit3d.parallel.layout import (
     ZERO_STAGES,
     Layout,
-    check_choices,
     check_model_fits_layout,
     check_model_fits_pipeline,
     check_sizes,
 )
-from lit3d.parallel.precision import check_reduce_dtype
 from lit3d.parallel.schedules import check_composes, microbatch_problem
-from lit3d.planner.estimate import GB, PRECISIONS, Cluster, Plan, Training, estimate
+from lit3d.parallel.settings import Parallelism
+from lit3d.planner.estimate import GB, PLANNING_DEFAULTS, PRECISIONS, Cluster, Plan, Training, estimate, sizes_of
 from lit3d.planner.pipeline import CANDIDATES, choose_schedule, why_schedule
 
 LONG_SEQUENCE = 16384  # tokens from which the search tries context parallelism
@@ -35,13 +34,17 @@ MIN_CP_CHUNK = 2048  # tokens a CP rank keeps at least (shorter shares leave the
 
 @dataclass
 class Candidate:
+    """A planned layout: its rank grid, the training loop's numbers and the run's settings it was estimated with (their
+    sizes the layout's: what `lit3d.strategies.Parallel3DStrategy` would be built from), and the estimate."""
+
     layout: Layout
     training: Training
+    parallelism: Parallelism
     plan: Plan
 
 
 def check_inputs(config: GPTConfig, cluster: Cluster, training: Training) -> None:
-    """Refuse numbers no layout could use, naming them."""
+    """Refuse numbers no layout could use, naming them (the settings check themselves: `Parallelism.check`)."""
     check_sizes(nodes=cluster.nodes, gpus_per_node=cluster.gpus_per_node)
     for name, value in (
         ("gpu_memory", cluster.gpu_memory_gb),
@@ -51,22 +54,30 @@ def check_inputs(config: GPTConfig, cluster: Cluster, training: Training) -> Non
     ):
         if not value > 0:
             raise ValueError(f"{name}={value!r} must be positive")
+    bandwidth, latency = cluster.inter_island_gbps, cluster.inter_island_latency_ms
+    if not bandwidth > 0 or not latency >= 0:
+        raise ValueError(f"inter_island_bandwidth={bandwidth!r} must be positive and inter_island_latency={latency!r} "
+                         "at least 0")  # fmt: skip
     check_sizes(
         seq_len=training.seq_len,
         micro_batch_size=training.micro_batch_size,
         global_batch_size=training.global_batch_size,
-        virtual_pipeline_size=training.virtual_pipeline_size,
     )
     if training.seq_len > config.max_seq_len:
         raise ValueError(f"seq_len={training.seq_len} is above the model's max_seq_len={config.max_seq_len}")
     if training.precision not in PRECISIONS:
         raise ValueError(f"precision={training.precision!r} is not one of {', '.join(PRECISIONS)}")
-    check_reduce_dtype(training.mixed_precision_reduce)
-    check_choices(training.zero_stage, training.pipeline_schedule)
 
 
-def layout_problem(config: GPTConfig, cluster: Cluster, layout: Layout, training: Training) -> str | None:
-    """Why ``layout`` cannot run ``config`` with ``training`` on ``cluster`` (None if it can)."""
+def layout_problem(
+    config: GPTConfig,
+    cluster: Cluster,
+    layout: Layout,
+    training: Training,
+    settings: Parallelism = PLANNING_DEFAULTS,
+) -> str | None:
+    """Why ``layout`` cannot run ``config`` with ``training`` and ``settings`` (its sizes are ``layout``'s) on
+    ``cluster`` (None if it can)."""
     tp, pp, dp = layout.tp, layout.pp, layout.dp
     if layout.world_size > cluster.gpus:
         cp = f" x context_parallel_size={layout.cp}" if layout.cp > 1 else ""
@@ -75,12 +86,12 @@ def layout_problem(config: GPTConfig, cluster: Cluster, layout: Layout, training
             f"{layout.world_size} GPUs, but the cluster has {cluster.nodes} x {cluster.gpus_per_node} = "
             f"{cluster.gpus}"
         )
-    virtual = training.virtual_pipeline_size if pp > 1 else 1
+    virtual = settings.chunks_per_rank if pp > 1 else 1
     try:
         check_model_fits_layout(config, layout)
         check_model_fits_pipeline(config, pp, virtual)
-        check_composes(training.pipeline_schedule, pp, zero_stage=training.zero_stage)
-        sp = training.sequence_parallel and tp > 1
+        check_composes(settings.pipeline_schedule, pp, settings.compile, settings.zero_stage)
+        sp = settings.sequence_parallel and tp > 1
         check_context_parallel(config, layout.cp, training.seq_len, tp, sp)
     except ValueError as error:
         return str(error)
@@ -90,8 +101,9 @@ def layout_problem(config: GPTConfig, cluster: Cluster, layout: Layout, training
             f"global_batch_size={training.global_batch_size} is not divisible by data_parallel_size="
             f"{layout.data_replicas} x micro_batch_size={training.micro_batch_size}"
         )
-    if pp > 1:
-        return microbatch_problem(pp, training.pipeline_schedule, training.global_batch_size // per_step)
+    if pp > 1:  # the micro-batches of one schedule (gradient accumulation runs it again)
+        m = training.global_batch_size // per_step // training.accumulate_grad_batches
+        return microbatch_problem(pp, settings.pipeline_schedule, m)
     return None
 
 
@@ -123,6 +135,7 @@ def search(
     config: GPTConfig,
     cluster: Cluster,
     training: Training,
+    settings: Parallelism = PLANNING_DEFAULTS,
     *,
     tensor_parallel_size: int | None = None,
     pipeline_parallel_size: int | None = None,
@@ -130,50 +143,35 @@ def search(
     expert_parallel_size: int | None = None,
     context_parallel_size: int | None = None,
     zero_stages: tuple[int, ...] = ZERO_STAGES,
-    checkpointing: tuple[bool, ...] = (False, True),
-    islands: int = 1,
+    checkpointing: tuple[bool | str, ...] = (False, True),
     pipeline_schedules: list[tuple[str, int]] | None = None,
 ) -> tuple[list[Candidate], dict[str, int]]:
-    """Layouts using every GPU of ``cluster`` (sizes given are kept), estimated; returns those that fit, best
-    first, and counts of what was dropped and why.
+    """Layouts using every GPU of ``cluster`` (sizes given are kept), estimated with ``settings`` (the sizes, ZeRO
+    stage, recompute and pipeline schedule replaced by each candidate's); returns those that fit, best first, and
+    counts of what was dropped and why.
 
     An MoE model is searched over expert parallelism too, a long sequence over context parallelism. With DiLoCo's
-    ``islands``, each island gets ``1/islands`` of the GPUs and the same layout (``data_parallel_size`` then counts
-    the replicas of one island). A pipelined layout runs the fastest of ``pipeline_schedules`` (``(schedule, chunks
-    per rank)``; default: every one of `lit3d.planner.pipeline.CANDIDATES`) that fits."""
+    ``settings.islands``, each island gets ``1/islands`` of the GPUs and the same layout (``data_parallel_size`` then
+    counts the replicas of one island). A pipelined layout runs the fastest of ``pipeline_schedules`` (``(schedule,
+    chunks per rank)``; default: every one of `lit3d.planner.pipeline.CANDIDATES`) that fits."""
     dropped = {"invalid": 0, "out_of_memory": 0}
     # NOTE: GPipe runs any micro-batch count on one chunk: the layout check leaves the schedules to `choose_schedule`.
-    any_schedule = replace(training, pipeline_schedule="gpipe", virtual_pipeline_size=1)
+    any_schedule = replace(settings, pipeline_schedule="gpipe", virtual_pipeline_size=None)
+    fixed = (tensor_parallel_size, pipeline_parallel_size, expert_parallel_size, context_parallel_size)
     fitting: list[Candidate] = []
-    pps = [pipeline_parallel_size] if pipeline_parallel_size else None
-    gpus = cluster.gpus // islands  # of one island
-    shapes = [
-        (tp, cp, pp, ep)
-        for tp in ([tensor_parallel_size] if tensor_parallel_size else divisors(cluster.gpus_per_node))
-        for cp in context_parallel_sizes(training, gpus // tp, context_parallel_size)
-        for pp, ep in _pp_and_ep(config, gpus // (tp * cp), pps or divisors(gpus // (tp * cp)), expert_parallel_size)
-    ]
-    for tp, cp, pp, ep in shapes:
-        dp = gpus // (tp * pp * cp)
-        if data_parallel_size and data_parallel_size != dp or islands > 1 and (ep > 1 or cp > 1):
+    for layout in _layouts(config, cluster, training, settings.islands, *fixed):
+        if data_parallel_size and data_parallel_size != layout.dp:
             continue
-        layout = Layout(dp=dp, tp=tp, pp=pp, devices_per_node=cluster.gpus_per_node, ep=ep, cp=cp, islands=islands)
-        if layout.world_size != cluster.gpus or layout_problem(config, cluster, layout, any_schedule):
+        if layout.world_size != cluster.gpus or layout_problem(config, cluster, layout, training, any_schedule):
             dropped["invalid"] += 1
             continue
         for zero in zero_stages if layout.replicas > 1 else zero_stages[:1]:
             for ac in checkpointing:
-                option = replace(training, zero_stage=zero, activation_checkpointing=ac)
-                if pp > 1:
-                    chosen = choose_schedule(config, cluster, layout, option, pipeline_schedules or list(CANDIDATES))
-                    if chosen is None:  # no schedule runs the micro-batches there are
-                        dropped["invalid"] += 1
-                        continue
-                    option, plan = chosen
-                else:
-                    plan = estimate(config, cluster, layout, option)
-                if plan.fits:
-                    fitting.append(Candidate(layout, option, plan))
+                option = _estimated(config, cluster, layout, training, settings, zero, ac, pipeline_schedules)
+                if option is None:  # no schedule runs the micro-batches there are (or the settings cannot compose)
+                    dropped["invalid"] += 1
+                elif option.plan.fits:
+                    fitting.append(option)
                 else:
                     dropped["out_of_memory"] += 1
     # Fastest first; among equals, the least data-parallel traffic, then the least memory.
@@ -187,9 +185,50 @@ def search(
     return fitting, dropped
 
 
+def _layouts(
+    config: GPTConfig, cluster: Cluster, training: Training, islands: int, tp: int | None, pp: int | None,
+    ep: int | None, cp: int | None,
+) -> list[Layout]:  # fmt: skip
+    """Every (tp, cp, pp, ep) over one island's GPUs, the sizes given kept (DiLoCo's islands: neither EP nor CP)."""
+    gpus = cluster.gpus // islands  # of one island
+    shapes = [
+        (t, c, p, e)
+        for t in ([tp] if tp else divisors(cluster.gpus_per_node))
+        for c in context_parallel_sizes(training, gpus // t, cp)
+        for p, e in _pp_and_ep(config, gpus // (t * c), [pp] if pp else divisors(gpus // (t * c)), ep)
+    ]
+    return [
+        Layout(dp=gpus // (t * p * c), tp=t, pp=p, devices_per_node=cluster.gpus_per_node, ep=e, cp=c, islands=islands)
+        for t, c, p, e in shapes
+        if islands == 1 or e == c == 1
+    ]
+
+
+def _estimated(
+    config: GPTConfig,
+    cluster: Cluster,
+    layout: Layout,
+    training: Training,
+    settings: Parallelism,
+    zero_stage: int,
+    checkpointing: bool | str,
+    schedules: list[tuple[str, int]] | None,
+) -> Candidate | None:
+    """``layout`` run with ``settings`` at this ZeRO stage and recompute (and, pipelined, its fastest schedule that
+    fits); None if none can run."""
+    try:
+        option = replace(settings, **sizes_of(layout), zero_stage=zero_stage, activation_checkpointing=checkpointing)
+    except ValueError:  # e.g. a schedule given that this ZeRO stage cannot run
+        return None
+    if layout.pp == 1:
+        return Candidate(layout, training, option, estimate(config, cluster, layout, training, option))
+    chosen = choose_schedule(config, cluster, layout, training, option, schedules or list(CANDIDATES))
+    return None if chosen is None else Candidate(layout, *chosen)
+
+
 def why(candidate: Candidate, cluster: Cluster) -> str:
     """One line on what makes this layout good (or what it pays for)."""
-    plan, layout, training = candidate.plan, candidate.layout, candidate.training
+    plan, layout, training, settings = candidate.plan, candidate.layout, candidate.training, candidate.parallelism
     usable = cluster.gpu_memory_gb * (1 - training.headroom)
     parts = [f"{plan.memory_per_gpu['total'] / GB:.1f} of {usable:.0f} GB usable"]
     if layout.tp > 1:
@@ -219,9 +258,9 @@ def why(candidate: Candidate, cluster: Cluster) -> str:
         dp = plan.communication_per_step["dp"]
         replicas = f"DP{layout.dp}" + (f" x CP{layout.cp}" if layout.cp > 1 else "")
         parts.append(
-            f"{replicas} ZeRO-{training.zero_stage} moves {dp['bytes'] / GB:.1f} GB/GPU in {dp['seconds']:.2f} s"
+            f"{replicas} ZeRO-{settings.zero_stage} moves {dp['bytes'] / GB:.1f} GB/GPU in {dp['seconds']:.2f} s"
         )
-    if training.activation_checkpointing:
+    if settings.activation_checkpointing:
         parts.append("recomputes activations (+33% compute)")
     return "; ".join(parts)
 

@@ -14,11 +14,12 @@ from lit3d.parallel.stages import chunk_stage_ids
 from lit3d.planner.tensors import config_key, local_numel, rank_tensors, stepped_numel
 
 if TYPE_CHECKING:
+    from lit3d.parallel.settings import Parallelism
     from lit3d.planner.estimate import Precision, Training
 
 
 def communication_bytes(
-    config: GPTConfig, layout: Layout, training: Training, precision: Precision
+    config: GPTConfig, layout: Layout, training: Training, settings: Parallelism, precision: Precision
 ) -> dict[str, float]:
     """Bytes the busiest GPU of each axis sends per optimizer step, counted as a ring sends them: an all-reduce
     2 (n-1)/n of its tensor, an all-gather or reduce-scatter (n-1)/n of the full tensor, a point-to-point send
@@ -26,15 +27,15 @@ def communication_bytes(
     side). Left out: scalars (the logged loss, the gradient norm).
     """
     tp, pp, replicas = layout.tp, layout.pp, layout.replicas
-    virtual, microbatches, schedules, sp, per_block = _step_shape(layout, training)
+    virtual, microbatches, schedules, sp, per_block = _step_shape(layout, training, settings)
     tokens = training.micro_batch_size * training.seq_len // layout.cp  # a rank's tokens per micro-batch
     act_bytes = tokens * config.d_model * precision.activations
     ring = 2 * (tp - 1) / tp  # all-reduce traffic per byte; SP's all-gather + reduce-scatter pair costs the same
     traffic = {"tp": 0.0, "pp": 0.0, "dp": 0.0, "ep": 0.0, "cp": 0.0}
-    placement = SCHEDULES[training.pipeline_schedule].placement
+    placement = SCHEDULES[settings.pipeline_schedule].placement
     for stage in _stages(config, pp, virtual, placement, tp, layout.ep):
         moe, first, last, blocks = stage.moe, stage.first, stage.last, stage.blocks
-        tp_blocks = blocks * per_block + moe * _moe_tp_change(training, sp)
+        tp_blocks = blocks * per_block + moe * _moe_tp_change(settings, sp)
         tp_bytes = (tp_blocks + first + last) * act_bytes  # embedding (fwd) and head (bwd): one each
         if last:  # the vocabulary-parallel loss: 3 fp32 all-reduces per token (max, sum, target logit)
             tp_bytes += 3 * tokens * 4
@@ -44,62 +45,66 @@ def communication_bytes(
             tp_bytes += norms * (schedules if pp > 1 else microbatches)  # once per schedule: it spans its micro-batches
         traffic["tp"] = max(traffic["tp"], ring * tp_bytes)
         shape = (microbatches // schedules, schedules, pp > 1, precision)
-        sent = _dp_traffic(training.zero_stage, replicas, stage.in_blocks, stage.root, *shape)
-        sent += _dp_traffic(training.zero_stage, replicas // layout.ep, stage.experts, 0, *shape)  # same experts
+        sent = _dp_traffic(settings.zero_stage, replicas, stage.in_blocks, stage.root, *shape)
+        sent += _dp_traffic(settings.zero_stage, replicas // layout.ep, stage.experts, 0, *shape)  # same experts
         traffic["dp"] = max(traffic["dp"], sent)
-        traffic["ep"] = max(traffic["ep"], moe * microbatches * _all_to_all_bytes(config, layout, training, precision))
-        cp_bytes = blocks * _ring_bytes(config, layout, training, precision) + moe * _balance_bytes(
-            config, layout, training
-        )
+        a2a = _all_to_all_bytes(config, layout, training, settings, precision)
+        traffic["ep"] = max(traffic["ep"], moe * microbatches * a2a)
+        kv_ring = blocks * _ring_bytes(config, layout, training, settings, precision)
+        cp_bytes = kv_ring + moe * _balance_bytes(config, layout, training, settings)
         traffic["cp"] = max(traffic["cp"], microbatches * cp_bytes)
     if pp > 1:
         traffic["pp"] = _pipeline_sends(pp, virtual, placement) * microbatches * act_bytes / (tp if sp else 1)
     if layout.islands > 1:  # per step on average: one outer step every sync_every steps
-        traffic["island"] = island_bytes_per_sync(config, layout, training) / training.sync_every
+        traffic["island"] = island_bytes_per_sync(config, layout, settings) / settings.sync_every
     return traffic
 
 
-def island_bytes_per_sync(config: GPTConfig, layout: Layout, training: Training) -> float:
+def island_bytes_per_sync(config: GPTConfig, layout: Layout, settings: Parallelism) -> float:
     """Bytes the busiest rank sends to the other islands at one DiLoCo outer step (all its fragments): the
     all-reduce over the islands of the pseudo-gradient of what its optimizer steps (`stepped_numel`: its ZeRO-1
-    slices, ZeRO-2/3 shards or TP shards), in ``training.outer_reduce_dtype`` (`lit3d.strategies.islands`)."""
+    slices, ZeRO-2/3 shards or TP shards), in ``settings.outer_reduce_dtype`` (`lit3d.strategies.islands`)."""
     if layout.islands == 1:
         return 0.0
-    virtual = training.virtual_pipeline_size if layout.pp > 1 else 1
-    placement = SCHEDULES[training.pipeline_schedule].placement
+    virtual = settings.chunks_per_rank if layout.pp > 1 else 1
+    placement = SCHEDULES[settings.pipeline_schedule].placement
     numel = max(
-        stepped_numel(rank_tensors(config, layout.pp, virtual, stage, placement), layout, training.zero_stage)
+        stepped_numel(rank_tensors(config, layout.pp, virtual, stage, placement), layout, settings.zero_stage)
         for stage in range(layout.pp)
     )
-    element = 2 if training.outer_reduce_dtype == "bfloat16" else 4
+    element = 2 if settings.outer_reduce_dtype == "bfloat16" else 4
     return 2 * (layout.islands - 1) / layout.islands * numel * element
 
 
-def _ring_bytes(config: GPTConfig, layout: Layout, training: Training, precision: Precision) -> float:
+def _ring_bytes(
+    config: GPTConfig, layout: Layout, training: Training, settings: Parallelism, precision: Precision
+) -> float:
     """Bytes one rank sends around the CP ring per attention layer and micro-batch (`ring_bytes_per_layer`): its
     K and V (its tokens, its TP share of the K/V heads) hop ``cp − 1`` times each way, their gradient ``cp`` times."""
     tokens = training.micro_batch_size * training.seq_len // layout.cp
     kv = 2 * tokens * config.n_kv_head // layout.tp * config.head_dim
-    return ring_bytes_per_layer(kv, precision.activations, layout.cp, bool(training.activation_checkpointing))
+    return ring_bytes_per_layer(kv, precision.activations, layout.cp, bool(settings.activation_checkpointing))
 
 
-def _balance_bytes(config: GPTConfig, layout: Layout, training: Training) -> float:
+def _balance_bytes(config: GPTConfig, layout: Layout, training: Training, settings: Parallelism) -> float:
     """Bytes one rank sends over CP per MoE block and micro-batch: the all-reduce of each sequence's slots and
     scores per expert (fp32) that makes the balance loss whole-sequence (again under full recompute)."""
     if layout.cp == 1:
         return 0.0
-    forwards = 2 if training.activation_checkpointing in (True, "full") else 1
+    forwards = 2 if settings.activation_checkpointing in (True, "full") else 1
     return forwards * 2 * (layout.cp - 1) / layout.cp * training.micro_batch_size * 2 * config.n_expert * 4
 
 
-def _moe_tp_change(training: Training, sp: bool) -> float:
+def _moe_tp_change(settings: Parallelism, sp: bool) -> float:
     """TP collectives an MoE block has fewer than a dense one: its feed-forward is a replicated region, which
     under SP gathers its input in forward and its output's gradient in backward (one pair), and nothing else."""
-    regather = sp and not training.activation_checkpointing
+    regather = sp and not settings.activation_checkpointing
     return (1.0 if sp else 0.0) - 2.0 - (0.5 if regather else 0.0)
 
 
-def _all_to_all_bytes(config: GPTConfig, layout: Layout, training: Training, precision: Precision) -> float:
+def _all_to_all_bytes(
+    config: GPTConfig, layout: Layout, training: Training, settings: Parallelism, precision: Precision
+) -> float:
     """Bytes one rank sends per MoE block and micro-batch over expert parallelism, with an even load: the tokens'
     expert counts, then each (token, choice) row not local to it, to its expert and back, forward and backward
     (and forward again under full recompute)."""
@@ -109,21 +114,21 @@ def _all_to_all_bytes(config: GPTConfig, layout: Layout, training: Training, pre
     share = (ep - 1) / ep
     rows = training.micro_batch_size * training.seq_len // layout.cp * config.n_expert_per_token * share
     row_bytes = config.d_model * precision.activations
-    forwards = 2 if training.activation_checkpointing in (True, "full") else 1
+    forwards = 2 if settings.activation_checkpointing in (True, "full") else 1
     return forwards * (config.n_expert * 8 * share + 2 * rows * row_bytes) + 2 * rows * row_bytes
 
 
-def _step_shape(layout: Layout, training: Training) -> tuple[int, int, int, bool, float]:
+def _step_shape(layout: Layout, training: Training, settings: Parallelism) -> tuple[int, int, int, bool, float]:
     """(virtual stages per rank, micro-batches per replica and step, pipeline schedules per step, whether SP is
     on, TP collectives per block and micro-batch)."""
     pp, tp = layout.pp, layout.tp
-    sp = training.sequence_parallel and tp > 1
+    sp = settings.sequence_parallel and tp > 1
     return (
-        training.virtual_pipeline_size if pp > 1 else 1,
+        settings.chunks_per_rank if pp > 1 else 1,
         training.global_batch_size // (layout.data_replicas * training.micro_batch_size),
         training.schedules_per_step(pp),
         sp,
-        _tp_collectives_per_block(training, sp),
+        _tp_collectives_per_block(settings, sp),
     )
 
 
@@ -176,7 +181,7 @@ def _pipeline_sends(pp: int, virtual: int, placement: str = "loop") -> int:
     return 2 * virtual - (pp == 2)
 
 
-def _tp_collectives_per_block(training: Training, sp: bool) -> float:
+def _tp_collectives_per_block(settings: Parallelism, sp: bool) -> float:
     """All-reduces (or, under SP, all-gather + reduce-scatter pairs) per block and micro-batch.
 
     2 forward (attention and MLP outputs) and 2 backward (their inputs' gradients). Under SP without recompute each
@@ -184,24 +189,26 @@ def _tp_collectives_per_block(training: Training, sp: bool) -> float:
     pair's worth. Full recompute reruns the forward up to the last tensor backward needs: the attention all-reduce,
     and under SP also the MLP's all-gather (PyTorch's checkpoint stops early).
     """
-    full = training.activation_checkpointing in (True, "full")
-    regather = sp and not training.activation_checkpointing
+    full = settings.activation_checkpointing in (True, "full")
+    regather = sp and not settings.activation_checkpointing
     return 4 + (1.5 if sp else 1.0) * full + regather
 
 
-def collectives(config: GPTConfig, layout: Layout, training: Training) -> dict[str, tuple[float, float]]:
+def collectives(
+    config: GPTConfig, layout: Layout, training: Training, settings: Parallelism
+) -> dict[str, tuple[float, float]]:
     """Per axis, the collectives the busiest GPU waits on per optimizer step and their ring hops in all (a ring
     all-reduce over n ranks is 2 (n-1) hops, an all-gather or reduce-scatter n-1, a point-to-point send 1): the
     latency side of an α-β model, counted as `communication_bytes` counts the bytes."""
     tp, pp, dp = layout.tp, layout.pp, layout.replicas
-    virtual, microbatches, schedules, sp, per_block = _step_shape(layout, training)
+    virtual, microbatches, schedules, sp, per_block = _step_shape(layout, training, settings)
     counts = {"tp": (0.0, 0.0), "pp": (0.0, 0.0), "dp": (0.0, 0.0), "ep": (0.0, 0.0), "cp": (0.0, 0.0)}
-    cp = layout.cp
-    placement = SCHEDULES[training.pipeline_schedule].placement
+    cp, zero_stage = layout.cp, settings.zero_stage
+    placement = SCHEDULES[settings.pipeline_schedule].placement
     for stage in _stages(config, pp, virtual, placement, tp, layout.ep):
         first, last, blocks = stage.first, stage.last, stage.blocks
         if cp > 1:  # point-to-point hops per attention layer: forward (again under recompute), then backward
-            hops = (cp - 1) * (2 if training.activation_checkpointing else 1) + (cp - 1) + cp
+            hops = (cp - 1) * (2 if settings.activation_checkpointing else 1) + (cp - 1) + cp
             counts["cp"] = max(counts["cp"], (blocks * microbatches * hops,) * 2)
         if layout.ep > 1:  # three all-to-alls per MoE block forward (counts, dispatch, combine), two backward
             n = stage.moe * microbatches * 5
@@ -211,11 +218,11 @@ def collectives(config: GPTConfig, layout: Layout, training: Training) -> dict[s
             counts["tp"] = max(counts["tp"], (n * (2 if sp else 1), n * 2 * (tp - 1)))
         if dp > 1:
             units, steps = blocks + 1, schedules if pp > 1 else 1
-            if training.zero_stage == 0:
+            if zero_stage == 0:
                 n, hops = units * steps, 2 * (dp - 1)
-            elif training.zero_stage == 1:  # one reduce-scatter and one all-gather per bucket
+            elif zero_stage == 1:  # one reduce-scatter and one all-gather per bucket
                 n, hops = 2 * -(-stage.total // BUCKET_ELEMENTS), dp - 1
-            elif training.zero_stage == 2:
+            elif zero_stage == 2:
                 n, hops = 2 * units * steps, dp - 1
             else:
                 gathers = (microbatches // steps + 1, 1) if pp > 1 else (2 * microbatches, microbatches)
@@ -225,7 +232,7 @@ def collectives(config: GPTConfig, layout: Layout, training: Training) -> dict[s
         sends = _pipeline_sends(pp, virtual, placement) * microbatches
         counts["pp"] = (sends, sends)
     if layout.islands > 1:  # one all-reduce per fragment per outer step, over a ring of the islands
-        n = training.outer_fragments / training.sync_every
+        n = settings.outer_fragments / settings.sync_every
         counts["island"] = (n, n * 2 * (layout.islands - 1))
     return counts
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from lit3d.config import GPTConfig
 from lit3d.parallel.layout import Layout
 from lit3d.parallel.schedules import SCHEDULES
+from lit3d.parallel.settings import Parallelism
 from lit3d.planner.tensors import local_numel, rank_tensors, replicas
 
 if TYPE_CHECKING:
@@ -33,30 +34,24 @@ class StageCount:
         return self.verified == self.analytic
 
 
-def analytic_params(
-    config: GPTConfig, layout: Layout, stage: int, zero_stage: int, virtual: int = 1, pipeline_schedule: str = "1f1b"
-) -> int:
+def analytic_params(config: GPTConfig, layout: Layout, stage: int, settings: Parallelism) -> int:
     """Parameter elements the planner expects on rank (d=0, t=0, p=stage)."""
-    tensors = rank_tensors(config, layout.pp, virtual, stage, SCHEDULES[pipeline_schedule].placement)
-    return sum(local_numel(t, layout.tp, replicas(t, layout) if zero_stage >= 2 else 1, ep=layout.ep) for t in tensors)
+    virtual = settings.chunks_per_rank if layout.pp > 1 else 1
+    tensors = rank_tensors(config, layout.pp, virtual, stage, SCHEDULES[settings.pipeline_schedule].placement)
+    sharded = settings.zero_stage >= 2
+    return sum(local_numel(t, layout.tp, replicas(t, layout) if sharded else 1, ep=layout.ep) for t in tensors)
 
 
-def verify(
-    config: GPTConfig,
-    layout: Layout,
-    zero_stage: int,
-    sequence_parallel: bool = False,
-    virtual_pipeline_size: int = 1,
-    activation_checkpointing: bool = False,
-    pipeline_schedule: str = "1f1b",
-) -> list[StageCount]:
-    """Per pipeline stage: the parameter elements rank (d=0, t=0, p) holds after the real parallelisation."""
+def verify(config: GPTConfig, layout: Layout, settings: Parallelism) -> list[StageCount]:
+    """Per pipeline stage: the parameter elements rank (d=0, t=0, p) holds after the real parallelisation of
+    ``config`` on ``layout`` with ``settings`` (its sizes are ``layout``'s)."""
     # NOTE: torch only here: `lit3d plan` imports the planner, and only `--verify` needs the real model.
     import torch
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from lit3d.model import Transformer
+    from lit3d.strategies.meshes import ParallelMeshes
     from lit3d.strategies.parallelize import parallelize_network
     from lit3d.tp_plan import tensor_parallel_plan
 
@@ -67,27 +62,14 @@ def verify(
         rank = layout.rank(d=0, t=0, p=stage)
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
         try:
-            mesh = layout.build_mesh("cpu")
-            expert_mesh = layout.build_expert_mesh("cpu") if layout.ep > 1 else None
+            meshes = ParallelMeshes.build(layout, "cpu")
             with torch.device("meta"):
                 network = Transformer(config)
-            parallelize_network(
-                network,
-                tensor_parallel_plan(config),
-                layout,
-                mesh,
-                rank,
-                zero_stage=zero_stage,
-                sequence_parallel=sequence_parallel,
-                virtual_pipeline_size=virtual_pipeline_size,
-                pipeline_schedule=pipeline_schedule,
-                activation_checkpointing=activation_checkpointing,
-                expert_mesh=expert_mesh,
-            )
+            parallelize_network(network, tensor_parallel_plan(config), settings, meshes, rank)
             held = sum(_local(p).numel() for p in network.parameters())
         finally:
             dist.destroy_process_group()
-        analytic = analytic_params(config, layout, stage, zero_stage, virtual_pipeline_size, pipeline_schedule)
+        analytic = analytic_params(config, layout, stage, settings)
         counts.append(StageCount(stage, rank, held, analytic))
     return counts
 

@@ -1,0 +1,164 @@
+"""What a rank holds, per pipeline stage: weights, gradients and optimizer states (exact, from the model's tensors and
+the strategy's rules), the activations kept for backward (Korthikanti et al. 2022, for this architecture) and the
+buffers of a moment (`lit3d.planner.buffers`); the peak of a step is the most of its three moments."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+from lit3d.config import GPTConfig
+from lit3d.parallel.layout import Layout
+from lit3d.parallel.schedules import SCHEDULES, last_stage_in_flight, peak_in_flight
+from lit3d.parallel.settings import Parallelism
+from lit3d.planner.buffers import Transient, peak_memory, transient_bytes
+from lit3d.planner.tensors import Tensor, config_key, local_numel, rank_tensors, replicas, stepped_numel
+
+if TYPE_CHECKING:
+    from lit3d.planner.estimate import Precision, Training
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes by kind on each pipeline rank (``total``: its peak), and the numbers the plan reports beside them."""
+
+    by_stage: list[dict[str, int]]
+    params_per_rank: int  # parameters (elements) the most loaded rank holds, ZeRO-3 shards included
+    activation_bytes_per_layer: int  # what one block keeps for backward, per micro-batch on one rank
+
+    @property
+    def peak(self) -> dict[str, int]:
+        """The most loaded rank's."""
+        return max(self.by_stage, key=lambda m: m["total"])
+
+
+def memory_by_stage(
+    config: GPTConfig, layout: Layout, training: Training, settings: Parallelism, precision: Precision
+) -> Memory:
+    """What each pipeline rank holds (rank 0 of its TP and DP groups) at the peak of a step."""
+    tp, pp = layout.tp, layout.pp
+    virtual = settings.chunks_per_rank if pp > 1 else 1
+    microbatches = training.global_batch_size // (layout.data_replicas * training.micro_batch_size)
+    schedule_m = microbatches // training.schedules_per_step(pp)  # micro-batches of one pipeline schedule
+    sp, schedule = settings.sequence_parallel and tp > 1, settings.pipeline_schedule
+    tokens = training.micro_batch_size * training.seq_len // layout.cp  # a rank's, per micro-batch
+    a, checkpointing, zero_stage = precision.activations, settings.activation_checkpointing, settings.zero_stage
+    per_token = activation_bytes_per_token(config, tp, sp, checkpointing, a)
+    full_recompute = checkpointing in (True, "full")
+    # Mixed precision with fp32 parameters in forward: autocast's bf16 weight copies, one per block per step.
+    copies = precision.weights > a and not checkpointing and not params_cast_by_fsdp(layout, zero_stage, precision)
+    weight_copies = autocast_weight_bytes(config, tp) if copies else 0
+    summed = microbatches > 1  # gradients summed over micro-steps (accumulation) or a pipeline's micro-batches
+    # Whole gradients before backward starts: DDP's buckets, the parameters' sums of earlier micro-steps, or both.
+    ddp = layout.replicas > 1 and zero_stage == 0 and not params_cast_by_fsdp(layout, 0, precision)
+    grads_from_start = int(ddp) + int(summed and (zero_stage == 0 or layout.replicas == 1))
+    placement = SCHEDULES[schedule].placement  # which chunks each pipeline rank holds
+    by_stage, params_per_rank, key = [], 0, config_key(config)
+    for stage_rank in range(pp):
+        held = _stage_state(key, layout, virtual, stage_rank, placement, zero_stage, precision, summed)
+        memory, layers, holds_head, transient = dict(held[0]), *held[1:]
+        params_per_rank = max(params_per_rank, memory["params"] // precision.weights)
+        in_flight = peak_in_flight(schedule, pp, schedule_m, virtual, stage_rank)
+        acts = layers * (per_token * tokens * in_flight + weight_copies)
+        if full_recompute:  # one block recomputed at a time, for one micro-batch
+            acts += activation_bytes_per_token(config, tp, sp, False, a) * tokens
+        if holds_head:
+            losses = in_flight if pp == 1 else last_stage_in_flight(schedule, pp, schedule_m)
+            acts += output_layer_bytes(config, tp, sp, tokens * losses, a)
+        memory["activations"] = int(acts)
+        memory["buffers"], memory["total"] = peak_memory(memory, transient, grads_from_start)
+        by_stage.append(memory)
+    return Memory(by_stage, params_per_rank, int(per_token * tokens + weight_copies))
+
+
+def state_bytes(tensors: list[Tensor], layout: Layout, zero_stage: int, precision: Precision) -> dict[str, int]:
+    """Weights, gradients and optimizer state of one rank (rank 0 of its TP and DP groups)."""
+    tp, dp, ep = layout.tp, layout.replicas, layout.ep
+    full = sum(local_numel(t, tp, ep=ep) for t in tensors)
+    sharded = sum(local_numel(t, tp, replicas(t, layout), ep=ep) for t in tensors)
+    sharded_params = sharded if zero_stage >= 2 and dp > 1 else full
+    optimizer = stepped_numel(tensors, layout, zero_stage)  # ZeRO-1 slices a dim TP (and EP) leave whole
+    step_counters = 4 * len(tensors)  # AdamW keeps one fp32 step count per tensor
+    # ZeRO-1 keeps the DP average of its optimizer slice only (backward's whole gradients go at the reduce-scatter).
+    grads = optimizer if zero_stage == 1 and dp > 1 else sharded_params
+    return {
+        "params": sharded_params * precision.weights,
+        "grads": grads * precision.grads,
+        "optimizer": optimizer * precision.optimizer + step_counters,
+    }
+
+
+def activation_bytes_per_token(
+    config: GPTConfig, tp: int, sequence_parallel: bool, checkpointing: bool | str, activations: int = 4
+) -> float:
+    """Bytes one block keeps for backward, per token: what autograd saves (tests/test_activation_memory.py counts
+    it with saved-tensor hooks). ``activations``: bytes per element of the compute dtype (2 in bf16). The norms
+    compute in fp32 and attention's log-sum-exp is fp32 in any precision."""
+    h, f, kv, a = config.d_model, config.d_ff, config.n_kv_head * config.head_dim, activations
+    split = tp if sequence_parallel else 1
+    lse = 4 * config.n_head / tp
+    if checkpointing == "selective":  # what `lit3d.strategies.recompute` keeps: matmul, attention, collective outputs
+        sharded = 2 * h + 2 * kv + 2 * f  # q, k, v, the attention output, gate and up
+        rowwise = 2 * h  # o_proj and down_proj outputs, before their reduction
+        reduced = 2 * h / split if tp > 1 else 0  # the all-reduce (SP: reduce-scatter) outputs
+        gathered = 2 * h if sequence_parallel else 0  # SP: the all-gathered inputs of both regions
+        return a * (h / split + sharded / tp + rowwise + reduced + gathered) + lse
+    if checkpointing:
+        return a * h / split  # only the block's input; the rest is recomputed
+    norms = 4 * 2 * (2 * h + 1)  # per norm, in fp32: its input, the input times 1/rms, and 1/rms
+    linear_inputs = a * 2 * h  # the norms' outputs in the compute dtype; under SP their shard (`KeepSequenceShard`)
+    attention = a * ((h + 2 * kv) + h) + 4 * config.n_head  # rotated q, k and v; the output; the log-sum-exp
+    mlp = a * 4 * f  # gate, up, silu(gate), their product
+    return (norms + linear_inputs) / split + (attention + mlp) / tp
+
+
+def autocast_weight_bytes(config: GPTConfig, tp: int) -> int:
+    """What autocast keeps per block where the parameters are fp32 in forward (bf16-mixed without FSDP2's cast:
+    DDP, no data parallelism): the bf16 copy of every weight it cast, saved for backward."""
+    h, f, kv = config.d_model, config.d_ff, config.n_kv_head * config.head_dim
+    return 2 * (2 * h * h + 2 * h * kv + 3 * h * f) // tp
+
+
+def output_layer_bytes(config: GPTConfig, tp: int, sequence_parallel: bool, tokens: int, activations: int) -> float:
+    """What the final norm and the loss keep for backward: the norm's fp32 tensors as in a block and its output in
+    the compute dtype (the head's input), and the fp32 log-probabilities of the (vocabulary-split) logits."""
+    norm = 4 * (2 * config.d_model + 1) + activations * config.d_model
+    return tokens * (norm / (tp if sequence_parallel else 1) + config.padded_vocab_size / tp * 4)
+
+
+def params_cast_by_fsdp(layout: Layout, zero_stage: int, precision: Precision) -> bool:
+    """Whether FSDP2 hands the blocks bf16 parameters (its mixed precision policy): ZeRO-2/3, and ZeRO-0 unless
+    it is DDP (`lit3d.strategies.precision.uses_ddp`)."""
+    if layout.replicas == 1 or zero_stage == 1:
+        return False
+    return zero_stage >= 2 or layout.tp > 1 or layout.pp > 1 or precision.reduce_bytes < 4
+
+
+@lru_cache(maxsize=64)
+def params_total(key: tuple) -> int:
+    """Elements of the whole model (cached: the search weighs every schedule of every layout)."""
+    return sum(local_numel(t, 1) for t in rank_tensors(GPTConfig(**dict(key)), 1, 1, 0))
+
+
+@lru_cache(maxsize=4096)
+def _stage_state(
+    key: tuple,
+    layout: Layout,
+    virtual: int,
+    stage_rank: int,
+    placement: str,
+    zero_stage: int,
+    precision: Precision,
+    summed: bool,
+) -> tuple[tuple[tuple[str, int], ...], int, bool, Transient]:
+    """What pipeline rank ``stage_rank`` holds whatever the schedule's micro-batches: its weights, gradients and
+    optimizer state, its number of blocks, whether it holds the head, and what it holds for a moment only
+    (`lit3d.planner.buffers`; ``summed``: gradients summed over micro-steps or a pipeline's micro-batches).
+
+    NOTE: cached, as the planner weighs every schedule for each layout and these sums over the tensors dominate."""
+    tensors = rank_tensors(GPTConfig(**dict(key)), layout.pp, virtual, stage_rank, placement)
+    state = tuple(state_bytes(tensors, layout, zero_stage, precision).items())
+    layers = len({t.block for t in tensors if t.block is not None})
+    head = any(t.name.startswith("head") for t in tensors)
+    return state, layers, head, transient_bytes(tensors, layout, zero_stage, precision, summed)

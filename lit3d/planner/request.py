@@ -1,0 +1,255 @@
+"""The planner as one function, `plan(request) -> Report`: what ``lit3d plan`` runs, and a running fit's estimate.
+
+A `Request` is a model on a `Cluster`, the training loop's numbers (`Training`) and the run's settings (a
+`lit3d.parallel.Parallelism`, the value the strategy is built from), with the names of the settings the user fixed.
+With the tensor- and pipeline-parallel sizes fixed, the plan is that one layout (its schedule chosen if not fixed);
+otherwise a search over every layout of the cluster keeps what is fixed and chooses the rest. The `Report` holds the
+candidates, best first, with what the text and JSON outputs need (`lit3d.planner.report.format_report`,
+`Report.to_dict`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+from lit3d.config import GPTConfig
+from lit3d.parallel.layout import ZERO_STAGES, Layout, check_islands, check_sizes
+from lit3d.parallel.settings import Parallelism
+from lit3d.planner.estimate import PLANNING_DEFAULTS, Cluster, Training, estimate, sizes_of
+from lit3d.planner.islands import versus_synchronous
+from lit3d.planner.pipeline import candidates, choose_schedule
+from lit3d.planner.rankmap import RankMap
+from lit3d.planner.search import Candidate, check_inputs, layout_problem, search
+from lit3d.planner.verify import StageCount, verify
+
+# The sizes a search keeps when they are fixed, and chooses otherwise (with, per layout, the ZeRO stage, recompute, the
+# pipeline schedule and its chunks per rank: `SEARCHED`).
+SIZES = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "expert_parallel_size",
+         "context_parallel_size")  # fmt: skip
+SEARCHED = (*SIZES, "zero_stage", "activation_checkpointing", "pipeline_schedule", "virtual_pipeline_size")
+DILOCO_SYNC_EVERY = 500  # inner steps per outer step planned with islands unless given (DiLoCo's paper)
+
+
+@dataclass(frozen=True)
+class Request:
+    """What to plan.
+
+    Args:
+        model: A `GPTConfig`, a preset name or a model YAML file.
+        cluster: The GPUs, their memory, peak and links.
+        training: The training loop's numbers (sequence length, batch sizes, precision, efficiency, headroom).
+        parallelism: The run's settings. Those named in ``fixed`` are kept; of the others, the planner chooses the
+            ones in `SEARCHED` (sizes, ZeRO stage, recompute, schedule) and takes the rest as they are.
+        fixed: The names of the settings given (fields of `Parallelism`, and ``micro_batch_size``, which is otherwise
+            derived from a fixed ``num_microbatches``). With ``tensor_parallel_size`` and ``pipeline_parallel_size``
+            fixed, the plan is that layout; otherwise a search.
+        top: How many layouts a search reports (JSON: the best and ``top - 1`` alternatives).
+        verify: Parallelise the real model on the meta device for the chosen layout and compare its per-rank
+            parameter counts with the planner's (imports torch and the strategy).
+    """
+
+    model: GPTConfig | str = "llama-8b"
+    cluster: Cluster = field(default_factory=Cluster)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = PLANNING_DEFAULTS
+    fixed: frozenset[str] = frozenset()
+    top: int = 5
+    verify: bool = False
+
+    @classmethod
+    def given(
+        cls, model: GPTConfig | str, cluster: Cluster | None = None, *, top: int = 5, verify: bool = False, **given: Any
+    ) -> Request:
+        """A request that fixes the settings ``given`` by name (fields of `Training` and of `Parallelism`) and
+        leaves the rest to the planner: ``seq_len`` the model's longest, the other numbers `Training`'s defaults,
+        the settings `planning_defaults`."""
+        config = GPTConfig.load(model)
+        if given.get("data_parallel_size") == "auto":
+            del given["data_parallel_size"]  # (what tensor and pipeline parallelism leave: not fixed)
+        numbers = {f.name: given.pop(f.name) for f in fields(Training) if f.name in given}
+        training = Training(**{"seq_len": config.max_seq_len, **numbers})
+        return cls(config, cluster or Cluster(), training, planning_defaults(**given), frozenset({*numbers, *given}),
+                   top, verify)  # fmt: skip
+
+    @property
+    def fixes_layout(self) -> bool:
+        return {"tensor_parallel_size", "pipeline_parallel_size"} <= self.fixed
+
+    def fixed_value(self, name: str) -> Any:
+        """The setting ``name`` if it is fixed, else None."""
+        return getattr(self.parallelism, name) if name in self.fixed else None
+
+
+def planning_defaults(**given: Any) -> Parallelism:
+    """The settings a plan assumes: those ``given``, else `PLANNING_DEFAULTS` (sequence parallelism on), with
+    DiLoCo's islands an outer step every `DILOCO_SYNC_EVERY` inner steps, and until the search chooses a pipeline
+    schedule, 1F1B or the first candidate that runs the chunks and micro-batches given."""
+    islands = given.get("islands", 1)
+    assumed = {"sync_every": DILOCO_SYNC_EVERY} if isinstance(islands, int) and islands > 1 else {}
+    if "pipeline_schedule" in given:
+        return replace(PLANNING_DEFAULTS, **{**assumed, **given})
+    names = ["1f1b", *(name for name, _ in candidates(None, given.get("virtual_pipeline_size")))]
+    problems = []
+    for name in dict.fromkeys(names):
+        try:
+            return replace(PLANNING_DEFAULTS, **{**assumed, "pipeline_schedule": name, **given})
+        except ValueError as problem:
+            problems.append(problem)
+    raise problems[0]
+
+
+@dataclass
+class Report:
+    """What a plan found.
+
+    Attributes:
+        request: What was asked.
+        config: The model.
+        candidates: The layout of a fixed layout (fitting or not), or a search's layouts that fit, best first.
+        dropped: A search's count of layouts dropped, by reason (``invalid``, ``out_of_memory``); None for one layout.
+        islands: With DiLoCo's islands, the chosen layout's outer step against synchronous DP
+            (`lit3d.planner.islands.versus_synchronous`).
+        verified: ``--verify``'s per-stage parameter counts of the chosen layout, real against planned.
+    """
+
+    request: Request
+    config: GPTConfig
+    candidates: list[Candidate]
+    dropped: dict[str, int] | None = None
+    islands: dict[str, Any] | None = None
+    verified: list[StageCount] | None = None
+
+    @property
+    def searched(self) -> bool:
+        return self.dropped is not None
+
+    @property
+    def chosen(self) -> Candidate | None:
+        """The layout planned, or the search's best (None if nothing fits)."""
+        return self.candidates[0] if self.candidates else None
+
+    @property
+    def verified_exactly(self) -> bool:
+        return all(count.matches for count in self.verified or [])
+
+    def to_dict(self) -> dict[str, Any]:
+        """``lit3d plan --json``: the chosen plan's numbers (a search's alternatives and drops beside them)."""
+        best = self.chosen
+        report = best.plan.to_dict() if best else {"layout": None}
+        if self.searched:
+            alternatives = [c.plan.to_dict() for c in self.candidates[1 : self.request.top]]
+            report.update(alternatives=alternatives, dropped=self.dropped)
+        report.update(model=self.config.name, cluster=asdict(self.request.cluster), fits=report.get("fits", False))
+        if self.islands:
+            report["islands"] = self.islands
+        if self.verified is not None:
+            report["verify"] = [
+                {"stage": c.stage, "rank": c.rank, "verified": c.verified, "analytic": c.analytic}
+                for c in self.verified
+            ]
+        return report
+
+    def rank_maps(self) -> list[RankMap]:
+        """The rank map of the layout, or of a search's best three."""
+        device = self.request.cluster.device
+        if not self.searched:
+            return [RankMap(c.layout, self.config.name, c.plan, device) for c in self.candidates]
+        return [
+            RankMap(c.layout, f"#{i} {self.config.name}", c.plan, device) for i, c in enumerate(self.candidates[:3], 1)
+        ]
+
+
+def plan(request: Request) -> Report:
+    """The plan of ``request``: its layout, or the layouts a search finds, with DiLoCo's comparison and ``verify``'s
+    counts for the chosen one. Refuses what no layout could run, naming the values."""
+    config, cluster, settings = GPTConfig.load(request.model), request.cluster, request.parallelism
+    check_inputs(config, cluster, request.training)
+    if settings.islands > 1 and cluster.gpus % settings.islands:
+        raise ValueError(f"islands={settings.islands} does not divide the {cluster.gpus} GPUs of the cluster")
+    check_sizes(top=request.top)
+    report = _one_layout(request, config) if request.fixes_layout else _search(request, config)
+    chosen = report.chosen
+    if chosen and chosen.layout.islands > 1:
+        report.islands = versus_synchronous(config, cluster, chosen)
+    if request.verify and chosen:  # (imports torch and the strategy)
+        report.verified = verify(config, chosen.layout, chosen.parallelism)
+    return report
+
+
+def _one_layout(request: Request, config: GPTConfig) -> Report:
+    """The layout of the fixed sizes, with the schedule (and micro-batches) that fit best unless fixed."""
+    cluster, training, settings = request.cluster, request.training, request.parallelism
+    tp, pp, cp = settings.tensor_parallel_size, settings.pipeline_parallel_size, settings.context_parallel_size
+    dp, ep, islands = request.fixed_value("data_parallel_size"), settings.expert_parallel_size, settings.islands
+    if dp is None and cluster.gpus % (tp * pp * cp):
+        raise ValueError(
+            f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} x context_parallel_size={cp} does not "
+            f"divide the {cluster.gpus} GPUs of the cluster; give data_parallel_size"
+        )
+    dp = dp or cluster.gpus // (tp * pp * cp)  # every island's replicas
+    check_islands(islands, dp, ep, cp)
+    if dp % ep:
+        raise ValueError(f"expert_parallel_size={ep} does not divide data_parallel_size={dp}")
+    layout = Layout(dp=dp // islands, tp=tp, pp=pp, devices_per_node=cluster.gpus_per_node, ep=ep, cp=cp,
+                    islands=islands)  # fmt: skip
+    training, settings = _micro_batches(request, dp), replace(settings, **sizes_of(layout))
+    schedule_fixed = "pipeline_schedule" in request.fixed
+    # NOTE: GPipe runs any micro-batch count on one chunk: the layout check leaves the schedules to `choose_schedule`.
+    checked = settings if schedule_fixed else replace(settings, pipeline_schedule="gpipe", virtual_pipeline_size=None)
+    problem = layout_problem(config, cluster, layout, training, checked)
+    if problem:
+        raise ValueError(problem)
+    chosen = None
+    if pp > 1 and not schedule_fixed:
+        schedules = candidates(None, request.fixed_value("virtual_pipeline_size"))
+        chosen = choose_schedule(config, cluster, layout, training, settings, schedules)
+    chosen = chosen or (training, settings, estimate(config, cluster, layout, training, settings))
+    return Report(request, config, [Candidate(layout, *chosen)])
+
+
+def _micro_batches(request: Request, dp: int) -> Training:
+    """``request.training``, its micro-batch size derived from a fixed ``num_microbatches`` over ``dp`` replicas (and
+    gradient accumulation's micro-steps), or checked against it when fixed too."""
+    training, m = request.training, request.parallelism.num_microbatches
+    if m is None:
+        return training
+    batch, steps = training.global_batch_size, m * training.accumulate_grad_batches
+    accumulating = f" x accumulate_grad_batches={training.accumulate_grad_batches}" if steps > m else ""
+    if batch % (dp * steps):
+        raise ValueError(f"global_batch_size={batch} is not divisible by data_parallel_size={dp} x num_microbatches="
+                         f"{m}{accumulating}")  # fmt: skip
+    derived = batch // (dp * steps)
+    if "micro_batch_size" in request.fixed and training.micro_batch_size != derived:
+        raise ValueError(
+            f"micro_batch_size={training.micro_batch_size} disagrees with global_batch_size={batch} / "
+            f"(data_parallel_size={dp} x num_microbatches={m}{accumulating}) = {derived}"
+        )
+    return replace(training, micro_batch_size=derived)
+
+
+def _search(request: Request, config: GPTConfig) -> Report:
+    """Every layout of the cluster that keeps what is fixed, those that fit best first."""
+    settings = request.parallelism
+    m = settings.num_microbatches
+    if m is not None:
+        raise ValueError(
+            f"num_microbatches={m} needs a fixed layout (tensor_parallel_size and pipeline_parallel_size); give "
+            "micro_batch_size for a search"
+        )
+    sizes = {name: request.fixed_value(name) for name in SIZES}
+    if sizes["data_parallel_size"]:
+        sizes["data_parallel_size"] //= settings.islands  # (of one island)
+    zero, checkpointing = request.fixed_value("zero_stage"), request.fixed_value("activation_checkpointing")
+    schedules = candidates(request.fixed_value("pipeline_schedule"), request.fixed_value("virtual_pipeline_size"))
+    fitting, dropped = search(
+        config,
+        request.cluster,
+        request.training,
+        settings,
+        **sizes,
+        zero_stages=ZERO_STAGES if zero is None else (zero,),
+        checkpointing=(False, True) if checkpointing is None else (checkpointing,),
+        pipeline_schedules=schedules,
+    )
+    return Report(request, config, fitting, dropped)
