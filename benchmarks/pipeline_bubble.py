@@ -178,7 +178,7 @@ def _worker(rank, p, port, microbatches, schedules, costs, steps, timeline_dir, 
             inputs, targets = torch.ones(m, 4), torch.zeros(m, 4)
             bubbles, step_times, peaks, events = [], [], [], []
             for step in range(steps + 1):
-                pipeline.loss(inputs, targets, lambda out, tgt: ((out - tgt) ** 2).mean())
+                pipeline.loss(None, inputs, targets, lambda out, tgt: ((out - tgt) ** 2).mean())
                 every = [None] * p
                 dist.all_gather_object(every, (pipeline.clock.busy(), pipeline.clock.step_seconds(),
                                                pipeline.clock.timeline()))  # fmt: skip

@@ -226,10 +226,8 @@ class WholeModelTable(LayerTable):
 
 def pipeline_group(strategy: Any) -> Any:
     """The process group of this rank's pipeline stages, or None without pipeline parallelism."""
-    mesh = getattr(strategy, "_device_mesh", None)
-    if mesh is None or "pp" not in (mesh.mesh_dim_names or ()) or mesh["pp"].size() == 1:
-        return None
-    return mesh["pp"].get_group()
+    meshes = getattr(strategy, "meshes", None)  # `lit3d.strategies.meshes.ParallelMeshes` (Parallel3DStrategy)
+    return meshes.group("pp") if meshes is not None else None
 
 
 def _counts(parameters: Any) -> tuple[int, int]:
@@ -282,12 +280,12 @@ class CommReport(Callback):
             return  # still inside the measured steps (gradient accumulation)
         mode, self._mode = self._mode, None
         mode.__exit__(None, None, None)
-        mesh = getattr(trainer.strategy, "_device_mesh", None)
-        experts = getattr(trainer.strategy, "_expert_mesh", None), getattr(trainer.strategy, "_ep_group", None)
-        replicas = getattr(trainer.strategy, "_replica_mesh", None)
-        if mesh is not None:
-            cp_group = getattr(trainer.strategy, "_cp_group", None)
-            local = mode.by_axis(mesh, *experts, replica_mesh=replicas, cp_group=cp_group)
+        meshes = getattr(trainer.strategy, "meshes", None)  # `ParallelMeshes` (Parallel3DStrategy)
+        mesh = getattr(trainer.strategy, "device_mesh", None) if meshes is None else None  # ModelParallelStrategy
+        if meshes is not None:
+            local = mode.by_axis(meshes)
+        elif mesh is not None:
+            local = mode.by_axis_of_mesh(mesh)
         else:
             local = {"dp": sum(mode.bytes_by_group.values())}
         islands = getattr(getattr(trainer.strategy, "layout", None), "islands", 1) > 1

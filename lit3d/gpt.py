@@ -15,6 +15,7 @@ from lit3d.generation import Sampling, next_token
 from lit3d.loop import ends_optimizer_step
 from lit3d.model import Transformer, cross_entropy
 from lit3d.pretrained import read_config, read_meta, read_tensors
+from lit3d.runner import Runner, WholeNetwork
 from lit3d.tp_plan import tensor_parallel_plan
 
 
@@ -74,6 +75,8 @@ class GPT(L.LightningModule):
         # The network is built by `configure_model`, on the device Lightning chooses, or empty (meta) when a
         # model-parallel strategy splits it first and then initialises each rank's shards.
         self.model: Transformer | None = None
+        # How this rank runs `model` (`lit3d.runner`): the whole network, until a strategy that splits it says else.
+        self.runner: Runner = WholeNetwork()
 
         self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
         self._loss_sum: torch.Tensor | float = 0.0
@@ -132,13 +135,13 @@ class GPT(L.LightningModule):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token ids ``[batch, seq]`` → logits ``[batch, seq, vocab_size]``: whole, on every rank, in any layout."""
         self._build_on(tokens.device)
-        logits = self.model(tokens)
+        logits = self.runner.forward(self.model, tokens)
         if hasattr(logits, "full_tensor"):  # vocabulary-sharded DTensor
             logits = logits.full_tensor()
         return logits[..., : self.config.vocab_size]
 
-    # The loss in three parts, so that a strategy can run it in pieces (a pipeline computes `loss_fn` on its last
-    # stage, micro-batch by micro-batch): `loss(batch)` is `loss_fn(model(inputs), targets)`.
+    # The loss in three parts, run through `self.runner` (`lit3d.runner`), so that a strategy can run it in pieces (a
+    # pipeline computes `loss_fn` on its last stage, micro-batch by micro-batch): `loss_fn(model(inputs), targets)`.
 
     @staticmethod
     def inputs_and_targets(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,15 +158,15 @@ class GPT(L.LightningModule):
         """Mean next-token cross-entropy of a batch of ``seq_len + 1`` blocks."""
         inputs, targets = self.inputs_and_targets(batch)
         self._build_on(inputs.device)
-        return self.loss_fn(self.model(inputs), targets)
+        return self.runner.loss(self.model, inputs, targets, self.loss_fn)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)
         self._loss_sum = self._loss_sum + loss.detach()
         self._loss_count += 1
         moe = self.model.moe_layers()  # a pipeline stage may hold none, but still joins the balance's reduce
-        if moe and getattr(self.trainer.strategy, "pipeline", None) is None:
-            # (A pipeline's MoE layers added their term in backward already: `lit3d.moe.balance_loss_weight`.)
+        if moe and not self.runner.adds_balance_loss:
+            # (A pipeline's MoE layers add their term in backward: `lit3d.moe.balance_loss_weight`.)
             loss = loss + self._balance_loss(moe)
         if ends_optimizer_step(self.trainer):
             self.log_train_loss(self._loss_sum / self._loss_count)
@@ -187,9 +190,8 @@ class GPT(L.LightningModule):
         layers), and move the sigmoid routers' biases. One reduce over all ranks: each rank contributes the layers
         it holds (a pipeline stage holds some), and each layer is divided by the ranks that hold it."""
         n_layer, n_expert = self.config.n_layer, self.config.n_expert
-        pipeline = getattr(self.trainer.strategy, "pipeline", None)
-        # The step's micro-batches (a pipeline's first step also runs a stage on placeholders to learn shapes).
-        forwards = micro_steps * (pipeline.microbatches if pipeline is not None else 1)
+        # The step's forwards (a pipeline's first step also runs a stage on placeholders to learn shapes).
+        forwards = micro_steps * self.runner.forwards_per_loss
         stats = torch.zeros(n_layer, 2 + n_expert, device=self.device)  # aux, held, tokens per expert
         for layer in layers:
             history, layer.history = layer.history[-forwards:], []

@@ -28,7 +28,6 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
-from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.checkpoint.api import CheckpointException  # NOTE: a BaseException, not an Exception
 from torch.distributed.tensor import DTensor
@@ -292,108 +291,96 @@ def _barrier() -> None:
         dist.barrier()
 
 
-class ShardedCheckpoints:
-    """The checkpoint hooks of `Parallel3DStrategy` (a mixin before Lightning's strategy class): every rank writes
-    and reads its own shards, under parameter names, with the functions above; with ``async_checkpoint`` the
-    writes go on in the background (`lit3d.strategies.async_checkpoint`)."""
+def remove(path: Path) -> None:
+    """Delete a checkpoint folder or file (Lightning's ``save_top_k`` dropping an old one)."""
+    shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
 
-    async_checkpoint: bool = False
-    _background: Any = None  # BackgroundSaves, from the first asynchronous save on
 
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        return self.with_master_weights(self.lightning_module.state_dict())  # DTensor shards, layout-free names
+def optimizer_state(optimizer: Any, module: nn.Module, local: Any = None) -> dict[str, Any]:
+    """The optimizer's state by parameter name; ``local``: its `LocalShardOptimizer`, if it steps on local shards."""
+    optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap a LightningOptimizer
+    names = parameter_names(module)
+    if local is None:
+        return optimizer_state_by_name(optimizer, names)
+    # Name each view after its parameter, and give its states their place in the global tensor.
+    names.update({id(e.view): names[id(e.param)] for e in local.entries})
+    return optimizer_state_by_name(optimizer, names, local.as_global)
 
-    @override
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap a LightningOptimizer
-        names = parameter_names(self.lightning_module)
-        local = self._local_optimizers.get(id(optimizer))
-        if local is None:
-            return optimizer_state_by_name(optimizer, names)
-        # Name each view after its parameter, and give its states their place in the global tensor.
-        names.update({id(e.view): names[id(e.param)] for e in local.entries})
-        return optimizer_state_by_name(optimizer, names, local.as_global)
 
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        if storage_options is not None:
-            raise TypeError(
-                f"{type(self).__name__} writes sharded checkpoints itself; storage_options is not supported"
-            )
-        path = Path(self.broadcast(str(filepath)))
+def with_islands(tensors: dict[str, Any], island: int, outer_loop: Any) -> dict[str, Any]:
+    """Under DiLoCo (an ``outer_loop``): each island's own weights and inner optimizer states (they differ between
+    outer steps), island ``i > 0``'s under ``island<i>.`` (island 0's keep the plain names, which every other reader
+    takes), and the outer loop's anchor, momentum and step count under ``outer.`` (the same in every island)."""
+    if outer_loop is None:
+        return tensors
+    return {**(tensors if island == 0 else {f"island{island}": tensors}), "outer": outer_loop.state_by_name()}
+
+
+class Checkpoints:
+    """This rank's part of the run's sharded checkpoints: every rank writes and reads its own shards, under parameter
+    names, with the functions above; with ``asynchronous`` the writes go on in the background
+    (`lit3d.strategies.async_checkpoint`), one in flight at most."""
+
+    def __init__(self, asynchronous: bool) -> None:
+        self.asynchronous = asynchronous
+        self._background: Any = None  # BackgroundSaves, from the first asynchronous save on
+
+    def save(
+        self, path: Path, checkpoint: dict[str, Any], islands: tuple[int, Any], is_global_zero: bool, options: Any
+    ) -> None:
+        """Write Lightning's ``checkpoint`` dict (its tensors as this rank's shards, the rest in `META_FILE`);
+        ``islands``: this rank's DiLoCo island and the outer loop (`with_islands`)."""
+        if options is not None:
+            raise TypeError("Parallel3DStrategy writes sharded checkpoints itself; storage_options is not supported")
         tensors = {
             "state_dict": checkpoint.pop("state_dict"),
             "optimizer_states": checkpoint.pop("optimizer_states", []),
         }
+        tensors = with_islands(tensors, *islands)
         checkpoint["rng"] = _collect_rng_states()  # rank 0's; every rank was seeded alike
-        tensors = self._with_islands(tensors)
-        if not self.async_checkpoint:
-            save(path, tensors, checkpoint, self.is_global_zero)
+        if not self.asynchronous:
+            save(path, tensors, checkpoint, is_global_zero)
             return
         if self._background is None:
             from lit3d.strategies.async_checkpoint import BackgroundSaves
 
             self._background = BackgroundSaves()
-        self._background.start(path, tensors, checkpoint, self.is_global_zero)
+        self._background.start(path, tensors, checkpoint, is_global_zero)
 
-    def _with_islands(self, tensors: dict[str, Any]) -> dict[str, Any]:
-        """Under DiLoCo: each island's own weights and inner optimizer states (they differ between outer steps),
-        island ``i > 0``'s under ``island<i>.`` (island 0's keep the plain names, which every other reader takes),
-        and the outer loop's anchor, momentum and step count under ``outer.`` (the same in every island)."""
-        loop = getattr(self, "outer_loop", None)
-        if loop is None:
-            return tensors
-        island = self.layout.island(self.global_rank)
-        return {**(tensors if island == 0 else {f"island{island}": tensors}), "outer": loop.state_by_name()}
-
-    def wait_for_checkpoint(self, agree: bool = True) -> None:
-        """Block until a save in flight is complete; raise if it failed (naming the folder)."""
-        if self._background is not None:
-            self._background.wait(agree)
-
-    @override
-    def on_train_end(self) -> None:
-        self.wait_for_checkpoint()  # the end of training waits for the last save (and reports its failure)
-        super().on_train_end()
-
-    @override
-    def teardown(self) -> None:
-        if self._background is not None and self._background.pending is not None:  # fit ended by an error
-            try:
-                self._background.wait(agree=False)
-            except RuntimeError as error:
-                rank_zero_warn(str(error))
-        super().teardown()
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        self.wait_for_checkpoint()
-        path = Path(self.broadcast(str(checkpoint_path)))
+    def load(
+        self,
+        path: Path,
+        state_dict: Callable[[], dict[str, Any]],
+        optimizers: list[Any],
+        optimizer_state: Callable[[Any], dict[str, Any]],
+        islands: tuple[int, Any],
+    ) -> dict[str, Any]:
+        """Fill the module's ``state_dict()`` (its shards, in place) and the ``optimizers``' states from the
+        checkpoint at ``path``; return everything else it holds, with the random states restored."""
+        self.wait()  # a save in flight first
         check_readable(path)
-        tensors: dict[str, Any] = {"state_dict": self.lightning_module_state_dict()}
-        if self.lightning_module.trainer.state.fn == TrainerFn.FITTING and self.optimizers:
-            for optimizer in self.optimizers:
+        tensors: dict[str, Any] = {"state_dict": state_dict()}
+        if optimizers:
+            for optimizer in optimizers:
                 init_optimizer_state(optimizer)
-            tensors["optimizer_states"] = [self.optimizer_state(opt) for opt in self.optimizers]
-        meta = load(path, self._with_islands(tensors))  # loaded in place; hyper-parameters come back as values
-        self.master_weights_loaded()
-        for optimizer, loaded in zip(self.optimizers, tensors.get("optimizer_states", [])):
+            tensors["optimizer_states"] = [optimizer_state(opt) for opt in optimizers]
+        meta = load(path, with_islands(tensors, *islands))  # in place; hyper-parameters come back as values
+        for optimizer, loaded in zip(optimizers, tensors.get("optimizer_states", [])):
             restore_param_groups(optimizer, loaded)
         if "rng" in meta:
             _set_rng_states(meta.pop("rng"))
         return meta
 
-    @override
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        pass  # `load_checkpoint` already filled the parameters in place
+    def wait(self, agree: bool = True) -> None:
+        """Block until a save in flight is complete; raise if it failed (naming the folder)."""
+        if self._background is not None:
+            self._background.wait(agree)
 
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        pass  # likewise
-
-    @override
-    def remove_checkpoint(self, filepath: Any) -> None:
-        if self.is_global_zero:
-            path = Path(filepath)
-            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+    def abandon(self) -> None:
+        """The fit ended by an error: wait for a save in flight without agreeing with the other ranks, and warn if it
+        failed."""
+        if self._background is not None and self._background.pending is not None:
+            try:
+                self._background.wait(agree=False)
+            except RuntimeError as error:
+                rank_zero_warn(str(error))

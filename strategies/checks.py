@@ -10,7 +10,7 @@ from typing import Any
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lit3d.parallel.context import check_context_parallel
-from lit3d.parallel.layout import Layout, check_model_fits_layout, check_model_fits_pipeline, pipeline_microbatches
+from lit3d.parallel.layout import Layout, check_model_fits_layout, check_model_fits_pipeline
 from lit3d.parallel.settings import Parallelism
 from lit3d.strategies.context_parallel import check_module_for_context_parallel
 from lit3d.strategies.pipeline import check_pipeline_protocol
@@ -38,6 +38,4 @@ def check_run(parallelism: Parallelism, layout: Layout, module: Any, trainer: An
         check_pipeline_protocol(module, layout.pp)
     batch = getattr(datamodule, "global_batch_size", None) if layout.pp > 1 else None
     accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
-    return pipeline_microbatches(
-        parallelism.num_microbatches, batch, layout.data_replicas, accumulate, layout.pp, chunks, schedule
-    )
+    return parallelism.microbatches(batch, layout.data_replicas, accumulate)

@@ -16,13 +16,16 @@ convention of the planner (`lit3d.planner.estimate`):
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils._python_dispatch import TorchDispatchMode
+
+if TYPE_CHECKING:
+    from lit3d.strategies.meshes import ParallelMeshes
 
 c10d, funcol = torch.ops.c10d, torch.ops._c10d_functional
 
@@ -103,29 +106,33 @@ class CommBytes(CommDebugMode):
             self.ranks_by_name[name] = ranks
         return out
 
-    def by_axis(
-        self,
-        mesh: DeviceMesh,
-        expert_mesh: DeviceMesh | None = None,
-        ep_group: Any = None,
-        replica_mesh: DeviceMesh | None = None,
-        cp_group: Any = None,
-    ) -> dict[str, float]:
-        """Bytes per mesh dimension; groups of no single dimension (the whole world, say) go to "other".
+    def by_axis(self, meshes: ParallelMeshes) -> dict[str, float]:
+        """Bytes per axis of a `ParallelMeshes`; groups of no single axis (the whole world, say) go to "other".
 
         Groups are matched by their ranks: FSDP and DTensor may reach the same ranks through another group object.
-        With expert parallelism, ``ep_group`` (the tokens' all-to-alls; matched by name, since its ranks may be the
-        DP group's) is axis "ep", and the expert mesh's ``edp`` groups (ranks holding the same experts) count as
-        "dp". With context parallelism, ``cp_group`` (the ring attention's hops; matched by name, since with
-        ``dp == 1`` its ranks are the weights' DP group's) is axis "cp", and the ``dp`` groups of ``replica_mesh``
-        (the ``dp × cp`` ranks that sync the weights) count as "dp".
+        The ``dp`` groups of the replica mesh (the ``dp × cp`` ranks that sync the weights) count as "dp". The ring
+        attention's group is "cp" and the tokens' all-to-alls' is "ep", matched by name (with ``dp == 1`` or
+        ``ep == dp`` their ranks are a DP group's); the expert mesh's ``edp`` groups (ranks holding the same experts)
+        count as "dp".
         """
-        ranks = {_ranks(mesh[dim]): dim for dim in mesh.mesh_dim_names if mesh[dim].size() > 1}
-        if replica_mesh is not None and replica_mesh["dp"].size() > 1:
-            ranks[_ranks(replica_mesh["dp"])] = "dp"
-        names = {group.group_name: axis for axis, group in (("ep", ep_group), ("cp", cp_group)) if group is not None}
-        if expert_mesh is not None and expert_mesh["edp"].size() > 1:
-            ranks[_ranks(expert_mesh["edp"])] = "dp"  # (with CP its ranks may be a CP dim's: the ring goes by name)
+        ranks = self._ranks_by_dim(meshes.world)
+        if meshes.replicas["dp"].size() > 1:
+            ranks[_ranks(meshes.replicas["dp"])] = "dp"
+        groups = (("ep", meshes.ep_group), ("cp", meshes.cp_group))
+        names = {group.group_name: axis for axis, group in groups if group is not None}
+        if meshes.experts is not None and meshes.experts["edp"].size() > 1:
+            ranks[_ranks(meshes.experts["edp"])] = "dp"  # (with CP its ranks may be a CP dim's: the ring goes by name)
+        return self._sum_by(ranks, names)
+
+    def by_axis_of_mesh(self, mesh: DeviceMesh) -> dict[str, float]:
+        """Bytes per dim of a device mesh (Lightning's `ModelParallelStrategy`'s)."""
+        return self._sum_by(self._ranks_by_dim(mesh), {})
+
+    @staticmethod
+    def _ranks_by_dim(mesh: DeviceMesh) -> dict[tuple[int, ...], str]:
+        return {_ranks(mesh[dim]): dim for dim in mesh.mesh_dim_names if mesh[dim].size() > 1}
+
+    def _sum_by(self, ranks: dict[tuple[int, ...], str], names: dict[str, str]) -> dict[str, float]:
         axes: dict[str, float] = defaultdict(float)
         for name, sent in self.bytes_by_name.items():
             axes[names.get(name) or ranks.get(self.ranks_by_name[name], "other")] += sent

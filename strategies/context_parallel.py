@@ -1,8 +1,8 @@
 """Context parallelism in the strategy: the checks, the ring on each attention layer, each rank's share of a batch.
 
 The algorithm (load-balanced chunks, ring attention) is `lit3d.ring_attention`. Here: a CP rank's module still
-receives whole sequences from the data (CP ranks of a replica are dealt the same batch), and its
-``inputs_and_targets`` keeps this rank's two chunks of inputs and targets; every attention layer gets the CP ring
+receives whole sequences from the data (CP ranks of a replica are dealt the same batch), and its runner
+(`lit3d.runner.ContextShare`) keeps this rank's two chunks of inputs and targets; every attention layer gets the CP ring
 (`apply_context_parallel`). Everything else is per token, and the weights are synced over the ``dp × cp``
 replicas. Each CP rank's loss is the mean over its tokens; every rank holds as many, so the mean of the ranks'
 losses (and of their gradients) is the mean over all tokens of the global batch.
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from lit3d.ring_attention import ContextParallel, shard_sequence
+from lit3d.ring_attention import ContextParallel
 
 
 def check_module_for_context_parallel(module: Any, cp: int, predicting: bool = False) -> None:
@@ -41,14 +41,3 @@ def apply_context_parallel(network: nn.Module, group: Any, size: int, rank: int)
     for module in network.modules():
         if hasattr(module, "context_parallel"):
             module.context_parallel = cp
-
-
-def route_context_parallel(module: Any, size: int, rank: int) -> None:
-    """``module.inputs_and_targets`` (lit3d's protocol) keeps this CP rank's tokens of the inputs and targets."""
-    whole = module.inputs_and_targets
-
-    def inputs_and_targets(batch: Any) -> tuple[Any, Any]:
-        inputs, targets = whole(batch)
-        return shard_sequence(inputs, size, rank), shard_sequence(targets, size, rank)
-
-    module.inputs_and_targets = inputs_and_targets

@@ -22,11 +22,16 @@ inner steps ``(f + 1)·H/F (mod H)``: the same bytes per ``H`` steps, ``1/F`` of
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch.distributed.tensor import DTensor
+
+if TYPE_CHECKING:
+    from lit3d.parallel.settings import Parallelism
+    from lit3d.strategies.meshes import ParallelMeshes
 
 from lit3d.parallel.outer import OUTER_REDUCE_DTYPE_NAMES
 
@@ -129,18 +134,25 @@ def _split(sizes: list[int], parts: int) -> list[list[int]]:
     return [*groups, current] if current else groups
 
 
-def build_outer_loop(strategy: Any, optimizers: list[torch.optim.Optimizer]) -> OuterLoop:
-    """The outer loop of ``strategy``'s run over what its (single) inner optimizer steps on this rank."""
+def build_outer_loop(
+    parallelism: Parallelism,
+    meshes: ParallelMeshes,
+    module: nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    local_optimizers: dict[int, Any],
+) -> OuterLoop:
+    """The outer loop over what the run's (single) inner optimizer steps on this rank (``local_optimizers``: the
+    ones that step on local shards, by id of the optimizer)."""
     from lit3d.strategies.checkpoint import parameter_names
 
     if len(optimizers) != 1:
         raise ValueError(
-            f"islands={strategy.islands}, sync_every={strategy.sync_every}: DiLoCo needs exactly one optimizer, "
+            f"islands={parallelism.islands}, sync_every={parallelism.sync_every}: DiLoCo needs exactly one optimizer, "
             f"the module configured {len(optimizers)}"
         )
     optimizer = optimizers[0]
-    names = parameter_names(strategy.lightning_module)
-    local = strategy._local_optimizers.get(id(optimizer))
+    names = parameter_names(module)
+    local = local_optimizers.get(id(optimizer))
     tensors, keys, globals_ = [], [], []
     if local is not None:  # ZeRO-1 slices or tensor-parallel shards: the optimizer's own views
         for entry in local.entries:
@@ -154,10 +166,10 @@ def build_outer_loop(strategy: Any, optimizers: list[torch.optim.Optimizer]) -> 
             tensors.append(lambda p=param: p.to_local() if isinstance(p, DTensor) else p)
             keys.append(names[id(param)])
             globals_.append(lambda state, p=param: _like(p, state))
-    group = strategy.device_mesh["island"].get_group() if strategy.layout.islands > 1 else None
+    p = parallelism
     return OuterLoop(
-        tensors, keys, globals_, group, strategy.layout.islands, strategy.sync_every, strategy.outer_lr,
-        strategy.outer_momentum, strategy.outer_fragments, strategy.outer_reduce_dtype,
+        tensors, keys, globals_, meshes.group("island"), meshes.layout.islands, p.sync_every, p.outer_lr,
+        p.outer_momentum, p.outer_fragments, p.outer_reduce_dtype,
     )  # fmt: skip
 
 

@@ -52,3 +52,9 @@ def memory_by_component(module: nn.Module, optimizers: Iterable[torch.optim.Opti
     }
     report["total"] = sum(report.values())
     return report
+
+
+def memory_line(memory: dict[str, int]) -> str:
+    """The rank-0 log line of the planner's bytes for rank 0's stage (``memory_by_stage``)."""
+    sizes = ", ".join(f"{key} {value / 2**20:.1f} MiB" for key, value in memory.items())
+    return f"lit3d plan estimate for rank 0: {sizes}"

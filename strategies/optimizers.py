@@ -1,93 +1,121 @@
-"""The optimizer hooks of `Parallel3DStrategy` (a mixin before Lightning's strategy class): steps on local shards,
-ZeRO-1's reduce-scatter and all-gather around them (under bf16-mixed on fp32 master weights), gradient clipping by
-the norm of the whole split model, and DiLoCo's outer step after the inner one (`lit3d.strategies.islands`)."""
+"""`OptimizerSteps`: how each optimizer of a split model steps (the strategy's ``optimizer_step`` and gradient
+clipping call it).
+
+An optimizer whose parameters are ZeRO-1 slices or tensor-parallel shards steps on its local shards
+(`lit3d.strategies.zero1.LocalShardOptimizer`): with ZeRO-1 the gradients are reduce-scattered before the step
+(under bf16-mixed onto fp32 master weights) and the updated slices all-gathered after it. Gradient clipping uses the
+norm over every shard and stage. DiLoCo's outer step follows the inner one (`lit3d.strategies.islands`).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
 import torch
-from lightning.pytorch import Trainer
-from typing_extensions import override
+import torch.nn as nn
 
 from lit3d.parallel.precision import keeps_master_weights
+from lit3d.parallel.settings import Parallelism
 from lit3d.strategies.grad_norm import clip_grad_norm_
-from lit3d.strategies.islands import build_outer_loop
+from lit3d.strategies.islands import OuterLoop, build_outer_loop
+from lit3d.strategies.meshes import ParallelMeshes
 from lit3d.strategies.precision import reduce_dtype
 from lit3d.strategies.zero1 import ELEMENTWISE_OPTIMIZERS, LocalShardOptimizer
 
 
-class LocalOptimizerSteps:
-    @override
-    def setup_optimizers(self, trainer: Trainer) -> None:
-        super().setup_optimizers(trainer)  # Lightning's drops the optimizers of an earlier setup first
-        # ZeRO-1 where the strategy applied data parallelism; a module that parallelises itself chose its own.
-        zero1 = self.zero_stage == 1 and self.layout.replicas > 1 and self._parallelized is not None
-        mesh, dtype = self.replica_mesh if zero1 else None, reduce_dtype(self.precision, self.mixed_precision_reduce)
-        masters = zero1 and keeps_master_weights(self.precision, self.zero_stage, self.layout.replicas)
-        earlier = {key: _local(value) for key, value in self._master_weights().items()}  # a second fit's setup
-        for local in self._local_optimizers.values():
-            local.remove_hooks()
-        self._local_optimizers = {
-            id(opt): LocalShardOptimizer(
-                opt, mesh, dtype, self.lightning_module, self._expert_mesh, torch.bfloat16 if masters else None, earlier
-            )
-            for opt in self.optimizers
-            if zero1 or (isinstance(opt, ELEMENTWISE_OPTIMIZERS) and _has_dtensor_params(opt))
-        }
-        diloco = self.layout.islands > 1 or self.sync_every > 1
-        self.outer_loop = build_outer_loop(self, self.optimizers) if diloco else None
+class OptimizerSteps:
+    """The optimizers of one fit, each with the way it steps.
 
-    @override
-    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        local = self._local_optimizers.get(id(optimizer))
+    Args:
+        parallelism: The run's settings.
+        meshes: The run's meshes and groups.
+        precision: Lightning's precision setting (``"bf16-mixed"``, ...).
+        zero1: Whether ZeRO-1 shards the optimizer states (the strategy applied data parallelism itself).
+    """
+
+    def __init__(self, parallelism: Parallelism, meshes: ParallelMeshes, precision: str, zero1: bool) -> None:
+        self.parallelism, self.meshes, self.precision, self.zero1 = parallelism, meshes, precision, zero1
+        self.local: dict[int, LocalShardOptimizer] = {}  # by id of the optimizer
+        self.outer_loop: OuterLoop | None = None
+
+    def build(self, optimizers: list[torch.optim.Optimizer], module: nn.Module, earlier: OptimizerSteps | None) -> None:
+        """Wrap each optimizer that steps on local shards; ``earlier``: the steps of a previous fit in these
+        processes, whose master weights carry over."""
+        masters = self.zero1 and keeps_master_weights(
+            self.precision, self.parallelism.zero_stage, self.meshes.layout.replicas
+        )
+        kept = {key: _local(value) for key, value in earlier.master_weights().items()} if earlier else {}
+        if earlier is not None:
+            earlier.remove_hooks()
+        mesh = self.meshes.replicas if self.zero1 else None
+        dtype = reduce_dtype(self.precision, self.parallelism.mixed_precision_reduce)
+        self.local = {
+            id(opt): LocalShardOptimizer(
+                opt, mesh, dtype, module, self.meshes.experts, torch.bfloat16 if masters else None, kept
+            )
+            for opt in optimizers
+            if self.zero1 or (isinstance(opt, ELEMENTWISE_OPTIMIZERS) and _has_dtensor_params(opt))
+        }
+        if self.parallelism.runs_outer_loop:
+            self.outer_loop = build_outer_loop(self.parallelism, self.meshes, module, optimizers, self.local)
+
+    def step(self, optimizer: Any, closure: Callable[[], Any], inner_step: Callable[[Callable[[], Any]], Any]) -> Any:
+        """``inner_step(closure)`` is Lightning's step (the precision plugin's: closure, clipping, the step); around
+        it, ZeRO-1's reduce-scatter after the closure and all-gather after the step, then DiLoCo's outer step."""
+        local = self.local.get(id(optimizer))
         if local is None:
-            result = super().optimizer_step(optimizer, closure, model, **kwargs)
+            result = inner_step(closure)
             if self.outer_loop is not None:
                 self.outer_loop.after_inner_step()
             return result
 
-        def closure_then_scatter() -> Any:  # Lightning's closure: forward, backward (gradient clipping follows)
-            with local.overlap() if local.zero1 and self.layout.pp == 1 else nullcontext():
+        def closure_then_scatter() -> Any:  # forward and backward; gradient clipping follows
+            overlapped = local.zero1 and self.meshes.layout.pp == 1
+            with local.overlap() if overlapped else nullcontext():
                 result = closure()
             local.scatter_grads()
             return result
 
-        result = super().optimizer_step(optimizer, closure_then_scatter, model, **kwargs)
+        result = inner_step(closure_then_scatter)
         if self.outer_loop is not None:  # NOTE: before the gather: only this rank's slices cross the island link
             self.outer_loop.after_inner_step()
         local.gather_params()
         return result
 
-    def with_master_weights(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """The module's ``state_dict`` with the fp32 master weights in place of bf16 parameters that have them
-        (ZeRO-1 under bf16-mixed), each a DTensor of this rank's slice: what checkpoints save and load."""
-        masters = self._master_weights()
-        if not masters:
-            return state_dict
-        parameters = self.lightning_module.named_parameters(remove_duplicate=False)  # a tied weight under each name
-        named = {name: masters[id(p)] for name, p in parameters if id(p) in masters}
-        return {key: named.get(key, value) for key, value in state_dict.items()}
-
-    def _master_weights(self) -> dict[int, torch.Tensor]:
-        return {
-            key: value for local in self._local_optimizers.values() for key, value in local.master_weights().items()
-        }
-
-    def master_weights_loaded(self) -> None:
-        """After a checkpoint filled the master weights (`with_master_weights`): the parameters from them."""
-        for local in self._local_optimizers.values():
-            if local.param_dtype is not None:
-                local.gather_params()
-
-    def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
-        pipeline_group = self.device_mesh["pp"].get_group() if self.layout.pp > 1 else None
-        local = self._local_optimizers.get(id(optimizer))
+    def clip_grad_norm(self, optimizer: Any, clip_val: float, parameters: Any) -> None:
+        """Clip by the norm over every shard and stage (Lightning's would take this process's parameters only)."""
+        pipeline_group = self.meshes.group("pp")
+        local = self.local.get(id(optimizer))
         if local is not None and local.zero1:  # the gradients are the DP averages of the optimizer's slices now
             local.clip_grad_norm_(clip_val, pipeline_group)
             return
-        clip_grad_norm_(self.lightning_module.parameters(), clip_val, pipeline_group)
+        clip_grad_norm_(parameters, clip_val, pipeline_group)
+
+    def master_weights(self) -> dict[int, torch.Tensor]:
+        """The fp32 master weights by id of their bf16 parameter (ZeRO-1 under bf16-mixed), each a DTensor slice."""
+        return {key: value for local in self.local.values() for key, value in local.master_weights().items()}
+
+    def with_master_weights(self, module: nn.Module, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """``state_dict`` with the fp32 master weights in place of the bf16 parameters that have them: what
+        checkpoints save and load."""
+        masters = self.master_weights()
+        if not masters:
+            return state_dict
+        parameters = module.named_parameters(remove_duplicate=False)  # a tied weight under each name
+        named = {name: masters[id(p)] for name, p in parameters if id(p) in masters}
+        return {key: named.get(key, value) for key, value in state_dict.items()}
+
+    def master_weights_loaded(self) -> None:
+        """After a checkpoint filled the master weights (`with_master_weights`): the parameters from them."""
+        for local in self.local.values():
+            if local.param_dtype is not None:
+                local.gather_params()
+
+    def remove_hooks(self) -> None:
+        for local in self.local.values():
+            local.remove_hooks()
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,38 +1,7 @@
-"""`Parallel3DStrategy`: data × tensor × pipeline parallelism with ZeRO, as a Lightning strategy.
-
-A Strategy owns *where* things run; the LightningModule owns *what* is computed. This one builds on Lightning's
-`ModelParallelStrategy` (devices, process group, collectives, teardown) and adds the ``(pp, dp, tp)`` mesh, the
-split of the network (`lit3d.strategies.parallelize`), ZeRO-1's sharded optimizer step, the pipeline schedule
-and layout-free sharded checkpoints.
-
-One ``lit3d fit`` passes through these hooks, in order:
-
-1. ``check_configuration``: the layout and the model, in the launching process, before any rank starts
-   (`lit3d.strategies.launchers`), and again in each rank;
-2. ``setup_environment``: the process group, one seed for all ranks, the device mesh, the rank map;
-3. ``tensor_init_context``: ``configure_model`` builds the network empty, on the meta device;
-4. ``setup`` → ``parallelize``: the network is split in the fixed order (pipeline stages → tensor parallel →
-   activation checkpointing → compile → data parallel / ZeRO), then given its weights, shard by shard, from
-   the seed and the parameter names; then ``setup_optimizers`` (ZeRO-1 and DTensor shards get
-   `LocalShardOptimizer`) and the planner's estimate of the run;
-
-and every optimizer step:
-
-5. ``training_step``: the module's step; with a pipeline, its ``loss`` runs the schedule (forward and backward
-   of every micro-batch) around the module's ``loss_fn``;
-6. ``block_backward_sync`` on the micro-steps before the last of an accumulation window (no gradient traffic);
-7. ``backward`` (under the vocabulary-parallel loss's handlers with TP; with a pipeline, the gradients the
-   schedule computed join the parameters') and ``post_backward`` (DTensor gradients in their parameters' layout);
-8. ``optimizer_step``: with ZeRO-1 the reduce-scatter of the gradients, gradient clipping by the norm over every
-   shard and stage, the step on local shards, and with ZeRO-1 the all-gather of the updated slices.
-
-A LightningModule is split by the strategy when it follows lit3d's protocol (like `lit3d.GPT`): a ``model``
-with ``blocks`` (a ModuleDict of decoder blocks) and a ``tensor_parallel_plan`` (module name pattern → role,
-see `lit3d.strategies.tensor_parallel`). For pipeline parallelism the module also says how its loss is made:
-``inputs_and_targets(batch)`` and ``loss_fn(outputs, targets)``, with its steps calling ``self.loss(batch)``
-(``loss_fn(model(inputs), targets)``); the strategy then runs that as the schedule. Any other module overrides
-``configure_model`` and parallelises itself with ``self.device_mesh``, as with ``ModelParallelStrategy``.
-"""
+"""`Parallel3DStrategy`: data × tensor × pipeline parallelism with ZeRO, as a Lightning strategy on
+`ModelParallelStrategy`, described by one value (`lit3d.parallel.Parallelism`). It owns its collaborators: ``meshes``,
+``optimizer_steps``, ``checkpoints``, ``pipeline`` and ``watchdog``; its hooks come in the order Lightning calls them.
+What a module provides to be split, and the order of the hooks: docs/architecture.md."""
 
 from __future__ import annotations
 
@@ -40,6 +9,7 @@ from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from dataclasses import fields
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -48,43 +18,37 @@ from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lit3d.parallel.layout import Layout, pipeline_microbatches, resolve_layout
-from lit3d.parallel.schedules import chunks_per_rank, describe_schedule
+from lit3d.model import loss_parallel_scope
+from lit3d.parallel.layout import Layout, resolve_layout
+from lit3d.parallel.schedules import describe_schedule
 from lit3d.parallel.settings import Parallelism, argument_docs
-from lit3d.strategies.checkpoint import ShardedCheckpoints
+from lit3d.planner.run import plan_of_run
+from lit3d.strategies import checkpoint as sharded
 from lit3d.strategies.checks import ConfigurationError, check_run
-from lit3d.strategies.context_parallel import route_context_parallel
-from lit3d.strategies.islands import OuterLoop
-from lit3d.strategies.launchers import (
-    CheckingLauncher,
-    ForkLauncher,
-    agree_on_seed,
-    exit_when_launcher_dies,
-)
-from lit3d.strategies.memory import memory_by_component
-from lit3d.strategies.optimizers import LocalOptimizerSteps
-from lit3d.strategies.parallelize import follows_plan, parallelize_network
+from lit3d.strategies.launchers import CheckingLauncher, ForkLauncher, agree_on_seed, exit_when_launcher_dies
+from lit3d.strategies.memory import memory_line
+from lit3d.strategies.meshes import ParallelMeshes
+from lit3d.strategies.optimizers import OptimizerSteps
+from lit3d.strategies.parallelize import follows_plan, not_splittable, split_module
 from lit3d.strategies.pipeline import Pipeline
-from lit3d.strategies.precision import describe, mixed_precision_policy, uses_ddp
+from lit3d.strategies.precision import clipping_split_model, describe
 from lit3d.strategies.preemption import StopOnSignal
-from lit3d.strategies.steps import StepHooks
-from lit3d.strategies.watchdog import WatchedSteps
-from lit3d.strategies.zero import check_replicas_in_sync
-from lit3d.strategies.zero1 import LocalShardOptimizer
+from lit3d.strategies.tensor_parallel import lay_out_grads_like_params
+from lit3d.strategies.watchdog import Watchdog, batch_kind, report_failure
+from lit3d.strategies.zero import check_replicas_in_sync, gradient_sync_off
 
 if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
-
     from lit3d.planner.estimate import Plan
 
 
-class Parallel3DStrategy(WatchedSteps, ShardedCheckpoints, StepHooks, LocalOptimizerSteps, ModelParallelStrategy):
+class Parallel3DStrategy(ModelParallelStrategy):
     __doc__ = f"""Data × tensor × pipeline (× context, × expert) parallelism with ZeRO; ``world = dp × cp × tp × pp``.
 
     Its arguments are the fields of `lit3d.parallel.Parallelism` (the one description of a run, which the planner
@@ -126,40 +90,50 @@ class Parallel3DStrategy(WatchedSteps, ShardedCheckpoints, StepHooks, LocalOptim
         for warning in self.parallelism.warnings():
             rank_zero_warn(warning)
         super().__init__(data_parallel_size, tensor_parallel_size, True, process_group_backend, timeout)
-        self.start_method = self.parallelism.resolved_start_method()
-        self._sizes = tuple(self.parallelism.sizes().values()) + (islands,)
-        self.islands, self.sync_every, self.outer_fragments = islands, sync_every, outer_fragments
-        self.outer_lr, self.outer_momentum, self.outer_reduce_dtype = outer_lr, outer_momentum, outer_reduce_dtype
-        self.outer_loop: OuterLoop | None = None  # DiLoCo's outer step, built with the optimizers
-        self.zero_stage = zero_stage
-        self.sequence_parallel = sequence_parallel and tensor_parallel_size > 1
-        self.pipeline_schedule = pipeline_schedule
-        self.virtual_pipeline_size = chunks_per_rank(pipeline_schedule, virtual_pipeline_size)
-        self.num_microbatches = pipeline_microbatches(  # until the batch is known
-            num_microbatches, global_batch_size=None, dp=1, accumulate=1, pp=pipeline_parallel_size,
-            virtual=self.virtual_pipeline_size, schedule=pipeline_schedule,
-        )  # fmt: skip
-        self.activation_checkpointing = activation_checkpointing
-        self.compile = compile
-        self.mixed_precision_reduce = mixed_precision_reduce
-        self.async_checkpoint = async_checkpoint
+        self.num_microbatches = self.parallelism.microbatches()  # until the batch is known (`check_configuration`)
         self._layout: Layout | None = None
-        self._replica_mesh: DeviceMesh | None = None  # (pp, dp, tp), its dp the dp x cp ranks with the same weights
-        self._cp_group: Any = None  # the ring attention's group, with context parallelism
-        self._expert_mesh: DeviceMesh | None = None  # (pp, edp, ep, tp), with expert parallelism
-        self._ep_group: Any = None  # the process group MoE layers dispatch their tokens over
-        self._local_optimizers: dict[int, LocalShardOptimizer] = {}
+        self.meshes: ParallelMeshes | None = None  # built in setup_environment
+        self.optimizer_steps: OptimizerSteps | None = None  # built with the optimizers
+        self.checkpoints = sharded.Checkpoints(asynchronous=async_checkpoint)
         self.pipeline: Pipeline | None = None  # this rank's stages and schedule, when pipeline_parallel_size > 1
+        self.watchdog: Watchdog | None = None  # a multi-rank run's, from setup_environment on
         self._parallelized: nn.Module | None = None  # the network this strategy split
         self.plan: Plan | None = None  # the planner's estimate of this run (a lit3d GPT only), set at fit start
         self.memory_estimate: dict[str, int] | None = None  # the planner's bytes for this rank's stage
-
-    # ------------------------------------------------------------------ where things run
 
     @classmethod
     def of(cls, parallelism: Parallelism) -> Parallel3DStrategy:
         """The strategy that runs ``parallelism``."""
         return cls(**{f.name: getattr(parallelism, f.name) for f in fields(parallelism)})
+
+    # ------------------------------------------------------------------ where things run
+
+    @property
+    def layout(self) -> Layout:
+        """Sizes and rank coordinates (checked against the number of launched ranks)."""
+        if self._layout is None:
+            sizes = self.parallelism.sizes()
+            world = self.num_nodes * self.num_processes
+            self._layout = resolve_layout(world, self.num_processes, **sizes, islands=self.parallelism.islands)
+        return self._layout
+
+    @property
+    @override
+    def precision_plugin(self) -> Precision:
+        return super().precision_plugin
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:  # lit3d's: clipping by the whole model's norm
+        self._precision_plugin = clipping_split_model(plugin, self._clip_grad_by_norm)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Data is split over DP replicas only: all TP, CP and PP ranks of a replica see the same batch (each CP
+        # rank keeps its share of every sequence: `lit3d.runner.ContextShare`).
+        return {"num_replicas": self.layout.data_replicas, "rank": self.layout.data_rank(self.global_rank)}
+
+    # ------------------------------------------------------------------ before the ranks talk
 
     def check_configuration(self, trainer: Trainer | None = None, datamodule: Any = None) -> None:
         """Refuse a bad layout or a model it cannot split, before any process group exists (the launcher calls
@@ -175,25 +149,12 @@ class Parallel3DStrategy(WatchedSteps, ShardedCheckpoints, StepHooks, LocalOptim
         except (ValueError, TypeError) as error:
             raise ConfigurationError(str(error)) from error
 
-    @property
-    def layout(self) -> Layout:
-        """Sizes and rank coordinates (checked against the number of launched ranks)."""
-        if self._layout is None:
-            self._layout = resolve_layout(self.num_nodes * self.num_processes, self.num_processes, *self._sizes)
-        return self._layout
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Data is split over DP replicas only: all TP, CP and PP ranks of a replica see the same batch (each CP
-        # rank keeps its share of every sequence: `route_context_parallel`).
-        return {"num_replicas": self.layout.data_replicas, "rank": self.layout.data_rank(self.global_rank)}
-
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = ForkLauncher(self) if self.start_method == "fork" else CheckingLauncher(self)
+            fork = self.parallelism.resolved_start_method() == "fork"
+            self._launcher = ForkLauncher(self) if fork else CheckingLauncher(self)
 
     @override
     def setup_environment(self) -> None:
@@ -202,31 +163,19 @@ class Parallel3DStrategy(WatchedSteps, ShardedCheckpoints, StepHooks, LocalOptim
         _set_num_threads_if_needed(self.num_processes)  # CPU ranks share the cores (torchrun sets 1)
         self._setup_distributed()  # Lightning's: device, seed, world ranks, process group
         agree_on_seed()
-        self.start_watchdog()  # a rank that stops making progress says where it is (`lit3d.strategies.watchdog`)
+        if self.world_size > 1:  # a rank that stops making progress says where it is
+            self.watchdog = Watchdog(self.global_rank, self._timeout.total_seconds())
+            self.watchdog.start()
         layout = self.layout
-        self._device_mesh = layout.build_mesh(self.root_device.type)
-        self._replica_mesh = layout.build_replica_mesh(self._device_mesh)
-        if layout.cp > 1:
-            # NOTE: the ring's own group, as for EP: the mesh's CP group may be the very group the weights sync over
-            # (dp == 1), and `CommReport` tells ring bytes from gradient bytes by group.
-            self._cp_group, _ = torch.distributed.new_subgroups_by_enumeration(layout.cp_groups())
-        if layout.ep > 1:
-            self._expert_mesh = layout.build_expert_mesh(self.root_device.type)
-            # NOTE: a group of its own for the tokens' all-to-alls, apart from the mesh's (which may be the very DP
-            # group when ep == dp), so `CommReport` tells expert-parallel bytes from data-parallel ones.
-            self._ep_group, _ = torch.distributed.new_subgroups_by_enumeration(layout.ep_groups())
+        self.meshes = ParallelMeshes.build(layout, self.root_device.type)
+        self._device_mesh = self.meshes.world
         self.lightning_module._device_mesh = self._device_mesh  # for modules that parallelise themselves
         rank_zero_info(layout.rank_map())
         if layout.pp > 1:
-            microbatches, chunks = self.num_microbatches, self.virtual_pipeline_size
-            rank_zero_info(describe_schedule(self.pipeline_schedule, layout.pp, microbatches, chunks))
-        crossing = layout.tp_groups_across_nodes()
-        if crossing:
-            rank_zero_warn(
-                f"tensor-parallel groups span nodes (e.g. ranks {crossing[0]}): tensor_parallel_size="
-                f"{layout.tp} does not divide the {layout.devices_per_node} devices per node, so TP traffic "
-                "leaves the fast intra-node link. This works but is slow."
-            )
+            p = self.parallelism
+            rank_zero_info(describe_schedule(p.pipeline_schedule, layout.pp, self.num_microbatches, p.chunks_per_rank))
+        if layout.tp_groups_across_nodes():
+            rank_zero_warn(layout.tp_across_nodes_warning())
 
     # ------------------------------------------------------------------ the model hand-off
 
@@ -247,23 +196,16 @@ class Parallel3DStrategy(WatchedSteps, ShardedCheckpoints, StepHooks, LocalOptim
         module = self.lightning_module
         if follows_plan(module):
             self.model = self.precision_plugin.convert_module(self.model)
-            self.parallelize(module)
+            self._split(module)
         elif is_overridden("configure_model", module):
             _materialize_distributed_module(self.model, self.root_device)
             self.model = self.precision_plugin.convert_module(self.model)
         else:
-            raise TypeError(
-                f"{type(self).__name__} parallelises modules that have `model.blocks` and a `tensor_parallel_plan` "
-                f"(like lit3d.GPT); {type(module).__name__} has neither, so override `configure_model` and "
-                "parallelise it there with `self.device_mesh`"
-            )
+            raise not_splittable(module)
         self.model_to_device()
         if self.layout.replicas > 1:  # before any step: replicas that are not kept in sync would silently drift
             chunks = tuple(self.pipeline.chunks) if self.pipeline is not None else ()
-            check_replicas_in_sync(module, self.replica_mesh["dp"], chunks)
-        # NOTE: Lightning's precision plugins clip by the norm over this process's parameters; a split model
-        # needs the norm reduced over every shard and stage.
-        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
+            check_replicas_in_sync(module, self.meshes.replicas["dp"], chunks)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             if not any(isinstance(callback, StopOnSignal) for callback in trainer.callbacks):
@@ -272,14 +214,17 @@ class Parallel3DStrategy(WatchedSteps, ShardedCheckpoints, StepHooks, LocalOptim
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
-            if self.layout.world_size > 1:
-                held = (self.precision, self.zero_stage, self._ddp, self.mixed_precision_reduce, self.layout.replicas)
-                rank_zero_info(describe(*held))
-            self.plan = self.planned()
-            if self.plan is not None:
-                self.memory_estimate = self.plan.memory_by_stage[self.layout.coordinate(self.global_rank).p]
-                sizes = ", ".join(f"{key} {value / 2**20:.1f} MiB" for key, value in self.memory_estimate.items())
-                rank_zero_info(f"lit3d plan estimate for rank 0: {sizes}")
+            self._log_fit_start()
+
+    def _split(self, module: LightningModule) -> None:
+        """Split ``module.model`` for this rank and give the module the runner of its part (`split_module`)."""
+        if self._parallelized is module.model:
+            return  # a later call in the same processes (fit, then validate or test): it is split already
+        self._parallelized = module.model
+        module.runner, self.pipeline = split_module(
+            module, self.parallelism, self.meshes, self.global_rank, self.num_microbatches, self.root_device,
+            self.precision_plugin.precision, grad_scaler=lambda: getattr(self.precision_plugin, "scaler", None),
+        )  # fmt: skip
 
     @override
     def model_to_device(self) -> None:
@@ -292,69 +237,164 @@ class Parallel3DStrategy(WatchedSteps, ShardedCheckpoints, StepHooks, LocalOptim
             if child is not self._parallelized:
                 child.to(self.root_device)
 
-    @property
-    def replica_mesh(self) -> DeviceMesh:
-        """``(pp, dp, tp)``: the mesh the weights are split and synced over; its ``dp`` is the ``dp x cp`` ranks
-        that hold the same weights (`device_mesh` itself without context parallelism)."""
-        assert self._replica_mesh is not None, "the mesh is built in setup_environment"
-        return self._replica_mesh
+    @override
+    def setup_optimizers(self, trainer: Trainer) -> None:
+        super().setup_optimizers(trainer)  # Lightning's drops the optimizers of an earlier setup first
+        # ZeRO-1 where the strategy applied data parallelism; a module that parallelises itself chose its own.
+        zero1 = self.parallelism.zero_stage == 1 and self.layout.replicas > 1 and self._parallelized is not None
+        earlier, self.optimizer_steps = (
+            self.optimizer_steps,
+            OptimizerSteps(self.parallelism, self.meshes, self.precision_plugin.precision, zero1),
+        )
+        self.optimizer_steps.build(self.optimizers, self.lightning_module, earlier)
 
-    @property
-    def precision(self) -> str:
-        """Lightning's precision setting of this run (``"32-true"``, ``"bf16-mixed"``, ...)."""
-        return str(getattr(self.precision_plugin, "precision", "32-true"))
+    def _log_fit_start(self) -> None:
+        """Rank 0 logs what each axis sends in which dtype, and the planner's estimate of this run (`plan_of_run`)."""
+        if self.layout.world_size > 1:
+            rank_zero_info(describe(self.parallelism, self.layout, self.precision_plugin.precision))
+        self.plan = plan_of_run(self)
+        if self.plan is not None:
+            self.memory_estimate = self.plan.memory_by_stage[self.layout.coordinate(self.global_rank).p]
+            rank_zero_info(memory_line(self.memory_estimate))
 
-    @property
-    def _ddp(self) -> bool:
-        """Whether ZeRO-0 is PyTorch's DDP here (see `lit3d.strategies.precision.uses_ddp`)."""
-        data_parallel_only = self.layout.tp == self.layout.pp == self.layout.ep == 1  # DDP takes no DTensor
-        return uses_ddp(self.zero_stage, data_parallel_only, self.precision, self.mixed_precision_reduce)
+    # ------------------------------------------------------------------ every batch
 
-    def parallelize(self, module: LightningModule) -> None:
-        """Split ``module.model`` over the mesh (see `parallelize_network`), then give it its weights."""
-        network, layout = module.model, self.layout
-        if self._parallelized is network:
-            return  # a later call in the same processes (fit, then validate or test): it is split already
-        if getattr(network, "_lit3d_split", False):
-            raise RuntimeError(
-                f"{type(module).__name__}.model was split by another Parallel3DStrategy; a new "
-                "strategy needs a new model (load the weights from a checkpoint)"
-            )
-        self._parallelized = network
-        network._lit3d_split = layout.world_size > 1  # 1x1x1 leaves it as it is
-        chunks, stage_ids = parallelize_network(
-            network, module.tensor_parallel_plan, layout, self.replica_mesh, self.global_rank,
-            zero_stage=self.zero_stage, sequence_parallel=self.sequence_parallel,
-            virtual_pipeline_size=self.virtual_pipeline_size, pipeline_schedule=self.pipeline_schedule,
-            activation_checkpointing=self.activation_checkpointing, compile=self.compile,
-            mp_policy=mixed_precision_policy(self.precision, self.mixed_precision_reduce),
-            ddp=self._ddp, expert_mesh=self._expert_mesh, ep_group=self._ep_group, cp_group=self._cp_group,
-        )  # fmt: skip
-        if layout.cp > 1:  # each rank's share of the batch's sequences
-            route_context_parallel(module, layout.cp, layout.cp_rank(self.global_rank))
-        if any(p.is_meta for p in network.parameters()):
-            for chunk in chunks:
-                chunk.to_empty(device=self.root_device)
-            network.tie_weights()
-            network.reset_parameters()
-        if layout.pp > 1:
-            self.pipeline = Pipeline(
-                chunks, stage_ids, layout.pp * self.virtual_pipeline_size, self.device_mesh["pp"],
-                self.pipeline_schedule, self.num_microbatches, self.root_device, loss_parallel=layout.tp > 1,
-                split_backward=not self.activation_checkpointing,
-            )  # fmt: skip
-            # NOTE: fp16's loss scale multiplies the loss inside the schedule, whose backward is the only one; the
-            # precision plugin unscales the gradients before the optimizer step as usual.
-            self.pipeline.route(module, grad_scaler=lambda: getattr(self.precision_plugin, "scaler", None))
+    @override
+    def batch_to_device(self, batch: Any, device: Any = None, dataloader_idx: int = 0) -> Any:
+        # NOTE: every loop (training, validation, test, prediction) moves each batch here first: one beat per batch.
+        stage = self.lightning_module.trainer.state.stage
+        self._beat(f"a {batch_kind(stage)} batch")
+        return super().batch_to_device(batch, device, dataloader_idx)
 
-    # ------------------------------------------------------------------ what the planner expects of this run
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        def step() -> Any:  # Lightning's: the module's training_step, whose loss runs the schedule
+            return super(Parallel3DStrategy, self).training_step(*args, **kwargs)
 
-    def planned(self) -> Plan | None:
-        """The planner's estimate of this run's memory and communication (a lit3d GPT only; see `plan_of_run`)."""
-        from lit3d.planner.run import plan_of_run
+        if self.pipeline is None:
+            return step()
+        return self.pipeline.clocked_step(self.lightning_module, self.parallelism, step)
 
-        return plan_of_run(self)
+    @override
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        if self.layout.world_size == 1:  # nothing to reduce: no collective on every logged value
+            return tensor
+        return super().reduce(tensor, group, reduce_op)
 
-    def memory_report(self) -> dict[str, int]:
-        """Bytes this rank holds in parameters, gradients and optimizer states (see `lit3d.strategies.memory`)."""
-        return memory_by_component(self.lightning_module, self.optimizers)
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """No gradient communication on the micro-steps of an accumulation window but the last."""
+        # NOTE: under pipeline parallelism the schedule itself syncs once per schedule, after its micro-batches.
+        modules = [] if self.pipeline is not None else list(self.lightning_module.modules())
+        with gradient_sync_off(modules, keep_gathered=self.parallelism.zero_stage == 2):
+            yield
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        module = self.lightning_module
+        if self.pipeline is not None:
+            # The schedule already ran backward, micro-batch by micro-batch, in the training step: its gradients
+            # join the parameters' now, where Lightning expects backward.
+            closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+            self.pipeline.accumulate_gradients()
+            return self.precision_plugin.post_backward(closure_loss, module)
+        # The vocabulary-parallel loss's backward needs DTensor's loss_parallel handlers too.
+        with loss_parallel_scope() if self.layout.tp > 1 else nullcontext():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        if self.layout.tp > 1:
+            lay_out_grads_like_params(self.lightning_module.parameters())
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        def inner_step(closure: Any) -> Any:  # Lightning's: the closure, gradient clipping, the step
+            return super(Parallel3DStrategy, self).optimizer_step(optimizer, closure, model, **kwargs)
+
+        if self.optimizer_steps is None:
+            return inner_step(closure)
+        return self.optimizer_steps.step(optimizer, closure, inner_step)
+
+    def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
+        self.optimizer_steps.clip_grad_norm(optimizer, clip_val, self.lightning_module.parameters())
+
+    # ------------------------------------------------------------------ checkpoints
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        state = self.lightning_module.state_dict()  # DTensor shards, layout-free names
+        if self.optimizer_steps is None:
+            return state
+        return self.optimizer_steps.with_master_weights(self.lightning_module, state)
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap a LightningOptimizer
+        local = self.optimizer_steps.local.get(id(optimizer)) if self.optimizer_steps is not None else None
+        return sharded.optimizer_state(optimizer, self.lightning_module, local)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        self._beat("a checkpoint save")
+        path = Path(self.broadcast(str(filepath)))  # rank 0's name
+        self.checkpoints.save(path, checkpoint, self._islands(), self.is_global_zero, storage_options)
+        self._beat("training after a checkpoint save")
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        optimizers = self.optimizers if self.lightning_module.trainer.state.fn == TrainerFn.FITTING else []
+        state_dict, optimizer_state = self.lightning_module_state_dict, self.optimizer_state
+        meta = self.checkpoints.load(path, state_dict, optimizers, optimizer_state, self._islands())
+        if self.optimizer_steps is not None:
+            self.optimizer_steps.master_weights_loaded()
+        return meta
+
+    def _islands(self) -> tuple[int, Any]:
+        """This rank's DiLoCo island and the outer loop (`lit3d.strategies.checkpoint.with_islands`)."""
+        outer_loop = self.optimizer_steps.outer_loop if self.optimizer_steps is not None else None
+        return self.layout.island(self.global_rank), outer_loop
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # `load_checkpoint` already filled the parameters in place
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pass  # likewise
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            sharded.remove(Path(filepath))
+
+    # ------------------------------------------------------------------ the end
+
+    @override
+    def on_train_end(self) -> None:
+        self.checkpoints.wait()  # the end of training waits for the last save (and reports its failure)
+        super().on_train_end()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        # NOTE: neither a preemption exit nor a configuration refused before any rank ran is a failed rank; the
+        # launching process has no trainer attached to the module yet, so the step is read where it may be absent.
+        if not isinstance(exception, SystemExit | KeyboardInterrupt | ConfigurationError):
+            trainer = getattr(self.lightning_module, "_trainer", None)
+            step = trainer.global_step if trainer is not None else 0
+            report_failure(self.global_rank, self.world_size, step, exception)
+        super().on_exception(exception)
+
+    @override
+    def teardown(self) -> None:
+        self.checkpoints.abandon()  # a save still in flight when the fit ended by an error
+        if self.watchdog is not None:
+            self.watchdog.stop()
+            self.watchdog = None
+        super().teardown()
+
+    def _beat(self, doing: str) -> None:
+        if self.watchdog is not None:
+            self.watchdog.beat(f"the start of {doing} (step {self.lightning_module.trainer.global_step})")

@@ -10,12 +10,20 @@ the DTensor shards over the ``dp`` mesh dimension and its units are the checkpoi
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lit3d.parallel.layout import Layout
 from lit3d.parallel.schedules import SCHEDULES
+from lit3d.parallel.settings import Parallelism
+from lit3d.runner import ContextShare, Runner, WholeNetwork
 from lit3d.strategies.context_parallel import apply_context_parallel
+from lit3d.strategies.meshes import ParallelMeshes
+from lit3d.strategies.pipeline import Pipeline
+from lit3d.strategies.precision import ddp_runs, mixed_precision_policy
 from lit3d.strategies.recompute import apply_activation_checkpointing
 from lit3d.strategies.stages import split_into_stages
 from lit3d.strategies.tensor_parallel import apply_tensor_parallel, check_plan, keep_sequence_shards
@@ -42,6 +50,68 @@ def apply_expert_parallel(network: nn.Module, ep_mesh: DeviceMesh, group: object
         moe.ep_group = group or ep_mesh.get_group()
 
 
+def apply_compile(blocks: list[nn.Module], compile: bool | str, checkpointed: bool) -> None:
+    """``torch.compile`` each block in place (``compile``: True for inductor, or a backend's name)."""
+    options = {} if compile is True else {"backend": compile}
+    for block in blocks:
+        # NOTE: a block with checkpoint hooks does not compile as a whole (recompute sees other metadata); its
+        # sub-modules do.
+        for part in block.children() if checkpointed else [block]:
+            part.compile(**options)
+
+
+def split_module(
+    module: nn.Module,
+    parallelism: Parallelism,
+    meshes: ParallelMeshes,
+    rank: int,
+    microbatches: int,
+    device: torch.device,
+    precision: str,
+    grad_scaler: Callable[[], Any],
+) -> tuple[Runner, Pipeline | None]:
+    """Split ``module.model`` for ``rank`` (`parallelize_network`), give it its weights (from the seed and the
+    parameter names, shard by shard), and return the runner of this rank's part (`lit3d.runner`) and the pipeline.
+    ``precision``: Lightning's setting; ``grad_scaler``: fp16's loss scaler, asked at each step."""
+    network, layout = module.model, meshes.layout
+    mp_policy = mixed_precision_policy(precision, parallelism.mixed_precision_reduce)
+    ddp = ddp_runs(parallelism, layout, precision)
+    if getattr(network, "_lit3d_split", False):
+        raise RuntimeError(
+            f"{type(module).__name__}.model was split by another Parallel3DStrategy; a new "
+            "strategy needs a new model (load the weights from a checkpoint)"
+        )
+    network._lit3d_split = layout.world_size > 1  # 1x1x1 leaves it as it is
+    plan = module.tensor_parallel_plan
+    chunks, stage_ids = parallelize_network(network, plan, parallelism, meshes, rank, mp_policy=mp_policy, ddp=ddp)
+    if any(p.is_meta for p in network.parameters()):
+        for chunk in chunks:
+            chunk.to_empty(device=device)
+        network.tie_weights()
+        network.reset_parameters()
+    runner: Runner = WholeNetwork()
+    pipeline = None
+    if layout.pp > 1:
+        runner = pipeline = Pipeline(
+            chunks, stage_ids, layout.pp * parallelism.chunks_per_rank, meshes.world["pp"],
+            parallelism.pipeline_schedule, microbatches, device, loss_parallel=layout.tp > 1,
+            split_backward=not parallelism.activation_checkpointing,
+            accumulate=lambda: module.trainer.accumulate_grad_batches, grad_scaler=grad_scaler,
+        )  # fmt: skip
+    if layout.cp > 1:  # each rank's share of the batch's sequences
+        runner = ContextShare(runner, layout.cp, layout.cp_rank(rank))
+    return runner, pipeline
+
+
+def not_splittable(module: nn.Module) -> TypeError:
+    """The error for a module that neither follows lit3d's protocol nor parallelises itself."""
+    return TypeError(
+        f"Parallel3DStrategy parallelises modules that have `model.blocks` and a `tensor_parallel_plan` (like "
+        f"lit3d.GPT); {type(module).__name__} has neither, so override `configure_model` and parallelise it there "
+        "with `self.device_mesh`"
+    )
+
+
 def follows_plan(module: nn.Module) -> bool:
     """Whether the strategy can split ``module`` itself: a ``model`` with ``blocks`` and a ``tensor_parallel_plan``."""
     network = getattr(module, "model", None)
@@ -51,37 +121,29 @@ def follows_plan(module: nn.Module) -> bool:
 def parallelize_network(
     network: nn.Module,
     plan: dict[str, str],
-    layout: Layout,
-    mesh: DeviceMesh,
+    parallelism: Parallelism,
+    meshes: ParallelMeshes,
     rank: int,
     *,
-    zero_stage: int,
-    sequence_parallel: bool = False,
-    virtual_pipeline_size: int = 1,
-    pipeline_schedule: str = "1f1b",
-    activation_checkpointing: bool | str = False,
-    compile: bool | str = False,
     mp_policy: object | None = None,
     ddp: bool | None = None,
-    expert_mesh: DeviceMesh | None = None,
-    ep_group: object | None = None,
-    cp_group: object | None = None,
 ) -> tuple[list[nn.Module], list[int]]:
     """Split ``network`` for ``rank`` in place, in the fixed order, without giving it weights (it may stay on
     the meta device, as `lit3d plan --verify` keeps it).
 
     Returns this rank's pipeline chunks (views of ``network``; ``[network]`` without pipeline parallelism) and
-    their stage indices. ``mesh``: the ``(pp, dp, tp)`` mesh the weights are split over (its ``dp``: the ``dp × cp``
-    replicas); ``mp_policy``: FSDP2's mixed precision (`lit3d.strategies.precision`); ``ddp``: whether ZeRO-0
-    may be PyTorch's DDP (default: when the network is data parallel only); ``cp_group``: the ring of this rank's
-    context-parallel layers (with ``layout.cp > 1``).
+    their stage indices. ``mp_policy``: FSDP2's mixed precision (`lit3d.strategies.precision`); ``ddp``: whether
+    ZeRO-0 may be PyTorch's DDP (default: when the network is data parallel only).
     """
+    layout, mesh, expert_mesh = meshes.layout, meshes.replicas, meshes.experts
+    sequence_parallel, activation_checkpointing = parallelism.splits_sequence, parallelism.activation_checkpointing
+    compile, zero_stage = parallelism.compile, parallelism.zero_stage
     check_plan(network, plan)
     chunks, stage_ids = [network], [0]
     if layout.pp > 1:
-        placement = SCHEDULES[pipeline_schedule].placement  # which chunks a rank holds: a loop, or a V
+        placement = SCHEDULES[parallelism.pipeline_schedule].placement  # which chunks a rank holds: a loop, or a V
         p = layout.coordinate(rank).p
-        chunks, stage_ids = split_into_stages(network, p, layout.pp, virtual_pipeline_size, placement)
+        chunks, stage_ids = split_into_stages(network, p, layout.pp, parallelism.chunks_per_rank, placement)
     if layout.tp > 1:
         apply_tensor_parallel(network, plan, mesh["tp"], sequence_parallel)
         if sequence_parallel and not activation_checkpointing and not compile:  # (recompute keeps less anyway)
@@ -89,19 +151,14 @@ def parallelize_network(
         if hasattr(network, "tie_weights"):
             network.tie_weights()  # TP distributed the shared tensor once per module
     if expert_mesh is not None:
-        apply_expert_parallel(network, expert_mesh["ep"], ep_group)
+        apply_expert_parallel(network, expert_mesh["ep"], meshes.ep_group)
     if layout.cp > 1:
-        apply_context_parallel(network, cp_group, layout.cp, layout.cp_rank(rank))
+        apply_context_parallel(network, meshes.cp_group, layout.cp, layout.cp_rank(rank))
     blocks = list(network.blocks.values())
     if activation_checkpointing:
         apply_activation_checkpointing(blocks, activation_checkpointing)
     if compile:
-        options = {} if compile is True else {"backend": compile}
-        for block in blocks:
-            # NOTE: a block with checkpoint hooks does not compile as a whole (recompute sees other metadata);
-            # its sub-modules do.
-            for part in block.children() if activation_checkpointing else [block]:
-                part.compile(**options)
+        apply_compile(blocks, compile, checkpointed=bool(activation_checkpointing))
     if layout.replicas > 1:  # dp x cp ranks hold the same weights
         for chunk in chunks:  # each pipeline chunk is a data-parallel root of its own
             apply_data_parallel(

@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lit3d.model import loss_parallel_scope
 from lit3d.moe import balance_loss_weight
-from lit3d.parallel.schedules import SCHEDULES
+from lit3d.parallel.schedules import SCHEDULES, Costs, bubble_theory
 from lit3d.parallel.stages import stage_rank
 
 # What a module split by the strategy provides so that its loss can run as a schedule: `loss(batch)` is
@@ -53,7 +53,14 @@ class Pipeline:
         loss_parallel: Whether the last stage's logits are vocabulary-parallel DTensors.
         split_backward: Whether the zero-bubble schedules run the weight gradient apart from the input gradient
             (``False`` under activation checkpointing: see `_stages`).
+        accumulate: Lightning's micro-steps per optimizer step, asked at each step (the loss is divided by them).
+        grad_scaler: fp16's loss scaler, asked at each step (its scale multiplies the loss inside the schedule, whose
+            backward is the only one; the precision plugin unscales the gradients before the optimizer step).
+
+    It is a module's runner (`lit3d.runner`): the module's ``loss`` and ``forward`` call `loss` and `forward`.
     """
+
+    adds_balance_loss = True  # the MoE layers of every stage add their term in backward (`balance_loss_weight`)
 
     def __init__(
         self,
@@ -66,12 +73,15 @@ class Pipeline:
         device: torch.device,
         loss_parallel: bool,
         split_backward: bool = True,
+        accumulate: Callable[[], int] = lambda: 1,
+        grad_scaler: Callable[[], Any] = lambda: None,
     ) -> None:
         self.chunks, self.stage_ids, self.num_stages = chunks, stage_ids, num_stages
         self.split_backward = split_backward
         self.pp_mesh, self.group = pp_mesh, pp_mesh.get_group()
         self.schedule_name, self.microbatches, self.device = schedule, microbatches, device
         self.loss_parallel = loss_parallel
+        self.accumulate, self.grad_scaler = accumulate, grad_scaler
         self.holds_first, self.holds_last = 0 in stage_ids, num_stages - 1 in stage_ids
         last = stage_rank(num_stages - 1, pp_mesh.size(), SCHEDULES[schedule].placement)  # rank 0 under a V
         self.last_rank = dist.get_global_rank(self.group, last)
@@ -91,14 +101,10 @@ class Pipeline:
         # slot (a `dw_builder` whose weight step is empty): the same order and gradients, the weight gradients no
         # longer filling the bubbles (`lit3d.parallel.schedules.Costs.of`).
         whole = None if self.split_backward else (lambda: _nothing)
-        stages = [
-            _stage_class()(chunk, s, self.num_stages, self.device, group=self.group, dw_builder=whole)
+        return [
+            _stage_class()(chunk, s, self.num_stages, self.device, group=self.group, dw_builder=whole, clock=clock)
             for chunk, s in zip(self.chunks, self.stage_ids)
         ]
-        if clock is not None:
-            for stage in stages:
-                clock.time(stage)
-        return stages
 
     @staticmethod
     def _schedule(stages: list[Any], name: str, microbatches: int, loss_fn: Callable | None) -> Any:
@@ -120,20 +126,21 @@ class Pipeline:
         loss = loss * self._scale
         return self._grad_scaler.scale(loss) if self._grad_scaler is not None else loss
 
+    @property
+    def forwards_per_loss(self) -> int:
+        return self.microbatches
+
     def loss(
-        self,
-        inputs: torch.Tensor,
-        targets: torch.Tensor,
-        loss_fn: Callable,
-        accumulate: int = 1,
-        grad_scaler: Any = None,
+        self, network: nn.Module | None, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable
     ) -> torch.Tensor:
-        """Forward (and, with gradients enabled, backward) of one batch through the whole pipeline.
+        """Forward (and, with gradients enabled, backward) of one batch through the whole pipeline (``network``:
+        the module's, of which this rank runs its chunks).
 
         Returns the mean loss over the micro-batches on every rank of the pipeline. Gradients accumulate as if
         ``loss / accumulate`` had been back-propagated through the unsplit model, multiplied by the loss scale of
         ``grad_scaler`` (fp16's `torch.amp.GradScaler`, which unscales them before the optimizer step) if given.
         """
+        accumulate, grad_scaler = self.accumulate(), self.grad_scaler()
         if inputs.shape[0] % self.microbatches:
             raise ValueError(
                 f"a batch of {inputs.shape[0]} sequences cannot be split into num_microbatches="
@@ -159,21 +166,24 @@ class Pipeline:
         dist.broadcast(mean, src=self.last_rank, group=self.group)
         return mean
 
-    def route(self, module: Any, grad_scaler: Callable[[], Any]) -> None:
-        """Run ``module``'s calls of its network through this pipeline (see `PIPELINE_PROTOCOL`).
+    def clocked_step(self, module: Any, parallelism: Any, step: Callable[[], Any]) -> Any:
+        """Lightning's training step (``step``), with the stage clock on for the steps Lightning logs or a timeline
+        draws, and on the former each stage's busy time and the measured bubble logged next to the theory.
 
-        NOTE: no rank holds the whole network. Its forward becomes the last stage's whole output on every rank
-        (sampling, prediction), and the module's ``loss(batch)`` runs forward and backward of every micro-batch
-        with its ``loss_fn`` on the last stage. The chunks were made before this and keep the network's own forward.
-        """
-        module.model.forward = self.forward
+        NOTE: only on those steps: the clock's metrics cost a collective and a host sync."""
+        from lit3d.strategies.timeline import PipelineTimeline
 
-        def loss(batch: Any) -> torch.Tensor:
-            inputs, targets = module.inputs_and_targets(batch)
-            accumulate = module.trainer.accumulate_grad_batches
-            return self.loss(inputs, targets, module.loss_fn, accumulate, grad_scaler())
-
-        module.loss = loss
+        trainer = module.trainer
+        logs = trainer._logger_connector.should_update_logs
+        timelines = [cb for cb in trainer.callbacks if isinstance(cb, PipelineTimeline)]
+        self.clock.enabled = logs or any(cb.wants(trainer) for cb in timelines)
+        output = step()
+        if logs:
+            costs = Costs.of(parallelism.activation_checkpointing)
+            theory = bubble_theory(self.schedule_name, self.pp_mesh.size(), self.microbatches, len(self.chunks), costs)
+            for name, value in {**self.activity(), "pp/bubble_theory": theory}.items():
+                module.log(name, value, on_step=True, rank_zero_only=True, batch_size=1)
+        return output
 
     def activity(self) -> dict[str, float]:
         """The last step as every rank of the pipeline saw it: each stage's busy seconds, the step's seconds, and
@@ -216,7 +226,7 @@ class Pipeline:
         self._pending = []
 
     @torch.no_grad()
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+    def forward(self, network: nn.Module | None, inputs: torch.Tensor) -> torch.Tensor:
         """The last stage's whole output (e.g. logits ``[batch, seq, vocab]``) on every rank: for sampling and
         prediction, one micro-batch, forward only.
 
@@ -249,13 +259,32 @@ def _nothing() -> None:
 
 @cache
 def _stage_class() -> type:
-    """PyTorch's `PipelineStage`, mended for forward-only runs (imported late: the module takes seconds to import)."""
+    """PyTorch's `PipelineStage`, timed by a `StageClock` and mended for forward-only runs (imported late: the module
+    takes seconds to import)."""
     from torch.distributed.pipelining import PipelineStage
 
     class Stage(PipelineStage):
         """NOTE: the V-shaped schedules hold two adjacent stages on one rank and hand a backward's input gradient
         from one to the other directly; PyTorch 2.13 does so in ``eval()`` too (validation, sampling), where there is
         no backward, and fails. Nothing is handed over then."""
+
+        def __init__(self, *args: Any, clock: StageClock | None = None, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.clock = clock  # times each call when given (`StageClock`)
+
+        def forward_one_chunk(self, chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+            return self._timed("F", chunk_id, super().forward_one_chunk, *args, **kwargs)
+
+        def backward_one_chunk(self, chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+            return self._timed("B", chunk_id, super().backward_one_chunk, *args, **kwargs)
+
+        def backward_weight_one_chunk(self, chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+            return self._timed("W", chunk_id, super().backward_weight_one_chunk, *args, **kwargs)
+
+        def _timed(self, kind: str, chunk_id: int, run: Callable, *args: Any, **kwargs: Any) -> Any:
+            if self.clock is None:
+                return run(chunk_id, *args, **kwargs)
+            return self.clock.timed(self.stage_index, kind, chunk_id, run, *args, **kwargs)
 
         def get_local_bwd_output(self, mb_index: int) -> tuple:
             return super().get_local_bwd_output(mb_index) if self.has_backward else ()
@@ -298,20 +327,15 @@ class StageClock:
     def _seconds(self, a: Any, b: Any) -> float:
         return a.elapsed_time(b) / 1000 if self.cuda else b - a
 
-    def time(self, stage: Any) -> None:
-        for kind, name in (("F", "forward_one_chunk"), ("B", "backward_one_chunk"), ("W", "backward_weight_one_chunk")):
-            method = getattr(stage, name)
-
-            def timed(chunk_id: int, *args: Any, _method=method, _kind=kind, **kwargs: Any) -> Any:
-                if not self.enabled:
-                    return _method(chunk_id, *args, **kwargs)
-                start = self._mark()
-                try:
-                    return _method(chunk_id, *args, **kwargs)
-                finally:
-                    self._marks.append((stage.stage_index, _kind, chunk_id, start, self._mark()))
-
-            setattr(stage, name, timed)
+    def timed(self, stage: int, kind: str, chunk_id: int, run: Callable, *args: Any, **kwargs: Any) -> Any:
+        """``run(chunk_id, ...)``, recorded as ``(stage, kind, chunk_id, start, end)`` when enabled."""
+        if not self.enabled:
+            return run(chunk_id, *args, **kwargs)
+        start = self._mark()
+        try:
+            return run(chunk_id, *args, **kwargs)
+        finally:
+            self._marks.append((stage, kind, chunk_id, start, self._mark()))
 
     def start_step(self) -> None:
         self._marks, self._start = [], self._mark() if self.enabled else None

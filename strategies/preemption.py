@@ -107,9 +107,9 @@ class StopOnSignal(Callback):
         if trainer.is_global_zero:
             log.warning(f"{name}: every rank stops after step {trainer.global_step}; saving {str(path)!r}")
         trainer.save_checkpoint(path)
-        wait = getattr(trainer.strategy, "wait_for_checkpoint", None)
-        if wait is not None:
-            wait()
+        checkpoints = getattr(trainer.strategy, "checkpoints", None)  # Parallel3DStrategy's, maybe in the background
+        if checkpoints is not None:
+            checkpoints.wait()
         if trainer.is_global_zero:
             _link_as_last(trainer, path)
             _requeue_under_slurm(trainer)

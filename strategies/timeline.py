@@ -93,8 +93,8 @@ class PipelineTimeline(Callback):
             plot_timeline(
                 events,
                 path,
-                f"{trainer.strategy.pipeline_schedule}: step {trainer.global_step}",
+                f"{trainer.strategy.parallelism.pipeline_schedule}: step {trainer.global_step}",
                 pipeline_ranks=pipeline.pp_mesh.size(),
-                placement=SCHEDULES[trainer.strategy.pipeline_schedule].placement,
+                placement=SCHEDULES[trainer.strategy.parallelism.pipeline_schedule].placement,
             )
             print(f"pipeline timeline: {path}")

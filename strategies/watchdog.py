@@ -28,10 +28,6 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from typing_extensions import override
-
-from lit3d.strategies.checks import ConfigurationError
-
 log = logging.getLogger(__name__)
 TORCH = str(Path(__import__("torch").__file__).parent)
 DISTRIBUTED = str(Path(TORCH) / "distributed")
@@ -70,6 +66,16 @@ def describe_failure(rank: int, world: int, step: int, exception: BaseException)
         f"rank {rank} of {world} failed in step {step}{', ' + place if place else ''}: "
         f"{type(exception).__name__}: {first_line}"
     )
+
+
+def report_failure(rank: int, world: int, step: int, exception: BaseException) -> None:
+    """Log `describe_failure`'s line (the strategy's ``on_exception``)."""
+    log.error(describe_failure(rank, world, step, exception))
+
+
+def batch_kind(stage: Any) -> str:
+    """``"training"``, ``"validation"``, ... of a Lightning ``RunningStage``, for the beat at each batch."""
+    return BATCHES.get(stage.value, stage.value) if stage else ""
 
 
 class Watchdog:
@@ -117,51 +123,3 @@ class Watchdog:
             report = self.stall_report()
             if report is not None:
                 log.error(report)
-
-
-class WatchedSteps:
-    """`Parallel3DStrategy`'s part (a mixin before Lightning's strategy class): a `Watchdog` per rank of a
-    multi-rank run, beaten at every batch and save, and the failed rank named when an exception ends the run."""
-
-    _watchdog: Watchdog | None = None
-
-    def start_watchdog(self) -> None:
-        """After the process group exists: only ranks that have peers can wait for one."""
-        if self.world_size > 1 and self._watchdog is None:
-            self._watchdog = Watchdog(self.global_rank, self._timeout.total_seconds())
-            self._watchdog.start()
-
-    def _beat(self, doing: str) -> None:
-        if self._watchdog is not None:
-            self._watchdog.beat(f"the start of {doing} (step {self.lightning_module.trainer.global_step})")
-
-    @override
-    def batch_to_device(self, batch: Any, device: Any = None, dataloader_idx: int = 0) -> Any:
-        # NOTE: every loop (training, validation, test, prediction) moves each batch here first: one beat per batch.
-        if self._watchdog is not None:
-            stage = self.lightning_module.trainer.state.stage
-            self._beat(f"a {BATCHES.get(stage.value, stage.value) if stage else ''} batch")
-        return super().batch_to_device(batch, device, dataloader_idx)
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        self._beat("a checkpoint save")
-        super().save_checkpoint(checkpoint, filepath, storage_options)
-        self._beat("training after a checkpoint save")
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        # NOTE: neither a preemption exit nor a configuration refused before any rank ran is a failed rank; the
-        # launching process has no trainer attached to the module yet, so the step is read where it may be absent.
-        if not isinstance(exception, SystemExit | KeyboardInterrupt | ConfigurationError):
-            trainer = getattr(self.lightning_module, "_trainer", None)
-            step = trainer.global_step if trainer is not None else 0
-            log.error(describe_failure(self.global_rank, self.world_size, step, exception))
-        super().on_exception(exception)
-
-    @override
-    def teardown(self) -> None:
-        if self._watchdog is not None:
-            self._watchdog.stop()
-            self._watchdog = None
-        super().teardown()

@@ -30,7 +30,6 @@ import torch.multiprocessing as mp
 from helpers import logged
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
-from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader
 
@@ -38,6 +37,8 @@ from lit3d import GPT, GPTConfig
 from lit3d.callbacks import CommReport
 from lit3d.data import TextDataModule
 from lit3d.strategies import Parallel3DStrategy
+from lit3d.strategies.memory import memory_by_component
+from lit3d.strategies.precision import SplitModelMixedPrecision
 
 # NOTE: ranks are forked from a server process that has imported torch, Lightning and lit3d once for the session
 # (and has started no thread), instead of each spawned rank importing them again: about 5 s of one core per rank.
@@ -207,12 +208,12 @@ class Probe(Callback):
             self._mode = None
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        if trainer.global_step == trainer.max_steps - 1 and hasattr(trainer.strategy, "memory_report"):
-            self.memory = trainer.strategy.memory_report()
+        if trainer.global_step == trainer.max_steps - 1 and hasattr(trainer.strategy, "memory_estimate"):
+            self.memory = memory_by_component(trainer.lightning_module, trainer.strategy.optimizers)
             self.memory["estimate"] = trainer.strategy.memory_estimate
 
 
-class LossScaledFP32(MixedPrecision):
+class LossScaledFP32(SplitModelMixedPrecision):
     """fp16's loss scaling (a GradScaler whose scale stays ``scale``) around fp32 compute: exact powers of two, so
     the run must train exactly like an unscaled one."""
 

@@ -17,7 +17,9 @@ from torch.utils._pytree import tree_leaves
 from lit3d import GPTConfig
 from lit3d.model import Transformer, cross_entropy, rotary_tables
 from lit3d.parallel.layout import Layout
+from lit3d.parallel.settings import Parallelism
 from lit3d.planner.estimate import activation_bytes_per_token, autocast_weight_bytes, output_layer_bytes
+from lit3d.strategies.meshes import ParallelMeshes
 from lit3d.strategies.parallelize import parallelize_network
 from lit3d.tp_plan import TENSOR_PARALLEL_PLAN
 
@@ -87,10 +89,15 @@ def planned_block_bytes(tp: int, sequence_parallel: bool, checkpointing, precisi
 def build(tp_mesh, sequence_parallel: bool, checkpointing, precision: str) -> Transformer:
     net = Transformer(CONFIG)
     tp = 1 if tp_mesh is None else 2
-    mesh = {} if tp_mesh is None else {"tp": tp_mesh}
-    parallelize_network(net, TENSOR_PARALLEL_PLAN, Layout(dp=1, tp=tp, pp=1, devices_per_node=tp), mesh, 0,
-                        zero_stage=0, sequence_parallel=sequence_parallel,
-                        activation_checkpointing=checkpointing)  # fmt: skip
+    layout = Layout(dp=1, tp=tp, pp=1, devices_per_node=tp)
+    meshes = ParallelMeshes(layout, world=None, replicas={} if tp_mesh is None else {"tp": tp_mesh})
+    settings = Parallelism(
+        tensor_parallel_size=tp,
+        zero_stage=0,
+        sequence_parallel=sequence_parallel,
+        activation_checkpointing=checkpointing,
+    )
+    parallelize_network(net, TENSOR_PARALLEL_PLAN, settings, meshes, 0)
     if precision == "bf16-mixed":
         net.to(torch.bfloat16)  # what FSDP2's mixed precision policy hands the blocks
     return net

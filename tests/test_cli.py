@@ -345,7 +345,7 @@ def test_every_documented_strategy_name_resolves_when_installed(monkeypatch, tmp
     with_arguments = make_cli(["--trainer.logger=false", f"--trainer.strategy={name}",
                                "--trainer.strategy.zero_stage=0"], run=False)  # fmt: skip
     assert type(plain.trainer.strategy) is type(with_arguments.trainer.strategy) is Parallel3DStrategy
-    assert with_arguments.trainer.strategy.zero_stage == 0
+    assert with_arguments.trainer.strategy.parallelism.zero_stage == 0
 
 
 def test_the_wheel_installs_lit3d_alone_at_the_top_level(tmp_path):

@@ -24,7 +24,7 @@ def test_a_strategy_named_with_arguments_on_the_command_line_prints_no_args_warn
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         cli = make_cli(run=False)
-    assert cli.trainer.strategy.zero_stage == 0
+    assert cli.trainer.strategy.parallelism.zero_stage == 0
     assert not [w for w in caught if "args parameter" in str(w.message)], [str(w.message) for w in caught]
 
 

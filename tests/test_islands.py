@@ -21,7 +21,7 @@ class OuterSteps(Callback):
         self.records: list[dict] = []
 
     def on_train_start(self, trainer, pl_module) -> None:
-        loop = trainer.strategy.outer_loop
+        loop = trainer.strategy.optimizer_steps.outer_loop
         sync, group = loop.sync, loop.group
 
         def gathered(tensors: list[torch.Tensor]) -> torch.Tensor:

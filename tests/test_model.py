@@ -121,17 +121,12 @@ def test_rotary_tables_are_computed_once_not_per_block_and_step(monkeypatch):
 
 
 def test_the_stage_clock_records_nothing_unless_enabled():
-    from types import SimpleNamespace
-
     from lit3d.strategies.pipeline import StageClock
 
     clock = StageClock(torch.device("cpu"))
-    stage = SimpleNamespace(stage_index=0, forward_one_chunk=lambda i: i, backward_one_chunk=lambda i: i,
-                            backward_weight_one_chunk=lambda i: i)  # fmt: skip
-    clock.time(stage)
     for enabled in (False, True):
         clock.enabled = enabled
         clock.start_step()
-        stage.forward_one_chunk(0), stage.backward_one_chunk(0)
+        clock.timed(0, "F", 0, lambda i: i), clock.timed(0, "B", 0, lambda i: i)
         clock.end_step()
         assert len(clock.timeline()) == (2 if enabled else 0)

@@ -48,13 +48,16 @@ def run_step(small_config, world, count_ops=False, **levers):
     """Loss, gradients and the ops backward ran, for the network parallelised with ``levers`` (1 rank)."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    from lit3d.parallel.settings import Parallelism
+    from lit3d.strategies.meshes import ParallelMeshes
     from lit3d.strategies.parallelize import parallelize_network
 
     torch.manual_seed(0)
     network = Transformer(small_config)
     network.reset_parameters(seed=0)
     mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("pp", "dp", "tp"))
-    parallelize_network(network, TENSOR_PARALLEL_PLAN, Layout(1, 1, 1, 1), mesh, 0, zero_stage=0, **levers)
+    meshes = ParallelMeshes(Layout(1, 1, 1, 1), world=mesh, replicas=mesh)
+    parallelize_network(network, TENSOR_PARALLEL_PLAN, Parallelism(zero_stage=0, **levers), meshes, 0)
     tokens = torch.randint(0, small_config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
     loss = torch.nn.functional.cross_entropy(network(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
     backward_ops = CountOps() if count_ops else nullcontext()

@@ -216,8 +216,10 @@ def test_a_model_too_shallow_or_tied_is_refused():
 def test_interleaved_1f1b_interleaves_by_default_and_says_so():
     # One chunk per rank would be plain 1F1B under the interleaved name (its bubble, 0.2 at p=2, m=4, not 1/17).
     strategy = Parallel3DStrategy(pipeline_parallel_size=2, pipeline_schedule="interleaved_1f1b")
-    assert strategy.virtual_pipeline_size == 2
-    assert Parallel3DStrategy(pipeline_parallel_size=2, pipeline_schedule="zero_bubble").virtual_pipeline_size == 1
+    assert strategy.parallelism.chunks_per_rank == 2
+    assert (
+        Parallel3DStrategy(pipeline_parallel_size=2, pipeline_schedule="zero_bubble").parallelism.chunks_per_rank == 1
+    )
     line = describe_schedule("interleaved_1f1b", 2, 8, 2)
     assert "interleaved_1f1b over 2 ranks, 2 chunk(s) per rank (4 stages), 8 micro-batches" in line
     assert f"bubble {1 / 17:.3f}" in line

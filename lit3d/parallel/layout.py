@@ -9,7 +9,7 @@ so a TP group is a run of T consecutive ranks, which land on one node when T div
 
 CP ranks hold the same weights and see different tokens of the same sequences: for everything but attention
 they are data-parallel replicas, and gradients are averaged and ZeRO shards over the ``dp × cp`` replicas (the
-``replicas`` of a layout; `Layout.build_replica_mesh`), as torchtitan does.
+``replicas`` of a layout; `lit3d.strategies.meshes.ParallelMeshes`), as torchtitan does.
 
 With DiLoCo's ``islands`` (`lit3d.strategies.islands`), the ranks split into that many islands of consecutive ranks,
 each a whole ``dp × cp × tp × pp`` layout (``dp`` counts an island's replicas, which sync every step), and the island
@@ -20,12 +20,9 @@ all ``islands × dp`` replicas (`Layout.data_replicas`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from lit3d.parallel.schedules import DEFAULT_CHUNKS, SCHEDULES, chunks_per_rank, microbatch_problem
-
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
 
 ZERO_STAGES = (0, 1, 2, 3)
 MESH_DIMS = ("pp", "dp", "cp", "tp")  # outermost first: the order of the rank formula
@@ -106,34 +103,6 @@ class Layout:
     def rank(self, d: int, t: int, p: int, c: int = 0, island: int = 0) -> int:
         return t + self.tp * (c + self.cp * (d + self.dp * (p + self.pp * island)))
 
-    def build_mesh(self, device_type: str) -> DeviceMesh:
-        """The ``(pp, dp, cp, tp)`` device mesh of this layout over the default process group (every rank calls
-        it).
-
-        It answers Lightning's dim names too (``mesh["data_parallel"]`` is ``mesh["dp"]``), so a module written for
-        `ModelParallelStrategy` runs unchanged.
-        """
-        from torch.distributed.device_mesh import init_device_mesh
-
-        shape, names = (self.pp, self.dp, self.cp, self.tp), MESH_DIMS
-        if self.islands > 1:  # NOTE: the other dims then name one island's ranks (its own sub-mesh)
-            shape, names = (self.islands, *shape), ("island", *names)
-        mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
-        # NOTE: a subclass that renames on lookup, rather than DeviceMesh._flatten: no second process group per
-        # dim, and no slicing of flattened dims (deprecated by PyTorch).
-        mesh.__class__ = _lightning_named(type(mesh))
-        return mesh
-
-    def build_replica_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
-        """The ``(pp, dp, tp)`` mesh the weights are split and synced over, its ``dp`` being the ``dp × cp``
-        replicas: ``mesh``'s own dims without CP (no new process group), else a mesh of its own."""
-        if self.cp == 1:
-            return mesh["pp", "dp", "tp"]
-        from torch.distributed.device_mesh import init_device_mesh
-
-        shape = (self.pp, self.replicas, self.tp)
-        return init_device_mesh(mesh.device_type, shape, mesh_dim_names=("pp", "dp", "tp"))
-
     def cp_groups(self) -> list[list[int]]:
         """The context-parallel rings: ``cp`` ranks with the same d, t and p, ``tp`` apart."""
         return [
@@ -142,18 +111,6 @@ class Layout:
             for d in range(self.dp)
             for t in range(self.tp)
         ]
-
-    def build_expert_mesh(self, device_type: str) -> DeviceMesh:
-        """The ``(pp, edp, ep, tp)`` mesh of MoE experts over the same ranks: ``dp = edp × ep``, with each group of
-        ``ep`` consecutive DP ranks splitting the experts and the other ranks that hold the same ones along
-        ``edp``: the other such groups, times the CP ranks (``edp`` is ``dp / ep × cp`` ranks)."""
-        import torch
-        from torch.distributed.device_mesh import DeviceMesh
-
-        # rank = t + c·T + d·T·C + p·T·C·D with d = g·ep + e: regroup the digits as (p, (g, c), e, t)
-        ranks = torch.arange(self.world_size).view(self.pp, self.dp // self.ep, self.ep, self.cp, self.tp)
-        ranks = ranks.permute(0, 1, 3, 2, 4).reshape(self.pp, self.dp // self.ep * self.cp, self.ep, self.tp)
-        return DeviceMesh(device_type, ranks, mesh_dim_names=("pp", "edp", "ep", "tp"))
 
     def ep_groups(self) -> list[list[int]]:
         """The expert-parallel groups: ``ep`` consecutive data-parallel ranks each (same TP, CP and PP
@@ -181,6 +138,14 @@ class Layout:
     def tp_groups_across_nodes(self) -> list[list[int]]:
         """TP groups whose ranks sit on more than one node (legal, but TP traffic then leaves the fast link)."""
         return [group for group in self.tp_groups() if len({self.node(r) for r in group}) > 1]
+
+    def tp_across_nodes_warning(self) -> str:
+        """What the rank-0 log says when TP groups span nodes (`tp_groups_across_nodes`)."""
+        return (
+            f"tensor-parallel groups span nodes (e.g. ranks {self.tp_groups_across_nodes()[0]}): tensor_parallel_size="
+            f"{self.tp} does not divide the {self.devices_per_node} devices per node, so TP traffic leaves the fast "
+            "intra-node link. This works but is slow."
+        )
 
     def rank_map(self, max_rows: int = 64) -> str:
         """A table of node, rank and (d, t, p) per rank, with the group sizes; rank 0 prints it at start."""
@@ -381,15 +346,3 @@ def check_model_fits_pipeline(config: Any, pp: int, virtual: int, schedule: str 
             "tie_embeddings=True with pipeline_parallel_size > 1 is not supported: the embedding and "
             "the head live on different stages; untie them or use pipeline_parallel_size=1"
         )
-
-
-def _lightning_named(mesh_class: type) -> type:
-    """``mesh_class`` whose ``mesh[names]`` also takes `LIGHTNING_DIM_NAMES`."""
-
-    class LightningNamedMesh(mesh_class):
-        def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:
-            if isinstance(names, str):
-                return super().__getitem__(LIGHTNING_DIM_NAMES.get(names, names))
-            return super().__getitem__(tuple(LIGHTNING_DIM_NAMES.get(name, name) for name in names))
-
-    return LightningNamedMesh

@@ -14,7 +14,13 @@ from dataclasses import MISSING, dataclass, field, fields
 from datetime import timedelta
 from typing import Any, Literal
 
-from lit3d.parallel.layout import check_choices, check_islands, check_pipeline_arguments, check_sizes
+from lit3d.parallel.layout import (
+    check_choices,
+    check_islands,
+    check_pipeline_arguments,
+    check_sizes,
+    pipeline_microbatches,
+)
 from lit3d.parallel.outer import check_outer_loop
 from lit3d.parallel.precision import check_reduce_dtype
 from lit3d.parallel.schedules import check_composes, chunks_per_rank
@@ -211,6 +217,14 @@ class Parallelism:
     def runs_outer_loop(self) -> bool:
         """Whether DiLoCo's outer loop runs (islands, or one island with ``sync_every > 1``)."""
         return self.islands > 1 or self.sync_every > 1
+
+    def microbatches(self, global_batch_size: int | None = None, data_replicas: int = 1, accumulate: int = 1) -> int:
+        """The pipeline's micro-batches per schedule: ``num_microbatches``, or chosen from the per-replica batch
+        (`lit3d.parallel.layout.pipeline_microbatches`; from the settings alone while the batch is unknown)."""
+        return pipeline_microbatches(
+            self.num_microbatches, global_batch_size, data_replicas, accumulate, self.pipeline_parallel_size,
+            self.chunks_per_rank, self.pipeline_schedule,
+        )  # fmt: skip
 
     def resolved_start_method(self) -> str:
         return self.start_method or ("fork" if interactive() else "popen")

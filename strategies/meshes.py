@@ -1,0 +1,99 @@
+"""`ParallelMeshes`: the device meshes and process groups of one run, built once from its `Layout`.
+
+Every rank builds the same object in ``setup_environment`` (each mesh and group creation is a collective), and
+everything that communicates takes its groups from it: the split of the network (`parallelize_network`), the
+optimizer steps, the checkpoints, DiLoCo's outer loop, `lit3d.CommReport` and the rank map. The arithmetic of which
+ranks form a group is the layout's (`lit3d.parallel.layout`); here those groups become torch objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from lit3d.parallel.layout import LIGHTNING_DIM_NAMES, MESH_DIMS, Layout
+
+
+class LightningNamedMesh(DeviceMesh):
+    """A device mesh whose ``mesh[name]`` also takes Lightning's dim names (``"data_parallel"`` is ``"dp"``), so a
+    module written for Lightning's ``ModelParallelStrategy`` runs unchanged."""
+
+    def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:
+        if isinstance(names, str):
+            return super().__getitem__(LIGHTNING_DIM_NAMES.get(names, names))
+        return super().__getitem__(tuple(LIGHTNING_DIM_NAMES.get(name, name) for name in names))
+
+
+@dataclass(frozen=True)
+class ParallelMeshes:
+    """The meshes and groups of a run.
+
+    Attributes:
+        layout: The sizes and rank arithmetic they were built from.
+        world: ``(pp, dp, cp, tp)`` over every rank (``(island, pp, dp, cp, tp)`` with DiLoCo's islands): the
+            strategy's ``device_mesh``.
+        replicas: ``(pp, dp, tp)``, its ``dp`` the ``dp × cp`` ranks that hold the same weights: what the weights
+            are split, synced and ZeRO-sharded over (``world``'s own dims without context parallelism).
+        experts: ``(pp, edp, ep, tp)`` with expert parallelism: ``ep`` splits each MoE layer's experts, ``edp`` holds
+            the same ones.
+        cp_group: The ring attention's group (context parallelism).
+        ep_group: The group MoE layers dispatch their tokens over (expert parallelism).
+    """
+
+    layout: Layout
+    world: DeviceMesh
+    replicas: DeviceMesh
+    experts: DeviceMesh | None = None
+    cp_group: Any = None
+    ep_group: Any = None
+
+    @classmethod
+    def build(cls, layout: Layout, device_type: str) -> ParallelMeshes:
+        """Every rank calls this, in the same order (each group is a collective)."""
+        shape, names = (layout.pp, layout.dp, layout.cp, layout.tp), MESH_DIMS
+        if layout.islands > 1:  # NOTE: the other dims then name one island's ranks (its own sub-mesh)
+            shape, names = (layout.islands, *shape), ("island", *names)
+        world = LightningNamedMesh(device_type, torch.arange(layout.world_size).view(shape), mesh_dim_names=names)
+        replicas = world["pp", "dp", "tp"]
+        if layout.cp > 1:  # the dp x cp ranks as one dim: a mesh of its own
+            shape = (layout.pp, layout.replicas, layout.tp)
+            replicas = DeviceMesh(
+                device_type, torch.arange(layout.world_size).view(shape), mesh_dim_names=("pp", "dp", "tp")
+            )
+        # NOTE: the ring and the tokens' all-to-alls get groups of their own, apart from the meshes' (which may be the
+        # very group the weights sync over: dp == 1, or ep == dp), so that `CommReport` tells their bytes apart.
+        cp_group = _subgroup(layout.cp_groups()) if layout.cp > 1 else None
+        experts = _expert_mesh(layout, device_type) if layout.ep > 1 else None
+        ep_group = _subgroup(layout.ep_groups()) if layout.ep > 1 else None
+        return cls(layout, world, replicas, experts, cp_group, ep_group)
+
+    def group(self, axis: str) -> Any:
+        """The process group of this rank along ``axis`` (``pp``, ``dp``, ``tp``, ``cp``, ``ep``, ``island``), or
+        None when that axis has one rank. ``dp`` is the ``dp × cp`` replicas the weights are synced over."""
+        if axis == "cp":
+            return self.cp_group
+        if axis == "ep":
+            return self.ep_group
+        mesh = self.replicas if axis == "dp" else self.world
+        if axis not in (mesh.mesh_dim_names or ()) or mesh[axis].size() == 1:
+            return None
+        return mesh[axis].get_group()
+
+
+def _subgroup(groups: list[list[int]]) -> Any:
+    mine, _ = torch.distributed.new_subgroups_by_enumeration(groups)
+    return mine
+
+
+def _expert_mesh(layout: Layout, device_type: str) -> DeviceMesh:
+    """``(pp, edp, ep, tp)`` over the same ranks: ``dp = edp × ep``, each group of ``ep`` consecutive DP ranks
+    splitting the experts and the ranks that hold the same ones along ``edp`` (the other such groups, times the CP
+    ranks: ``edp`` is ``dp / ep × cp`` ranks)."""
+    pp, dp, ep, cp, tp = layout.pp, layout.dp, layout.ep, layout.cp, layout.tp
+    # rank = t + c·T + d·T·C + p·T·C·D with d = g·ep + e: regroup the digits as (p, (g, c), e, t)
+    ranks = torch.arange(layout.world_size).view(pp, dp // ep, ep, cp, tp)
+    ranks = ranks.permute(0, 1, 3, 2, 4).reshape(pp, dp // ep * cp, ep, tp)
+    return DeviceMesh(device_type, ranks, mesh_dim_names=("pp", "edp", "ep", "tp"))
