@@ -184,4 +184,4 @@ def test_the_planner_needs_context_parallelism_for_llama_405b_at_128k_tokens(cap
     header, best = (line.split() for line in text.splitlines()[2:4])
     assert header[:3] == ["#", "dp", "cp"] and int(best[2]) > 1, text
     assert header[-3:] == ["step", "s", "MFU"] and float(best[-2]) < min(c.plan.step_time_s for c in without) / 2
-    assert "tokens per rank, its ring moves" in text and "--trainer.strategy.context_parallel_size=" in text
+    assert "tokens per rank, its ring moves" in text and f"--trainer.strategy.context_parallel_size={best[2]} " in text

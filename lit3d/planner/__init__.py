@@ -5,8 +5,8 @@ check against the real parallelisation on the meta device (`verify`) and the ran
 
 from lit3d.planner.estimate import GB, PLANNING_DEFAULTS, PRECISIONS, Cluster, Plan, Training, estimate
 from lit3d.planner.rankmap import RankMap
-from lit3d.planner.report import format_plan, format_report, format_search
-from lit3d.planner.request import Report, Request, plan, planning_defaults
+from lit3d.planner.report import format_plan, format_search
+from lit3d.planner.request import Report, Request, format_report, plan, planning_defaults
 from lit3d.planner.search import Candidate, check_inputs, layout_problem, search
 from lit3d.planner.verify import verify
 

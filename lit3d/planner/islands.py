@@ -47,7 +47,7 @@ def versus_synchronous(config: GPTConfig, cluster: Cluster, candidate: Candidate
 
 def format_islands(comparison: dict[str, Any]) -> str:
     """The lines `lit3d plan` prints for DiLoCo's islands."""
-    from lit3d.planner.report import size
+    from lit3d.planner.units import size
 
     c = comparison
     fragments = f", streaming in {c['fragments']} fragments" if c["fragments"] > 1 else ""

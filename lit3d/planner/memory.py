@@ -16,7 +16,7 @@ from lit3d.planner.buffers import Transient, peak_memory, transient_bytes
 from lit3d.planner.tensors import Tensor, config_key, local_numel, rank_tensors, replicas, stepped_numel
 
 if TYPE_CHECKING:
-    from lit3d.planner.estimate import Precision, Training
+    from lit3d.planner.inputs import Precision, Training
 
 
 @dataclass(frozen=True)

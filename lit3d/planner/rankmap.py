@@ -98,7 +98,7 @@ class RankMap:
     def _draw(self, ax, columns: int) -> None:
         from matplotlib.patches import Rectangle
 
-        from lit3d.planner.report import size
+        from lit3d.planner.units import size
 
         layout = self.layout
         one_replica, nodes_drawn, crossing = self._drawn()
@@ -137,7 +137,7 @@ class RankMap:
         ax.set_title((self.title + "\n" if self.title else "") + heading, fontsize=9)
 
     def _heading(self, one_replica: bool, nodes_drawn: int, crossing: set[int]) -> str:
-        from lit3d.planner.report import plural, size
+        from lit3d.planner.units import plural, size
 
         layout = self.layout
         cp = f" x cp {layout.cp}" if layout.cp > 1 else ""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import fields
-from typing import TYPE_CHECKING
 
 from lit3d.config import GPTConfig
 from lit3d.parallel.layout import Layout
@@ -11,9 +10,7 @@ from lit3d.parallel.settings import Parallelism, defaults
 from lit3d.planner.estimate import GB, Cluster, Plan
 from lit3d.planner.pipeline import label, same_schedule, schedule_flags, why_schedule
 from lit3d.planner.search import Candidate, tokens_per_second, why
-
-if TYPE_CHECKING:
-    from lit3d.planner.request import Report
+from lit3d.planner.units import plural, size
 
 
 def count(n: float) -> str:
@@ -22,18 +19,6 @@ def count(n: float) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.1f}{unit}"
     return f"{n:.0f}"
-
-
-def size(n_bytes: float) -> str:
-    """``69.8 GB``, ``12.50 MB``, ``4.1 kB``: bytes in the unit their size calls for (powers of 1000, as ``GB``)."""
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n_bytes) >= scale:
-            return f"{n_bytes / scale:.2f} {unit}"
-    return f"{n_bytes:.0f} B"
-
-
-def plural(word: str) -> str:
-    return word + ("es" if word.endswith("s") else "s")
 
 
 def describe(config: GPTConfig, cluster: Cluster) -> str:
@@ -176,10 +161,10 @@ def run_flags(candidate: Candidate, given: frozenset[str] = frozenset()) -> str:
     layout, run = candidate.layout, candidate.parallelism
     flags = [f"--trainer.strategy.{name}={getattr(run, name)}" for name in CHOSEN]
     written = {*CHOSEN, *UNWRITTEN, "islands", "activation_checkpointing"}
-    for name, size in (("expert_parallel_size", layout.ep), ("context_parallel_size", layout.cp)):
+    for name, ranks in (("expert_parallel_size", layout.ep), ("context_parallel_size", layout.cp)):
         written.add(name)
-        if size > 1:
-            flags.append(f"--trainer.strategy.{name}={size}")
+        if ranks > 1:
+            flags.append(f"--trainer.strategy.{name}={ranks}")
     if run.activation_checkpointing:
         flags.append(f"--trainer.strategy.activation_checkpointing={_flag(run.activation_checkpointing)}")
     text = " ".join(flags)
@@ -200,23 +185,6 @@ def run_flags(candidate: Candidate, given: frozenset[str] = frozenset()) -> str:
 def _flag(value: object) -> str:
     """A value as the command line takes it (``true``, ``selective``, ``bfloat16``)."""
     return str(value).lower() if isinstance(value, bool) else str(value)
-
-
-def format_report(report: Report) -> str:
-    """What ``lit3d plan`` prints: the layout (or the search's best), DiLoCo's comparison, ``--verify``'s counts."""
-    request = report.request
-    if report.searched:
-        text = format_search(report.config, request.cluster, report.candidates, report.dropped, request.top,
-                             request.fixed)  # fmt: skip
-    else:
-        text = format_plan(report.config, request.cluster, report.chosen)
-    if report.islands:
-        from lit3d.planner.islands import format_islands
-
-        text += "\n" + format_islands(report.islands)
-    if report.verified is not None:
-        text += "\n" + format_verify(report.chosen.layout, report.verified)
-    return text
 
 
 def format_verify(layout: Layout, counts: list) -> str:

@@ -4,7 +4,7 @@ A `Request` is a model on a `Cluster`, the training loop's numbers (`Training`) 
 `lit3d.parallel.Parallelism`, the value the strategy is built from), with the names of the settings the user fixed.
 With the tensor- and pipeline-parallel sizes fixed, the plan is that one layout (its schedule chosen if not fixed);
 otherwise a search over every layout of the cluster keeps what is fixed and chooses the rest. The `Report` holds the
-candidates, best first, with what the text and JSON outputs need (`lit3d.planner.report.format_report`,
+candidates, best first, with what the text and JSON outputs need (`format_report`,
 `Report.to_dict`).
 """
 
@@ -17,9 +17,10 @@ from lit3d.config import GPTConfig
 from lit3d.parallel.layout import ZERO_STAGES, Layout, check_islands, check_sizes
 from lit3d.parallel.settings import Parallelism
 from lit3d.planner.estimate import PLANNING_DEFAULTS, Cluster, Training, estimate, sizes_of
-from lit3d.planner.islands import versus_synchronous
+from lit3d.planner.islands import format_islands, versus_synchronous
 from lit3d.planner.pipeline import candidates, choose_schedule
 from lit3d.planner.rankmap import RankMap
+from lit3d.planner.report import format_plan, format_search, format_verify
 from lit3d.planner.search import Candidate, check_inputs, layout_problem, search
 from lit3d.planner.verify import StageCount, verify
 
@@ -253,3 +254,18 @@ def _search(request: Request, config: GPTConfig) -> Report:
         pipeline_schedules=schedules,
     )
     return Report(request, config, fitting, dropped)
+
+
+def format_report(report: Report) -> str:
+    """What ``lit3d plan`` prints: the layout (or the search's best), DiLoCo's comparison, ``--verify``'s counts."""
+    request = report.request
+    if report.searched:
+        text = format_search(report.config, request.cluster, report.candidates, report.dropped, request.top,
+                             request.fixed)  # fmt: skip
+    else:
+        text = format_plan(report.config, request.cluster, report.chosen)
+    if report.islands:
+        text += "\n" + format_islands(report.islands)
+    if report.verified is not None:
+        text += "\n" + format_verify(report.chosen.layout, report.verified)
+    return text

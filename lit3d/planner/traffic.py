@@ -15,7 +15,7 @@ from lit3d.planner.tensors import config_key, local_numel, rank_tensors, stepped
 
 if TYPE_CHECKING:
     from lit3d.parallel.settings import Parallelism
-    from lit3d.planner.estimate import Precision, Training
+    from lit3d.planner.inputs import Precision, Training
 
 
 def communication_bytes(

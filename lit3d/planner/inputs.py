@@ -1,0 +1,144 @@
+"""What a plan is asked and what it answers: the cluster, the training loop's numbers, the bytes each precision holds,
+and the `Plan` of one layout (`lit3d.planner.estimate` computes it). Pure values: no torch, no Lightning."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from lit3d.parallel.layout import Layout
+from lit3d.parallel.precision import is_bf16_mixed, keeps_master_weights
+from lit3d.parallel.settings import Parallelism
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per parameter held as weights, gradients and optimizer state, and per stored activation; and per
+    element on the wire: ``gathered`` for FSDP's parameter gathers, ``reduced`` for gradient reductions (default:
+    as held); ``stepped``: of the tensors the optimizer steps (default: the weights; fp32 master weights)."""
+
+    weights: int
+    grads: int
+    optimizer: int
+    activations: int
+    gathered: int | None = None
+    reduced: int | None = None
+    stepped: int | None = None
+
+    @property
+    def gather_bytes(self) -> int:
+        return self.weights if self.gathered is None else self.gathered
+
+    @property
+    def reduce_bytes(self) -> int:
+        return self.grads if self.reduced is None else self.reduced
+
+    @property
+    def stepped_bytes(self) -> int:
+        return self.weights if self.stepped is None else self.stepped
+
+
+# Bytes per element a lit3d run holds and sends, by Lightning's precision: the one table both the search and the run's
+# own estimate (`lit3d.planner.run.plan_of_run`) read, through `held_precision`.
+PRECISIONS = {
+    "32-true": Precision(4, 4, 8, 4),  # fp32 everything; AdamW's two moments
+    "bf16-true": Precision(2, 2, 4, 2),
+    # fp32 parameters computed in bf16 (`lit3d.strategies.precision`): FSDP2's shards gathered in bf16, DDP's replicas
+    # cast by autocast (its bf16 copies are activations: `autocast_weight_bytes`); gradients reduced in fp32.
+    "bf16-mixed": Precision(4, 4, 8, 2, gathered=2, reduced=4),
+    "16-mixed": Precision(4, 4, 8, 2),
+}
+# ZeRO-1 under bf16-mixed (`keeps_master_weights`): bf16 parameters; in the optimizer's slices the fp32 master weights,
+# both moments and the fp32 gradient; the updated slices all-gathered in bf16. Megatron's distributed optimizer:
+# 2 + (4 + 12) / D bytes per parameter.
+MASTER_WEIGHTS = Precision(2, 4, 12, 2, gathered=2, reduced=4, stepped=4)
+
+
+@dataclass
+class Cluster:
+    nodes: int = 1
+    gpus_per_node: int = 8
+    gpu_memory_gb: float = 80.0
+    intra_node_gbps: float = 450.0  # NVLink, GB/s per direction
+    inter_node_gbps: float = 50.0  # InfiniBand share of one GPU, GB/s
+    peak_tflops: float = 989.0  # dense bf16
+    # The α of the α-β model, from NCCL's own tuning model (src/graph/tuning.cc, ring algorithm, Simple protocol):
+    # a base latency per collective and a hardware latency per ring hop, over NVLink and over the network.
+    collective_latency_us: float = 8.4
+    intra_node_hop_us: float = 5.7
+    inter_node_hop_us: float = 6.6
+    # The link between DiLoCo's islands (datacenters), per GPU as the links above: about a hundredth of InfiniBand's
+    # bandwidth, and milliseconds of latency per hop.
+    inter_island_gbps: float = 1.0
+    inter_island_latency_ms: float = 10.0
+    device: str = "GPU"  # what the reports call one rank's device ("CPU process" for a rehearsal on CPU)
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass
+class Training:
+    """The training loop's numbers; the run's settings (ZeRO, schedule, recompute, ...) are its `Parallelism`."""
+
+    seq_len: int = 2048
+    micro_batch_size: int = 1
+    global_batch_size: int = 512  # sequences per optimizer step
+    # Micro-steps per optimizer step that each run a whole pipeline schedule (pp > 1): the schedule then has
+    # global_batch_size / (dp x micro_batch_size x accumulate_grad_batches) micro-batches. Without a pipeline
+    # every micro-batch is a micro-step of its own already.
+    accumulate_grad_batches: int = 1
+    precision: str = "bf16-mixed"  # Lightning's
+    efficiency: float = 0.6  # share of the peak that matmuls reach
+    headroom: float = 0.1  # of GPU memory kept free for the allocator, CUDA context and buffers
+
+    def schedules_per_step(self, pp: int) -> int:
+        """Pipeline schedules run per optimizer step (gradient accumulation repeats the whole schedule)."""
+        return self.accumulate_grad_batches if pp > 1 else 1
+
+
+@dataclass
+class Plan:
+    layout: dict[str, int]
+    # Bytes on the most loaded rank: what it holds of each kind at most, and its peak (``total``: the most of backward's
+    # start, its end and the optimizer step, not their sum, `buffers.peak_memory`), with the buffers of that moment.
+    memory_per_gpu: dict[str, int]
+    communication_per_step: dict[str, dict[str, float]]  # per axis: bytes (per GPU) and seconds
+    pipeline_bubble: float
+    step_time_s: float
+    mfu: float
+    fits: bool
+    num_microbatches: int
+    memory_by_stage: list[dict[str, int]] = field(default_factory=list)
+    flops_per_step: float = 0.0  # model FLOPs of one optimizer step, all GPUs (recompute not counted)
+    params_total: int = 0
+    params_per_rank: int = 0  # parameters (elements) the most loaded rank holds, ZeRO-3 shards included
+    params_active: int = 0  # parameters one token uses (MoE: k of the routed experts; a dense model: all)
+    activation_bytes_per_layer: int = 0  # what one block keeps for backward, per micro-batch on one rank
+    pipeline_schedule: str | None = None  # with a pipeline: the schedule this estimate runs
+    # With a pipeline: every schedule the planner weighed for this layout (`lit3d.planner.pipeline`), each with its
+    # micro-batches, bubble, step time and activations.
+    schedule_candidates: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# The settings the planner assumes where none are given: the strategy's defaults, with sequence parallelism on (with
+# tensor parallelism it only saves memory and traffic).
+PLANNING_DEFAULTS = Parallelism(sequence_parallel=True)
+
+
+def held_precision(training: Training, settings: Parallelism, layout: Layout) -> Precision:
+    """Bytes per element that a lit3d run of ``training`` with ``settings`` on ``layout`` holds and sends:
+    ``training.precision``'s row of `PRECISIONS`, or `MASTER_WEIGHTS` where the strategy keeps master weights, with
+    the reduce dtype asked for (``settings.mixed_precision_reduce``)."""
+    precision = PRECISIONS[training.precision]
+    if keeps_master_weights(training.precision, settings.zero_stage, layout.replicas):
+        precision = MASTER_WEIGHTS
+    if is_bf16_mixed(training.precision) and settings.mixed_precision_reduce == "bfloat16":
+        precision = replace(precision, reduced=2)
+    return precision
