@@ -123,7 +123,9 @@ class GPT(L.LightningModule):
 
         Unlike Lightning's, it takes no ``hparams_file``, ``strict`` or ``weights_only``: the weights must fit, and
         a checkpoint is always read as data only."""
-        model = cls(**{**read_meta(checkpoint_path)["hyper_parameters"], **kwargs, "pretrained": str(checkpoint_path)})
+        saved = read_meta(checkpoint_path)["hyper_parameters"]
+        saved = {key: value for key, value in saved.items() if not key.startswith("_")}  # LightningCLI's `_class_path`
+        model = cls(**{**saved, **kwargs, "pretrained": str(checkpoint_path)})
         model.configure_model()
         return model
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from lightning.pytorch.trainer.states import TrainerFn
 
+from lit3d.config import GPTConfig
 from lit3d.parallel.context import check_context_parallel
 from lit3d.parallel.layout import Layout, check_model_fits_layout, check_model_fits_pipeline
 from lit3d.parallel.settings import Parallelism
@@ -16,16 +17,18 @@ from lit3d.strategies.context_parallel import check_module_for_context_parallel
 from lit3d.strategies.pipeline import check_pipeline_protocol
 
 
-class ConfigurationError(ValueError):
+class ConfigurationError(ValueError, RuntimeError):
     """A configuration refused before any process group exists: in the launching process before any rank starts, or
-    first thing in each rank that torchrun or SLURM started. Nothing has run, so nothing failed: the ``lit3d`` command
-    prints it as one line, and the watchdog does not report it as a failed rank."""
+    first thing in each rank that torchrun or SLURM started. A `ValueError`, and a `RuntimeError` as Lightning's
+    `ModelParallelStrategy` raises for mesh sizes, so either ``except`` catches it. Nothing has run, so nothing
+    failed: the ``lit3d`` command prints it as one line, and the watchdog does not report it as a failed rank."""
 
 
 def check_run(parallelism: Parallelism, layout: Layout, module: Any, trainer: Any, datamodule: Any) -> int:
     """Refuse a model the layout cannot split, or a module it cannot run, naming the values; return the pipeline's
     micro-batches per schedule, chosen from the data's batch when known (else from the settings alone)."""
     config = getattr(module, "config", None)
+    config = config if isinstance(config, GPTConfig) else None  # another module's `config` is its own business
     chunks, schedule = parallelism.chunks_per_rank, parallelism.pipeline_schedule
     if config is not None:
         check_model_fits_layout(config, layout)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -47,8 +46,12 @@ class _ChecksFirst:
         self._strategy.check_configuration(trainer, datamodule)
         for ckpt_path in (arg for arg in args if isinstance(arg, str | Path)):  # the only path among the arguments
             check_ckpt_path(ckpt_path)
-        os.environ[LAUNCHER_PID] = str(os.getpid())
-        return super().launch(function, *args, trainer=trainer, **kwargs)
+        earlier = os.environ.get(LAUNCHER_PID)
+        os.environ[LAUNCHER_PID] = str(os.getpid())  # read by the ranks this starts (`LauncherWatch`)
+        try:
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        finally:  # nothing of this launch outlives it (a notebook's next fit starts clean)
+            os.environ.pop(LAUNCHER_PID) if earlier is None else os.environ.__setitem__(LAUNCHER_PID, earlier)
 
 
 class CheckingLauncher(_ChecksFirst, _SubprocessScriptLauncher):
@@ -89,16 +92,33 @@ def agree_on_seed() -> None:
         torch.manual_seed(seeds[0])
 
 
-def exit_when_launcher_dies() -> None:
-    """In a process our launcher started: exit if the launcher (rank 0) dies, rather than wait in a collective."""
-    launcher = os.environ.get(LAUNCHER_PID)
-    if launcher is None or int(launcher) == os.getpid() or os.getppid() != int(launcher):
-        return
+class LauncherWatch:
+    """In a process our launcher started: exit if the launcher (rank 0) dies, rather than wait in a collective.
+    `stop` ends the watch (the strategy's teardown): no thread of a fit outlives it."""
 
-    def watch() -> None:
-        while os.getppid() == int(launcher):
-            time.sleep(1.0)
+    def __init__(self) -> None:
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        launcher = os.environ.get(LAUNCHER_PID)
+        if self._thread is not None or launcher is None:
+            return
+        if int(launcher) == os.getpid() or os.getppid() != int(launcher):
+            return
+        self._thread = threading.Thread(target=self._watch, args=(int(launcher),), name="lit3d-launcher-watch")
+        self._thread.daemon = True
+        self._thread.start()
+
+    def _watch(self, launcher: int) -> None:
+        while os.getppid() == launcher:
+            if self._stopped.wait(1.0):
+                return
         log.error(f"rank 0 (pid {launcher}) has exited; ending this rank (pid {os.getpid()})")
         os._exit(1)
 
-    threading.Thread(target=watch, name="lit3d-launcher-watch", daemon=True).start()
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._stopped.set()
+            self._thread.join()
+            self._thread = None

@@ -41,6 +41,9 @@ class ParallelMeshes:
             the same ones.
         cp_group: The ring attention's group (context parallelism).
         ep_group: The group MoE layers dispatch their tokens over (expert parallelism).
+        for_modules: What a module sees as ``self.device_mesh``: with data and tensor parallelism only, the very mesh
+            of Lightning's ``ModelParallelStrategy`` (``("data_parallel", "tensor_parallel")``, over ``world``'s
+            groups: no new ones); else ``world`` (which answers Lightning's names too).
     """
 
     layout: Layout
@@ -49,6 +52,7 @@ class ParallelMeshes:
     experts: DeviceMesh | None = None
     cp_group: Any = None
     ep_group: Any = None
+    for_modules: DeviceMesh | None = None
 
     @classmethod
     def build(cls, layout: Layout, device_type: str) -> ParallelMeshes:
@@ -68,7 +72,9 @@ class ParallelMeshes:
         cp_group = _subgroup(layout.cp_groups()) if layout.cp > 1 else None
         experts = _expert_mesh(layout, device_type) if layout.ep > 1 else None
         ep_group = _subgroup(layout.ep_groups()) if layout.ep > 1 else None
-        return cls(layout, world, replicas, experts, cp_group, ep_group)
+        lightning_like = layout.pp == layout.cp == layout.islands == 1
+        for_modules = _lightning_mesh(world, layout) if lightning_like else world
+        return cls(layout, world, replicas, experts, cp_group, ep_group, for_modules)
 
     def group(self, axis: str) -> Any:
         """The process group of this rank along ``axis`` (``pp``, ``dp``, ``tp``, ``cp``, ``ep``, ``island``), or
@@ -81,6 +87,13 @@ class ParallelMeshes:
         if axis not in (mesh.mesh_dim_names or ()) or mesh[axis].size() == 1:
             return None
         return mesh[axis].get_group()
+
+
+def _lightning_mesh(world: DeviceMesh, layout: Layout) -> DeviceMesh:
+    """``ModelParallelStrategy``'s ``(data_parallel, tensor_parallel)`` mesh, of ``world``'s own dp and tp groups."""
+    grid = torch.arange(layout.world_size).view(layout.dp, layout.tp)
+    groups = [world["dp"].get_group(), world["tp"].get_group()]
+    return DeviceMesh.from_group(groups, world.device_type, grid, mesh_dim_names=("data_parallel", "tensor_parallel"))
 
 
 def _subgroup(groups: list[list[int]]) -> Any:

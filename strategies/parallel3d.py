@@ -1,13 +1,13 @@
-"""`Parallel3DStrategy`: data × tensor × pipeline parallelism with ZeRO, as a Lightning strategy on
-`ModelParallelStrategy`, described by one value (`lit3d.parallel.Parallelism`). It owns its collaborators: ``meshes``,
-``optimizer_steps``, ``checkpoints``, ``pipeline`` and ``watchdog``; its hooks come in the order Lightning calls them.
-What a module provides to be split, and the order of the hooks: docs/architecture.md."""
+"""`Parallel3DStrategy`: data × tensor × pipeline parallelism with ZeRO, a Lightning strategy on `ModelParallelStrategy`
+described by one value (`lit3d.parallel.Parallelism`). It owns its collaborators (``meshes``, ``optimizer_steps``,
+``checkpoints``, ``pipeline``, ``rank_life``); its hooks come in the order Lightning calls them. What a module provides
+to be split, and the order of the hooks: docs/architecture.md."""
 
 from __future__ import annotations
 
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
-from dataclasses import fields
+from dataclasses import fields, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -26,22 +26,22 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lit3d.model import loss_parallel_scope
-from lit3d.parallel.layout import Layout, resolve_layout
-from lit3d.parallel.schedules import describe_schedule
+from lit3d.parallel.layout import Layout, layout_lines, resolve_layout, sizes_of
 from lit3d.parallel.settings import Parallelism, argument_docs
 from lit3d.planner.run import plan_of_run
-from lit3d.strategies import checkpoint as sharded
+from lit3d.strategies import checkpointing as sharded
 from lit3d.strategies.checks import ConfigurationError, check_run
-from lit3d.strategies.launchers import CheckingLauncher, ForkLauncher, agree_on_seed, exit_when_launcher_dies
+from lit3d.strategies.launchers import CheckingLauncher, ForkLauncher, agree_on_seed
 from lit3d.strategies.memory import memory_line
 from lit3d.strategies.meshes import ParallelMeshes
 from lit3d.strategies.optimizers import OptimizerSteps
-from lit3d.strategies.parallelize import follows_plan, not_splittable, split_module
+from lit3d.strategies.parallelize import follows_plan, not_splittable, refuse_fsdp1, split_module
 from lit3d.strategies.pipeline import Pipeline
 from lit3d.strategies.precision import clipping_split_model, describe
 from lit3d.strategies.preemption import StopOnSignal
+from lit3d.strategies.rank_life import RankLife
 from lit3d.strategies.tensor_parallel import lay_out_grads_like_params
-from lit3d.strategies.watchdog import Watchdog, batch_kind, report_failure
+from lit3d.strategies.watchdog import batch_kind, report_failure
 from lit3d.strategies.zero import check_replicas_in_sync, gradient_sync_off
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ class Parallel3DStrategy(ModelParallelStrategy):
     def __init__(
         self,
         data_parallel_size: int | Literal["auto"] = "auto",
-        tensor_parallel_size: int = 1,
+        tensor_parallel_size: int | Literal["auto"] = "auto",
         pipeline_parallel_size: int = 1,
         expert_parallel_size: int = 1,
         context_parallel_size: int = 1,
@@ -75,6 +75,7 @@ class Parallel3DStrategy(ModelParallelStrategy):
         compile: bool | str = False,
         mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32",
         async_checkpoint: bool = False,
+        save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta = timedelta(minutes=10),
         start_method: Literal["popen", "fork"] | None = None,
@@ -89,14 +90,16 @@ class Parallel3DStrategy(ModelParallelStrategy):
         self.parallelism = Parallelism(**settings)  # refused here, before anything starts, naming the values
         for warning in self.parallelism.warnings():
             rank_zero_warn(warning)
-        super().__init__(data_parallel_size, tensor_parallel_size, True, process_group_backend, timeout)
+        super().__init__(
+            data_parallel_size, tensor_parallel_size, save_distributed_checkpoint, process_group_backend, timeout
+        )
         self.num_microbatches = self.parallelism.microbatches()  # until the batch is known (`check_configuration`)
         self._layout: Layout | None = None
         self.meshes: ParallelMeshes | None = None  # built in setup_environment
         self.optimizer_steps: OptimizerSteps | None = None  # built with the optimizers
-        self.checkpoints = sharded.Checkpoints(asynchronous=async_checkpoint)
+        self.checkpoints = sharded.Checkpoints(async_checkpoint, save_distributed_checkpoint)
         self.pipeline: Pipeline | None = None  # this rank's stages and schedule, when pipeline_parallel_size > 1
-        self.watchdog: Watchdog | None = None  # a multi-rank run's, from setup_environment on
+        self.rank_life = RankLife()  # the launcher watch, the watchdog, the process group: none outlives a fit
         self._parallelized: nn.Module | None = None  # the network this strategy split
         self.plan: Plan | None = None  # the planner's estimate of this run (a lit3d GPT only), set at fit start
         self.memory_estimate: dict[str, int] | None = None  # the planner's bytes for this rank's stage
@@ -106,13 +109,11 @@ class Parallel3DStrategy(ModelParallelStrategy):
         """The strategy that runs ``parallelism``."""
         return cls(**{f.name: getattr(parallelism, f.name) for f in fields(parallelism)})
 
-    # ------------------------------------------------------------------ where things run
-
     @property
     def layout(self) -> Layout:
-        """Sizes and rank coordinates (checked against the number of launched ranks)."""
+        """Sizes and rank coordinates, checked against the launched ranks (``"auto"`` resolved for the module)."""
         if self._layout is None:
-            sizes = self.parallelism.sizes()
+            sizes = self.parallelism.sizes(devices_per_node=self.num_processes, lit3d_splits=self._lit3d_splits)
             world = self.num_nodes * self.num_processes
             self._layout = resolve_layout(world, self.num_processes, **sizes, islands=self.parallelism.islands)
         return self._layout
@@ -127,13 +128,15 @@ class Parallel3DStrategy(ModelParallelStrategy):
         self._precision_plugin = clipping_split_model(plugin, self._clip_grad_by_norm)
 
     @property
+    def _lit3d_splits(self) -> bool:  # the module follows lit3d's protocol (`follows_plan` once it is built)
+        return self.lightning_module is None or hasattr(self.lightning_module, "tensor_parallel_plan")
+
+    @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Data is split over DP replicas only: all TP, CP and PP ranks of a replica see the same batch (each CP
         # rank keeps its share of every sequence: `lit3d.runner.ContextShare`).
         return {"num_replicas": self.layout.data_replicas, "rank": self.layout.data_rank(self.global_rank)}
-
-    # ------------------------------------------------------------------ before the ranks talk
 
     def check_configuration(self, trainer: Trainer | None = None, datamodule: Any = None) -> None:
         """Refuse a bad layout or a model it cannot split, before any process group exists (the launcher calls
@@ -159,33 +162,26 @@ class Parallel3DStrategy(ModelParallelStrategy):
     @override
     def setup_environment(self) -> None:
         self.check_configuration()
-        exit_when_launcher_dies()
+        self.rank_life.before_process_group()
         _set_num_threads_if_needed(self.num_processes)  # CPU ranks share the cores (torchrun sets 1)
         self._setup_distributed()  # Lightning's: device, seed, world ranks, process group
         agree_on_seed()
-        if self.world_size > 1:  # a rank that stops making progress says where it is
-            self.watchdog = Watchdog(self.global_rank, self._timeout.total_seconds())
-            self.watchdog.start()
+        self.rank_life.after_process_group(self.global_rank, self.world_size, self._timeout.total_seconds())
         layout = self.layout
         self.meshes = ParallelMeshes.build(layout, self.root_device.type)
-        self._device_mesh = self.meshes.world
+        self._device_mesh = self.meshes.for_modules  # Lightning's dim names (`ParallelMeshes.for_modules`)
         self.lightning_module._device_mesh = self._device_mesh  # for modules that parallelise themselves
-        rank_zero_info(layout.rank_map())
-        if layout.pp > 1:
-            p = self.parallelism
-            rank_zero_info(describe_schedule(p.pipeline_schedule, layout.pp, self.num_microbatches, p.chunks_per_rank))
+        for line in layout_lines(layout, self.parallelism, self.num_microbatches, self._lit3d_splits):
+            rank_zero_info(line)
         if layout.tp_groups_across_nodes():
             rank_zero_warn(layout.tp_across_nodes_warning())
-
-    # ------------------------------------------------------------------ the model hand-off
 
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         # Modules the strategy splits are built empty (meta) and get their weights in `setup`, after being split;
         # one that parallelises itself is built as under `ModelParallelStrategy` (so its random init is the same).
-        splits = hasattr(self.lightning_module, "tensor_parallel_plan")
-        device = torch.device("meta") if empty_init or (splits and empty_init is None) else nullcontext()
+        device = torch.device("meta") if empty_init or (self._lit3d_splits and empty_init is None) else nullcontext()
         with device, self.precision_plugin.tensor_init_context():
             yield
 
@@ -194,6 +190,7 @@ class Parallel3DStrategy(ModelParallelStrategy):
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
+        refuse_fsdp1(module)
         if follows_plan(module):
             self.model = self.precision_plugin.convert_module(self.model)
             self._split(module)
@@ -221,8 +218,9 @@ class Parallel3DStrategy(ModelParallelStrategy):
         if self._parallelized is module.model:
             return  # a later call in the same processes (fit, then validate or test): it is split already
         self._parallelized = module.model
+        settings = replace(self.parallelism, **sizes_of(self.layout))  # "auto" sizes resolved
         module.runner, self.pipeline = split_module(
-            module, self.parallelism, self.meshes, self.global_rank, self.num_microbatches, self.root_device,
+            module, settings, self.meshes, self.global_rank, self.num_microbatches, self.root_device,
             self.precision_plugin.precision, grad_scaler=lambda: getattr(self.precision_plugin, "scaler", None),
         )  # fmt: skip
 
@@ -250,14 +248,12 @@ class Parallel3DStrategy(ModelParallelStrategy):
 
     def _log_fit_start(self) -> None:
         """Rank 0 logs what each axis sends in which dtype, and the planner's estimate of this run (`plan_of_run`)."""
-        if self.layout.world_size > 1:
+        if self.layout.world_size > 1 and self._parallelized is not None:  # (else the module's own policy decides)
             rank_zero_info(describe(self.parallelism, self.layout, self.precision_plugin.precision))
         self.plan = plan_of_run(self)
         if self.plan is not None:
             self.memory_estimate = self.plan.memory_by_stage[self.layout.coordinate(self.global_rank).p]
             rank_zero_info(memory_line(self.memory_estimate))
-
-    # ------------------------------------------------------------------ every batch
 
     @override
     def batch_to_device(self, batch: Any, device: Any = None, dataloader_idx: int = 0) -> Any:
@@ -299,8 +295,9 @@ class Parallel3DStrategy(ModelParallelStrategy):
             closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
             self.pipeline.accumulate_gradients()
             return self.precision_plugin.post_backward(closure_loss, module)
-        # The vocabulary-parallel loss's backward needs DTensor's loss_parallel handlers too.
-        with loss_parallel_scope() if self.layout.tp > 1 else nullcontext():
+        # The vocabulary-parallel loss's backward needs DTensor's loss_parallel handlers too: lit3d's own, around the
+        # modules it split (a module that parallelises itself enters its own `loss_parallel()`, as under Lightning).
+        with loss_parallel_scope() if self.layout.tp > 1 and self._parallelized is not None else nullcontext():
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
@@ -319,8 +316,6 @@ class Parallel3DStrategy(ModelParallelStrategy):
 
     def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
         self.optimizer_steps.clip_grad_norm(optimizer, clip_val, self.lightning_module.parameters())
-
-    # ------------------------------------------------------------------ checkpoints
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -370,8 +365,6 @@ class Parallel3DStrategy(ModelParallelStrategy):
         if self.is_global_zero:
             sharded.remove(Path(filepath))
 
-    # ------------------------------------------------------------------ the end
-
     @override
     def on_train_end(self) -> None:
         self.checkpoints.wait()  # the end of training waits for the last save (and reports its failure)
@@ -390,11 +383,10 @@ class Parallel3DStrategy(ModelParallelStrategy):
     @override
     def teardown(self) -> None:
         self.checkpoints.abandon()  # a save still in flight when the fit ended by an error
-        if self.watchdog is not None:
-            self.watchdog.stop()
-            self.watchdog = None
+        self.rank_life.stop_threads()
         super().teardown()
+        if self.rank_life.end_process_group():  # two fits in one process are two runs
+            self._layout, self.meshes = None, None
 
     def _beat(self, doing: str) -> None:
-        if self.watchdog is not None:
-            self.watchdog.beat(f"the start of {doing} (step {self.lightning_module.trainer.global_step})")
+        self.rank_life.beat(f"the start of {doing} (step {self.lightning_module.trainer.global_step})")

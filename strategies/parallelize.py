@@ -103,6 +103,17 @@ def split_module(
     return runner, pipeline
 
 
+def refuse_fsdp1(module: nn.Module) -> None:
+    """A module wrapped in the legacy ``FullyShardedDataParallel`` (FSDP1): refused, as ModelParallelStrategy does."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
+        raise TypeError(
+            "Found modules that are wrapped with `torch.distributed.fsdp.FullyShardedDataParallel` (FSDP1); "
+            "Parallel3DStrategy, like ModelParallelStrategy, takes the FSDP2 API (`fully_shard`) in `configure_model`"
+        )
+
+
 def not_splittable(module: nn.Module) -> TypeError:
     """The error for a module that neither follows lit3d's protocol nor parallelises itself."""
     return TypeError(

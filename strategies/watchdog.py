@@ -32,6 +32,13 @@ log = logging.getLogger(__name__)
 TORCH = str(Path(__import__("torch").__file__).parent)
 DISTRIBUTED = str(Path(TORCH) / "distributed")
 STDLIB = str(Path(threading.__file__).parent)
+# torch.distributed's functions that wait for peers (a frame in any other is "a torch.distributed call")
+COLLECTIVES = frozenset({
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter",
+    "reduce_scatter_tensor", "broadcast", "broadcast_object_list", "barrier", "monitored_barrier", "all_to_all",
+    "all_to_all_single", "send", "recv", "isend", "irecv", "batch_isend_irecv", "gather", "scatter", "reduce", "wait",
+    "wait_tensor", "_wait", "new_group", "new_subgroups_by_enumeration", "init_process_group",
+})  # fmt: skip
 BATCHES = {"train": "training", "validate": "validation", "sanity_check": "validation", "predict": "prediction"}
 
 
@@ -44,7 +51,8 @@ def where(frames: list[traceback.FrameSummary]) -> str:
     parts = []
     if collective is not None:
         module = Path(collective.filename).relative_to(TORCH).with_suffix("").as_posix().replace("/", ".")
-        parts.append(f"in collective {collective.name} (torch.{module})")
+        kind = "collective" if collective.name in COLLECTIVES else "torch.distributed call"
+        parts.append(f"in {kind} {collective.name} (torch.{module})")
     if caller is not None:
         parts.append(f"{'called from' if collective else 'in'} {_at(caller)}")
     elif frames:
@@ -102,7 +110,10 @@ class Watchdog:
             self._thread.start()
 
     def stop(self) -> None:
+        """End the watch and wait for its thread (nothing of a fit outlives it)."""
         self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
         self._thread = None
 
     def stall_report(self) -> str | None:

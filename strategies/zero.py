@@ -34,6 +34,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from lit3d.parallel.layout import LIGHTNING_DIM_NAMES
+
 
 def apply_data_parallel(
     network: nn.Module,
@@ -168,11 +170,13 @@ def check_replicas_in_sync(module: nn.Module, dp_mesh: DeviceMesh, other_roots: 
             "or give the module lit3d's protocol (`model.blocks` and a `tensor_parallel_plan`) so the strategy does"
         )
     dim = dp_mesh.mesh_dim_names[0]
+    dims = {dim, *(long for long, short in LIGHTNING_DIM_NAMES.items() if short == dim)}  # a module's own mesh's too
     replicated = {}
     for name, p in module.named_parameters():
         if isinstance(p, DTensor):
-            names = p.device_mesh.mesh_dim_names
-            if dim in names and not p.placements[names.index(dim)].is_replicate() or "ep" in names:
+            names = p.device_mesh.mesh_dim_names or ()
+            sharded = any(n in dims and not p.placements[i].is_replicate() for i, n in enumerate(names))
+            if sharded or "ep" in names:
                 continue  # sharded over the replicas (FSDP2's Shard, _StridedShard with TP, MoE experts)
             p = p.to_local()
         replicated[name] = p.detach()

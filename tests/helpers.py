@@ -53,6 +53,6 @@ class RecordPlacement(L.Callback):
         record = {
             "rank": trainer.global_rank,
             "node": trainer.node_rank,
-            "tp_group": dist.get_process_group_ranks(mesh["tp"].get_group()),
+            "tp_group": dist.get_process_group_ranks(mesh["tensor_parallel"].get_group()),
         }
         Path(f"placement_rank{trainer.global_rank}.json").write_text(json.dumps(record))

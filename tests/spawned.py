@@ -19,8 +19,9 @@ import json
 import multiprocessing
 import os
 import socket
+import threading
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -81,14 +82,17 @@ def _worker(rank: int, world: int, port: int, jobs: dict, out_dir: str) -> None:
         WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank),
         NODE_RANK="0",
+        SPAWNED_RANK=str(rank),
         HF_DATASETS_DISABLE_PROGRESS_BARS="1",
     )
     torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    # NOTE: one process group for every job of these ranks (a strategy ends only a group it started itself).
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     for name, job in jobs.items():
         result = run_job(job, Path(out_dir) / name, devices=world)
         (Path(out_dir) / name / f"rank{rank}.json").write_text(json.dumps(result))
-    import torch.distributed as dist
-
     if dist.is_initialized():  # leave together, and join gloo's threads now rather than at interpreter exit
         dist.barrier()
         dist.destroy_process_group()
@@ -111,9 +115,12 @@ def _run_job(job: dict, job_dir: Path, devices: int) -> dict:
     else:
         L.seed_everything(job.get("seed", 1234))
     if "user_module" in job:  # a module written for ModelParallelStrategy (tests/user_modules.py)
-        from user_modules import ParallelisesItself, RegressionData
+        import user_modules
 
-        model, data = ParallelisesItself(**job["user_module"]), RegressionData()
+        kwargs = dict(job["user_module"])
+        module_class = getattr(user_modules, kwargs.pop("class", "ParallelisesItself"))
+        data_class = user_modules.TokenData if module_class is user_modules.LlamaTP else user_modules.RegressionData
+        model, data = module_class(**kwargs), data_class()
     else:
         model_kwargs = dict(job.get("model", {}))
         model = GPT(GPTConfig(**model_kwargs.pop("config")), **model_kwargs)
@@ -131,9 +138,11 @@ def _run_job(job: dict, job_dir: Path, devices: int) -> dict:
             )
         )
     logger = CSVLogger(str(job_dir), name="log", version=0)
+    nodes = job.get("nodes", 1)
     options = dict(
         accelerator="cpu",
-        devices=devices if "strategy" in job else 1,
+        num_nodes=nodes,
+        devices=(devices // nodes if "strategy" in job else 1),
         strategy=strategy,
         logger=logger,
         log_every_n_steps=1,
@@ -145,8 +154,15 @@ def _run_job(job: dict, job_dir: Path, devices: int) -> dict:
     )
     if "loss_scale" in job:
         options["plugins"] = [LossScaledFP32(job["loss_scale"])]
-    trainer = L.Trainer(**{**options, **job.get("trainer", {})})
-    trainer.fit(model, data, ckpt_path=job.get("ckpt_path"))
+    if job.get("watch_launcher"):  # as if our launcher had started this rank (`LauncherWatch`)
+        os.environ["LIT3D_LAUNCHER_PID"] = str(os.getppid())
+    with simulated_nodes(nodes, devices):
+        trainer = L.Trainer(**{**options, **job.get("trainer", {})})
+        trainer.fit(model, data, ckpt_path=job.get("ckpt_path"))
+    os.environ.pop("LIT3D_LAUNCHER_PID", None)
+    if job.get("leftovers"):  # what the fit left running or set (it should leave nothing)
+        threads = [t.name for t in threading.enumerate() if t.name.startswith("lit3d")]
+        leftovers = {"threads": threads, "env": sorted(k for k in os.environ if k.startswith("LIT3D"))}
     probe = callbacks[0]
     result = {
         "memory": probe.memory,
@@ -154,6 +170,11 @@ def _run_job(job: dict, job_dir: Path, devices: int) -> dict:
         "comms": probe.comms,
         "param_sum": sum(float(_local(p).detach().double().sum()) for p in model.parameters()),
         "job_dir": str(job_dir),
+        "mesh": probe.mesh,
+        "whole_param_sum": sum(float(_whole(p).detach().double().sum()) for p in model.parameters())
+        if job.get("whole_param_sum")
+        else None,
+        "leftovers": leftovers if job.get("leftovers") else None,
     }
     for callback in callbacks:
         if isinstance(callback, CommReport):
@@ -175,6 +196,25 @@ def _run_job(job: dict, job_dir: Path, devices: int) -> dict:
     return result
 
 
+@contextmanager
+def simulated_nodes(nodes: int, devices: int):
+    """``nodes`` nodes of ``devices / nodes`` ranks each: this rank's LOCAL_RANK and NODE_RANK as a launcher would set
+    them (the process group is the same one)."""
+    if nodes == 1:
+        yield
+        return
+    rank, per_node = int(os.environ["SPAWNED_RANK"]), devices // nodes
+    os.environ.update(LOCAL_RANK=str(rank % per_node), NODE_RANK=str(rank // per_node))
+    try:
+        yield
+    finally:
+        os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:  # (a collective for a DTensor: every rank calls it)
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
@@ -184,9 +224,13 @@ class Probe(Callback):
 
     def __init__(self, count_comms: bool = False) -> None:
         self.count_comms, self.memory, self.sampler, self.comms = count_comms, {}, {}, []
+        self.mesh: dict = {}
         self._mode = None
 
     def on_train_start(self, trainer, pl_module):
+        mesh = getattr(trainer.strategy, "device_mesh", None) if hasattr(trainer.strategy, "_device_mesh") else None
+        if mesh is not None:
+            self.mesh = {"ranks": mesh.mesh.tolist(), "names": list(mesh.mesh_dim_names)}
         sampler = trainer.train_dataloader.sampler
         self.sampler = {
             "type": type(sampler).__name__,

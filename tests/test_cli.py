@@ -9,6 +9,8 @@ import pytest
 import torch
 from helpers import logged
 
+from lit3d import GPT
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
 QUICK = [
@@ -92,6 +94,9 @@ def test_fit_with_ckpt_path_last_starts_fresh_then_resumes_where_the_run_stopped
     assert "resuming from" in second.stderr + second.stdout and "step=2.ckpt" in second.stderr + second.stdout
     resumed = torch.tensor(logged(tmp_path / "runs" / "tiny" / "version_1", "train_loss"))
     torch.testing.assert_close(resumed, single_process_losses[2:], rtol=1e-5, atol=0)
+    # a checkpoint of `lit3d fit` (its hyper-parameters hold LightningCLI's `_class_path`) loads back in Python
+    model = GPT.load_from_checkpoint(tmp_path / "ckpts" / "epoch=0-step=4.ckpt")
+    assert model.global_step == 0 and model.config.name == "tiny" and model.model is not None
 
 
 LAYOUT_3D = ["--trainer.devices=4", "--trainer.strategy=Parallel3DStrategy"]

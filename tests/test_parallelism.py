@@ -48,9 +48,18 @@ def test_derived_settings():
     assert not Parallelism(sequence_parallel=True).splits_sequence  # needs tensor parallelism
     assert Parallelism(sequence_parallel=True, tensor_parallel_size=2).splits_sequence
     assert Parallelism(sync_every=4).runs_outer_loop and not Parallelism().runs_outer_loop
-    assert Parallelism(sequence_parallel=True).warnings() == [
+    assert Parallelism(sequence_parallel=True, tensor_parallel_size=1).warnings() == [
         "sequence_parallel=True does nothing with tensor_parallel_size=1"
     ]
+
+
+def test_auto_tensor_parallelism_follows_lightning_for_a_module_that_parallelises_itself():
+    settings = Parallelism()  # tensor_parallel_size="auto", as ModelParallelStrategy's default
+    assert settings.sizes(devices_per_node=4, lit3d_splits=False)["tensor_parallel_size"] == 4
+    assert settings.sizes(devices_per_node=4, lit3d_splits=True)["tensor_parallel_size"] == 1  # lit3d.GPT: when asked
+    assert (
+        Parallelism(tensor_parallel_size=2).sizes(devices_per_node=4, lit3d_splits=False)["tensor_parallel_size"] == 2
+    )
 
 
 def test_every_setting_is_documented_where_the_cli_reads_it():

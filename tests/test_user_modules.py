@@ -5,16 +5,32 @@ import pytest
 import torch
 
 MP, TRAIN = {"lightning_strategy": True}, {"trainer": {"max_steps": 5}}
+DP2, TP2 = {"data_parallel_size": 2, "tensor_parallel_size": 1}, {"data_parallel_size": 1, "tensor_parallel_size": 2}
+LLAMA = {"class": "LlamaTP"}  # Lightning's tensor-parallel example in small, with its own loss_parallel()
 JOBS = {
-    "mp_dp2": {"user_module": {"tensor_parallel": False}, **MP, "strategy": {"data_parallel_size": 2,
-                                                                             "tensor_parallel_size": 1}},
-    "3d_dp2": {"user_module": {"tensor_parallel": False}, "strategy": {}},  # the default zero_stage=1 included
-    "mp_tp2": {"user_module": {}, **MP, "strategy": {"data_parallel_size": 1, "tensor_parallel_size": 2}},
+    "mp_dp2": {"user_module": {"tensor_parallel": False}, **MP, "strategy": DP2},
+    "3d_dp2": {"user_module": {"tensor_parallel": False}, "strategy": DP2},  # the default zero_stage=1 included
+    "mp_tp2": {"user_module": {}, **MP, "strategy": TP2},
     "3d_tp2": {"user_module": {}, "strategy": {"tensor_parallel_size": 2}},
-    "3d_dp2_nothing_syncs": {"user_module": {"tensor_parallel": False, "data_parallel": False}, "strategy": {},
+    "mp_defaults": {"user_module": {}, **MP, "strategy": {}},  # no sizes: TP over the node's devices
+    "3d_defaults": {"user_module": {}, "strategy": {}, "leftovers": True, "watch_launcher": True},
+    "3d_defaults_again": {"user_module": {}, "strategy": {}, "leftovers": True, "watch_launcher": True},
+    "mp_llama_dp2": {"user_module": LLAMA, **MP, "strategy": DP2},
+    "3d_llama_dp2": {"user_module": LLAMA, "strategy": DP2},
+    "mp_llama_tp2": {"user_module": LLAMA, **MP, "strategy": TP2},
+    "3d_llama_tp2": {"user_module": LLAMA, "strategy": TP2},
+    "3d_single_file": {"user_module": {}, "strategy": {"save_distributed_checkpoint": False}, "checkpoint_every": 5,
+                       "whole_param_sum": True},
+    "3d_dp2_nothing_syncs": {"user_module": {"tensor_parallel": False, "data_parallel": False}, "strategy": DP2,
                              "expect_error": True},
     "3d_dp2_apart": {"user_module": {"tensor_parallel": False, "data_parallel": "replicate", "seed_by_rank": True},
-                     "strategy": {}, "expect_error": True},
+                     "strategy": DP2, "expect_error": True},
+}  # fmt: skip
+JOBS_4 = {  # 4 ranks: DP2 x TP2 on one node, and the defaults on 2 nodes x 2 devices
+    "mp_llama_dp2tp2": {"user_module": LLAMA, **MP, "strategy": {"data_parallel_size": 2, "tensor_parallel_size": 2}},
+    "3d_llama_dp2tp2": {"user_module": LLAMA, "strategy": {"data_parallel_size": 2, "tensor_parallel_size": 2}},
+    "mp_defaults_2x2": {"user_module": {}, **MP, "strategy": {}, "nodes": 2},
+    "3d_defaults_2x2": {"user_module": {}, "strategy": {}, "nodes": 2},
 }  # fmt: skip
 
 
@@ -25,9 +41,20 @@ def user_runs(tmp_path_factory) -> dict[str, dict]:
     return run_jobs(2, {name: {**TRAIN, **job} for name, job in JOBS.items()}, tmp_path_factory.mktemp("user"))
 
 
-@pytest.mark.parametrize("layout", ["dp2", "tp2"])
-def test_a_model_parallel_strategy_module_trains_as_under_model_parallel_strategy(user_runs, layout):
-    lightning, lit3d = user_runs[f"mp_{layout}"]["losses"], user_runs[f"3d_{layout}"]["losses"]
+@pytest.fixture(scope="module")
+def user_runs_4(tmp_path_factory) -> dict[str, dict]:
+    from spawned import run_jobs
+
+    return run_jobs(4, {name: {**TRAIN, **job} for name, job in JOBS_4.items()}, tmp_path_factory.mktemp("user4"))
+
+
+def runs(user_runs, user_runs_4, name: str) -> dict:
+    return user_runs_4[name] if name in JOBS_4 else user_runs[name]
+
+
+@pytest.mark.parametrize("layout", ["dp2", "tp2", "defaults", "llama_dp2", "llama_tp2", "llama_dp2tp2", "defaults_2x2"])
+def test_a_model_parallel_strategy_module_trains_as_under_model_parallel_strategy(user_runs, user_runs_4, layout):
+    lightning, lit3d = (runs(user_runs, user_runs_4, f"{kind}_{layout}")["losses"] for kind in ("mp", "3d"))
     assert len(set(lightning)) == 5  # five steps on five batches, the weights changing in between
     torch.testing.assert_close(torch.tensor(lit3d), torch.tensor(lightning), rtol=1e-5, atol=0)
 
@@ -39,3 +66,80 @@ def test_a_model_parallel_strategy_module_trains_as_under_model_parallel_strateg
 def test_replicas_that_would_drift_apart_are_refused_before_training_on_every_rank(user_runs, name, message):
     for rank in user_runs[name]["ranks"]:
         assert rank["error"] is not None and message in rank["error"], rank["error"]
+
+
+@pytest.mark.parametrize("layout", ["defaults", "defaults_2x2"])
+def test_no_sizes_give_model_parallel_strategys_own_mesh(user_runs, user_runs_4, layout):
+    lightning, lit3d = (runs(user_runs, user_runs_4, f"{kind}_{layout}") for kind in ("mp", "3d"))
+    for rank_lightning, rank_lit3d in zip(lightning["ranks"], lit3d["ranks"], strict=True):
+        assert rank_lit3d["mesh"] == rank_lightning["mesh"] and rank_lit3d["mesh"]["names"] == [
+            "data_parallel",
+            "tensor_parallel",
+        ]
+    # 1 node x 2: TP over the node; 2 nodes x 2: TP inside each node, DP across them
+    assert lit3d["mesh"]["ranks"] == ([[0, 1]] if layout == "defaults" else [[0, 1], [2, 3]])
+
+
+def test_two_fits_in_one_process_leave_no_thread_or_variable_behind(user_runs):
+    for name in ("3d_defaults", "3d_defaults_again"):
+        for rank in user_runs[name]["ranks"]:
+            assert rank["leftovers"] == {"threads": [], "env": []}, (name, rank["leftovers"])
+    torch.testing.assert_close(  # and the second fit is a run of its own, from the same start
+        torch.tensor(user_runs["3d_defaults_again"]["losses"]), torch.tensor(user_runs["3d_defaults"]["losses"])
+    )
+
+
+def test_a_single_file_checkpoint_loads_in_a_plain_lightning_module_on_one_device(user_runs):
+    from pathlib import Path
+
+    from user_modules import ParallelisesItself
+
+    folder = Path(user_runs["3d_single_file"]["job_dir"]) / "ckpts"
+    (file,) = folder.iterdir()
+    assert file.is_file() and file.name == "step=5.ckpt", list(folder.iterdir())  # no shards left beside it
+    model = ParallelisesItself.load_from_checkpoint(file, tensor_parallel=False, data_parallel=False)
+    param_sum = sum(float(p.detach().double().sum()) for p in model.parameters())
+    assert param_sum == pytest.approx(user_runs["3d_single_file"]["whole_param_sum"], rel=1e-6)
+
+
+def test_two_fits_in_this_process_start_and_end_their_own_process_group(tmp_path):
+    import os
+    import threading
+
+    import lightning as L
+    import torch.distributed as dist
+    from user_modules import ParallelisesItself, RegressionData
+
+    from lit3d.strategies import Parallel3DStrategy
+
+    assert not dist.is_initialized()
+    losses = []
+    for run in range(2):
+        L.seed_everything(0)
+        trainer = L.Trainer(accelerator="cpu", devices=1, strategy=Parallel3DStrategy(), max_steps=2, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            default_root_dir=tmp_path)  # fmt: skip
+        model = ParallelisesItself()
+        trainer.fit(model, RegressionData())
+        losses.append(float(trainer.callback_metrics["train_loss"]))
+        assert not dist.is_initialized(), run  # the group this fit started ended with it
+        assert not [k for k in os.environ if k.startswith("LIT3D")], run
+        assert not [t.name for t in threading.enumerate() if t.name.startswith("lit3d")], run
+    assert losses[0] == losses[1]  # two runs alike
+
+
+def test_sizes_that_do_not_fit_the_ranks_are_a_runtime_error_as_under_lightning(tmp_path):
+    """ModelParallelStrategy raises a RuntimeError for mesh sizes (in its ranks); lit3d refuses before any rank starts,
+    with an error that is a RuntimeError too (and a ValueError)."""
+    import lightning as L
+    from user_modules import ParallelisesItself, RegressionData
+
+    from lit3d.strategies import Parallel3DStrategy
+
+    strategy = Parallel3DStrategy(data_parallel_size=3, tensor_parallel_size=1)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False,
+                        enable_checkpointing=False, default_root_dir=tmp_path)  # fmt: skip
+    with pytest.raises(RuntimeError, match=r"data_parallel_size=3 x tensor_parallel_size=1 .* = 3, but 2 ranks"):
+        trainer.fit(ParallelisesItself(), RegressionData())
+    with pytest.raises(ValueError):
+        trainer.fit(ParallelisesItself(), RegressionData())

@@ -59,3 +59,113 @@ class ParallelisesItself(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+class TokenData(L.LightningDataModule):
+    """48 fixed random token sequences of 17 in batches of 4; Lightning adds the distributed sampler."""
+
+    def train_dataloader(self) -> DataLoader:
+        tokens = torch.randint(0, 64, (48, 17), generator=torch.Generator().manual_seed(0))
+        return DataLoader(TensorDataset(tokens), batch_size=4)
+
+
+class Block(nn.Module):
+    """A Llama block: RMSNorm, causal attention (wq, wk, wv, wo), RMSNorm, SwiGLU (w1, w3, w2)."""
+
+    def __init__(self, dim: int = 32, n_heads: int = 4) -> None:
+        super().__init__()
+        self.head_dim = dim // n_heads
+        self.attention_norm, self.ffn_norm = nn.RMSNorm(dim), nn.RMSNorm(dim)
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.w1, self.w3, self.w2 = nn.Linear(dim, 64, bias=False), nn.Linear(dim, 64, bias=False), nn.Linear(64, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.attention_norm(x)
+        q, k, v = (w(h) for w in (self.wq, self.wk, self.wv))
+        b, s = q.shape[:2]  # the whole sequence (the block's input may be this rank's part of it)
+        q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        attention = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, -1)
+        x = x + self.wo(attention)
+        h = self.ffn_norm(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+class Llama(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.layers = nn.Embedding(64, 32), nn.ModuleList([Block(), Block()])
+        self.norm, self.output = nn.RMSNorm(32), nn.Linear(32, 64, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.layers:
+            x = block(x)
+        return self.output(self.norm(x))
+
+
+class LlamaTP(L.LightningModule):
+    """Lightning's tensor-parallel example in small (`examples/pytorch/tensor_parallel`), written anew: a Llama with
+    tensor and sequence parallelism by `parallelize_module`, then FSDP2 per block and over the whole model, all in
+    `configure_model` with Lightning's mesh names, and `loss_parallel()` around its loss and its backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model: nn.Module | None = None
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            SequenceParallel,
+            parallelize_module,
+        )
+
+        if self.model is not None:
+            return
+        self.model = Llama()
+        tp, dp = self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"]
+        parallelize_module(self.model, tp, {
+            "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+        })  # fmt: skip
+        for block in self.model.layers:
+            parallelize_module(
+                block,
+                tp,
+                {
+                    "attention_norm": SequenceParallel(),
+                    "ffn_norm": SequenceParallel(),
+                    "wq": ColwiseParallel(),
+                    "wk": ColwiseParallel(),
+                    "wv": ColwiseParallel(),
+                    "wo": RowwiseParallel(output_layouts=Shard(1)),
+                    "w1": ColwiseParallel(),
+                    "w3": ColwiseParallel(),
+                    "w2": RowwiseParallel(output_layouts=Shard(1)),
+                },
+            )  # fmt: skip  (the norms' outputs are split along the sequence; the colwise layers gather them)
+        for block in self.model.layers:
+            fully_shard(block, mesh=dp)
+        fully_shard(self.model, mesh=dp)
+
+    def training_step(self, batch, batch_idx):
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        (tokens,) = batch
+        logits = self.model(tokens[:, :-1])
+        with loss_parallel():
+            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
+        self.log("train_loss", loss.full_tensor() if hasattr(loss, "full_tensor") else loss, on_step=True)
+        return loss
+
+    def backward(self, *args, **kwargs):
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        with loss_parallel():
+            super().backward(*args, **kwargs)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)

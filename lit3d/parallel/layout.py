@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from lit3d.parallel.schedules import DEFAULT_CHUNKS, SCHEDULES, chunks_per_rank, microbatch_problem
+from lit3d.parallel.schedules import DEFAULT_CHUNKS, SCHEDULES, chunks_per_rank, describe_schedule, microbatch_problem
 
 ZERO_STAGES = (0, 1, 2, 3)
 MESH_DIMS = ("pp", "dp", "cp", "tp")  # outermost first: the order of the rank formula
@@ -197,6 +197,36 @@ class Layout:
         return "\n".join(lines)
 
 
+def layout_lines(layout: Layout, parallelism: Any, microbatches: int, lit3d_splits: bool) -> list[str]:
+    """What rank 0 logs at the start: the rank map, what ``tensor_parallel_size="auto"`` became and by which
+    convention (``lit3d_splits``: whether lit3d splits the module, or the module parallelises itself), and with a
+    pipeline the schedule (``parallelism``: the run's `lit3d.parallel.Parallelism`)."""
+    lines = [layout.rank_map()]
+    if parallelism.tensor_parallel_size == "auto":
+        convention = (
+            "lit3d splits this module, with tensor parallelism when asked"
+            if lit3d_splits
+            else "the devices of a node, as Lightning's ModelParallelStrategy, for a module that parallelises itself"
+        )
+        lines.append(f"tensor_parallel_size='auto' is {layout.tp}: {convention}")
+    if layout.pp > 1:
+        p = parallelism
+        lines.append(describe_schedule(p.pipeline_schedule, layout.pp, microbatches, p.chunks_per_rank))
+    return lines
+
+
+def sizes_of(layout: Layout) -> dict[str, int]:
+    """The `Parallelism` sizes of ``layout`` (``data_parallel_size``: the replicas of every island)."""
+    return {
+        "data_parallel_size": layout.data_replicas,
+        "tensor_parallel_size": layout.tp,
+        "pipeline_parallel_size": layout.pp,
+        "expert_parallel_size": layout.ep,
+        "context_parallel_size": layout.cp,
+        "islands": layout.islands,
+    }
+
+
 def resolve_layout(
     world_size: int,
     devices_per_node: int,
@@ -249,9 +279,9 @@ def check_islands(islands: int, data_parallel_size: int, expert_parallel_size: i
 
 
 def check_sizes(**sizes: Any) -> None:
-    """Each ``*_size`` is a positive int (``data_parallel_size`` may be "auto")."""
+    """Each ``*_size`` is a positive int (``data_parallel_size`` and ``tensor_parallel_size`` may be "auto")."""
     for name, value in sizes.items():
-        if name == "data_parallel_size" and value == "auto":
+        if name in ("data_parallel_size", "tensor_parallel_size") and value == "auto":
             continue
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive integer")

@@ -42,10 +42,12 @@ class Parallelism:
         """Replicas of the model, each fed its share
         of the global batch; ``"auto"`` uses every rank that tensor and pipeline parallelism leave.""",
     )
-    tensor_parallel_size: int = _setting(
-        1,
-        """Ranks that split every layer (heads, MLP width, vocabulary).
-        Keep it within a node: it communicates twice per layer.""",
+    tensor_parallel_size: int | Literal["auto"] = _setting(
+        "auto",
+        """Ranks that split every layer (heads, MLP width, vocabulary). Keep it within a node: it communicates twice
+        per layer. ``"auto"``: 1 for a module lit3d splits (like `lit3d.GPT`: tensor parallelism when asked), and the
+        devices of a node for a module that parallelises itself in ``configure_model`` (Lightning's
+        ``ModelParallelStrategy`` convention, whose defaults then give its very mesh).""",
     )
     pipeline_parallel_size: int = _setting(1, "Ranks that split the depth into stages of consecutive blocks.")
     expert_parallel_size: int = _setting(
@@ -112,6 +114,12 @@ class Parallelism:
         """Write sharded checkpoints in the background: training waits
         only while each rank's shards are copied to host memory; the folder still appears complete or not at
         all, and a failed write is raised at the next save or at the end of training, naming the folder.""",
+    )
+    save_distributed_checkpoint: bool = _setting(
+        True,
+        """``True``: a checkpoint is a folder in which every rank writes its own shards (any layout resumes it).
+        ``False``: one consolidated file, as Lightning's ``ModelParallelStrategy`` writes it, that a plain
+        ``LightningModule`` loads on one device (rank 0 gathers it in its CPU memory).""",
     )
     process_group_backend: str | None = _setting(
         None,
@@ -182,16 +190,27 @@ class Parallelism:
                 "start_method='popen' cannot start ranks from a notebook or an interactive session: "
                 "use start_method='fork' (or leave it unset), or run a script"
             )
-        if not isinstance(self.async_checkpoint, bool):
-            raise ValueError(f"async_checkpoint={self.async_checkpoint!r} must be True or False")
+        for name in ("async_checkpoint", "save_distributed_checkpoint"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+        if self.async_checkpoint and not self.save_distributed_checkpoint:
+            raise ValueError(
+                "async_checkpoint=True writes sharded folders in the background; with save_distributed_checkpoint="
+                "False (one consolidated file) use async_checkpoint=False"
+            )
         if not isinstance(self.timeout, timedelta) or self.timeout.total_seconds() <= 0:
             raise ValueError(f"timeout={self.timeout!r} must be a positive datetime.timedelta")
 
-    def sizes(self) -> dict[str, int | str]:
-        """The axes' sizes by their argument names (what `lit3d.parallel.layout.resolve_layout` takes)."""
+    def sizes(self, devices_per_node: int | None = None, lit3d_splits: bool = True) -> dict[str, int | str]:
+        """The axes' sizes by their argument names (what `lit3d.parallel.layout.resolve_layout` takes). Given the
+        ``devices_per_node``, ``tensor_parallel_size="auto"`` is resolved: 1 for a module lit3d splits
+        (``lit3d_splits``), else the devices of a node, as Lightning's ``ModelParallelStrategy`` does."""
+        tp = self.tensor_parallel_size
+        if tp == "auto" and devices_per_node is not None:
+            tp = 1 if lit3d_splits else devices_per_node
         return {
             "data_parallel_size": self.data_parallel_size,
-            "tensor_parallel_size": self.tensor_parallel_size,
+            "tensor_parallel_size": tp,
             "pipeline_parallel_size": self.pipeline_parallel_size,
             "expert_parallel_size": self.expert_parallel_size,
             "context_parallel_size": self.context_parallel_size,
@@ -211,7 +230,7 @@ class Parallelism:
     @property
     def splits_sequence(self) -> bool:
         """Whether sequence parallelism runs (it needs tensor parallelism)."""
-        return self.sequence_parallel and self.tensor_parallel_size > 1
+        return self.sequence_parallel and self.tensor_parallel_size not in (1, "auto")
 
     @property
     def runs_outer_loop(self) -> bool:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lit3d.config import GPTConfig
-from lit3d.parallel.layout import Layout
+from lit3d.parallel.layout import Layout, sizes_of  # noqa: F401 (read from here too)
 from lit3d.parallel.schedules import Costs, bubble_theory
 from lit3d.parallel.settings import Parallelism
 from lit3d.planner.inputs import (  # noqa: F401 (read from here too)
@@ -100,18 +100,6 @@ def planned_layout(layout: Layout, settings: Parallelism) -> dict[str, int]:
         "expert_parallel_size": layout.ep,
         "context_parallel_size": layout.cp,
         **islands,
-    }
-
-
-def sizes_of(layout: Layout) -> dict[str, int]:
-    """The `Parallelism` sizes of ``layout`` (``data_parallel_size``: the replicas of every island)."""
-    return {
-        "data_parallel_size": layout.data_replicas,
-        "tensor_parallel_size": layout.tp,
-        "pipeline_parallel_size": layout.pp,
-        "expert_parallel_size": layout.ep,
-        "context_parallel_size": layout.cp,
-        "islands": layout.islands,
     }
 
 

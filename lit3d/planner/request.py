@@ -66,8 +66,9 @@ class Request:
         leaves the rest to the planner: ``seq_len`` the model's longest, the other numbers `Training`'s defaults,
         the settings `planning_defaults`."""
         config = GPTConfig.load(model)
-        if given.get("data_parallel_size") == "auto":
-            del given["data_parallel_size"]  # (what tensor and pipeline parallelism leave: not fixed)
+        for name in ("data_parallel_size", "tensor_parallel_size"):
+            if given.get(name) == "auto":
+                del given[name]  # (for the planner to choose: not fixed)
         numbers = {f.name: given.pop(f.name) for f in fields(Training) if f.name in given}
         training = Training(**{"seq_len": config.max_seq_len, **numbers})
         return cls(config, cluster or Cluster(), training, planning_defaults(**given), frozenset({*numbers, *given}),
