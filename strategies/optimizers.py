@@ -33,10 +33,15 @@ class OptimizerSteps:
         meshes: The run's meshes and groups.
         precision: Lightning's precision setting (``"bf16-mixed"``, ...).
         zero1: Whether ZeRO-1 shards the optimizer states (the strategy applied data parallelism itself).
+        split: Whether the strategy split the module (a module that parallelises itself keeps its optimizers as
+            they are, with their DTensor parameters, as under Lightning's ``ModelParallelStrategy``).
     """
 
-    def __init__(self, parallelism: Parallelism, meshes: ParallelMeshes, precision: str, zero1: bool) -> None:
+    def __init__(
+        self, parallelism: Parallelism, meshes: ParallelMeshes, precision: str, zero1: bool, split: bool = True
+    ) -> None:
         self.parallelism, self.meshes, self.precision, self.zero1 = parallelism, meshes, precision, zero1
+        self.split = split
         self.local: dict[int, LocalShardOptimizer] = {}  # by id of the optimizer
         self.outer_loop: OuterLoop | None = None
 
@@ -56,7 +61,7 @@ class OptimizerSteps:
                 opt, mesh, dtype, module, self.meshes.experts, torch.bfloat16 if masters else None, kept
             )
             for opt in optimizers
-            if self.zero1 or (isinstance(opt, ELEMENTWISE_OPTIMIZERS) and _has_dtensor_params(opt))
+            if self.zero1 or (self.split and isinstance(opt, ELEMENTWISE_OPTIMIZERS) and _has_dtensor_params(opt))
         }
         if self.parallelism.runs_outer_loop:
             self.outer_loop = build_outer_loop(self.parallelism, self.meshes, module, optimizers, self.local)

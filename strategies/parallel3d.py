@@ -99,7 +99,7 @@ class Parallel3DStrategy(ModelParallelStrategy):
         self.optimizer_steps: OptimizerSteps | None = None  # built with the optimizers
         self.checkpoints = sharded.Checkpoints(async_checkpoint, save_distributed_checkpoint)
         self.pipeline: Pipeline | None = None  # this rank's stages and schedule, when pipeline_parallel_size > 1
-        self.rank_life = RankLife()  # the launcher watch, the watchdog, the process group: none outlives a fit
+        self.rank_life = RankLife()  # the launcher watch and the watchdog: neither outlives a fit
         self._parallelized: nn.Module | None = None  # the network this strategy split
         self.plan: Plan | None = None  # the planner's estimate of this run (a lit3d GPT only), set at fit start
         self.memory_estimate: dict[str, int] | None = None  # the planner's bytes for this rank's stage
@@ -239,10 +239,11 @@ class Parallel3DStrategy(ModelParallelStrategy):
     def setup_optimizers(self, trainer: Trainer) -> None:
         super().setup_optimizers(trainer)  # Lightning's drops the optimizers of an earlier setup first
         # ZeRO-1 where the strategy applied data parallelism; a module that parallelises itself chose its own.
-        zero1 = self.parallelism.zero_stage == 1 and self.layout.replicas > 1 and self._parallelized is not None
+        split = self._parallelized is not None
+        zero1 = self.parallelism.zero_stage == 1 and self.layout.replicas > 1 and split
         earlier, self.optimizer_steps = (
             self.optimizer_steps,
-            OptimizerSteps(self.parallelism, self.meshes, self.precision_plugin.precision, zero1),
+            OptimizerSteps(self.parallelism, self.meshes, self.precision_plugin.precision, zero1, split),
         )
         self.optimizer_steps.build(self.optimizers, self.lightning_module, earlier)
 
@@ -383,10 +384,9 @@ class Parallel3DStrategy(ModelParallelStrategy):
     @override
     def teardown(self) -> None:
         self.checkpoints.abandon()  # a save still in flight when the fit ended by an error
-        self.rank_life.stop_threads()
+        self.rank_life.stop()
         super().teardown()
-        if self.rank_life.end_process_group():  # two fits in one process are two runs
-            self._layout, self.meshes = None, None
+        self._layout, self.meshes = None, None  # the next stage or fit resolves them anew (its module may differ)
 
     def _beat(self, doing: str) -> None:
         self.rank_life.beat(f"the start of {doing} (step {self.lightning_module.trainer.global_step})")

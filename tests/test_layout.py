@@ -88,7 +88,7 @@ def test_bad_strategy_arguments_name_the_value(kwargs, message):
 
 def test_sequence_parallel_without_tensor_parallel_warns():
     with pytest.warns(UserWarning, match="sequence_parallel=True does nothing with tensor_parallel_size=1"):
-        Parallel3DStrategy(sequence_parallel=True)
+        Parallel3DStrategy(sequence_parallel=True, tensor_parallel_size=1)
 
 
 def test_registered_as_3d():

@@ -102,7 +102,24 @@ def test_a_single_file_checkpoint_loads_in_a_plain_lightning_module_on_one_devic
     assert param_sum == pytest.approx(user_runs["3d_single_file"]["whole_param_sum"], rel=1e-6)
 
 
-def test_two_fits_in_this_process_start_and_end_their_own_process_group(tmp_path):
+@pytest.fixture
+def own_process_group():
+    """This test's process group and environment (Lightning sets MASTER_PORT), ended and restored after it."""
+    import os
+
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    environment = dict(os.environ)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(environment)
+
+
+def test_two_fits_in_this_process_leave_nothing_behind_but_the_process_group(tmp_path, own_process_group):
+    """As under Lightning, the process group stays for the next stage or fit (its store keeps its port)."""
     import os
     import threading
 
@@ -112,23 +129,21 @@ def test_two_fits_in_this_process_start_and_end_their_own_process_group(tmp_path
 
     from lit3d.strategies import Parallel3DStrategy
 
-    assert not dist.is_initialized()
     losses = []
     for run in range(2):
         L.seed_everything(0)
         trainer = L.Trainer(accelerator="cpu", devices=1, strategy=Parallel3DStrategy(), max_steps=2, logger=False,
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                             default_root_dir=tmp_path)  # fmt: skip
-        model = ParallelisesItself()
-        trainer.fit(model, RegressionData())
+        trainer.fit(ParallelisesItself(), RegressionData())
         losses.append(float(trainer.callback_metrics["train_loss"]))
-        assert not dist.is_initialized(), run  # the group this fit started ended with it
+        assert dist.is_initialized() and dist.get_world_size() == 1, run
         assert not [k for k in os.environ if k.startswith("LIT3D")], run
         assert not [t.name for t in threading.enumerate() if t.name.startswith("lit3d")], run
     assert losses[0] == losses[1]  # two runs alike
 
 
-def test_sizes_that_do_not_fit_the_ranks_are_a_runtime_error_as_under_lightning(tmp_path):
+def test_sizes_that_do_not_fit_the_ranks_are_a_runtime_error_as_under_lightning(tmp_path, own_process_group):
     """ModelParallelStrategy raises a RuntimeError for mesh sizes (in its ranks); lit3d refuses before any rank starts,
     with an error that is a RuntimeError too (and a ValueError)."""
     import lightning as L
