@@ -6,7 +6,7 @@ configuration in the launching process, so a bad layout fails once, before any p
 - `CheckingLauncher`: Lightning's script launcher (re-runs the command line once per local rank);
 - `ForkLauncher`: forks the ranks from the current process, as Lightning's ``ddp_notebook`` does (Jupyter).
 
-A rank our launcher started watches it (`exit_when_launcher_dies`): if rank 0's process dies, the rank exits
+A rank our launcher started watches it (`LauncherWatch`): if rank 0's process dies, the rank exits
 instead of waiting in a collective. Lightning already ends every rank when a child fails; this covers the other
 direction.
 """

@@ -1,7 +1,7 @@
 """What `lit3d plan` plans for a bf16-mixed run against what the run holds, at ZeRO 0, 1 and 3 on 2 ranks.
 
 The plan is the search's own `estimate` of the layout (what `lit3d plan` prints and picks by), not the run's. The run
-measures its parameters, gradients and optimizer states at the last optimizer step (`memory_report`), the bytes
+measures its parameters, gradients and optimizer states at the last optimizer step (`memory_by_component`), the bytes
 autograd saves in each forward (saved-tensor hooks: the activations, with autocast's bf16 copies of fp32 weights), and
 the most bytes of live tensors each rank holds over a whole step (`live_memory.PeakMemory`: what a GPU's allocator
 would hand out), against the plan's total. A model wide enough for its weights and optimizer states to dominate, as in
