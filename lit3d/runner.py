@@ -75,8 +75,3 @@ class ContextShare:
             f"context_parallel_size={self.size} holds a share of every sequence; whole-sequence outputs (prediction, "
             "sampling) need context_parallel_size=1 (a checkpoint loads in any layout)"
         )
-
-
-def runner_of(module: Any) -> Runner:
-    """The module's runner (`WholeNetwork` for a module that has none)."""
-    return getattr(module, "runner", None) or WholeNetwork()

@@ -15,7 +15,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lit3d.strategies.checkpoint import (
     PARTIAL_SUFFIX,
-    _barrier,
     check_readable,
     init_optimizer_state,
     load,
@@ -76,12 +75,16 @@ class Checkpoints:
         }
         tensors = with_islands(tensors, *islands)
         checkpoint["rng"] = _collect_rng_states()  # rank 0's; every rank was seeded alike
-        if not self.distributed:  # one file: the shards written, then made whole by rank 0
+        if not self.distributed:  # one file of the weights: their shards written, then made whole by rank 0
             shards = path.with_name(path.name + SHARDS_SUFFIX)
-            save(shards, tensors, checkpoint, is_global_zero)
+            save(shards, {"state_dict": tensors["state_dict"]}, checkpoint, is_global_zero)
+            failure = None
             if is_global_zero:
-                write_single_file(shards, path)
-            _barrier()
+                try:
+                    write_single_file(shards, path)
+                except Exception as error:  # every rank raises, rather than wait for rank 0 in a collective
+                    failure = f"{type(error).__name__}: {error}"
+            _raise_on_every_rank(failure, f"writing the single-file checkpoint {str(path)!r} failed on rank 0")
             return
         if not self.asynchronous:
             save(path, tensors, checkpoint, is_global_zero)
@@ -103,6 +106,12 @@ class Checkpoints:
         """Fill the module's ``state_dict()`` (its shards, in place) and the ``optimizers``' states from the
         checkpoint at ``path``; return everything else it holds, with the random states restored."""
         self.wait()  # a save in flight first
+        if path.is_file():
+            raise ValueError(
+                f"{str(path)!r} is a single-file checkpoint (save_distributed_checkpoint=False): it holds the weights "
+                "only and does not resume; resume from a checkpoint folder, or start from its weights (for lit3d's "
+                "GPT: `GPT(pretrained=...)`, `--model.pretrained=...`)"
+            )
         check_readable(path)
         tensors: dict[str, Any] = {"state_dict": state_dict()}
         if optimizers:
@@ -142,3 +151,15 @@ def write_single_file(folder: Path, path: Path) -> None:
         shutil.rmtree(path)
     partial.replace(path)
     shutil.rmtree(folder)
+
+
+def _raise_on_every_rank(failure: str | None, what: str) -> None:
+    """Rank 0's ``failure`` (or None), raised on every rank alike."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        shared = [failure]
+        dist.broadcast_object_list(shared, src=0)
+        failure = shared[0]
+    if failure is not None:
+        raise RuntimeError(f"{what}: {failure}")

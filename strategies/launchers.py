@@ -106,6 +106,7 @@ class LauncherWatch:
             return
         if int(launcher) == os.getpid() or os.getppid() != int(launcher):
             return
+        self._stopped.clear()  # (a watch stopped at an earlier stage's teardown watches again)
         self._thread = threading.Thread(target=self._watch, args=(int(launcher),), name="lit3d-launcher-watch")
         self._thread.daemon = True
         self._thread.start()

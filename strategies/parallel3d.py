@@ -349,7 +349,7 @@ class Parallel3DStrategy(ModelParallelStrategy):
         return meta
 
     def _islands(self) -> tuple[int, Any]:
-        """This rank's DiLoCo island and the outer loop (`lit3d.strategies.checkpoint.with_islands`)."""
+        """This rank's DiLoCo island and the outer loop (`lit3d.strategies.checkpointing.with_islands`)."""
         outer_loop = self.optimizer_steps.outer_loop if self.optimizer_steps is not None else None
         return self.layout.island(self.global_rank), outer_loop
 
@@ -389,4 +389,5 @@ class Parallel3DStrategy(ModelParallelStrategy):
         self._layout, self.meshes = None, None  # the next stage or fit resolves them anew (its module may differ)
 
     def _beat(self, doing: str) -> None:
-        self.rank_life.beat(f"the start of {doing} (step {self.lightning_module.trainer.global_step})")
+        if self.rank_life.watchdog is not None:
+            self.rank_life.beat(f"the start of {doing} (step {self.lightning_module.trainer.global_step})")

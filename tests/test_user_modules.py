@@ -100,6 +100,10 @@ def test_a_single_file_checkpoint_loads_in_a_plain_lightning_module_on_one_devic
     model = ParallelisesItself.load_from_checkpoint(file, tensor_parallel=False, data_parallel=False)
     param_sum = sum(float(p.detach().double().sum()) for p in model.parameters())
     assert param_sum == pytest.approx(user_runs["3d_single_file"]["whole_param_sum"], rel=1e-6)
+    from lit3d.strategies.checkpointing import Checkpoints
+
+    with pytest.raises(ValueError, match="is a single-file checkpoint .* does not resume"):  # weights only
+        Checkpoints().load(file, dict, [], None, (0, None))
 
 
 @pytest.fixture

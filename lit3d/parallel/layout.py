@@ -209,6 +209,8 @@ def layout_lines(layout: Layout, parallelism: Any, microbatches: int, lit3d_spli
             else "the devices of a node, as Lightning's ModelParallelStrategy, for a module that parallelises itself"
         )
         lines.append(f"tensor_parallel_size='auto' is {layout.tp}: {convention}")
+        if parallelism.sequence_parallel and layout.tp == 1:
+            lines.append("sequence_parallel=True does nothing here: tensor_parallel_size is 1")
     if layout.pp > 1:
         p = parallelism
         lines.append(describe_schedule(p.pipeline_schedule, layout.pp, microbatches, p.chunks_per_rank))

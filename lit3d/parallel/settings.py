@@ -193,6 +193,11 @@ class Parallelism:
         for name in ("async_checkpoint", "save_distributed_checkpoint"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+        if self.islands > 1 and not self.save_distributed_checkpoint:
+            raise ValueError(
+                f"islands={self.islands} keeps each island's own weights in its checkpoint folder; "
+                "save_distributed_checkpoint=False (one file of one set of weights) needs islands=1"
+            )
         if self.async_checkpoint and not self.save_distributed_checkpoint:
             raise ValueError(
                 "async_checkpoint=True writes sharded folders in the background; with save_distributed_checkpoint="
