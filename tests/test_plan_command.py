@@ -111,11 +111,11 @@ def test_the_docs_moe_plan_commands_pick_the_layouts_they_quote(capsys):
         plans = [report, *report["alternatives"]]
         ranked[command] = (list(dict.fromkeys(grid(p["layout"]) for p in plans)), [p["step_time_s"] for p in plans])
     grids, times = ranked["lit3d plan --model mixtral-8x7b --nodes 8 --seq_len 4096"]
-    assert grids[:3] == ["DP32 × PP2 × EP8", "DP16 × PP4 × EP4", "DP4 × PP16"], grids
-    assert max(times[:3]) < 1.01 * times[0]
-    assert ranked["lit3d plan --model mixtral-8x7b --nodes 8"][0][0] == "DP1 × CP8 × PP8"
-    assert "ranks DP32 × PP2 × EP8, DP16 × PP4 × EP4 and DP4 × PP16 first" in " ".join(page.split())
-    assert "splits each sequence instead: CP8 × PP8" in " ".join(page.split())
+    assert grids[:3] == ["DP32 × PP2 × EP8", "DP16 × PP4 × EP4", "DP16 × PP4 × EP8"], grids
+    assert max(times[:3]) < 1.04 * times[0]
+    assert ranked["lit3d plan --model mixtral-8x7b --nodes 8"][0][0] == "DP16 × CP2 × PP2 × EP4"
+    assert "ranks DP32 × PP2 × EP8, DP16 × PP4 × EP4 and DP16 × PP4 × EP8 first" in " ".join(page.split())
+    assert "splits each sequence in two as well: DP16 × CP2 × PP2 × EP4" in " ".join(page.split())
 
 
 def test_a_cpu_rehearsal_plans_with_its_share_of_this_machines_cpu():

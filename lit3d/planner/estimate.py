@@ -7,18 +7,14 @@ Parameter shapes come from the model's config (the real model's, `lit3d.planner.
 from the model's tensor-parallel plan, the strategy's pipeline partition and its ZeRO rules, so the per-rank counts
 are exact (`lit3d plan --verify` checks them against the real parallelised model). Activations follow the per-layer
 accounting of Korthikanti et al. (2022) for this architecture (RMSNorm, SwiGLU, grouped-query attention, fused
-attention that stores no score matrix: `lit3d.planner.memory`). Step time is a simple roofline: matmul time at an
-assumed efficiency, tensor-parallel and pipeline traffic exposed, data-parallel traffic hidden behind backward where
-it fits, the whole stretched by the pipeline bubble.
+attention that stores no score matrix: `lit3d.planner.memory`). Step time is priced kernel class by kernel class,
+with what communication hides and what it exposes (`lit3d.planner.clock`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from lit3d.config import GPTConfig
 from lit3d.parallel.layout import Layout, sizes_of  # noqa: F401 (read from here too)
-from lit3d.parallel.schedules import Costs, bubble_theory
 from lit3d.parallel.settings import Parallelism
 from lit3d.planner.inputs import (  # noqa: F401 (read from here too)
     GB,
@@ -39,6 +35,7 @@ from lit3d.planner.memory import (  # noqa: F401 (the per-token counts are also 
     output_layer_bytes,
     params_total,
 )
+from lit3d.planner.clock import step_time
 from lit3d.planner.tensors import config_key
 from lit3d.planner.traffic import collectives, communication_bytes
 
@@ -58,8 +55,9 @@ def estimate(
     traffic = communication_bytes(config, layout, training, settings, precision)
     links = link_speeds(cluster, layout)
     latency = latencies(cluster, links, collectives(config, layout, training, settings))
-    seconds = {axis: traffic[axis] / (links[axis] * GB) + latency[axis] for axis in traffic}
-    time = step_time(config, cluster, layout, training, settings, seconds)
+    reached = cluster.gpu.efficiency.link  # of a link's rated bandwidth, by ring collectives
+    seconds = {axis: traffic[axis] / (links[axis] * reached * GB) + latency[axis] for axis in traffic}
+    time = step_time(config, cluster, layout, training, settings, traffic, seconds, precision)
     return Plan(
         layout=planned_layout(layout, settings),
         memory_per_gpu=memory.peak,
@@ -76,6 +74,8 @@ def estimate(
         },
         pipeline_bubble=time.bubble,
         step_time_s=time.step,
+        tokens_per_s_per_gpu=training.global_batch_size * training.seq_len / (time.step * layout.world_size),
+        time_breakdown=time.breakdown,
         mfu=time.model_flops / layout.world_size / (time.step * cluster.peak_tflops * 1e12),
         fits=memory.peak["total"] <= cluster.gpu_memory_gb * GB * (1 - training.headroom),
         num_microbatches=time.microbatches,
@@ -105,14 +105,19 @@ def planned_layout(layout: Layout, settings: Parallelism) -> dict[str, int]:
 
 def link_speeds(cluster: Cluster, layout: Layout) -> dict[str, float]:
     """GB/s per GPU of the link each axis's traffic crosses: NVLink while its group stays inside a node (TP: while its
-    size divides a node's GPUs), else the network; DiLoCo's islands, the link between them."""
-    tp, cp, dp = layout.tp, layout.cp, layout.dp
+    size divides a node's GPUs); else the network, which a ring shares out over the group's GPUs in a node: each
+    GPU's NIC carries one crossing of the ring's channels, so a ring with ``g`` members per node moves ``g`` NICs'
+    worth per GPU (NVLink bounding it), and one with a member per node its NIC's. DiLoCo's islands: the link between
+    them."""
+    tp, cp, dp, per_node = layout.tp, layout.cp, layout.dp, cluster.gpus_per_node
     spans = {"tp": tp, "cp": tp * cp, "dp": tp * cp * dp, "pp": layout.island_size, "ep": tp * cp * layout.ep}
-    links = {
-        axis: cluster.intra_node_gbps if span <= cluster.gpus_per_node else cluster.inter_node_gbps
-        for axis, span in spans.items()
-    }
-    links["tp"] = cluster.intra_node_gbps if cluster.gpus_per_node % tp == 0 else cluster.inter_node_gbps
+    inner = {"tp": 1, "cp": tp, "dp": tp * cp, "pp": per_node, "ep": tp * cp}  # ranks between two of the group's
+    links = {}
+    for axis, span in spans.items():
+        members = max(1, per_node // inner[axis]) if axis in ("dp", "cp") else 1  # rings; EP, PP: point to point
+        network = min(cluster.intra_node_gbps, cluster.inter_node_gbps * members)
+        links[axis] = cluster.intra_node_gbps if span <= per_node else network
+    links["tp"] = cluster.intra_node_gbps if per_node % tp == 0 else cluster.inter_node_gbps
     if layout.islands > 1:  # DiLoCo's outer step crosses the link between islands
         links["island"] = cluster.inter_island_gbps
     return links
@@ -129,46 +134,3 @@ def latencies(cluster: Cluster, links: dict[str, float], counts: dict[str, tuple
         hop = cluster.intra_node_hop_us if links[axis] == cluster.intra_node_gbps else cluster.inter_node_hop_us
         latency[axis] = (n * cluster.collective_latency_us + hops * hop) * 1e-6
     return latency
-
-
-@dataclass(frozen=True)
-class StepTime:
-    step: float  # seconds per optimizer step
-    bubble: float  # the pipeline's idle share
-    microbatches: int  # of one pipeline schedule
-    model_flops: float  # of one optimizer step, all GPUs (recompute not counted)
-    hidden: dict[str, float]  # seconds of each axis's traffic hidden behind compute (the CP ring's, by attention)
-
-
-def step_time(
-    config: GPTConfig,
-    cluster: Cluster,
-    layout: Layout,
-    training: Training,
-    settings: Parallelism,
-    seconds: dict[str, float],
-) -> StepTime:
-    """A roofline: matmuls at ``training.efficiency`` of the peak, TP, PP, EP and the CP ring's unhidden part exposed,
-    the whole stretched by the bubble, DP traffic hidden behind backward where it fits, DiLoCo's outer step on top."""
-    s, pp = training.seq_len, layout.pp
-    microbatches = training.global_batch_size // (layout.data_replicas * training.micro_batch_size)  # per replica
-    schedule_m = microbatches // training.schedules_per_step(pp)  # micro-batches of one pipeline schedule
-    # Compute: model FLOPs per token (6 per weight of every matmul, plus attention), recompute on top with AC.
-    model_flops = config.flops_per_token(s) * training.global_batch_size * s
-    full_recompute = settings.activation_checkpointing in (True, "full")
-    hardware_flops = model_flops * (8 / 6 if full_recompute else 1.0)
-    compute = (
-        hardware_flops / cluster.gpus_per_node / cluster.nodes / (cluster.peak_tflops * 1e12 * training.efficiency)
-    )
-    compute *= cluster.gpus / layout.world_size  # the layout may use fewer GPUs than the cluster has
-    costs = Costs.of(settings.activation_checkpointing)
-    virtual = settings.chunks_per_rank if pp > 1 else 1
-    bubble = bubble_theory(settings.pipeline_schedule, pp, schedule_m, virtual, costs) if pp > 1 else 0.0
-    overlap = compute if settings.zero_stage == 3 else compute * 2 / 3  # DP traffic hides behind backward
-    # The ring's next K/V block travels while attention computes on this one: it hides behind attention only.
-    attention = compute * config.attention_flops_per_token(s) / config.flops_per_token(s)
-    hidden = {"cp": min(seconds["cp"], attention)}
-    exposed = compute + seconds["tp"] + seconds["pp"] + seconds["ep"] + seconds["cp"] - hidden["cp"]
-    # NOTE: the outer step waits for its all-reduce (nothing computes meanwhile): amortised over its inner steps.
-    step = exposed / (1 - bubble) + max(0.0, seconds["dp"] - overlap) + seconds.get("island", 0.0)
-    return StepTime(step, bubble, schedule_m, model_flops, hidden)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from lit3d.hardware import GPU, GPUS
 from lit3d.parallel.layout import Layout
 from lit3d.parallel.precision import is_bf16_mixed, keeps_master_weights
 from lit3d.parallel.settings import Parallelism
@@ -74,10 +75,44 @@ class Cluster:
     inter_island_gbps: float = 1.0
     inter_island_latency_ms: float = 10.0
     device: str = "GPU"  # what the reports call one rank's device ("CPU process" for a rehearsal on CPU)
+    # The device the clock prices kernels on: its memory bandwidth, rated power and kernel efficiencies (the numbers
+    # above replace its own); and the power cap its boards run at, if below the rated power.
+    gpu: GPU = field(default_factory=lambda: GPUS["H100"])
+    power_watts: float | None = None
 
     @property
     def gpus(self) -> int:
         return self.nodes * self.gpus_per_node
+
+
+@dataclass(frozen=True)
+class Software:
+    """How the run's kernels are written, where the clock needs to know (the defaults: a lit3d run).
+
+    Attributes:
+        attention: The attention kernel's generation: ``flash2`` (the flash-attn package, PyTorch SDPA's flash
+            backend) or ``flash3`` (FlashAttention-3, cuDNN's fused attention); on a CPU, ``sdpa``.
+        fused: Elementwise work fused into a few kernels per block (``torch.compile``, Transformer Engine's fused
+            kernels); None: as the run's ``compile``.
+        tp_overlap: The share of tensor-parallel traffic hidden behind the GEMMs: torchtitan's async TP
+            (`lit3d.calibration.ASYNC_TP`), Megatron's TP communication overlap (``MEGATRON_TP_OVERLAP``); lit3d
+            runs them in turn (0).
+        overlap_param_gather: ZeRO-1's gather of the updated weights overlapped with the next forward (Megatron's
+            distributed optimizer); lit3d gathers right after the step.
+        sequence_first: Activations are laid out (sequence, batch, hidden), as Megatron's: sequence parallelism's
+            gathers and scatters of the sequence then need no copy. lit3d and torchtitan lay them out (batch,
+            sequence, hidden), and DTensor copies each gathered or scattered tensor through a buffer.
+        recomputed_matmuls: The share of the forward's matmuls that recompute runs again; None: as the run's
+            ``activation_checkpointing`` (full: all, lit3d's selective: none). torchtitan's per-op selective
+            recompute: every second one, 0.5.
+    """
+
+    attention: str = "flash2"
+    fused: bool | None = None
+    tp_overlap: float = 0.0
+    overlap_param_gather: bool = False
+    sequence_first: bool = False
+    recomputed_matmuls: float | None = None
 
 
 @dataclass
@@ -92,7 +127,7 @@ class Training:
     # every micro-batch is a micro-step of its own already.
     accumulate_grad_batches: int = 1
     precision: str = "bf16-mixed"  # Lightning's
-    efficiency: float = 0.6  # share of the peak that matmuls reach
+    software: Software = Software()  # how its kernels are written (the clock's `lit3d.planner.clock`)
     headroom: float = 0.1  # of GPU memory kept free for the allocator, CUDA context and buffers
 
     def schedules_per_step(self, pp: int) -> int:
@@ -112,6 +147,10 @@ class Plan:
     mfu: float
     fits: bool
     num_microbatches: int
+    tokens_per_s_per_gpu: float = 0.0
+    # Seconds of the step by kind, summing to it: compute (matmuls and attention, recompute included), memory_bound
+    # (elementwise work, the loss, kernel overheads), exposed_communication per axis, bubble, optimizer, overhead.
+    time_breakdown: dict[str, Any] = field(default_factory=dict)
     memory_by_stage: list[dict[str, int]] = field(default_factory=list)
     flops_per_step: float = 0.0  # model FLOPs of one optimizer step, all GPUs (recompute not counted)
     params_total: int = 0

@@ -7,6 +7,7 @@ from dataclasses import fields
 from lit3d.config import GPTConfig
 from lit3d.parallel.layout import Layout
 from lit3d.parallel.settings import Parallelism, defaults
+from lit3d.planner.clock import largest_costs
 from lit3d.planner.estimate import GB, Cluster, Plan
 from lit3d.planner.pipeline import label, same_schedule, schedule_flags, why_schedule
 from lit3d.planner.search import Candidate, tokens_per_second, why
@@ -80,9 +81,10 @@ def format_plan(config: GPTConfig, cluster: Cluster, candidate: Candidate) -> st
         if plan.schedule_candidates:
             lines += format_candidates(plan)
     lines.append(
-        f"step time: {plan.step_time_s:.3f} s, {tokens_per_second(plan, training):,.0f} tokens/s, "
-        f"MFU {plan.mfu:.1%} (matmuls assumed at {training.efficiency:.0%} of peak)"
+        f"step time: {plan.step_time_s:.3f} s, {tokens_per_second(plan, training):,.0f} tokens/s "
+        f"({plan.tokens_per_s_per_gpu:,.0f} per {cluster.device}), MFU {plan.mfu:.1%}"
     )
+    lines.append(f"  spent on: {largest_costs(plan.time_breakdown, plan.step_time_s, top=6)}")
     return "\n".join(lines)
 
 

@@ -26,6 +26,7 @@ from lit3d.parallel.layout import (
 from lit3d.parallel.schedules import check_composes, microbatch_problem
 from lit3d.parallel.settings import Parallelism
 from lit3d.planner.estimate import GB, PLANNING_DEFAULTS, PRECISIONS, Cluster, Plan, Training, estimate, sizes_of
+from lit3d.planner.clock import largest_costs
 from lit3d.planner.pipeline import CANDIDATES, choose_schedule, why_schedule
 
 LONG_SEQUENCE = 16384  # tokens from which the search tries context parallelism
@@ -261,7 +262,9 @@ def why(candidate: Candidate, cluster: Cluster) -> str:
             f"{replicas} ZeRO-{settings.zero_stage} moves {dp['bytes'] / GB:.1f} GB/GPU in {dp['seconds']:.2f} s"
         )
     if settings.activation_checkpointing:
-        parts.append("recomputes activations (+33% compute)")
+        policy = "selective" if settings.activation_checkpointing == "selective" else "full"
+        parts.append(f"recomputes activations ({policy})")
+    parts.append(f"time: {largest_costs(plan.time_breakdown, plan.step_time_s)}")
     return "; ".join(parts)
 
 

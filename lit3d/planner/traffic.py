@@ -33,7 +33,7 @@ def communication_bytes(
     ring = 2 * (tp - 1) / tp  # all-reduce traffic per byte; SP's all-gather + reduce-scatter pair costs the same
     traffic = {"tp": 0.0, "pp": 0.0, "dp": 0.0, "ep": 0.0, "cp": 0.0}
     placement = SCHEDULES[settings.pipeline_schedule].placement
-    for stage in _stages(config, pp, virtual, placement, tp, layout.ep):
+    for stage in stages(config, pp, virtual, placement, tp, layout.ep):
         moe, first, last, blocks = stage.moe, stage.first, stage.last, stage.blocks
         tp_blocks = blocks * per_block + moe * _moe_tp_change(settings, sp)
         tp_bytes = (tp_blocks + first + last) * act_bytes  # embedding (fwd) and head (bwd): one each
@@ -132,7 +132,7 @@ def _step_shape(layout: Layout, training: Training, settings: Parallelism) -> tu
     )
 
 
-def _stages(config: GPTConfig, pp: int, virtual: int, placement: str, tp: int, ep: int) -> list[StageSums]:
+def stages(config: GPTConfig, pp: int, virtual: int, placement: str, tp: int, ep: int) -> list[StageSums]:
     """Each pipeline rank's `StageSums` (cached: the search weighs every schedule of every layout with them)."""
     key = config_key(config)
     return [_stage_sums(key, pp, virtual, placement, stage_rank, tp, ep) for stage_rank in range(pp)]
@@ -205,7 +205,7 @@ def collectives(
     counts = {"tp": (0.0, 0.0), "pp": (0.0, 0.0), "dp": (0.0, 0.0), "ep": (0.0, 0.0), "cp": (0.0, 0.0)}
     cp, zero_stage = layout.cp, settings.zero_stage
     placement = SCHEDULES[settings.pipeline_schedule].placement
-    for stage in _stages(config, pp, virtual, placement, tp, layout.ep):
+    for stage in stages(config, pp, virtual, placement, tp, layout.ep):
         first, last, blocks = stage.first, stage.last, stage.blocks
         if cp > 1:  # point-to-point hops per attention layer: forward (again under recompute), then backward
             hops = (cp - 1) * (2 if settings.activation_checkpointing else 1) + (cp - 1) + cp

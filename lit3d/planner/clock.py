@@ -1,0 +1,234 @@
+"""The planner's clock: one optimizer step's time on the busiest rank, kernel class by kernel class.
+
+- Matmuls: each GEMM's FLOPs at the device's GEMM efficiency, lowered for a short inner dimension (each output tile
+  then does less work per load and store of it: `Efficiencies.gemm_half_dim`), or its bytes over memory bandwidth if
+  that is longer.
+- Attention: its causal FLOPs at the attention kernel's own forward and backward efficiency.
+- Memory-bound work (norms, rotary, SwiGLU, residuals, the loss over the vocabulary, the optimizer step): bytes
+  moved over the memory bandwidth it reaches, plus a fixed time per kernel.
+- Recompute: the forward again, or the share of it that the recompute policy reruns.
+- Communication: tensor, expert and pipeline traffic waits (TP less what asynchronous TP hides), the CP ring hides
+  behind attention, data-parallel traffic behind the compute it can overlap (FSDP's prefetched gathers behind every
+  forward and backward, gradient reductions behind the last backward); what hides still slows the compute a little
+  (`Efficiencies.overlap_cost`). The pipeline's bubble stretches what its stages run.
+- A power cap below the board's rating lowers the tensor-core clock (`lit3d.calibration.STATIC_POWER_SHARE`).
+
+Its constants are in `lit3d.calibration`; `benchmarks/planner_vs_published.py` checks it against published runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lit3d.calibration import (
+    ATTENTION_BACKWARD_FLOPS,
+    BACKWARD_ELEMENTWISE,
+    OPTIMIZER_BYTES,
+    OPTIMIZER_OPS,
+    STATIC_POWER_SHARE,
+)
+from lit3d.config import GPTConfig
+from lit3d.parallel.layout import Layout
+from lit3d.parallel.schedules import SCHEDULES, Costs, bubble_theory
+from lit3d.parallel.settings import Parallelism
+from lit3d.planner.inputs import Cluster, Precision, Training
+from lit3d.planner.tensors import rank_tensors, stepped_numel
+from lit3d.planner.traffic import stages
+from lit3d.planner.work import Gemm, Work, stage_work
+
+
+@dataclass(frozen=True)
+class StepTime:
+    step: float  # seconds per optimizer step
+    bubble: float  # the pipeline's idle share
+    microbatches: int  # of one pipeline schedule
+    model_flops: float  # of one optimizer step, all GPUs (recompute not counted)
+    hidden: dict[str, float]  # seconds of each axis's traffic hidden behind compute
+    # Seconds of the step by kind, summing to ``step``: compute (matmuls and attention, recompute included),
+    # memory_bound, exposed_communication (per axis), bubble, optimizer, overhead (the host's, between steps).
+    breakdown: dict
+
+
+@dataclass(frozen=True)
+class Device:
+    """What the clock prices kernels with: one rank's device at the run's power."""
+
+    flops: float  # the dense peak at the clock the power cap allows, FLOP/s
+    bandwidth: float  # memory bytes/s a streaming kernel reaches
+    cluster: Cluster
+    element: int  # bytes of an activation
+
+    @classmethod
+    def of(cls, cluster: Cluster, element: int) -> Device:
+        efficiency = cluster.gpu.efficiency
+        flops = cluster.peak_tflops * 1e12 * power_clock(cluster.power_watts, cluster.gpu.tdp_watts)
+        return cls(flops, cluster.gpu.memory_bandwidth_gbps * 1e9 * efficiency.memory, cluster, element)
+
+    def gemm(self, gemm: Gemm) -> float:
+        efficiency = self.cluster.gpu.efficiency
+        share = efficiency.gemm * gemm.k / (gemm.k + efficiency.gemm_half_dim)
+        moved = self.element * (gemm.m * gemm.k + gemm.k * gemm.n + gemm.m * gemm.n) * gemm.count
+        return max(gemm.flops / (self.flops * share), moved / self.bandwidth)
+
+    def kernels(self, count: float) -> float:
+        return count * self.cluster.gpu.efficiency.kernel_overhead_us * 1e-6
+
+
+def power_clock(power_watts: float | None, tdp_watts: float) -> float:
+    """The share of its rated tensor-core clock a device keeps under a power cap: dynamic power goes as the clock
+    cubed above a static share (`STATIC_POWER_SHARE`)."""
+    if power_watts is None or power_watts >= tdp_watts:
+        return 1.0
+    static = STATIC_POWER_SHARE * tdp_watts
+    return max(0.0, (power_watts - static) / (tdp_watts - static)) ** (1 / 3)
+
+
+def micro_batch_time(work: Work, device: Device, training: Training, recompute: tuple[float, bool]) -> dict:
+    """Seconds of one micro-batch's forward and backward on a rank: compute (GEMMs, attention) and memory-bound
+    work (elementwise, loss, embedding, kernel overheads); ``recompute``: the share of the blocks' forward
+    matmuls and attention run again, and whether their elementwise work is."""
+    forward_attention, backward_attention = device.cluster.gpu.efficiency.attention_efficiency(
+        training.software.attention
+    )
+    gemm_forward = sum(device.gemm(g) for g in work.block_gemms)
+    gemm_backward = sum(device.gemm(b) for g in work.block_gemms for b in g.backward())
+    attention_forward = work.attention_flops / (device.flops * forward_attention)
+    attention_backward = ATTENTION_BACKWARD_FLOPS * work.attention_flops / (device.flops * backward_attention)
+    head = sum(device.gemm(g) + sum(device.gemm(b) for b in g.backward()) for g in work.head_gemms)
+    matmuls, again = recompute
+    compute = gemm_forward + gemm_backward + attention_forward + attention_backward + head
+    compute += matmuls * (gemm_forward + attention_forward)
+    passes = 1 + BACKWARD_ELEMENTWISE + again
+    gemm_kernels = sum(g.count for g in (*work.block_gemms, *work.head_gemms)) * (3 + matmuls)
+    memory = passes * work.block_bytes / device.bandwidth + work.other_bytes / device.bandwidth
+    memory += device.kernels(passes * work.block_kernels + work.other_kernels + gemm_kernels + 2 * work.blocks)
+    return {"compute": compute, "memory_bound": memory, "attention": attention_forward + attention_backward}
+
+
+def recompute_of(settings: Parallelism, training: Training) -> tuple[float, bool]:
+    """(share of the forward's matmuls recomputed, whether elementwise work is) for the run's policy."""
+    policy = settings.activation_checkpointing
+    matmuls = 1.0 if policy in (True, "full") else 0.0
+    if training.software.recomputed_matmuls is not None and policy:
+        matmuls = training.software.recomputed_matmuls
+    return matmuls, bool(policy)
+
+
+def step_time(
+    config: GPTConfig,
+    cluster: Cluster,
+    layout: Layout,
+    training: Training,
+    settings: Parallelism,
+    traffic: dict[str, float],
+    seconds: dict[str, float],
+    precision: Precision,
+) -> StepTime:
+    """The step of ``layout`` on its busiest rank: ``traffic`` the bytes each axis sends, ``seconds`` the time they
+    take, ``precision`` what the run holds and sends."""
+    pp, device = layout.pp, Device.of(cluster, precision.activations)
+    microbatches = training.global_batch_size // (layout.data_replicas * training.micro_batch_size)  # per replica
+    schedule_m = microbatches // training.schedules_per_step(pp)  # micro-batches of one pipeline schedule
+    fused = bool(settings.compile) if training.software.fused is None else training.software.fused
+    sp = settings.sequence_parallel and layout.tp > 1
+    virtual = settings.chunks_per_rank if pp > 1 else 1
+    placement = SCHEDULES[settings.pipeline_schedule].placement
+    recompute = recompute_of(settings, training)
+    per_stage = [
+        (micro_batch_time(stage_work(config, layout, training, sp, fused, stage), device, training, recompute), rank)
+        for rank, stage in enumerate(stages(config, pp, virtual, placement, layout.tp, layout.ep))
+    ]
+    busiest, rank = max(per_stage, key=lambda t: t[0]["compute"] + t[0]["memory_bound"])
+    compute, memory = busiest["compute"] * microbatches, busiest["memory_bound"] * microbatches
+    if sp and not training.software.sequence_first:  # each gather and scatter copies the whole tensor in or out
+        memory += 4 * layout.tp / (2 * (layout.tp - 1)) * traffic["tp"] / device.bandwidth
+    exposed, hidden = _exposed(seconds, training, busiest["attention"] * microbatches, cluster)
+    bubble = 0.0
+    if pp > 1:
+        bubble = bubble_theory(settings.pipeline_schedule, pp, schedule_m, virtual,
+                               Costs.of(settings.activation_checkpointing))  # fmt: skip
+    pipelined = compute + memory + sum(exposed.values())
+    idle = pipelined * bubble / (1 - bubble)
+    gathered = _gathered_share(settings.zero_stage, precision)
+    exposed["dp"], hidden["dp"] = _data_parallel(seconds["dp"], settings, training, busiest, microbatches, gathered,
+                                                 cluster)  # fmt: skip
+    if "island" in seconds:  # NOTE: the outer step waits for its all-reduce, amortised over its inner steps
+        exposed["island"] = seconds["island"]
+    optimizer = _optimizer(config, layout, settings, rank, device, virtual, placement)
+    overhead = cluster.gpu.efficiency.step_overhead_ms * 1e-3
+    breakdown = {"compute": compute, "memory_bound": memory, "exposed_communication": exposed, "bubble": idle,
+                 "optimizer": optimizer, "overhead": overhead}  # fmt: skip
+    step = compute + memory + sum(exposed.values()) + idle + optimizer + overhead
+    model_flops = config.flops_per_token(training.seq_len) * training.global_batch_size * training.seq_len
+    return StepTime(step, bubble, schedule_m, model_flops, hidden, breakdown)
+
+
+def _exposed(
+    seconds: dict[str, float], training: Training, attention: float, cluster: Cluster
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Seconds of TP, PP, EP and CP traffic the busiest rank waits for, and the seconds hidden: the CP ring behind
+    attention, TP's share that the run overlaps with its GEMMs (`Software.tp_overlap`); what hides costs `overlap_cost` of itself."""
+    cost = cluster.gpu.efficiency.overlap_cost
+    hidden = {"cp": min(seconds["cp"], attention)}
+    hidden["tp"] = seconds["tp"] * training.software.tp_overlap
+    exposed = {axis: seconds[axis] - hidden.get(axis, 0.0) * (1 - cost) for axis in ("tp", "pp", "ep", "cp")}
+    return exposed, hidden
+
+
+def _gathered_share(zero_stage: int, precision: Precision) -> float:
+    """The share of ZeRO-1/2's data-parallel bytes that gathers weights (the rest reduces gradients)."""
+    weights = precision.weights if zero_stage == 1 else precision.gather_bytes
+    return weights / (weights + precision.reduce_bytes)
+
+
+def _data_parallel(
+    dp_seconds: float,
+    settings: Parallelism,
+    training: Training,
+    busiest: dict,
+    microbatches: int,
+    gathered: float,
+    cluster: Cluster,
+) -> tuple[float, float]:
+    """(exposed, hidden) seconds of data-parallel traffic. ZeRO-3's gathers and reductions overlap every forward
+    and backward; otherwise the gradients' reduction overlaps the last micro-batch's backward, and ZeRO-1/2's
+    gather of the weights waits (Megatron overlaps it with the next forward: `Software.overlap_param_gather`)."""
+    if dp_seconds == 0:
+        return 0.0, 0.0
+    per_micro_batch = busiest["compute"] + busiest["memory_bound"]
+    backward = per_micro_batch * 2 / 3
+    if settings.zero_stage == 3:
+        windows = [(dp_seconds, per_micro_batch * microbatches)]
+    elif settings.zero_stage == 0:
+        windows = [(dp_seconds, backward)]
+    else:  # a reduce-scatter of the gradients and a gather of the weights, as many elements each
+        gather = dp_seconds * gathered
+        overlapped = training.software.overlap_param_gather or settings.zero_stage == 2
+        windows = [(dp_seconds - gather, backward), (gather, per_micro_batch / 3 if overlapped else 0.0)]
+    cost = cluster.gpu.efficiency.overlap_cost
+    hidden = sum(min(traffic, window) for traffic, window in windows)
+    return dp_seconds - hidden * (1 - cost), hidden
+
+
+def _optimizer(
+    config: GPTConfig, layout: Layout, settings: Parallelism, rank: int, device: Device, virtual: int, placement: str
+) -> float:
+    """AdamW's step over what the rank's optimizer steps, and clipping's norm: memory-bound."""
+    tensors = rank_tensors(config, layout.pp, virtual, rank, placement)
+    numel = stepped_numel(tensors, layout, settings.zero_stage)
+    return numel * OPTIMIZER_BYTES / device.bandwidth + device.kernels(len(tensors) * OPTIMIZER_OPS)
+
+
+def time_shares(breakdown: dict, step: float) -> dict[str, float]:
+    """The step's shares by kind, each axis's exposed communication apart (``DP communication``), largest first."""
+    seconds = {kind.replace("_", "-"): value for kind, value in breakdown.items() if kind != "exposed_communication"}
+    for axis, value in breakdown["exposed_communication"].items():
+        seconds[f"{axis.upper()} communication"] = value
+    shares = {kind: value / step for kind, value in seconds.items() if value > 0}
+    return dict(sorted(shares.items(), key=lambda item: -item[1]))
+
+
+def largest_costs(breakdown: dict, step: float, top: int = 3) -> str:
+    """``compute 72%, memory-bound 23%, optimizer 2%``: the step's largest costs."""
+    shares = list(time_shares(breakdown, step).items())[:top]
+    return ", ".join(f"{kind} {share:.0%}" for kind, share in shares)
