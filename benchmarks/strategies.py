@@ -67,6 +67,7 @@ CONFIGS = {
     "3d dp2 zero3": (2, {"zero_stage": 3}, ("fsdp", "mp dp2 fsdp2")),
     "mp tp2": (2, ("mp", 1, 2), ()),
     "3d tp2": (2, {"tensor_parallel_size": 2}, ("mp tp2",)),
+    "3d pp2": (2, {"pipeline_parallel_size": 2, "zero_stage": 0}, ("3d 1x1x1",)),
     # MoE models only (--experts): the experts split over 2 ranks, against every rank holding all of them
     "3d dp2 ep2": (2, {"zero_stage": 1, "expert_parallel_size": 2}, ("3d dp2 zero1",)),
     # Long sequences only (--context): every sequence split over 2 or 4 ranks, against one rank holding it all
@@ -101,6 +102,12 @@ def main() -> None:
     )
     parser.add_argument("--configs", nargs="*", default=list(CONFIGS), help=f"subset of: {', '.join(CONFIGS)}")
     parser.add_argument("--json", type=str, default=None, help="also write the results to this file")
+    parser.add_argument(
+        "--predict",
+        action="store_true",
+        help="first measure this machine (`lit3d calibrate`, for 1 and 2 processes), then print the planner's step "
+        "time of each lit3d layout on it beside the measured one",
+    )
     args = parser.parse_args()
     for name in ("steps", "rounds", "n_layer", "d_model", "seq_len", "global_batch_size"):
         if getattr(args, name) < 1:
@@ -135,6 +142,13 @@ def main() -> None:
         else:
             runnable.setdefault(processes, []).append(name)
     started = time.time()
+    if args.predict:  # the machine's profile for each process count, measured before the layouts run
+        from lit3d.calibrate import calibrate
+
+        folder = tempfile.mkdtemp()
+        args.profiles = {n: str(Path(folder, f"{n}.json")) for n in runnable}
+        for n, path in args.profiles.items():
+            Path(path).write_text(json.dumps(calibrate(n)))
     for processes, names in runnable.items():
         results.update(run_group(processes, names, args, threads=max(1, cores // processes)))
 
@@ -156,6 +170,8 @@ def main() -> None:
         memory = f"{result['peak_bytes'] / 2**20:>10.0f}{result['activation_bytes'] / 2**20:>10.1f}"
         print(f"{name:<16}{step * 1000:>10.1f}{tokens / step:>11.0f}{memory}   {versus}")
     print_comm_report(results, args.configs)
+    if args.predict:
+        print_predictions(results, args.configs)
     print(f"({time.time() - started:.0f} s)")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
@@ -181,6 +197,20 @@ def print_comm_report(results: dict[str, dict], names: list[str]) -> None:
         print(row + f"{measured['other'] / 2**20:>10.3f}")
 
 
+def print_predictions(results: dict[str, dict], names: list[str]) -> None:
+    """The planner's step time on this machine's profile beside the measured one, and both rankings."""
+    rows = [(name, results[name]) for name in names if results[name].get("predicted_step_s")]
+    if not rows:
+        return
+    print("\nthe planner's clock on this machine (`lit3d calibrate` profiles measured in this run)")
+    print(f"{'configuration':<16}{'measured ms':>12}{'planned ms':>12}{'ratio':>8}")
+    for name, result in rows:
+        measured, planned = result["median_step_s"], result["predicted_step_s"]
+        print(f"{name:<16}{measured * 1000:>12.1f}{planned * 1000:>12.1f}{planned / measured:>8.3f}")
+    order = lambda key: " < ".join(name for name, _ in sorted(rows, key=lambda row: row[1][key]))  # noqa: E731
+    print(f"fastest first, measured: {order('median_step_s')}\nfastest first, planned:  {order('predicted_step_s')}")
+
+
 def run_group(processes: int, names: list[str], args: argparse.Namespace, threads: int) -> dict[str, dict]:
     """All ``names`` (same process count) in one spawn, interleaved over ``args.rounds`` rounds."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -203,6 +233,9 @@ def run_group(processes: int, names: list[str], args: argparse.Namespace, thread
                 "activation_bytes": max(run["activation_bytes"] for run in runs),
                 "comm": json.loads(comm.read_text()) if comm.exists() else None,
             }
+            predicted = Path(tmp) / f"0-{name}-predicted.json"
+            if predicted.exists():
+                results[name]["predicted_step_s"] = json.loads(predicted.read_text())
             print(
                 f"  {name}: {results[name]['median_step_s'] * 1000:.1f} ms/step "
                 f"(rounds: {', '.join(f'{t * 1000:.0f}' for t in results[name]['per_round_s'])})",
@@ -276,6 +309,12 @@ def _worker(rank: int, processes: int, port: int, schedule: list, args: dict, th
         if round_ == 0 and trainer.is_global_zero and callbacks[1].measured is not None:
             report = {"measured": callbacks[1].measured, "planned": callbacks[1].planned}
             (Path(tmp) / f"0-{name}-comm.json").write_text(json.dumps(report))
+        if round_ == 0 and trainer.is_global_zero and args.get("profiles") and isinstance(strategy, Parallel3DStrategy):
+            from lit3d.calibrate import cluster_of
+            from lit3d.planner.run import plan_of_run
+
+            planned = plan_of_run(trainer.strategy, cluster_of(args["profiles"][processes], processes))
+            (Path(tmp) / f"0-{name}-predicted.json").write_text(json.dumps(planned.step_time_s))
 
 
 class ModelParallelGPT(GPT):

@@ -28,6 +28,8 @@ class Efficiencies:
         link: Share of a link's rated bandwidth that ring collectives reach.
         step_overhead_ms: Time per optimizer step besides its kernels: the host's work between steps (the loader's
             next batch, the loss read back for logging, the optimizer's and clipping's launches).
+        split_linear_us: The host's time per tensor-parallel linear (forward and backward) beyond a plain one's
+            (DTensor's sharding propagation): on a GPU it runs ahead of the kernels (0); on a CPU it adds.
     """
 
     gemm: float
@@ -38,6 +40,7 @@ class Efficiencies:
     overlap_cost: float
     link: float
     step_overhead_ms: float
+    split_linear_us: float = 0.0
 
     def attention_efficiency(self, kernel: str) -> tuple[float, float]:
         """(forward, backward) share of the peak of ``kernel``, or of the first kernel listed."""

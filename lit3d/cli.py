@@ -28,6 +28,7 @@ commands:
   test       the test loss and perplexity on the data's test split
   predict    continue the data's prompts (--data.prompts)
   plan       memory, communication and step time of a layout, or the best layouts of a cluster
+  calibrate  measure this machine as the planner's clock sees a device (lit3d plan --gpu cpu.json)
   export     a lit3d checkpoint (any layout) as a HuggingFace Llama folder
   convert    a lit3d checkpoint folder (any layout) as one Lightning checkpoint file
   generate   print a continuation of a prompt by a checkpoint or a HuggingFace folder
@@ -35,7 +36,7 @@ commands:
 
 'lit3d COMMAND --help' lists a command's arguments.
 """
-COMMANDS = ("plan", "export", "convert", "generate", "prepare")
+COMMANDS = ("plan", "calibrate", "export", "convert", "generate", "prepare")
 
 
 def _bare_flags_true(argv: list[str]) -> list[str]:

@@ -1,5 +1,5 @@
-"""The commands beside LightningCLI's: ``lit3d plan``, ``export``, ``convert`` and ``generate``; each is a function
-whose arguments and docstring are its command line (jsonargparse)."""
+"""The commands beside LightningCLI's: ``lit3d plan``, ``calibrate``, ``export``, ``convert``, ``generate`` and
+``prepare``; each is a function whose arguments and docstring are its command line (jsonargparse)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import re
 from collections.abc import Callable
 from dataclasses import fields
 from json import dumps
+from pathlib import Path
 from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
@@ -48,6 +49,7 @@ def plan(
     intra_node_bandwidth: float | None = None,
     inter_node_bandwidth: float | None = None,
     peak_tflops: float | None = None,
+    power_watts: float | None = None,
     seq_len: int | None = None,
     micro_batch_size: int | None = None,
     global_batch_size: int = 1024,
@@ -69,11 +71,14 @@ def plan(
         model: A preset name ({presets}) or a model YAML file.
         nodes: Number of nodes.
         gpus_per_node: GPUs in each node.
-        gpu: A known device ({gpus}) whose memory, peak and links are the next four's defaults (``CPU``: one core each).
+        gpu: A known device ({gpus}) whose memory, peak and links are the next four's defaults (``CPU``: one core
+            each), or a profile of this machine that ``lit3d calibrate`` wrote (``cpu.json``).
         gpu_memory: Memory of one GPU, GB.
         intra_node_bandwidth: GB/s per GPU and direction inside a node (NVLink).
         inter_node_bandwidth: GB/s per GPU between nodes (InfiniBand).
         peak_tflops: Dense bf16 peak of one GPU, TFLOP/s.
+        power_watts: The power limit the GPUs run at, if below their rated board power (torchtitan's H100s: 500 of
+            700 W); it lowers the tensor-core clock the step time is priced at.
         seq_len: Tokens per sequence (default: the model's max_seq_len).
         micro_batch_size: Sequences per micro-batch (default 1, or global_batch_size / (dp x num_microbatches)).
         global_batch_size: Sequences per optimizer step over all replicas.
@@ -89,7 +94,7 @@ def plan(
     {settings}
     """
     cluster = _cluster(gpu, nodes, gpus_per_node, gpu_memory, intra_node_bandwidth, inter_node_bandwidth, peak_tflops,
-                       inter_island_bandwidth, inter_island_latency)  # fmt: skip
+                       inter_island_bandwidth, inter_island_latency, power_watts)  # fmt: skip
     numbers = dict(seq_len=seq_len, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size)
     given = {name: value for name, value in {**numbers, **settings}.items() if value is not None}  # 0 is given
     report = plan_request(Request.given(model, cluster, top=top, verify=verify, precision=precision, **given))
@@ -111,23 +116,26 @@ def _cluster(
     peak_tflops: float | None,
     inter_island_bandwidth: float,
     inter_island_latency: float,
+    power_watts: float | None = None,
 ) -> Cluster:
-    """The `lit3d.planner.Cluster` of ``nodes`` x ``gpus_per_node`` of ``gpu``, the numbers given replacing its own."""
-    if gpu not in GPUS:
-        raise ValueError(f"gpu={gpu!r} is not one of {', '.join(GPUS)}; give gpu_memory, bandwidths and peak_tflops")
-    spec = GPUS[gpu]
-    given = lambda value, default: default if value is None else value  # NOTE: 0 is a value (refused), not "unset"
-    return Cluster(
-        nodes=nodes,
-        gpus_per_node=gpus_per_node,
-        gpu_memory_gb=given(gpu_memory, spec.memory_gb),
-        intra_node_gbps=given(intra_node_bandwidth, spec.intra_node_gbps),
-        inter_node_gbps=given(inter_node_bandwidth, spec.inter_node_gbps),
-        peak_tflops=given(peak_tflops, spec.peak_tflops),
-        inter_island_gbps=inter_island_bandwidth,
-        inter_island_latency_ms=inter_island_latency,
-        device=spec.device,
-    )
+    """The `lit3d.planner.Cluster` of ``nodes`` x ``gpus_per_node`` of ``gpu`` (a known device, or a profile that
+    `lit3d calibrate` wrote), the numbers given replacing its own."""
+    latency = {}
+    if gpu.endswith(".json"):
+        from lit3d.calibrate import load_profile
+
+        spec, measured = load_profile(gpu)
+        latency = dict(collective_latency_us=measured, intra_node_hop_us=0.0, inter_node_hop_us=0.0)
+    elif gpu in GPUS:
+        spec = GPUS[gpu]
+    else:
+        raise ValueError(f"gpu={gpu!r} is not one of {', '.join(GPUS)} nor a profile (.json) of `lit3d calibrate`; "
+                         "give gpu_memory, bandwidths and peak_tflops")  # fmt: skip
+    given = {"gpu_memory_gb": gpu_memory, "intra_node_gbps": intra_node_bandwidth, "peak_tflops": peak_tflops,
+             "inter_node_gbps": inter_node_bandwidth}  # fmt: skip
+    numbers = {name: value for name, value in given.items() if value is not None}  # NOTE: 0 is given (and refused)
+    return Cluster.of(spec, nodes, gpus_per_node, **numbers, **latency, power_watts=power_watts,
+                      inter_island_gbps=inter_island_bandwidth, inter_island_latency_ms=inter_island_latency)  # fmt: skip
 
 
 # How `lit3d plan` uses each setting of the strategy, after the setting's own help (`Parallelism`'s field metadata).
@@ -188,6 +196,25 @@ SWITCHES = tuple(f"--{name}" for name, hint in get_type_hints(Parallelism).items
 # NOTE: the lists come from the tables themselves, so a new preset, device or setting shows in `lit3d plan --help`
 # unedited.
 _with_every_setting(plan)
+
+
+def calibrate(output: str = "cpu.json", processes: int = 1) -> None:
+    """Measure this machine as the planner's clock sees a device, for ``lit3d plan --gpu OUTPUT``: GEMMs, attention,
+    elementwise bandwidth, the time per operator and per step, and gloo's all-reduce between ``processes`` processes
+    sharing it (each with its share of the cores, as a rehearsal's ranks have). About ten seconds.
+
+    Args:
+        output: The profile to write (JSON).
+        processes: Processes sharing the machine, as many as the rehearsal planned with it runs.
+    """
+    from lit3d.calibrate import calibrate as measure
+
+    profile = measure(processes)
+    Path(output).write_text(dumps(profile, indent=2))
+    gpu = profile["gpu"]
+    print(f"wrote {output}: {gpu['peak_tflops'] * 1e3:.1f} GFLOP/s per process, {gpu['memory_bandwidth_gbps']:.0f} "
+          f"GB/s, {gpu['efficiency']['kernel_overhead_us']:.1f} us per operator, all-reduce at "
+          f"{gpu['intra_node_gbps']:.2f} GB/s; plan with: lit3d plan --gpu {output} --gpus_per_node {processes} ...")  # fmt: skip
 
 
 def convert(ckpt_path: str, output: str) -> None:

@@ -62,7 +62,8 @@ class Device:
     def of(cls, cluster: Cluster, element: int) -> Device:
         efficiency = cluster.gpu.efficiency
         flops = cluster.peak_tflops * 1e12 * power_clock(cluster.power_watts, cluster.gpu.tdp_watts)
-        return cls(flops, cluster.gpu.memory_bandwidth_gbps * 1e9 * efficiency.memory, cluster, element)
+        bandwidth = cluster.gpu.memory_bandwidth_gbps * 1e9 * efficiency.memory
+        return cls(flops, bandwidth, cluster, element)
 
     def gemm(self, gemm: Gemm) -> float:
         efficiency = self.cluster.gpu.efficiency
@@ -102,6 +103,9 @@ def micro_batch_time(work: Work, device: Device, training: Training, recompute: 
     gemm_kernels = sum(g.count for g in (*work.block_gemms, *work.head_gemms)) * (3 + matmuls)
     memory = passes * work.block_bytes / device.bandwidth + work.other_bytes / device.bandwidth
     memory += device.kernels(passes * work.block_kernels + work.other_kernels + gemm_kernels + 2 * work.blocks)
+    if work.split:  # the host's work per tensor-parallel linear, forward and backward (DTensor's)
+        linears = sum(g.count for g in (*work.block_gemms, *work.head_gemms))
+        memory += linears * device.cluster.gpu.efficiency.split_linear_us * 1e-6
     return {"compute": compute, "memory_bound": memory, "attention": attention_forward + attention_backward}
 
 

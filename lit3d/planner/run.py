@@ -21,8 +21,9 @@ if TYPE_CHECKING:
 EVERY_SETTING = frozenset(f.name for f in fields(Parallelism)) | {"micro_batch_size"}
 
 
-def plan_of_run(strategy: Parallel3DStrategy) -> Plan | None:
+def plan_of_run(strategy: Parallel3DStrategy, cluster: Cluster | None = None) -> Plan | None:
     """Memory and communication of the strategy's run as the planner counts them; None unless it trains a lit3d GPT.
+    ``cluster``: the devices to price its step on (default: H100s, as many as the run has ranks).
 
     Reads the strategy's ``parallelism``, ``layout`` (its sizes resolved), ``num_microbatches``, ``num_nodes`` and
     ``num_processes``, and its module's ``config`` and ``trainer``. The micro-batch is what one replica computes at
@@ -51,5 +52,5 @@ def plan_of_run(strategy: Parallel3DStrategy) -> Plan | None:
     )
     microbatches = strategy.num_microbatches if pipelined else None
     settings = replace(strategy.parallelism, **sizes_of(layout), num_microbatches=microbatches)
-    cluster = Cluster(nodes=strategy.num_nodes, gpus_per_node=strategy.num_processes)
+    cluster = cluster or Cluster(nodes=strategy.num_nodes, gpus_per_node=strategy.num_processes)
     return plan(Request(config, cluster, training, settings, EVERY_SETTING)).chosen.plan

@@ -26,6 +26,7 @@ from lit3d.parallel.layout import (
 from lit3d.parallel.schedules import check_composes, microbatch_problem
 from lit3d.parallel.settings import Parallelism
 from lit3d.planner.estimate import GB, PLANNING_DEFAULTS, PRECISIONS, Cluster, Plan, Training, estimate, sizes_of
+from lit3d.calibration import STATIC_POWER_SHARE
 from lit3d.planner.clock import largest_costs
 from lit3d.planner.pipeline import CANDIDATES, choose_schedule, why_schedule
 
@@ -55,6 +56,15 @@ def check_inputs(config: GPTConfig, cluster: Cluster, training: Training) -> Non
     ):
         if not value > 0:
             raise ValueError(f"{name}={value!r} must be positive")
+    power, idle = cluster.power_watts, STATIC_POWER_SHARE * cluster.gpu.tdp_watts
+    if power is not None and not power > idle:
+        raise ValueError(f"power_watts={power!r} must be above the {cluster.gpu.name}'s idle power ({idle:g} W of its "
+                         f"{cluster.gpu.tdp_watts:g} W)")  # fmt: skip
+    software = training.software
+    for name in ("tp_overlap", "recomputed_matmuls"):
+        share = getattr(software, name)
+        if share is not None and not 0 <= share <= 1:
+            raise ValueError(f"Software.{name}={share!r} must be a share between 0 and 1")
     bandwidth, latency = cluster.inter_island_gbps, cluster.inter_island_latency_ms
     if not bandwidth > 0 or not latency >= 0:
         raise ValueError(f"inter_island_bandwidth={bandwidth!r} must be positive and inter_island_latency={latency!r} "

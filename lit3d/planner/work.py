@@ -63,6 +63,7 @@ class Work:
     other_bytes: float  # the embedding and the loss, forward and backward
     other_kernels: float
     blocks: int
+    split: bool  # its linears are split over tensor parallelism
 
 
 def stage_work(
@@ -96,7 +97,7 @@ def stage_work(
     elementwise = [
         (NORM, 2 * hidden * blocks),
         (RESIDUAL, 2 * hidden * blocks),
-        (ROTARY, tokens * (q + kv / 2) * blocks),
+        (ROTARY, tokens * (q + kv) * blocks),
         (CONTIGUOUS, tokens * q * blocks),
         (SWIGLU, tokens * f * dense + rows * config.d_ff_expert),
         (ROUTING, rows * d),
@@ -111,4 +112,4 @@ def stage_work(
     other = (CROSS_ENTROPY[0] * tokens * vocab if last else 0.0) + (EMBEDDING[0] * tokens * d if first else 0.0)
     other_kernels = (CROSS_ENTROPY[1] if last else 0) + (EMBEDDING[1] if first else 0)
     causal = 4 * tokens * training.seq_len * config.n_head / tp * config.head_dim / 2
-    return Work(tuple(gemms), head, causal * blocks, byte_count, kernels, other, other_kernels, blocks)
+    return Work(tuple(gemms), head, causal * blocks, byte_count, kernels, other, other_kernels, blocks, tp > 1)
