@@ -23,10 +23,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.published_runs import CALIBRATION, HELD_OUT, Run  # noqa: E402
-from benchmarks.published_runs import MEGATRON  # noqa: E402
-from lit3d.calibration import ASYNC_TP, HOPPER, MEGATRON_TP_OVERLAP  # noqa: E402
-from lit3d.planner import Cluster, Plan, Request, plan  # noqa: E402
+from benchmarks.published_runs import (
+    CALIBRATION,
+    HELD_OUT,
+    MEGATRON,
+    Run,
+)
+from lit3d.calibration import ASYNC_TP, HOPPER, MEGATRON_TP_OVERLAP
+from lit3d.planner import Cluster, Plan, Request, plan
 
 # The number of kinds the breakdown has, printed largest first.
 KINDS = ("compute", "memory_bound", "communication", "bubble", "optimizer", "overhead")
@@ -49,8 +53,12 @@ def predict(run: Run, constants: dict[str, float] | None = None) -> Plan:
 
 
 # The constants fitted to the calibration runs, and the values `--fit` tries for each.
-EFFICIENCY = {"gemm": [x / 200 for x in range(110, 181)], "gemm_half_dim": [float(x) for x in range(0, 801, 25)],
-              "overlap_cost": [x / 40 for x in range(0, 21)], "step_overhead_ms": [float(x) for x in range(0, 101, 5)]}  # fmt: skip
+EFFICIENCY = {
+    "gemm": [x / 200 for x in range(110, 181)],
+    "gemm_half_dim": [float(x) for x in range(0, 801, 25)],
+    "overlap_cost": [x / 40 for x in range(0, 21)],
+    "step_overhead_ms": [float(x) for x in range(0, 101, 5)],
+}
 FITTED = {**EFFICIENCY, "ASYNC_TP": [x / 20 for x in range(21)], "MEGATRON_TP_OVERLAP": [x / 20 for x in range(21)]}
 
 
@@ -94,9 +102,7 @@ def shares(predicted: Plan) -> dict[str, float]:
 
 def row(run: Run, predicted: Plan, markdown: bool) -> str:
     measured = f"{run.measured:,.0f} tok/s" if run.unit == "tokens" else f"{run.measured:.0%} MFU"
-    mine = (
-        f"{predicted.tokens_per_s_per_gpu:,.0f} tok/s" if run.unit == "tokens" else f"{predicted.mfu:.1%} MFU"
-    )
+    mine = f"{predicted.tokens_per_s_per_gpu:,.0f} tok/s" if run.unit == "tokens" else f"{predicted.mfu:.1%} MFU"
     split = shares(predicted)
     largest = ", ".join(f"{kind} {split[kind]:.0%}" for kind in sorted(split, key=split.get, reverse=True)[:3])
     cells = (run.name, f"{run.gpus:,}", measured, mine, f"{ratio(run, predicted):.3f}",
@@ -128,15 +134,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--markdown", action="store_true", help="print markdown tables")
     parser.add_argument("--sources", action="store_true", help="also print each run's source and assumptions")
-    parser.add_argument("--fit", action="store_true", help="fit the constants of `FITTED` to the calibration runs "
-                        "(Hopper's GEMM efficiency and shape, overlap cost, the TP overlaps) and report with them")  # fmt: skip
+    parser.add_argument(
+        "--fit",
+        action="store_true",
+        help="fit the constants of `FITTED` to the calibration runs (Hopper's GEMM efficiency and shape, overlap cost, "
+        "step overhead, the TP overlaps) and report with them",
+    )
     args = parser.parse_args()
     constants = fit(CALIBRATION) if args.fit else None
     report("calibration runs (the fitted constants were chosen on these)", CALIBRATION, args.markdown, constants)
     report("held-out runs (not used to choose them)", HELD_OUT, args.markdown, constants)
-    if args.sources:
-        for run in CALIBRATION + HELD_OUT:
-            print(f"- {run.name}: {run.source}" + (f"; assumed: {run.assumed}" if run.assumed else ""))
+    if args.sources:  # each source's runs and what was assumed where it is silent (8 GPUs per node throughout)
+        print()
+        for source in dict.fromkeys(run.source.split(",")[0] for run in CALIBRATION + HELD_OUT):
+            runs = [run for run in CALIBRATION + HELD_OUT if run.source.startswith(source)]
+            assumed = "; ".join(dict.fromkeys(run.assumed for run in runs))
+            print(f"- {source} ({len(runs)} runs): assumed {assumed}")
 
 
 if __name__ == "__main__":

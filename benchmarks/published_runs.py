@@ -3,7 +3,8 @@ the layout and how the run's kernels were written. `planner_vs_published.py` pri
 
 ``CALIBRATION``: the runs the clock's fitted constants (`lit3d.calibration`) were chosen on: the issue's nine, and the
 two vanilla-TP runs that torchtitan's async-TP runs were measured against (what async TP hides is their difference).
-``HELD_OUT``: other rows of the same sources, not used to choose them. What a source leaves out is assumed, and said under ``assumed``.
+``HELD_OUT``: other rows of the same sources, not used to choose them. What a source leaves out is assumed, and said
+under ``assumed``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,11 @@ FOUNDRY = "llm-foundry scripts/train/benchmarking/README.md"
 GRAND_TETON = dict(gpu=GPUS["H100 96GB"], power_watts=500.0)
 # torchtitan: SDPA's flash backend (FlashAttention-2) on H100; per-op selective recompute saves every matmul output
 # but every second one, and the attention output.
+TITAN_ASSUMED = (
+    "H100s of 96 GB HBM2e at 2.4 TB/s run at 500 W (as published); sequence length 8,192 (the train configs); SDPA's "
+    "flash backend (FlashAttention-2); per-op selective recompute as every second matmul; FSDP2 gathering bf16, "
+    "reducing fp32"
+)
 TITAN = Software(attention="flash2", recomputed_matmuls=0.5)
 TITAN_COMPILED = Software(attention="flash2", fused=True, recomputed_matmuls=0.5)
 TITAN_ASYNC_TP = Software(attention="flash2", fused=True, tp_overlap=ASYNC_TP, recomputed_matmuls=0.5)
@@ -32,16 +38,21 @@ TITAN_TP = Software(attention="flash2", fused=True, recomputed_matmuls=0.5)
 # Megatron-Core (r0.8): Transformer Engine's fused kernels and cuDNN attention (assumed: not stated), TP communication
 # overlap, the distributed optimizer with gradient reduction and weight gathers overlapped, activations laid out
 # sequence first.
-MEGATRON_STACK = Software(attention="cudnn", fused=True, tp_overlap=MEGATRON_TP_OVERLAP, overlap_param_gather=True,
-                          sequence_first=True)
+MEGATRON_STACK = Software(
+    attention="cudnn", fused=True, tp_overlap=MEGATRON_TP_OVERLAP, overlap_param_gather=True, sequence_first=True
+)
 MEGATRON_ASSUMED = (
-    "bf16 (MFU against the bf16 peak), micro-batches of one sequence where pipelined (else the replica's whole batch, no accumulation), no recompute, the distributed optimizer (ZeRO-1), interleaved "
-    "1F1B at 2 chunks per rank where pipelined, cuDNN attention; GPT's 4h GeLU MLP as a SwiGLU of 8h/3 (the same "
-    "weights and FLOPs)"
+    "DGX H100s at 700 W, bf16 (MFU against the bf16 peak), micro-batches of one sequence where pipelined (else the "
+    "replica's whole batch, no accumulation), no recompute, the distributed optimizer (ZeRO-1), interleaved 1F1B at 2 "
+    "chunks per rank where pipelined, cuDNN attention; GPT's 4h GeLU MLP as a SwiGLU of 8h/3 (the same weights and "
+    "FLOPs)"
 )
 # llm-foundry (2023): MPT's Triton flash attention (counted as FlashAttention-2), FSDP FULL_SHARD, no compile.
 FOUNDRY_STACK = Software(attention="flash2")
-FOUNDRY_ASSUMED = "MPT's 4d GeLU MLP as a SwiGLU of 8d/3, ALiBi as rotary, Triton attention as FlashAttention-2"
+FOUNDRY_ASSUMED = (
+    "MPT's 4d GeLU MLP as a SwiGLU of 8d/3, ALiBi as rotary, its Triton attention as FlashAttention-2, FSDP gathering "
+    "bf16 and reducing fp32 (composer's DEFAULT), links of a DGX H100 (not stated)"
+)
 
 
 @dataclass(frozen=True)
@@ -58,7 +69,7 @@ class Run:
     measured: float
     unit: str = "tokens"  # or "mfu"
     cluster: dict[str, Any] = field(default_factory=dict)  # Cluster fields besides nodes (e.g. the power cap)
-    assumed: str = ""
+    assumed: str = TITAN_ASSUMED
 
 
 def llama(name: str) -> GPTConfig:
@@ -97,9 +108,9 @@ def _titan(seq: int, batch: int, micro: int, software: Software) -> dict[str, An
     return dict(seq_len=seq, global_batch_size=batch, micro_batch_size=micro, software=software)
 
 
-def _megatron_loop(batch: int, pipelined: bool) -> dict[str, Any]:
+def _megatron_loop(batch: int, pp: int) -> dict[str, Any]:
     """Micro-batches of one sequence where pipelined, else the replica's whole batch (no accumulation)."""
-    micro = 1 if pipelined else batch // 48
+    micro = 1 if pp > 1 else batch // 48
     return dict(seq_len=4096, global_batch_size=batch, micro_batch_size=micro, software=MEGATRON_STACK)
 
 
@@ -121,16 +132,16 @@ CALIBRATION = [
         _titan(8192, 96, 12, TITAN_TP), 4378, cluster=GRAND_TETON),
     Run("Llama 3.1 70B, FSDP32 x TP8", TORCHTITAN_ASYNC, llama("llama-70b"), 256, _fsdp(32, FULL, True, 8),
         _titan(8192, 512, 16, TITAN_TP), 597.3, cluster=GRAND_TETON),
-    Run("GPT 1.7B, DP48", MEGATRON, gpt(24, 2048, 16), 48, _megatron(1, 1), _megatron_loop(192, 1 > 1), 0.41, "mfu",
+    Run("GPT 1.7B, DP48", MEGATRON, gpt(24, 2048, 16), 48, _megatron(1, 1), _megatron_loop(192, 1), 0.41, "mfu",
         assumed=MEGATRON_ASSUMED),
-    Run("GPT 70B, TP8 x PP2 x DP48", MEGATRON, gpt(84, 8192, 64), 768, _megatron(8, 2), _megatron_loop(384, 2 > 1), 0.42,
+    Run("GPT 70B, TP8 x PP2 x DP48", MEGATRON, gpt(84, 8192, 64), 768, _megatron(8, 2), _megatron_loop(384, 2), 0.42,
         "mfu", assumed=MEGATRON_ASSUMED),
     Run("GPT 462B, TP8 x PP16 x DP48", MEGATRON, gpt(112, 18432, 144), 6144, _megatron(8, 16),
-        _megatron_loop(3072, 16 > 1), 0.47, "mfu", assumed=MEGATRON_ASSUMED),
+        _megatron_loop(3072, 16), 0.47, "mfu", assumed=MEGATRON_ASSUMED),
     Run("MPT-7B, FSDP8", FOUNDRY, mpt(32, 4096, 32), 8, _fsdp(8, False), _foundry(2048, 48, 6), 10643,
         assumed=FOUNDRY_ASSUMED),
     Run("MPT-70B, FSDP64", FOUNDRY, mpt(80, 8192, 64), 64, _fsdp(64, FULL), _foundry(2048, 2048, 8), 1039,
-        assumed=FOUNDRY_ASSUMED + "; gradient accumulation 4"),
+        assumed=FOUNDRY_ASSUMED),
 ]  # fmt: skip
 
 HELD_OUT = [
@@ -138,26 +149,26 @@ HELD_OUT = [
         _fsdp(8, SELECTIVE, True), _titan(8192, 16, 2, TITAN_COMPILED), 6667, cluster=GRAND_TETON),
     Run("Llama 3.1 8B, FSDP128", f"{TORCHTITAN_2412}, Table 3", llama("llama-8b"), 128, _fsdp(128, SELECTIVE),
         _titan(8192, 256, 2, TITAN), 5605, cluster=GRAND_TETON),
-    Run("GPT 7.1B, TP2 x DP48", MEGATRON, gpt(30, 4096, 32), 96, _megatron(2, 1), _megatron_loop(192, 1 > 1), 0.47, "mfu",
+    Run("GPT 7.1B, TP2 x DP48", MEGATRON, gpt(30, 4096, 32), 96, _megatron(2, 1), _megatron_loop(192, 1), 0.47, "mfu",
         assumed=MEGATRON_ASSUMED),
-    Run("GPT 16B, TP4 x DP48", MEGATRON, gpt(32, 6144, 48), 192, _megatron(4, 1), _megatron_loop(192, 1 > 1), 0.49, "mfu",
+    Run("GPT 16B, TP4 x DP48", MEGATRON, gpt(32, 6144, 48), 192, _megatron(4, 1), _megatron_loop(192, 1), 0.49, "mfu",
         assumed=MEGATRON_ASSUMED),
-    Run("GPT 32B, TP8 x DP48", MEGATRON, gpt(48, 7168, 56), 384, _megatron(8, 1), _megatron_loop(192, 1 > 1), 0.46, "mfu",
+    Run("GPT 32B, TP8 x DP48", MEGATRON, gpt(48, 7168, 56), 384, _megatron(8, 1), _megatron_loop(192, 1), 0.46, "mfu",
         assumed=MEGATRON_ASSUMED),
-    Run("GPT 119B, TP8 x PP4 x DP48", MEGATRON, gpt(92, 10240, 80), 1536, _megatron(8, 4), _megatron_loop(768, 4 > 1),
+    Run("GPT 119B, TP8 x PP4 x DP48", MEGATRON, gpt(92, 10240, 80), 1536, _megatron(8, 4), _megatron_loop(768, 4),
         0.43, "mfu", assumed=MEGATRON_ASSUMED),
-    Run("GPT 177B, TP8 x PP6 x DP48", MEGATRON, gpt(96, 12288, 96), 2304, _megatron(8, 6), _megatron_loop(1152, 6 > 1),
+    Run("GPT 177B, TP8 x PP6 x DP48", MEGATRON, gpt(96, 12288, 96), 2304, _megatron(8, 6), _megatron_loop(1152, 6),
         0.44, "mfu", assumed=MEGATRON_ASSUMED),
-    Run("GPT 314B, TP8 x PP8 x DP48", MEGATRON, gpt(96, 16384, 128), 3072, _megatron(8, 8), _megatron_loop(1536, 8 > 1),
+    Run("GPT 314B, TP8 x PP8 x DP48", MEGATRON, gpt(96, 16384, 128), 3072, _megatron(8, 8), _megatron_loop(1536, 8),
         0.48, "mfu", assumed=MEGATRON_ASSUMED),
     Run("MPT-7B, FSDP128", FOUNDRY, mpt(32, 4096, 32), 128, _fsdp(128, False), _foundry(2048, 768, 6), 10475,
         assumed=FOUNDRY_ASSUMED),
     Run("MPT-7B, FSDP8, seq 8192", FOUNDRY, mpt(32, 4096, 32), 8, _fsdp(8, FULL), _foundry(8192, 128, 8), 6935,
-        assumed=FOUNDRY_ASSUMED + "; gradient accumulation 2"),
+        assumed=FOUNDRY_ASSUMED),
     Run("MPT-13B, FSDP8", FOUNDRY, mpt(40, 5120, 40), 8, _fsdp(8, False), _foundry(2048, 16, 2), 4792,
         assumed=FOUNDRY_ASSUMED),
     Run("MPT-30B, FSDP32", FOUNDRY, mpt(48, 7168, 64), 32, _fsdp(32, FULL), _foundry(2048, 1344, 14), 2308,
-        assumed=FOUNDRY_ASSUMED + "; gradient accumulation 3"),
+        assumed=FOUNDRY_ASSUMED),
     Run("MPT-70B, FSDP128", FOUNDRY, mpt(80, 8192, 64), 128, _fsdp(128, FULL), _foundry(2048, 1024, 8), 1058,
         assumed=FOUNDRY_ASSUMED),
     Run("MPT-1B, ZeRO-2 x 128", FOUNDRY, mpt(24, 2048, 16), 128, {**_fsdp(128, False), "zero_stage": 2},

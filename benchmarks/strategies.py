@@ -34,6 +34,7 @@ Communication: in the first round every configuration measures the bytes each ra
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import socket
@@ -198,17 +199,27 @@ def print_comm_report(results: dict[str, dict], names: list[str]) -> None:
 
 
 def print_predictions(results: dict[str, dict], names: list[str]) -> None:
-    """The planner's step time on this machine's profile beside the measured one, and both rankings."""
-    rows = [(name, results[name]) for name in names if results[name].get("predicted_step_s")]
+    """The planner's step time on this machine's profile beside the measured one, and whether the planner orders
+    every pair of layouts that the measurement tells apart (their rounds do not overlap) as measured."""
+    rows = {name: results[name] for name in names if results[name].get("predicted_step_s")}
     if not rows:
         return
     print("\nthe planner's clock on this machine (`lit3d calibrate` profiles measured in this run)")
-    print(f"{'configuration':<16}{'measured ms':>12}{'planned ms':>12}{'ratio':>8}")
-    for name, result in rows:
-        measured, planned = result["median_step_s"], result["predicted_step_s"]
-        print(f"{name:<16}{measured * 1000:>12.1f}{planned * 1000:>12.1f}{planned / measured:>8.3f}")
-    order = lambda key: " < ".join(name for name, _ in sorted(rows, key=lambda row: row[1][key]))  # noqa: E731
+    print(f"{'configuration':<16}{'measured ms':>12}{'rounds ms':>14}{'planned ms':>12}{'ratio':>8}")
+    for name, result in rows.items():
+        measured, planned, rounds = result["median_step_s"], result["predicted_step_s"], result["per_round_s"]
+        spread = f"{min(rounds) * 1000:.0f}-{max(rounds) * 1000:.0f}"
+        print(f"{name:<16}{measured * 1000:>12.1f}{spread:>14}{planned * 1000:>12.1f}{planned / measured:>8.3f}")
+    apart, agree = 0, 0
+    for a, b in itertools.combinations(rows, 2):
+        first, second = sorted((a, b), key=lambda name: rows[name]["median_step_s"])
+        if max(rows[first]["per_round_s"]) < min(rows[second]["per_round_s"]):  # told apart
+            apart += 1
+            agree += rows[first]["predicted_step_s"] < rows[second]["predicted_step_s"]
+    order = lambda key: " < ".join(sorted(rows, key=lambda name: rows[name][key]))  # noqa: E731
     print(f"fastest first, measured: {order('median_step_s')}\nfastest first, planned:  {order('predicted_step_s')}")
+    print(f"pairs the measurement tells apart (rounds not overlapping): {apart} of {len(rows) * (len(rows) - 1) // 2}"
+          f", ordered as measured by the planner: {agree}")  # fmt: skip
 
 
 def run_group(processes: int, names: list[str], args: argparse.Namespace, threads: int) -> dict[str, dict]:

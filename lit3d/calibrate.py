@@ -27,9 +27,10 @@ import socket
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from lit3d.calibration import CPU, Efficiencies
 from lit3d.hardware import GPU, GPUS, cpu_share
@@ -37,6 +38,12 @@ from lit3d.planner.inputs import Cluster
 
 GEMM_ROWS, GEMM_COLUMNS, GEMM_KS = 2048, 512, (64, 256, 1024)
 GEMM_SIDE = 1024  # of the GEMM the collectives follow
+
+
+def timed_once(work: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    work()
+    return time.perf_counter() - start
 
 
 def timed(work: Callable[[], Any], repeat: int = 5) -> float:
@@ -64,45 +71,33 @@ def fit_gemm(throughput: dict[int, float]) -> tuple[float, float]:
     return half, peak_of(half)
 
 
-def measure_elementwise(tokens: int, width: int = 256) -> float:
-    """Bytes/s of a block's own elementwise work as the clock counts its bytes (`lit3d.planner.work`): an RMSNorm and
-    a SwiGLU product over ``tokens`` rows, forward and backward, eagerly."""
+def kernel_works(tokens: int, width: int = 256) -> dict[str, tuple[Callable[[], Any], float]]:
+    """What `measure_kernels` times, each with the FLOPs (or, elementwise, the bytes as `lit3d.planner.work` counts
+    them) it does: GEMMs of a rehearsal's shapes, causal attention forward and forward + backward, a block's RMSNorm
+    and SwiGLU product forward and backward, and a chain of 100 tiny operators through autograd."""
     import torch
     import torch.nn.functional as F
 
     from lit3d.calibration import BACKWARD_ELEMENTWISE
     from lit3d.planner.work import NORM, SWIGLU
 
+    works: dict[str, tuple[Callable[[], Any], float]] = {}
+    for k in GEMM_KS:  # thousands of tokens by a few hundred features
+        a, b = torch.randn(GEMM_ROWS, k), torch.randn(k, GEMM_COLUMNS)
+        works[f"gemm {k}"] = (lambda a=a, b=b: a @ b, 2 * GEMM_ROWS * GEMM_COLUMNS * k)
+    batch, heads, seq, dim = 4, 8, 256, 32
+    q, k, v = (torch.randn(batch, heads, seq, dim, requires_grad=True) for _ in range(3))
+    attention = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    grad = torch.randn(batch, heads, seq, dim)
+    causal = 4 * batch * heads * seq * seq * dim / 2
+    works["attention"] = (attention, causal)
+    works["attention and backward"] = (lambda: torch.autograd.grad(attention(), (q, k, v), grad), causal)
     hidden = torch.randn(tokens, width, requires_grad=True)
     gate, up = (torch.randn(tokens, 3 * width, requires_grad=True) for _ in range(2))
     norm = torch.nn.RMSNorm(width)
-
-    def step() -> None:
-        (norm(hidden).sum() + (F.silu(gate) * up).sum()).backward()
-
+    elementwise = lambda: (norm(hidden).sum() + (F.silu(gate) * up).sum()).backward()
     forward = NORM[0][0] * tokens * width + SWIGLU[0][0] * tokens * 3 * width
-    return (1 + BACKWARD_ELEMENTWISE) * forward / timed(step, repeat=10)
-
-
-def measure_kernels(tokens: int) -> dict[str, float]:
-    """This process's GEMM, attention, elementwise and per-operator numbers."""
-    import torch
-    import torch.nn.functional as F
-
-    throughput = {}
-    for k in GEMM_KS:  # a rehearsal's GEMMs: thousands of tokens by a few hundred features
-        a, b = torch.randn(GEMM_ROWS, k), torch.randn(k, GEMM_COLUMNS)
-        throughput[k] = 2 * GEMM_ROWS * GEMM_COLUMNS * k / timed(lambda: a @ b, repeat=15)  # noqa: B023
-    half, peak = fit_gemm(throughput)
-    batch, heads, seq, dim = 4, 8, 256, 32
-    q_, k_, v_ = (torch.randn(batch, heads, seq, dim, requires_grad=True) for _ in range(3))
-    flops = 4 * batch * heads * seq * seq * dim / 2
-    forward = timed(lambda: F.scaled_dot_product_attention(q_, k_, v_, is_causal=True))
-    out = F.scaled_dot_product_attention(q_, k_, v_, is_causal=True)
-    grad = torch.randn_like(out)
-    both = timed(lambda: torch.autograd.grad(F.scaled_dot_product_attention(q_, k_, v_, is_causal=True),
-                                             (q_, k_, v_), grad))  # fmt: skip
-    bandwidth = measure_elementwise(tokens)
+    works["elementwise"] = (elementwise, (1 + BACKWARD_ELEMENTWISE) * forward)
     tiny = torch.ones(4, requires_grad=True)
 
     def chain() -> None:
@@ -111,10 +106,28 @@ def measure_kernels(tokens: int) -> dict[str, float]:
             value = value * 1.0001
         value.sum().backward()
 
-    per_op = timed(chain) / 100 / 3  # each operator: one kernel forward, about two backward
-    return {"peak": peak, "half_dim": half, "attention_forward": flops / forward / peak,
-            "attention_backward": 2.5 * flops / (both - forward) / peak, "bandwidth": bandwidth,
-            "kernel_overhead_s": per_op}  # fmt: skip
+    works["operators"] = (chain, 100 * 3)  # each operator: one kernel forward, about two backward
+    return works
+
+
+def measure_kernels(tokens: int, rounds: int = 7, repeat: int = 3) -> dict[str, float]:
+    """This process's GEMM, attention, elementwise and per-operator numbers: each work of `kernel_works` timed
+    ``repeat`` times in a row per round (its fastest kept), the rounds interleaved so that a slow moment of the machine
+    hits all works alike; medians over the rounds."""
+    works = kernel_works(tokens)
+    times: dict[str, list[float]] = {name: [] for name in works}
+    for work, _ in works.values():
+        work()  # warm-up
+    for _ in range(rounds):
+        for name, (work, _) in works.items():
+            times[name].append(min(timed_once(work) for _ in range(repeat)))
+    seconds = {name: statistics.median(values) for name, values in times.items()}
+    rate = {name: works[name][1] / seconds[name] for name in works}
+    half, peak = fit_gemm({k: rate[f"gemm {k}"] for k in GEMM_KS})
+    backward = seconds["attention and backward"] - seconds["attention"]
+    return {"peak": peak, "half_dim": half, "attention_forward": rate["attention"] / peak,
+            "attention_backward": 2.5 * works["attention"][1] / backward / peak, "bandwidth": rate["elementwise"],
+            "kernel_overhead_s": 1 / rate["operators"]}  # fmt: skip
 
 
 def measure_links(world: int, repeat: int = 30) -> dict[str, float]:
@@ -153,11 +166,11 @@ def measure_split_linear_overhead(world: int, count: int = 16) -> float:
 
     if world == 1:
         return 0.0
-    linears = lambda: torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(count))  # noqa: E731
+    linears = lambda: torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(count))
     mesh = init_device_mesh("cpu", (world,))
     split = parallelize_module(linears(), mesh, {str(i): ColwiseParallel() for i in range(count)})
     plain, x = linears(), torch.randn(4, 64)
-    step = lambda modules: sum(m(x).sum() for m in modules).backward()  # noqa: E731
+    step = lambda modules: sum(m(x).sum() for m in modules).backward()
     return max(timed(lambda: step(split), 15) - timed(lambda: step(plain), 15), 0.0) / count
 
 

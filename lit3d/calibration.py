@@ -2,8 +2,8 @@
 
 Three kinds: a datasheet or a published measurement (a kernel benchmark, nccl-tests), physics (how power bounds
 clocks), and a fit to the calibration runs of `benchmarks/planner_vs_published.py` (named "fit": one value for every
-run; ``python benchmarks/planner_vs_published.py --fit`` finds them again). A device's efficiencies are in `Efficiencies` (hardware.py gives
-each GPU its architecture's); what the clock assumes of any device is below them.
+run; ``python benchmarks/planner_vs_published.py --fit`` finds them again). A device's efficiencies are in
+`Efficiencies` (hardware.py gives each GPU its architecture's); what the clock assumes of any device is below them.
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ class Efficiencies:
 HOPPER = Efficiencies(
     # fit. Alone, a bf16 GEMM of the best shape reaches 0.80 of 989 TFLOP/s on an H100 SXM (ml-engineering's MAMF
     # table: 794.5); inside a training step, with the rest of the step drawing power and memory bandwidth beside it,
-    # the fit puts a long-k GEMM at 0.67.
-    gemm=0.67,
+    # the fit puts a long-k GEMM at 0.675.
+    gemm=0.675,
     # fit: a GEMM of k = 4,096 runs at 0.96 of a long one, k = 1,024 at 0.85, k = 512 at 0.75.
     gemm_half_dim=175.0,
     # flash-attention's own figures, H100 80GB SXM5 (700 W), bf16, head dim 128, causal, 8k tokens, FLOPs counted
@@ -101,8 +101,8 @@ BACKWARD_ELEMENTWISE = 2.0
 ATTENTION_BACKWARD_FLOPS = 2.5
 # The share of tensor-parallel traffic hidden behind the GEMMs by torchtitan's async TP (the all-gather and the
 # reduce-scatter decomposed into steps that overlap the matmul's chunks): fit, with its published speedups over vanilla
-# TP (1.10 for 8B, 1.09 for 70B) in the fit's objective; the fit predicts 1.05.
-ASYNC_TP = 0.35
+# TP (1.10 for 8B, 1.09 for 70B) in the fit's objective; the fit predicts 1.04.
+ASYNC_TP = 0.3
 # The same by Megatron's TP communication overlap (Transformer Engine's userbuffers, copy engines): fit.
 MEGATRON_TP_OVERLAP = 1.0
 # AdamW as PyTorch's foreach implementation runs it: bytes per stepped fp32 parameter (parameter, gradient and two

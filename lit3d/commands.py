@@ -71,14 +71,12 @@ def plan(
         model: A preset name ({presets}) or a model YAML file.
         nodes: Number of nodes.
         gpus_per_node: GPUs in each node.
-        gpu: A known device ({gpus}) whose memory, peak and links are the next four's defaults (``CPU``: one core
-            each), or a profile of this machine that ``lit3d calibrate`` wrote (``cpu.json``).
+        gpu: A known device ({gpus}; ``CPU``: one core each), or a profile that ``lit3d calibrate`` wrote.
         gpu_memory: Memory of one GPU, GB.
         intra_node_bandwidth: GB/s per GPU and direction inside a node (NVLink).
         inter_node_bandwidth: GB/s per GPU between nodes (InfiniBand).
         peak_tflops: Dense bf16 peak of one GPU, TFLOP/s.
-        power_watts: The power limit the GPUs run at, if below their rated board power (torchtitan's H100s: 500 of
-            700 W); it lowers the tensor-core clock the step time is priced at.
+        power_watts: The GPUs' power limit, if below their rated power (it lowers the clock the step is priced at).
         seq_len: Tokens per sequence (default: the model's max_seq_len).
         micro_batch_size: Sequences per micro-batch (default 1, or global_batch_size / (dp x num_microbatches)).
         global_batch_size: Sequences per optimizer step over all replicas.
@@ -87,16 +85,14 @@ def plan(
         inter_island_latency: Milliseconds per hop between islands.
         top: How many layouts a search prints.
         json: Print one JSON object instead of text.
-        verify: Build the real model on the meta device, parallelise it for the layout in a fake process group
-            of the full world size, and compare its per-rank parameter counts with the analytic ones.
-        map: Draw the rank map to this ``.svg``, ``.png`` or ``.html`` file: of the layout, or of a search's best
-            three one above the other, with each rank's number and memory and each layout's traffic per link.
+        verify: Check the per-rank parameter counts against the real model parallelised in a fake process group.
+        map: Draw the rank map (the layout's, or a search's best three) to this ``.svg``, ``.png`` or ``.html`` file.
     {settings}
     """
     cluster = _cluster(gpu, nodes, gpus_per_node, gpu_memory, intra_node_bandwidth, inter_node_bandwidth, peak_tflops,
                        inter_island_bandwidth, inter_island_latency, power_watts)  # fmt: skip
-    numbers = dict(seq_len=seq_len, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size)
-    given = {name: value for name, value in {**numbers, **settings}.items() if value is not None}  # 0 is given
+    numbers = dict(seq_len=seq_len, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size, **settings)
+    given = {name: value for name, value in numbers.items() if value is not None}  # 0 is given
     report = plan_request(Request.given(model, cluster, top=top, verify=verify, precision=precision, **given))
     text = format_report(report)
     if map and report.chosen:
@@ -134,8 +130,8 @@ def _cluster(
     given = {"gpu_memory_gb": gpu_memory, "intra_node_gbps": intra_node_bandwidth, "peak_tflops": peak_tflops,
              "inter_node_gbps": inter_node_bandwidth}  # fmt: skip
     numbers = {name: value for name, value in given.items() if value is not None}  # NOTE: 0 is given (and refused)
-    return Cluster.of(spec, nodes, gpus_per_node, **numbers, **latency, power_watts=power_watts,
-                      inter_island_gbps=inter_island_bandwidth, inter_island_latency_ms=inter_island_latency)  # fmt: skip
+    islands = dict(inter_island_gbps=inter_island_bandwidth, inter_island_latency_ms=inter_island_latency)
+    return Cluster.of(spec, nodes, gpus_per_node, **numbers, **latency, **islands, power_watts=power_watts)
 
 
 # How `lit3d plan` uses each setting of the strategy, after the setting's own help (`Parallelism`'s field metadata).
@@ -153,6 +149,7 @@ PLAN_NOTES = {
     "virtual_pipeline_size": "Searched with the schedule when not given.",
     "activation_checkpointing": "Searched (off or full) when not given, off for a fixed layout.",
     "mixed_precision_reduce": "Planned as the run reduces: ``bfloat16`` halves the gradients' bytes.",
+    "compile": "Planned: each block's elementwise work fused, its memory-bound time cut.",
     "islands": "The plan then prints the time per outer step and what it saves against synchronous DP.",
     "sync_every": f"Planned: {DILOCO_SYNC_EVERY} (DiLoCo's paper) with islands unless given.",
     "outer_fragments": "The same bytes, fewer at a time.",
@@ -212,9 +209,11 @@ def calibrate(output: str = "cpu.json", processes: int = 1) -> None:
     profile = measure(processes)
     Path(output).write_text(dumps(profile, indent=2))
     gpu = profile["gpu"]
-    print(f"wrote {output}: {gpu['peak_tflops'] * 1e3:.1f} GFLOP/s per process, {gpu['memory_bandwidth_gbps']:.0f} "
-          f"GB/s, {gpu['efficiency']['kernel_overhead_us']:.1f} us per operator, all-reduce at "
-          f"{gpu['intra_node_gbps']:.2f} GB/s; plan with: lit3d plan --gpu {output} --gpus_per_node {processes} ...")  # fmt: skip
+    print(
+        f"wrote {output}: {gpu['peak_tflops'] * 1e3:.1f} GFLOP/s per process, {gpu['memory_bandwidth_gbps']:.0f} GB/s,"
+        f" {gpu['efficiency']['kernel_overhead_us']:.1f} us per operator, all-reduce at {gpu['intra_node_gbps']:.2f}"
+        f" GB/s; plan with: lit3d plan --gpu {output} --gpus_per_node {processes} ..."
+    )
 
 
 def convert(ckpt_path: str, output: str) -> None:

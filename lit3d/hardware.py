@@ -35,19 +35,24 @@ GPUS: dict[str, GPU] = {
     # dense each, 13.4 TB HBM3e at 576 TB/s = 186 GB at 8 TB/s each, NVLink 5 at 1.8 TB/s both directions (one
     # NVLink domain is the 72-GPU rack: plan it with --gpus_per_node 72); 400 Gb/s ConnectX-7 per GPU.
     "GB200": GPU("GB200", 2500.0, 186.0, 900.0, 50.0, 8000.0, 1200.0, BLACKWELL),
-    # NVIDIA H200 SXM datasheet (up to 700 W): 989 TFLOP/s dense BF16, 141 GB HBM3e at 4.8 TB/s, NVLink 4 at 900 GB/s both ways.
+    # NVIDIA H200 SXM datasheet (up to 700 W): 989 TFLOP/s dense BF16, 141 GB HBM3e at 4.8 TB/s, NVLink 4 at 900 GB/s
+    # both ways.
     "H200": GPU("H200", 989.0, 141.0, 450.0, 50.0, 4800.0, 700.0, HOPPER),
-    # NVIDIA H100 SXM datasheet (up to 700 W): 989 TFLOP/s dense BF16, 80 GB HBM3 at 3.35 TB/s, NVLink 4 at 900 GB/s both ways.
+    # NVIDIA H100 SXM datasheet (up to 700 W): 989 TFLOP/s dense BF16, 80 GB HBM3 at 3.35 TB/s, NVLink 4 at 900 GB/s
+    # both ways.
     "H100": GPU("H100", 989.0, 80.0, 450.0, 50.0, 3350.0, 700.0, HOPPER),
     # H100 SXM boards with 96 GB of HBM2e at 2.4 TB/s (Meta's Grand Teton hosts, torchtitan's benchmarks: "96GB HBM2e
     # with 2.4 TB/sec peak memory bandwidth", run at a 500 W limit of 700).
     "H100 96GB": GPU("H100 96GB", 989.0, 96.0, 450.0, 50.0, 2400.0, 700.0, HOPPER),
-    # NVIDIA H100 NVL/PCIe datasheet (PCIe: 300-350 W): 756 TFLOP/s dense BF16 (PCIe), 80 GB HBM2e at 2 TB/s, NVLink bridge 600 GB/s.
+    # NVIDIA H100 NVL/PCIe datasheet (PCIe: 300-350 W): 756 TFLOP/s dense BF16 (PCIe), 80 GB HBM2e at 2 TB/s,
+    # NVLink bridge 600 GB/s.
     "H100 PCIe": GPU("H100 PCIe", 756.0, 80.0, 300.0, 50.0, 2000.0, 350.0, HOPPER),
-    # NVIDIA A100 SXM datasheet (400 W): 312 TFLOP/s dense BF16, 80 GB HBM2e at 2,039 GB/s (40 GB: 1,555), NVLink 3 600 GB/s.
+    # NVIDIA A100 SXM datasheet (400 W): 312 TFLOP/s dense BF16, 80 GB HBM2e at 2,039 GB/s (40 GB: 1,555), NVLink 3
+    # 600 GB/s.
     "A100": GPU("A100", 312.0, 80.0, 300.0, 25.0, 2039.0, 400.0, AMPERE),
     "A100 40GB": GPU("A100 40GB", 312.0, 40.0, 300.0, 25.0, 1555.0, 400.0, AMPERE),
-    # AMD Instinct MI300X data sheet (750 W): 1,307.4 TFLOP/s dense BF16 (2,614.9 with sparsity), 192 GB HBM3 at 5.3 TB/s;
+    # AMD Instinct MI300X data sheet (750 W): 1,307.4 TFLOP/s dense BF16 (2,614.9 with sparsity), 192 GB HBM3 at
+    # 5.3 TB/s;
     # Infinity Fabric: each GPU reaches the other 7 of the platform over one 128 GB/s (both ways) link each:
     # 7 x 64 = 448 GB/s per direction. A 400 Gb/s NIC per GPU between nodes.
     "MI300X": GPU("MI300X", 1307.4, 192.0, 448.0, 50.0, 5300.0, 750.0, CDNA3),

@@ -145,7 +145,7 @@ def test_every_setting_of_the_strategy_is_a_plan_flag(capsys):
 @pytest.mark.parametrize(
     "flag, value",
     [("--process_group_backend", "gloo"), ("--timeout", "0:20:00"), ("--start_method", "fork"),
-     ("--async_checkpoint", "true"), ("--compile", "true"), ("--outer_lr", "0.5"), ("--outer_momentum", "0.5")],
+     ("--async_checkpoint", "true"), ("--outer_lr", "0.5"), ("--outer_momentum", "0.5")],
 )  # fmt: skip
 def test_settings_that_do_not_change_the_plan_are_accepted_and_passed_to_the_run(flag, value, capsys):
     args = ["plan", "--model", "tiny", "--gpus_per_node", "2", "--global_batch_size", "8", "--seq_len", "64"]
@@ -155,6 +155,16 @@ def test_settings_that_do_not_change_the_plan_are_accepted_and_passed_to_the_run
     assert json.loads(capsys.readouterr().out)["step_time_s"] == plain["step_time_s"]
     main([*args, flag, value])
     assert f"--trainer.strategy.{flag[2:]}={value}" in capsys.readouterr().out
+
+
+def test_compile_is_planned_fused_and_passed_to_the_run(capsys):
+    args = ["plan", "--model", "tiny", "--gpus_per_node", "2", "--global_batch_size", "8", "--seq_len", "64", "--json"]
+    main(args)
+    eager = json.loads(capsys.readouterr().out)["time_breakdown"]["memory_bound"]
+    main([*args, "--compile", "true"])
+    assert json.loads(capsys.readouterr().out)["time_breakdown"]["memory_bound"] < eager
+    main([*args[:-1], "--compile", "true"])
+    assert "--trainer.strategy.compile=true" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("zero_stage, ratio", [(0, 1 / 2), (1, 4 / 6), (2, 4 / 6), (3, None)])

@@ -171,7 +171,8 @@ def _exposed(
     seconds: dict[str, float], training: Training, attention: float, cluster: Cluster
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Seconds of TP, PP, EP and CP traffic the busiest rank waits for, and the seconds hidden: the CP ring behind
-    attention, TP's share that the run overlaps with its GEMMs (`Software.tp_overlap`); what hides costs `overlap_cost` of itself."""
+    attention, TP's share that the run overlaps with its GEMMs (`Software.tp_overlap`); what hides costs
+    `overlap_cost` of itself."""
     cost = cluster.gpu.efficiency.overlap_cost
     hidden = {"cp": min(seconds["cp"], attention)}
     hidden["tp"] = seconds["tp"] * training.software.tp_overlap

@@ -16,6 +16,7 @@ from __future__ import annotations
 from lit3d.config import GPTConfig
 from lit3d.parallel.layout import Layout, sizes_of  # noqa: F401 (read from here too)
 from lit3d.parallel.settings import Parallelism
+from lit3d.planner.clock import step_time
 from lit3d.planner.inputs import (  # noqa: F401 (read from here too)
     GB,
     MASTER_WEIGHTS,
@@ -35,7 +36,6 @@ from lit3d.planner.memory import (  # noqa: F401 (the per-token counts are also 
     output_layer_bytes,
     params_total,
 )
-from lit3d.planner.clock import step_time
 from lit3d.planner.tensors import config_key
 from lit3d.planner.traffic import collectives, communication_bytes
 

@@ -83,8 +83,8 @@ class Cluster:
     @classmethod
     def of(cls, gpu: GPU, nodes: int = 1, gpus_per_node: int = 8, **numbers: Any) -> Cluster:
         """``nodes`` x ``gpus_per_node`` of ``gpu``, with its memory, peak and links (``numbers`` replace them)."""
-        own = dict(gpu_memory_gb=gpu.memory_gb, intra_node_gbps=gpu.intra_node_gbps, inter_node_gbps=gpu.inter_node_gbps,
-                   peak_tflops=gpu.peak_tflops, device=gpu.device)  # fmt: skip
+        own = dict(gpu_memory_gb=gpu.memory_gb, intra_node_gbps=gpu.intra_node_gbps, peak_tflops=gpu.peak_tflops,
+                   inter_node_gbps=gpu.inter_node_gbps, device=gpu.device)  # fmt: skip
         return cls(nodes=nodes, gpus_per_node=gpus_per_node, gpu=gpu, **{**own, **numbers})
 
     @property

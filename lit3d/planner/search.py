@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from lit3d.calibration import STATIC_POWER_SHARE
 from lit3d.config import GPTConfig
 from lit3d.parallel.context import check_context_parallel
 from lit3d.parallel.layout import (
@@ -25,9 +26,8 @@ from lit3d.parallel.layout import (
 )
 from lit3d.parallel.schedules import check_composes, microbatch_problem
 from lit3d.parallel.settings import Parallelism
-from lit3d.planner.estimate import GB, PLANNING_DEFAULTS, PRECISIONS, Cluster, Plan, Training, estimate, sizes_of
-from lit3d.calibration import STATIC_POWER_SHARE
 from lit3d.planner.clock import largest_costs
+from lit3d.planner.estimate import GB, PLANNING_DEFAULTS, PRECISIONS, Cluster, Plan, Training, estimate, sizes_of
 from lit3d.planner.pipeline import CANDIDATES, choose_schedule, why_schedule
 
 LONG_SEQUENCE = 16384  # tokens from which the search tries context parallelism

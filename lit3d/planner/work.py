@@ -66,9 +66,7 @@ class Work:
     split: bool  # its linears are split over tensor parallelism
 
 
-def stage_work(
-    config: GPTConfig, layout: Layout, training: Training, sp: bool, fused: bool, stage: StageSums
-) -> Work:
+def stage_work(config: GPTConfig, layout: Layout, training: Training, sp: bool, fused: bool, stage: StageSums) -> Work:
     """What one rank of ``layout`` computes per micro-batch on ``stage`` (its blocks, MoE ones among them, the
     embedding on the first stage, the output layer and loss on the last); ``sp``: sequence parallelism is on."""
     blocks, moe = stage.blocks, stage.moe
