@@ -128,10 +128,6 @@ CALIBRATION = [
         _titan(8192, 96, 12, TITAN_ASYNC_TP), 4809.4, cluster=GRAND_TETON),
     Run("Llama 3.1 70B, FSDP32 x TP8, async TP", TORCHTITAN_ASYNC, llama("llama-70b"), 256,
         _fsdp(32, FULL, True, 8), _titan(8192, 512, 16, TITAN_ASYNC_TP), 652.4, cluster=GRAND_TETON),
-    Run("Llama 3.1 8B, FSDP8 x TP8", TORCHTITAN_ASYNC, llama("llama-8b"), 64, _fsdp(8, SELECTIVE, True, 8),
-        _titan(8192, 96, 12, TITAN_TP), 4378, cluster=GRAND_TETON),
-    Run("Llama 3.1 70B, FSDP32 x TP8", TORCHTITAN_ASYNC, llama("llama-70b"), 256, _fsdp(32, FULL, True, 8),
-        _titan(8192, 512, 16, TITAN_TP), 597.3, cluster=GRAND_TETON),
     Run("GPT 1.7B, DP48", MEGATRON, gpt(24, 2048, 16), 48, _megatron(1, 1), _megatron_loop(192, 1), 0.41, "mfu",
         assumed=MEGATRON_ASSUMED),
     Run("GPT 70B, TP8 x PP2 x DP48", MEGATRON, gpt(84, 8192, 64), 768, _megatron(8, 2), _megatron_loop(384, 2), 0.42,
@@ -142,6 +138,10 @@ CALIBRATION = [
         assumed=FOUNDRY_ASSUMED),
     Run("MPT-70B, FSDP64", FOUNDRY, mpt(80, 8192, 64), 64, _fsdp(64, FULL), _foundry(2048, 2048, 8), 1039,
         assumed=FOUNDRY_ASSUMED),
+    Run("Llama 3.1 8B, FSDP8 x TP8", TORCHTITAN_ASYNC, llama("llama-8b"), 64, _fsdp(8, SELECTIVE, True, 8),
+        _titan(8192, 96, 12, TITAN_TP), 4378, cluster=GRAND_TETON),
+    Run("Llama 3.1 70B, FSDP32 x TP8", TORCHTITAN_ASYNC, llama("llama-70b"), 256, _fsdp(32, FULL, True, 8),
+        _titan(8192, 512, 16, TITAN_TP), 597.3, cluster=GRAND_TETON),
 ]  # fmt: skip
 
 HELD_OUT = [

@@ -216,7 +216,7 @@ def print_predictions(results: dict[str, dict], names: list[str]) -> None:
         if max(rows[first]["per_round_s"]) < min(rows[second]["per_round_s"]):  # told apart
             apart += 1
             agree += rows[first]["predicted_step_s"] < rows[second]["predicted_step_s"]
-    order = lambda key: " < ".join(sorted(rows, key=lambda name: rows[name][key]))  # noqa: E731
+    order = lambda key: " < ".join(sorted(rows, key=lambda name: rows[name][key]))
     print(f"fastest first, measured: {order('median_step_s')}\nfastest first, planned:  {order('predicted_step_s')}")
     print(f"pairs the measurement tells apart (rounds not overlapping): {apart} of {len(rows) * (len(rows) - 1) // 2}"
           f", ordered as measured by the planner: {agree}")  # fmt: skip

@@ -131,3 +131,18 @@ def test_calibrate_writes_a_profile_that_plan_prices_this_machine_with(tmp_path,
     report = json.loads(capsys.readouterr().out)
     assert report["cluster"]["gpu"]["name"] == "this CPU, 1 process(es)" and report["step_time_s"] > 0
     assert report["tokens_per_s_per_gpu"] == pytest.approx(8 * 128 / report["step_time_s"])
+
+
+def test_the_table_in_benchmarks_readme_is_what_the_script_prints(capsys):
+    from pathlib import Path
+
+    from benchmarks.planner_vs_published import report
+
+    report("calibration", CALIBRATION, markdown=True)
+    report("held out", HELD_OUT, markdown=True)
+    printed = {line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")}
+    page = (Path(__file__).resolve().parents[1] / "benchmarks" / "README.md").read_text()
+    section = page.split("## The planner's clock against published runs")[1].split("\n## ")[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| run ")]
+    assert len(rows) == len(CALIBRATION) + len(HELD_OUT)
+    assert set(rows) <= printed, set(rows) - printed

@@ -6,10 +6,11 @@ inline code span ``lit3d COMMAND --...``. How each is checked:
 
 - ``lit3d fit|validate|test|predict``: parsed by the LightningCLI with ``--print_config`` (all of them in one child
   process, which imports Lightning once); one with ``--trainer.fast_dev_run`` trains for real.
-- ``lit3d plan``: runs; when the next fenced block after its block is a ```text block, that block shows the output of
-  the block's last command, and every line of it (but ``...``) must be a line the command prints.
-- ``lit3d export|convert|generate|prepare``: parsed; run too unless marked ``# needs: ...`` (files the reader brings),
-  at the end of the line or on a line of its own above it in the block.
+- ``lit3d plan``: runs (only parsed where marked ``# needs: ...``, as below); when the next fenced block after its
+  block is a ```text block, that block shows the output of the block's last command, and every line of it (but
+  ``...``) must be a line the command prints.
+- ``lit3d calibrate|export|convert|generate|prepare``: parsed; run too unless marked ``# needs: ...`` (files the reader
+  brings), at the end of the line or on a line of its own above it in the block.
 
 After changing a strategy setting, regenerate docs/strategy-arguments.md's table:
 ``python tests/test_docs.py --write-argument-table``.
@@ -33,7 +34,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LIGHTNING = ("fit", "validate", "test", "predict")
-FUNCTIONS = ("export", "convert", "generate", "prepare")  # jsonargparse functions of `lit3d.commands`
+FUNCTIONS = ("calibrate", "export", "convert", "generate", "prepare")  # jsonargparse functions of `lit3d.commands`
 SHELL = ("bash", "sh", "shell", "console")
 TABLE_START, TABLE_END = "<!-- generated: argument_table -->", "<!-- end generated -->"
 ARGUMENT_TABLE = ROOT / "docs" / "strategy-arguments.md"
@@ -219,6 +220,9 @@ def test_the_plans_in_the_docs_run_and_print_the_output_shown(lightning_commands
     printed: dict[tuple[str, ...], str] = {}
     failures = []
     for command in plans:
+        if command.needs is not None:  # what it reads is the reader's: parsed only
+            _parse(command)
+            continue
         if command.argv not in printed:
             out = io.StringIO()
             try:
@@ -243,23 +247,29 @@ def test_the_plans_in_the_docs_run_and_print_the_output_shown(lightning_commands
     assert not failures, "\n\n".join(failures)
 
 
-def test_the_other_commands_in_the_docs_parse_and_those_without_needs_run(tmp_path, monkeypatch):
+def _parse(command: Command) -> None:
+    """Parse ``command``'s arguments as its jsonargparse function's command line (nothing runs)."""
     from jsonargparse import CLI, capture_parser
 
     from lit3d import commands as functions
-    from lit3d.cli import _bare_flags_true, main
+    from lit3d.cli import _bare_flags_true
+
+    parser = capture_parser(lambda: CLI(getattr(functions, command.argv[0]), args=[], as_positional=False))
+    parser.parse_args(_bare_flags_true(list(command.argv[1:])))
+
+
+def test_the_other_commands_in_the_docs_parse_and_those_without_needs_run(tmp_path, monkeypatch):
+    from lit3d.cli import main
 
     monkeypatch.chdir(tmp_path)
     others = [c for c in all_commands() if c.argv[:1] and c.argv[0] in FUNCTIONS]
     assert others
     failures = []
     for command in others:
-        name, args = command.argv[0], _bare_flags_true(list(command.argv[1:]))
         out = io.StringIO()
         try:
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-                parser = capture_parser(lambda: CLI(getattr(functions, name), args=[], as_positional=False))  # noqa: B023
-                parser.parse_args(args)
+                _parse(command)
                 if command.needs is None:
                     main(list(command.argv))
         except (SystemExit, Exception) as error:
