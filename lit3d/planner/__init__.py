@@ -1,9 +1,11 @@
 """The layout planner behind ``lit3d plan``: `plan(request) -> Report` plans a `Request` (a model on a `Cluster`, the
 training loop's numbers and the run's `lit3d.parallel.Parallelism`, with what the user fixed): memory,
-communication, bubble and step time of a layout (`estimate`), or of every layout of the cluster (`search`), an exact
+communication, bubble and step time of a layout (`estimate`; the time by `lit3d.planner.clock`, how the run's kernels
+are written by `Software`), or of every layout of the cluster (`search`), an exact
 check against the real parallelisation on the meta device (`verify`) and the rank map picture (`RankMap`)."""
 
 from lit3d.planner.estimate import GB, PLANNING_DEFAULTS, PRECISIONS, Cluster, Plan, Training, estimate
+from lit3d.planner.inputs import Software
 from lit3d.planner.rankmap import RankMap
 from lit3d.planner.report import format_plan, format_search
 from lit3d.planner.request import Report, Request, format_report, plan, planning_defaults
@@ -20,6 +22,7 @@ __all__ = [
     "RankMap",
     "Report",
     "Request",
+    "Software",
     "Training",
     "check_inputs",
     "estimate",
