@@ -39,7 +39,7 @@ class Request:
     Args:
         model: A `GPTConfig`, a preset name or a model YAML file.
         cluster: The GPUs, their memory, peak and links.
-        training: The training loop's numbers (sequence length, batch sizes, precision, headroom, the kernels' software).
+        training: The training loop's numbers (sequence length, batch sizes, precision, headroom, its software).
         parallelism: The run's settings. Those named in ``fixed`` are kept; of the others, the planner chooses the
             ones in `SEARCHED` (sizes, ZeRO stage, recompute, schedule) and takes the rest as they are.
         fixed: The names of the settings given (fields of `Parallelism`, and ``micro_batch_size``, which is otherwise
