@@ -8,14 +8,20 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from lit3d.config import GPTConfig
     from lit3d.gpt import GPT
+    from lit3d.lora import LoRA
     from lit3d.strategies import Parallel3DStrategy
 
-__all__ = ["GPT", "GPTConfig", "Parallel3DStrategy"]
+__all__ = ["GPT", "GPTConfig", "LoRA", "Parallel3DStrategy"]
 __version__ = "0.1.0"
 
 # NOTE: the names load on first use (PEP 562): `lit3d --help` and `lit3d plan` import `lit3d.*` modules that need
 # neither Lightning nor the model, and importing this package must not pull them in.
-_HOMES = {"GPT": "lit3d.gpt", "GPTConfig": "lit3d.config", "Parallel3DStrategy": "lit3d.strategies"}
+_HOMES = {
+    "GPT": "lit3d.gpt",
+    "GPTConfig": "lit3d.config",
+    "LoRA": "lit3d.lora",
+    "Parallel3DStrategy": "lit3d.strategies",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from lit3d.lightning_cli import Lit3DCLI
 
 
-FLAGS = ("--json", "--verify")  # and the settings that may be true (`lit3d.commands.SWITCHES`)
+FLAGS = ("--json", "--verify", "--adapter")  # and the settings that may be true (`lit3d.commands.SWITCHES`)
 USAGE = """usage: lit3d COMMAND [--help] [arguments]
 
 Train and plan 3D-parallel (data x tensor x pipeline) GPTs with PyTorch Lightning.

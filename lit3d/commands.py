@@ -20,7 +20,7 @@ from lit3d.planner import plan as plan_request
 from lit3d.planner.request import DILOCO_SYNC_EVERY
 
 
-def export(ckpt_path: str, output: str, dtype: str = "float32") -> None:
+def export(ckpt_path: str, output: str, dtype: str = "float32", adapter: bool = False) -> None:
     """Write a lit3d checkpoint (saved by any layout) as a HuggingFace Llama folder.
 
     Args:
@@ -29,6 +29,8 @@ def export(ckpt_path: str, output: str, dtype: str = "float32") -> None:
             source's ``generation_config.json`` and the run's tokenizer, loadable with
             ``transformers.AutoModelForCausalLM.from_pretrained(output)`` and ``AutoTokenizer``.
         dtype: ``float32``, ``bfloat16`` or ``float16``.
+        adapter: A LoRA run's adapters alone, as a PEFT folder (``adapter_config.json``, ``adapter_model.safetensors``)
+            that ``peft.PeftModel.from_pretrained`` loads on the base model; without it they are merged into the export.
     """
     import torch
 
@@ -36,7 +38,7 @@ def export(ckpt_path: str, output: str, dtype: str = "float32") -> None:
 
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype={dtype!r} is not one of float32, bfloat16, float16")
-    folder, notes = export_checkpoint(ckpt_path, output, getattr(torch, dtype))
+    folder, notes = export_checkpoint(ckpt_path, output, getattr(torch, dtype), adapter)
     print("\n".join([f"wrote {folder}: {', '.join(sorted(p.name for p in folder.iterdir()))}", *notes]))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import asdict
 from typing import Any
 
 import lightning as L
@@ -10,9 +11,11 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torchmetrics import MeanMetric
 
+from lit3d.adapters import adapter_settings, read_adapter
 from lit3d.config import GPTConfig
 from lit3d.generation import Sampling, next_token
 from lit3d.loop import ends_optimizer_step
+from lit3d.lora import LoRA, check_lora, freeze_all_but_adapters
 from lit3d.model import Transformer, cross_entropy
 from lit3d.pretrained import read_config, read_meta, read_tensors
 from lit3d.runner import Runner, WholeNetwork
@@ -42,6 +45,9 @@ class GPT(L.LightningModule):
             (``config.json`` + safetensors) or a lit3d checkpoint (a folder of any layout, or a single file).
             Its shapes replace ``config``; every parallel layout shards the weights as it loads them.
         sampling: How ``predict`` (and ``lit3d generate``) continue a prompt.
+        lora: Train low-rank adapters (`lit3d.LoRA`) on the linears it targets, every other weight frozen.
+        adapter: Start the adapters from a PEFT LoRA folder (``adapter_config.json`` + ``adapter_model.safetensors``);
+            its settings are the run's ``lora``.
     """
 
     def __init__(
@@ -57,6 +63,8 @@ class GPT(L.LightningModule):
         optimizer_impl: str = "auto",
         pretrained: str | None = None,
         sampling: Sampling | None = None,
+        lora: LoRA | None = None,
+        adapter: str | None = None,
     ) -> None:
         super().__init__()
         if optimizer_impl not in ("auto", "foreach", "fused"):
@@ -66,8 +74,14 @@ class GPT(L.LightningModule):
         self.pretrained = pretrained
         self.config = read_config(pretrained) if pretrained is not None else GPTConfig.load(config)
         self.sampling = sampling or Sampling()
-        self.save_hyperparameters(ignore=["config", "sampling"])
+        self.lora = LoRA(**lora) if isinstance(lora, dict) else lora
+        self.adapter = adapter
+        if adapter is not None:
+            self.lora = adapter_settings(adapter, self.config, self.lora)
+        check_lora(self.config, self.lora)
+        self.save_hyperparameters(ignore=["config", "sampling", "lora"])
         self.hparams["config"] = self.config.to_dict()  # plain data, so checkpoints load with weights_only
+        self.hparams["lora"] = asdict(self.lora) if self.lora else None
         self.learning_rate, self.weight_decay, self.betas, self.eps = learning_rate, weight_decay, tuple(betas), eps
         self.warmup_steps, self.decay_steps, self.min_lr_ratio = warmup_steps, decay_steps, min_lr_ratio
         self.optimizer_impl = optimizer_impl
@@ -100,9 +114,13 @@ class GPT(L.LightningModule):
             return
         device = torch.get_default_device()
         with torch.device("meta"):  # shapes only: no memory, and no throw-away default init
-            model = Transformer(self.config)
+            model = Transformer(self.config, self.lora)
+        if self.lora is not None:
+            freeze_all_but_adapters(model)
         if self.pretrained is not None:
             model.init_source = read_tensors(self.pretrained)
+        if self.adapter is not None:
+            model.init_source = {**(model.init_source or {}), **read_adapter(self.adapter, self.config.n_layer)[1]}
         if device.type != "meta":
             model.to_empty(device=device)
             model.tie_weights()

@@ -15,7 +15,9 @@ from typing import Any
 
 import torch
 
+from lit3d.adapters import merge_adapters, write_adapter
 from lit3d.config import GPTConfig
+from lit3d.lora import LoRA
 
 # lit3d name (relative to the Transformer) -> HuggingFace name; {i} is the block index.
 NAMES = {
@@ -247,10 +249,11 @@ TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 def export_checkpoint(
-    ckpt_path: str | Path, output: str | Path, dtype: torch.dtype = torch.float32
+    ckpt_path: str | Path, output: str | Path, dtype: torch.dtype = torch.float32, adapter: bool = False
 ) -> tuple[Path, list[str]]:
     """A lit3d checkpoint of any layout → a HuggingFace Llama folder (one process, no GPU needed), and one line per
-    thing generation needs on where it came from (token ids, generation config, tokenizer).
+    thing generation needs on where it came from (token ids, generation config, tokenizer). A LoRA run's adapters
+    are merged into their linears, or with ``adapter`` written alone as a PEFT folder (`lit3d.adapters`).
 
     The sharded tensors are read whole with `torch.distributed.checkpoint` (`lit3d.pretrained.read_checkpoint`),
     which reassembles the shards of every layout from their recorded global offsets. The BOS/EOS/pad ids and
@@ -264,6 +267,16 @@ def export_checkpoint(
 
     config, network_state, meta = read_checkpoint(ckpt_path)
     source, notes = source_folder(meta)
+    lora = (meta.get("hyper_parameters") or {}).get("lora")
+    if adapter:
+        base = str(source) if source is not None else None
+        if lora is None:
+            raise ValueError(f"{str(ckpt_path)!r} was trained without LoRA adapters: export it without --adapter")
+        folder = write_adapter(output, network_state, LoRA(**lora), base)
+        return folder, [f"LoRA adapters (rank {lora['rank']}, {', '.join(lora['targets'])}) for the base {base!r}"]
+    if lora is not None:
+        network_state = merge_adapters(network_state, LoRA(**lora))
+        notes.append(f"LoRA adapters (rank {lora['rank']}) merged into their linears")
     tokenizer = (meta.get("datamodule_hyper_parameters") or {}).get("tokenizer")
     if tokenizer is None and source is not None and (source / "tokenizer.json").is_file():
         tokenizer = str(source)  # NOTE: a run without a datamodule (plain dataloaders) kept the source's

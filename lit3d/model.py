@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from lit3d.attention import causal_attention
 from lit3d.config import GPTConfig
+from lit3d.lora import LoRA, init_adapter, linear
 from lit3d.ring_attention import ContextParallel, positions, ring_attention
 
 
@@ -88,14 +89,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, lora: LoRA | None = None) -> None:
         super().__init__()
         self.config = config
-        hd = config.head_dim
-        self.q_proj = nn.Linear(config.d_model, config.n_head * hd, bias=False)
-        self.k_proj = nn.Linear(config.d_model, config.n_kv_head * hd, bias=False)
-        self.v_proj = nn.Linear(config.d_model, config.n_kv_head * hd, bias=False)
-        self.o_proj = nn.Linear(config.n_head * hd, config.d_model, bias=False)
+        hd, d = config.head_dim, config.d_model
+        self.q_proj = linear(d, config.n_head * hd, lora, "attn.q_proj")
+        self.k_proj = linear(d, config.n_kv_head * hd, lora, "attn.k_proj")
+        self.v_proj = linear(d, config.n_kv_head * hd, lora, "attn.v_proj")
+        self.o_proj = linear(config.n_head * hd, d, lora, "attn.o_proj")
         # Under context parallelism, x holds this rank's share of each sequence (`lit3d.ring_attention`).
         self.context_parallel: ContextParallel | None = None
 
@@ -118,11 +119,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, lora: LoRA | None = None) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.d_model, config.d_ff, bias=False)
-        self.up_proj = nn.Linear(config.d_model, config.d_ff, bias=False)
-        self.down_proj = nn.Linear(config.d_ff, config.d_model, bias=False)
+        self.gate_proj = linear(config.d_model, config.d_ff, lora, "mlp.gate_proj")
+        self.up_proj = linear(config.d_model, config.d_ff, lora, "mlp.up_proj")
+        self.down_proj = linear(config.d_ff, config.d_model, lora, "mlp.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -132,14 +133,14 @@ class Block(nn.Module):
     """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x)); the MLP is a Mixture of Experts
     (`lit3d.moe.MoE`) in the blocks ``config.is_moe_layer`` names."""
 
-    def __init__(self, config: GPTConfig, index: int = 0) -> None:
+    def __init__(self, config: GPTConfig, index: int = 0, lora: LoRA | None = None) -> None:
         super().__init__()
         from lit3d.moe import MoE
 
         self.attn_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
-        self.attn = Attention(config)
+        self.attn = Attention(config, lora)
         self.mlp_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
-        self.mlp = MoE(config, index) if config.is_moe_layer(index) else MLP(config)
+        self.mlp = MoE(config, index) if config.is_moe_layer(index) else MLP(config, lora)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(compute_dtype(self.attn_norm(x)))
@@ -162,11 +163,11 @@ class Transformer(nn.Module):
     without the head the output is the hidden state.
     """
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, lora: LoRA | None = None) -> None:
         super().__init__()
         self.config = config
         self.embed: nn.Embedding | None = nn.Embedding(config.padded_vocab_size, config.d_model)
-        self.blocks = nn.ModuleDict({str(i): Block(config, i) for i in range(config.n_layer)})
+        self.blocks = nn.ModuleDict({str(i): Block(config, i, lora) for i in range(config.n_layer)})
         self.norm: nn.RMSNorm | None = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.head: nn.Linear | None = nn.Linear(config.d_model, config.padded_vocab_size, bias=False)
         if config.tie_embeddings:
@@ -233,6 +234,8 @@ class Transformer(nn.Module):
         return [block.mlp for block in self.blocks.values() if isinstance(block.mlp, MoE)]
 
     def _init_values(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
+        if init_adapter(name, tensor, generator):
+            return
         if name.endswith("norm.weight"):
             tensor.fill_(1.0)
             return

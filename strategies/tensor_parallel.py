@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -33,8 +33,8 @@ def parallel_styles(sequence_parallel: bool) -> dict[str, ParallelStyle | None]:
     # Between TP regions the residual stream is either replicated or split along the sequence (dim 1).
     between = Shard(1) if sequence_parallel else Replicate()
     return {
-        "colwise": ColwiseParallel(),
-        "rowwise": RowwiseParallel(output_layouts=between),
+        "colwise": SplitColumns(),
+        "rowwise": SplitRows(output_layouts=between),
         # NOTE: the region's input becomes one replicated DTensor shared by its column-parallel linears (q, k, v
         # or gate, up), so backward sums their partial input gradients and reduces them once per region.
         "tp_region": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
@@ -54,6 +54,32 @@ def parallel_styles(sequence_parallel: bool) -> dict[str, ParallelStyle | None]:
         # NOTE: logits stay a vocabulary-sharded DTensor so the loss never gathers them (loss_parallel).
         "vocab_head": ColwiseParallel(input_layouts=between, output_layouts=Shard(-1), use_local_output=False),
     }
+
+
+class SplitColumns(ColwiseParallel):
+    """Column parallel: the weight split along its output features; a LoRA adapter's ``B`` along them too and its
+    ``A`` whole, so ``x Aᵀ`` is every rank's and ``(x Aᵀ) Bᵀ`` is split as the base output is (`lit3d.lora`)."""
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        placements = {"weight": Shard(0), "bias": Shard(0), "lora_b": Shard(0), "lora_a": Replicate()}
+        _distribute(module, device_mesh, self.src_data_rank, placements)
+
+
+class SplitRows(RowwiseParallel):
+    """Row parallel: the weight split along its input features; a LoRA adapter's ``A`` along them too and its ``B``
+    whole, so ``x Aᵀ`` and then ``(x Aᵀ) Bᵀ`` are partial sums like the base output's, summed by its one reduction."""
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        placements = {"weight": Shard(1), "bias": Replicate(), "lora_a": Shard(1), "lora_b": Replicate()}
+        _distribute(module, device_mesh, self.src_data_rank, placements)
+
+
+def _distribute(module: nn.Module, mesh: DeviceMesh, source: int | None, placements: dict[str, Any]) -> None:
+    """Replace each parameter of ``module`` named in ``placements`` by its DTensor (a bias stays whole)."""
+    for name, param in list(module.named_parameters(recurse=False)):
+        placement = placements.get(name, Replicate())
+        tensor = distribute_tensor(param, mesh, [placement], src_data_rank=source)
+        module.register_parameter(name, nn.Parameter(tensor, requires_grad=param.requires_grad))
 
 
 class VocabParallelEmbedding(RowwiseParallel):

@@ -193,6 +193,20 @@ CP_LAYOUTS.update({
 })  # fmt: skip
 
 
+# LoRA on every linear of the blocks, every other weight frozen, compared with its own single-process run.
+LORA = {"model": {"lora": {"rank": 4, "alpha": 8.0, "targets": ["q", "k", "v", "o", "gate", "up", "down"]}}}
+LORA_LAYOUTS = {
+    name: (world, {**LORA, "strategy": strategy})
+    for name, world, strategy in [
+        ("lora_dp2_zero1", 2, {"zero_stage": 1}),
+        ("lora_dp2_zero3", 2, {"zero_stage": 3}),
+        ("lora_tp2_sequence_parallel", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
+        ("lora_pp2", 2, pp(2)),
+        ("lora_dp2_tp2_pp2_zero1", 8, {"tensor_parallel_size": 2, "zero_stage": 1, **pp(2)}),
+    ]
+}  # fmt: skip
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> Path:
     import random
@@ -257,11 +271,19 @@ def reference_long_moe_run(base_job, tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="session")
+def reference_lora_run(base_job, tmp_path_factory) -> dict:
+    """The single-process run with LoRA adapters, which the LoRA layouts are compared with."""
+    from spawned import run_job
+
+    return run_job(merge(base_job, LORA), tmp_path_factory.mktemp("reference_lora"))
+
+
+@pytest.fixture(scope="session")
 def layout_runs(base_job, tmp_path_factory) -> dict[str, dict]:
-    """Every layout of `LAYOUTS`, `MOE_LAYOUTS` and `CP_LAYOUTS`, one spawn per world size."""
+    """Every layout of `LAYOUTS`, `MOE_LAYOUTS`, `CP_LAYOUTS` and `LORA_LAYOUTS`, one spawn per world size."""
     from spawned import run_jobs
 
-    results, layouts = {}, {**LAYOUTS, **MOE_LAYOUTS, **CP_LAYOUTS}
+    results, layouts = {}, {**LAYOUTS, **MOE_LAYOUTS, **CP_LAYOUTS, **LORA_LAYOUTS}
     for world in sorted({w for w, _ in layouts.values()}):
         jobs = {name: merge(base_job, job) for name, (w, job) in layouts.items() if w == world}
         results.update(run_jobs(world, jobs, tmp_path_factory.mktemp(f"world{world}")))

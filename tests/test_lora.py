@@ -1,0 +1,174 @@
+"""LoRA (`lit3d.lora`): adapters that train like PEFT's on the same HuggingFace model, only the adapters training,
+and bad settings refused by name before anything is built."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import LORA_LAYOUTS
+
+from lit3d import GPT, LoRA
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)  # fmt: skip
+    folder = tmp_path_factory.mktemp("llama")
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def _peft_twin(folder: Path, lora: LoRA, ours: GPT) -> torch.nn.Module:
+    """PEFT's LoRA on the same folder, its A copied from ours (B starts at zero in both)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    from lit3d.lora import ROLES
+
+    config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=0.0,
+                        target_modules=[ROLES[t][1].split(".")[-1] for t in lora.targets])  # fmt: skip
+    twin = get_peft_model(LlamaForCausalLM.from_pretrained(folder, torch_dtype=torch.float32), config)
+    theirs = dict(twin.named_parameters())
+    for name, param in ours.model.named_parameters():
+        if name.endswith(".lora_a"):
+            block, module = name.split(".")[1], ROLES[_role(name)][1]
+            key = f"base_model.model.model.layers.{block}.{module}.lora_A.default.weight"
+            with torch.no_grad():
+                theirs[key].copy_(param)
+    return twin
+
+
+def _role(name: str) -> str:
+    from lit3d.lora import ROLES
+
+    return next(role for role, (ours, _) in ROLES.items() if f".{ours}." in name)
+
+
+@pytest.mark.parametrize("targets", [("q", "v"), ("q", "k", "v", "o", "gate", "up", "down")])
+def test_ten_steps_equal_peft_on_the_same_huggingface_model(llama_folder, targets):
+    lora = LoRA(rank=8, alpha=16, targets=targets)
+    torch.manual_seed(0)
+    ours = GPT(pretrained=str(llama_folder), lora=lora)
+    ours.configure_model()
+    twin = _peft_twin(llama_folder, lora, ours)
+    trainable = lambda module: [p for p in module.parameters() if p.requires_grad]
+    assert len(trainable(ours)) == len(trainable(twin)) == 2 * 2 * len(targets)
+    optimizers = [torch.optim.AdamW(trainable(m), lr=1e-2, weight_decay=0.0) for m in (ours, twin)]
+    batches = torch.randint(0, 128, (10, 4, 17), generator=torch.Generator().manual_seed(1))
+    for batch in batches:
+        losses = [ours.loss(batch), twin(input_ids=batch, labels=batch).loss]
+        for loss, optimizer in zip(losses, optimizers):
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        assert losses[0].item() == pytest.approx(losses[1].item(), abs=1e-4)
+    with torch.no_grad():
+        assert torch.allclose(ours(batches[0]), twin(input_ids=batches[0]).logits, atol=1e-4)
+
+
+def test_only_the_adapters_train_and_a_fresh_adapter_leaves_the_model_as_it_was():
+    torch.manual_seed(0)
+    plain = GPT("tiny")
+    plain.configure_model()
+    torch.manual_seed(0)
+    adapted = GPT("tiny", lora={"rank": 4, "targets": ["q", "down"]})  # (as a config file gives it)
+    adapted.configure_model()
+    tokens = torch.randint(0, 256, (2, 17))
+    assert adapted.loss(tokens).item() == plain.loss(tokens).item()  # B starts at zero
+    trainable = {n for n, p in adapted.named_parameters() if p.requires_grad}
+    assert trainable == {f"model.blocks.{i}.{m}.lora_{x}" for i in range(4) for m in ("attn.q_proj", "mlp.down_proj")
+                         for x in "ab"}  # fmt: skip
+    assert adapted.hparams["lora"] == {"rank": 4, "alpha": 16.0, "dropout": 0.0, "targets": ("q", "down")}
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"rank": 0}, r"lora.rank=0 must be a positive integer"),
+        ({"targets": ("q", "query")}, r"lora.targets=\['q', 'query'\]: \['query'\] not among q, k, v, o"),
+        ({"alpha": -1.0}, r"lora.alpha=-1.0 must be positive"),
+        ({"dropout": 1.0}, r"lora.dropout=1.0 in \[0, 1\)"),
+    ],
+)
+def test_bad_settings_are_refused_by_name(settings, message):
+    with pytest.raises(ValueError, match=message):
+        GPT("tiny", lora=settings)
+
+
+def test_adapters_on_an_moe_models_experts_are_refused_until_they_are_supported():
+    with pytest.raises(ValueError, match=r"\['up'\] on an MoE model's experts is not supported yet"):
+        GPT("moe-tiny", lora=LoRA(targets=("q", "up")))
+    GPT("moe-tiny", lora=LoRA(targets=("q", "v")))  # the attention is fine
+
+
+@pytest.mark.parametrize("layout", list(LORA_LAYOUTS))
+def test_lora_trains_like_one_process_in_every_layout(layout, layout_runs, reference_lora_run):
+    """Loss and val loss within 1e-5 of the single process (fp32), the frozen base split as any weight is."""
+    run, reference = layout_runs[layout], reference_lora_run
+    assert len(reference["losses"]) == len(run["losses"]) == 8
+    assert reference["losses"][-1] < reference["losses"][0] - 0.5  # the adapters learn
+    for key in ("losses", "val_loss"):
+        assert len(run[key]) == len(reference[key]) > 0, key
+        assert max(abs(a - b) for a, b in zip(run[key], reference[key])) <= 1e-5, key
+
+
+def _trained(folder: Path, lora: LoRA, path: Path) -> tuple[GPT, Path]:
+    """A LoRA GPT on ``folder`` after three steps (so B is no longer zero), saved as one checkpoint file."""
+    torch.manual_seed(0)
+    model = GPT(pretrained=str(folder), lora=lora)
+    model.configure_model()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for batch in torch.randint(0, 128, (3, 4, 17), generator=torch.Generator().manual_seed(2)):
+        optimizer.zero_grad()
+        model.loss(batch).backward()
+        optimizer.step()
+    torch.save({"hyper_parameters": dict(model.hparams), "state_dict": model.state_dict()}, path)
+    return model, path
+
+
+def test_the_adapter_exports_as_a_peft_folder_and_the_merged_model_as_a_plain_one(llama_folder, tmp_path, capsys):
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    from lit3d.cli import main
+
+    model, ckpt = _trained(llama_folder, LoRA(rank=4, alpha=8, targets=("q", "v", "down")), tmp_path / "lora.ckpt")
+    tokens = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours = model(tokens)
+    main(["export", "--ckpt_path", str(ckpt), "--output", str(tmp_path / "adapter"), "--adapter"])
+    assert "LoRA adapters (rank 4, q, v, down)" in capsys.readouterr().out
+    base = LlamaForCausalLM.from_pretrained(llama_folder, torch_dtype=torch.float32)
+    with torch.no_grad():
+        theirs = PeftModel.from_pretrained(base, tmp_path / "adapter")(input_ids=tokens).logits
+    assert torch.allclose(ours, theirs, atol=1e-4)
+    main(["export", "--ckpt_path", str(ckpt), "--output", str(tmp_path / "merged")])
+    assert "LoRA adapters (rank 4) merged into their linears" in capsys.readouterr().out
+    with torch.no_grad():
+        merged = LlamaForCausalLM.from_pretrained(tmp_path / "merged", torch_dtype=torch.float32)(input_ids=tokens)
+    assert torch.allclose(ours, merged.logits, atol=1e-4)
+    resumed = GPT(pretrained=str(llama_folder), adapter=str(tmp_path / "adapter"))  # its settings from the folder
+    assert resumed.lora == model.lora
+    with torch.no_grad():
+        assert torch.allclose(resumed(tokens), ours, atol=1e-5)
+    with pytest.raises(ValueError, match=r"differs from the adapter .*'s settings"):
+        GPT(pretrained=str(llama_folder), adapter=str(tmp_path / "adapter"), lora=LoRA(rank=8))
+
+
+def test_exporting_the_adapter_of_a_run_without_one_is_refused(llama_folder, tmp_path):
+    from lit3d.cli import main
+
+    plain = GPT(pretrained=str(llama_folder))
+    plain.configure_model()
+    torch.save({"hyper_parameters": dict(plain.hparams), "state_dict": plain.state_dict()}, tmp_path / "plain.ckpt")
+    with pytest.raises(SystemExit, match=r"was trained without LoRA adapters: export it without --adapter"):
+        main(["export", "--ckpt_path", str(tmp_path / "plain.ckpt"), "--output", str(tmp_path / "x"), "--adapter"])
