@@ -6,10 +6,15 @@
 
 NOTE: the process group stays, as under Lightning's own strategies: a script's ``trainer.fit`` and then
 ``trainer.test`` (or a second fit) run on the same group, and its store keeps its port (one that a new group would
-try to bind again while the old socket is still open).
+try to bind again while the old socket is still open). It ends when the process exits (`end_process_group_at_exit`):
+left to the interpreter's teardown, its backend's threads can be destroyed still running, which aborts the process
+("terminate called without an active exception") after a fit that succeeded.
 """
 
 from __future__ import annotations
+
+import atexit
+import functools
 
 from lit3d.strategies.launchers import LauncherWatch
 from lit3d.strategies.watchdog import Watchdog
@@ -24,6 +29,7 @@ class RankLife:
         self.launcher_watch.start()
 
     def after_process_group(self, rank: int, world_size: int, timeout_s: float) -> None:
+        end_process_group_at_exit()
         if world_size > 1:  # only ranks that have peers can wait for one
             self.watchdog = Watchdog(rank, timeout_s)
             self.watchdog.start()
@@ -38,3 +44,15 @@ class RankLife:
             self.watchdog.stop()
             self.watchdog = None
         self.launcher_watch.stop()
+
+
+@functools.cache  # once per process
+def end_process_group_at_exit() -> None:
+    atexit.register(_end_process_group)
+
+
+def _end_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

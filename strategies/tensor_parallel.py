@@ -75,7 +75,7 @@ class SplitRows(RowwiseParallel):
 
 
 def _distribute(module: nn.Module, mesh: DeviceMesh, source: int | None, placements: dict[str, Any]) -> None:
-    """Replace each parameter of ``module`` named in ``placements`` by its DTensor (a bias stays whole)."""
+    """Replace each parameter of ``module`` by its DTensor, placed as ``placements`` names it (else whole)."""
     for name, param in list(module.named_parameters(recurse=False)):
         placement = placements.get(name, Replicate())
         tensor = distribute_tensor(param, mesh, [placement], src_data_rank=source)

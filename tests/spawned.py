@@ -7,7 +7,7 @@ A job is a dict: ``model`` (GPT kwargs, ``config`` as a dict), ``data`` (TextDat
 (Trainer kwargs), ``strategy`` (Parallel3DStrategy kwargs; absent = a single-process run), and probes:
 ``plain_loader`` (feed a plain shuffled DataLoader, so Lightning must inject the sampler) and ``count_comms``
 (count collectives per training batch); ``checkpoint_every`` (save ``ckpts/step=N.ckpt`` every N steps),
-``ckpt_path`` (resume from it), ``expect_error`` (record the exception each rank raises instead of failing),
+``ckpt_path`` (resume from it; ``job:NAME/ckpts/step=N.ckpt``: from an earlier job of the same spawn), ``expect_error`` (record the exception each rank raises instead of failing),
 ``callbacks`` (more callbacks, picklable), ``loss_scale`` (fp32 compute with fp16's loss scaling at this fixed
 scale: gradients must come out unscaled), ``unseeded`` (no ``seed_everything``: each rank seeds itself apart) and
 ``validate_after_fit`` and ``test_after_fit`` (then ``trainer.validate`` / ``test`` in the same processes);
@@ -158,7 +158,10 @@ def _run_job(job: dict, job_dir: Path, devices: int) -> dict:
         os.environ["LIT3D_LAUNCHER_PID"] = str(os.getppid())
     with simulated_nodes(nodes, devices):
         trainer = L.Trainer(**{**options, **job.get("trainer", {})})
-        trainer.fit(model, data, ckpt_path=job.get("ckpt_path"))
+        ckpt_path = job.get("ckpt_path")
+        if isinstance(ckpt_path, str) and ckpt_path.startswith("job:"):  # another job's of the same spawn
+            ckpt_path = str(job_dir.parent / ckpt_path.removeprefix("job:"))
+        trainer.fit(model, data, ckpt_path=ckpt_path)
     os.environ.pop("LIT3D_LAUNCHER_PID", None)
     if job.get("leftovers"):  # what the fit left running or set (it should leave nothing)
         threads = [t.name for t in threading.enumerate() if t.name.startswith("lit3d")]

@@ -110,7 +110,7 @@ def test_adapters_on_an_moe_models_experts_are_refused_until_they_are_supported(
     GPT("moe-tiny", lora=LoRA(targets=("q", "v")))  # the attention is fine
 
 
-@pytest.mark.parametrize("layout", list(LORA_LAYOUTS))
+@pytest.mark.parametrize("layout", [name for name in LORA_LAYOUTS if "resumed" not in name])
 def test_lora_trains_like_one_process_in_every_layout(layout, layout_runs, reference_lora_run):
     """Loss and val loss within 1e-5 of the single process (fp32), the frozen base split as any weight is."""
     run, reference = layout_runs[layout], reference_lora_run
@@ -172,3 +172,9 @@ def test_exporting_the_adapter_of_a_run_without_one_is_refused(llama_folder, tmp
     torch.save({"hyper_parameters": dict(plain.hparams), "state_dict": plain.state_dict()}, tmp_path / "plain.ckpt")
     with pytest.raises(SystemExit, match=r"was trained without LoRA adapters: export it without --adapter"):
         main(["export", "--ckpt_path", str(tmp_path / "plain.ckpt"), "--output", str(tmp_path / "x"), "--adapter"])
+
+
+def test_a_lora_checkpoint_saved_at_tp2_resumes_at_pp2_on_the_same_curve(layout_runs, reference_lora_run):
+    resumed, reference = layout_runs["lora_pp2_resumed_from_tp2"]["losses"], reference_lora_run["losses"]
+    assert len(resumed) == 4
+    assert max(abs(a - b) for a, b in zip(resumed, reference[4:])) <= 1e-5
