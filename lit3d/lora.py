@@ -79,7 +79,8 @@ class LoRALinear(nn.Linear):
         self.dropout = nn.Dropout(lora.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        adapted = F.linear(F.linear(self.dropout(x), self.lora_a), self.lora_b)
+        dropped = self.dropout(x) if self.dropout.p > 0 else x
+        adapted = F.linear(F.linear(dropped, self.lora_a), self.lora_b)
         return F.linear(x, self.weight) + self.scaling * adapted
 
 

@@ -33,6 +33,7 @@ def check_run(parallelism: Parallelism, layout: Layout, module: Any, trainer: An
     if config is not None:
         check_model_fits_layout(config, layout)
         check_model_fits_pipeline(config, layout.pp, chunks, schedule)
+    check_lora_layout(getattr(module, "lora", None), layout, parallelism)
     seq_len = getattr(datamodule, "seq_len", None)
     check_context_parallel(config, layout.cp, seq_len, layout.tp, parallelism.sequence_parallel)
     predicting = trainer is not None and trainer.state.fn == TrainerFn.PREDICTING
@@ -42,3 +43,16 @@ def check_run(parallelism: Parallelism, layout: Layout, module: Any, trainer: An
     batch = getattr(datamodule, "global_batch_size", None) if layout.pp > 1 else None
     accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
     return parallelism.microbatches(batch, layout.data_replicas, accumulate)
+
+
+def check_lora_layout(lora: Any, layout: Layout, parallelism: Parallelism) -> None:
+    """Refuse LoRA where its training is not yet shown equal to one process's: with sequence parallelism (its losses
+    drift from one process's by ~3e-3 over 8 steps, a cause not yet found), and with context parallelism (not
+    tested yet)."""
+    if lora is None:
+        return
+    if layout.tp > 1 and parallelism.sequence_parallel:
+        raise ValueError(f"lora with sequence_parallel=True at tensor_parallel_size={layout.tp} is not supported yet; "
+                         "set sequence_parallel=False")  # fmt: skip
+    if layout.cp > 1:
+        raise ValueError(f"lora with context_parallel_size={layout.cp} is not supported yet")

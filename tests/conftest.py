@@ -200,14 +200,14 @@ LORA_LAYOUTS = {
     for name, world, strategy in [
         ("lora_dp2_zero1", 2, {"zero_stage": 1}),
         ("lora_dp2_zero3", 2, {"zero_stage": 3}),
-        ("lora_tp2_sequence_parallel", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
+        ("lora_tp2", 2, {"tensor_parallel_size": 2}),
         ("lora_pp2_resumed_from_tp2", 2, pp(2)),
         ("lora_pp2", 2, pp(2)),
         ("lora_dp2_tp2_pp2_zero1", 8, {"tensor_parallel_size": 2, "zero_stage": 1, **pp(2)}),
     ]
 }  # fmt: skip
-LORA_LAYOUTS["lora_tp2_sequence_parallel"][1]["checkpoint_every"] = 4
-LORA_LAYOUTS["lora_pp2_resumed_from_tp2"][1]["ckpt_path"] = "job:lora_tp2_sequence_parallel/ckpts/step=4.ckpt"
+LORA_LAYOUTS["lora_tp2"][1]["checkpoint_every"] = 4
+LORA_LAYOUTS["lora_pp2_resumed_from_tp2"][1]["ckpt_path"] = "job:lora_tp2/ckpts/step=4.ckpt"
 
 
 @pytest.fixture(scope="session")

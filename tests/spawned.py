@@ -5,14 +5,15 @@ size: each job is a fresh model, datamodule and Trainer over the same process gr
 
 A job is a dict: ``model`` (GPT kwargs, ``config`` as a dict), ``data`` (TextDataModule kwargs), ``trainer``
 (Trainer kwargs), ``strategy`` (Parallel3DStrategy kwargs; absent = a single-process run), and probes:
-``plain_loader`` (feed a plain shuffled DataLoader, so Lightning must inject the sampler) and ``count_comms``
-(count collectives per training batch); ``checkpoint_every`` (save ``ckpts/step=N.ckpt`` every N steps),
-``ckpt_path`` (resume from it; ``job:NAME/ckpts/step=N.ckpt``: from an earlier job of the same spawn), ``expect_error`` (record the exception each rank raises instead of failing),
-``callbacks`` (more callbacks, picklable), ``loss_scale`` (fp32 compute with fp16's loss scaling at this fixed
-scale: gradients must come out unscaled), ``unseeded`` (no ``seed_everything``: each rank seeds itself apart) and
-``validate_after_fit`` and ``test_after_fit`` (then ``trainer.validate`` / ``test`` in the same processes);
-``user_module`` (kwargs of `user_modules.ParallelisesItself`, trained on `user_modules.RegressionData` instead of
-the GPT) and ``lightning_strategy`` (``strategy`` holds `ModelParallelStrategy`'s arguments instead).
+``plain_loader`` (feed a plain shuffled DataLoader, so Lightning must inject the sampler) and ``count_comms`` (count
+collectives per training batch); ``checkpoint_every`` (save ``ckpts/step=N.ckpt`` every N steps), ``ckpt_path``
+(resume from it; ``job:NAME/ckpts/step=N.ckpt``: from an earlier job of the same spawn), ``expect_error`` (record
+the exception each rank raises instead of failing), ``callbacks`` (more callbacks, picklable), ``loss_scale`` (fp32
+compute with fp16's loss scaling at this fixed scale: gradients must come out unscaled), ``unseeded`` (no
+``seed_everything``: each rank seeds itself apart) and ``validate_after_fit`` and ``test_after_fit`` (then
+``trainer.validate`` / ``test`` in the same processes); ``user_module`` (kwargs of
+`user_modules.ParallelisesItself`, trained on `user_modules.RegressionData` instead of the GPT) and
+``lightning_strategy`` (``strategy`` holds `ModelParallelStrategy`'s arguments instead).
 """
 
 import json
