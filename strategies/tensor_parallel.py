@@ -49,11 +49,23 @@ def parallel_styles(sequence_parallel: bool) -> dict[str, ParallelStyle | None]:
             desired_output_layouts=(between,),
             use_local_output=True,
         ),  # fmt: skip
-        "norm": SequenceParallel() if sequence_parallel else None,
+        "norm": NormOnShards() if sequence_parallel else None,
         "vocab_embedding": VocabParallelEmbedding(input_layouts=Replicate(), output_layouts=between),
         # NOTE: logits stay a vocabulary-sharded DTensor so the loss never gathers them (loss_parallel).
         "vocab_head": ColwiseParallel(input_layouts=between, output_layouts=Shard(-1), use_local_output=False),
     }
+
+
+class NormOnShards(SequenceParallel):
+    """Sequence parallel for a norm: it runs on each rank's share of the sequence, its weight replicated.
+
+    NOTE: PyTorch's `SequenceParallel` replicates the weight as a new parameter that trains whatever the old one did;
+    this keeps ``requires_grad``, so a frozen norm (a LoRA run's) stays frozen."""
+
+    def _replicate_module_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        for p_name, param in list(module.named_parameters()):
+            replicated = DTensor.from_local(param, device_mesh, [Replicate()], run_check=False)
+            module.register_parameter(p_name, nn.Parameter(replicated, requires_grad=param.requires_grad))
 
 
 class SplitColumns(ColwiseParallel):

@@ -201,6 +201,7 @@ LORA_LAYOUTS = {
         ("lora_dp2_zero1", 2, {"zero_stage": 1}),
         ("lora_dp2_zero3", 2, {"zero_stage": 3}),
         ("lora_tp2", 2, {"tensor_parallel_size": 2}),
+        ("lora_tp2_sequence_parallel", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
         ("lora_pp2_resumed_from_tp2", 2, pp(2)),
         ("lora_pp2", 2, pp(2)),
         ("lora_dp2_tp2_pp2_zero1", 8, {"tensor_parallel_size": 2, "zero_stage": 1, **pp(2)}),

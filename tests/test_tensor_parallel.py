@@ -55,3 +55,21 @@ def test_unknown_roles_are_refused(tp_mesh):
     block = Block(GPTConfig(n_layer=1, n_head=4, d_model=32, d_ff=64))
     with pytest.raises(ValueError, match=r"unknown tensor-parallel roles \['diagonal'\]"):
         apply_tensor_parallel(block, {"attn.q_proj": "diagonal"}, tp_mesh, False)
+
+
+def test_sequence_parallel_keeps_a_frozen_norm_frozen_and_adapters_follow_their_linears_split(tp_mesh):
+    """PyTorch's `SequenceParallel` re-registers a norm's weight as a parameter that trains; a LoRA run's norms
+    must stay frozen. A column-parallel linear's adapter splits B along the output and keeps A whole, a row-parallel
+    one splits A along the input and keeps B whole."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from lit3d.lora import LoRA, freeze_all_but_adapters
+
+    block = Block(GPTConfig(n_layer=1, n_head=4, n_kv_head=2, d_model=32, d_ff=64), lora=LoRA(targets=("q", "o")))
+    freeze_all_but_adapters(block)
+    apply_tensor_parallel(block, block_plan(), tp_mesh, sequence_parallel=True)
+    assert not block.attn_norm.weight.requires_grad and not block.attn.q_proj.weight.requires_grad
+    q, o = block.attn.q_proj, block.attn.o_proj
+    assert (q.lora_a.placements, q.lora_b.placements) == ((Replicate(),), (Shard(0),))
+    assert (o.lora_a.placements, o.lora_b.placements) == ((Shard(1),), (Replicate(),))
+    assert q.lora_a.requires_grad and o.lora_b.requires_grad
