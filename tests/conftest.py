@@ -207,6 +207,9 @@ LORA_LAYOUTS = {
         ("lora_dp2_tp2_pp2_zero1", 8, {"tensor_parallel_size": 2, "zero_stage": 1, **pp(2)}),
     ]
 }  # fmt: skip
+# An MoE model's attention with adapters, its experts frozen and split over EP.
+LORA_MOE = {"model": {"config": SMALL_MOE, "lora": {"rank": 4, "alpha": 8.0, "targets": ["q", "k", "v", "o"]}}}
+LORA_LAYOUTS["lora_moe_ep2"] = (2, {**LORA_MOE, "strategy": {"expert_parallel_size": 2}})
 LORA_LAYOUTS["lora_tp2"][1]["checkpoint_every"] = 4
 LORA_LAYOUTS["lora_pp2_resumed_from_tp2"][1]["ckpt_path"] = "job:lora_tp2/ckpts/step=4.ckpt"
 
@@ -280,6 +283,14 @@ def reference_lora_run(base_job, tmp_path_factory) -> dict:
     from spawned import run_job
 
     return run_job(merge(base_job, LORA), tmp_path_factory.mktemp("reference_lora"))
+
+
+@pytest.fixture(scope="session")
+def reference_lora_moe_run(base_job, tmp_path_factory) -> dict:
+    """The single-process run of the MoE model with adapters on its attention."""
+    from spawned import run_job
+
+    return run_job(merge(base_job, LORA_MOE), tmp_path_factory.mktemp("reference_lora_moe"))
 
 
 @pytest.fixture(scope="session")

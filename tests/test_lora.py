@@ -111,11 +111,12 @@ def test_adapters_on_an_moe_models_experts_are_refused_until_they_are_supported(
 
 
 @pytest.mark.parametrize("layout", [name for name in LORA_LAYOUTS if "resumed" not in name])
-def test_lora_trains_like_one_process_in_every_layout(layout, layout_runs, reference_lora_run):
+def test_lora_trains_like_one_process_in_every_layout(layout, layout_runs, request):
     """Loss and val loss within 1e-5 of the single process (fp32), the frozen base split as any weight is."""
-    run, reference = layout_runs[layout], reference_lora_run
+    reference = request.getfixturevalue("reference_lora_moe_run" if "moe" in layout else "reference_lora_run")
+    run = layout_runs[layout]
     assert len(reference["losses"]) == len(run["losses"]) == 8
-    assert reference["losses"][-1] < reference["losses"][0] - 0.5  # the adapters learn
+    assert reference["losses"][-1] < reference["losses"][0] - 0.1  # the adapters learn
     for key in ("losses", "val_loss"):
         assert len(run[key]) == len(reference[key]) > 0, key
         assert max(abs(a - b) for a, b in zip(run[key], reference[key])) <= 1e-5, key

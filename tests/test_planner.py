@@ -132,6 +132,9 @@ def test_fit_logs_the_planner_estimate_and_it_equals_the_measured_bytes(layout_r
     parameters, gradients and optimizer state are what the planner said before the run."""
     checked = 0
     for name, run in layout_runs.items():
+        if name.startswith("lora_"):  # the planner does not count LoRA runs yet: their fits log no estimate
+            assert all(report["memory"]["estimate"] is None for report in run["ranks"] if report["memory"]), name
+            continue
         for rank, report in enumerate(run["ranks"]):
             memory = report["memory"]
             if not memory:
