@@ -33,7 +33,6 @@ def check_run(parallelism: Parallelism, layout: Layout, module: Any, trainer: An
     if config is not None:
         check_model_fits_layout(config, layout)
         check_model_fits_pipeline(config, layout.pp, chunks, schedule)
-    check_lora_layout(getattr(module, "lora", None), layout)
     seq_len = getattr(datamodule, "seq_len", None)
     check_context_parallel(config, layout.cp, seq_len, layout.tp, parallelism.sequence_parallel)
     predicting = trainer is not None and trainer.state.fn == TrainerFn.PREDICTING
@@ -43,11 +42,3 @@ def check_run(parallelism: Parallelism, layout: Layout, module: Any, trainer: An
     batch = getattr(datamodule, "global_batch_size", None) if layout.pp > 1 else None
     accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
     return parallelism.microbatches(batch, layout.data_replicas, accumulate)
-
-
-def check_lora_layout(lora: Any, layout: Layout) -> None:
-    """Refuse LoRA where its training is not yet shown equal to one process's: with context parallelism."""
-    if lora is None:
-        return
-    if layout.cp > 1:
-        raise ValueError(f"lora with context_parallel_size={layout.cp} is not supported yet")

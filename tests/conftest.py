@@ -210,6 +210,9 @@ LORA_LAYOUTS = {
 # An MoE model's attention with adapters, its experts frozen and split over EP.
 LORA_MOE = {"model": {"config": SMALL_MOE, "lora": {"rank": 4, "alpha": 8.0, "targets": ["q", "k", "v", "o"]}}}
 LORA_LAYOUTS["lora_moe_ep2"] = (2, {**LORA_MOE, "strategy": {"expert_parallel_size": 2}})
+# Context parallelism: the adapters on sequences of 256 tokens, split over 2 ranks.
+LORA_LONG = {**LONG, "model": {**LONG["model"], **LORA["model"]}}
+LORA_LAYOUTS["lora_cp2"] = (2, {**LORA_LONG, "strategy": {"context_parallel_size": 2}})
 LORA_LAYOUTS["lora_tp2"][1]["checkpoint_every"] = 4
 LORA_LAYOUTS["lora_pp2_resumed_from_tp2"][1]["ckpt_path"] = "job:lora_tp2/ckpts/step=4.ckpt"
 
@@ -283,6 +286,14 @@ def reference_lora_run(base_job, tmp_path_factory) -> dict:
     from spawned import run_job
 
     return run_job(merge(base_job, LORA), tmp_path_factory.mktemp("reference_lora"))
+
+
+@pytest.fixture(scope="session")
+def reference_lora_long_run(base_job, tmp_path_factory) -> dict:
+    """The single-process run with adapters on 256-token sequences, which context parallelism is compared with."""
+    from spawned import run_job
+
+    return run_job(merge(base_job, LORA_LONG), tmp_path_factory.mktemp("reference_lora_long"))
 
 
 @pytest.fixture(scope="session")
