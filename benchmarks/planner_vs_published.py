@@ -30,6 +30,7 @@ from benchmarks.published_runs import (
     Run,
 )
 from lit3d.calibration import ASYNC_TP, HOPPER, MEGATRON_TP_OVERLAP
+from lit3d.hardware import GPUS
 from lit3d.planner import Cluster, Plan, Request, plan
 
 # The number of kinds the breakdown has, printed largest first.
@@ -38,8 +39,8 @@ KINDS = ("compute", "memory_bound", "communication", "bubble", "optimizer", "ove
 
 def predict(run: Run, constants: dict[str, float] | None = None) -> Plan:
     """The planner's plan of ``run`` as published (with the fitted ``constants`` replaced, `FITTED`)."""
-    cluster = Cluster(nodes=run.gpus // 8, gpus_per_node=8, **run.cluster)
-    cluster = replace(cluster, peak_tflops=cluster.gpu.peak_tflops, gpu_memory_gb=cluster.gpu.memory_gb)
+    settings = dict(run.cluster)
+    cluster = Cluster.of(settings.pop("gpu", GPUS["H100"]), run.gpus // 8, 8, **settings)
     loop = dict(run.loop)
     if constants:
         efficiency = replace(cluster.gpu.efficiency, **{k: v for k, v in constants.items() if k in EFFICIENCY})

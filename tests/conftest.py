@@ -239,69 +239,60 @@ def base_job(corpus) -> dict:
     )
 
 
+def reference(base_job: dict, overrides: dict, folder: Path) -> dict:
+    """The single-process run of ``base_job`` with ``overrides``, which layouts of the same model are compared with."""
+    from spawned import run_job
+
+    return run_job(merge(base_job, overrides), folder)
+
+
 @pytest.fixture(scope="session")
 def reference_run(base_job, tmp_path_factory) -> dict:
     """The single-process run every layout is compared with."""
-    from spawned import run_job
-
-    return run_job({**base_job, "test_after_fit": True}, tmp_path_factory.mktemp("reference"))
+    return reference(base_job, {"test_after_fit": True}, tmp_path_factory.mktemp("reference"))
 
 
 @pytest.fixture(scope="session")
 def reference_bf16_run(base_job, tmp_path_factory) -> dict:
     """The single-process bf16-mixed run the bf16-mixed layouts are compared with."""
-    from spawned import run_job
-
     trainer = {"precision": "bf16-mixed", "max_steps": 20, "val_check_interval": 10}
-    return run_job(merge(base_job, {"trainer": trainer}), tmp_path_factory.mktemp("reference_bf16"))
+    return reference(base_job, {"trainer": trainer}, tmp_path_factory.mktemp("reference_bf16"))
 
 
 @pytest.fixture(scope="session")
 def reference_moe_run(base_job, tmp_path_factory) -> dict:
     """The single-process run of the MoE model, which the MoE layouts are compared with."""
-    from spawned import run_job
-
-    return run_job(merge(base_job, {"model": {"config": SMALL_MOE}}), tmp_path_factory.mktemp("reference_moe"))
+    return reference(base_job, {"model": {"config": SMALL_MOE}}, tmp_path_factory.mktemp("reference_moe"))
 
 
 @pytest.fixture(scope="session")
 def reference_long_run(base_job, tmp_path_factory) -> dict:
     """The single-process run of 256-token sequences, which the context-parallel layouts are compared with."""
-    from spawned import run_job
-
-    return run_job(merge(base_job, LONG), tmp_path_factory.mktemp("reference_long"))
+    return reference(base_job, LONG, tmp_path_factory.mktemp("reference_long"))
 
 
 @pytest.fixture(scope="session")
 def reference_long_moe_run(base_job, tmp_path_factory) -> dict:
     """The single-process run of the MoE model on 256-token sequences."""
-    from spawned import run_job
-
-    return run_job(merge(base_job, LONG_MOE), tmp_path_factory.mktemp("reference_long_moe"))
+    return reference(base_job, LONG_MOE, tmp_path_factory.mktemp("reference_long_moe"))
 
 
 @pytest.fixture(scope="session")
 def reference_lora_run(base_job, tmp_path_factory) -> dict:
     """The single-process run with LoRA adapters, which the LoRA layouts are compared with."""
-    from spawned import run_job
-
-    return run_job(merge(base_job, LORA), tmp_path_factory.mktemp("reference_lora"))
+    return reference(base_job, LORA, tmp_path_factory.mktemp("reference_lora"))
 
 
 @pytest.fixture(scope="session")
 def reference_lora_long_run(base_job, tmp_path_factory) -> dict:
     """The single-process run with adapters on 256-token sequences, which context parallelism is compared with."""
-    from spawned import run_job
-
-    return run_job(merge(base_job, LORA_LONG), tmp_path_factory.mktemp("reference_lora_long"))
+    return reference(base_job, LORA_LONG, tmp_path_factory.mktemp("reference_lora_long"))
 
 
 @pytest.fixture(scope="session")
 def reference_lora_moe_run(base_job, tmp_path_factory) -> dict:
     """The single-process run of the MoE model with adapters on its attention."""
-    from spawned import run_job
-
-    return run_job(merge(base_job, LORA_MOE), tmp_path_factory.mktemp("reference_lora_moe"))
+    return reference(base_job, LORA_MOE, tmp_path_factory.mktemp("reference_lora_moe"))
 
 
 @pytest.fixture(scope="session")

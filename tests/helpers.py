@@ -56,3 +56,15 @@ class RecordPlacement(L.Callback):
             "tp_group": dist.get_process_group_ranks(mesh["tensor_parallel"].get_group()),
         }
         Path(f"placement_rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+def tiny_llama(folder: Path, vocab_size: int = 256) -> Path:
+    """A random tiny HuggingFace Llama (2 layers of 32, GQA 4/2), saved to ``folder`` as config.json + safetensors."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=vocab_size, max_position_embeddings=64)  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import LORA_LAYOUTS
+from helpers import tiny_llama
 
 from lit3d import GPT, LoRA
 
@@ -17,14 +18,7 @@ peft = pytest.importorskip("peft")
 
 @pytest.fixture(scope="module")
 def llama_folder(tmp_path_factory) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)  # fmt: skip
-    folder = tmp_path_factory.mktemp("llama")
-    LlamaForCausalLM(config).save_pretrained(folder)
-    return folder
+    return tiny_llama(tmp_path_factory.mktemp("llama"), vocab_size=128)
 
 
 def _peft_twin(folder: Path, lora: LoRA, ours: GPT) -> torch.nn.Module:

@@ -10,7 +10,7 @@ import lightning as L
 import pytest
 import torch
 from conftest import SMALL_GPT
-from helpers import logged
+from helpers import logged, tiny_llama
 
 from lit3d import GPT, GPTConfig
 from lit3d.data import TextDataModule
@@ -81,14 +81,7 @@ def test_generate_prints_the_same_continuation_on_one_device_and_at_tp2(checkpoi
 @pytest.fixture(scope="module")
 def hf_folder(tmp_path_factory) -> Path:
     """A random tiny HuggingFace Llama over bytes (256 ids), saved as config.json + safetensors."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=256, max_position_embeddings=64)  # fmt: skip
-    folder = tmp_path_factory.mktemp("hf")
-    LlamaForCausalLM(config).save_pretrained(folder)
-    return folder
+    return tiny_llama(tmp_path_factory.mktemp("hf"))
 
 
 def test_generate_from_a_huggingface_folder(hf_folder, tmp_path):
