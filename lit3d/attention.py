@@ -12,6 +12,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from lit3d.documents import Documents, attention_mask
+
 
 def flash_attn_installed() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
@@ -33,8 +35,19 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> s
     return backend
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "auto") -> torch.Tensor:
-    """softmax(q kᵀ / √d + causal mask) v, with the backend resolved for q's device and dtype."""
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "auto", documents: Documents | None = None
+) -> torch.Tensor:
+    """softmax(q kᵀ / √d + causal mask) v, with the backend resolved for q's device and dtype; with packed
+    ``documents``, each token attends only to its own document's.
+
+    NOTE: packed documents run PyTorch SDPA with a block-diagonal mask whatever the backend (flash-attn's variable-
+    length kernel would skip the masked blocks; not wired yet)."""
+    if documents is not None:
+        mask = attention_mask(documents.segments, documents.segments, causal=True)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                             enable_gqa=q.shape[2] != k.shape[2])  # fmt: skip
+        return out.transpose(1, 2)
     backend = resolve_backend(backend, q.device, q.dtype)
     if backend == "flash":
         from flash_attn import flash_attn_func

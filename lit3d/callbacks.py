@@ -15,6 +15,7 @@ from lightning.pytorch.utilities.model_summary import ModelSummary as LayerTable
 from lightning.pytorch.utilities.model_summary import get_human_readable_count
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lit3d.documents import attended_length
 from lit3d.loop import ends_optimizer_step
 
 
@@ -87,7 +88,9 @@ class Throughput(Callback):
     ``perf/tokens_per_s_per_device``, ``perf/samples_per_s``, ``perf/step_s``, ``perf/peak_memory_gb`` (the
     device allocator's peak on GPUs, the process's peak resident memory on CPU) and ``perf/mfu``: model FLOPs
     per token (`GPTConfig.flops_per_token`, no recompute) times tokens/s per device, over the device's dense bf16
-    peak from `lit3d.hardware`. A device that is not in that table (a CPU, an unknown GPU) reports no MFU
+    peak from `lit3d.hardware`; for packed documents (`lit3d.documents`) attention counts only the keys a token's
+    own document holds (the mean document length a token sits in, from the step's last micro-batch, instead of the
+    sequence length). A device that is not in that table (a CPU, an unknown GPU) reports no MFU
     rather than a wrong one. The first ``warmup`` steps (compilation, allocator warm-up) are not logged.
 
     Args:
@@ -126,9 +129,11 @@ class Throughput(Callback):
         }
         config = getattr(pl_module, "config", None)
         if self.peak_flops and hasattr(config, "flops_per_token"):
-            metrics["perf/mfu"] = (
-                config.flops_per_token(seq_len) * metrics["perf/tokens_per_s_per_device"] / self.peak_flops
-            )
+            flops = config.flops_per_token(seq_len)
+            if isinstance(batch, dict) and "positions" in batch:  # packed documents: the attention the mask keeps
+                attended = attended_length(batch["positions"][:, :-1])
+                flops += config.attention_flops_per_token(attended) - config.attention_flops_per_token(seq_len)
+            metrics["perf/mfu"] = flops * metrics["perf/tokens_per_s_per_device"] / self.peak_flops
         for name, value in metrics.items():
             pl_module.log(
                 name,

@@ -9,15 +9,15 @@ import sysconfig
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import numpy as np
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, Subset
 
+from lit3d.batches import GlobalBatchData, ResumableLoader
+from lit3d.chat_data import ChatDataModule  # noqa: F401 (re-exported: `lit3d.data.ChatDataModule`)
+from lit3d.documents import document_starts, row_positions
 from lit3d.mixture import MixtureBlocks
 from lit3d.prepared import PreparedBlocks, is_prepared, read_index
-from lit3d.sampler import GlobalBatchSampler
 from lit3d.sources import check_source, load_documents, resolve_files
 from lit3d.streaming import StreamedBlocks, held_out
 from lit3d.tokenizers import Tokenizer, load_tokenizer, tokenize_documents
@@ -32,7 +32,7 @@ def default_corpus_files() -> list[str]:
     return resolve_files(default_corpus())
 
 
-class TextDataModule(L.LightningDataModule):
+class TextDataModule(GlobalBatchData):
     """Packed language-modelling blocks from local text.
 
     Every document is tokenized (a cached, batched `datasets.map`), the token stream is cut into blocks of
@@ -64,6 +64,9 @@ class TextDataModule(L.LightningDataModule):
         streaming: Read the sources as training goes, caching nothing, for corpora too large to cache: blocks are
             shuffled within windows of about 16M tokens, the stream cycles (train by ``max_steps``), and a
             checkpoint records the exact position (see `lit3d.streaming`).
+        document_masking: Keep the documents packed into one block apart: attention never crosses a document
+            boundary and rotary positions restart at each document (`lit3d.documents`), as if each ran alone. For
+            one cached source (not streamed, prepared or mixed).
     """
 
     def __init__(
@@ -82,8 +85,9 @@ class TextDataModule(L.LightningDataModule):
         num_workers: int = 0,
         cache_dir: str | None = None,
         streaming: bool = False,
+        document_masking: bool = False,
     ) -> None:
-        super().__init__()
+        super().__init__(global_batch_size, seed, num_workers)
         if seq_len <= 0 or global_batch_size <= 0:
             raise ValueError(f"seq_len={seq_len} and global_batch_size={global_batch_size} must be positive")
         if not 0 < val_fraction < 1 or not 0 <= test_fraction < 1 - val_fraction:
@@ -92,18 +96,18 @@ class TextDataModule(L.LightningDataModule):
                 "between 0 and what validation leaves"
             )
         self.save_hyperparameters()
-        self.data_path, self.seq_len, self.global_batch_size = data_path, seq_len, global_batch_size
-        self.val_fraction, self.test_fraction, self.seed, self.text_column = (
-            val_fraction,
-            test_fraction,
-            seed,
-            text_column,
-        )
+        self.data_path, self.seq_len = data_path, seq_len
+        self.val_fraction, self.test_fraction, self.text_column = val_fraction, test_fraction, text_column
         self.prompts = list(prompts or [])
-        self.name, self.split, self.num_workers, self.cache_dir = name, split, num_workers, cache_dir
-        self.streaming = streaming
+        self.name, self.split, self.cache_dir = name, split, cache_dir
+        self.streaming, self.document_masking = streaming, document_masking
         self.tokenizer: Tokenizer = load_tokenizer(tokenizer)
         self.sources = mixture_weights(data_path)  # source -> share of the blocks
+        if document_masking and (streaming or len(self.sources) > 1 or any(map(is_prepared, self.sources))):
+            raise ValueError(
+                f"document_masking=True packs one source's documents with their positions: data_path={data_path!r} "
+                f"(streaming={streaming}) is a stream, a mixture or a prepared folder"
+            )
         for source in self.sources:  # NOTE: here, in the launching process, so a source no rank can read fails once
             check_source(source, text_column, split)
             if is_prepared(source):
@@ -114,11 +118,6 @@ class TextDataModule(L.LightningDataModule):
             raise ValueError(f"streaming reads one stream in order: num_workers={num_workers} must be 0 or 1")
         self.train_start: list[dict] | None = None  # streaming: each source's position where training starts
         self.stream_position: dict | None = None  # streaming: the position after the last batch trained on
-        self.train_set: Any = None
-        self.val_set: Any = None
-        self.test_set: Any = None
-        self.data_parallel: tuple[int, int] | None = None  # (size, rank); None: read from the trainer
-        self._resume: dict[str, int] | None = None  # the data position a checkpoint restored
 
     @property
     def vocab_size(self) -> int:
@@ -158,29 +157,7 @@ class TextDataModule(L.LightningDataModule):
         self.train_set = train.with_format("torch")
 
     def train_dataloader(self) -> DataLoader:
-        if self.streaming:
-            return self._stream_loader()
-        loader = self._loader(self.train_set, shuffle=True)
-        if self._resume is not None:
-            loader.sampler.resume_at(self._resume["epoch"], self._resume["consumed_samples"])
-            self._resume = None
-        trainer = self.trainer
-        if (
-            trainer is not None
-            and isinstance(trainer.val_check_interval, int)
-            and trainer.val_check_interval > len(loader)
-        ):
-            rank_zero_warn(
-                f"val_check_interval={trainer.val_check_interval} is more than the {len(loader)} batches an epoch of "
-                f"this corpus has: validating every {len(loader)} batches instead"
-            )
-            trainer.val_check_interval = len(loader)
-        return loader
-
-    def test_dataloader(self) -> DataLoader:
-        if self.test_set is None:
-            raise ValueError("test_fraction=0: this data has no test split; set test_fraction to hold one out")
-        return self._loader(self.test_set, shuffle=False)
+        return self._stream_loader() if self.streaming else super().train_dataloader()
 
     def predict_dataloader(self) -> DataLoader:
         """The ``prompts``, tokenized, one per batch (Lightning deals them out over the data-parallel replicas)."""
@@ -189,20 +166,11 @@ class TextDataModule(L.LightningDataModule):
         ids = self.tokenizer.encode_batch(self.prompts)
         return DataLoader([{"input_ids": torch.as_tensor(np.asarray(i), dtype=torch.long)} for i in ids], batch_size=1)
 
-    def state_dict(self) -> dict[str, int]:
-        """The data position, saved in checkpoints: the epoch, and the samples of it consumed by all replicas
-        together (not per replica, so a run can resume with another data-parallel size)."""
-        trainer = self.trainer
+    def state_dict(self) -> dict[str, Any]:
+        """The data position, saved in checkpoints (`GlobalBatchData.state_dict`; streaming: the stream's)."""
         if self.streaming:  # every rank trains on the same global batches, so its position is everyone's
             return {"stream": self.stream_position} if self.stream_position is not None else {}
-        if trainer is None:
-            return {}
-        replicas, _ = self._replica()
-        batches = trainer.fit_loop.epoch_loop.batch_progress.current.processed  # this replica's, this epoch
-        consumed = batches * self.micro_batch_size() * replicas
-        if consumed >= len(self.train_set) - len(self.train_set) % self.global_batch_size:  # saved at an epoch end
-            return {"epoch": trainer.current_epoch + 1, "consumed_samples": 0}
-        return {"epoch": trainer.current_epoch, "consumed_samples": consumed}
+        return super().state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if bool(state.get("stream")) != self.streaming and state:
@@ -210,7 +178,7 @@ class TextDataModule(L.LightningDataModule):
                 f"the checkpoint's data position was recorded with streaming={not self.streaming}; resume it with "
                 f"the same data.streaming, not streaming={self.streaming}"
             )
-        self._resume = dict(state) if state else None
+        super().load_state_dict(state)
         self.stream_position = state.get("stream")  # saved again as it is until a batch moves it on
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
@@ -218,36 +186,6 @@ class TextDataModule(L.LightningDataModule):
         if isinstance(batch, dict) and "stream" in batch:
             self.stream_position = json.loads(batch.pop("stream")[-1])
         return batch
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_set, shuffle=False)
-
-    def micro_batch_size(self) -> int:
-        """Sequences per forward pass on one replica."""
-        replicas, _ = self._replica()
-        accumulate = self.trainer.accumulate_grad_batches if self.trainer is not None else 1
-        if self.global_batch_size % (replicas * accumulate):
-            raise ValueError(
-                f"global_batch_size={self.global_batch_size} is not divisible by data_parallel_size={replicas} "
-                f"x accumulate_grad_batches={accumulate}"
-            )
-        return self.global_batch_size // (replicas * accumulate)
-
-    def _replica(self) -> tuple[int, int]:
-        """(number of data-parallel replicas, this replica's index), from the strategy: never the world size."""
-        if self.data_parallel is not None:
-            return self.data_parallel
-        kwargs = (self.trainer.distributed_sampler_kwargs if self.trainer is not None else None) or {}
-        return kwargs.get("num_replicas", 1), kwargs.get("rank", 0)
-
-    def _loader(self, dataset: Any, shuffle: bool) -> DataLoader:
-        replicas, rank = self._replica()
-        micro = self.micro_batch_size()
-        # Validation deals out whole rounds of one micro-batch per replica, so every layout sees the same blocks.
-        per_step = self.global_batch_size if shuffle else micro * replicas
-        sampler = GlobalBatchSampler(dataset, per_step, replicas, rank, shuffle=shuffle, seed=self.seed)
-        loader = ResumableLoader if shuffle else DataLoader  # training's position is restored; evaluation starts over
-        return loader(dataset, batch_size=micro, sampler=sampler, drop_last=True, num_workers=self.num_workers)
 
     def _packed_blocks(self) -> Any:
         """The sources' documents tokenized and packed into blocks (a prepared folder's read memory-mapped); a
@@ -289,29 +227,17 @@ class TextDataModule(L.LightningDataModule):
         key = f"{raw._fingerprint}-{self.tokenizer.fingerprint}-{self.seq_len}"
         fingerprint = hashlib.sha256(key.encode()).hexdigest()[:16]
         int32_ids = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32"))})
+        columns = ["input_ids", "positions"] if self.document_masking else ["input_ids"]
+        packed_features = datasets.Features({column: datasets.Sequence(datasets.Value("int32")) for column in columns})
         tokens = raw.map(tokenize_documents, batched=True, remove_columns=raw.column_names, features=int32_ids,
                          fn_kwargs={"tokenizer": self.tokenizer}, new_fingerprint=f"tok-{fingerprint}",
                          desc="tokenizing")  # fmt: skip
-        packed = tokens.with_format("numpy").map(_pack, batched=True, batch_size=1000, features=int32_ids,
-                                                 fn_kwargs={"block": self.seq_len + 1},
-                                                 new_fingerprint=f"pack-{fingerprint}", desc="packing")  # fmt: skip
+        packed = tokens.with_format("numpy").map(_pack, batched=True, batch_size=1000, features=packed_features,
+                                                 fn_kwargs={"block": self.seq_len + 1,
+                                                            "document_masking": self.document_masking},
+                                                 new_fingerprint=f"pack-{fingerprint}-{self.document_masking:d}",
+                                                 desc="packing")  # fmt: skip
         return packed.with_format(None)
-
-
-class ResumableLoader(DataLoader):
-    """The training DataLoader of `TextDataModule`, which resumes exactly: the data module saves the position in every
-    checkpoint (`TextDataModule.state_dict`) and starts the sampler or the stream there.
-
-    NOTE: Lightning asks the loader itself whether it resumes (``state_dict`` and ``load_state_dict``), and warns on
-    every mid-epoch resume when it does not; the position has one owner, the data module, so the loader says yes
-    with nothing of its own to save.
-    """
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Nothing to load: the data module has restored the position before the loader was made."""
 
 
 def mixture_weights(data_path: str | dict[str, float] | None) -> dict[str, float]:
@@ -327,8 +253,13 @@ def mixture_weights(data_path: str | dict[str, float] | None) -> dict[str, float
     return {source: weight / total for source, weight in data_path.items()}
 
 
-def _pack(batch: dict[str, list], block: int) -> dict[str, np.ndarray]:
-    """Concatenate the documents of a batch and cut whole blocks (the remainder of the batch is dropped)."""
+def _pack(batch: dict[str, list], block: int, document_masking: bool = False) -> dict[str, np.ndarray]:
+    """Concatenate the documents of a batch and cut whole blocks (the remainder of the batch is dropped); with
+    ``document_masking``, also each token's position within its document (`lit3d.documents`)."""
     stream = np.concatenate(batch["input_ids"]) if len(batch["input_ids"]) else np.zeros(0, np.int32)
     n = len(stream) // block
-    return {"input_ids": stream[: n * block].reshape(n, block)}
+    packed = {"input_ids": stream[: n * block].reshape(n, block)}
+    if document_masking:
+        starts = document_starts([len(doc) for doc in batch["input_ids"]])
+        packed["positions"] = row_positions(starts[: n * block].reshape(n, block))
+    return packed

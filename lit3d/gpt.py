@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict
 from typing import Any
@@ -11,12 +12,13 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torchmetrics import MeanMetric
 
+from lit3d import documents
 from lit3d.adapters import adapter_settings, read_adapter
 from lit3d.config import GPTConfig
 from lit3d.generation import Sampling, next_token
 from lit3d.loop import ends_optimizer_step
 from lit3d.lora import LoRA, check_lora, freeze_all_but_adapters
-from lit3d.model import Transformer, cross_entropy
+from lit3d.model import IGNORED, Transformer, cross_entropy
 from lit3d.pretrained import read_config, read_meta, read_tensors
 from lit3d.runner import Runner, WholeNetwork
 from lit3d.tp_plan import tensor_parallel_plan
@@ -155,6 +157,7 @@ class GPT(L.LightningModule):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token ids ``[batch, seq]`` → logits ``[batch, seq, vocab_size]``: whole, on every rank, in any layout."""
         self._build_on(tokens.device)
+        documents.use(None)
         logits = self.runner.forward(self.model, tokens)
         if hasattr(logits, "full_tensor"):  # vocabulary-sharded DTensor
             logits = logits.full_tensor()
@@ -165,20 +168,39 @@ class GPT(L.LightningModule):
 
     @staticmethod
     def inputs_and_targets(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """A batch of ``seq_len + 1`` token blocks → the inputs and their next tokens."""
+        """A batch of ``seq_len + 1`` token blocks → the inputs and their next tokens; a target the batch's
+        ``loss_mask`` leaves out (a prompt's, or padding) is ``IGNORED``."""
         tokens = batch["input_ids"] if isinstance(batch, dict) else batch
-        return tokens[:, :-1], tokens[:, 1:]
+        targets = tokens[:, 1:]
+        if isinstance(batch, dict) and "loss_mask" in batch:
+            targets = targets.masked_fill(~batch["loss_mask"][:, 1:], IGNORED)
+        return tokens[:, :-1], targets
 
     @staticmethod
-    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy (`lit3d.model.cross_entropy`)."""
-        return cross_entropy(logits, targets)
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        """Mean next-token cross-entropy (`lit3d.model.cross_entropy`); with a ``scale``, the sum over the trained
+        targets times ``scale / targets.numel()`` (see `loss`)."""
+        return cross_entropy(logits, targets, scale)
 
     def loss(self, batch: Any) -> torch.Tensor:
-        """Mean next-token cross-entropy of a batch of ``seq_len + 1`` blocks."""
+        """Mean next-token cross-entropy of a batch of ``seq_len + 1`` blocks.
+
+        A batch with a ``loss_mask`` (chat data: the answers' tokens) also has a ``loss_scale``: the targets of its
+        whole global batch over the trained ones among them (`lit3d.sampler.TrainedTokenSampler`). Each piece of the
+        batch a rank computes (a micro-batch, a pipeline's, a CP share) returns its trained targets' loss sum times
+        that scale over its own target count; the layout averages equal pieces, so the step's loss is the mean over
+        every trained token of the global batch, in any layout.
+
+        Packed rows (``positions``, `lit3d.documents`) keep their documents apart in attention.
+        """
         inputs, targets = self.inputs_and_targets(batch)
         self._build_on(inputs.device)
-        return self.runner.loss(self.model, inputs, targets, self.loss_fn)
+        packed = isinstance(batch, dict) and "positions" in batch
+        documents.use(documents.Documents.of(batch["positions"][:, :-1]) if packed else None)
+        loss_fn = self.loss_fn
+        if isinstance(batch, dict) and "loss_scale" in batch:
+            loss_fn = functools.partial(self.loss_fn, scale=float(batch["loss_scale"][0]))
+        return self.runner.loss(self.model, inputs, targets, loss_fn)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)

@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lit3d import documents
 from lit3d.attention import causal_attention
 from lit3d.config import GPTConfig
 from lit3d.lora import LoRA, init_adapter, linear
@@ -84,7 +85,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotate ``x`` of shape ``[batch, seq, heads, head_dim]`` by position."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)  # no copy when the tables are in x's dtype
+    # [seq, head_dim], or [batch, seq, head_dim] for packed documents; no copy when the tables are in x's dtype
+    cos, sin = cos.unsqueeze(-2).to(x.dtype), sin.unsqueeze(-2).to(x.dtype)
     return x * cos + rotated * sin
 
 
@@ -107,12 +109,19 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(batch, seq, -1, hd)
         k = self.k_proj(x).view(batch, seq, -1, hd)
         v = self.v_proj(x).view(batch, seq, -1, hd)
-        if cp is None:
+        docs = documents.current(batch, seq)
+        if docs is not None:  # packed rows: each token rotated by its position within its document
+            cos, sin = (t[docs.positions] for t in rotary_tables(self.config.max_seq_len, hd, self.config.rope_theta,
+                                                                   x.device, q.dtype))  # fmt: skip
+        elif cp is None:
             cos, sin = rotary_tables(seq, hd, self.config.rope_theta, x.device, q.dtype)
         else:  # each token rotated by its true position
             cos, sin = context_parallel_rotary_tables(cp, seq, hd, self.config.rope_theta, x.device, q.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        y = causal_attention(q, k, v, self.config.attention) if cp is None else ring_attention(q, k, v, cp)
+        if cp is None:
+            y = causal_attention(q, k, v, self.config.attention, docs)
+        else:
+            y = ring_attention(q, k, v, cp, docs)
         return self.o_proj(y.reshape(batch, seq, -1))
 
 
@@ -309,20 +318,28 @@ def loss_parallel_scope() -> Iterator[None]:
             _loss_parallel_depth = 0
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy in fp32.
+IGNORED = -100  # a target no loss is taken on (a prompt token, padding)
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Mean next-token cross-entropy in fp32; with ``scale``, the sum over the targets that are not ``IGNORED``
+    times ``scale / targets.numel()`` instead (`lit3d.GPT.loss` says why).
 
     Logits sharded over the vocabulary (a DTensor from a vocabulary-parallel head) are reduced with
     DTensor's parallel loss, which never gathers the full logits; the caller's backward must then run
     under `loss_parallel_scope` too (the strategy does this).
     """
+    count = targets.numel()
     logits, targets = logits.flatten(0, 1).float(), targets.flatten()
+    reduction = "mean" if scale is None else "sum"
     from torch.distributed.tensor import DTensor, Replicate
 
     if isinstance(logits, DTensor):
         # The targets go in as a DTensor too: backward saves them, and must not mix plain and distributed tensors.
         targets = DTensor.from_local(targets, logits.device_mesh, [Replicate()] * logits.device_mesh.ndim)
         with loss_parallel_scope():
-            loss = F.cross_entropy(logits, targets)
-        return loss.to_local()
-    return F.cross_entropy(logits, targets)
+            loss = F.cross_entropy(logits, targets, ignore_index=IGNORED, reduction=reduction)
+        loss = loss.to_local()
+    else:
+        loss = F.cross_entropy(logits, targets, ignore_index=IGNORED, reduction=reduction)
+    return loss if scale is None else loss * (scale / count)

@@ -27,11 +27,14 @@ library's parity tests run. So one ring, on the attention kernel that returns th
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from lit3d.documents import Documents, attention_mask
 
 aten = torch.ops.aten
 
@@ -78,18 +81,23 @@ def positions(local_len: int, cp: int, rank: int, device: torch.device | None = 
 
 
 @torch.compiler.disable  # point-to-point communication inside: stays eager under torch.compile
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
+def ring_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel, documents: Documents | None = None
+) -> torch.Tensor:
     """Causal attention of the CP-sharded sequence; tensors ``[batch, seq, heads, head_dim]`` as in
-    `lit3d.attention`, ``seq`` being this rank's tokens (`shard_sequence`)."""
+    `lit3d.attention`, ``seq`` being this rank's tokens (`shard_sequence`); with packed ``documents`` (this rank's
+    share, `lit3d.documents`) a query meets only the keys of its own document."""
     if q.shape[1] % 2:
         raise ValueError(f"a context-parallel rank holds two equal chunks; got {q.shape[1]} tokens")
-    out = _RingAttention.apply(*(t.transpose(1, 2) for t in (q, k, v)), cp)
+    out = _RingAttention.apply(*(t.transpose(1, 2) for t in (q, k, v)), cp, documents)
     return out.transpose(1, 2)
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel, docs: Documents | None
+    ) -> torch.Tensor:
         ring = _Ring(cp)
         half = q.shape[2] // 2
         # NOTE: laid out [b, s, h, d] in memory, as the model reads it: the caller's reshape is then a view, and
@@ -101,13 +109,14 @@ class _RingAttention(torch.autograd.Function):
         for step in range(cp.size):
             incoming = ring.pass_on(block) if step + 1 < cp.size else None
             rows, keys, causal = _block(step, cp, half)
-            part_out, part_lse = _attend(q[:, :, rows], *_expand(block[:, :, :, keys], q.shape[1]), causal)
+            mask = _document_mask(docs, step, cp, rows, keys, causal)
+            part_out, part_lse = _attend(q[:, :, rows], *_expand(block[:, :, :, keys], q.shape[1]), causal, mask)
             _merge(out[:, :, rows], lse[:, :, rows], part_out, part_lse)
             if incoming is not None:
                 block = incoming.wait()
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cp = cp
+        ctx.cp, ctx.docs = cp, docs
         return out
 
     @staticmethod
@@ -121,8 +130,9 @@ class _RingAttention(torch.autograd.Function):
             incoming = ring.pass_on(block) if step + 1 < cp.size else None
             rows, keys, causal = _block(step, cp, half)
             kk, vv = _expand(block[:, :, :, keys], q.shape[1])
+            mask = _document_mask(ctx.docs, step, cp, rows, keys, causal)
             dq, dk, dv = _attend_backward(
-                grad_out[:, :, rows], q[:, :, rows], kk, vv, out[:, :, rows], lse[:, :, rows], causal
+                grad_out[:, :, rows], q[:, :, rows], kk, vv, out[:, :, rows], lse[:, :, rows], causal, mask
             )
             grad_q[:, :, rows] += dq
             part = torch.stack((_fold(dk, groups), _fold(dv, groups)))
@@ -133,7 +143,7 @@ class _RingAttention(torch.autograd.Function):
             if incoming is not None:
                 block = incoming.wait()
         grads = arriving.wait()
-        return grad_q.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None
+        return grad_q.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None
 
 
 def _block(step: int, cp: ContextParallel, half: int) -> tuple[slice, slice, bool]:
@@ -164,8 +174,23 @@ def _fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
     return grad.float().view(b, h // groups, groups, s, d).sum(dim=2)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _document_mask(
+    docs: Documents | None, step: int, cp: ContextParallel, rows: slice, keys: slice, causal: bool
+) -> torch.Tensor | None:
+    """Which of the visiting block's keys each of this step's queries may meet, for packed documents."""
+    if docs is None:
+        return None
+    source = (cp.rank - step) % cp.size
+    key_segments = shard_sequence(docs.whole_segments, cp.size, source)[:, keys]
+    return attention_mask(docs.segments[:, rows], key_segments, causal)
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention output and log-sum-exp (fp32, ``[b, h, s]``)."""
+    if mask is not None:
+        return _attend_masked(q, k, v, mask)
     q = q.contiguous()
     if q.device.type == "cuda":
         _check_cuda_dtype(q)
@@ -174,7 +199,9 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> 
     return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
 
 
-def _attend_backward(grad_out, q, k, v, out, lse, causal):
+def _attend_backward(grad_out, q, k, v, out, lse, causal, mask=None):
+    if mask is not None:
+        return _attend_masked_backward(grad_out, q, k, v, out, lse, mask)
     grad_out, q, out, lse = grad_out.contiguous(), q.contiguous(), out.contiguous(), lse.contiguous()
     if q.device.type == "cuda":
         none, length = torch.empty(0, device=q.device), q.shape[2]
@@ -183,6 +210,36 @@ def _attend_backward(grad_out, q, k, v, out, lse, causal):
             grad_out, q, k, v, out, lse, none, none, length, k.shape[2], 0.0, causal, seed, offset
         )
     return aten._scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out, lse, 0.0, causal)
+
+
+# NOTE: the fused kernels that return the log-sum-exp take no mask; a block of packed documents is computed in plain
+# PyTorch (fp32 scores of one block: the memory of one block's attention matrix).
+
+
+def _masked_scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    return scores.masked_fill(~mask, float("-inf"))
+
+
+def _attend_masked(q, k, v, mask):
+    """`_attend` with a mask; a query that may meet none of the block's keys gets output 0 and log-sum-exp -inf."""
+    scores = _masked_scores(q, k, mask)
+    lse = torch.logsumexp(scores, dim=-1)
+    weights = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
+    return torch.matmul(weights, v.float()).to(q.dtype), lse
+
+
+def _attend_masked_backward(grad_out, q, k, v, out, lse, mask):
+    """The gradients of `_attend_masked`'s block, given the merged output and log-sum-exp of its queries."""
+    weights = torch.exp(_masked_scores(q, k, mask) - lse.unsqueeze(-1))
+    grad_out = grad_out.float()
+    grad_v = torch.matmul(weights.transpose(-1, -2), grad_out)
+    grad_weights = torch.matmul(grad_out, v.float().transpose(-1, -2))
+    grad_scores = weights * (grad_weights - (grad_out * out.float()).sum(dim=-1, keepdim=True))
+    scale = 1 / math.sqrt(q.shape[-1])
+    grad_q = torch.matmul(grad_scores, k.float()) * scale
+    grad_k = torch.matmul(grad_scores.transpose(-1, -2), q.float()) * scale
+    return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype)
 
 
 def _check_cuda_dtype(q: torch.Tensor) -> None:

@@ -57,17 +57,23 @@ class WholeNetwork:
 
 class ContextShare:
     """Context parallelism: this rank keeps its two of ``2 x size`` chunks of every sequence of the inputs and targets
-    (`lit3d.ring_attention.shard_sequence`), then runs ``inner`` on them. Each rank's loss is the mean over its tokens
-    and every rank holds as many, so the mean over ranks is the mean over all tokens."""
+    (`lit3d.ring_attention.shard_sequence`), and of their packed documents, then runs ``inner`` on them. Each rank's
+    loss is the mean over its tokens and every rank holds as many, so the mean over ranks is the mean over all
+    tokens."""
 
     def __init__(self, inner: Runner, size: int, rank: int) -> None:
         self.inner, self.size, self.rank = inner, size, rank
         self.adds_balance_loss, self.forwards_per_loss = inner.adds_balance_loss, inner.forwards_per_loss
 
     def loss(self, network: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn) -> torch.Tensor:
+        from lit3d import documents
         from lit3d.ring_attention import shard_sequence
 
+        whole = documents.current(*targets.shape)
         inputs, targets = shard_sequence(inputs, self.size, self.rank), shard_sequence(targets, self.size, self.rank)
+        if whole is not None:  # packed rows: this rank's tokens' positions and documents, and every rank's documents
+            share = (shard_sequence(t, self.size, self.rank) for t in (whole.positions, whole.segments))
+            documents.use(documents.Documents(*share, whole_segments=whole.segments))
         return self.inner.loss(network, inputs, targets, loss_fn)
 
     def forward(self, network: nn.Module, inputs: Any) -> Any:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sized
 
+import numpy as np
 import torch
 from torch.utils.data import DistributedSampler
 
@@ -62,15 +63,38 @@ class GlobalBatchSampler(DistributedSampler):
             order = torch.arange(len(self.dataset))
         return order[: self.samples_per_epoch]
 
-    def __iter__(self) -> Iterator[int]:
+    def remaining_order(self) -> torch.Tensor:
+        """`epoch_order` from where this iteration starts (after what a resumed run already consumed)."""
         skip = 0
         if self._resume is not None and self._resume[0] == self.epoch:
             skip, self._resume = self._resume[1], None
-        order = self.epoch_order()[skip:]
+        return self.epoch_order()[skip:]
+
+    def __iter__(self) -> Iterator[int]:
         # NOTE: one int at a time from the int64 order, not a list of Python ints (~36 bytes each): memory must not
         # grow with the corpus's block count.
-        return map(int, order[self.rank :: self.num_replicas].numpy())
+        return map(int, self.remaining_order()[self.rank :: self.num_replicas].numpy())
 
     def __len__(self) -> int:
         # NOTE: the whole epoch, also when resuming part-way: Lightning counts the batches it already ran.
         return self.samples_per_epoch // self.num_replicas
+
+
+class TrainedTokenSampler(GlobalBatchSampler):
+    """`GlobalBatchSampler` for data whose loss is taken on some targets only (chat data: the answers). Each index
+    comes with its global batch's ``loss_scale``: the batch's targets over its trained targets, ``trained[i]`` being
+    sample ``i``'s and ``targets_per_sample`` every sample's (see `lit3d.GPT.loss`). Every replica computes it from
+    the whole global batch, so no rank has to ask the others.
+    """
+
+    def __init__(self, dataset: Sized, trained: np.ndarray, targets_per_sample: int, *args, **kwargs) -> None:
+        super().__init__(dataset, *args, **kwargs)
+        self.trained, self.targets_per_sample = torch.as_tensor(trained, dtype=torch.int64), targets_per_sample
+
+    def __iter__(self) -> Iterator[tuple[int, float]]:
+        order, size = self.remaining_order(), self.global_batch_size
+        for start in range(0, len(order), size):
+            batch = order[start : start + size]
+            scale = size * self.targets_per_sample / max(1, int(self.trained[batch].sum()))
+            for index in batch[self.rank :: self.num_replicas].tolist():
+                yield index, scale

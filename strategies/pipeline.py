@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lit3d import documents
 from lit3d.model import loss_parallel_scope
 from lit3d.moe import balance_loss_weight
 from lit3d.parallel.schedules import SCHEDULES, Costs, bubble_theory
@@ -91,10 +92,11 @@ class Pipeline:
         self._scale = 1.0
         self._grad_scaler: Any = None
         self._pending: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-        self.schedule = self._schedule(self._stages(self.clock), schedule, microbatches, self._record_loss)
+        self.schedule = self._schedule(self._stages(self.clock, microbatches), schedule, microbatches,
+                                       self._record_loss)  # fmt: skip
         self._inference: dict[tuple, Any] = {}
 
-    def _stages(self, clock: StageClock | None) -> list[Any]:
+    def _stages(self, clock: StageClock | None, microbatches: int) -> list[Any]:
         # NOTE: PyTorch's checkpoint recomputes a block once per backward call, and its contexts serve one
         # recomputation: a weight gradient run apart from its input gradient would recompute again and fail. Under
         # activation checkpointing a zero-bubble schedule therefore runs each whole backward in its input-gradient
@@ -102,7 +104,16 @@ class Pipeline:
         # longer filling the bubbles (`lit3d.parallel.schedules.Costs.of`).
         whole = None if self.split_backward else (lambda: _nothing)
         return [
-            _stage_class()(chunk, s, self.num_stages, self.device, group=self.group, dw_builder=whole, clock=clock)
+            _stage_class()(
+                chunk,
+                s,
+                self.num_stages,
+                self.device,
+                group=self.group,
+                dw_builder=whole,
+                clock=clock,
+                microbatches=microbatches,
+            )  # fmt: skip
             for chunk, s in zip(self.chunks, self.stage_ids)
         ]
 
@@ -240,7 +251,7 @@ class Pipeline:
             key = tuple(inputs.shape)
             if key not in self._inference:
                 name = SCHEDULES[self.schedule_name].forward_only or self.schedule_name
-                self._inference[key] = self._schedule(self._stages(None), name, 1, None)
+                self._inference[key] = self._schedule(self._stages(None, 1), name, 1, None)
             output = self._inference[key].eval(*((inputs,) if self.holds_first else ()))
             if self.holds_last:
                 output = output.full_tensor() if hasattr(output, "full_tensor") else output
@@ -268,9 +279,10 @@ def _stage_class() -> type:
         from one to the other directly; PyTorch 2.13 does so in ``eval()`` too (validation, sampling), where there is
         no backward, and fails. Nothing is handed over then."""
 
-        def __init__(self, *args: Any, clock: StageClock | None = None, **kwargs: Any) -> None:
+        def __init__(self, *args: Any, clock: StageClock | None = None, microbatches: int = 1, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.clock = clock  # times each call when given (`StageClock`)
+            self.microbatches = microbatches  # micro-batches per step: which rows of packed documents a call runs
 
         def forward_one_chunk(self, chunk_id: int, *args: Any, **kwargs: Any) -> Any:
             return self._timed("F", chunk_id, super().forward_one_chunk, *args, **kwargs)
@@ -281,10 +293,16 @@ def _stage_class() -> type:
         def backward_weight_one_chunk(self, chunk_id: int, *args: Any, **kwargs: Any) -> Any:
             return self._timed("W", chunk_id, super().backward_weight_one_chunk, *args, **kwargs)
 
+        def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+            """Shape inference runs one micro-batch's rows: the documents of the first."""
+            with documents.micro_batch(0, self.microbatches):
+                return super()._forward_metadata_inference(*args, **kwargs)
+
         def _timed(self, kind: str, chunk_id: int, run: Callable, *args: Any, **kwargs: Any) -> Any:
-            if self.clock is None:
-                return run(chunk_id, *args, **kwargs)
-            return self.clock.timed(self.stage_index, kind, chunk_id, run, *args, **kwargs)
+            with documents.micro_batch(chunk_id, self.microbatches):  # packed rows: this micro-batch's documents
+                if self.clock is None:
+                    return run(chunk_id, *args, **kwargs)
+                return self.clock.timed(self.stage_index, kind, chunk_id, run, *args, **kwargs)
 
         def get_local_bwd_output(self, mb_index: int) -> tuple:
             return super().get_local_bwd_output(mb_index) if self.has_backward else ()

@@ -217,6 +217,58 @@ LORA_LAYOUTS["lora_tp2"][1]["checkpoint_every"] = 4
 LORA_LAYOUTS["lora_pp2_resumed_from_tp2"][1]["ckpt_path"] = "job:lora_tp2/ckpts/step=4.ckpt"
 
 
+# Chat data (answers of 1 to 200 tokens, prompts masked) packed into 256-token rows, and short documents packed with
+# document masking: each compared with its own single-process run.
+CHAT_GPT = dict(SMALL_GPT, vocab_size=320, max_seq_len=256)
+CHAT = {"data_class": "chat", "model": {"config": CHAT_GPT}, "trainer": {"max_steps": 6, "val_check_interval": 3}}
+DOCUMENTS = {**LONG, "data": {**LONG["data"], "document_masking": True}}
+PACKED_LAYOUTS = {
+    "chat_dp2": (2, {**CHAT, "strategy": {}}),
+    "chat_pp2_4_microbatches": (2, {**CHAT, "strategy": pp(2, num_microbatches=4)}),
+    "chat_cp2": (2, {**CHAT, "strategy": {"context_parallel_size": 2}}),
+    "documents_cp2": (2, {**DOCUMENTS, "strategy": {"context_parallel_size": 2}}),
+    "documents_pp2": (2, {**DOCUMENTS, "strategy": pp(2, num_microbatches=2)}),
+}
+
+
+@pytest.fixture(scope="session")
+def packed_data(tmp_path_factory) -> dict[str, dict]:
+    """The ``data`` arguments of the chat and the document-masking runs."""
+    import json
+
+    from helpers import chat_file, chat_tokenizer
+
+    folder = tmp_path_factory.mktemp("packed")
+    chat = {"data_path": str(chat_file(folder / "chat.jsonl", 120, max_words=200)), "val_fraction": 0.2,
+            "tokenizer": str(chat_tokenizer(folder / "tokenizer")), "seq_len": 256, "global_batch_size": 8}  # fmt: skip
+    rng = __import__("random").Random(1)
+    lines = [json.dumps({"text": " ".join(rng.choices(["ab", "cde", "f", "gh"], k=rng.randint(2, 40)))})
+             for _ in range(400)]  # fmt: skip
+    (folder / "short.jsonl").write_text("\n".join(lines))
+    return {"chat": chat, "documents": {"data_path": str(folder / "short.jsonl")}}
+
+
+def with_data(job: dict, packed: dict[str, dict]) -> dict:
+    """``job`` with the files of `packed_data` if it trains on chat data or on packed short documents."""
+    if job.get("data_class") == "chat":
+        return merge(job, {"data": packed["chat"]})
+    if job.get("data", {}).get("document_masking"):
+        return merge(job, {"data": packed["documents"]})
+    return job
+
+
+@pytest.fixture(scope="session")
+def reference_chat_run(base_job, packed_data, tmp_path_factory) -> dict:
+    """The single-process run on chat data, which its layouts are compared with."""
+    return reference(base_job, with_data(CHAT, packed_data), tmp_path_factory.mktemp("reference_chat"))
+
+
+@pytest.fixture(scope="session")
+def reference_documents_run(base_job, packed_data, tmp_path_factory) -> dict:
+    """The single-process run on short documents packed with document masking."""
+    return reference(base_job, with_data(DOCUMENTS, packed_data), tmp_path_factory.mktemp("reference_documents"))
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> Path:
     import random
@@ -296,13 +348,14 @@ def reference_lora_moe_run(base_job, tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="session")
-def layout_runs(base_job, tmp_path_factory) -> dict[str, dict]:
-    """Every layout of `LAYOUTS`, `MOE_LAYOUTS`, `CP_LAYOUTS` and `LORA_LAYOUTS`, one spawn per world size."""
+def layout_runs(base_job, packed_data, tmp_path_factory) -> dict[str, dict]:
+    """Every layout of `LAYOUTS`, `MOE_LAYOUTS`, `CP_LAYOUTS`, `LORA_LAYOUTS` and `PACKED_LAYOUTS`, one spawn per
+    world size."""
     from spawned import run_jobs
 
-    results, layouts = {}, {**LAYOUTS, **MOE_LAYOUTS, **CP_LAYOUTS, **LORA_LAYOUTS}
+    results, layouts = {}, {**LAYOUTS, **MOE_LAYOUTS, **CP_LAYOUTS, **LORA_LAYOUTS, **PACKED_LAYOUTS}
     for world in sorted({w for w, _ in layouts.values()}):
-        jobs = {name: merge(base_job, job) for name, (w, job) in layouts.items() if w == world}
+        jobs = {name: merge(base_job, with_data(job, packed_data)) for name, (w, job) in layouts.items() if w == world}
         results.update(run_jobs(world, jobs, tmp_path_factory.mktemp(f"world{world}")))
     return results
 

@@ -68,3 +68,53 @@ def tiny_llama(folder: Path, vocab_size: int = 256) -> Path:
                          num_key_value_heads=2, vocab_size=vocab_size, max_position_embeddings=64)  # fmt: skip
     LlamaForCausalLM(config).save_pretrained(folder)
     return folder
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "why", "how", "answer", "is", "yes", "no"]
+
+
+def chat_tokenizer(folder: Path, template: str | None = CHATML) -> Path:
+    """A small byte-level BPE tokenizer folder with ChatML's special tokens and (unless None) a chat ``template``."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    tokenizer.train_from_iterator([" ".join(WORDS)] * 20, trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+    if template is not None:
+        config["chat_template"] = template
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def chat_file(path: Path, examples: int, seed: int = 0, max_words: int = 100) -> Path:
+    """``examples`` prompt/response pairs as .jsonl, the answers from 1 to ``max_words`` words long (every other one a
+    ``messages`` conversation with a system turn)."""
+    import json
+    import random
+
+    rng = random.Random(seed)
+    lines = []
+    for i in range(examples):
+        prompt = " ".join(rng.choices(WORDS, k=rng.randint(1, 12)))
+        answer = " ".join(rng.choices(WORDS, k=1 if i == 0 else rng.randint(1, max_words)))
+        if i % 2:
+            turns = [{"role": "system", "content": "be brief"}, {"role": "user", "content": prompt},
+                     {"role": "assistant", "content": answer}]  # fmt: skip
+            lines.append(json.dumps({"messages": turns}))
+        else:
+            lines.append(json.dumps({"prompt": prompt, "response": answer}))
+    path.write_text("\n".join(lines) + "\n")
+    return path

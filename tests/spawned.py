@@ -13,7 +13,8 @@ compute with fp16's loss scaling at this fixed scale: gradients must come out un
 ``seed_everything``: each rank seeds itself apart) and ``validate_after_fit`` and ``test_after_fit`` (then
 ``trainer.validate`` / ``test`` in the same processes); ``user_module`` (kwargs of
 `user_modules.ParallelisesItself`, trained on `user_modules.RegressionData` instead of the GPT) and
-``lightning_strategy`` (``strategy`` holds `ModelParallelStrategy`'s arguments instead).
+``lightning_strategy`` (``strategy`` holds `ModelParallelStrategy`'s arguments instead); ``data_class``: ``"chat"`` for
+`ChatDataModule` (``data`` its arguments).
 """
 
 import json
@@ -37,7 +38,7 @@ from torch.utils.data import DataLoader
 
 from lit3d import GPT, GPTConfig
 from lit3d.callbacks import CommReport
-from lit3d.data import TextDataModule
+from lit3d.data import ChatDataModule, TextDataModule
 from lit3d.strategies import Parallel3DStrategy
 from lit3d.strategies.memory import memory_by_component
 from lit3d.strategies.precision import SplitModelMixedPrecision
@@ -125,7 +126,8 @@ def _run_job(job: dict, job_dir: Path, devices: int) -> dict:
     else:
         model_kwargs = dict(job.get("model", {}))
         model = GPT(GPTConfig(**model_kwargs.pop("config")), **model_kwargs)
-        data = (PlainLoaderData if job.get("plain_loader") else TextDataModule)(**job["data"])
+        data_class = ChatDataModule if job.get("data_class") == "chat" else TextDataModule
+        data = (PlainLoaderData if job.get("plain_loader") else data_class)(**job["data"])
     strategy_class = ModelParallelStrategy if job.get("lightning_strategy") else Parallel3DStrategy
     strategy = strategy_class(**job["strategy"]) if "strategy" in job else "auto"
     callbacks = [Probe(count_comms=job.get("count_comms", False)), *job.get("callbacks", [])]

@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import CP_LAYOUTS, LONG, SMALL_GPT, merge
 
-from lit3d import GPTConfig
+from lit3d import GPTConfig, documents
 from lit3d.parallel.context import check_context_parallel
 from lit3d.parallel.layout import Layout, resolve_layout
 from lit3d.ring_attention import ContextParallel, positions, ring_attention, shard_sequence, unshard_sequence
@@ -48,17 +48,46 @@ def _ring_worker(rank: int, world: int, port: int, folder: str) -> None:
             every = [torch.empty_like(got) for _ in range(cp)]
             dist.all_gather(every, got.detach().contiguous(), group=group)
             errors[f"cp{cp} {dtype} {name}"] = (unshard_sequence(every).float() - want.float()).abs().max().item()
+    errors.update(_packed_documents_errors(rank))
     torch.save(errors, f"{folder}/rank{rank}.pt")
     dist.destroy_process_group()
 
 
+def _packed_documents_errors(rank: int) -> dict[str, float]:
+    """CP4 over rows of packed documents: the ring with document masks against SDPA with the block-diagonal mask."""
+    b, s, hq, hkv, d, cp = 2, 32, 4, 2, 8, 4
+    q, g = torch.randn(b, s, hq, d), torch.randn(b, s, hq, d)
+    k, v = torch.randn(b, s, hkv, d), torch.randn(b, s, hkv, d)
+    lengths = [[3, 9, 1, 12, 7], [20, 5, 7]]  # across chunk boundaries, and a document of one token
+    docs = documents.Documents.of(torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths]))
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    mask = documents.attention_mask(docs.segments, docs.segments, causal=True)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        *(t.transpose(1, 2) for t in whole), attn_mask=mask, enable_gqa=True
+    ).transpose(1, 2)
+    expected.backward(g)
+    mine = [shard_sequence(t, cp, rank).requires_grad_() for t in (q, k, v)]
+    share = documents.Documents(*(shard_sequence(t, cp, rank) for t in (docs.positions, docs.segments)),
+                                whole_segments=docs.segments)  # fmt: skip
+    out = ring_attention(*mine, ContextParallel(dist.group.WORLD, cp, rank), share)
+    out.backward(shard_sequence(g, cp, rank))
+    errors = {}
+    for name, got, want in [("out", out, expected), *zip(("dq", "dk", "dv"), (t.grad for t in mine),
+                                                        (t.grad for t in whole))]:  # fmt: skip
+        every = [torch.empty_like(got) for _ in range(cp)]
+        dist.all_gather(every, got.detach().contiguous())
+        errors[f"cp{cp} packed documents {name}"] = (unshard_sequence(every) - want).abs().max().item()
+    return errors
+
+
 def test_ring_attention_equals_whole_sequence_attention_forward_and_backward(tmp_path):
-    """Grouped-query heads, CP 2 and 4, fp32 and bf16: the merged ring equals causal SDPA over the whole sequence."""
+    """Grouped-query heads, CP 2 and 4, fp32 and bf16, and packed documents: the merged ring equals causal SDPA over
+    the whole sequence (with the documents' mask)."""
     from spawned import START_METHOD, free_port
 
     mp.start_processes(_ring_worker, args=(4, free_port(), str(tmp_path)), nprocs=4, start_method=START_METHOD)
     errors = torch.load(tmp_path / "rank0.pt")
-    assert len(errors) == 12
+    assert len(errors) == 16
     for name, error in errors.items():
         assert error <= (3e-2 if "bfloat16" in name else 2e-6), (name, error)
 

@@ -1,0 +1,118 @@
+"""`GlobalBatchData`: what lit3d's data modules share — global batches dealt out to the data-parallel replicas, the
+same in every layout, and the data position saved in checkpoints so that a run resumes exactly, in any layout."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.utils.data import DataLoader
+
+from lit3d.sampler import GlobalBatchSampler
+
+
+class GlobalBatchData(L.LightningDataModule):
+    """A data module whose training set is read in global batches of ``global_batch_size`` samples (a seeded
+    shuffle per epoch, `GlobalBatchSampler`), each replica taking its share in micro-batches.
+
+    A subclass sets ``train_set``, ``val_set`` and ``test_set`` (map-style datasets) in ``setup``, and may deal the
+    samples with its own sampler (`_sampler`).
+    """
+
+    def __init__(self, global_batch_size: int, seed: int, num_workers: int) -> None:
+        super().__init__()
+        self.global_batch_size, self.seed, self.num_workers = global_batch_size, seed, num_workers
+        self.train_set: Any = None
+        self.val_set: Any = None
+        self.test_set: Any = None
+        self.data_parallel: tuple[int, int] | None = None  # (size, rank); None: read from the trainer
+        self._resume: dict[str, Any] | None = None  # the data position a checkpoint restored
+
+    def train_dataloader(self) -> DataLoader:
+        loader = self._loader(self.train_set, shuffle=True)
+        if self._resume is not None:
+            loader.sampler.resume_at(self._resume["epoch"], self._resume["consumed_samples"])
+            self._resume = None
+        trainer = self.trainer
+        if (
+            trainer is not None
+            and isinstance(trainer.val_check_interval, int)
+            and trainer.val_check_interval > len(loader)
+        ):
+            rank_zero_warn(
+                f"val_check_interval={trainer.val_check_interval} is more than the {len(loader)} batches an epoch of "
+                f"this corpus has: validating every {len(loader)} batches instead"
+            )
+            trainer.val_check_interval = len(loader)
+        return loader
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set, shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        if self.test_set is None:
+            raise ValueError("test_fraction=0: this data has no test split; set test_fraction to hold one out")
+        return self._loader(self.test_set, shuffle=False)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The data position, saved in checkpoints: the epoch, and the samples of it consumed by all replicas
+        together (not per replica, so a run can resume with another data-parallel size)."""
+        trainer = self.trainer
+        if trainer is None:
+            return {}
+        replicas, _ = self._replica()
+        batches = trainer.fit_loop.epoch_loop.batch_progress.current.processed  # this replica's, this epoch
+        consumed = batches * self.micro_batch_size() * replicas
+        if consumed >= len(self.train_set) - len(self.train_set) % self.global_batch_size:  # saved at an epoch end
+            return {"epoch": trainer.current_epoch + 1, "consumed_samples": 0}
+        return {"epoch": trainer.current_epoch, "consumed_samples": consumed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._resume = dict(state) if state else None
+
+    def micro_batch_size(self) -> int:
+        """Sequences per forward pass on one replica."""
+        replicas, _ = self._replica()
+        accumulate = self.trainer.accumulate_grad_batches if self.trainer is not None else 1
+        if self.global_batch_size % (replicas * accumulate):
+            raise ValueError(
+                f"global_batch_size={self.global_batch_size} is not divisible by data_parallel_size={replicas} "
+                f"x accumulate_grad_batches={accumulate}"
+            )
+        return self.global_batch_size // (replicas * accumulate)
+
+    def _replica(self) -> tuple[int, int]:
+        """(number of data-parallel replicas, this replica's index), from the strategy: never the world size."""
+        if self.data_parallel is not None:
+            return self.data_parallel
+        kwargs = (self.trainer.distributed_sampler_kwargs if self.trainer is not None else None) or {}
+        return kwargs.get("num_replicas", 1), kwargs.get("rank", 0)
+
+    def _sampler(self, dataset: Any, per_step: int, replicas: int, rank: int, shuffle: bool) -> GlobalBatchSampler:
+        return GlobalBatchSampler(dataset, per_step, replicas, rank, shuffle=shuffle, seed=self.seed)
+
+    def _loader(self, dataset: Any, shuffle: bool) -> DataLoader:
+        replicas, rank = self._replica()
+        micro = self.micro_batch_size()
+        # Validation deals out whole rounds of one micro-batch per replica, so every layout sees the same blocks.
+        per_step = self.global_batch_size if shuffle else micro * replicas
+        sampler = self._sampler(dataset, per_step, replicas, rank, shuffle)
+        loader = ResumableLoader if shuffle else DataLoader  # training's position is restored; evaluation starts over
+        return loader(dataset, batch_size=micro, sampler=sampler, drop_last=True, num_workers=self.num_workers)
+
+
+class ResumableLoader(DataLoader):
+    """The training DataLoader of lit3d's data modules, which resumes exactly: the data module saves the position in
+    every checkpoint (`GlobalBatchData.state_dict`) and starts the sampler or the stream there.
+
+    NOTE: Lightning asks the loader itself whether it resumes (``state_dict`` and ``load_state_dict``), and warns on
+    every mid-epoch resume when it does not; the position has one owner, the data module, so the loader says yes
+    with nothing of its own to save.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Nothing to load: the data module has restored the position before the loader was made."""

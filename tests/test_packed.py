@@ -1,0 +1,155 @@
+"""Chat data and packed documents: answers only, the global answer-token mean in every layout, documents kept apart
+(also by the context-parallel ring), and the refusals."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import CHAT_GPT, PACKED_LAYOUTS
+from helpers import chat_file, chat_tokenizer
+
+from lit3d import GPT, GPTConfig, documents
+from lit3d.chat_template import ChatTemplate
+from lit3d.data import ChatDataModule, TextDataModule
+from lit3d.model import IGNORED
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return chat_tokenizer(tmp_path_factory.mktemp("chat") / "tokenizer")
+
+
+def test_only_the_answers_and_their_end_of_turn_are_trained(tokenizer):
+    chat = ChatTemplate(tokenizer)
+    turns = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "why"},
+             {"role": "assistant", "content": "yes"}, {"role": "user", "content": "how"},
+             {"role": "assistant", "content": "the quick fox"}]  # fmt: skip
+    ids, answer = chat.encode(turns)
+    decode = chat.tokenizer.decode
+    assert decode(ids.tolist(), skip_special_tokens=False) == chat.render(turns)
+    trained = decode(ids[answer].tolist(), skip_special_tokens=False)
+    assert trained == "yes<|im_end|>\nthe quick fox<|im_end|>\n"
+    assert 0 < answer.sum() < len(ids) and not answer[:8].any()
+
+
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        ([{"messages": [{"role": "bot", "content": "hi"}]}], "turn 0: role 'bot' is not one of"),
+        ([{"text": "hi"}], "has columns ['text']: chat data needs 'messages', or 'prompt' and 'response'"),
+        ([{"messages": [{"role": "user", "content": "hi"}]}], "has no assistant turn"),
+    ],
+)
+def test_bad_chat_rows_are_refused_naming_the_value(tokenizer, tmp_path, rows, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join(json.dumps(row) for row in rows))
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        ChatDataModule(str(path), str(tokenizer), seq_len=64, global_batch_size=1)
+
+
+def test_chat_data_needs_a_template_a_known_format_and_examples_that_fit(tmp_path, tokenizer):
+    data = chat_file(tmp_path / "chat.jsonl", 40, max_words=100)
+    bare = chat_tokenizer(tmp_path / "bare", template=None)
+    with pytest.raises(ValueError, match="has no chat template"):
+        ChatDataModule(str(data), str(bare), seq_len=64, global_batch_size=1)
+    (tmp_path / "chat.txt").write_text("hello")
+    with pytest.raises(ValueError, match="the format must be .jsonl, .json or .parquet, not '.txt'"):
+        ChatDataModule(str(tmp_path / "chat.txt"), str(tokenizer), seq_len=64, global_batch_size=1)
+    with pytest.raises(ValueError, match=r"\d+ of the 40 examples .* are longer than seq_len\+1=65 tokens"):
+        ChatDataModule(str(data), str(tokenizer), seq_len=64, global_batch_size=1)
+    with pytest.warns(UserWarning, match=r"of the 40 examples .* dropped"):
+        dropped = ChatDataModule(str(data), str(tokenizer), seq_len=64, global_batch_size=1, overlong="drop")
+    with pytest.warns(UserWarning, match="cut to 65 tokens"):
+        cut = ChatDataModule(str(data), str(tokenizer), seq_len=64, global_batch_size=1, overlong="truncate")
+    assert dropped.train_set.loss_mask.sum() < cut.train_set.loss_mask.sum()
+
+
+def _first_global_batch(data: ChatDataModule, replicas: int) -> list[dict]:
+    """Each replica's share of the first global batch (one micro-batch each)."""
+    shares = []
+    for rank in range(replicas):
+        data.data_parallel = (replicas, rank)
+        shares.append(next(iter(data.train_dataloader())))
+    return shares
+
+
+def test_the_loss_is_the_mean_over_the_global_batchs_answer_tokens_not_a_mean_of_means(tokenizer, tmp_path):
+    data = ChatDataModule(str(chat_file(tmp_path / "c.jsonl", 60, max_words=200)), str(tokenizer), seq_len=256,
+                          global_batch_size=4, val_fraction=0.1)  # fmt: skip
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**CHAT_GPT, init_std=0.5))  # varied per-token losses, as after training
+    model.configure_model()
+    shares = _first_global_batch(data, replicas=2)
+    per_token = []
+    for share in shares:
+        inputs, targets = model.inputs_and_targets(share)
+        documents.use(documents.Documents.of(share["positions"][:, :-1]))
+        logits = model.model(inputs)
+        losses = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORED,
+                                                   reduction="none")  # fmt: skip
+        per_token.append(losses[targets.flatten() != IGNORED])
+    with torch.no_grad():
+        global_mean = torch.cat(per_token).mean()
+        mean_of_means = torch.stack([t.mean() for t in per_token]).mean()
+        replicas_mean = torch.stack([model.loss(share) for share in shares]).mean()  # what DP2 averages
+    counts = [len(t) for t in per_token]
+    assert counts[0] != counts[1]
+    assert abs(replicas_mean - global_mean) < 1e-6
+    assert abs(mean_of_means - global_mean) > 1e-3, (mean_of_means, global_mean, counts)
+
+
+@pytest.mark.parametrize("layout", [name for name in PACKED_LAYOUTS if name.startswith("chat")])
+def test_chat_layouts_train_like_one_process(layout, layout_runs, reference_chat_run):
+    run, reference = layout_runs[layout], reference_chat_run
+    assert len(run["losses"]) == len(reference["losses"]) == 6
+    np.testing.assert_allclose(run["losses"], reference["losses"], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(run["val_loss"], reference["val_loss"], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", [name for name in PACKED_LAYOUTS if name.startswith("documents")])
+def test_document_masked_layouts_train_like_one_process(layout, layout_runs, reference_documents_run):
+    run, reference = layout_runs[layout], reference_documents_run
+    assert len(run["losses"]) == len(reference["losses"]) == 8
+    np.testing.assert_allclose(run["losses"], reference["losses"], rtol=0, atol=1e-5)
+
+
+def test_a_packed_row_gives_each_document_the_losses_it_has_alone():
+    config = GPTConfig(n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=64, vocab_size=64, max_seq_len=64)
+    torch.manual_seed(0)
+    model = GPT(config)
+    model.configure_model()
+    lengths = [5, 17, 1, 30, 11]
+    tokens = torch.randint(0, 64, (sum(lengths),))
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    with torch.no_grad():
+        documents.use(documents.Documents.of(positions[None]))
+        packed = model.model(tokens[None])[0]
+        documents.use(None)
+        alone = torch.cat([model.model(part[None])[0] for part in tokens.split(lengths)])
+        whole = model.model(tokens[None])[0]
+    assert (packed - alone).abs().max() < 1e-5
+    assert (whole - alone).abs().max() > 1e-2  # without the mask the documents would see each other
+
+
+def test_document_masking_packs_positions_that_restart_at_each_document(tmp_path):
+    (tmp_path / "docs.jsonl").write_text("\n".join(json.dumps({"text": "x" * n}) for n in [3, 50, 7, 20] * 30))
+    data = TextDataModule(str(tmp_path / "docs.jsonl"), seq_len=15, global_batch_size=2, document_masking=True)
+    data.setup("fit")
+    rows = [data.train_set[i]["positions"].tolist() for i in range(len(data.train_set))]
+    whole_documents = []
+    for positions in rows:
+        starts = [i for i, p in enumerate(positions) if p == 0] + [len(positions)]
+        assert starts[0] == 0  # a row's first tokens count as a document of their own
+        assert all(p == positions[i - 1] + 1 for i, p in enumerate(positions) if i and p)
+        whole_documents += [b - a for a, b in zip(starts[1:-1], starts[2:-1])]  # begun and ended in the row
+    assert whole_documents and set(whole_documents) <= {3, 7, 20}
+    with pytest.raises(ValueError, match="document_masking=True packs one source's documents"):
+        TextDataModule({str(tmp_path / "docs.jsonl"): 1.0, str(tmp_path / "docs.jsonl") + "x": 1.0},
+                       document_masking=True)  # fmt: skip
+
+
+def test_the_mfu_counts_the_attention_of_each_tokens_own_document():
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3, 4]])  # documents of 3, 2 and 5 tokens
+    assert documents.attended_length(positions) == pytest.approx((3 * 3 + 2 * 2 + 5 * 5) / 10)
+    assert documents.attended_length(torch.arange(10)[None]) == 10
