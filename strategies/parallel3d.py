@@ -67,6 +67,7 @@ class Parallel3DStrategy(ModelParallelStrategy):
         expert_parallel_size: int = 1,
         context_parallel_size: int = 1,
         zero_stage: int = 1,
+        offload: bool = False,
         sequence_parallel: bool = False,
         pipeline_schedule: str = "1f1b",
         num_microbatches: int | None = None,
@@ -210,7 +211,8 @@ class Parallel3DStrategy(ModelParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            if not self.parallelism.offload:  # offloaded states stay in host memory
+                _optimizers_to_device(self.optimizers, self.root_device)
             self._log_fit_start()
 
     def _split(self, module: LightningModule) -> None:
@@ -314,6 +316,13 @@ class Parallel3DStrategy(ModelParallelStrategy):
         if self.optimizer_steps is None:
             return inner_step(closure)
         return self.optimizer_steps.step(optimizer, closure, inner_step)
+
+    @override
+    def _get_process_group_backend(self) -> str:
+        backend = super()._get_process_group_backend()
+        if self.parallelism.offload and backend == "nccl":  # offloaded gradients meet (their norm) on the CPU: gloo
+            return "cuda:nccl,cpu:gloo"
+        return backend
 
     def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
         self.optimizer_steps.clip_grad_norm(optimizer, clip_val, self.lightning_module.parameters())

@@ -85,8 +85,11 @@ def split_module(
     plan = module.tensor_parallel_plan
     chunks, stage_ids = parallelize_network(network, plan, parallelism, meshes, rank, mp_policy=mp_policy, ddp=ddp)
     if any(p.is_meta for p in network.parameters()):
-        for chunk in chunks:
-            chunk.to_empty(device=device)
+        for chunk in chunks:  # NOTE: offloaded weights are made in host memory, where FSDP2 keeps them
+            chunk.to_empty(device="cpu" if parallelism.offload else device)
+            for buffer_owner in chunk.modules():  # buffers (an MoE router's bias) stay on the device
+                for name, buffer in buffer_owner.named_buffers(recurse=False):
+                    buffer_owner.register_buffer(name, buffer.to(device))
         network.tie_weights()
         network.reset_parameters()
     runner: Runner = WholeNetwork()
@@ -170,7 +173,7 @@ def parallelize_network(
         apply_activation_checkpointing(blocks, activation_checkpointing)
     if compile:
         apply_compile(blocks, compile, checkpointed=bool(activation_checkpointing))
-    if layout.replicas > 1:  # dp x cp ranks hold the same weights
+    if layout.replicas > 1 or parallelism.offload:  # dp x cp ranks hold the same weights (or FSDP2 offloads them)
         for chunk in chunks:  # each pipeline chunk is a data-parallel root of its own
             apply_data_parallel(
                 chunk,
@@ -180,5 +183,6 @@ def parallelize_network(
                 mp_policy,
                 data_parallel_only=layout.tp == layout.pp == 1 and layout.ep == 1 if ddp is None else ddp,
                 expert_mesh=expert_mesh,
+                offload=parallelism.offload,
             )
     return chunks, stage_ids

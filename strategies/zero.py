@@ -46,14 +46,16 @@ def apply_data_parallel(
     *,
     data_parallel_only: bool = False,
     expert_mesh: DeviceMesh | None = None,
+    offload: bool = False,
 ) -> None:
     """Make ``network`` data parallel over ``dp_mesh`` in place; each of ``blocks`` is one communication unit.
 
     ``data_parallel_only``: the network is neither tensor- nor pipeline-parallel, so ZeRO-0 can be PyTorch's DDP.
     ``expert_mesh``: with expert parallelism, MoE experts are data parallel over its ``edp`` dim instead
-    (`_experts_data_parallel`).
+    (`_experts_data_parallel`). ``offload`` (ZeRO-3): FSDP2 keeps the shards, their gradients and the optimizer's
+    states in host memory.
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     if zero_stage == 0 and data_parallel_only:
         from torch.distributed._composable.replicate import replicate
@@ -73,7 +75,8 @@ def apply_data_parallel(
         network._lit3d_zero1 = True
         return
     mp_policy = mp_policy or MixedPrecisionPolicy()
-    ignored = _experts_data_parallel(network, expert_mesh, zero_stage, mp_policy)
+    offload_policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
+    ignored = _experts_data_parallel(network, expert_mesh, zero_stage, mp_policy, offload_policy)
     if zero_stage == 0:
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
@@ -83,15 +86,16 @@ def apply_data_parallel(
         replicate(network, mesh=dp_mesh, mp_policy=mp_policy, ignored_params=ignored)
         return
     reshard = zero_stage == 3
+    policies = dict(mp_policy=mp_policy, offload_policy=offload_policy, ignored_params=ignored)
     for block in blocks:
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy, ignored_params=ignored)
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, **policies)
     # The root holds what is left (embedding, final norm, head); NOTE: not resharded after forward because
     # backward starts with it.
-    fully_shard(network, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy, ignored_params=ignored)
+    fully_shard(network, mesh=dp_mesh, reshard_after_forward=False, **policies)
 
 
 def _experts_data_parallel(
-    network: nn.Module, expert_mesh: DeviceMesh | None, zero_stage: int, mp_policy: Any
+    network: nn.Module, expert_mesh: DeviceMesh | None, zero_stage: int, mp_policy: Any, offload_policy: Any = None
 ) -> set[nn.Parameter] | None:
     """Expert parallelism under ZeRO-0/2/3: each MoE layer's experts become an FSDP2 unit (ZeRO-0: ``replicate``)
     of their own over the ranks that hold the same experts (``edp``); with a single such group there is nothing to
@@ -113,7 +117,8 @@ def _experts_data_parallel(
 
             replicate(unit, mesh=edp, mp_policy=mp_policy)
         else:
-            fully_shard(unit, mesh=edp, reshard_after_forward=zero_stage == 3, mp_policy=mp_policy)
+            fully_shard(unit, mesh=edp, reshard_after_forward=zero_stage == 3, mp_policy=mp_policy,
+                        offload_policy=offload_policy)  # fmt: skip
     return None
 
 

@@ -1,6 +1,7 @@
 import os
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 
@@ -193,6 +194,25 @@ CP_LAYOUTS.update({
 })  # fmt: skip
 
 
+class OffloadProbe(L.Callback):
+    """Records the offload policy of every FSDP2 unit and where the optimizer keeps its states after a step."""
+
+    def __init__(self) -> None:
+        self.policies, self.state_devices = [], []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        units = [m for m in pl_module.modules() if isinstance(m, FSDPModule)]
+        self.policies = sorted({type(m._get_fsdp_state()._fsdp_param_group.offload_policy).__name__ for m in units
+                                if m._get_fsdp_state()._fsdp_param_group is not None})  # fmt: skip
+        states = trainer.optimizers[0].state.values()
+        self.state_devices = sorted({str(t.device) for s in states for t in s.values() if torch.is_tensor(t)})
+
+    def results(self) -> dict:
+        return {"offload_policies": self.policies, "optimizer_state_devices": self.state_devices}
+
+
 # LoRA on every linear of the blocks, every other weight frozen, compared with its own single-process run.
 LORA = {"model": {"lora": {"rank": 4, "alpha": 8.0, "targets": ["q", "k", "v", "o", "gate", "up", "down"]}}}
 LORA_LAYOUTS = {
@@ -213,6 +233,8 @@ LORA_LAYOUTS["lora_moe_ep2"] = (2, {**LORA_MOE, "strategy": {"expert_parallel_si
 # Context parallelism: the adapters on sequences of 256 tokens, split over 2 ranks.
 LORA_LONG = {**LONG, "model": {**LONG["model"], **LORA["model"]}}
 LORA_LAYOUTS["lora_cp2"] = (2, {**LORA_LONG, "strategy": {"context_parallel_size": 2}})
+LORA_LAYOUTS["lora_dp2_zero3_offload"] = (2, {**LORA, "strategy": {"zero_stage": 3, "offload": True},
+                                             "callbacks": [OffloadProbe()]})  # fmt: skip
 LORA_LAYOUTS["lora_tp2"][1]["checkpoint_every"] = 4
 LORA_LAYOUTS["lora_pp2_resumed_from_tp2"][1]["ckpt_path"] = "job:lora_tp2/ckpts/step=4.ckpt"
 

@@ -117,6 +117,22 @@ def test_lora_trains_like_one_process_in_every_layout(layout, layout_runs, reque
         assert max(abs(a - b) for a, b in zip(run[key], reference[key])) <= 1e-5, key
 
 
+def test_offload_keeps_the_sharded_states_in_host_memory(layout_runs):
+    """ZeRO-3 with offload=True: every FSDP2 unit runs PyTorch's CPU offload policy (its loss curve is the single
+    process's: `test_lora_trains_like_one_process_in_every_layout`). On this CPU machine host and device are one, so
+    where the states live is asked of FSDP2's policy, not of the tensors."""
+    run = layout_runs["lora_dp2_zero3_offload"]
+    assert run["offload_policies"] == ["CPUOffloadPolicy"]
+    assert run["optimizer_state_devices"] == ["cpu"]
+
+
+def test_offload_needs_zero3():
+    from lit3d.parallel.settings import Parallelism
+
+    with pytest.raises(ValueError, match="offload=True with zero_stage=1: offloading to the CPU needs zero_stage=3"):
+        Parallelism(offload=True)
+
+
 def _trained(folder: Path, lora: LoRA, path: Path) -> tuple[GPT, Path]:
     """A LoRA GPT on ``folder`` after three steps (so B is no longer zero), saved as one checkpoint file."""
     torch.manual_seed(0)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import CHAT_GPT, PACKED_LAYOUTS
-from helpers import chat_file, chat_tokenizer
+from helpers import chat_file, chat_tokenizer, logged, tiny_llama
 
 from lit3d import GPT, GPTConfig, documents
 from lit3d.chat_template import ChatTemplate
@@ -153,3 +153,23 @@ def test_the_mfu_counts_the_attention_of_each_tokens_own_document():
     positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3, 4]])  # documents of 3, 2 and 5 tokens
     assert documents.attended_length(positions) == pytest.approx((3 * 3 + 2 * 2 + 5 * 5) / 10)
     assert documents.attended_length(torch.arange(10)[None]) == 10
+
+
+def test_configs_chat_yaml_tunes_a_huggingface_folder_on_chat_data_and_exports_the_adapter(tmp_path):
+    """What a newcomer runs: `configs/chat.yaml` on a local model folder with a chat template, then the export."""
+    from test_way_in import ROOT, lit3d
+
+    model = chat_tokenizer(tiny_llama(tmp_path / "model", vocab_size=320))  # a model folder with its tokenizer
+    data = chat_file(tmp_path / "chats.jsonl", 40, max_words=12)
+    run = lit3d("fit", "--config", str(ROOT / "configs" / "chat.yaml"), f"--model.pretrained={model}",
+                f"--data.init_args.tokenizer={model}", f"--data.init_args.data_path={data}",
+                "--data.init_args.seq_len=64", "--data.init_args.global_batch_size=2",
+                "--data.init_args.val_fraction=0.2", "--trainer.max_steps=2", "--trainer.val_check_interval=2",
+                "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false", cwd=tmp_path)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    losses = logged(tmp_path / "runs" / "chat" / "version_0", "train_loss")
+    assert len(losses) == 2 and all(np.isfinite(losses))
+    ckpt = next((tmp_path / "runs" / "chat" / "version_0" / "checkpoints").glob("*.ckpt"))
+    export = lit3d("export", "--ckpt_path", str(ckpt), "--output", str(tmp_path / "adapter"), "--adapter", cwd=tmp_path)
+    assert export.returncode == 0, export.stderr[-3000:]
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["r"] == 16

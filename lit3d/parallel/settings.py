@@ -68,6 +68,13 @@ class Parallelism:
         states, the gradients reduce-scattered at the step (DDP's bytes); 2 and parameters between steps
         (gathered once per step); 3 and parameters gathered block by block.""",
     )
+    offload: bool = _setting(
+        False,
+        """ZeRO-3 only: keep the sharded parameters, their gradients and the optimizer states in CPU memory (FSDP2's
+        ``CPUOffloadPolicy``); each block's weights travel to the device for its forward and backward, and the
+        optimizer steps on the CPU. For models whose states do not fit the devices, at the price of host transfers
+        and a CPU optimizer step.""",
+    )
     sequence_parallel: bool = _setting(
         False,
         """Between tensor-parallel regions, keep activations (norms,
@@ -173,6 +180,11 @@ class Parallelism:
         check_pipeline_arguments(pp, self.pipeline_schedule, self.num_microbatches, self.virtual_pipeline_size)
         check_composes(self.pipeline_schedule, pp, self.compile, self.zero_stage)
         check_recompute(self.activation_checkpointing)
+        if self.offload not in (False, True) or (self.offload and self.zero_stage != 3):
+            raise ValueError(
+                f"offload={self.offload!r} with zero_stage={self.zero_stage}: offloading to the CPU needs zero_stage=3 "
+                "(FSDP2 keeps the sharded states it offloads)"
+            )
         check_reduce_dtype(self.mixed_precision_reduce)
         check_outer_loop(
             self.islands, self.sync_every, self.outer_lr, self.outer_momentum, self.outer_fragments,
