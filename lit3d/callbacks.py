@@ -87,7 +87,8 @@ class Throughput(Callback):
     Logged (rank 0's clock, which every rank waits for at the step's collectives): ``perf/tokens_per_s`` (global),
     ``perf/tokens_per_s_per_device``, ``perf/samples_per_s``, ``perf/step_s``, ``perf/peak_memory_gb`` (the
     device allocator's peak on GPUs, the process's peak resident memory on CPU) and ``perf/mfu``: model FLOPs
-    per token (`GPTConfig.flops_per_token`, no recompute) times tokens/s per device, over the device's dense bf16
+    per token (`GPTConfig.flops_per_token`, no recompute; with LoRA, no gradient of the frozen weights) times
+    tokens/s per device, over the device's dense bf16
     peak from `lit3d.hardware`; for packed documents (`lit3d.documents`) attention counts only the keys a token's
     own document holds (the mean document length a token sits in, from the step's last micro-batch, instead of the
     sequence length). A device that is not in that table (a CPU, an unknown GPU) reports no MFU
@@ -129,7 +130,8 @@ class Throughput(Callback):
         }
         config = getattr(pl_module, "config", None)
         if self.peak_flops and hasattr(config, "flops_per_token"):
-            flops = config.flops_per_token(seq_len)
+            adapters = getattr(pl_module, "adapter_params", None)  # LoRA: the frozen weights get no gradient
+            flops = config.flops_per_token(seq_len, adapters)
             if isinstance(batch, dict) and "positions" in batch:  # packed documents: the attention the mask keeps
                 attended = attended_length(batch["positions"][:, :-1])
                 flops += config.attention_flops_per_token(attended) - config.attention_flops_per_token(seq_len)

@@ -14,6 +14,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from lit3d.config import PRESETS
 from lit3d.hardware import GPUS
+from lit3d.lora_settings import LoRA
 from lit3d.parallel.settings import Parallelism
 from lit3d.planner import Cluster, RankMap, Request, format_report
 from lit3d.planner import plan as plan_request
@@ -62,6 +63,8 @@ def plan(
     json: bool = False,
     verify: bool = False,
     map: str | None = None,
+    lora_rank: int | None = None,
+    lora_targets: list[str] | None = None,
     **settings: Any,
 ) -> None:
     """Plan a layout: memory per GPU, communication, pipeline bubble and step time, before renting a GPU.
@@ -89,12 +92,20 @@ def plan(
         json: Print one JSON object instead of text.
         verify: Check the per-rank parameter counts against the real model parallelised in a fake process group.
         map: Draw the rank map (the layout's, or a search's best three) to this ``.svg``, ``.png`` or ``.html`` file.
+        lora_rank: Plan LoRA fine-tuning: adapters of this rank train, every other weight is frozen (no gradients, no
+            optimizer states).
+        lora_targets: The linears with adapters, by role (``q``, ``k``, ``v``, ``o``, ``gate``, ``up``, ``down``;
+            default ``q`` and ``v``, as `lit3d.LoRA`'s).
     {settings}
     """
     cluster = _cluster(gpu, nodes, gpus_per_node, gpu_memory, intra_node_bandwidth, inter_node_bandwidth, peak_tflops,
                        inter_island_bandwidth, inter_island_latency, power_watts)  # fmt: skip
     numbers = dict(seq_len=seq_len, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size, **settings)
     given = {name: value for name, value in numbers.items() if value is not None}  # 0 is given
+    if lora_rank is not None:
+        given["lora"] = LoRA(rank=lora_rank, **({"targets": tuple(lora_targets)} if lora_targets else {}))
+    elif lora_targets:
+        raise ValueError(f"lora_targets={lora_targets!r} needs lora_rank (the adapters' rank)")
     report = plan_request(Request.given(model, cluster, top=top, verify=verify, precision=precision, **given))
     text = format_report(report)
     if map and report.chosen:
@@ -155,6 +166,8 @@ PLAN_NOTES = {
     "islands": "The plan then prints the time per outer step and what it saves against synchronous DP.",
     "sync_every": f"Planned: {DILOCO_SYNC_EVERY} (DiLoCo's paper) with islands unless given.",
     "outer_fragments": "The same bytes, fewer at a time.",
+    "offload": "Planned (ZeRO-3 unless given): the states in host memory (``host memory``), each step's copies over "
+    "the host link and the CPU optimizer step in the step time.",
 }
 NOT_PLANNED = "Accepted; the plan does not depend on it."
 

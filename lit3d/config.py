@@ -201,11 +201,13 @@ class GPTConfig:
     def embedding_params(self) -> int:
         return self.vocab_size * self.d_model
 
-    def flops_per_token(self, seq_len: int) -> int:
+    def flops_per_token(self, seq_len: int, adapter_params: int | None = None) -> int:
         """Training FLOPs per token (forward + backward): 6 per weight of every matmul (the embedding lookup is
-        not one) plus attention's 12 · n_layer · d_model · seq_len (Chinchilla / PaLM accounting, no recompute)."""
+        not one) plus attention's 12 · n_layer · d_model · seq_len (Chinchilla / PaLM accounting, no recompute).
+        With LoRA's ``adapter_params`` the weights are frozen: 4 per weight (no weight gradient), 6 per adapter's."""
         matmul_params = self.active_params - (0 if self.tie_embeddings else self.embedding_params)
-        return 6 * matmul_params + self.attention_flops_per_token(seq_len)
+        per_weight = 6 if adapter_params is None else 4
+        return per_weight * matmul_params + 6 * (adapter_params or 0) + self.attention_flops_per_token(seq_len)
 
     def attention_flops_per_token(self, seq_len: int) -> int:
         """The attention scores and their weighted sum, forward and backward: 12 · n_layer · heads · seq_len."""

@@ -104,6 +104,13 @@ class GPT(L.LightningModule):
         relative to ``self.model``."""
         return tensor_parallel_plan(self.config)
 
+    @property
+    def adapter_params(self) -> int | None:
+        """Elements of the whole model's LoRA adapters (None without LoRA): what its FLOPs count (`Throughput`)."""
+        from lit3d.planner.tensors import adapter_params
+
+        return adapter_params(self.config, self.lora) if self.lora is not None else None
+
     def configure_model(self) -> None:
         """Build the network on the current default device (idempotent; Lightning calls this hook).
 

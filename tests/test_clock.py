@@ -146,3 +146,26 @@ def test_the_table_in_benchmarks_readme_is_what_the_script_prints(capsys):
     rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| run ")]
     assert len(rows) == len(CALIBRATION) + len(HELD_OUT)
     assert set(rows) <= printed, set(rows) - printed
+
+
+def test_lora_computes_no_weight_gradients_and_its_mfu_counts_what_it_computes():
+    """The frozen weights' backward computes only the input's gradient: a third less GEMM time than full
+    fine-tuning (attention, the same, is the rest of the compute), and model FLOPs of 4 (not 6) per frozen weight and
+    token."""
+    from lit3d import LoRA
+
+    config, lora = GPTConfig.from_name("llama-8b"), LoRA(rank=16, targets=("q", "k", "v", "o", "gate", "up", "down"))
+    given = dict(tensor_parallel_size=1, pipeline_parallel_size=1, seq_len=4096, global_batch_size=64)
+    full = plan(Request.given(config, Cluster(), **given)).chosen.plan
+    tuned = plan(Request.given(config, Cluster(), lora=lora, **given)).chosen.plan
+    assert 2 / 3 < tuned.time_breakdown["compute"] / full.time_breakdown["compute"] < 0.85
+    matmuls = full.flops_per_step - config.attention_flops_per_token(4096) * 64 * 4096
+    adapters = tuned.flops_per_step - 4 / 6 * matmuls - config.attention_flops_per_token(4096) * 64 * 4096
+    assert adapters == pytest.approx(6 * 64 * 4096 * sum(16 * (i + o) for i, o in _llama8b_linears()) * 32, rel=1e-6)
+    assert tuned.mfu < full.mfu * 1.05  # the same hardware efficiency, fewer FLOPs to count
+
+
+def _llama8b_linears() -> list[tuple[int, int]]:
+    """(in, out) of a Llama-3-8B block's seven linears."""
+    h, kv, f = 4096, 1024, 14336
+    return [(h, h), (h, kv), (h, kv), (h, h), (h, f), (h, f), (f, h)]

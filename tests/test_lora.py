@@ -10,7 +10,7 @@ import torch
 from conftest import LORA_LAYOUTS
 from helpers import tiny_llama
 
-from lit3d import GPT, LoRA
+from lit3d import GPT, GPTConfig, LoRA
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -124,6 +124,14 @@ def test_offload_keeps_the_sharded_states_in_host_memory(layout_runs):
     run = layout_runs["lora_dp2_zero3_offload"]
     assert run["offload_policies"] == ["CPUOffloadPolicy"]
     assert run["optimizer_state_devices"] == ["cpu"]
+
+
+def test_the_flops_of_a_lora_model_count_its_adapters():
+    model = GPT(GPTConfig(n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=64, vocab_size=64),
+                lora=LoRA(rank=4, targets=("q", "o", "down")))  # fmt: skip
+    model.configure_model()
+    assert model.adapter_params == sum(p.numel() for name, p in model.named_parameters() if ".lora_" in name) > 0
+    assert GPT(GPTConfig(n_layer=2, d_model=32, n_head=4, d_ff=64, vocab_size=64)).adapter_params is None
 
 
 def test_offload_needs_zero3():

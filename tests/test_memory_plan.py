@@ -1,4 +1,5 @@
-"""What `lit3d plan` plans for a bf16-mixed run against what the run holds, at ZeRO 0, 1 and 3 on 2 ranks.
+"""What `lit3d plan` plans for a bf16-mixed run against what the run holds, at ZeRO 0, 1 and 3 on 2 ranks, and with
+LoRA at DP2 (ZeRO-1, ZeRO-3, ZeRO-3 offloaded) and TP2.
 
 The plan is the search's own `estimate` of the layout (what `lit3d plan` prints and picks by), not the run's. The run
 measures its parameters, gradients and optimizer states at the last optimizer step (`memory_by_component`), the bytes
@@ -12,6 +13,7 @@ optimizer (bf16 parameters, fp32 master weights in the optimizer's slices), ZeRO
 bf16).
 """
 
+from dataclasses import asdict
 from pathlib import Path
 
 import lightning as L
@@ -20,7 +22,7 @@ import torch
 from conftest import merge
 from live_memory import PeakMemory
 
-from lit3d import GPTConfig
+from lit3d import GPTConfig, LoRA
 from lit3d.parallel.layout import Layout
 from lit3d.parallel.settings import Parallelism
 from lit3d.planner import Cluster, Training, estimate
@@ -69,12 +71,25 @@ def _storage(tensor: torch.Tensor) -> int:
     return getattr(tensor, "_local_tensor", tensor).untyped_storage().data_ptr()
 
 
-def planned(zero_stage: int) -> dict[str, int]:
+def planned(zero_stage: int, lora: LoRA | None = None, tp: int = 1, offload: bool = False) -> dict[str, int]:
     """What `lit3d plan` counts for rank 0 of this run's layout."""
-    training = Training(seq_len=SEQ, micro_batch_size=BATCH // 2, global_batch_size=BATCH, precision="bf16-mixed")
-    layout, settings = Layout(dp=2, tp=1, pp=1, devices_per_node=2), Parallelism(zero_stage=zero_stage)
+    dp = 2 // tp
+    training = Training(seq_len=SEQ, micro_batch_size=BATCH // dp, global_batch_size=BATCH, precision="bf16-mixed",
+                        lora=lora)  # fmt: skip
+    layout = Layout(dp=dp, tp=tp, pp=1, devices_per_node=2)
+    settings = Parallelism(zero_stage=zero_stage, tensor_parallel_size=tp, offload=offload)
     cluster = Cluster(nodes=1, gpus_per_node=2)
     return estimate(GPTConfig(**CONFIG), cluster, layout, training, settings).memory_by_stage[0]
+
+
+# LoRA (rank 16 on every linear, the rest frozen): name -> (strategy, `planned` arguments)
+LORA = LoRA(rank=16, alpha=32.0, targets=("q", "k", "v", "o", "gate", "up", "down"))
+LORA_RUNS = {
+    "lora_dp2_zero1": ({"zero_stage": 1}, dict(zero_stage=1)),
+    "lora_dp2_zero3": ({"zero_stage": 3}, dict(zero_stage=3)),
+    "lora_tp2": ({"tensor_parallel_size": 2}, dict(zero_stage=1, tp=2)),
+    "lora_dp2_zero3_offload": ({"zero_stage": 3, "offload": True}, dict(zero_stage=3, offload=True)),
+}
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +107,10 @@ def runs(corpus, tmp_path_factory) -> dict[str, dict]:
         for z in STAGES
     }
     jobs["zero1"]["checkpoint_every"] = 2
+    lora = {**asdict(LORA), "targets": list(LORA.targets)}
+    for name, (strategy, _) in LORA_RUNS.items():
+        jobs[name] = merge(base, {"model": {**base["model"], "lora": lora}, "strategy": strategy,
+                                  "callbacks": [SavedActivations(), PeakMemory(step=2)]})  # fmt: skip
     out = Path(tmp_path_factory.mktemp("memory_plan"))
     results = run_jobs(2, jobs, out)
     step2 = out / "zero1" / "ckpts" / "step=2.ckpt"
@@ -160,3 +179,29 @@ def test_zero1_checkpoints_hold_the_fp32_master_weights_and_resume_exactly(runs)
     weights = read_weights(runs["step2"])["state_dict"]
     up = weights["model.blocks.0.mlp.up_proj.weight"]  # the masters, which bf16 cannot hold, not the bf16 weights
     assert up.dtype == torch.float32 and (up != up.bfloat16().float()).any()
+
+
+@pytest.mark.parametrize("name", [name for name in LORA_RUNS if "offload" not in name])
+def test_the_plan_is_what_a_lora_run_holds_at_dp2_and_tp2(runs, name):
+    """LoRA: the frozen weights without gradients or optimizer states, the adapters with both (exact); what autograd
+    keeps and the peak of a step, within 5 %."""
+    plan = planned(**LORA_RUNS[name][1], lora=LORA)
+    for rank, report in enumerate(runs[name]["ranks"]):
+        measured = report["memory"]
+        assert measured["estimate"] == plan, f"rank {rank}: the run's own estimate is the plan"
+        for key in ("params", "grads", "optimizer"):
+            assert measured[key] == plan[key], (rank, key, measured[key], plan[key])
+        assert report["activations"] == pytest.approx(plan["activations"], rel=0.05), rank
+        assert report["peak_memory"]["peak"] == pytest.approx(plan["total"], rel=0.05), (rank, plan)
+
+
+def test_offload_moves_the_states_to_the_host_memory_the_plan_counts(runs):
+    """ZeRO-3 with offload: the device holds none of the states, the host holds what ZeRO-3 would have held. On
+    these CPU ranks host and device are one memory, so the measured peak is the planned device peak plus host."""
+    offloaded, kept = planned(**LORA_RUNS["lora_dp2_zero3_offload"][1], lora=LORA), planned(3, lora=LORA)
+    assert offloaded["params"] == offloaded["grads"] == offloaded["optimizer"] == 0
+    assert offloaded["host"] == kept["params"] + kept["grads"] + kept["optimizer"]
+    assert offloaded["total"] < kept["total"] - offloaded["host"] / 2
+    for report in runs["lora_dp2_zero3_offload"]["ranks"]:
+        assert report["memory"]["estimate"] == offloaded
+        assert report["peak_memory"]["peak"] == pytest.approx(offloaded["total"] + offloaded["host"], rel=0.05)

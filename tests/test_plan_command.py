@@ -217,3 +217,29 @@ def test_the_planner_is_a_function_from_a_request_to_a_report():
     searched = plan(Request.given("llama-8b", Cluster(nodes=2), seq_len=4096, global_batch_size=64, zero_stage=2))
     assert searched.searched and {c.parallelism.zero_stage for c in searched.candidates} == {2}
     assert all(c.parallelism.tensor_parallel_size == c.layout.tp for c in searched.candidates)
+
+
+def test_lora_and_offload_are_planned_from_the_command_line(capsys):
+    """``--lora_rank``: the frozen weights hold no gradients or optimizer states; ``--offload``: the states move to
+    the host (ZeRO-3 unless given); both are passed to the run."""
+    args = ["plan", "--model", "llama-8b", "--gpus_per_node", "8", "--tensor_parallel_size", "1",
+            "--pipeline_parallel_size", "1", "--global_batch_size", "64", "--seq_len", "4096"]  # fmt: skip
+    main([*args, "--json"])
+    full = json.loads(capsys.readouterr().out)["memory_per_gpu"]
+    main([*args, "--lora_rank", "16", "--json"])
+    lora = json.loads(capsys.readouterr().out)["memory_per_gpu"]
+    assert lora["grads"] < full["grads"] / 500 and lora["optimizer"] < full["optimizer"] / 500
+    main([*args, "--offload", "--json"])
+    offloaded = json.loads(capsys.readouterr().out)
+    assert offloaded["layout"]["zero_stage"] == 3 and offloaded["memory_per_gpu"]["optimizer"] == 0
+    assert offloaded["memory_per_gpu"]["host"] > full["params"]
+    assert offloaded["time_breakdown"]["exposed_communication"]["host"] > 0
+    main([*args, "--lora_rank", "16", "--lora_targets", "[q,k,v,o,gate,up,down]", "--offload"])
+    text = capsys.readouterr().out
+    assert "LoRA rank 16 on q, k, v, o, gate, up, down" in text and "host memory" in text
+    main([*args[:5], *args[9:], "--lora_rank", "16", "--offload"])  # a search: the command that runs the best
+    assert "--trainer.strategy.offload=true --model.lora.rank=16 --model.lora.targets=[q,v]" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"lora.targets=\['q', 'x'\]: \['x'\] not among"):
+        main([*args, "--lora_rank", "16", "--lora_targets", "[q,x]"])
+    with pytest.raises(SystemExit, match=r"lora_targets=\['q'\] needs lora_rank"):
+        main([*args, "--lora_targets", "[q]"])

@@ -32,22 +32,29 @@ from lit3d.planner.tensors import Tensor, local_numel, replicas, stepped_numel
 
 @dataclass(frozen=True)
 class Transient:
-    """Bytes held for a moment of the step only: at backward's start, at its end, and in the optimizer step."""
+    """Bytes held for a moment of the step only: at backward's start, at its end, in the optimizer step, and (ZeRO-3)
+    in forward, when a block's gather is copied out beside the next block's, already under way."""
 
     start: int
     end: int
     step: int
+    forward: int = 0
 
 
-def transient_bytes(tensors: list[Tensor], layout: Any, zero_stage: int, precision: Any, summed: bool) -> Transient:
+def transient_bytes(
+    tensors: list[Tensor], layout: Any, zero_stage: int, precision: Any, summed: bool, offload: bool = False
+) -> Transient:
     """What a rank holding ``tensors`` keeps for a moment only; ``summed``: gradients are summed over micro-steps or a
-    pipeline's micro-batches before they are reduced. ``precision``: `lit3d.planner.estimate.Precision`."""
+    pipeline's micro-batches before they are reduced. ``precision``: `lit3d.planner.estimate.Precision`. With
+    ``offload`` (ZeRO-3, even on one replica) the gathers are on the device and AdamW's temporaries on the host."""
     matrices = [t for t in tensors if len(t.shape) >= 2]  # AdamW's larger parameter group (the norms are the other)
-    step = stepped_numel(matrices, layout, zero_stage) * precision.stepped_bytes
+    step = 0 if offload else stepped_numel(matrices, layout, zero_stage) * precision.stepped_bytes
+    if offload:
+        return _fsdp(tensors, layout, zero_stage, precision, summed, step)
     if layout.replicas == 1 or zero_stage == 0:
         return Transient(0, 0, step)
-    if zero_stage == 1:
-        return _zero1(tensors, layout, precision, summed, step)
+    if zero_stage == 1:  # buckets of gradients: of what trains
+        return _zero1([t for t in tensors if t.trains], layout, precision, summed, step)
     return _fsdp(tensors, layout, zero_stage, precision, summed, step)
 
 
@@ -82,32 +89,45 @@ def _fsdp(tensors: list[Tensor], layout: Any, zero_stage: int, precision: Any, s
     def whole(group: list[Tensor]) -> int:
         return sum(local_numel(t, layout.tp, ep=layout.ep) for t in group)
 
-    blocks = {t.block for t in tensors if t.block is not None}
-    block = max((whole([t for t in tensors if t.block == b]) for b in blocks), default=0)
-    root, every = whole([t for t in tensors if t.block is None]), whole(tensors)
+    def sizes(group: list[Tensor]) -> tuple[int, int, int]:  # the largest block, the root, everything
+        blocks = {t.block for t in group if t.block is not None}
+        block = max((whole([t for t in group if t.block == b]) for b in blocks), default=0)
+        return block, whole([t for t in group if t.block is None]), whole(group)
+
+    block, root, every = sizes(tensors)  # gathered: every weight, frozen or not
+    block_grads, root_grads, every_grad = sizes([t for t in tensors if t.trains])  # what has gradients
     gather, reduce = precision.gather_bytes, precision.reduce_bytes
-    scatter = block * reduce  # a block's reduce-scatter input
+    scatter = block_grads * reduce  # a block's reduce-scatter input
     if summed and layout.pp > 1:  # every parameter kept gathered beside a block's gather, every gradient unsharded,
         # to the schedule's end; there each block is resharded before its reduce-scatter (no more than that)
-        return Transient(every * (gather + reduce) + block * gather, scatter, step)
+        return Transient(every * gather + every_grad * reduce + block * gather, scatter, step)
     # The root stays gathered for the whole step, and its unsharded gradients wait for its reduce-scatter at
     # backward's end; ZeRO-3 holds the block backward computes and the next one's gather, ZeRO-2 every block.
     gathered = (every if zero_stage == 2 else root + 2 * block) * gather
-    end = (2 * root + block) * gather + scatter
+    end = (root + root_grads + block) * gather + scatter
+    # ZeRO-3's forward: a block's all-gather output and the parameters it is copied out to, beside the next block's
+    # output (prefetched), and the root.
+    forward = (root + 3 * block) * gather if zero_stage == 3 else 0
     if summed:  # every unsharded gradient summed in the reduce dtype, beside the first block's new ones
-        return Transient(gathered + every * reduce + block * gather, end, step)
-    return Transient(gathered + root * gather + scatter, end, step)
+        return Transient(gathered + every_grad * reduce + block_grads * gather, end, step, forward)
+    return Transient(gathered + root_grads * gather + scatter, end, step, forward)
 
 
-def peak_memory(memory: dict[str, int], transient: Transient, grads_from_start: int) -> tuple[int, int]:
-    """``(buffers, total)`` at the step's peak, the most of backward's start, its end and the optimizer step.
-    ``grads_from_start``: how many whole copies of the gradients exist before backward starts (DDP's buckets, sums
-    of micro-steps that the parameters hold)."""
+def peak_memory(
+    memory: dict[str, int], transient: Transient, grads_from_start: int, forward_share: float = 1.0
+) -> tuple[int, int]:
+    """``(buffers, total)`` at the step's peak, the most of forward's last gather, backward's start, its end and the
+    optimizer step. ``grads_from_start``: how many whole copies of the gradients exist before backward starts (DDP's
+    buckets, sums of micro-steps that the parameters hold); ``forward_share``: the share of the activations kept
+    by the time forward gathers its last block."""
     states = memory["params"] + memory["optimizer"]
     grads = memory["grads"]
+    before_backward = states + grads * grads_from_start
     moments = [
-        (transient.start, states + grads * grads_from_start + memory["activations"] + transient.start),
+        (transient.forward, before_backward + memory["activations"] * forward_share + transient.forward),
+        (transient.start, before_backward + memory["activations"] + transient.start),
         (transient.end, states + grads + transient.end),
         (transient.step, states + grads + transient.step),
     ]
-    return max(moments, key=lambda moment: moment[1])
+    buffers, total = max(moments, key=lambda moment: moment[1])
+    return int(buffers), int(total)

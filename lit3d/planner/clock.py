@@ -28,11 +28,12 @@ from lit3d.calibration import (
     STATIC_POWER_SHARE,
 )
 from lit3d.config import GPTConfig
+from lit3d.lora_settings import LoRA
 from lit3d.parallel.layout import Layout
 from lit3d.parallel.schedules import SCHEDULES, Costs, bubble_theory
 from lit3d.parallel.settings import Parallelism
-from lit3d.planner.inputs import Cluster, Precision, Training
-from lit3d.planner.tensors import rank_tensors, stepped_numel
+from lit3d.planner.inputs import GB, Cluster, Precision, Training
+from lit3d.planner.tensors import adapter_params, local_numel, rank_tensors, replicas, stepped_numel
 from lit3d.planner.traffic import stages
 from lit3d.planner.work import Gemm, Work, stage_work
 
@@ -140,7 +141,7 @@ def step_time(
     recompute = recompute_of(settings, training)
     per_stage = [
         (micro_batch_time(stage_work(config, layout, training, sp, fused, stage), device, training, recompute), rank)
-        for rank, stage in enumerate(stages(config, pp, virtual, placement, layout.tp, layout.ep))
+        for rank, stage in enumerate(stages(config, pp, virtual, placement, layout.tp, layout.ep, training.lora))
     ]
     busiest, rank = max(per_stage, key=lambda t: t[0]["compute"] + t[0]["memory_bound"])
     compute, memory = busiest["compute"] * microbatches, busiest["memory_bound"] * microbatches
@@ -158,12 +159,16 @@ def step_time(
                                                  cluster)  # fmt: skip
     if "island" in seconds:  # NOTE: the outer step waits for its all-reduce, amortised over its inner steps
         exposed["island"] = seconds["island"]
-    optimizer = _optimizer(config, layout, settings, rank, device, virtual, placement)
+    optimizer = _optimizer(config, layout, settings, rank, device, virtual, placement, training.lora)
+    if settings.offload:  # the states in host memory: copies over the host link, the optimizer on the CPU
+        exposed["host"], optimizer = _offloaded(config, layout, settings, training, rank, virtual, placement,
+                                                cluster, precision)  # fmt: skip
     overhead = cluster.gpu.efficiency.step_overhead_ms * 1e-3
     breakdown = {"compute": compute, "memory_bound": memory, "exposed_communication": exposed, "bubble": idle,
                  "optimizer": optimizer, "overhead": overhead}  # fmt: skip
     step = compute + memory + sum(exposed.values()) + idle + optimizer + overhead
-    model_flops = config.flops_per_token(training.seq_len) * training.global_batch_size * training.seq_len
+    adapters = adapter_params(config, training.lora) if training.lora else None
+    model_flops = config.flops_per_token(training.seq_len, adapters) * training.global_batch_size * training.seq_len
     return StepTime(step, bubble, schedule_m, model_flops, hidden, breakdown)
 
 
@@ -216,12 +221,44 @@ def _data_parallel(
 
 
 def _optimizer(
-    config: GPTConfig, layout: Layout, settings: Parallelism, rank: int, device: Device, virtual: int, placement: str
+    config: GPTConfig,
+    layout: Layout,
+    settings: Parallelism,
+    rank: int,
+    device: Device,
+    virtual: int,
+    placement: str,
+    lora: LoRA | None = None,
 ) -> float:
     """AdamW's step over what the rank's optimizer steps, and clipping's norm: memory-bound."""
-    tensors = rank_tensors(config, layout.pp, virtual, rank, placement)
+    tensors = rank_tensors(config, layout.pp, virtual, rank, placement, lora)
     numel = stepped_numel(tensors, layout, settings.zero_stage)
-    return numel * OPTIMIZER_BYTES / device.bandwidth + device.kernels(len(tensors) * OPTIMIZER_OPS)
+    stepped = sum(t.trains for t in tensors)
+    return numel * OPTIMIZER_BYTES / device.bandwidth + device.kernels(stepped * OPTIMIZER_OPS)
+
+
+def _offloaded(
+    config: GPTConfig,
+    layout: Layout,
+    settings: Parallelism,
+    training: Training,
+    rank: int,
+    virtual: int,
+    placement: str,
+    cluster: Cluster,
+    precision: Precision,
+) -> tuple[float, float]:
+    """(host transfers, CPU optimizer step) in seconds per step under ZeRO-3 with offload: every gather of a micro-
+    batch's forward and backward first copies the rank's shards to the device, the step's gradient reduction copies
+    its shards back, and AdamW steps in host memory; none of it overlapped (FSDP2 copies on the compute stream)."""
+    tensors = rank_tensors(config, layout.pp, virtual, rank, placement, training.lora)
+    shards = {train: sum(local_numel(t, layout.tp, replicas(t, layout), ep=layout.ep) for t in tensors
+                         if t.trains or not train) for train in (False, True)}  # fmt: skip
+    microbatches = training.global_batch_size // (layout.data_replicas * training.micro_batch_size)
+    reductions = training.schedules_per_step(layout.pp)  # gradients sync once per step (or pipeline schedule)
+    copied = 2 * microbatches * shards[False] * precision.weights + reductions * shards[True] * precision.grads
+    stepped = stepped_numel(tensors, layout, settings.zero_stage)
+    return copied / (cluster.host_link_gbps * GB), stepped / (cluster.host_adamw_gparams * 1e9)
 
 
 def time_shares(breakdown: dict, step: float) -> dict[str, float]:

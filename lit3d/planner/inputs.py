@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from lit3d.hardware import GPU, GPUS
+from lit3d.lora_settings import LoRA
 from lit3d.parallel.layout import Layout
 from lit3d.parallel.precision import is_bf16_mixed, keeps_master_weights
 from lit3d.parallel.settings import Parallelism
@@ -27,6 +28,11 @@ class Precision:
     gathered: int | None = None
     reduced: int | None = None
     stepped: int | None = None
+    frozen: int | None = None  # a frozen weight (LoRA's base), if not held as the trained ones
+
+    @property
+    def frozen_bytes(self) -> int:
+        return self.weights if self.frozen is None else self.frozen
 
     @property
     def gather_bytes(self) -> int:
@@ -54,7 +60,8 @@ PRECISIONS = {
 # ZeRO-1 under bf16-mixed (`keeps_master_weights`): bf16 parameters; in the optimizer's slices the fp32 master weights,
 # both moments and the fp32 gradient; the updated slices all-gathered in bf16. Megatron's distributed optimizer:
 # 2 + (4 + 12) / D bytes per parameter.
-MASTER_WEIGHTS = Precision(2, 4, 12, 2, gathered=2, reduced=4, stepped=4)
+# Frozen weights (LoRA's base) are not the optimizer's, so they stay fp32 there, and autocast casts them.
+MASTER_WEIGHTS = Precision(2, 4, 12, 2, gathered=2, reduced=4, stepped=4, frozen=4)
 
 
 @dataclass
@@ -79,6 +86,11 @@ class Cluster:
     # above replace its own); and the power cap its boards run at, if below the rated power.
     gpu: GPU = field(default_factory=lambda: GPUS["H100"])
     power_watts: float | None = None
+    # Offload (ZeRO-3's states in host memory): each GPU's link to host memory (PCIe Gen5 x16 with pinned buffers,
+    # about half its rated 64 GB/s reached), and the parameters per second (billions) AdamW steps on its share of the
+    # host's cores: PyTorch's foreach AdamW steps 0.25 G/s per core (benchmarks/finetune.py measures it), 8 cores.
+    host_link_gbps: float = 25.0
+    host_adamw_gparams: float = 2.0
 
     @classmethod
     def of(cls, gpu: GPU, nodes: int = 1, gpus_per_node: int = 8, **numbers: Any) -> Cluster:
@@ -136,6 +148,7 @@ class Training:
     precision: str = "bf16-mixed"  # Lightning's
     software: Software = Software()  # how its kernels are written (the clock's `lit3d.planner.clock`)
     headroom: float = 0.1  # of GPU memory kept free for the allocator, CUDA context and buffers
+    lora: LoRA | None = None  # low-rank adapters train, every other weight frozen (`lit3d.LoRA`)
 
     def schedules_per_step(self, pp: int) -> int:
         """Pipeline schedules run per optimizer step (gradient accumulation repeats the whole schedule)."""

@@ -4,16 +4,17 @@ buffers of a moment (`lit3d.planner.buffers`); the peak of a step is the most of
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from lit3d.config import GPTConfig
+from lit3d.lora_settings import LoRA
 from lit3d.parallel.layout import Layout
 from lit3d.parallel.schedules import SCHEDULES, last_stage_in_flight, peak_in_flight
 from lit3d.parallel.settings import Parallelism
 from lit3d.planner.buffers import Transient, peak_memory, transient_bytes
-from lit3d.planner.tensors import Tensor, config_key, local_numel, rank_tensors, replicas, stepped_numel
+from lit3d.planner.tensors import Tensor, config_key, key_tensors, local_numel, replicas, stepped_numel
 
 if TYPE_CHECKING:
     from lit3d.planner.inputs import Precision, Training
@@ -44,58 +45,84 @@ def memory_by_stage(
     sp, schedule = settings.sequence_parallel and tp > 1, settings.pipeline_schedule
     tokens = training.micro_batch_size * training.seq_len // layout.cp  # a rank's, per micro-batch
     a, checkpointing, zero_stage = precision.activations, settings.activation_checkpointing, settings.zero_stage
-    per_token = activation_bytes_per_token(config, tp, sp, checkpointing, a)
+    lora = training.lora
+    per_token = activation_bytes_per_token(config, tp, sp, checkpointing, a, lora)
     full_recompute = checkpointing in (True, "full")
-    # Mixed precision with fp32 parameters in forward: autocast's bf16 weight copies, one per block per step.
-    copies = precision.weights > a and not checkpointing and not params_cast_by_fsdp(layout, zero_stage, precision)
-    weight_copies = autocast_weight_bytes(config, tp) if copies else 0
+    # Mixed precision with fp32 parameters in forward: autocast's bf16 weight copies, one per block per step (under
+    # LoRA the frozen weights may be fp32 where the adapters are not: ZeRO-1's master weights).
+    cast = not checkpointing and not params_cast_by_fsdp(layout, zero_stage, precision)
+    copies = cast and (precision.frozen_bytes if lora else precision.weights) > a
+    adapter_copies = cast and lora is not None and precision.weights > a
+    weight_copies = autocast_weight_bytes(config, tp, lora, copies, adapter_copies)
     summed = microbatches > 1  # gradients summed over micro-steps (accumulation) or a pipeline's micro-batches
+    offload = settings.offload  # ZeRO-3's shards, gradients and optimizer states in host memory
     # Whole gradients before backward starts: DDP's buckets, the parameters' sums of earlier micro-steps, or both.
     ddp = layout.replicas > 1 and zero_stage == 0 and not params_cast_by_fsdp(layout, 0, precision)
     grads_from_start = int(ddp) + int(summed and (zero_stage == 0 or layout.replicas == 1))
     placement = SCHEDULES[schedule].placement  # which chunks each pipeline rank holds
-    by_stage, params_per_rank, key = [], 0, config_key(config)
+    by_stage, params_per_rank, key = [], 0, config_key(config, lora)
     for stage_rank in range(pp):
-        held = _stage_state(key, layout, virtual, stage_rank, placement, zero_stage, precision, summed)
-        memory, layers, holds_head, transient = dict(held[0]), *held[1:]
-        params_per_rank = max(params_per_rank, memory["params"] // precision.weights)
+        held = _stage_state(key, layout, virtual, stage_rank, placement, zero_stage, precision, summed, offload)
+        memory, layers, holds_head, transient, params = dict(held[0]), *held[1:]
+        params_per_rank = max(params_per_rank, params)
         in_flight = peak_in_flight(schedule, pp, schedule_m, virtual, stage_rank)
         acts = layers * (per_token * tokens * in_flight + weight_copies)
+        if stage_rank == 0 and lora is not None and not checkpointing:  # (the stage of block 0)
+            acts -= first_block_savings(config, tp, sp, lora, tokens * in_flight, copies)
         if full_recompute:  # one block recomputed at a time, for one micro-batch
-            acts += activation_bytes_per_token(config, tp, sp, False, a) * tokens
+            acts += activation_bytes_per_token(config, tp, sp, False, a, lora) * tokens
         if holds_head:
             losses = in_flight if pp == 1 else last_stage_in_flight(schedule, pp, schedule_m)
-            acts += output_layer_bytes(config, tp, sp, tokens * losses, a)
+            acts += output_layer_bytes(config, tp, sp, tokens * losses, a, frozen=lora is not None)
+            if lora is not None and copies:  # the frozen head's bf16 copy, for its input's gradient
+                acts += 2 * config.padded_vocab_size * config.d_model / tp
         memory["activations"] = int(acts)
-        memory["buffers"], memory["total"] = peak_memory(memory, transient, grads_from_start)
+        if holds_head and lora is not None and not checkpointing:  # frozen weights: backward reaches the final
+            # norm with every activation alive, and its backward's fp32 temporaries are the step's peak
+            transient = replace(transient, start=transient.start + 4 * 4 * config.d_model * tokens / (tp if sp else 1))
+        forward_share = (layers - 1) / layers if layers else 1.0
+        memory["buffers"], memory["total"] = peak_memory(memory, transient, grads_from_start, forward_share)
         by_stage.append(memory)
     return Memory(by_stage, params_per_rank, int(per_token * tokens + weight_copies))
 
 
 def state_bytes(tensors: list[Tensor], layout: Layout, zero_stage: int, precision: Precision) -> dict[str, int]:
-    """Weights, gradients and optimizer state of one rank (rank 0 of its TP and DP groups)."""
+    """Weights, gradients and optimizer state of one rank (rank 0 of its TP and DP groups); frozen weights (LoRA's
+    base) have neither gradients nor optimizer state."""
     tp, dp, ep = layout.tp, layout.replicas, layout.ep
-    full = sum(local_numel(t, tp, ep=ep) for t in tensors)
-    sharded = sum(local_numel(t, tp, replicas(t, layout), ep=ep) for t in tensors)
-    sharded_params = sharded if zero_stage >= 2 and dp > 1 else full
+
+    def held(group: list[Tensor]) -> int:  # after ZeRO-2/3's sharding
+        if zero_stage >= 2 and dp > 1:
+            return sum(local_numel(t, tp, replicas(t, layout), ep=ep) for t in group)
+        return sum(local_numel(t, tp, ep=ep) for t in group)
+
+    trained = [t for t in tensors if t.trains]
     optimizer = stepped_numel(tensors, layout, zero_stage)  # ZeRO-1 slices a dim TP (and EP) leave whole
-    step_counters = 4 * len(tensors)  # AdamW keeps one fp32 step count per tensor
+    step_counters = 4 * len(trained)  # AdamW keeps one fp32 step count per tensor
     # ZeRO-1 keeps the DP average of its optimizer slice only (backward's whole gradients go at the reduce-scatter).
-    grads = optimizer if zero_stage == 1 and dp > 1 else sharded_params
+    grads = optimizer if zero_stage == 1 and dp > 1 else held(trained)
+    frozen = [t for t in tensors if not t.trains]
     return {
-        "params": sharded_params * precision.weights,
+        "params": held(trained) * precision.weights + held(frozen) * precision.frozen_bytes,
         "grads": grads * precision.grads,
         "optimizer": optimizer * precision.optimizer + step_counters,
     }
 
 
 def activation_bytes_per_token(
-    config: GPTConfig, tp: int, sequence_parallel: bool, checkpointing: bool | str, activations: int = 4
+    config: GPTConfig,
+    tp: int,
+    sequence_parallel: bool,
+    checkpointing: bool | str,
+    activations: int = 4,
+    lora: LoRA | None = None,
 ) -> float:
     """Bytes one block keeps for backward, per token: what autograd saves (tests/test_activation_memory.py counts
     it with saved-tensor hooks). ``activations``: bytes per element of the compute dtype (2 in bf16). The norms
-    compute in fp32 and attention's log-sum-exp is fp32 in any precision."""
+    compute in fp32 and attention's log-sum-exp is fp32 in any precision. With ``lora``: `lora_bytes_per_token`."""
     h, f, kv, a = config.d_model, config.d_ff, config.n_kv_head * config.head_dim, activations
+    if lora is not None and not checkpointing:
+        return lora_bytes_per_token(config, tp, sequence_parallel, activations, lora)
     split = tp if sequence_parallel else 1
     lse = 4 * config.n_head / tp
     if checkpointing == "selective":  # what `lit3d.strategies.recompute` keeps: matmul, attention, collective outputs
@@ -113,17 +140,64 @@ def activation_bytes_per_token(
     return (norms + linear_inputs) / split + (attention + mlp) / tp
 
 
-def autocast_weight_bytes(config: GPTConfig, tp: int) -> int:
+def lora_bytes_per_token(config: GPTConfig, tp: int, sequence_parallel: bool, a: int, lora: LoRA) -> float:
+    """`activation_bytes_per_token` of a block whose weights are frozen, with adapters on ``lora.targets``.
+
+    A frozen linear keeps no input (only its weight's gradient needs it), nor does a frozen norm its normalised
+    input; an adapter keeps its linear's input (the attention's output is kept anyway), its dropout's output and
+    mask if any, and ``A``'s output (``rank`` per token, whole on every TP rank). Attention and SwiGLU keep what they
+    keep in any case; the down projection's input only for its adapter. (The first block keeps less:
+    `first_block_savings`.)"""
+    h, f, kv, targets = config.d_model, config.d_ff, config.n_kv_head * config.head_dim, set(lora.targets)
+    q = config.n_head * config.head_dim
+    split = tp if sequence_parallel else 1
+    norms = 2 * 4 * (h + 1)  # per norm, in fp32: its input and 1/rms
+    linear_inputs = a * h * (bool(targets & {"q", "k", "v"}) + bool(targets & {"gate", "up"}))
+    attention = a * ((h + 2 * kv) + h) + 4 * config.n_head
+    mlp = a * (3 + ("down" in targets)) * f
+    adapters = a * lora.rank * len(targets)
+    if lora.dropout:  # each adapter's dropped input and its mask (one byte)
+        inputs = {"q": h, "k": h, "v": h, "o": q / tp, "gate": h, "up": h, "down": f / tp}
+        adapters += (a + 1) * sum(inputs[t] for t in targets)
+    return (norms + linear_inputs) / split + (attention + mlp) / tp + adapters
+
+
+def first_block_savings(
+    config: GPTConfig, tp: int, sequence_parallel: bool, lora: LoRA, tokens: int, copies: bool
+) -> float:
+    """What the first block keeps less than `lora_bytes_per_token` counts for ``tokens``: its input needs no gradient
+    (the embedding is frozen), so its first norm keeps nothing, nor does autocast keep q, k and v's weight copies,
+    which only the input's gradient would need. (With no adapter on q, k or v, the block keeps less again; not
+    counted.)"""
+    if not set(lora.targets) & {"q", "k", "v"}:
+        return 0.0
+    h, kv, q = config.d_model, config.n_kv_head * config.head_dim, config.n_head * config.head_dim
+    norm = 4 * (h + 1) / (tp if sequence_parallel else 1) * tokens
+    return norm + (2 * h * (q + 2 * kv) / tp if copies else 0.0)
+
+
+def autocast_weight_bytes(
+    config: GPTConfig, tp: int, lora: LoRA | None = None, weights: bool = True, adapters: bool = False
+) -> int:
     """What autocast keeps per block where the parameters are fp32 in forward (bf16-mixed without FSDP2's cast:
-    DDP, no data parallelism): the bf16 copy of every weight it cast, saved for backward."""
+    DDP, no data parallelism): the bf16 copy of every weight it cast, saved for backward; ``weights``: of the
+    block's weights, ``adapters``: of ``lora``'s adapters."""
     h, f, kv = config.d_model, config.d_ff, config.n_kv_head * config.head_dim
-    return 2 * (2 * h * h + 2 * h * kv + 3 * h * f) // tp
+    held = (2 * h * h + 2 * h * kv + 3 * h * f) // tp if weights else 0
+    if adapters and lora is not None:
+        sizes = {"q": (h, h), "k": (h, kv), "v": (h, kv), "o": (h, h), "gate": (h, f), "up": (h, f), "down": (f, h)}
+        held += sum(lora.rank * (inner + outer / tp) for inner, outer in (sizes[t] for t in lora.targets))
+    return int(2 * held)
 
 
-def output_layer_bytes(config: GPTConfig, tp: int, sequence_parallel: bool, tokens: int, activations: int) -> float:
+def output_layer_bytes(
+    config: GPTConfig, tp: int, sequence_parallel: bool, tokens: int, activations: int, frozen: bool = False
+) -> float:
     """What the final norm and the loss keep for backward: the norm's fp32 tensors as in a block and its output in
-    the compute dtype (the head's input), and the fp32 log-probabilities of the (vocabulary-split) logits."""
-    norm = 4 * (2 * config.d_model + 1) + activations * config.d_model
+    the compute dtype (the head's input), and the fp32 log-probabilities of the (vocabulary-split) logits. A
+    ``frozen`` norm and head (LoRA) keep neither the normalised input nor the head's input."""
+    h = config.d_model
+    norm = 4 * (h + 1) if frozen else 4 * (2 * h + 1) + activations * h
     return tokens * (norm / (tp if sequence_parallel else 1) + config.padded_vocab_size / tp * 4)
 
 
@@ -137,8 +211,8 @@ def params_cast_by_fsdp(layout: Layout, zero_stage: int, precision: Precision) -
 
 @lru_cache(maxsize=64)
 def params_total(key: tuple) -> int:
-    """Elements of the whole model (cached: the search weighs every schedule of every layout)."""
-    return sum(local_numel(t, 1) for t in rank_tensors(GPTConfig(**dict(key)), 1, 1, 0))
+    """Elements of the whole model, adapters included (cached: the search weighs every schedule of every layout)."""
+    return sum(local_numel(t, 1) for t in key_tensors(key, 1, 1, 0))
 
 
 @lru_cache(maxsize=4096)
@@ -151,14 +225,21 @@ def _stage_state(
     zero_stage: int,
     precision: Precision,
     summed: bool,
-) -> tuple[tuple[tuple[str, int], ...], int, bool, Transient]:
+    offload: bool = False,
+) -> tuple[tuple[tuple[str, int], ...], int, bool, Transient, int]:
     """What pipeline rank ``stage_rank`` holds whatever the schedule's micro-batches: its weights, gradients and
-    optimizer state, its number of blocks, whether it holds the head, and what it holds for a moment only
-    (`lit3d.planner.buffers`; ``summed``: gradients summed over micro-steps or a pipeline's micro-batches).
+    optimizer state, its number of blocks, whether it holds the head, what it holds for a moment only
+    (`lit3d.planner.buffers`; ``summed``: gradients summed over micro-steps or a pipeline's micro-batches), and its
+    parameters' elements. With ``offload`` the states are in host memory (``host``) and the device holds none.
 
     NOTE: cached, as the planner weighs every schedule for each layout and these sums over the tensors dominate."""
-    tensors = rank_tensors(GPTConfig(**dict(key)), layout.pp, virtual, stage_rank, placement)
-    state = tuple(state_bytes(tensors, layout, zero_stage, precision).items())
+    tensors = key_tensors(key, layout.pp, virtual, stage_rank, placement)
+    state = state_bytes(tensors, layout, zero_stage, precision)
+    params = sum(local_numel(t, layout.tp, replicas(t, layout) if zero_stage >= 2 and layout.replicas > 1 else 1,
+                             ep=layout.ep) for t in tensors)  # fmt: skip
+    transient = transient_bytes(tensors, layout, zero_stage, precision, summed, offload)
+    if offload:
+        state = {"params": 0, "grads": 0, "optimizer": 0, "host": sum(state.values())}
     layers = len({t.block for t in tensors if t.block is not None})
     head = any(t.name.startswith("head") for t in tensors)
-    return state, layers, head, transient_bytes(tensors, layout, zero_stage, precision, summed)
+    return tuple(state.items()), layers, head, transient, params

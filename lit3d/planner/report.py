@@ -37,7 +37,9 @@ def settings(candidate: Candidate) -> str:
     cp = f" x cp {layout.cp}" if layout.cp > 1 else ""
     grid = f"dp {layout.dp}{cp} x tp {layout.tp} x pp {layout.pp}"
     grid = f"{layout.islands} islands x ({grid})" if layout.islands > 1 else grid
-    parts = [grid, f"ZeRO-{run.zero_stage}", training.precision]
+    parts = [grid, f"ZeRO-{run.zero_stage}" + (" offloaded to the host" if run.offload else ""), training.precision]
+    if training.lora is not None:
+        parts.append(f"LoRA rank {training.lora.rank} on {', '.join(training.lora.targets)}, the rest frozen")
     if run.mixed_precision_reduce != "float32" and training.precision == "bf16-mixed":
         parts.append(f"gradients reduced in {run.mixed_precision_reduce}")
     if run.activation_checkpointing:
@@ -65,7 +67,8 @@ def format_plan(config: GPTConfig, cluster: Cluster, candidate: Candidate) -> st
         f"memory per {cluster.device}, most loaded rank (pipeline stage {stage}):",
     ]
     for key, value in plan.memory_per_gpu.items():  # NOTE: the total is the step's peak, less than the sum
-        lines.append(f"  {'peak' if key == 'total' else key:<12}{size(value):>12}")
+        name = {"total": "peak", "host": "host memory"}.get(key, key)
+        lines.append(f"  {name:<12}{size(value):>12}")
     verdict = "fits" if plan.fits else "DOES NOT FIT"
     lines[-1] += (
         f"   of {usable:.1f} usable ({cluster.gpu_memory_gb:g} GB less {training.headroom:.0%} headroom): {verdict}"
@@ -181,6 +184,9 @@ def run_flags(candidate: Candidate, given: frozenset[str] = frozenset()) -> str:
     for f in fields(Parallelism):
         if f.name in given and f.name not in written and getattr(run, f.name) != default.get(f.name):
             text += f" --trainer.strategy.{f.name}={_flag(getattr(run, f.name))}"
+    lora = candidate.training.lora
+    if lora is not None:
+        text += f" --model.lora.rank={lora.rank} --model.lora.targets=[{','.join(lora.targets)}]"
     return text
 
 

@@ -69,6 +69,8 @@ class Request:
         for name in ("data_parallel_size", "tensor_parallel_size"):
             if given.get(name) == "auto":
                 del given[name]  # (for the planner to choose: not fixed)
+        if given.get("offload") and "zero_stage" not in given:
+            given["zero_stage"] = 3  # what offloading runs
         numbers = {f.name: given.pop(f.name) for f in fields(Training) if f.name in given}
         training = Training(**{"seq_len": config.max_seq_len, **numbers})
         return cls(config, cluster or Cluster(), training, planning_defaults(**given), frozenset({*numbers, *given}),

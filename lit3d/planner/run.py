@@ -22,9 +22,9 @@ EVERY_SETTING = frozenset(f.name for f in fields(Parallelism)) | {"micro_batch_s
 
 
 def plan_of_run(strategy: Parallel3DStrategy, cluster: Cluster | None = None) -> Plan | None:
-    """Memory and communication of the strategy's run as the planner counts them; None unless it trains a lit3d GPT
-    without LoRA adapters (which the planner does not count yet). ``cluster``: the devices to price its step on
-    (default: H100s, as many as the run has ranks).
+    """Memory and communication of the strategy's run as the planner counts them (with its LoRA adapters, if any);
+    None unless it trains a lit3d GPT. ``cluster``: the devices to price its step on (default: H100s, as many as
+    the run has ranks).
 
     Reads the strategy's ``parallelism``, ``layout`` (its sizes resolved), ``num_microbatches``, ``num_nodes`` and
     ``num_processes``, and its module's ``config`` and ``trainer``. The micro-batch is what one replica computes at
@@ -33,8 +33,8 @@ def plan_of_run(strategy: Parallel3DStrategy, cluster: Cluster | None = None) ->
     """
     module, layout = strategy.lightning_module, strategy.layout
     config = getattr(module, "config", None)
-    if not isinstance(config, GPTConfig) or getattr(module, "lora", None) is not None:
-        return None  # NOTE: the planner does not count LoRA's adapters and frozen weights yet (issue 33)
+    if not isinstance(config, GPTConfig):
+        return None
     trainer = module.trainer
     data = getattr(trainer, "datamodule", None)
     accumulate = trainer.accumulate_grad_batches
@@ -50,6 +50,7 @@ def plan_of_run(strategy: Parallel3DStrategy, cluster: Cluster | None = None) ->
         global_batch_size=micro * replicas * micro_batches,
         accumulate_grad_batches=accumulate,
         precision=precision if precision in PRECISIONS else "32-true",
+        lora=getattr(module, "lora", None),
     )
     microbatches = strategy.num_microbatches if pipelined else None
     settings = replace(strategy.parallelism, **sizes_of(layout), num_microbatches=microbatches)

@@ -15,6 +15,7 @@ from functools import lru_cache
 from typing import Any
 
 from lit3d.config import GPTConfig
+from lit3d.lora_settings import LoRA
 from lit3d.parallel.sharding import SHARDED_DIM
 from lit3d.parallel.stages import chunk_stage_ids, partition
 from lit3d.planner.shapes import block_costs, parameter_shapes
@@ -28,6 +29,7 @@ class Tensor:
     tp_dim: int | None  # the dim tensor parallelism splits, None when replicated
     block: int | None  # decoder block index; None for embedding, final norm, head
     expert: bool = False  # an MoE expert weight: dim 0 is split over expert parallelism, dim 1 by ZeRO-1
+    trains: bool = True  # False: frozen (LoRA's base weights), no gradient and no optimizer state
 
     @property
     def free_dim(self) -> int:
@@ -35,22 +37,41 @@ class Tensor:
         return 1 if self.expert else next(d for d in range(len(self.shape)) if d != self.tp_dim)
 
 
-def parameter_table(config: GPTConfig) -> tuple[Tensor, ...]:
-    """Every parameter tensor of the model: name, shape, the dim TP splits, its block."""
-    return _parameter_table(config_key(config))
+def parameter_table(config: GPTConfig, lora: LoRA | None = None) -> tuple[Tensor, ...]:
+    """Every parameter tensor of the model: name, shape, the dim TP splits, its block; with ``lora``, the adapters
+    too, and every other tensor frozen."""
+    return _parameter_table(config_key(config, lora))
 
 
 @lru_cache(maxsize=16)
-def _parameter_table(fields: tuple[tuple[str, Any], ...]) -> tuple[Tensor, ...]:
-    config = GPTConfig(**dict(fields))
+def _parameter_table(key: tuple[tuple[str, Any], ...]) -> tuple[Tensor, ...]:
+    config, lora = config_of(key), lora_of(key)
     plan, table = tensor_parallel_plan(config), []
+    targets = lora.module_names() if lora else ()
     for name, shape in parameter_shapes(config):
         module = name.rsplit(".", 1)[0]
         roles = [role for pattern, role in plan.items() if fnmatchcase(module, pattern)]
         block = int(name.split(".")[1]) if name.startswith("blocks.") else None
         tp_dim = SHARDED_DIM.get(roles[0]) if roles else None
-        table.append(Tensor(name, shape, tp_dim, block, ".experts." in name))
+        table.append(Tensor(name, shape, tp_dim, block, ".experts." in name, trains=lora is None))
+        if block is not None and module.split(".", 2)[-1] in targets:
+            table += adapter_tensors(module, shape, tp_dim, block, lora.rank)
     return tuple(table)
+
+
+def adapter_params(config: GPTConfig, lora: LoRA) -> int:
+    """Elements of every LoRA adapter of the model."""
+    return sum(math.prod(t.shape) for t in parameter_table(config, lora) if t.trains)
+
+
+def adapter_tensors(module: str, shape: tuple[int, ...], tp_dim: int | None, block: int, rank: int) -> list[Tensor]:
+    """LoRA's ``A`` ``(rank, in)`` and ``B`` ``(out, rank)`` beside a linear's weight ``(out, in)``: a column-parallel
+    linear splits ``B`` along its output, a row-parallel one ``A`` along its input (`lit3d.lora`)."""
+    out, inner = shape
+    return [
+        Tensor(f"{module}.lora_a", (rank, inner), 1 if tp_dim == 1 else None, block),
+        Tensor(f"{module}.lora_b", (out, rank), 0 if tp_dim == 0 else None, block),
+    ]
 
 
 def stage_blocks(config: GPTConfig, chunks: int) -> tuple[tuple[int, ...], ...]:
@@ -63,29 +84,44 @@ def _stage_blocks(key: tuple[tuple[str, Any], ...], chunks: int) -> tuple[tuple[
     return tuple(tuple(run) for run in partition(*block_costs(GPTConfig(**dict(key))), chunks))
 
 
-def rank_tensors(config: GPTConfig, pp: int, virtual: int, stage_rank: int, placement: str = "loop") -> list[Tensor]:
+def rank_tensors(
+    config: GPTConfig, pp: int, virtual: int, stage_rank: int, placement: str = "loop", lora: LoRA | None = None
+) -> list[Tensor]:
     """The parameters pipeline rank ``stage_rank`` holds (its chunks' blocks, embedding/head on the ends), its chunks
-    placed as the schedule places them (`chunk_stage_ids`)."""
-    return list(_rank_tensors(config_key(config), pp, virtual, stage_rank, placement))
+    placed as the schedule places them (`chunk_stage_ids`); with ``lora``, its adapters too."""
+    return key_tensors(config_key(config, lora), pp, virtual, stage_rank, placement)
 
 
-def config_key(config: GPTConfig) -> tuple[tuple[str, Any], ...]:
-    """A hashable stand-in for a (mutable, so unhashable) config, for the caches."""
-    return tuple(sorted(config.to_dict().items()))
+def key_tensors(key: tuple, pp: int, virtual: int, stage_rank: int, placement: str = "loop") -> list[Tensor]:
+    """`rank_tensors` of the model a `config_key` stands for."""
+    return list(_rank_tensors(key, pp, virtual, stage_rank, placement))
+
+
+def config_key(config: GPTConfig, lora: LoRA | None = None) -> tuple[tuple[str, Any], ...]:
+    """A hashable stand-in for a (mutable, so unhashable) config and its adapters, for the caches."""
+    return tuple(sorted(config.to_dict().items())) + ((("~lora", lora),) if lora is not None else ())
+
+
+def config_of(key: tuple[tuple[str, Any], ...]) -> GPTConfig:
+    return GPTConfig(**{name: value for name, value in key if name != "~lora"})
+
+
+def lora_of(key: tuple[tuple[str, Any], ...]) -> LoRA | None:
+    return dict(key).get("~lora")
 
 
 @lru_cache(maxsize=1024)
 def _rank_tensors(
     key: tuple[tuple[str, Any], ...], pp: int, virtual: int, stage_rank: int, placement: str
 ) -> tuple[Tensor, ...]:
-    config = GPTConfig(**dict(key))
+    config = config_of(key)
     chunks = pp * virtual
     stage_ids = chunk_stage_ids(stage_rank, pp, virtual, placement) if pp > 1 else [0]
     runs = stage_blocks(config, chunks) if pp > 1 else (tuple(range(config.n_layer)),)
     blocks = {b for s in stage_ids for b in runs[s]}
     first, last = 0 in stage_ids, chunks - 1 in stage_ids
     kept = []
-    for tensor in parameter_table(config):
+    for tensor in _parameter_table(key):
         if tensor.block is not None:
             keep = tensor.block in blocks
         else:
@@ -115,9 +151,11 @@ def replicas(tensor: Tensor, layout: Any) -> int:
 
 
 def stepped_numel(tensors: list[Tensor], layout: Any, zero_stage: int) -> int:
-    """Elements of ``tensors`` that rank 0's optimizer steps: ZeRO-1's slices (of a dim TP and EP leave whole),
-    ZeRO-2/3's shards, else its whole tensor-parallel shards. DiLoCo's anchor and outer step cover the same."""
+    """Elements of ``tensors`` that rank 0's optimizer steps (those that train): ZeRO-1's slices (of a dim TP and EP
+    leave whole), ZeRO-2/3's shards, else its whole tensor-parallel shards. DiLoCo's anchor and outer step cover the
+    same."""
     tp, ep, dp = layout.tp, layout.ep, layout.replicas
+    tensors = [t for t in tensors if t.trains]
     if zero_stage == 0 or dp == 1:
         return sum(local_numel(t, tp, ep=ep) for t in tensors)
     if zero_stage == 1:

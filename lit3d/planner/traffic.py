@@ -6,12 +6,13 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, NamedTuple
 
 from lit3d.config import GPTConfig
+from lit3d.lora_settings import LoRA
 from lit3d.parallel.context import ring_bytes_per_layer
 from lit3d.parallel.layout import Layout
 from lit3d.parallel.schedules import SCHEDULES
 from lit3d.parallel.sharding import BUCKET_ELEMENTS
 from lit3d.parallel.stages import chunk_stage_ids
-from lit3d.planner.tensors import config_key, local_numel, rank_tensors, stepped_numel
+from lit3d.planner.tensors import config_key, key_tensors, local_numel, rank_tensors, stepped_numel
 
 if TYPE_CHECKING:
     from lit3d.parallel.settings import Parallelism
@@ -33,7 +34,7 @@ def communication_bytes(
     ring = 2 * (tp - 1) / tp  # all-reduce traffic per byte; SP's all-gather + reduce-scatter pair costs the same
     traffic = {"tp": 0.0, "pp": 0.0, "dp": 0.0, "ep": 0.0, "cp": 0.0}
     placement = SCHEDULES[settings.pipeline_schedule].placement
-    for stage in stages(config, pp, virtual, placement, tp, layout.ep):
+    for stage in stages(config, pp, virtual, placement, tp, layout.ep, training.lora):
         moe, first, last, blocks = stage.moe, stage.first, stage.last, stage.blocks
         tp_blocks = blocks * per_block + moe * _moe_tp_change(settings, sp)
         tp_bytes = (tp_blocks + first + last) * act_bytes  # embedding (fwd) and head (bwd): one each
@@ -45,8 +46,9 @@ def communication_bytes(
             tp_bytes += norms * (schedules if pp > 1 else microbatches)  # once per schedule: it spans its micro-batches
         traffic["tp"] = max(traffic["tp"], ring * tp_bytes)
         shape = (microbatches // schedules, schedules, pp > 1, precision)
-        sent = _dp_traffic(settings.zero_stage, replicas, stage.in_blocks, stage.root, *shape)
-        sent += _dp_traffic(settings.zero_stage, replicas // layout.ep, stage.experts, 0, *shape)  # same experts
+        sent = _dp_traffic(settings.zero_stage, replicas, stage.in_blocks, stage.root, *shape, stage.trained)
+        sent += _dp_traffic(settings.zero_stage, replicas // layout.ep, stage.experts, 0, *shape,
+                            stage.trained_experts)  # fmt: skip
         traffic["dp"] = max(traffic["dp"], sent)
         a2a = _all_to_all_bytes(config, layout, training, settings, precision)
         traffic["ep"] = max(traffic["ep"], moe * microbatches * a2a)
@@ -56,11 +58,11 @@ def communication_bytes(
     if pp > 1:
         traffic["pp"] = _pipeline_sends(pp, virtual, placement) * microbatches * act_bytes / (tp if sp else 1)
     if layout.islands > 1:  # per step on average: one outer step every sync_every steps
-        traffic["island"] = island_bytes_per_sync(config, layout, settings) / settings.sync_every
+        traffic["island"] = island_bytes_per_sync(config, layout, settings, training.lora) / settings.sync_every
     return traffic
 
 
-def island_bytes_per_sync(config: GPTConfig, layout: Layout, settings: Parallelism) -> float:
+def island_bytes_per_sync(config: GPTConfig, layout: Layout, settings: Parallelism, lora: LoRA | None = None) -> float:
     """Bytes the busiest rank sends to the other islands at one DiLoCo outer step (all its fragments): the
     all-reduce over the islands of the pseudo-gradient of what its optimizer steps (`stepped_numel`: its ZeRO-1
     slices, ZeRO-2/3 shards or TP shards), in ``settings.outer_reduce_dtype`` (`lit3d.strategies.islands`)."""
@@ -69,7 +71,7 @@ def island_bytes_per_sync(config: GPTConfig, layout: Layout, settings: Paralleli
     virtual = settings.chunks_per_rank if layout.pp > 1 else 1
     placement = SCHEDULES[settings.pipeline_schedule].placement
     numel = max(
-        stepped_numel(rank_tensors(config, layout.pp, virtual, stage, placement), layout, settings.zero_stage)
+        stepped_numel(rank_tensors(config, layout.pp, virtual, stage, placement, lora), layout, settings.zero_stage)
         for stage in range(layout.pp)
     )
     element = 2 if settings.outer_reduce_dtype == "bfloat16" else 4
@@ -132,16 +134,19 @@ def _step_shape(layout: Layout, training: Training, settings: Parallelism) -> tu
     )
 
 
-def stages(config: GPTConfig, pp: int, virtual: int, placement: str, tp: int, ep: int) -> list[StageSums]:
+def stages(
+    config: GPTConfig, pp: int, virtual: int, placement: str, tp: int, ep: int, lora: LoRA | None = None
+) -> list[StageSums]:
     """Each pipeline rank's `StageSums` (cached: the search weighs every schedule of every layout with them)."""
-    key = config_key(config)
+    key = config_key(config, lora)
     return [_stage_sums(key, pp, virtual, placement, stage_rank, tp, ep) for stage_rank in range(pp)]
 
 
 class StageSums(NamedTuple):
     """What one pipeline rank holds, summed: elements of its norms, of the root (embedding, final norm, head), of
     its blocks' dense weights, of its expert weights and of all (each as a TP rank holds it; experts also over EP),
-    its MoE blocks and blocks, and whether it holds the first and the last stage."""
+    its MoE blocks and blocks, and whether it holds the first and the last stage; of what trains (all but LoRA's
+    frozen weights), the dense elements (``trained``) and the expert ones."""
 
     norms: int
     root: int
@@ -152,22 +157,27 @@ class StageSums(NamedTuple):
     blocks: int
     first: bool
     last: bool
+    trained: int
+    trained_experts: int
 
 
 @lru_cache(maxsize=8192)
 def _stage_sums(key: tuple, pp: int, virtual: int, placement: str, stage_rank: int, tp: int, ep: int) -> StageSums:
-    tensors = rank_tensors(GPTConfig(**dict(key)), pp, virtual, stage_rank, placement)
+    tensors = key_tensors(key, pp, virtual, stage_rank, placement)
     stage_ids = chunk_stage_ids(stage_rank, pp, virtual, placement) if pp > 1 else [0]
+    trained = [t for t in tensors if t.trains]
     return StageSums(
-        norms=sum(local_numel(t, tp) for t in tensors if "norm" in t.name),
+        norms=sum(local_numel(t, tp) for t in trained if "norm" in t.name),  # (their gradients' all-reduce)
         root=sum(local_numel(t, tp) for t in tensors if t.block is None),
         in_blocks=sum(local_numel(t, tp) for t in tensors if t.block is not None and not t.expert),
         experts=sum(local_numel(t, tp, ep=ep) for t in tensors if t.expert),
-        total=sum(local_numel(t, tp) for t in tensors),
+        total=sum(local_numel(t, tp) for t in trained),  # (ZeRO-1's buckets)
         moe=len({t.block for t in tensors if t.expert}),
         blocks=len({t.block for t in tensors} - {None}),
         first=0 in stage_ids,
         last=pp * virtual - 1 in stage_ids,
+        trained=sum(local_numel(t, tp) for t in trained if not t.expert),
+        trained_experts=sum(local_numel(t, tp, ep=ep) for t in trained if t.expert),
     )
 
 
@@ -246,6 +256,7 @@ def _dp_traffic(
     schedules: int,
     pipelined: bool,
     precision: Precision,
+    trained: int | None = None,
 ) -> float:
     """Bytes a GPU sends per step to synchronise its parameters (``in_blocks`` + ``root``) over ``dp`` replicas.
 
@@ -259,12 +270,15 @@ def _dp_traffic(
     a chunk gathered after each backward but the last, so under ZeRO-3 only the backwards right after a forward
     gather again: m + 1 gathers of the blocks per schedule, whatever the order, and one of the root. ZeRO-1
     reduce-scatters the gradients and gathers the updated slices once per step, after every schedule.
+
+    ``trained``: the elements that have gradients (LoRA: the adapters; default: all), which ZeRO-1 also gathers.
     """
     if dp == 1:
         return 0.0
     share = (dp - 1) / dp
     params = in_blocks + root
-    grads, weights = params * precision.reduce_bytes, params * precision.weights
+    trained = params if trained is None else trained
+    grads, weights = trained * precision.reduce_bytes, trained * precision.weights
     if zero_stage == 1:  # once per step, whatever the schedules: a reduce-scatter and an all-gather of the slices
         return share * (grads + weights)
     weights = params * precision.gather_bytes

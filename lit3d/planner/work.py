@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lit3d.config import GPTConfig
+from lit3d.lora_settings import LoRA
 from lit3d.parallel.layout import Layout
 from lit3d.planner.inputs import Training
 from lit3d.planner.traffic import StageSums
@@ -36,19 +37,21 @@ EMBEDDING = (14, 3)
 @dataclass(frozen=True)
 class Gemm:
     """``count`` forward GEMMs of an (m x k) by (k x n) product; backward runs each again twice, for the input's
-    gradient (m, k, n) and the weight's (k, n, m)."""
+    gradient (m, k, n) and the weight's (k, n, m), or once for a ``frozen`` weight (LoRA's base: no gradient)."""
 
     m: float
     n: float
     k: float
     count: float = 1.0
+    frozen: bool = False
 
     @property
     def flops(self) -> float:
         return 2 * self.m * self.n * self.k * self.count
 
-    def backward(self) -> tuple[Gemm, Gemm]:
-        return Gemm(self.m, self.k, self.n, self.count), Gemm(self.k, self.n, self.m, self.count)
+    def backward(self) -> tuple[Gemm, ...]:
+        inputs = Gemm(self.m, self.k, self.n, self.count)
+        return (inputs,) if self.frozen else (inputs, Gemm(self.k, self.n, self.m, self.count))
 
 
 @dataclass(frozen=True)
@@ -105,9 +108,29 @@ def stage_work(config: GPTConfig, layout: Layout, training: Training, sp: bool, 
     experts = config.n_expert // layout.ep + config.n_shared_expert if moe else 0
     kernels += dense * SWIGLU[kind][1] + moe * (experts * SWIGLU[kind][1] + ROUTING[kind][1])
     vocab = config.vocab_size / tp
-    head = (Gemm(tokens, vocab, d),) if stage.last else ()
+    head = (Gemm(tokens, vocab, d, frozen=training.lora is not None),) if stage.last else ()
+    if training.lora is not None:  # the weights frozen, the adapters beside them
+        gemms = [Gemm(g.m, g.n, g.k, g.count, frozen=True) for g in gemms]
+        gemms += adapter_gemms(training.lora, tokens, d, q, kv, f, blocks, dense, tp)
     last, first = stage.last, stage.first
     other = (CROSS_ENTROPY[0] * tokens * vocab if last else 0.0) + (EMBEDDING[0] * tokens * d if first else 0.0)
     other_kernels = (CROSS_ENTROPY[1] if last else 0) + (EMBEDDING[1] if first else 0)
     causal = 4 * tokens * training.seq_len * config.n_head / tp * config.head_dim / 2
     return Work(tuple(gemms), head, causal * blocks, byte_count, kernels, other, other_kernels, blocks, tp > 1)
+
+
+def adapter_gemms(
+    lora: LoRA, tokens: float, d: float, q: float, kv: float, f: float, blocks: int, dense: int, tp: int
+) -> list[Gemm]:
+    """The adapters' GEMMs (``A`` then ``B``) per micro-batch: a column-parallel linear's ``B`` and a row-parallel
+    one's ``A`` split over TP (``q``, ``kv``, ``f``: a TP rank's widths)."""
+    column = {"q": q, "k": kv, "v": kv, "gate": f, "up": f}  # out, split; in: d
+    row = {"o": q, "down": f}  # in, split; out: d
+    gemms = []
+    for role in lora.targets:
+        count = dense if role in ("gate", "up", "down") else blocks
+        if role in column:
+            gemms += [Gemm(tokens, lora.rank, d, count), Gemm(tokens, column[role], lora.rank, count)]
+        else:
+            gemms += [Gemm(tokens, lora.rank, row[role], count), Gemm(tokens, d, lora.rank, count)]
+    return [g for g in gemms if g.count]
