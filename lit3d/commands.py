@@ -65,6 +65,7 @@ def plan(
     map: str | None = None,
     lora_rank: int | None = None,
     lora_targets: list[str] | None = None,
+    document_length: int | None = None,
     **settings: Any,
 ) -> None:
     """Plan a layout: memory per GPU, communication, pipeline bubble and step time, before renting a GPU.
@@ -96,11 +97,14 @@ def plan(
             optimizer states).
         lora_targets: The linears with adapters, by role (``q``, ``k``, ``v``, ``o``, ``gate``, ``up``, ``down``;
             default ``q`` and ``v``, as `lit3d.LoRA`'s).
+        document_length: Packed documents of about this many tokens, kept apart (``document_masking``, chat data):
+            the model FLOPs and MFU count only the attention within each.
     {settings}
     """
     cluster = _cluster(gpu, nodes, gpus_per_node, gpu_memory, intra_node_bandwidth, inter_node_bandwidth, peak_tflops,
                        inter_island_bandwidth, inter_island_latency, power_watts)  # fmt: skip
-    numbers = dict(seq_len=seq_len, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size, **settings)
+    numbers = dict(seq_len=seq_len, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size,
+                   document_length=document_length, **settings)  # fmt: skip
     given = {name: value for name, value in numbers.items() if value is not None}  # 0 is given
     if lora_rank is not None:
         given["lora"] = LoRA(rank=lora_rank, **({"targets": tuple(lora_targets)} if lora_targets else {}))

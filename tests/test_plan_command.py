@@ -243,3 +243,22 @@ def test_lora_and_offload_are_planned_from_the_command_line(capsys):
         main([*args, "--lora_rank", "16", "--lora_targets", "[q,x]"])
     with pytest.raises(SystemExit, match=r"lora_targets=\['q'\] needs lora_rank"):
         main([*args, "--lora_targets", "[q]"])
+
+
+def test_packed_documents_count_only_the_attention_within_each(capsys):
+    """``--document_length``: the model FLOPs (and the MFU) drop by the attention across documents; the step is
+    priced as the masked kernel runs it, whole."""
+    args = ["plan", "--model", "llama-8b", "--tensor_parallel_size", "1", "--pipeline_parallel_size", "1",
+            "--global_batch_size", "64", "--seq_len", "8192", "--json"]  # fmt: skip
+    main(args)
+    whole = json.loads(capsys.readouterr().out)
+    main([*args, "--document_length", "1024"])
+    packed = json.loads(capsys.readouterr().out)
+    from lit3d.config import GPTConfig
+
+    config = GPTConfig.from_name("llama-8b")
+    dropped = (config.attention_flops_per_token(8192) - config.attention_flops_per_token(1024)) * 64 * 8192
+    assert whole["flops_per_step"] - packed["flops_per_step"] == pytest.approx(dropped)
+    assert packed["step_time_s"] == whole["step_time_s"] and packed["mfu"] < whole["mfu"]
+    with pytest.raises(SystemExit, match="document_length=0"):
+        main([*args, "--document_length", "0"])

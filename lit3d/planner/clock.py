@@ -168,7 +168,11 @@ def step_time(
                  "optimizer": optimizer, "overhead": overhead}  # fmt: skip
     step = compute + memory + sum(exposed.values()) + idle + optimizer + overhead
     adapters = adapter_params(config, training.lora) if training.lora else None
-    model_flops = config.flops_per_token(training.seq_len, adapters) * training.global_batch_size * training.seq_len
+    per_token = config.flops_per_token(training.seq_len, adapters)
+    if training.document_length:  # packed documents: only the attention each keeps within itself
+        kept = min(training.document_length, training.seq_len)
+        per_token += config.attention_flops_per_token(kept) - config.attention_flops_per_token(training.seq_len)
+    model_flops = per_token * training.global_batch_size * training.seq_len
     return StepTime(step, bubble, schedule_m, model_flops, hidden, breakdown)
 
 

@@ -149,6 +149,10 @@ class Training:
     software: Software = Software()  # how its kernels are written (the clock's `lit3d.planner.clock`)
     headroom: float = 0.1  # of GPU memory kept free for the allocator, CUDA context and buffers
     lora: LoRA | None = None  # low-rank adapters train, every other weight frozen (`lit3d.LoRA`)
+    # Packed documents kept apart (document masking) of about this many tokens: the model FLOPs (and MFU) count only
+    # the attention within each document. (The step is priced as whole-sequence attention: the masked kernel lit3d
+    # runs computes the masked blocks too.)
+    document_length: int | None = None
 
     def schedules_per_step(self, pp: int) -> int:
         """Pipeline schedules run per optimizer step (gradient accumulation repeats the whole schedule)."""

@@ -76,6 +76,8 @@ def check_inputs(config: GPTConfig, cluster: Cluster, training: Training) -> Non
     )
     if training.seq_len > config.max_seq_len:
         raise ValueError(f"seq_len={training.seq_len} is above the model's max_seq_len={config.max_seq_len}")
+    if training.document_length is not None:
+        check_sizes(document_length=training.document_length)
     if training.precision not in PRECISIONS:
         raise ValueError(f"precision={training.precision!r} is not one of {', '.join(PRECISIONS)}")
 
