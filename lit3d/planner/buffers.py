@@ -7,7 +7,7 @@ activations, and when: the peak of a step is the most of three moments.
 - the optimizer step: every gradient, beside AdamW's temporaries (PyTorch's default on GPUs, ``foreach``, makes
   one tensor the size of the parameters it steps; ``fused`` makes none).
 
-The buffers by ZeRO stage, as lit3d runs them (measured with tests/live_memory.py on CPU ranks):
+The buffers by ZeRO stage, as lit3d runs them (measured with benchmarks/live_memory.py on CPU ranks):
 
 - ZeRO-1 (`lit3d.strategies.zero1_buckets.Bucket`): each bucket's gradient rows in the optimizer's dtype, the only
   whole gradient; one bucket filling and one in flight, or every bucket while micro-steps or a pipeline's
