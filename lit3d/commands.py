@@ -63,9 +63,6 @@ def plan(
     json: bool = False,
     verify: bool = False,
     map: str | None = None,
-    lora_rank: int | None = None,
-    lora_targets: list[str] | None = None,
-    document_length: int | None = None,
     **settings: Any,
 ) -> None:
     """Plan a layout: memory per GPU, communication, pipeline bubble and step time, before renting a GPU.
@@ -93,30 +90,35 @@ def plan(
         json: Print one JSON object instead of text.
         verify: Check the per-rank parameter counts against the real model parallelised in a fake process group.
         map: Draw the rank map (the layout's, or a search's best three) to this ``.svg``, ``.png`` or ``.html`` file.
-        lora_rank: Plan LoRA fine-tuning: adapters of this rank train, every other weight is frozen (no gradients, no
-            optimizer states).
-        lora_targets: The linears with adapters, by role (``q``, ``k``, ``v``, ``o``, ``gate``, ``up``, ``down``;
-            default ``q`` and ``v``, as `lit3d.LoRA`'s).
-        document_length: Packed documents of about this many tokens, kept apart (``document_masking``, chat data):
-            the model FLOPs and MFU count only the attention within each.
     {settings}
     """
     cluster = _cluster(gpu, nodes, gpus_per_node, gpu_memory, intra_node_bandwidth, inter_node_bandwidth, peak_tflops,
                        inter_island_bandwidth, inter_island_latency, power_watts)  # fmt: skip
-    numbers = dict(seq_len=seq_len, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size,
-                   document_length=document_length, **settings)  # fmt: skip
+    settings["lora"] = _lora(settings.pop("lora_rank", None), settings.pop("lora_targets", None))
+    numbers = dict(seq_len=seq_len, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size, **settings)
     given = {name: value for name, value in numbers.items() if value is not None}  # 0 is given
-    if lora_rank is not None:
-        given["lora"] = LoRA(rank=lora_rank, **({"targets": tuple(lora_targets)} if lora_targets else {}))
-    elif lora_targets:
-        raise ValueError(f"lora_targets={lora_targets!r} needs lora_rank (the adapters' rank)")
     report = plan_request(Request.given(model, cluster, top=top, verify=verify, precision=precision, **given))
-    text = format_report(report)
-    if map and report.chosen:
-        text += f"\nrank map: {RankMap.side_by_side(report.rank_maps()).save(map)}"
-    print(dumps(report.to_dict(), indent=2) if json else text)
+    drawn = f"\nrank map: {RankMap.side_by_side(report.rank_maps()).save(map)}" if map and report.chosen else ""
+    print(dumps(report.to_dict(), indent=2) if json else format_report(report) + drawn)
     if not report.verified_exactly:
         raise SystemExit("lit3d plan --verify: analytic and verified parameter counts differ")
+
+
+def _lora(rank: int | None, targets: list[str] | None) -> LoRA | None:
+    if rank is None and targets:
+        raise ValueError(f"lora_targets={targets!r} needs lora_rank (the adapters' rank)")
+    return None if rank is None else LoRA(rank=rank, **({"targets": tuple(targets)} if targets else {}))
+
+
+# What `lit3d plan` plans of the training beyond its loop's numbers: name -> (type, help), flags as the settings are.
+TRAINING_FLAGS = {
+    "lora_rank": (int, "LoRA: adapters of this rank train, every other weight frozen (no gradients, no optimizer "
+                  "states)."),
+    "lora_targets": (list[str], "The adapted linears by role (``q``, ``k``, ``v``, ``o``, ``gate``, ``up``, ``down``; "
+                     "default ``q`` and ``v``, as `lit3d.LoRA`'s)."),
+    "document_length": (int, "Tokens of packed documents kept apart (``document_masking``, chat data): the model "
+                        "FLOPs and MFU count only the attention within each."),
+}  # fmt: skip
 
 
 def _cluster(
@@ -186,8 +188,11 @@ def _with_every_setting(command: Callable[..., None]) -> None:
     keyword = lambda name: inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None,
                                              annotation=_choices_as_str(types[name]) | None)  # fmt: skip
     extra = [keyword(f.name) for f in fields(Parallelism)]
+    extra += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=hint | None)
+              for name, (hint, _) in TRAINING_FLAGS.items()]  # fmt: skip
     command.__signature__ = signature.replace(parameters=explicit + extra)  # type: ignore[attr-defined]
-    lines = [
+    lines = [f"        {name}: {text}\n" for name, (_, text) in TRAINING_FLAGS.items()]
+    lines += [
         f"        {f.name}: {f.metadata['help']} {PLAN_NOTES.get(f.name, NOT_PLANNED)}\n" for f in fields(Parallelism)
     ]
     if command.__doc__:  # (None under python -OO)

@@ -91,6 +91,8 @@ class Parallel3DStrategy(ModelParallelStrategy):
         self.parallelism = Parallelism(**settings)  # refused here, before anything starts, naming the values
         for warning in self.parallelism.warnings():
             rank_zero_warn(warning)
+        if offload and process_group_backend is None and torch.cuda.is_available():
+            process_group_backend = "cuda:nccl,cpu:gloo"  # offloaded gradients meet (their norm) on the CPU: gloo
         super().__init__(
             data_parallel_size, tensor_parallel_size, save_distributed_checkpoint, process_group_backend, timeout
         )
@@ -316,13 +318,6 @@ class Parallel3DStrategy(ModelParallelStrategy):
         if self.optimizer_steps is None:
             return inner_step(closure)
         return self.optimizer_steps.step(optimizer, closure, inner_step)
-
-    @override
-    def _get_process_group_backend(self) -> str:
-        backend = super()._get_process_group_backend()
-        if self.parallelism.offload and backend == "nccl":  # offloaded gradients meet (their norm) on the CPU: gloo
-            return "cuda:nccl,cpu:gloo"
-        return backend
 
     def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
         self.optimizer_steps.clip_grad_norm(optimizer, clip_val, self.lightning_module.parameters())

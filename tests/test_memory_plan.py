@@ -4,9 +4,10 @@ LoRA at DP2 (ZeRO-1, ZeRO-3, ZeRO-3 offloaded) and TP2.
 The plan is the search's own `estimate` of the layout (what `lit3d plan` prints and picks by), not the run's. The run
 measures its parameters, gradients and optimizer states at the last optimizer step (`memory_by_component`), the bytes
 autograd saves in each forward (saved-tensor hooks: the activations, with autocast's bf16 copies of fp32 weights), and
-the most bytes of live tensors each rank holds over a whole step (`benchmarks.live_memory.PeakMemory`: what a GPU's allocator
-would hand out), against the plan's total. A model wide enough for its weights and optimizer states to dominate, as in
-a real run; AdamW as PyTorch runs it on GPUs by default (``foreach``: a temporary the size of what it steps).
+the most bytes of live tensors each rank holds over a whole step (`benchmarks.live_memory.PeakMemory`: what a GPU's
+allocator would hand out), against the plan's total. A model wide enough for its weights and optimizer states to
+dominate, as in a real run; AdamW as PyTorch runs it on GPUs by default (``foreach``: a temporary the size of what
+it steps).
 
 ZeRO-0 here is DDP (fp32 parameters, autocast's bf16 copies saved for backward), ZeRO-1 Megatron's distributed
 optimizer (bf16 parameters, fp32 master weights in the optimizer's slices), ZeRO-3 FSDP2 (fp32 shards gathered in
@@ -20,8 +21,8 @@ import lightning as L
 import pytest
 import torch
 from conftest import merge
-from benchmarks.live_memory import PeakMemory
 
+from benchmarks.live_memory import PeakMemory
 from lit3d import GPTConfig, LoRA
 from lit3d.parallel.layout import Layout
 from lit3d.parallel.settings import Parallelism
