@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from lit3d.config import GPTConfig
-from lit3d.lora import ROLES, LoRA
+from lit3d.lora import ADAPTERS, ROLES, LoRA
 
 PEFT_PREFIX = "base_model.model.model.layers"
 _OURS = re.compile(r"blocks\.(\d+)\.(attn|mlp)\.(\w+)\.lora_(a|b)$")
@@ -22,14 +22,19 @@ _THEIRS = re.compile(re.escape(PEFT_PREFIX) + r"\.(\d+)\.(self_attn|mlp)\.(\w+)\
 
 
 def merge_adapters(state: dict[str, torch.Tensor], lora: LoRA) -> dict[str, torch.Tensor]:
-    """``state`` (lit3d names) with each adapter folded into its linear: ``W + (alpha / rank) · B A``."""
-    merged = {name: tensor for name, tensor in state.items() if not _OURS.search(name)}
+    """``state`` (lit3d names) with each adapter folded into its linear: ``W + (alpha / rank) · B A``; an MoE
+    layer's experts (``[expert, in, out]``) each get their own: ``W_e + (alpha / rank) · A_e B_e``."""
+    merged = {name: tensor for name, tensor in state.items() if not name.endswith(ADAPTERS)}
     for name in state:
         if name.endswith(".lora_a"):
             module = name.removesuffix(".lora_a")
             a, b = state[name].float(), state[f"{module}.lora_b"].float()
             weight = merged[f"{module}.weight"]
             merged[f"{module}.weight"] = (weight.float() + lora.scaling * b @ a).to(weight.dtype)
+        elif name.endswith("_lora_a"):  # an MoE layer's experts
+            weight_name = name.removesuffix("_lora_a")
+            a, b, weight = state[name].float(), state[f"{weight_name}_lora_b"].float(), merged[weight_name]
+            merged[weight_name] = (weight.float() + lora.scaling * torch.bmm(a, b)).to(weight.dtype)
     return merged
 
 
@@ -56,6 +61,11 @@ def write_adapter(folder: str | Path, state: dict[str, torch.Tensor], lora: LoRA
     """The adapters of ``state`` (lit3d names) as a PEFT folder that ``peft.PeftModel.from_pretrained`` loads."""
     from safetensors.torch import save_file
 
+    experts = [name for name in state if name.endswith("_lora_a")]
+    if experts:  # NOTE: transformers 5 fuses a Mixtral layer's gate and up into one parameter, which PEFT adapts
+        # with one A for both: lit3d's per-projection adapters have no PEFT form there
+        raise ValueError(f"the adapters on an MoE model's experts ({experts[0]}, ...) have no PEFT form for "
+                         "transformers' fused experts: export the merged model (without --adapter)")  # fmt: skip
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {}

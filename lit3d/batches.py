@@ -97,6 +97,11 @@ class GlobalBatchData(L.LightningDataModule):
         micro = self.micro_batch_size()
         # Validation deals out whole rounds of one micro-batch per replica, so every layout sees the same blocks.
         per_step = self.global_batch_size if shuffle else micro * replicas
+        if not shuffle and len(dataset) < per_step:
+            raise ValueError(
+                f"the held-out set has {len(dataset)} sequences, fewer than one micro-batch per replica ({micro} x "
+                f"{replicas}): hold out more (val_fraction, test_fraction) or lower global_batch_size"
+            )
         sampler = self._sampler(dataset, per_step, replicas, rank, shuffle)
         loader = ResumableLoader if shuffle else DataLoader  # training's position is restored; evaluation starts over
         return loader(dataset, batch_size=micro, sampler=sampler, drop_last=True, num_workers=self.num_workers)

@@ -17,7 +17,7 @@ from lit3d.adapters import adapter_settings, read_adapter
 from lit3d.config import GPTConfig
 from lit3d.generation import Sampling, next_token
 from lit3d.loop import ends_optimizer_step
-from lit3d.lora import LoRA, check_lora, freeze_all_but_adapters
+from lit3d.lora import LoRA, freeze_all_but_adapters
 from lit3d.model import IGNORED, Transformer, cross_entropy
 from lit3d.pretrained import read_config, read_meta, read_tensors
 from lit3d.runner import Runner, WholeNetwork
@@ -80,7 +80,6 @@ class GPT(L.LightningModule):
         self.adapter = adapter
         if adapter is not None:
             self.lora = adapter_settings(adapter, self.config, self.lora)
-        check_lora(self.config, self.lora)
         self.save_hyperparameters(ignore=["config", "sampling", "lora"])
         self.hparams["config"] = self.config.to_dict()  # plain data, so checkpoints load with weights_only
         self.hparams["lora"] = asdict(self.lora) if self.lora else None

@@ -5,7 +5,8 @@ A targeted linear computes ``x Wᵀ + (alpha / rank) · dropout(x) Aᵀ Bᵀ``, 
 so any layout starts the same), ``B`` ``(out, rank)`` zero, so training starts from the base model exactly. The
 adapters follow their linear's tensor-parallel split (`strategies.tensor_parallel`): a column-parallel linear splits
 ``B`` along its output and keeps ``A`` whole, a row-parallel one splits ``A`` along its input and keeps ``B`` whole,
-so the base layer's own collective carries the adapter's share too and no other runs.
+so the base layer's own collective carries the adapter's share too and no other runs. An MoE layer's experts take
+``gate``, ``up`` and ``down`` adapters per expert, stacked as their weights are (`lit3d.moe.Experts`).
 """
 
 from __future__ import annotations
@@ -46,11 +47,11 @@ def linear(in_features: int, out_features: int, lora: LoRA | None, name: str) ->
 def init_adapter(name: str, tensor: torch.Tensor, generator: torch.Generator) -> bool:
     """Draw an adapter's start into ``tensor`` (whole) if ``name`` is one; False otherwise. ``A`` as PEFT draws it
     (Kaiming-uniform with a = √5: uniform in ±1/√in), ``B`` zero."""
-    if name.endswith(".lora_a"):
+    if name.endswith(ADAPTERS[0]):  # (rank, in), or an MoE layer's (expert, in, rank)
         bound = 1 / math.sqrt(tensor.shape[1])
         tensor.uniform_(-bound, bound, generator=generator)
         return True
-    if name.endswith(".lora_b"):
+    if name.endswith(ADAPTERS[1]):
         tensor.zero_()
         return True
     return False
@@ -59,13 +60,4 @@ def init_adapter(name: str, tensor: torch.Tensor, generator: torch.Generator) ->
 def freeze_all_but_adapters(network: nn.Module) -> None:
     """Only the adapters train: every other parameter gets no gradient and no optimizer state."""
     for name, param in network.named_parameters():
-        param.requires_grad_(name.rsplit(".", 1)[-1] in ADAPTERS)
-
-
-def check_lora(config: GPTConfig, lora: LoRA | None) -> None:
-    """Refuse adapters on what has no plain linear to carry them: an MoE model's feed-forward (its experts are
-    grouped weights)."""
-    mlp = [t for t in (lora.targets if lora else ()) if t in ("gate", "up", "down")]
-    if mlp and config.n_expert:
-        raise ValueError(f"lora.targets={list(lora.targets)!r}: {mlp} on an MoE model's experts is not supported yet; "
-                         "target the attention (q, k, v, o)")  # fmt: skip
+        param.requires_grad_(name.endswith(ADAPTERS))

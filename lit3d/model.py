@@ -149,7 +149,7 @@ class Block(nn.Module):
         self.attn_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.attn = Attention(config, lora)
         self.mlp_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
-        self.mlp = MoE(config, index) if config.is_moe_layer(index) else MLP(config, lora)
+        self.mlp = MoE(config, index, lora) if config.is_moe_layer(index) else MLP(config, lora)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(compute_dtype(self.attn_norm(x)))

@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lit3d.config import GPTConfig
+from lit3d.lora_settings import LoRA
 
 
 class Router(nn.Module):
@@ -110,13 +111,24 @@ def _has_grouped_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 class Experts(nn.Module):
     """``n_expert`` SwiGLU MLPs as three stacked weights (``[expert, in, out]``); under expert parallelism a rank
-    holds a contiguous run of them."""
+    holds a contiguous run of them.
 
-    def __init__(self, n_expert: int, d_model: int, d_ff: int) -> None:
+    With ``lora`` targeting ``gate``, ``up`` or ``down``, each expert's projection gets its own adapter, stacked the
+    same way: ``{role}_proj_lora_a`` ``[expert, in, rank]`` and ``{role}_proj_lora_b`` ``[expert, rank, out]``
+    (`lit3d.lora`), split over expert parallelism with the experts."""
+
+    def __init__(self, n_expert: int, d_model: int, d_ff: int, lora: LoRA | None = None) -> None:
         super().__init__()
         self.gate_proj = nn.Parameter(torch.empty(n_expert, d_model, d_ff))
         self.up_proj = nn.Parameter(torch.empty(n_expert, d_model, d_ff))
         self.down_proj = nn.Parameter(torch.empty(n_expert, d_ff, d_model))
+        self.adapted = tuple(role for role in ("gate", "up", "down") if lora is not None and role in lora.targets)
+        for role in self.adapted:
+            inner, outer = (d_ff, d_model) if role == "down" else (d_model, d_ff)
+            self.register_parameter(f"{role}_proj_lora_a", nn.Parameter(torch.empty(n_expert, inner, lora.rank)))
+            self.register_parameter(f"{role}_proj_lora_b", nn.Parameter(torch.empty(n_expert, lora.rank, outer)))
+        self.scaling = lora.scaling if lora is not None else 0.0
+        self.dropout = nn.Dropout(lora.dropout if lora is not None else 0.0)
         # Under expert parallelism 1 / ep: each rank's expert gradients sum the tokens of its whole EP group (the
         # all-to-all's backward), so any data-parallel average over the ranks that hold the same experts then
         # yields the average over all data-parallel ranks, as for every other parameter.
@@ -124,11 +136,21 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """``x``: tokens sorted by expert, ``counts[e]`` of them for local expert e."""
-        weights = [_local(w).to(x.dtype) for w in (self.gate_proj, self.up_proj, self.down_proj)]
-        if self.grad_scale != 1.0:
-            weights = [_ScaleGrad.apply(w, self.grad_scale) for w in weights]
-        hidden = F.silu(grouped_mm(x, weights[0], counts)) * grouped_mm(x, weights[1], counts)
-        return grouped_mm(hidden, weights[2], counts)
+        hidden = F.silu(self._project("gate", x, counts)) * self._project("up", x, counts)
+        return self._project("down", hidden, counts)
+
+    def _project(self, role: str, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Each expert's ``role`` projection of its tokens, with its adapter if it has one."""
+        out = grouped_mm(x, self._weight(f"{role}_proj", x.dtype), counts)
+        if role not in self.adapted:
+            return out
+        dropped = self.dropout(x) if self.dropout.p > 0 else x
+        a, b = (self._weight(f"{role}_proj_lora_{which}", x.dtype) for which in "ab")
+        return out + self.scaling * grouped_mm(grouped_mm(dropped, a, counts), b, counts)
+
+    def _weight(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        weight = _local(getattr(self, name)).to(dtype)
+        return _ScaleGrad.apply(weight, self.grad_scale) if self.grad_scale != 1.0 else weight
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -186,16 +208,16 @@ class MoE(nn.Module):
     expert of that forward (the balance loss's term of the objective); ``history`` keeps them for each training
     forward since it was last cleared, recompute left out (the logged balance)."""
 
-    def __init__(self, config: GPTConfig, index: int = 0) -> None:
+    def __init__(self, config: GPTConfig, index: int = 0, lora: LoRA | None = None) -> None:
         super().__init__()
         from lit3d.model import MLP
 
         self.index = index  # the block's
         self.n_expert, self.k = config.n_expert, config.n_expert_per_token
         self.router = Router(config)
-        self.experts = Experts(config.n_expert, config.d_model, config.d_ff_expert)
+        self.experts = Experts(config.n_expert, config.d_model, config.d_ff_expert, lora)
         shared = config.n_shared_expert * config.d_ff_expert
-        self.shared = MLP(config.replace(d_ff=shared)) if shared else None
+        self.shared = MLP(config.replace(d_ff=shared)) if shared else None  # (frozen under LoRA)
         self.ep_group = None  # expert parallelism: the process group the experts are split over
         self.context_parallel = None  # context parallelism: the balance loss sums its sequences over the CP ranks
         self.coef, self.capacity_factor = config.aux_loss_coef, config.capacity_factor

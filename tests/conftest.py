@@ -218,17 +218,21 @@ LORA = {"model": {"lora": {"rank": 4, "alpha": 8.0, "targets": ["q", "k", "v", "
 LORA_LAYOUTS = {
     name: (world, {**LORA, "strategy": strategy})
     for name, world, strategy in [
+        ("lora_dp2_zero0", 2, {"zero_stage": 0}),
         ("lora_dp2_zero1", 2, {"zero_stage": 1}),
+        ("lora_dp2_zero2", 2, {"zero_stage": 2}),
         ("lora_dp2_zero3", 2, {"zero_stage": 3}),
         ("lora_tp2", 2, {"tensor_parallel_size": 2}),
         ("lora_tp2_sequence_parallel", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
         ("lora_pp2_resumed_from_tp2", 2, pp(2)),
         ("lora_pp2", 2, pp(2)),
+        ("lora_pp2_zbv", 2, pp(2, "zbv")),
+        ("lora_pp2_interleaved", 2, pp(2, "interleaved_1f1b")),
         ("lora_dp2_tp2_pp2_zero1", 8, {"tensor_parallel_size": 2, "zero_stage": 1, **pp(2)}),
     ]
 }  # fmt: skip
-# An MoE model's attention with adapters, its experts frozen and split over EP.
-LORA_MOE = {"model": {"config": SMALL_MOE, "lora": {"rank": 4, "alpha": 8.0, "targets": ["q", "k", "v", "o"]}}}
+# An MoE model with adapters on its attention and on each expert, the experts (and their adapters) split over EP.
+LORA_MOE = {"model": {"config": SMALL_MOE, "lora": {"rank": 4, "alpha": 8.0, "targets": ["q", "v", "gate", "down"]}}}
 LORA_LAYOUTS["lora_moe_ep2"] = (2, {**LORA_MOE, "strategy": {"expert_parallel_size": 2}})
 # Context parallelism: the adapters on sequences of 256 tokens, split over 2 ranks.
 LORA_LONG = {**LONG, "model": {**LONG["model"], **LORA["model"]}}
@@ -248,6 +252,7 @@ PACKED_LAYOUTS = {
     "chat_dp2": (2, {**CHAT, "strategy": {}}),
     "chat_pp2_4_microbatches": (2, {**CHAT, "strategy": pp(2, num_microbatches=4)}),
     "chat_cp2": (2, {**CHAT, "strategy": {"context_parallel_size": 2}}),
+    "chat_tp2_sequence_parallel": (2, {**CHAT, "strategy": {"tensor_parallel_size": 2, "sequence_parallel": True}}),
     "documents_cp2": (2, {**DOCUMENTS, "strategy": {"context_parallel_size": 2}}),
     "documents_pp2": (2, {**DOCUMENTS, "strategy": pp(2, num_microbatches=2)}),
 }

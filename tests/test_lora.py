@@ -98,10 +98,37 @@ def test_bad_settings_are_refused_by_name(settings, message):
         GPT("tiny", lora=settings)
 
 
-def test_adapters_on_an_moe_models_experts_are_refused_until_they_are_supported():
-    with pytest.raises(ValueError, match=r"\['up'\] on an MoE model's experts is not supported yet"):
-        GPT("moe-tiny", lora=LoRA(targets=("q", "up")))
-    GPT("moe-tiny", lora=LoRA(targets=("q", "v")))  # the attention is fine
+def test_each_expert_of_an_moe_layer_has_its_own_adapter_which_merges_into_its_weights(tmp_path):
+    """Adapters on gate, up and down give every expert its own A and B, stacked as its weights; merged, a plain
+    model computes what the adapted one does; the planner's tensors are the model's; PEFT has no form for them."""
+    from lit3d.adapters import merge_adapters, write_adapter
+    from lit3d.planner.tensors import parameter_table
+
+    config = GPTConfig(n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=64, vocab_size=64, n_expert=4,
+                       n_expert_per_token=2, d_ff_expert=48, first_dense_layers=1)  # fmt: skip
+    lora = LoRA(rank=4, targets=("q", "gate", "up", "down"))
+    torch.manual_seed(0)
+    model = GPT(config, lora=lora)
+    model.configure_model()
+    experts = model.model.blocks["1"].mlp.experts
+    assert experts.down_proj_lora_a.shape == (4, 48, 4) and experts.down_proj_lora_b.shape == (4, 4, 32)
+    trained = {name for name, p in model.model.named_parameters() if p.requires_grad}
+    assert "blocks.1.mlp.experts.gate_proj_lora_b" in trained and "blocks.1.mlp.experts.gate_proj" not in trained
+    planned = {t.name: t.shape for t in parameter_table(config, lora)}
+    assert planned == {name: tuple(p.shape) for name, p in model.model.named_parameters()}
+    with torch.no_grad():
+        for name, param in model.model.named_parameters():
+            if name.endswith("lora_b"):
+                param.normal_(0, 0.1)
+        tokens = torch.randint(0, 64, (2, 12))
+        adapted = model(tokens)
+        plain = GPT(config)
+        plain.configure_model()
+        plain.model.load_state_dict(merge_adapters(model.model.state_dict(), lora))
+        assert torch.allclose(plain(tokens), adapted, atol=1e-5)
+        assert not torch.allclose(GPT(config, lora=lora).to(tokens.device)(tokens), adapted, atol=1e-3)
+    with pytest.raises(ValueError, match="have no PEFT form for transformers' fused experts: export the merged"):
+        write_adapter(tmp_path / "adapter", model.model.state_dict(), lora, None)
 
 
 @pytest.mark.parametrize("layout", [name for name in LORA_LAYOUTS if "resumed" not in name])

@@ -173,3 +173,14 @@ def test_configs_chat_yaml_tunes_a_huggingface_folder_on_chat_data_and_exports_t
     export = lit3d("export", "--ckpt_path", str(ckpt), "--output", str(tmp_path / "adapter"), "--adapter", cwd=tmp_path)
     assert export.returncode == 0, export.stderr[-3000:]
     assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["r"] == 16
+
+
+def test_templates_with_huggingfaces_generation_marks_render_as_without(tmp_path):
+    marked = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}{% generation %}"
+        "{{ m['content'] }}<|im_end|>{% endgeneration %}{% else %}{{ m['content'] }}<|im_end|>{% endif %}\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    chat = ChatTemplate(chat_tokenizer(tmp_path / "marked", template=marked))
+    ids, answer = chat.encode([{"role": "user", "content": "why"}, {"role": "assistant", "content": "yes"}])
+    assert chat.tokenizer.decode(ids[answer].tolist(), skip_special_tokens=False) == "yes<|im_end|>"

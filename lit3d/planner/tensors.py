@@ -56,6 +56,10 @@ def _parameter_table(key: tuple[tuple[str, Any], ...]) -> tuple[Tensor, ...]:
         table.append(Tensor(name, shape, tp_dim, block, ".experts." in name, trains=lora is None))
         if block is not None and module.split(".", 2)[-1] in targets:
             table += adapter_tensors(module, shape, tp_dim, block, lora.rank)
+        elif ".experts." in name and name.rsplit(".", 1)[-1].removesuffix("_proj") in (lora.targets if lora else ()):
+            experts, inner, outer = shape  # each expert's adapter, stacked as its weights (`lit3d.moe.Experts`)
+            table += [Tensor(f"{name}_lora_a", (experts, inner, lora.rank), None, block, expert=True),
+                      Tensor(f"{name}_lora_b", (experts, lora.rank, outer), None, block, expert=True)]  # fmt: skip
     return tuple(table)
 
 

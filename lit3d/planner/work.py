@@ -123,7 +123,8 @@ def adapter_gemms(
     lora: LoRA, tokens: float, d: float, q: float, kv: float, f: float, blocks: int, dense: int, tp: int
 ) -> list[Gemm]:
     """The adapters' GEMMs (``A`` then ``B``) per micro-batch: a column-parallel linear's ``B`` and a row-parallel
-    one's ``A`` split over TP (``q``, ``kv``, ``f``: a TP rank's widths)."""
+    one's ``A`` split over TP (``q``, ``kv``, ``f``: a TP rank's widths). Left out: an MoE layer's expert adapters,
+    rank / d_ff_expert of its experts' GEMMs."""
     column = {"q": q, "k": kv, "v": kv, "gate": f, "up": f}  # out, split; in: d
     row = {"o": q, "down": f}  # in, split; out: d
     gemms = []
