@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lit3d.config import GPTConfig
 from lit3d.lora_settings import ADAPTERS, ROLES, LoRA  # noqa: F401 (read from here too)
 
 
