@@ -12,7 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from lit3d.documents import Documents, attention_mask
+from lit3d.documents import Documents
 
 
 def flash_attn_installed() -> bool:
@@ -41,12 +41,14 @@ def causal_attention(
     """softmax(q kᵀ / √d + causal mask) v, with the backend resolved for q's device and dtype; with packed
     ``documents``, each token attends only to its own document's.
 
-    NOTE: packed documents run PyTorch SDPA with a block-diagonal mask whatever the backend (flash-attn's variable-
-    length kernel would skip the masked blocks; not wired yet)."""
-    if documents is not None:
-        mask = attention_mask(documents.segments, documents.segments, causal=True)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-                                             enable_gqa=q.shape[2] != k.shape[2])  # fmt: skip
+    NOTE: packed documents run PyTorch SDPA with a block-diagonal mask whatever the backend: on GPUs its
+    memory-efficient kernel, which computes the masked blocks too (flash-attn's variable-length kernel would skip
+    them; not wired yet)."""
+    if documents is not None:  # K/V heads repeated: SDPA's kernels that take a mask take no grouped heads
+        groups = q.shape[2] // k.shape[2]
+        k, v = (t.repeat_interleave(groups, dim=2) if groups > 1 else t for t in (k, v))
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             attn_mask=documents.causal_mask)  # fmt: skip
         return out.transpose(1, 2)
     backend = resolve_backend(backend, q.device, q.dtype)
     if backend == "flash":

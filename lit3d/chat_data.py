@@ -30,7 +30,8 @@ class ChatDataModule(GlobalBatchData):
     step's loss is their global mean: every batch carries its global batch's ``loss_scale`` (`lit3d.GPT.loss`).
 
     Everything is read, tokenized and checked when the data module is made, in the launching process, so that bad
-    data is refused before any rank starts.
+    data is refused before any rank starts (a held-out set smaller than one round of the layout's micro-batches, which
+    only the ranks know, is refused when its loader is made).
 
     Args:
         data_path: A ``.jsonl``, ``.json`` or ``.parquet`` file.
@@ -73,7 +74,7 @@ class ChatDataModule(GlobalBatchData):
         examples = self._examples(read_rows(data_path), overlong)
         order = np.random.default_rng(seed).permutation(len(examples))
         n_val = max(1, round(val_fraction * len(examples)))
-        n_test = round(test_fraction * len(examples))
+        n_test = max(1, round(test_fraction * len(examples))) if test_fraction else 0
         split = np.split(order, [n_val, n_val + n_test])
         pack = ChatRows.packed if packing else ChatRows.one_per_row
         self.val_set, test, train = (pack([examples[i] for i in part], seq_len + 1, self.chat.pad_id) for part in split)

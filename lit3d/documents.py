@@ -14,6 +14,7 @@ hidden state, and a block recomputed in backward (activation checkpointing) runs
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ class Documents:
 
     Attributes:
         positions: ``[batch, seq]``: each token's position within its document (rotary).
-        segments: ``[batch, seq]``: which document of its row each token belongs to (numbered from 0).
+        segments: ``[batch, seq]``: which document of its row each token belongs to (numbered from 1).
         whole_segments: ``[batch, whole_seq]``: ``segments`` of the whole rows, before context parallelism cut them
             (the ring attention reads the segments of the blocks other ranks hold from it).
     """
@@ -44,6 +45,11 @@ class Documents:
 
     def rows(self, start: int, stop: int) -> Documents:
         return Documents(self.positions[start:stop], self.segments[start:stop], self.whole_segments[start:stop])
+
+    @functools.cached_property
+    def causal_mask(self) -> torch.Tensor:
+        """`attention_mask` of these tokens among themselves, made once for every layer of a forward."""
+        return attention_mask(self.segments, self.segments, causal=True)
 
 
 _current: list[Documents | None] = [None]
@@ -91,7 +97,7 @@ def attention_mask(query_segments: torch.Tensor, key_segments: torch.Tensor, cau
 def attended_length(positions: torch.Tensor) -> float:
     """The length of the document a token sits in, averaged over the tokens of ``positions`` ``[batch, seq]``: the
     sequence length that gives whole-sequence attention the FLOPs the documents' masks keep."""
-    segments = torch.cumsum(positions == 0, dim=-1)
+    segments = Documents.of(positions).segments
     offset = segments + segments.shape[1] * torch.arange(segments.shape[0], device=segments.device)[:, None]
     lengths = torch.bincount(offset.flatten())
     return float(lengths[offset.flatten()].float().mean())
@@ -107,6 +113,7 @@ def row_positions(starts: np.ndarray) -> np.ndarray:
 
 def document_starts(lengths: list[int]) -> np.ndarray:
     """``True`` where each of the documents of ``lengths``, laid end to end, begins."""
+    lengths = [n for n in lengths if n]  # (an empty document starts nowhere)
     starts = np.zeros(int(sum(lengths)), dtype=bool)
     starts[np.cumsum(lengths)[:-1]] = True
     if len(starts):

@@ -105,7 +105,7 @@ class GPT(L.LightningModule):
 
     @property
     def adapter_params(self) -> int | None:
-        """Elements of the whole model's LoRA adapters (None without LoRA): what its FLOPs count (`Throughput`)."""
+        """Elements of the LoRA adapters a token uses (None without LoRA): what its FLOPs count (`Throughput`)."""
         from lit3d.planner.tensors import adapter_params
 
         return adapter_params(self.config, self.lora) if self.lora is not None else None
@@ -183,7 +183,7 @@ class GPT(L.LightningModule):
         return tokens[:, :-1], targets
 
     @staticmethod
-    def loss_fn(logits: torch.Tensor, targets: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
         """Mean next-token cross-entropy (`lit3d.model.cross_entropy`); with a ``scale``, the sum over the trained
         targets times ``scale / targets.numel()`` (see `loss`)."""
         return cross_entropy(logits, targets, scale)
@@ -204,8 +204,8 @@ class GPT(L.LightningModule):
         packed = isinstance(batch, dict) and "positions" in batch
         documents.use(documents.Documents.of(batch["positions"][:, :-1]) if packed else None)
         loss_fn = self.loss_fn
-        if isinstance(batch, dict) and "loss_scale" in batch:
-            loss_fn = functools.partial(self.loss_fn, scale=float(batch["loss_scale"][0]))
+        if isinstance(batch, dict) and "loss_scale" in batch:  # (a tensor: no wait for the device)
+            loss_fn = functools.partial(self.loss_fn, scale=batch["loss_scale"][0])
         return self.runner.loss(self.model, inputs, targets, loss_fn)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -264,7 +264,7 @@ class GPT(L.LightningModule):
         self.log("train_loss", global_mean, on_step=True, on_epoch=False, prog_bar=True, batch_size=1)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        self.val_loss.update(self.loss(batch))
+        self.val_loss.update(self.loss(batch), weight=_trained_share(batch))
         self.log("val_loss", self.val_loss, prog_bar=True, batch_size=1)
 
     def on_validation_epoch_end(self) -> None:
@@ -272,7 +272,7 @@ class GPT(L.LightningModule):
         self.log("val_ppl", torch.exp(self.val_loss.compute()), batch_size=1, sync_dist=True)
 
     def test_step(self, batch: Any, batch_idx: int) -> None:
-        self.test_loss.update(self.loss(batch))
+        self.test_loss.update(self.loss(batch), weight=_trained_share(batch))
         self.log("test_loss", self.test_loss, batch_size=1)
 
     def on_test_epoch_end(self) -> None:
@@ -361,6 +361,15 @@ class GPT(L.LightningModule):
         datamodule = getattr(self.trainer, "datamodule", None)
         if datamodule is not None and stage != "predict":  # prediction feeds prompts, not seq_len blocks
             check_model_fits_data(self.config, datamodule)
+
+
+def _trained_share(batch: Any) -> torch.Tensor | float:
+    """How much an evaluation batch's loss weighs in the mean: 1, or with a ``loss_scale`` (chat data) the share of its
+    round's targets that are trained (1 / scale: 0 for a round without any), so the mean is over answer tokens."""
+    if not isinstance(batch, dict) or "loss_scale" not in batch:
+        return 1.0
+    scale = batch["loss_scale"][0]
+    return torch.where(scale > 0, 1 / scale.clamp(min=1e-12), torch.zeros_like(scale))
 
 
 class WarmupCosine:

@@ -321,7 +321,7 @@ def loss_parallel_scope() -> Iterator[None]:
 IGNORED = -100  # a target no loss is taken on (a prompt token, padding)
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
     """Mean next-token cross-entropy in fp32; with ``scale``, the sum over the targets that are not ``IGNORED``
     times ``scale / targets.numel()`` instead (`lit3d.GPT.loss` says why).
 

@@ -106,7 +106,8 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torc
 def _has_grouped_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if not (x.is_cuda and hasattr(torch, "_grouped_mm") and x.dtype == weight.dtype == torch.bfloat16):
         return False
-    return torch.cuda.get_device_capability(x.device) >= (9, 0)
+    aligned = x.shape[-1] % 8 == 0 and weight.shape[-1] % 8 == 0  # 16-byte rows (a LoRA rank of 4 is not)
+    return aligned and torch.cuda.get_device_capability(x.device) >= (9, 0)
 
 
 class Experts(nn.Module):
@@ -115,7 +116,7 @@ class Experts(nn.Module):
 
     With ``lora`` targeting ``gate``, ``up`` or ``down``, each expert's projection gets its own adapter, stacked the
     same way: ``{role}_proj_lora_a`` ``[expert, in, rank]`` and ``{role}_proj_lora_b`` ``[expert, rank, out]``
-    (`lit3d.lora`), split over expert parallelism with the experts."""
+    (`lit3d.lora`), split over expert parallelism with the experts. (A shared expert, `MoE.shared`, stays frozen.)"""
 
     def __init__(self, n_expert: int, d_model: int, d_ff: int, lora: LoRA | None = None) -> None:
         super().__init__()

@@ -83,8 +83,8 @@ class GlobalBatchSampler(DistributedSampler):
 class TrainedTokenSampler(GlobalBatchSampler):
     """`GlobalBatchSampler` for data whose loss is taken on some targets only (chat data: the answers). Each index
     comes with its global batch's ``loss_scale``: the batch's targets over its trained targets, ``trained[i]`` being
-    sample ``i``'s and ``targets_per_sample`` every sample's (see `lit3d.GPT.loss`). Every replica computes it from
-    the whole global batch, so no rank has to ask the others.
+    sample ``i``'s and ``targets_per_sample`` every sample's (see `lit3d.GPT.loss`), 0 for a batch without any.
+    Every replica computes it from the whole global batch, so no rank has to ask the others.
     """
 
     def __init__(self, dataset: Sized, trained: np.ndarray, targets_per_sample: int, *args, **kwargs) -> None:
@@ -95,6 +95,7 @@ class TrainedTokenSampler(GlobalBatchSampler):
         order, size = self.remaining_order(), self.global_batch_size
         for start in range(0, len(order), size):
             batch = order[start : start + size]
-            scale = size * self.targets_per_sample / max(1, int(self.trained[batch].sum()))
+            trained = int(self.trained[batch].sum())
+            scale = size * self.targets_per_sample / trained if trained else 0.0
             for index in batch[self.rank :: self.num_replicas].tolist():
                 yield index, scale

@@ -87,9 +87,9 @@ def split_module(
     if any(p.is_meta for p in network.parameters()):
         for chunk in chunks:  # NOTE: offloaded weights are made in host memory, where FSDP2 keeps them
             chunk.to_empty(device="cpu" if parallelism.offload else device)
-            for buffer_owner in chunk.modules():  # buffers (an MoE router's bias) stay on the device
-                for name, buffer in buffer_owner.named_buffers(recurse=False):
-                    buffer_owner.register_buffer(name, buffer.to(device))
+            for owner in chunk.modules() if parallelism.offload else ():  # buffers (a router's bias): on the device
+                for name, buffer in list(owner.named_buffers(recurse=False)):
+                    setattr(owner, name, buffer.to(device))  # (a registered buffer keeps its persistence)
         network.tie_weights()
         network.reset_parameters()
     runner: Runner = WholeNetwork()

@@ -229,6 +229,7 @@ LORA_LAYOUTS = {
         ("lora_pp2_zbv", 2, pp(2, "zbv")),
         ("lora_pp2_interleaved", 2, pp(2, "interleaved_1f1b")),
         ("lora_dp2_tp2_pp2_zero1", 8, {"tensor_parallel_size": 2, "zero_stage": 1, **pp(2)}),
+        ("lora_dp2_tp2_pp2_zero3", 8, {"tensor_parallel_size": 2, "zero_stage": 3, **pp(2)}),
     ]
 }  # fmt: skip
 # An MoE model with adapters on its attention and on each expert, the experts (and their adapters) split over EP.

@@ -166,6 +166,8 @@ def test_offload_needs_zero3():
 
     with pytest.raises(ValueError, match="offload=True with zero_stage=1: offloading to the CPU needs zero_stage=3"):
         Parallelism(offload=True)
+    with pytest.raises(ValueError, match="offload=True with expert_parallel_size=2: experts split over ranks"):
+        Parallelism(offload=True, zero_stage=3, expert_parallel_size=2)
 
 
 def _trained(folder: Path, lora: LoRA, path: Path) -> tuple[GPT, Path]:

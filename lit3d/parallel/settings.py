@@ -185,6 +185,9 @@ class Parallelism:
                 f"offload={self.offload!r} with zero_stage={self.zero_stage}: offloading to the CPU needs zero_stage=3 "
                 "(FSDP2 keeps the sharded states it offloads)"
             )
+        if self.offload and self.expert_parallel_size != 1:
+            raise ValueError(f"offload=True with expert_parallel_size={self.expert_parallel_size}: experts split over "
+                             "ranks are not offloaded yet; offload without expert parallelism")  # fmt: skip
         check_reduce_dtype(self.mixed_precision_reduce)
         check_outer_loop(
             self.islands, self.sync_every, self.outer_lr, self.outer_momentum, self.outer_fragments,

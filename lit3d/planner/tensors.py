@@ -64,8 +64,10 @@ def _parameter_table(key: tuple[tuple[str, Any], ...]) -> tuple[Tensor, ...]:
 
 
 def adapter_params(config: GPTConfig, lora: LoRA) -> int:
-    """Elements of every LoRA adapter of the model."""
-    return sum(math.prod(t.shape) for t in parameter_table(config, lora) if t.trains)
+    """Elements of the LoRA adapters one token uses: every adapter, an MoE layer's experts' as k of them."""
+    active = config.n_expert_per_token / config.n_expert if config.n_expert else 1.0
+    return round(sum(math.prod(t.shape) * (active if t.expert else 1) for t in parameter_table(config, lora)
+                     if t.trains))  # fmt: skip
 
 
 def adapter_tensors(module: str, shape: tuple[int, ...], tp_dim: int | None, block: int, rank: int) -> list[Tensor]:
