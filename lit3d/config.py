@@ -26,6 +26,9 @@ class GPTConfig:
         vocab_size: Number of token ids the tokenizer produces.
         max_seq_len: Longest sequence the model is meant to see.
         rope_theta: Base of the rotary embedding frequencies.
+        rope_scaling: HuggingFace's ``rope_scaling``: ``{"rope_type": "llama3", "factor", "low_freq_factor",
+            "high_freq_factor", "original_max_position_embeddings"}`` (Llama 3.1-3.3) or ``{"rope_type": "linear",
+            "factor"}``; ``None``: plain rotary embeddings (`lit3d.rotary`).
         norm_eps: Epsilon of the RMSNorms.
         tie_embeddings: Share the token embedding with the LM head.
         pad_vocab_multiple: Embedding and head rows are padded up to a multiple of this (padded logits are
@@ -35,6 +38,9 @@ class GPTConfig:
         attention: ``"sdpa"`` (PyTorch), ``"flash"`` (the flash-attn package) or ``"auto"`` (flash-attn on
             CUDA in bf16/fp16 when installed, else SDPA).
         head_dim: Width of each attention head; ``None`` means ``d_model / n_head`` (Qwen3 sets it apart).
+        qk_norm: An RMSNorm over each head of q and of k before rotary (Qwen3).
+        family: The HuggingFace ``model_type`` an export writes (``llama``, ``mistral``, ``qwen2``, ``qwen3``;
+            ``mixtral`` for an MoE model).
         n_expert: Routed experts per Mixture-of-Experts layer; 0 means a dense model (`lit3d.moe`).
         n_expert_per_token: Experts each token is routed to (top-k).
         n_shared_expert: Experts every token also goes through (DeepSeek, Qwen2-MoE), as one wider SwiGLU.
@@ -57,12 +63,15 @@ class GPTConfig:
     vocab_size: int = 256
     max_seq_len: int = 256
     rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     pad_vocab_multiple: int = 64
     init_std: float = 0.02
     attention: AttentionBackend = "auto"
     head_dim: int | None = None
+    qk_norm: bool = False
+    family: str = "llama"
     n_expert: int = 0
     n_expert_per_token: int = 2
     n_shared_expert: int = 0
@@ -96,6 +105,9 @@ class GPTConfig:
             raise ValueError(f"n_head={self.n_head} does not divide d_model={self.d_model}")
         if self.n_head % self.n_kv_head:
             raise ValueError(f"n_kv_head={self.n_kv_head} does not divide n_head={self.n_head}")
+        check_rope_scaling(self.rope_scaling)
+        if self.family not in ("llama", "mistral", "qwen3", "mixtral"):
+            raise ValueError(f"family={self.family!r} is not one of llama, mistral, qwen3, mixtral")
         if self.attention not in ("auto", "sdpa", "flash"):
             raise ValueError(f"attention={self.attention!r} is not one of 'auto', 'sdpa', 'flash'")
         self._explicit_head_dim = self.head_dim
@@ -191,6 +203,7 @@ class GPTConfig:
     def block_params(self, active: bool) -> int:
         """Parameters of all blocks; ``active``: only those one token uses (k of the routed experts)."""
         attention = self.d_model * self.head_dim * (2 * self.n_head + 2 * self.n_kv_head) + 2 * self.d_model
+        attention += 2 * self.head_dim if self.qk_norm else 0  # Qwen3's per-head q and k norms
         dense = 3 * self.d_model * self.d_ff
         expert = 3 * self.d_model * self.d_ff_expert
         routed = self.n_expert_per_token if active else self.n_expert
@@ -214,9 +227,32 @@ class GPTConfig:
         return 12 * self.n_layer * self.n_head * self.head_dim * seq_len
 
 
+# Rotary scalings lit3d computes (`lit3d.rotary`), and the parameters each needs besides ``rope_type``.
+ROPE_SCALINGS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+
+def check_rope_scaling(scaling: dict[str, Any] | None) -> None:
+    """Refuse a rotary scaling lit3d does not compute, or one missing a parameter, naming it."""
+    if not scaling:
+        return
+    kind = scaling.get("rope_type")
+    if kind not in ROPE_SCALINGS:
+        raise ValueError(f"rope_scaling={scaling}: rope_type {kind!r} is not one of {', '.join(ROPE_SCALINGS)}")
+    missing = [name for name in ROPE_SCALINGS[kind] if name not in scaling]
+    if missing:
+        raise ValueError(f"rope_scaling={scaling}: {kind} needs {', '.join(missing)}")
+
+
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
+
+# Llama 3.1's rotary scaling to 128k positions (3.2 has a factor of 32).
+LLAMA31_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 8192}  # fmt: skip
 
 # Llama-style presets. `gpt3-175b` keeps GPT-3's widths and parameter count with a SwiGLU MLP (3 matrices of
 # d_ff = 2/3 * 4 * d_model hold as many weights as GPT-3's 2 matrices of 4 * d_model), with an untied head so
@@ -265,11 +301,39 @@ PRESETS: dict[str, dict[str, Any]] = {
         max_seq_len=131072,  # Llama 3.1: 128k tokens after the long-context stage (trained at TP8 x CP16 x PP16)
         rope_theta=500000.0,
     ),
+    # Llama 3.1 and 3.2 as their published config.json files have them: 128k positions by llama3 rotary scaling.
+    "llama3.1-8b": dict(
+        n_layer=32, n_head=32, n_kv_head=8, d_model=4096, d_ff=14336, vocab_size=128256, max_seq_len=131072,
+        rope_theta=500000.0, norm_eps=1e-5, rope_scaling=dict(LLAMA31_SCALING),
+    ),
+    "llama3.1-70b": dict(
+        n_layer=80, n_head=64, n_kv_head=8, d_model=8192, d_ff=28672, vocab_size=128256, max_seq_len=131072,
+        rope_theta=500000.0, norm_eps=1e-5, rope_scaling=dict(LLAMA31_SCALING),
+    ),
+    "llama3.2-1b": dict(
+        n_layer=16, n_head=32, n_kv_head=8, d_model=2048, d_ff=8192, vocab_size=128256, max_seq_len=131072,
+        rope_theta=500000.0, norm_eps=1e-5, tie_embeddings=True, rope_scaling=dict(LLAMA31_SCALING, factor=32.0),
+    ),
+    "llama3.2-3b": dict(
+        n_layer=28, n_head=24, n_kv_head=8, d_model=3072, d_ff=8192, vocab_size=128256, max_seq_len=131072,
+        rope_theta=500000.0, norm_eps=1e-5, tie_embeddings=True, rope_scaling=dict(LLAMA31_SCALING, factor=32.0),
+    ),
+    "qwen3-8b": dict(
+        n_layer=36, n_head=32, n_kv_head=8, head_dim=128, d_model=4096, d_ff=12288, vocab_size=151936,
+        max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6, qk_norm=True, family="qwen3",
+    ),
+    "qwen3-32b": dict(
+        n_layer=64, n_head=64, n_kv_head=8, head_dim=128, d_model=5120, d_ff=25600, vocab_size=151936,
+        max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6, qk_norm=True, family="qwen3",
+    ),
+    "mistral-7b": dict(  # v0.3
+        n_layer=32, n_head=32, n_kv_head=8, d_model=4096, d_ff=14336, vocab_size=32768, max_seq_len=32768,
+        rope_theta=1e6, family="mistral",
+    ),
     "gpt3-175b": dict(
         n_layer=96, n_head=96, n_kv_head=96, d_model=12288, d_ff=32768, vocab_size=50257, max_seq_len=2048
     ),
-    # Mixture-of-Experts, from the models' published config.json files (Qwen3's per-head q/k norms are left out:
-    # 2 * head_dim weights per block).
+    # Mixture-of-Experts, from the models' published config.json files.
     "moe-tiny": dict(
         n_layer=4, n_head=4, n_kv_head=2, d_model=128, d_ff=384, vocab_size=256, max_seq_len=256,
         n_expert=8, n_expert_per_token=2, d_ff_expert=128, first_dense_layers=1,
@@ -285,11 +349,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen3-30b-a3b": dict(
         n_layer=48, n_head=32, n_kv_head=4, head_dim=128, d_model=2048, d_ff=6144, vocab_size=151936,
         max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6, n_expert=128, n_expert_per_token=8, d_ff_expert=768,
-        aux_loss_coef=0.001,
+        aux_loss_coef=0.001, qk_norm=True, family="qwen3",
     ),
     "qwen3-235b-a22b": dict(
         n_layer=94, n_head=64, n_kv_head=4, head_dim=128, d_model=4096, d_ff=12288, vocab_size=151936,
         max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6, n_expert=128, n_expert_per_token=8, d_ff_expert=1536,
-        aux_loss_coef=0.001,
+        aux_loss_coef=0.001, qk_norm=True, family="qwen3",
     ),
 }  # fmt: skip

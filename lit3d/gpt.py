@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import asdict
 from typing import Any
 
@@ -21,6 +20,7 @@ from lit3d.lora import LoRA, freeze_all_but_adapters
 from lit3d.model import IGNORED, Transformer, cross_entropy
 from lit3d.pretrained import read_config, read_meta, read_tensors
 from lit3d.runner import Runner, WholeNetwork
+from lit3d.schedule import WarmupCosine
 from lit3d.tp_plan import tensor_parallel_plan
 
 
@@ -28,8 +28,8 @@ class GPT(L.LightningModule):
     """A Llama-style GPT trained on next-token cross-entropy with AdamW and a warm-up + cosine schedule.
 
     Args:
-        config: A preset name (``tiny``, ``125m``, ``1b``, ``llama-8b``, ``llama-70b``, ``llama-405b``,
-            ``gpt3-175b``), a model YAML file, or the `GPTConfig` fields.
+        config: A preset name (``tiny``, ``llama3.1-8b``, ``qwen3-8b``, ...: `lit3d.config.PRESETS`), a model YAML
+            file, or the `GPTConfig` fields.
         learning_rate: Peak learning rate, reached after ``warmup_steps``.
         weight_decay: AdamW weight decay, applied to matrices only (not to norms).
         betas: AdamW betas.
@@ -43,9 +43,9 @@ class GPT(L.LightningModule):
             was stretched; set ``decay_steps`` to the old horizon to keep the old schedule (its floor from there).
         min_lr_ratio: The floor of the cosine decay as a fraction of ``learning_rate``.
         optimizer_impl: AdamW implementation: ``"foreach"``, ``"fused"`` or ``"auto"`` (PyTorch's choice).
-        pretrained: Start from these weights instead of the seed: a local HuggingFace Llama folder
-            (``config.json`` + safetensors) or a lit3d checkpoint (a folder of any layout, or a single file).
-            Its shapes replace ``config``; every parallel layout shards the weights as it loads them.
+        pretrained: Start from these weights instead of the seed: a local HuggingFace folder (``config.json`` +
+            safetensors: Llama, Mistral, Qwen3, Mixtral) or a lit3d checkpoint (a folder of any layout, or a single
+            file). Its shapes replace ``config``; every parallel layout shards the weights as it loads them.
         sampling: How ``predict`` (and ``lit3d generate``) continue a prompt.
         lora: Train low-rank adapters (`lit3d.LoRA`) on the linears it targets, every other weight frozen.
         adapter: Start the adapters from a PEFT LoRA folder (``adapter_config.json`` + ``adapter_model.safetensors``);
@@ -370,24 +370,6 @@ def _trained_share(batch: Any) -> torch.Tensor | float:
         return 1.0
     scale = batch["loss_scale"][0]
     return torch.where(scale > 0, 1 / scale.clamp(min=1e-12), torch.zeros_like(scale))
-
-
-class WarmupCosine:
-    """LR multiplier: linear warm-up from 0 to 1 over ``warmup_steps``, then cosine down to ``min_ratio`` at step
-    ``decay_steps``, and ``min_ratio`` after it. A function of the step alone: `GPT` sets ``decay_steps`` to the
-    current run's horizon, also when it resumes a run that had another."""
-
-    def __init__(self, warmup_steps: int, decay_steps: int, min_ratio: float) -> None:
-        self.warmup_steps, self.decay_steps, self.min_ratio = warmup_steps, decay_steps, min_ratio
-
-    def __repr__(self) -> str:
-        return f"warm-up over {self.warmup_steps} steps, cosine to {self.min_ratio} x at step {self.decay_steps}"
-
-    def __call__(self, step: int) -> float:
-        if step < self.warmup_steps:
-            return (step + 1) / (self.warmup_steps + 1)
-        progress = min(1.0, (step - self.warmup_steps) / max(1, self.decay_steps - self.warmup_steps))
-        return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def check_model_fits_data(config: GPTConfig, datamodule: Any) -> None:

@@ -1,4 +1,5 @@
-"""HuggingFace Llama and Mixtral folders in and out: ``config.json`` + safetensors, local folders only (no hub).
+"""HuggingFace Llama, Mistral, Qwen3 and Mixtral folders in and out: ``config.json`` + safetensors, local folders
+only (no hub).
 
 The layouts match one to one (lit3d uses HuggingFace's rotate-half rotary convention), so weights are renamed,
 never permuted; lit3d's vocabulary padding rows are added on import and dropped on export. Mixtral's experts are
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 
 from lit3d.adapters import merge_adapters, write_adapter
-from lit3d.config import GPTConfig
+from lit3d.config import ROPE_SCALINGS, GPTConfig
 from lit3d.lora import LoRA
 
 # lit3d name (relative to the Transformer) -> HuggingFace name; {i} is the block index.
@@ -27,6 +28,8 @@ NAMES = {
     "blocks.{i}.attn.k_proj.weight": "model.layers.{i}.self_attn.k_proj.weight",
     "blocks.{i}.attn.v_proj.weight": "model.layers.{i}.self_attn.v_proj.weight",
     "blocks.{i}.attn.o_proj.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "blocks.{i}.attn.q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",  # Qwen3
+    "blocks.{i}.attn.k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
     "blocks.{i}.mlp_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
     "blocks.{i}.mlp.gate_proj.weight": "model.layers.{i}.mlp.gate_proj.weight",
     "blocks.{i}.mlp.up_proj.weight": "model.layers.{i}.mlp.up_proj.weight",
@@ -55,17 +58,20 @@ def hf_name(name: str) -> str:
     return names[pattern].format(i=block.group(1) if block else "", e="{e}")
 
 
+# The HuggingFace families lit3d imports and exports: model_type -> architecture.
+FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            "mixtral": "MixtralForCausalLM"}  # fmt: skip
+
+
 def config_from_hf(hf: dict[str, Any]) -> GPTConfig:
-    """A `GPTConfig` from a Llama ``config.json``; refuses what lit3d's model does not compute."""
+    """A `GPTConfig` from a Llama, Mistral, Qwen3 or Mixtral ``config.json``; refuses what lit3d's model does not
+    compute, naming the field."""
     model_type = hf.get("model_type", "llama")
-    if model_type not in ("llama", "mixtral"):
-        raise ValueError(f"model_type={model_type!r}: only Llama and Mixtral folders can be imported")
-    if hf.get("sliding_window"):
+    if model_type not in FAMILIES:
+        raise ValueError(f"model_type={model_type!r}: lit3d imports {', '.join(FAMILIES)} folders")
+    if hf.get("sliding_window") and (model_type != "qwen3" or hf.get("use_sliding_window")):
         raise ValueError(f"sliding_window={hf['sliding_window']} is not supported (lit3d attends to the whole context)")
     rope = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or ({} if rope.get("rope_type", "default") == "default" else rope)
-    if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-        raise ValueError(f"rope scaling {scaling} is not supported (lit3d computes plain rotary embeddings)")
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
             raise ValueError(f"{flag}=True is not supported (lit3d's linears have no bias)")
@@ -73,8 +79,6 @@ def config_from_hf(hf: dict[str, Any]) -> GPTConfig:
         raise ValueError(f"hidden_act={hf['hidden_act']!r} is not supported (lit3d's MLP is SwiGLU with SiLU)")
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-    if head_dim * heads != hf["hidden_size"]:
-        raise ValueError(f"head_dim={head_dim} x num_attention_heads={heads} != hidden_size={hf['hidden_size']}")
     return GPTConfig(
         name=hf.get("_name_or_path") or "hf",
         n_layer=hf["num_hidden_layers"],
@@ -85,10 +89,25 @@ def config_from_hf(hf: dict[str, Any]) -> GPTConfig:
         vocab_size=hf["vocab_size"],
         max_seq_len=hf.get("max_position_embeddings", 2048),
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        rope_scaling=_rope_scaling(hf),
         norm_eps=hf.get("rms_norm_eps", 1e-6),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        head_dim=head_dim if head_dim * heads != hf["hidden_size"] else None,
+        qk_norm=model_type == "qwen3",
+        family=model_type,
         **(_moe_from_hf(hf) if model_type == "mixtral" else {}),
     )
+
+
+def _rope_scaling(hf: dict[str, Any]) -> dict[str, Any] | None:
+    """The rotary scaling of a ``config.json`` (``rope_scaling``, or transformers 5's ``rope_parameters``) as
+    `GPTConfig.rope_scaling`: its type and the parameters that type reads; None for plain rotary embeddings. A type
+    lit3d does not compute is refused by `GPTConfig`, naming it."""
+    scaling = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return None
+    return {"rope_type": kind, **{k: scaling[k] for k in ROPE_SCALINGS.get(kind, ()) if k in scaling}}
 
 
 def _moe_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
@@ -109,17 +128,18 @@ def config_to_hf(config: GPTConfig, dtype: torch.dtype) -> dict[str, Any]:
         if different:
             raise ValueError(f"a Mixtral folder cannot hold {different} (Mixtral: {unlike})")
         moe = {
-            "architectures": ["MixtralForCausalLM"],
-            "model_type": "mixtral",
             "num_local_experts": config.n_expert,
             "num_experts_per_tok": config.n_expert_per_token,
             "router_aux_loss_coef": config.aux_loss_coef,
             "output_router_logits": False,
             "sliding_window": None,
         }
+    family = "mixtral" if config.n_expert else config.family
+    if config.qk_norm != (family == "qwen3"):
+        raise ValueError(f"a {family} folder cannot hold qk_norm={config.qk_norm} (Qwen3's per-head q/k norms)")
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [FAMILIES[family]],
+        "model_type": family,
         "hidden_act": "silu",
         "hidden_size": config.d_model,
         "intermediate_size": config.d_ff,
@@ -135,7 +155,9 @@ def config_to_hf(config: GPTConfig, dtype: torch.dtype) -> dict[str, Any]:
         "mlp_bias": False,
         "torch_dtype": str(dtype).removeprefix("torch."),
         "rope_theta": config.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta, **(config.rope_scaling or {})},
+        "rope_scaling": config.rope_scaling,
+        "sliding_window": None,
     } | moe
 
 

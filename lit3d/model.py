@@ -29,65 +29,10 @@ from lit3d import documents
 from lit3d.attention import causal_attention
 from lit3d.config import GPTConfig
 from lit3d.lora import LoRA, init_adapter, linear
-from lit3d.ring_attention import ContextParallel, positions, ring_attention
+from lit3d.ring_attention import ContextParallel, ring_attention
+from lit3d.rotary import Rope, apply_rotary, context_parallel_rotary_tables, rotary_tables
 
-
-def rotary_tables(
-    seq_len: int, head_dim: int, theta: float, device: torch.device, dtype: torch.dtype = torch.float32
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the rotary angles, ``[seq, head_dim]``, in the rotate-half layout HuggingFace Llama uses.
-
-    Computed (in fp32, then cast to ``dtype``) once per (head_dim, theta, device, dtype) for the longest sequence
-    asked so far, and sliced: not again in every block of every forward, and no cast copy kept for backward.
-    """
-    if torch.compiler.is_compiling():
-        return tuple(t.to(dtype) for t in _rotary_tables(seq_len, head_dim, theta, device))
-    key = (head_dim, theta, str(device), dtype)
-    tables = _ROTARY_TABLES.get(key)
-    if tables is None or tables[0].shape[0] < seq_len:
-        # Plain tensors even under inference mode: training saves them for backward later.
-        with torch.inference_mode(False), torch.no_grad():
-            tables = tuple(t.to(dtype) for t in _rotary_tables(seq_len, head_dim, theta, device))
-            _ROTARY_TABLES[key] = tables
-    return tables[0][:seq_len], tables[1][:seq_len]
-
-
-_ROTARY_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def context_parallel_rotary_tables(
-    cp: ContextParallel, seq_len: int, head_dim: int, theta: float, device: torch.device, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`rotary_tables` at the true positions of the ``seq_len`` tokens a CP rank holds (`lit3d.ring_attention`),
-    cached the same way."""
-    key = ("cp", seq_len, cp.size, cp.rank, head_dim, theta, str(device), dtype)
-    compiling = torch.compiler.is_compiling()
-    if compiling or key not in _ROTARY_TABLES:
-        cos, sin = rotary_tables(seq_len * cp.size, head_dim, theta, device, dtype)
-        where = positions(seq_len, cp.size, cp.rank, device)
-        if compiling:
-            return cos[where], sin[where]
-        with torch.inference_mode(False), torch.no_grad():
-            _ROTARY_TABLES[key] = cos[where], sin[where]
-    return _ROTARY_TABLES[key]
-
-
-def _rotary_tables(
-    seq_len: int, head_dim: int, theta: float, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
-    angles = torch.cat((angles, angles), dim=-1)
-    return angles.cos(), angles.sin()
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` of shape ``[batch, seq, heads, head_dim]`` by position."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    # [seq, head_dim], or [batch, seq, head_dim] for packed documents; no copy when the tables are in x's dtype
-    cos, sin = cos.unsqueeze(-2).to(x.dtype), sin.unsqueeze(-2).to(x.dtype)
-    return x * cos + rotated * sin
+__all__ = ["Transformer", "apply_rotary", "rotary_tables"]  # (the rotary helpers are read from here too)
 
 
 class Attention(nn.Module):
@@ -99,8 +44,12 @@ class Attention(nn.Module):
         self.k_proj = linear(d, config.n_kv_head * hd, lora, "attn.k_proj")
         self.v_proj = linear(d, config.n_kv_head * hd, lora, "attn.v_proj")
         self.o_proj = linear(config.n_head * hd, d, lora, "attn.o_proj")
+        # Qwen3: each head of q and of k normalised before rotary (under TP, a rank's heads: `lit3d.tp_plan`).
+        self.q_norm = nn.RMSNorm(hd, eps=config.norm_eps) if config.qk_norm else None
+        self.k_norm = nn.RMSNorm(hd, eps=config.norm_eps) if config.qk_norm else None
         # Under context parallelism, x holds this rank's share of each sequence (`lit3d.ring_attention`).
         self.context_parallel: ContextParallel | None = None
+        self.rope = Rope.of(config.rope_theta, config.rope_scaling)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -109,14 +58,16 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(batch, seq, -1, hd)
         k = self.k_proj(x).view(batch, seq, -1, hd)
         v = self.v_proj(x).view(batch, seq, -1, hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         docs = documents.current(batch, seq)
         if docs is not None:  # packed rows: each token rotated by its position within its document
-            cos, sin = (t[docs.positions] for t in rotary_tables(self.config.max_seq_len, hd, self.config.rope_theta,
-                                                                   x.device, q.dtype))  # fmt: skip
+            tables = rotary_tables(self.config.max_seq_len, hd, self.rope, x.device, q.dtype)
+            cos, sin = (t[docs.positions] for t in tables)
         elif cp is None:
-            cos, sin = rotary_tables(seq, hd, self.config.rope_theta, x.device, q.dtype)
+            cos, sin = rotary_tables(seq, hd, self.rope, x.device, q.dtype)
         else:  # each token rotated by its true position
-            cos, sin = context_parallel_rotary_tables(cp, seq, hd, self.config.rope_theta, x.device, q.dtype)
+            cos, sin = context_parallel_rotary_tables(cp, seq, hd, self.rope, x.device, q.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cp is None:
             y = causal_attention(q, k, v, self.config.attention, docs)

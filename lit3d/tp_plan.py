@@ -13,6 +13,7 @@ from lit3d.config import GPTConfig
 #   colwise / rowwise  split the output / input features of a linear
 #   tp_region          a module that runs on the full sequence (its input is gathered under sequence parallel)
 #   norm               runs on sequence shards under sequence parallel, replicated otherwise
+#   head_norm          a norm over each head (Qwen3's q and k norms): on each rank's heads, its weight replicated
 #   vocab_embedding    embedding rows split by vocabulary
 #   vocab_head         LM head split by vocabulary; its logits stay sharded for the parallel loss
 TENSOR_PARALLEL_PLAN: dict[str, str] = {
@@ -35,11 +36,15 @@ TENSOR_PARALLEL_PLAN: dict[str, str] = {
 
 def tensor_parallel_plan(config: GPTConfig) -> dict[str, str]:
     """`TENSOR_PARALLEL_PLAN` for ``config``: an MoE block's feed-forward is a ``replicated_region`` (every TP rank
-    routes the same tokens through the same experts; expert parallelism is what splits the experts)."""
+    routes the same tokens through the same experts; expert parallelism is what splits the experts); Qwen3's q and k
+    norms are ``head_norm``s (each rank normalises its heads; their weights' gradients are summed over TP)."""
+    base = dict(TENSOR_PARALLEL_PLAN)
+    if config.qk_norm:
+        base.update({"blocks.*.attn.q_norm": "head_norm", "blocks.*.attn.k_norm": "head_norm"})
     if not config.n_expert:
-        return TENSOR_PARALLEL_PLAN
+        return base
     mlp = [k for k in TENSOR_PARALLEL_PLAN if k == "blocks.*.mlp" or k.startswith("blocks.*.mlp.")]
-    plan = {k: v for k, v in TENSOR_PARALLEL_PLAN.items() if k not in mlp}
+    plan = {k: v for k, v in base.items() if k not in mlp}
     for i in range(config.n_layer):
         if config.is_moe_layer(i):
             plan[f"blocks.{i}.mlp"] = "replicated_region"

@@ -50,6 +50,8 @@ def parallel_styles(sequence_parallel: bool) -> dict[str, ParallelStyle | None]:
             use_local_output=True,
         ),  # fmt: skip
         "norm": NormOnShards() if sequence_parallel else None,
+        # q and k as [batch, seq, heads, head_dim], split by heads (dim 2): the weight's gradient summed over TP.
+        "head_norm": NormOnShards(sequence_dim=2, use_local_output=True),
         "vocab_embedding": VocabParallelEmbedding(input_layouts=Replicate(), output_layouts=between),
         # NOTE: logits stay a vocabulary-sharded DTensor so the loss never gathers them (loss_parallel).
         "vocab_head": ColwiseParallel(input_layouts=between, output_layouts=Shard(-1), use_local_output=False),

@@ -104,11 +104,12 @@ def test_gradients_reach_every_parameter(small_config):
 
 def test_rotary_tables_are_computed_once_not_per_block_and_step(monkeypatch):
     from lit3d import model as model_module
+    from lit3d import rotary
 
     calls = []
-    compute = model_module._rotary_tables
-    monkeypatch.setattr(model_module, "_rotary_tables", lambda *a: calls.append(a[0]) or compute(*a))
-    monkeypatch.setattr(model_module, "_ROTARY_TABLES", {})
+    compute = rotary._rotary_tables
+    monkeypatch.setattr(rotary, "_rotary_tables", lambda *a: calls.append(a[0]) or compute(*a))
+    monkeypatch.setattr(rotary, "_ROTARY_TABLES", {})
     net = model_module.Transformer(GPTConfig(n_layer=3, n_head=2, d_model=16, d_ff=32, vocab_size=50, max_seq_len=16))
     net.reset_parameters(0)
     for _ in range(2):

@@ -60,6 +60,8 @@ def _block(config: GPTConfig, index: int) -> list[tuple[str, Shape]]:
     attention = [("q_proj", (q_width, d)), ("k_proj", (kv_width, d)), ("v_proj", (kv_width, d))]
     attention.append(("o_proj", (d, q_width)))
     shapes = [("attn_norm.weight", (d,)), *[(f"attn.{name}.weight", shape) for name, shape in attention]]
+    if config.qk_norm:
+        shapes += [("attn.q_norm.weight", (config.head_dim,)), ("attn.k_norm.weight", (config.head_dim,))]
     shapes.append(("mlp_norm.weight", (d,)))
     if not config.is_moe_layer(index):
         return shapes + [(f"mlp.{name}", shape) for name, shape in _mlp(d, config.d_ff)]

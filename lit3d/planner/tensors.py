@@ -87,7 +87,7 @@ def stage_blocks(config: GPTConfig, chunks: int) -> tuple[tuple[int, ...], ...]:
 
 @lru_cache(maxsize=64)
 def _stage_blocks(key: tuple[tuple[str, Any], ...], chunks: int) -> tuple[tuple[int, ...], ...]:
-    return tuple(tuple(run) for run in partition(*block_costs(GPTConfig(**dict(key))), chunks))
+    return tuple(tuple(run) for run in partition(*block_costs(config_of(key)), chunks))
 
 
 def rank_tensors(
@@ -105,11 +105,13 @@ def key_tensors(key: tuple, pp: int, virtual: int, stage_rank: int, placement: s
 
 def config_key(config: GPTConfig, lora: LoRA | None = None) -> tuple[tuple[str, Any], ...]:
     """A hashable stand-in for a (mutable, so unhashable) config and its adapters, for the caches."""
-    return tuple(sorted(config.to_dict().items())) + ((("~lora", lora),) if lora is not None else ())
+    fields = {name: tuple(sorted(v.items())) if isinstance(v, dict) else v for name, v in config.to_dict().items()}
+    return tuple(sorted(fields.items())) + ((("~lora", lora),) if lora is not None else ())
 
 
 def config_of(key: tuple[tuple[str, Any], ...]) -> GPTConfig:
-    return GPTConfig(**{name: value for name, value in key if name != "~lora"})
+    fields = {name: dict(v) if name == "rope_scaling" and v else v for name, v in key if name != "~lora"}
+    return GPTConfig(**fields)
 
 
 def lora_of(key: tuple[tuple[str, Any], ...]) -> LoRA | None:
