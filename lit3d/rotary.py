@@ -82,10 +82,11 @@ _ROTARY_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def context_parallel_rotary_tables(
-    cp: ContextParallel, seq_len: int, head_dim: int, rope: Rope, device: torch.device, dtype: torch.dtype
+    cp: ContextParallel, seq_len: int, head_dim: int, rope: Rope | float, device: torch.device, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`rotary_tables` at the true positions of the ``seq_len`` tokens a CP rank holds (`lit3d.ring_attention`),
     cached the same way."""
+    rope = rope if isinstance(rope, Rope) else Rope(float(rope))
     key = ("cp", seq_len, cp.size, cp.rank, head_dim, rope, str(device), dtype)
     compiling = torch.compiler.is_compiling()
     if compiling or key not in _ROTARY_TABLES:
