@@ -35,7 +35,7 @@ def export(ckpt_path: str, output: str, dtype: str = "float32", adapter: bool = 
     """
     import torch
 
-    from lit3d.hf import export_checkpoint
+    from lit3d.hf_export import export_checkpoint
 
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype={dtype!r} is not one of float32, bfloat16, float16")

@@ -7,7 +7,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from lit3d.presets import PRESETS
+
 AttentionBackend = Literal["auto", "sdpa", "flash"]
+
+# The HuggingFace model families lit3d imports and exports (``model_type``), with their architecture (`lit3d.hf`).
+FAMILIES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
 
 
 @dataclass
@@ -39,14 +51,17 @@ class GPTConfig:
             CUDA in bf16/fp16 when installed, else SDPA).
         head_dim: Width of each attention head; ``None`` means ``d_model / n_head`` (Qwen3 sets it apart).
         qk_norm: An RMSNorm over each head of q and of k before rotary (Qwen3).
-        family: The HuggingFace ``model_type`` an export writes (``llama``, ``mistral``, ``qwen2``, ``qwen3``;
-            ``mixtral`` for an MoE model).
+        qkv_bias: A bias on the q, k and v projections (Qwen2, Qwen2.5).
+        family: The HuggingFace ``model_type`` an export writes (`FAMILIES`: ``llama``, ``mistral``, ``qwen2``,
+            ``qwen3``; ``mixtral`` or ``qwen3_moe`` for an MoE model).
         n_expert: Routed experts per Mixture-of-Experts layer; 0 means a dense model (`lit3d.moe`).
         n_expert_per_token: Experts each token is routed to (top-k).
         n_shared_expert: Experts every token also goes through (DeepSeek, Qwen2-MoE), as one wider SwiGLU.
         d_ff_expert: Hidden width of each expert; ``None`` means ``d_ff``.
         first_dense_layers: The first this many blocks keep a dense MLP (DeepSeek-V3: 3); the rest are MoE.
         router: ``"softmax"`` top-k (Mixtral, Qwen3-MoE) or ``"sigmoid"`` with a balancing bias (DeepSeek-V3).
+        norm_topk_prob: The chosen experts' weights are renormalised to sum to 1 (HuggingFace's name; Mixtral and
+            Qwen3-30B-A3B: True); False keeps the softmax router's probabilities as they are.
         aux_loss_coef: Weight of the load-balancing loss added to the cross-entropy (0 turns it off).
         router_bias_rate: How far the sigmoid router's bias moves per step toward an even load.
         capacity_factor: ``None`` routes dropless (every token reaches its experts: the default, and what keeps
@@ -71,6 +86,7 @@ class GPTConfig:
     attention: AttentionBackend = "auto"
     head_dim: int | None = None
     qk_norm: bool = False
+    qkv_bias: bool = False
     family: str = "llama"
     n_expert: int = 0
     n_expert_per_token: int = 2
@@ -78,6 +94,7 @@ class GPTConfig:
     d_ff_expert: int | None = None
     first_dense_layers: int = 0
     router: Literal["softmax", "sigmoid"] = "softmax"
+    norm_topk_prob: bool = True
     aux_loss_coef: float = 0.01
     router_bias_rate: float = 1e-3
     capacity_factor: float | None = None
@@ -106,8 +123,8 @@ class GPTConfig:
         if self.n_head % self.n_kv_head:
             raise ValueError(f"n_kv_head={self.n_kv_head} does not divide n_head={self.n_head}")
         check_rope_scaling(self.rope_scaling)
-        if self.family not in ("llama", "mistral", "qwen3", "mixtral"):
-            raise ValueError(f"family={self.family!r} is not one of llama, mistral, qwen3, mixtral")
+        if self.family not in FAMILIES:
+            raise ValueError(f"family={self.family!r} is not one of {', '.join(FAMILIES)}")
         if self.attention not in ("auto", "sdpa", "flash"):
             raise ValueError(f"attention={self.attention!r} is not one of 'auto', 'sdpa', 'flash'")
         self._explicit_head_dim = self.head_dim
@@ -204,6 +221,7 @@ class GPTConfig:
         """Parameters of all blocks; ``active``: only those one token uses (k of the routed experts)."""
         attention = self.d_model * self.head_dim * (2 * self.n_head + 2 * self.n_kv_head) + 2 * self.d_model
         attention += 2 * self.head_dim if self.qk_norm else 0  # Qwen3's per-head q and k norms
+        attention += self.head_dim * (self.n_head + 2 * self.n_kv_head) if self.qkv_bias else 0  # Qwen2's biases
         dense = 3 * self.d_model * self.d_ff
         expert = 3 * self.d_model * self.d_ff_expert
         routed = self.n_expert_per_token if active else self.n_expert
@@ -248,112 +266,3 @@ def check_rope_scaling(scaling: dict[str, Any] | None) -> None:
 
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
-
-
-# Llama 3.1's rotary scaling to 128k positions (3.2 has a factor of 32).
-LLAMA31_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                   "original_max_position_embeddings": 8192}  # fmt: skip
-
-# Llama-style presets. `gpt3-175b` keeps GPT-3's widths and parameter count with a SwiGLU MLP (3 matrices of
-# d_ff = 2/3 * 4 * d_model hold as many weights as GPT-3's 2 matrices of 4 * d_model), with an untied head so
-# that it can be pipelined.
-PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": dict(n_layer=4, n_head=4, n_kv_head=2, d_model=128, d_ff=384, vocab_size=256, max_seq_len=256),
-    "125m": dict(n_layer=12, n_head=12, n_kv_head=12, d_model=768, d_ff=2048, vocab_size=32000, max_seq_len=2048),
-    "1b": dict(
-        n_layer=16,
-        n_head=32,
-        n_kv_head=8,
-        d_model=2048,
-        d_ff=8192,
-        vocab_size=128256,
-        max_seq_len=8192,
-        rope_theta=500000.0,
-        tie_embeddings=True,
-    ),
-    "llama-8b": dict(
-        n_layer=32,
-        n_head=32,
-        n_kv_head=8,
-        d_model=4096,
-        d_ff=14336,
-        vocab_size=128256,
-        max_seq_len=8192,
-        rope_theta=500000.0,
-    ),
-    "llama-70b": dict(
-        n_layer=80,
-        n_head=64,
-        n_kv_head=8,
-        d_model=8192,
-        d_ff=28672,
-        vocab_size=128256,
-        max_seq_len=8192,
-        rope_theta=500000.0,
-    ),
-    "llama-405b": dict(
-        n_layer=126,
-        n_head=128,
-        n_kv_head=8,
-        d_model=16384,
-        d_ff=53248,
-        vocab_size=128256,
-        max_seq_len=131072,  # Llama 3.1: 128k tokens after the long-context stage (trained at TP8 x CP16 x PP16)
-        rope_theta=500000.0,
-    ),
-    # Llama 3.1 and 3.2 as their published config.json files have them: 128k positions by llama3 rotary scaling.
-    "llama3.1-8b": dict(
-        n_layer=32, n_head=32, n_kv_head=8, d_model=4096, d_ff=14336, vocab_size=128256, max_seq_len=131072,
-        rope_theta=500000.0, norm_eps=1e-5, rope_scaling=dict(LLAMA31_SCALING),
-    ),
-    "llama3.1-70b": dict(
-        n_layer=80, n_head=64, n_kv_head=8, d_model=8192, d_ff=28672, vocab_size=128256, max_seq_len=131072,
-        rope_theta=500000.0, norm_eps=1e-5, rope_scaling=dict(LLAMA31_SCALING),
-    ),
-    "llama3.2-1b": dict(
-        n_layer=16, n_head=32, n_kv_head=8, d_model=2048, d_ff=8192, vocab_size=128256, max_seq_len=131072,
-        rope_theta=500000.0, norm_eps=1e-5, tie_embeddings=True, rope_scaling=dict(LLAMA31_SCALING, factor=32.0),
-    ),
-    "llama3.2-3b": dict(
-        n_layer=28, n_head=24, n_kv_head=8, d_model=3072, d_ff=8192, vocab_size=128256, max_seq_len=131072,
-        rope_theta=500000.0, norm_eps=1e-5, tie_embeddings=True, rope_scaling=dict(LLAMA31_SCALING, factor=32.0),
-    ),
-    "qwen3-8b": dict(
-        n_layer=36, n_head=32, n_kv_head=8, head_dim=128, d_model=4096, d_ff=12288, vocab_size=151936,
-        max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6, qk_norm=True, family="qwen3",
-    ),
-    "qwen3-32b": dict(
-        n_layer=64, n_head=64, n_kv_head=8, head_dim=128, d_model=5120, d_ff=25600, vocab_size=151936,
-        max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6, qk_norm=True, family="qwen3",
-    ),
-    "mistral-7b": dict(  # v0.3
-        n_layer=32, n_head=32, n_kv_head=8, d_model=4096, d_ff=14336, vocab_size=32768, max_seq_len=32768,
-        rope_theta=1e6, family="mistral",
-    ),
-    "gpt3-175b": dict(
-        n_layer=96, n_head=96, n_kv_head=96, d_model=12288, d_ff=32768, vocab_size=50257, max_seq_len=2048
-    ),
-    # Mixture-of-Experts, from the models' published config.json files.
-    "moe-tiny": dict(
-        n_layer=4, n_head=4, n_kv_head=2, d_model=128, d_ff=384, vocab_size=256, max_seq_len=256,
-        n_expert=8, n_expert_per_token=2, d_ff_expert=128, first_dense_layers=1,
-    ),
-    "mixtral-8x7b": dict(
-        n_layer=32, n_head=32, n_kv_head=8, d_model=4096, d_ff=14336, vocab_size=32000, max_seq_len=32768,
-        rope_theta=1e6, n_expert=8, n_expert_per_token=2,
-    ),
-    "mixtral-8x22b": dict(
-        n_layer=56, n_head=48, n_kv_head=8, d_model=6144, d_ff=16384, vocab_size=32768, max_seq_len=65536,
-        rope_theta=1e6, n_expert=8, n_expert_per_token=2,
-    ),
-    "qwen3-30b-a3b": dict(
-        n_layer=48, n_head=32, n_kv_head=4, head_dim=128, d_model=2048, d_ff=6144, vocab_size=151936,
-        max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6, n_expert=128, n_expert_per_token=8, d_ff_expert=768,
-        aux_loss_coef=0.001, qk_norm=True, family="qwen3",
-    ),
-    "qwen3-235b-a22b": dict(
-        n_layer=94, n_head=64, n_kv_head=4, head_dim=128, d_model=4096, d_ff=12288, vocab_size=151936,
-        max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6, n_expert=128, n_expert_per_token=8, d_ff_expert=1536,
-        aux_loss_coef=0.001, qk_norm=True, family="qwen3",
-    ),
-}  # fmt: skip

@@ -23,8 +23,8 @@ from lit3d.lora_settings import ADAPTERS, ROLES, LoRA  # noqa: F401 (read from h
 class LoRALinear(nn.Linear):
     """A linear with a low-rank adapter beside its weight (see the module's docstring)."""
 
-    def __init__(self, in_features: int, out_features: int, lora: LoRA) -> None:
-        super().__init__(in_features, out_features, bias=False)
+    def __init__(self, in_features: int, out_features: int, lora: LoRA, bias: bool = False) -> None:
+        super().__init__(in_features, out_features, bias=bias)
         self.lora_a = nn.Parameter(torch.empty(lora.rank, in_features))
         self.lora_b = nn.Parameter(torch.empty(out_features, lora.rank))
         self.scaling = lora.scaling
@@ -33,14 +33,14 @@ class LoRALinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dropped = self.dropout(x) if self.dropout.p > 0 else x
         adapted = F.linear(F.linear(dropped, self.lora_a), self.lora_b)
-        return F.linear(x, self.weight) + self.scaling * adapted
+        return F.linear(x, self.weight, self.bias) + self.scaling * adapted
 
 
-def linear(in_features: int, out_features: int, lora: LoRA | None, name: str) -> nn.Linear:
+def linear(in_features: int, out_features: int, lora: LoRA | None, name: str, bias: bool = False) -> nn.Linear:
     """The linear a block builds as ``name`` (``attn.q_proj``): with an adapter where ``lora`` targets it."""
     if lora is not None and name in lora.module_names():
-        return LoRALinear(in_features, out_features, lora)
-    return nn.Linear(in_features, out_features, bias=False)
+        return LoRALinear(in_features, out_features, lora, bias)
+    return nn.Linear(in_features, out_features, bias=bias)
 
 
 def init_adapter(name: str, tensor: torch.Tensor, generator: torch.Generator) -> bool:

@@ -39,10 +39,10 @@ class Attention(nn.Module):
     def __init__(self, config: GPTConfig, lora: LoRA | None = None) -> None:
         super().__init__()
         self.config = config
-        hd, d = config.head_dim, config.d_model
-        self.q_proj = linear(d, config.n_head * hd, lora, "attn.q_proj")
-        self.k_proj = linear(d, config.n_kv_head * hd, lora, "attn.k_proj")
-        self.v_proj = linear(d, config.n_kv_head * hd, lora, "attn.v_proj")
+        hd, d, bias = config.head_dim, config.d_model, config.qkv_bias  # Qwen2: biased q, k and v
+        self.q_proj = linear(d, config.n_head * hd, lora, "attn.q_proj", bias)
+        self.k_proj = linear(d, config.n_kv_head * hd, lora, "attn.k_proj", bias)
+        self.v_proj = linear(d, config.n_kv_head * hd, lora, "attn.v_proj", bias)
         self.o_proj = linear(config.n_head * hd, d, lora, "attn.o_proj")
         # Qwen3: each head of q and of k normalised before rotary (under TP, a rank's heads: `lit3d.tp_plan`).
         self.q_norm = nn.RMSNorm(hd, eps=config.norm_eps) if config.qk_norm else None
@@ -198,6 +198,9 @@ class Transformer(nn.Module):
             return
         if name.endswith("norm.weight"):
             tensor.fill_(1.0)
+            return
+        if name.endswith("proj.bias"):
+            tensor.zero_()
             return
         # GPT-2's rule: the projections that write into the residual stream start smaller.
         residual = name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj"))

@@ -34,12 +34,13 @@ class Router(nn.Module):
     ``softmax`` (Mixtral, Qwen3-MoE): the top-k of the softmax, weights renormalised over the chosen. ``sigmoid``
     (DeepSeek-V3): the top-k of sigmoid scores plus ``expert_bias``, weights the chosen scores renormalised; the bias
     is not learnt but nudged after each step toward the under-loaded experts (`update_bias`), balancing the load
-    without an auxiliary loss.
+    without an auxiliary loss. With ``norm_topk_prob`` False (some Qwen3-MoE configs) the weights are the chosen
+    scores as they are.
     """
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.kind, self.k = config.router, config.n_expert_per_token
+        self.kind, self.k, self.renormalise = config.router, config.n_expert_per_token, config.norm_topk_prob
         self.gate = nn.Linear(config.d_model, config.n_expert, bias=False)
         if self.kind == "sigmoid":
             self.register_buffer("expert_bias", torch.zeros(config.n_expert))
@@ -54,7 +55,9 @@ class Router(nn.Module):
             chosen = (scores + self.expert_bias).topk(self.k, dim=-1).indices
             weights = scores.gather(-1, chosen)
             scores = scores / scores.sum(dim=-1, keepdim=True)
-        return chosen, weights / weights.sum(dim=-1, keepdim=True), scores
+        if self.renormalise:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return chosen, weights, scores
 
     @torch.no_grad()
     def update_bias(self, tokens_per_expert: torch.Tensor, rate: float) -> None:

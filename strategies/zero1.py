@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from lit3d.strategies.zero1_buckets import buckets, rank_chunk
 
@@ -103,11 +104,12 @@ class LocalShardOptimizer:
             if isinstance(param, DTensor) and param.device_mesh.mesh_dim_names != ("tp",):
                 raise TypeError(f"ZeRO-1 expects plain or tensor-parallel parameters, got {param.placements}")
             taken = {p.dim for p in tp if isinstance(p, Shard)}
-            dim = next((d for d in range(param.ndim) if d not in taken), None)
-            if dim is None:
-                raise ValueError(f"no dim of a {tuple(param.shape)} parameter is free for ZeRO-1 sharding")
+            dim = next((d for d in range(param.ndim) if d not in taken), 0)
             mesh = self.mesh["dp", "tp"] if tp else self.mesh["dp"]
-            entry = _Entry(param, None, mesh, (Shard(dim), *tp), dim)
+            # A column-parallel linear's bias has no dim TP leaves whole: each TP rank's part is sliced over DP,
+            # which DTensor places as a strided shard (FSDP2 places such tensors the same way).
+            over_dp = _StridedShard(dim, split_factor=mesh["tp"].size()) if dim in taken else Shard(dim)
+            entry = _Entry(param, None, mesh, (over_dp, *tp), dim)
             entry.tp_sharded = bool(taken)
         view = entry.local(param).detach()
         if self.param_dtype is not None:  # the fp32 master weights of this rank's part

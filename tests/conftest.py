@@ -376,12 +376,26 @@ def reference_lora_moe_run(base_job, tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="session")
+def family_references(base_job, tmp_path_factory) -> dict[str, dict]:
+    """The single-process run of each family's tiny model (`FAMILY_CONFIGS`), which its layouts are compared with."""
+    from family_layouts import FAMILY_CONFIGS
+
+    folder = tmp_path_factory.mktemp("reference_families")
+    return {
+        name: reference(base_job, {"model": {"config": config}}, folder / name)
+        for name, config in FAMILY_CONFIGS.items()
+    }
+
+
+@pytest.fixture(scope="session")
 def layout_runs(base_job, packed_data, tmp_path_factory) -> dict[str, dict]:
-    """Every layout of `LAYOUTS`, `MOE_LAYOUTS`, `CP_LAYOUTS`, `LORA_LAYOUTS` and `PACKED_LAYOUTS`, one spawn per
-    world size."""
+    """Every layout of `LAYOUTS`, `MOE_LAYOUTS`, `CP_LAYOUTS`, `LORA_LAYOUTS`, `PACKED_LAYOUTS` and `FAMILY_LAYOUTS`,
+    one spawn per world size."""
+    from family_layouts import FAMILY_LAYOUTS
     from spawned import run_jobs
 
-    results, layouts = {}, {**LAYOUTS, **MOE_LAYOUTS, **CP_LAYOUTS, **LORA_LAYOUTS, **PACKED_LAYOUTS}
+    layouts = {**LAYOUTS, **MOE_LAYOUTS, **CP_LAYOUTS, **LORA_LAYOUTS, **PACKED_LAYOUTS, **FAMILY_LAYOUTS}
+    results = {}
     for world in sorted({w for w, _ in layouts.values()}):
         jobs = {name: merge(base_job, with_data(job, packed_data)) for name, (w, job) in layouts.items() if w == world}
         results.update(run_jobs(world, jobs, tmp_path_factory.mktemp(f"world{world}")))

@@ -3,6 +3,7 @@ transformers: their features computed as transformers computes them."""
 
 import pytest
 import torch
+from family_layouts import FAMILY_CONFIGS, FAMILY_LAYOUTS
 
 from lit3d import GPT, GPTConfig
 from lit3d.rotary import Rope
@@ -79,7 +80,7 @@ def test_a_rotary_scaling_lit3d_does_not_compute_is_refused_naming_it(scaling, m
     "preset, published",
     [("llama3.1-8b", 8_030_261_248), ("llama3.1-70b", 70_553_706_496), ("llama3.2-1b", 1_235_814_400),
      ("llama3.2-3b", 3_212_749_824), ("qwen3-8b", 8_190_735_360), ("qwen3-32b", 32_762_123_264),
-     ("qwen3-30b-a3b", 30_532_122_624), ("mistral-7b", 7_248_023_552)],
+     ("qwen3-30b-a3b", 30_532_122_624), ("mistral-7b", 7_248_023_552), ("qwen2.5-7b", 7_615_616_512)],
 )  # fmt: skip
 def test_presets_hold_the_published_parameter_counts(preset, published):
     """The counts of the models' own safetensors indexes (their releases on the HuggingFace hub): exact."""
@@ -87,64 +88,138 @@ def test_presets_hold_the_published_parameter_counts(preset, published):
 
 
 def _folder(kind: str, folder):
-    """A tiny Qwen3 (per-head q/k norms, heads wider than d_model / n_head) or Mistral folder, built with
-    transformers."""
+    """A tiny folder of ``kind``, built with transformers: Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms, heads
+    wider than d_model / n_head), Qwen3-MoE (its router without renormalisation), Mistral; with BOS/EOS ids and a
+    generation config, which an export keeps."""
     import transformers
 
     torch.manual_seed(0)
     common = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)  # fmt: skip
-    if kind == "qwen3":
-        config = transformers.Qwen3Config(**common, head_dim=16, rope_parameters={"rope_theta": 1e6})
-        model = transformers.Qwen3ForCausalLM(config)
-    else:
-        config = transformers.MistralConfig(**common, sliding_window=None)
-        model = transformers.MistralForCausalLM(config)
-    with torch.no_grad():  # norms away from 1, so that a missed one shows
+                  num_key_value_heads=2, vocab_size=256, max_position_embeddings=128, bos_token_id=1,
+                  eos_token_id=2)  # fmt: skip
+    qwen3 = dict(head_dim=16, rope_parameters={"rope_theta": 1e6})
+    config = {
+        "qwen2": lambda: transformers.Qwen2Config(**common),
+        "qwen3": lambda: transformers.Qwen3Config(**common, **qwen3),
+        "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**common, **qwen3, num_experts=4, num_experts_per_tok=2,
+                                                         moe_intermediate_size=16, norm_topk_prob=False),
+        "mistral": lambda: transformers.MistralConfig(**common, sliding_window=None),
+    }[kind]()  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # norms away from 1 and biases away from 0, so that a missed one shows
         for name, param in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or name.endswith("bias"):
                 param.uniform_(0.5, 1.5)
+    model.generation_config.temperature, model.generation_config.do_sample = 0.7, True
     model.save_pretrained(folder)
     return folder
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "mistral"])
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "qwen3_moe", "mistral"])
 def test_a_family_imports_and_exports_with_transformers_logits(kind, tmp_path):
     import json
 
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     folder = _folder(kind, tmp_path / kind)
     model = GPT.from_pretrained(str(folder))
-    assert model.config.family == kind and model.config.qk_norm == (kind == "qwen3")
+    config = model.config
+    assert config.family == kind and config.qk_norm == kind.startswith("qwen3") and config.qkv_bias == (kind == "qwen2")
     tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         theirs = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32)(input_ids=tokens).logits
         ours = model(tokens)
         assert (ours - theirs).abs().max() < 1e-4
         exported = _exported(model, tmp_path)
-        assert json.loads((tmp_path / "exported" / "config.json").read_text())["model_type"] == kind
+        written = json.loads((tmp_path / "exported" / "config.json").read_text())
+        assert (written["model_type"], written["bos_token_id"], written["eos_token_id"]) == (kind, 1, 2)
+        assert GenerationConfig.from_pretrained(exported).temperature == 0.7
         again = AutoModelForCausalLM.from_pretrained(exported, torch_dtype=torch.float32)(input_ids=tokens).logits
     assert (again - ours).abs().max() < 1e-4
 
 
-QWEN3_TINY = dict(n_layer=4, n_head=4, n_kv_head=2, head_dim=16, d_model=32, d_ff=64, vocab_size=257, max_seq_len=32,
-                  qk_norm=True, family="qwen3")  # fmt: skip
+@pytest.mark.parametrize("layout", [name for name in FAMILY_LAYOUTS if "resumed" not in name])
+def test_each_family_trains_like_one_process_in_its_layouts(layout, layout_runs, family_references):
+    """Llama 3.2's scaled rotary and tied vocabulary-parallel head, Qwen2's biases (TP-split, ZeRO-1-sliced), Qwen3's
+    head norms and Qwen3-MoE's router: each layout's losses within 1e-5 of its own single process (fp32)."""
+    family = max((name for name in FAMILY_CONFIGS if layout.startswith(f"{name}_")), key=len)  # qwen3_moe, not qwen3
+    run, reference = layout_runs[layout], family_references[family]
+    assert len(reference["losses"]) == len(run["losses"]) == 8
+    assert reference["losses"][-1] < reference["losses"][0] - 0.5  # it learns
+    for key in ("losses", "val_loss"):
+        assert len(run[key]) == len(reference[key]) > 0, key
+        assert max(abs(a - b) for a, b in zip(run[key], reference[key])) <= 1e-5, (key, run[key], reference[key])
 
 
-def test_qwen3s_head_norms_train_like_one_process_at_tp2_and_pp2(corpus, tmp_path):
-    """Each TP rank normalises its own heads, and the norms' weights get the gradient of every head."""
-    from conftest import merge, pp
-    from spawned import run_job, run_jobs
+def test_qwen2s_zero1_sliced_biases_resume_in_another_layout(layout_runs, family_references):
+    """The optimizer states of biases that ZeRO-1 sliced within each TP rank's part are saved in their global places:
+    DP2×TP2 at ZeRO-1, resumed at TP2×PP2, goes on along the single-process curve."""
+    resumed, reference = layout_runs["qwen2_tp2_pp2_resumed_from_dp2_tp2_zero1"]["losses"], family_references["qwen2"]
+    assert len(resumed) == 4
+    assert max(abs(a - b) for a, b in zip(resumed, reference["losses"][4:])) <= 1e-5
 
-    base = dict(
-        model=dict(config=QWEN3_TINY, learning_rate=1e-2, warmup_steps=2),
-        data=dict(data_path=str(corpus), seq_len=16, global_batch_size=8, val_fraction=0.1),
-        trainer=dict(max_steps=5, limit_val_batches=0),
-    )
-    reference = run_job(base, tmp_path / "one")["losses"]
-    runs = run_jobs(2, {"tp2": merge(base, {"strategy": {"tensor_parallel_size": 2}}),
-                        "pp2": merge(base, {"strategy": pp(2)})}, tmp_path)  # fmt: skip
-    assert len(reference) == 5 and reference[-1] < reference[0]
-    for name, run in runs.items():
-        assert max(abs(a - b) for a, b in zip(run["losses"], reference)) <= 1e-5, name
+
+def _llama3_tokenizer(folder):
+    """A small byte-level BPE tokenizer folder with Llama 3's special tokens: BOS put before every text by its
+    post-processor, EOS ``<|eot_id|>``."""
+    import json
+
+    from helpers import WORDS
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    tokenizer.train_from_iterator([" ".join(WORDS)] * 20, trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A <|begin_of_text|> $B", special_tokens=[
+            ("<|begin_of_text|>", 0)])  # fmt: skip
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    settings = {
+        "bos_token": "<|begin_of_text|>",
+        "eos_token": "<|eot_id|>",
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    return folder
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen"])
+def test_a_family_tokenizer_encodes_as_transformers_autotokenizer(family, tmp_path):
+    """lit3d's data path encodes a local tokenizer folder exactly as transformers' `AutoTokenizer` does, special
+    tokens in the text included, with the family's BOS (Llama 3) or none (Qwen) and its EOS."""
+    from helpers import chat_tokenizer
+    from transformers import AutoTokenizer
+
+    from lit3d.tokenizers import load_tokenizer
+
+    folder = _llama3_tokenizer(tmp_path / "tok") if family == "llama3" else chat_tokenizer(tmp_path / "tok")
+    texts = ["the quick brown fox", "  jumps over\nthe lazy dog ", "<|im_start|>user def ( fox<|im_end|>", "ünïcode ✓"]
+    ours, theirs = load_tokenizer(str(folder)), AutoTokenizer.from_pretrained(str(folder))
+    assert [list(ids) for ids in ours.encode_batch(texts)] == theirs(texts)["input_ids"]
+    assert (ours.bos_id, ours.eos_id) == (theirs.bos_token_id, theirs.eos_token_id)
+    assert ours.bos_id == (0 if family == "llama3" else None)
+    assert ours.decode(ours.encode_batch(texts[1:2])[0][1 if ours.bos_id is not None else 0 :]) == texts[1]
+
+
+@pytest.mark.parametrize(
+    "field, message",
+    [({"model_type": "gemma2", "final_logit_softcapping": 30.0}, "model_type='gemma2'.*final_logit_softcapping"),
+     ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0: Gemma's output logit soft-capping"),
+     ({"kv_lora_rank": 512}, "kv_lora_rank=512: DeepSeek's multi-head latent attention"),
+     ({"model_type": "mistral", "sliding_window": 4096}, "sliding_window=4096 is not supported"),
+     ({"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": True}, "sliding_window=4096"),
+     ({"model_type": "qwen3_moe", "mlp_only_layers": [1], "num_experts": 4, "num_experts_per_tok": 2,
+       "moe_intermediate_size": 16}, r"decoder_sparse_step=1, mlp_only_layers=\[1\]")],
+)  # fmt: skip
+def test_a_folder_with_what_lit3d_does_not_compute_is_refused_naming_the_field(field, message):
+    from lit3d.hf import config_from_hf
+
+    base = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                vocab_size=10)  # fmt: skip
+    with pytest.raises(ValueError, match=message):
+        config_from_hf({**base, **field})

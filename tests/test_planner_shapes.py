@@ -4,6 +4,7 @@ and the tests' small models: any change to `lit3d.model` or `lit3d.moe` not made
 import pytest
 import torch
 from conftest import SMALL_GPT, SMALL_MOE
+from family_layouts import FAMILY_CONFIGS
 
 from lit3d.config import PRESETS, GPTConfig
 from lit3d.model import Transformer
@@ -16,6 +17,7 @@ SMALL = {
     "small_gpt_tied_head_dim": dict(SMALL_GPT, tie_embeddings=True, head_dim=16),
     "small_moe_shared_sigmoid_tied": dict(SMALL_MOE, n_shared_expert=2, router="sigmoid", tie_embeddings=True),
     "small_moe_all_experts": dict(SMALL_MOE, first_dense_layers=0),
+    **{f"family_{name}": config for name, config in FAMILY_CONFIGS.items()},  # q/k/v biases, q/k norms
 }
 CONFIGS = {**{name: dict(fields, name=name) for name, fields in PRESETS.items()}, **SMALL}
 
@@ -29,3 +31,22 @@ def test_the_planners_shapes_and_block_costs_are_the_meta_models(name):
     assert parameter_shapes(config) == [(n, tuple(p.shape)) for n, p in network.named_parameters()]
     # the pipeline cut's costs, as the strategy measures them on the module (a tied head counted in the last part)
     assert block_costs(config) == measured_block_costs(network)
+
+
+def test_the_planners_lora_table_is_the_adapted_models_in_order_with_qwen2s_biases():
+    """Adapters after their linear's bias, as `LoRALinear` registers them; a bias is frozen with its weight and split
+    by TP with the linear's outputs."""
+    from lit3d.lora import LoRA, freeze_all_but_adapters
+    from lit3d.planner.tensors import parameter_table
+
+    config, lora = GPTConfig(**FAMILY_CONFIGS["qwen2"]), LoRA(rank=4, targets=("q", "k", "v", "o", "up"))
+    with torch.device("meta"):
+        network = Transformer(config, lora)
+    freeze_all_but_adapters(network)
+    table = parameter_table(config, lora)
+    assert [(t.name, t.shape, t.trains) for t in table] == [
+        (n, tuple(p.shape), p.requires_grad) for n, p in network.named_parameters()
+    ]
+    assert {t.name: t.tp_dim for t in table if t.name.startswith("blocks.0.attn.q_proj")} == {
+        "blocks.0.attn.q_proj.weight": 0, "blocks.0.attn.q_proj.bias": 0, "blocks.0.attn.q_proj.lora_a": None,
+        "blocks.0.attn.q_proj.lora_b": 0}  # fmt: skip

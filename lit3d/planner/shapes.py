@@ -59,7 +59,10 @@ def _block(config: GPTConfig, index: int) -> list[tuple[str, Shape]]:
     d, q_width, kv_width = config.d_model, config.n_head * config.head_dim, config.n_kv_head * config.head_dim
     attention = [("q_proj", (q_width, d)), ("k_proj", (kv_width, d)), ("v_proj", (kv_width, d))]
     attention.append(("o_proj", (d, q_width)))
-    shapes = [("attn_norm.weight", (d,)), *[(f"attn.{name}.weight", shape) for name, shape in attention]]
+    shapes = [("attn_norm.weight", (d,))]
+    for name, shape in attention:  # (Qwen2's q, k and v biases after their weights, as nn.Linear registers them)
+        biased = config.qkv_bias and name != "o_proj"
+        shapes += [(f"attn.{name}.weight", shape)] + ([(f"attn.{name}.bias", shape[:1])] if biased else [])
     if config.qk_norm:
         shapes += [("attn.q_norm.weight", (config.head_dim,)), ("attn.k_norm.weight", (config.head_dim,))]
     shapes.append(("mlp_norm.weight", (d,)))

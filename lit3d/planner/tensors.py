@@ -33,8 +33,9 @@ class Tensor:
 
     @property
     def free_dim(self) -> int:
-        """The dim ZeRO-1 slices over data parallelism (one TP and EP leave whole)."""
-        return 1 if self.expert else next(d for d in range(len(self.shape)) if d != self.tp_dim)
+        """The dim ZeRO-1 slices over data parallelism: one TP and EP leave whole, else (a column-parallel linear's
+        bias) the dim TP splits, each rank's part sliced again."""
+        return 1 if self.expert else next((d for d in range(len(self.shape)) if d != self.tp_dim), 0)
 
 
 def parameter_table(config: GPTConfig, lora: LoRA | None = None) -> tuple[Tensor, ...]:
@@ -47,14 +48,22 @@ def parameter_table(config: GPTConfig, lora: LoRA | None = None) -> tuple[Tensor
 def _parameter_table(key: tuple[tuple[str, Any], ...]) -> tuple[Tensor, ...]:
     config, lora = config_of(key), lora_of(key)
     plan, table = tensor_parallel_plan(config), []
-    targets = lora.module_names() if lora else ()
-    for name, shape in parameter_shapes(config):
+    targets, shapes, listed = lora.module_names() if lora else (), parameter_shapes(config), set()
+    for index, (name, shape) in enumerate(shapes):
+        if name in listed:
+            continue
         module = name.rsplit(".", 1)[0]
         roles = [role for pattern, role in plan.items() if fnmatchcase(module, pattern)]
         block = int(name.split(".")[1]) if name.startswith("blocks.") else None
         tp_dim = SHARDED_DIM.get(roles[0]) if roles else None
+        if name.endswith(".bias"):  # split with the outputs of a column-parallel linear
+            tp_dim = 0 if tp_dim == 0 else None
         table.append(Tensor(name, shape, tp_dim, block, ".experts." in name, trains=lora is None))
         if block is not None and module.split(".", 2)[-1] in targets:
+            bias = shapes[index + 1] if shapes[index + 1][0] == f"{module}.bias" else None
+            if bias is not None:  # the adapters come after it, as `LoRALinear` registers them
+                table.append(Tensor(bias[0], bias[1], 0 if tp_dim == 0 else None, block, trains=False))
+                listed.add(bias[0])
             table += adapter_tensors(module, shape, tp_dim, block, lora.rank)
         elif ".experts." in name and name.rsplit(".", 1)[-1].removesuffix("_proj") in (lora.targets if lora else ()):
             experts, inner, outer = shape  # each expert's adapter, stacked as its weights (`lit3d.moe.Experts`)
