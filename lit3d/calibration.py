@@ -99,6 +99,9 @@ STATIC_POWER_SHARE = 0.15
 BACKWARD_ELEMENTWISE = 2.0
 # FlashAttention's backward runs 5 matmuls of the forward's 2 (2.5x its FLOPs): FlashAttention-2 paper.
 ATTENTION_BACKWARD_FLOPS = 2.5
+# FP8 training's dynamic casts, per element of a GEMM operand (torchao's float8, eager): its amax read (2 bytes), then
+# read again, scaled and written in one byte (3). Counted, not fit (no GPU was at hand to fit it against).
+FP8_CAST_BYTES = 5
 # The share of tensor-parallel traffic hidden behind the GEMMs by torchtitan's async TP (the all-gather and the
 # reduce-scatter decomposed into steps that overlap the matmul's chunks): fit, with its published speedups over vanilla
 # TP (1.10 for 8B, 1.09 for 70B) in the fit's objective; the fit predicts 1.04.

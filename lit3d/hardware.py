@@ -1,7 +1,8 @@
 """Known accelerators: dense bf16 peak, memory and link speeds, for MFU and for the planner; and the share of this
 machine's CPU that one process of a CPU rehearsal gets.
 
-Peaks are the vendors' dense (not sparse) bf16/fp16 tensor-core numbers. Link speeds are per GPU and per
+Peaks are the vendors' dense (not sparse) bf16/fp16 tensor-core numbers, and their FP8 ones (twice bf16's on Hopper,
+Blackwell, CDNA3 and Ada; Ampere has no FP8 tensor cores). Link speeds are per GPU and per
 direction: NVLink (Infinity Fabric on AMD) inside a node, the InfiniBand/RoCE share of one GPU between nodes.
 """
 
@@ -24,29 +25,30 @@ class GPU:
     tdp_watts: float = 700.0  # the board power its peak and `efficiency` are rated at
     efficiency: Efficiencies = HOPPER  # how close its kernels come to the numbers above (`lit3d.calibration`)
     device: str = "GPU"  # what the planner's reports call one of them
+    fp8_tflops: float = 0.0  # dense FP8 tensor-core peak; 0: no FP8 tensor cores (FP8 matmuls run at `peak_tflops`)
 
 
 GPUS: dict[str, GPU] = {
     # NVIDIA B200 (HGX B200, 1,000 W): HGX B200 datasheet / Blackwell architecture technical brief: 2.25 PFLOP/s
     # dense BF16 (4.5 with sparsity), 180 GB HBM3e at 8 TB/s, NVLink 5 at 1.8 TB/s both directions; DGX B200 gives
     # each GPU one 400 Gb/s ConnectX-7 port.
-    "B200": GPU("B200", 2250.0, 180.0, 900.0, 50.0, 8000.0, 1000.0, BLACKWELL),
+    "B200": GPU("B200", 2250.0, 180.0, 900.0, 50.0, 8000.0, 1000.0, BLACKWELL, fp8_tflops=4500.0),
     # NVIDIA GB200 (GB200 NVL72, 1,200 W per GPU): GB200 NVL72 datasheet: 360 PFLOP/s sparse BF16 over 72 GPUs = 2.5
     # dense each, 13.4 TB HBM3e at 576 TB/s = 186 GB at 8 TB/s each, NVLink 5 at 1.8 TB/s both directions (one
     # NVLink domain is the 72-GPU rack: plan it with --gpus_per_node 72); 400 Gb/s ConnectX-7 per GPU.
-    "GB200": GPU("GB200", 2500.0, 186.0, 900.0, 50.0, 8000.0, 1200.0, BLACKWELL),
+    "GB200": GPU("GB200", 2500.0, 186.0, 900.0, 50.0, 8000.0, 1200.0, BLACKWELL, fp8_tflops=5000.0),
     # NVIDIA H200 SXM datasheet (up to 700 W): 989 TFLOP/s dense BF16, 141 GB HBM3e at 4.8 TB/s, NVLink 4 at 900 GB/s
     # both ways.
-    "H200": GPU("H200", 989.0, 141.0, 450.0, 50.0, 4800.0, 700.0, HOPPER),
+    "H200": GPU("H200", 989.0, 141.0, 450.0, 50.0, 4800.0, 700.0, HOPPER, fp8_tflops=1979.0),
     # NVIDIA H100 SXM datasheet (up to 700 W): 989 TFLOP/s dense BF16, 80 GB HBM3 at 3.35 TB/s, NVLink 4 at 900 GB/s
     # both ways.
-    "H100": GPU("H100", 989.0, 80.0, 450.0, 50.0, 3350.0, 700.0, HOPPER),
+    "H100": GPU("H100", 989.0, 80.0, 450.0, 50.0, 3350.0, 700.0, HOPPER, fp8_tflops=1979.0),
     # H100 SXM boards with 96 GB of HBM2e at 2.4 TB/s (Meta's Grand Teton hosts, torchtitan's benchmarks: "96GB HBM2e
     # with 2.4 TB/sec peak memory bandwidth", run at a 500 W limit of 700).
-    "H100 96GB": GPU("H100 96GB", 989.0, 96.0, 450.0, 50.0, 2400.0, 700.0, HOPPER),
+    "H100 96GB": GPU("H100 96GB", 989.0, 96.0, 450.0, 50.0, 2400.0, 700.0, HOPPER, fp8_tflops=1979.0),
     # NVIDIA H100 NVL/PCIe datasheet (PCIe: 300-350 W): 756 TFLOP/s dense BF16 (PCIe), 80 GB HBM2e at 2 TB/s,
     # NVLink bridge 600 GB/s.
-    "H100 PCIe": GPU("H100 PCIe", 756.0, 80.0, 300.0, 50.0, 2000.0, 350.0, HOPPER),
+    "H100 PCIe": GPU("H100 PCIe", 756.0, 80.0, 300.0, 50.0, 2000.0, 350.0, HOPPER, fp8_tflops=1513.0),
     # NVIDIA A100 SXM datasheet (400 W): 312 TFLOP/s dense BF16, 80 GB HBM2e at 2,039 GB/s (40 GB: 1,555), NVLink 3
     # 600 GB/s.
     "A100": GPU("A100", 312.0, 80.0, 300.0, 25.0, 2039.0, 400.0, AMPERE),
@@ -55,9 +57,9 @@ GPUS: dict[str, GPU] = {
     # 5.3 TB/s;
     # Infinity Fabric: each GPU reaches the other 7 of the platform over one 128 GB/s (both ways) link each:
     # 7 x 64 = 448 GB/s per direction. A 400 Gb/s NIC per GPU between nodes.
-    "MI300X": GPU("MI300X", 1307.4, 192.0, 448.0, 50.0, 5300.0, 750.0, CDNA3),
+    "MI300X": GPU("MI300X", 1307.4, 192.0, 448.0, 50.0, 5300.0, 750.0, CDNA3, fp8_tflops=2614.9),
     # NVIDIA L40S datasheet (350 W): 362 TFLOP/s dense BF16, 48 GB GDDR6 at 864 GB/s, PCIe 4 (no NVLink).
-    "L40S": GPU("L40S", 362.0, 48.0, 32.0, 25.0, 864.0, 350.0, ADA),
+    "L40S": GPU("L40S", 362.0, 48.0, 32.0, 25.0, 864.0, 350.0, ADA, fp8_tflops=733.0),
     # NVIDIA A10G (AWS G5, 300 W): 125 TFLOP/s dense BF16, 24 GB GDDR6 at 600 GB/s, PCIe 4.
     "A10G": GPU("A10G", 125.0, 24.0, 32.0, 12.5, 600.0, 300.0, ADA),
     # One process of a CPU rehearsal, on one core (stated, not measured): a 2020s x86 core at ~3 GHz with AVX2's two

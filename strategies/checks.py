@@ -12,6 +12,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lit3d.config import GPTConfig
 from lit3d.parallel.context import check_context_parallel
 from lit3d.parallel.layout import Layout, check_model_fits_layout, check_model_fits_pipeline
+from lit3d.parallel.precision import check_float8
 from lit3d.parallel.settings import Parallelism
 from lit3d.strategies.context_parallel import check_module_for_context_parallel
 from lit3d.strategies.pipeline import check_pipeline_protocol
@@ -33,6 +34,10 @@ def check_run(parallelism: Parallelism, layout: Layout, module: Any, trainer: An
     if config is not None:
         check_model_fits_layout(config, layout)
         check_model_fits_pipeline(config, layout.pp, chunks, schedule)
+    precision = getattr(trainer, "precision", None) if trainer is not None else None
+    check_float8(parallelism.float8, precision, config, layout.tp)
+    if parallelism.float8 and getattr(module, "lora", None) is not None:
+        raise ValueError(f"float8={parallelism.float8!r} with LoRA adapters: train the adapters in bf16")
     seq_len = getattr(datamodule, "seq_len", None)
     check_context_parallel(config, layout.cp, seq_len, layout.tp, parallelism.sequence_parallel)
     predicting = trainer is not None and trainer.state.fn == TrainerFn.PREDICTING

@@ -11,7 +11,12 @@ from torch.distributed.tensor import DTensor
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    """This rank's plain tensor: a DTensor's shard, and inside a wrapper subclass (FP8 all-gather's weights,
+    `lit3d.strategies.float8`) the tensor it wraps."""
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    while type(local) not in (torch.Tensor, nn.Parameter) and hasattr(local, "__tensor_flatten__"):
+        local = getattr(local, local.__tensor_flatten__()[0][0])
+    return local
 
 
 def local_bytes(tensors: Iterable[torch.Tensor]) -> int:

@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from lit3d.parallel.precision import keeps_master_weights
 from lit3d.parallel.settings import Parallelism
+from lit3d.strategies.float8 import precompute_scales
 from lit3d.strategies.grad_norm import clip_grad_norm_
 from lit3d.strategies.islands import OuterLoop, build_outer_loop
 from lit3d.strategies.meshes import ParallelMeshes
@@ -44,6 +45,7 @@ class OptimizerSteps:
         self.split = split
         self.local: dict[int, LocalShardOptimizer] = {}  # by id of the optimizer
         self.outer_loop: OuterLoop | None = None
+        self.module: nn.Module | None = None
 
     def build(self, optimizers: list[torch.optim.Optimizer], module: nn.Module, earlier: OptimizerSteps | None) -> None:
         """Wrap each optimizer that steps on local shards; ``earlier``: the steps of a previous fit in these
@@ -51,6 +53,7 @@ class OptimizerSteps:
         masters = self.zero1 and keeps_master_weights(
             self.precision, self.parallelism.zero_stage, self.meshes.layout.replicas
         )
+        self.module = module
         kept = {key: _local(value) for key, value in earlier.master_weights().items()} if earlier else {}
         if earlier is not None:
             earlier.remove_hooks()
@@ -74,6 +77,7 @@ class OptimizerSteps:
             result = inner_step(closure)
             if self.outer_loop is not None:
                 self.outer_loop.after_inner_step()
+            self._after_step()
             return result
 
         def closure_then_scatter() -> Any:  # forward and backward; gradient clipping follows
@@ -87,7 +91,12 @@ class OptimizerSteps:
         if self.outer_loop is not None:  # NOTE: before the gather: only this rank's slices cross the island link
             self.outer_loop.after_inner_step()
         local.gather_params()
+        self._after_step()
         return result
+
+    def _after_step(self) -> None:
+        if self.parallelism.float8_all_gather:  # the FP8 scales of the updated weights, for the next gathers
+            precompute_scales([self.module])
 
     def clip_grad_norm(self, optimizer: Any, clip_val: float, parameters: Any) -> None:
         """Clip by the norm over every shard and stage (Lightning's would take this process's parameters only)."""

@@ -75,6 +75,8 @@ class Parallel3DStrategy(ModelParallelStrategy):
         activation_checkpointing: bool | Literal["full", "selective"] = False,
         compile: bool | str = False,
         mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32",
+        float8: Literal["tensorwise", "rowwise"] | None = None,
+        float8_all_gather: bool = False,
         async_checkpoint: bool = False,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,

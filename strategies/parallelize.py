@@ -1,7 +1,7 @@
 """The order in which a network is split: one function, called by the strategy and by `lit3d plan --verify`.
 
-    pipeline stages → tensor parallel → expert parallel → context parallel → activation checkpointing → compile
-    → data parallel / ZeRO
+    pipeline stages → FP8 linears → tensor parallel → expert parallel → context parallel → activation checkpointing
+    → compile → data parallel / ZeRO
 
 Each step works on what the previous one left: tensor parallelism turns the stage's parameters into DTensors,
 checkpointing and compile wrap the (already split) blocks, and data parallelism comes last so that FSDP2 shards
@@ -21,6 +21,7 @@ from lit3d.parallel.schedules import SCHEDULES
 from lit3d.parallel.settings import Parallelism
 from lit3d.runner import ContextShare, Runner, WholeNetwork
 from lit3d.strategies.context_parallel import apply_context_parallel
+from lit3d.strategies.float8 import apply_float8
 from lit3d.strategies.meshes import ParallelMeshes
 from lit3d.strategies.pipeline import Pipeline
 from lit3d.strategies.precision import ddp_runs, mixed_precision_policy
@@ -158,6 +159,8 @@ def parallelize_network(
         placement = SCHEDULES[parallelism.pipeline_schedule].placement  # which chunks a rank holds: a loop, or a V
         p = layout.coordinate(rank).p
         chunks, stage_ids = split_into_stages(network, p, layout.pp, parallelism.chunks_per_rank, placement)
+    if parallelism.float8:  # a module swap that keeps the names TP's plan and FSDP2 go by
+        apply_float8(network, parallelism.float8, parallelism.float8_all_gather)
     if layout.tp > 1:
         apply_tensor_parallel(network, plan, mesh["tp"], sequence_parallel)
         if sequence_parallel and not activation_checkpointing and not compile:  # (recompute keeps less anyway)

@@ -388,13 +388,25 @@ def family_references(base_job, tmp_path_factory) -> dict[str, dict]:
 
 
 @pytest.fixture(scope="session")
+def float8_references(base_job, tmp_path_factory) -> dict[str, dict]:
+    """The single-process FP8 runs (tensorwise, rowwise) the FP8 layouts are compared with."""
+    from float8_layouts import FP8_JOB, ROWWISE, TENSORWISE
+
+    folder = tmp_path_factory.mktemp("reference_float8")
+    return {name: reference(base_job, {**FP8_JOB, "strategy": recipe}, folder / name)
+            for name, recipe in (("tensorwise", TENSORWISE), ("rowwise", ROWWISE))}  # fmt: skip
+
+
+@pytest.fixture(scope="session")
 def layout_runs(base_job, packed_data, tmp_path_factory) -> dict[str, dict]:
-    """Every layout of `LAYOUTS`, `MOE_LAYOUTS`, `CP_LAYOUTS`, `LORA_LAYOUTS`, `PACKED_LAYOUTS` and `FAMILY_LAYOUTS`,
-    one spawn per world size."""
+    """Every layout of `LAYOUTS`, `MOE_LAYOUTS`, `CP_LAYOUTS`, `LORA_LAYOUTS`, `PACKED_LAYOUTS`, `FAMILY_LAYOUTS` and
+    `FLOAT8_LAYOUTS`, one spawn per world size."""
     from family_layouts import FAMILY_LAYOUTS
+    from float8_layouts import FLOAT8_LAYOUTS
     from spawned import run_jobs
 
-    layouts = {**LAYOUTS, **MOE_LAYOUTS, **CP_LAYOUTS, **LORA_LAYOUTS, **PACKED_LAYOUTS, **FAMILY_LAYOUTS}
+    layouts = {**LAYOUTS, **MOE_LAYOUTS, **CP_LAYOUTS, **LORA_LAYOUTS, **PACKED_LAYOUTS, **FAMILY_LAYOUTS,
+               **FLOAT8_LAYOUTS}  # fmt: skip
     results = {}
     for world in sorted({w for w, _ in layouts.values()}):
         jobs = {name: merge(base_job, with_data(job, packed_data)) for name, (w, job) in layouts.items() if w == world}

@@ -17,6 +17,8 @@ The planner counts what each holds from the same rule (`lit3d.planner.estimate.h
 
 from __future__ import annotations
 
+from typing import Any
+
 REDUCE_DTYPE_NAMES = ("float32", "bfloat16")  # `mixed_precision_reduce`'s choices
 
 
@@ -36,3 +38,33 @@ def keeps_master_weights(precision: str, zero_stage: int, replicas: int) -> bool
     """Whether the model's parameters are bf16 and the optimizer steps fp32 master copies of this rank's slices:
     ZeRO-1 under bf16-mixed with data-parallel replicas (`lit3d.strategies.zero1.LocalShardOptimizer`)."""
     return is_bf16_mixed(precision) and zero_stage == 1 and replicas > 1
+
+
+FLOAT8_PRECISIONS = ("bf16-mixed", "bf16-true")  # FP8 matmuls inside a bf16 run (`lit3d.strategies.float8`)
+FLOAT8_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def is_float8_linear(module: str) -> bool:
+    """Whether the module named ``module`` (relative to the network) is a block linear that FP8 runs: not the
+    embedding, the head, an MoE router or its experts (`lit3d.strategies.float8` says why)."""
+    if not module.startswith("blocks.") or ".router." in module or ".experts" in module:
+        return False
+    return module.rsplit(".", 1)[-1] in FLOAT8_LINEARS
+
+
+def check_float8(float8: str | None, precision: str | None, config: Any = None, tp: int = 1) -> None:
+    """FP8 needs a bf16 run, and each rank's part of every block linear in multiples of 16 (``torch._scaled_mm``);
+    an MoE model's experts stay in bf16 and LoRA's frozen base is not cast. Refused naming the values."""
+    if float8 is None:
+        return
+    if precision is not None and str(precision) not in FLOAT8_PRECISIONS:
+        raise ValueError(f"float8={float8!r} with precision={precision!r}: FP8 matmuls run inside a bf16 run, "
+                         f"use precision in {FLOAT8_PRECISIONS}")  # fmt: skip
+    if config is None:
+        return
+    widths = {"d_model": config.d_model, "n_head x head_dim": config.n_head * config.head_dim,
+              "n_kv_head x head_dim": config.n_kv_head * config.head_dim, "d_ff": config.d_ff}  # fmt: skip
+    odd = {name: width for name, width in widths.items() if width % (16 * tp)}
+    if odd:
+        raise ValueError(f"float8={float8!r}: {odd} not multiples of 16 x tensor_parallel_size={tp} (FP8 matmuls "
+                         "need every rank's weight dims in multiples of 16)")  # fmt: skip

@@ -116,6 +116,18 @@ class Parallelism:
         ``precision="bf16-mixed"``, the dtype gradients are reduced in over DP: ``"float32"`` (torchtitan's
         default) or ``"bfloat16"`` (half the bytes). Parameters are gathered in bf16 either way.""",
     )
+    float8: Literal["tensorwise", "rowwise"] | None = _setting(
+        None,
+        """Run the matmuls of the blocks' linears in FP8 (torchao's float8 training, dynamic scales):
+        ``"tensorwise"`` (a scale per tensor) or ``"rowwise"`` (a scale per row, more accurate, slower); the
+        embedding, head, router and MoE experts stay in bf16. Needs ``precision="bf16-mixed"`` or
+        ``"bf16-true"``.""",
+    )
+    float8_all_gather: bool = _setting(
+        False,
+        """With ``float8="tensorwise"`` at ZeRO-2/3: gather the blocks' linear weights in FP8, half of bf16's
+        bytes.""",
+    )
     async_checkpoint: bool = _setting(
         False,
         """Write sharded checkpoints in the background: training waits
@@ -189,6 +201,7 @@ class Parallelism:
             raise ValueError(f"offload=True with expert_parallel_size={self.expert_parallel_size}: experts split over "
                              "ranks are not offloaded yet; offload without expert parallelism")  # fmt: skip
         check_reduce_dtype(self.mixed_precision_reduce)
+        self._check_float8()
         check_outer_loop(
             self.islands, self.sync_every, self.outer_lr, self.outer_momentum, self.outer_fragments,
             self.outer_reduce_dtype,
@@ -196,6 +209,18 @@ class Parallelism:
         if self.data_parallel_size != "auto":
             check_islands(self.islands, self.data_parallel_size, self.expert_parallel_size, self.context_parallel_size)
         self._check_process_settings()
+
+    def _check_float8(self) -> None:
+        if self.float8 not in (None, "tensorwise", "rowwise"):
+            raise ValueError(f"float8={self.float8!r} is not one of None, 'tensorwise', 'rowwise'")
+        if self.float8_all_gather not in (False, True):
+            raise ValueError(f"float8_all_gather={self.float8_all_gather!r} must be True or False")
+        if self.float8_all_gather and self.float8 != "tensorwise":
+            raise ValueError(f"float8_all_gather=True with float8={self.float8!r}: FP8 gathers need "
+                             "float8='tensorwise' (one scale per weight, computed before the gather)")  # fmt: skip
+        if self.float8_all_gather and self.zero_stage < 2:
+            raise ValueError(f"float8_all_gather=True with zero_stage={self.zero_stage}: the weights are gathered by "
+                             "FSDP2 at zero_stage 2 or 3")  # fmt: skip
 
     def _check_process_settings(self) -> None:
         if self.start_method not in (None, *START_METHODS):

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from lit3d.calibration import (
     ATTENTION_BACKWARD_FLOPS,
     BACKWARD_ELEMENTWISE,
+    FP8_CAST_BYTES,
     OPTIMIZER_BYTES,
     OPTIMIZER_OPS,
     STATIC_POWER_SHARE,
@@ -58,18 +59,25 @@ class Device:
     bandwidth: float  # memory bytes/s a streaming kernel reaches
     cluster: Cluster
     element: int  # bytes of an activation
+    fp8_flops: float = 0.0  # the FP8 peak likewise (the bf16 one where the device has no FP8 tensor cores)
 
     @classmethod
     def of(cls, cluster: Cluster, element: int) -> Device:
         efficiency = cluster.gpu.efficiency
         flops = cluster.peak_tflops * 1e12 * power_clock(cluster.power_watts, cluster.gpu.tdp_watts)
         bandwidth = cluster.gpu.memory_bandwidth_gbps * 1e9 * efficiency.memory
-        return cls(flops, bandwidth, cluster, element)
+        fp8 = flops * max(1.0, cluster.gpu.fp8_tflops / cluster.gpu.peak_tflops)  # (a given peak_tflops scales it)
+        return cls(flops, bandwidth, cluster, element, fp8)
 
     def gemm(self, gemm: Gemm) -> float:
         efficiency = self.cluster.gpu.efficiency
         share = efficiency.gemm * gemm.k / (gemm.k + efficiency.gemm_half_dim)
-        moved = self.element * (gemm.m * gemm.k + gemm.k * gemm.n + gemm.m * gemm.n) * gemm.count
+        operands = (gemm.m * gemm.k + gemm.k * gemm.n) * gemm.count
+        if gemm.fp8:  # one-byte operands, each cast first by its own kernels (`FP8_CAST_BYTES`)
+            moved = operands + self.element * gemm.m * gemm.n * gemm.count
+            compute = max(gemm.flops / (self.fp8_flops * share), moved / self.bandwidth)
+            return compute + FP8_CAST_BYTES * operands / self.bandwidth
+        moved = self.element * (operands + gemm.m * gemm.n * gemm.count)
         return max(gemm.flops / (self.flops * share), moved / self.bandwidth)
 
     def kernels(self, count: float) -> float:
@@ -140,7 +148,15 @@ def step_time(
     placement = SCHEDULES[settings.pipeline_schedule].placement
     recompute = recompute_of(settings, training)
     per_stage = [
-        (micro_batch_time(stage_work(config, layout, training, sp, fused, stage), device, training, recompute), rank)
+        (
+            micro_batch_time(
+                stage_work(config, layout, training, sp, fused, stage, settings.float8 is not None),
+                device,
+                training,
+                recompute,
+            ),
+            rank,
+        )  # fmt: skip
         for rank, stage in enumerate(stages(config, pp, virtual, placement, layout.tp, layout.ep, training.lora))
     ]
     busiest, rank = max(per_stage, key=lambda t: t[0]["compute"] + t[0]["memory_bound"])

@@ -69,8 +69,8 @@ class Request:
         for name in ("data_parallel_size", "tensor_parallel_size"):
             if given.get(name) == "auto":
                 del given[name]  # (for the planner to choose: not fixed)
-        if given.get("offload") and "zero_stage" not in given:
-            given["zero_stage"] = 3  # what offloading runs
+        if (given.get("offload") or given.get("float8_all_gather")) and "zero_stage" not in given:
+            given["zero_stage"] = 3  # what offloading and FP8 gathers run
         numbers = {f.name: given.pop(f.name) for f in fields(Training) if f.name in given}
         training = Training(**{"seq_len": config.max_seq_len, **numbers})
         return cls(config, cluster or Cluster(), training, planning_defaults(**given), frozenset({*numbers, *given}),
@@ -169,6 +169,9 @@ def plan(request: Request) -> Report:
     counts for the chosen one. Refuses what no layout could run, naming the values."""
     config, cluster, settings = GPTConfig.load(request.model), request.cluster, request.parallelism
     check_inputs(config, cluster, request.training)
+    if settings.float8 and not cluster.gpu.fp8_tflops and cluster.gpu.device == "GPU":
+        raise ValueError(f"float8={settings.float8!r} on {cluster.gpu.name}: it has no FP8 tensor cores (Hopper, Ada, "
+                         "Blackwell and MI300X have)")  # fmt: skip
     if settings.islands > 1 and cluster.gpus % settings.islands:
         raise ValueError(f"islands={settings.islands} does not divide the {cluster.gpus} GPUs of the cluster")
     check_sizes(top=request.top)

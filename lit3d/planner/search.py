@@ -24,6 +24,7 @@ from lit3d.parallel.layout import (
     check_model_fits_pipeline,
     check_sizes,
 )
+from lit3d.parallel.precision import check_float8
 from lit3d.parallel.schedules import check_composes, microbatch_problem
 from lit3d.parallel.settings import Parallelism
 from lit3d.planner.clock import largest_costs
@@ -106,6 +107,7 @@ def layout_problem(
         check_composes(settings.pipeline_schedule, pp, settings.compile, settings.zero_stage)
         sp = settings.sequence_parallel and tp > 1
         check_context_parallel(config, layout.cp, training.seq_len, tp, sp)
+        check_float8(settings.float8, training.precision, config, tp)
     except ValueError as error:
         return str(error)
     per_step = layout.data_replicas * training.micro_batch_size

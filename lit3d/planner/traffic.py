@@ -9,6 +9,7 @@ from lit3d.config import GPTConfig
 from lit3d.lora_settings import LoRA
 from lit3d.parallel.context import ring_bytes_per_layer
 from lit3d.parallel.layout import Layout
+from lit3d.parallel.precision import is_float8_linear
 from lit3d.parallel.schedules import SCHEDULES
 from lit3d.parallel.sharding import BUCKET_ELEMENTS
 from lit3d.parallel.stages import chunk_stage_ids
@@ -46,7 +47,10 @@ def communication_bytes(
             tp_bytes += norms * (schedules if pp > 1 else microbatches)  # once per schedule: it spans its micro-batches
         traffic["tp"] = max(traffic["tp"], ring * tp_bytes)
         shape = (microbatches // schedules, schedules, pp > 1, precision)
-        sent = _dp_traffic(settings.zero_stage, replicas, stage.in_blocks, stage.root, *shape, stage.trained)
+        fp8 = stage.float8 if settings.float8_all_gather else 0  # gathered in FP8: a byte less each than bf16
+        sent = _dp_traffic(settings.zero_stage, replicas, stage.in_blocks, stage.root, *shape, stage.trained, fp8)
+        if fp8 and replicas > 1:  # their scales, computed after each step from the amaxes: one fp32 all-reduce
+            sent += 2 * (replicas - 1) / replicas * stage.float8_tensors * 4
         sent += _dp_traffic(settings.zero_stage, replicas // layout.ep, stage.experts, 0, *shape,
                             stage.trained_experts)  # fmt: skip
         traffic["dp"] = max(traffic["dp"], sent)
@@ -146,7 +150,7 @@ class StageSums(NamedTuple):
     """What one pipeline rank holds, summed: elements of its norms, of the root (embedding, final norm, head), of
     its blocks' dense weights, of its expert weights and of all (each as a TP rank holds it; experts also over EP),
     its MoE blocks and blocks, and whether it holds the first and the last stage; of what trains (all but LoRA's
-    frozen weights), the dense elements (``trained``) and the expert ones."""
+    frozen weights), the dense elements (``trained``) and the expert ones; the block linears' weights (FP8's)."""
 
     norms: int
     root: int
@@ -159,6 +163,8 @@ class StageSums(NamedTuple):
     last: bool
     trained: int
     trained_experts: int
+    float8: int  # elements of the block linears' weights, which FP8 all-gather gathers in one byte each
+    float8_tensors: int
 
 
 @lru_cache(maxsize=8192)
@@ -166,6 +172,7 @@ def _stage_sums(key: tuple, pp: int, virtual: int, placement: str, stage_rank: i
     tensors = key_tensors(key, pp, virtual, stage_rank, placement)
     stage_ids = chunk_stage_ids(stage_rank, pp, virtual, placement) if pp > 1 else [0]
     trained = [t for t in tensors if t.trains]
+    float8 = [t for t in tensors if t.name.endswith(".weight") and is_float8_linear(t.name.rsplit(".", 1)[0])]
     return StageSums(
         norms=sum(local_numel(t, tp) for t in trained if "norm" in t.name),  # (their gradients' all-reduce)
         root=sum(local_numel(t, tp) for t in tensors if t.block is None),
@@ -178,6 +185,8 @@ def _stage_sums(key: tuple, pp: int, virtual: int, placement: str, stage_rank: i
         last=pp * virtual - 1 in stage_ids,
         trained=sum(local_numel(t, tp) for t in trained if not t.expert),
         trained_experts=sum(local_numel(t, tp, ep=ep) for t in trained if t.expert),
+        float8=sum(local_numel(t, tp) for t in float8),
+        float8_tensors=len(float8),
     )
 
 
@@ -257,6 +266,7 @@ def _dp_traffic(
     pipelined: bool,
     precision: Precision,
     trained: int | None = None,
+    float8: int = 0,
 ) -> float:
     """Bytes a GPU sends per step to synchronise its parameters (``in_blocks`` + ``root``) over ``dp`` replicas.
 
@@ -272,6 +282,7 @@ def _dp_traffic(
     reduce-scatters the gradients and gathers the updated slices once per step, after every schedule.
 
     ``trained``: the elements that have gradients (LoRA: the adapters; default: all), which ZeRO-1 also gathers.
+    ``float8``: the elements of ``in_blocks`` that ZeRO-2/3 gather in FP8 (``float8_all_gather``), one byte each.
     """
     if dp == 1:
         return 0.0
@@ -281,10 +292,12 @@ def _dp_traffic(
     grads, weights = trained * precision.reduce_bytes, trained * precision.weights
     if zero_stage == 1:  # once per step, whatever the schedules: a reduce-scatter and an all-gather of the slices
         return share * (grads + weights)
-    weights = params * precision.gather_bytes
+    fp8_saved = float8 * (precision.gather_bytes - 1)  # per gather of the blocks
+    weights = params * precision.gather_bytes - fp8_saved
     if zero_stage == 0:  # all-reduce of the gradients
         return schedules * 2 * share * grads
     if zero_stage == 2:  # reduce-scatter of the gradients, all-gather of the weights
         return schedules * share * (grads + weights)
     gathers = (microbatches + 1, 1) if pipelined else (2 * microbatches, microbatches)  # blocks, root
-    return schedules * share * (grads + (gathers[0] * in_blocks + gathers[1] * root) * precision.gather_bytes)
+    blocks = gathers[0] * (in_blocks * precision.gather_bytes - fp8_saved)
+    return schedules * share * (grads + blocks + gathers[1] * root * precision.gather_bytes)

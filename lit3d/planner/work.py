@@ -37,21 +37,23 @@ EMBEDDING = (14, 3)
 @dataclass(frozen=True)
 class Gemm:
     """``count`` forward GEMMs of an (m x k) by (k x n) product; backward runs each again twice, for the input's
-    gradient (m, k, n) and the weight's (k, n, m), or once for a ``frozen`` weight (LoRA's base: no gradient)."""
+    gradient (m, k, n) and the weight's (k, n, m), or once for a ``frozen`` weight (LoRA's base: no gradient);
+    ``fp8``: a block linear that FP8 training runs in FP8, forward and backward."""
 
     m: float
     n: float
     k: float
     count: float = 1.0
     frozen: bool = False
+    fp8: bool = False
 
     @property
     def flops(self) -> float:
         return 2 * self.m * self.n * self.k * self.count
 
     def backward(self) -> tuple[Gemm, ...]:
-        inputs = Gemm(self.m, self.k, self.n, self.count)
-        return (inputs,) if self.frozen else (inputs, Gemm(self.k, self.n, self.m, self.count))
+        inputs = Gemm(self.m, self.k, self.n, self.count, fp8=self.fp8)
+        return (inputs,) if self.frozen else (inputs, Gemm(self.k, self.n, self.m, self.count, fp8=self.fp8))
 
 
 @dataclass(frozen=True)
@@ -69,17 +71,20 @@ class Work:
     split: bool  # its linears are split over tensor parallelism
 
 
-def stage_work(config: GPTConfig, layout: Layout, training: Training, sp: bool, fused: bool, stage: StageSums) -> Work:
+def stage_work(
+    config: GPTConfig, layout: Layout, training: Training, sp: bool, fused: bool, stage: StageSums, fp8: bool = False
+) -> Work:
     """What one rank of ``layout`` computes per micro-batch on ``stage`` (its blocks, MoE ones among them, the
-    embedding on the first stage, the output layer and loss on the last); ``sp``: sequence parallelism is on."""
+    embedding on the first stage, the output layer and loss on the last); ``sp``: sequence parallelism is on; ``fp8``:
+    the blocks' linears run in FP8 (not the router, the experts or the head: `lit3d.strategies.float8`)."""
     blocks, moe = stage.blocks, stage.moe
     tp, tokens = layout.tp, training.micro_batch_size * training.seq_len / layout.cp
     d, q, kv = config.d_model, config.n_head * config.head_dim / tp, config.n_kv_head * config.head_dim / tp
     dense = blocks - moe
     attention = (Gemm(tokens, q, d), Gemm(tokens, kv, d, 2), Gemm(tokens, d, q))
-    gemms = [Gemm(g.m, g.n, g.k, g.count * blocks) for g in attention]
+    gemms = [Gemm(g.m, g.n, g.k, g.count * blocks, fp8=fp8) for g in attention]
     f = config.d_ff / tp
-    gemms += [Gemm(tokens, f, d, 2 * dense), Gemm(tokens, d, f, dense)] if dense else []
+    gemms += [Gemm(tokens, f, d, 2 * dense, fp8=fp8), Gemm(tokens, d, f, dense, fp8=fp8)] if dense else []
     rows = 0.0
     if moe:  # NOTE: the experts are not split by TP (a replicated region): each rank runs its tokens' experts
         rows = tokens * config.n_expert_per_token
@@ -90,7 +95,7 @@ def stage_work(config: GPTConfig, layout: Layout, training: Training, sp: bool, 
         gemms += [Gemm(per_expert, fe, d, 2 * experts * moe), Gemm(per_expert, d, fe, experts * moe)]
         if config.n_shared_expert:
             shared = config.n_shared_expert * fe
-            gemms += [Gemm(tokens, shared, d, 2 * moe), Gemm(tokens, d, shared, moe)]
+            gemms += [Gemm(tokens, shared, d, 2 * moe, fp8=fp8), Gemm(tokens, d, shared, moe, fp8=fp8)]
             rows += tokens * config.n_shared_expert
     # Norms and residuals see a TP rank's share of the sequence under SP, the whole of it otherwise.
     hidden = tokens * d / (tp if sp else 1)

@@ -1,0 +1,65 @@
+"""FP8 training of the transformer blocks' linears, with torchao's float8 (`torchao.float8`).
+
+Each linear of a block (q, k, v, o, gate, up, down) becomes torchao's ``Float8Linear``: its matmuls run in FP8 with
+dynamic scales (``tensorwise``: one scale per tensor, e4m3 forward and e5m2 for the output gradient; ``rowwise``: a
+scale per row, e4m3 throughout, as torchao's recipes say), while its weight, its gradient and the optimizer stay in
+high precision, so checkpoints are those of a bf16 run and load in any layout and precision. The embedding, the
+output head and an MoE router stay in bf16: their inputs (ids, the last hidden state, routing scores) carry outliers
+that an FP8 scale per tensor would crush, and their matmuls are a small share of the FLOPs. MoE experts stay in bf16
+(their grouped GEMM has no FP8 path here), and LoRA adapters are refused (a frozen FP8 base is another method).
+
+Applied in the one parallelisation order (`lit3d.strategies.parallelize`) after the pipeline split and before tensor
+parallelism, compile and data parallelism: a module swap that keeps every parameter's name, so TP's plan and FSDP2
+find the same modules. With ``float8_all_gather`` (tensorwise only), FSDP2 gathers the weights in FP8 (half of bf16's
+bytes) and the scales are computed for all weights at once after each optimizer step.
+
+torchao's float8 runs on CPU too (PyTorch's ``_scaled_mm`` has a CPU kernel), so the numerics and the bytes are
+tested without a GPU; only the speed needs one.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch.nn as nn
+
+from lit3d.parallel.precision import is_float8_linear
+
+
+def apply_float8(network: nn.Module, recipe: str, all_gather: bool = False) -> int:
+    """Swap the block linears of ``network`` for torchao's ``Float8Linear`` (``recipe``: `RECIPES`); returns how
+    many were swapped."""
+    from lit3d.lora import LoRALinear
+
+    float8 = import_float8()
+    config = float8.Float8LinearConfig.from_recipe_name(recipe)
+    if all_gather:
+        import dataclasses
+
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+    adapted = [name for name, module in network.named_modules() if isinstance(module, LoRALinear)]
+    if adapted:
+        raise ValueError(f"float8={recipe!r} with LoRA adapters ({adapted[0]}, ...): train the adapters in bf16")
+    names = [name for name, _ in network.named_modules() if is_float8_linear(name)]
+    float8.convert_to_float8_training(network, config=config, module_filter_fn=lambda _, fqn: fqn in names)
+    return len(names)
+
+
+def precompute_scales(modules: list[nn.Module]) -> None:
+    """After an optimizer step under FP8 all-gather: every weight's scale for the next gathers, in one reduction
+    (torchao's ``precompute_float8_dynamic_scale_for_fsdp``) rather than one per weight and gather."""
+    float8 = import_float8()
+    for module in modules:
+        float8.precompute_float8_dynamic_scale_for_fsdp(module)
+
+
+def import_float8() -> Any:
+    """``torchao.float8``, or an error that says how to get it."""
+    # NOTE: torchao logs a line for each CUDA kernel library it cannot load on a CPU build; they are not used here.
+    logging.getLogger("torchao").setLevel(logging.ERROR)
+    try:
+        import torchao.float8 as float8
+    except ImportError as error:
+        raise ImportError("float8 training needs torchao: pip install 'lit3d[fp8]' (or torchao)") from error
+    return float8

@@ -1,0 +1,124 @@
+"""FP8 training (``Parallel3DStrategy(float8=...)``, torchao's float8 on the blocks' linears): every layout follows
+the single-process FP8 run, FP8 all-gather halves the linears' gather bytes as the planner counts them, checkpoints
+stay in high precision, and what cannot run in FP8 is refused by name before any process starts."""
+
+import pytest
+import torch
+from conftest import merge
+from float8_layouts import FLOAT8_LAYOUTS, FP8_GPT, FP8_JOB
+
+from lit3d import GPTConfig
+from lit3d.parallel.precision import check_float8
+from lit3d.parallel.settings import Parallelism
+
+FP8_RUNS = [name for name in FLOAT8_LAYOUTS if name.startswith("fp8_")]
+
+
+def relative(losses, reference):
+    return max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
+
+
+@pytest.mark.parametrize("layout", FP8_RUNS)
+def test_each_layout_follows_the_single_process_fp8_run(layout, layout_runs, float8_references):
+    """Within 1e-2 relative over 20 steps (FP8's dynamic scales follow each layout's rounding), every rank's block
+    linears in FP8: 7 per block it holds."""
+    run = layout_runs[layout]
+    reference = float8_references["rowwise" if "rowwise" in layout else "tensorwise"]["losses"]
+    assert len(run["losses"]) == len(reference) == 20 and reference[-1] < reference[0] - 1.0
+    assert relative(run["losses"], reference) <= 1e-2
+    blocks = FP8_GPT["n_layer"] // (2 if "pp2" in layout else 1)
+    assert [rank["float8_linears"] for rank in run["ranks"]] == [7 * blocks] * len(run["ranks"])
+
+
+def test_fp8_all_gather_halves_the_linears_gather_bytes_as_the_planner_counts(layout_runs):
+    """ZeRO-3 gathers each block's weights twice per step (forward, backward): the linears' in one byte instead of
+    bf16's two, and their scales' amaxes in one fp32 all-reduce after each step. Measured = planned within 256 B."""
+    fp8, bf16 = (layout_runs[name]["comm_bytes"] for name in ("fp8_dp2_zero3_all_gather", "bf16_dp2_zero3"))
+    for comm in (fp8, bf16):
+        assert comm["planned"]["dp"] <= comm["measured"]["dp"] <= comm["planned"]["dp"] + 256, comm
+    config = GPTConfig(**FP8_GPT)
+    linears = config.n_layer * config.d_model * (2 * config.n_head * config.head_dim + 2 * config.n_kv_head *
+                                                 config.head_dim + 3 * config.d_ff)  # fmt: skip
+    scales = 2 * (1 / 2) * 4 * 7 * config.n_layer  # one fp32 amax per linear, all-reduced over 2 ranks
+    assert bf16["measured"]["dp"] - fp8["measured"]["dp"] == 2 * (1 / 2) * linears * (2 - 1) - scales
+
+
+def test_a_checkpoint_saved_in_fp8_at_tp2_resumes_in_bf16_on_one_process(layout_runs, float8_references, base_job,
+                                                                         tmp_path):  # fmt: skip
+    """The weights and optimizer states stay in high precision with layout-free names: a bf16 run picks up where
+    the FP8 one stopped and follows the FP8 curve within 1e-2."""
+    from spawned import run_job
+
+    saved = layout_runs["fp8_tp2_sequence_parallel"]["job_dir"] + "/ckpts/step=10.ckpt"
+    resumed = run_job(merge(base_job, {**FP8_JOB, "strategy": {}, "ckpt_path": saved}), tmp_path)["losses"]
+    reference = float8_references["tensorwise"]["losses"]
+    assert len(resumed) == 10
+    assert relative(resumed, reference[10:]) <= 1e-2
+
+
+def test_the_blocks_linears_run_in_fp8_and_the_embedding_head_router_and_experts_stay_in_bf16():
+    from torchao.float8.float8_linear import Float8Linear
+
+    from lit3d.model import Transformer
+    from lit3d.strategies.float8 import apply_float8
+
+    config = GPTConfig(**FP8_GPT, n_expert=4, n_expert_per_token=2, d_ff_expert=64, first_dense_layers=1)
+    network = Transformer(config)
+    assert apply_float8(network, "rowwise") == 4 * 4 + 3  # q, k, v, o per block; gate, up, down of the dense one
+    fp8 = {name for name, m in network.named_modules() if isinstance(m, Float8Linear)}
+    assert "blocks.0.mlp.down_proj" in fp8 and "blocks.3.attn.k_proj" in fp8
+    assert not {"embed", "head", "blocks.1.mlp.router.gate"} & fp8 and "blocks.1.mlp.experts" not in fp8
+    assert "blocks.0.attn.q_proj.weight" in dict(network.named_parameters())  # the names checkpoints use
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [(dict(float8="fp4"), "float8='fp4' is not one of None, 'tensorwise', 'rowwise'"),
+     (dict(float8="rowwise", float8_all_gather=True, zero_stage=3), "float8_all_gather=True with float8='rowwise'"),
+     (dict(float8="tensorwise", float8_all_gather=True, zero_stage=1), "float8_all_gather=True with zero_stage=1")],
+)  # fmt: skip
+def test_bad_fp8_settings_are_refused_naming_the_values(settings, message):
+    with pytest.raises(ValueError, match=message):
+        Parallelism(**settings)
+
+
+def test_fp8_is_refused_in_fp32_and_for_widths_fp8_matmuls_cannot_take():
+    with pytest.raises(ValueError, match=r"float8='rowwise' with precision='32-true': FP8 matmuls run inside a bf16"):
+        check_float8("rowwise", "32-true")
+    with pytest.raises(
+        ValueError, match=r"\{'n_kv_head x head_dim': 32\} not multiples of 16 x tensor_parallel_size=4"
+    ):
+        check_float8("tensorwise", "bf16-mixed", GPTConfig(**FP8_GPT), tp=4)
+    check_float8("tensorwise", "bf16-mixed", GPTConfig(**FP8_GPT), tp=2)  # 16 per rank: fine
+
+
+def test_the_command_line_refuses_fp8_in_fp32_before_any_process_starts():
+    from lit3d.cli import main
+
+    args = ["fit", "--model.config=tiny", "--trainer.max_steps=1", "--trainer.devices=2", "--trainer.accelerator=cpu",
+            "--trainer.strategy=Parallel3DStrategy", "--trainer.strategy.float8=tensorwise"]  # fmt: skip
+    with pytest.raises(SystemExit) as error:
+        main(args)
+    message = str(error.value.code)
+    assert "float8='tensorwise' with precision='32-true'" in message, message
+
+
+@pytest.mark.gpu
+def test_fp8_on_the_gpu_runs_the_fast_kernels_and_follows_bf16():
+    """On CUDA (H100 and later), the same layer runs torch._scaled_mm's FP8 kernels; its loss follows bf16's."""
+    from lit3d.model import Transformer
+    from lit3d.strategies.float8 import apply_float8
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 matmuls need compute capability 8.9 or later")
+    torch.manual_seed(0)
+    config = GPTConfig(n_layer=2, n_head=8, n_kv_head=8, d_model=512, d_ff=1536, vocab_size=1024, max_seq_len=256)
+    plain = Transformer(config).cuda()
+    plain.reset_parameters(seed=0)
+    fp8 = Transformer(config).cuda()
+    fp8.load_state_dict(plain.state_dict())
+    apply_float8(fp8, "tensorwise")
+    tokens = torch.randint(0, 1024, (4, 256), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        a, b = plain(tokens).float(), fp8(tokens).float()
+    assert (a - b).abs().mean() / a.abs().mean() < 0.05
