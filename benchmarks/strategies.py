@@ -16,6 +16,7 @@ ratio against the Lightning strategy that does the same job, measured in this sa
     Parallel3DStrategy TP             vs  ModelParallelStrategy with the same tensor-parallel plan
     Parallel3DStrategy DP2 EP2        vs  Parallel3DStrategy DP2, experts replicated (an MoE model: --experts)
     Parallel3DStrategy CP2, CP4       vs  Parallel3DStrategy 1x1x1 (long sequences: --context)
+    Parallel3DStrategy FP8 linears    vs  the same layout in bf16 (--float8: every run in bf16-mixed)
 
 Long sequences (``--context``): each CP rank keeps 1/cp of every sequence, so the activations autograd keeps per
 rank (column ``act MB``, measured with saved-tensor hooks in a warm-up step) fall by cp, while each rank's step
@@ -74,9 +75,13 @@ CONFIGS = {
     # Long sequences only (--context): every sequence split over 2 or 4 ranks, against one rank holding it all
     "3d cp2": (2, {"zero_stage": 0, "context_parallel_size": 2}, ("3d 1x1x1",)),
     "3d cp4": (4, {"zero_stage": 0, "context_parallel_size": 4}, ("3d 1x1x1",)),
+    # FP8 only (--float8): the blocks' linears in FP8 against the same layout in bf16
+    "3d 1x1x1 fp8": (1, {"zero_stage": 0, "float8": "tensorwise"}, ("3d 1x1x1",)),
+    "3d dp2 zero3 fp8": (2, {"zero_stage": 3, "float8": "tensorwise", "float8_all_gather": True}, ("3d dp2 zero3",)),
 }
 MOE_ONLY = {"3d dp2 ep2"}
 CONTEXT_ONLY = {"3d cp2", "3d cp4"}
+FLOAT8_ONLY = {"3d 1x1x1 fp8", "3d dp2 zero3 fp8"}
 
 
 def main() -> None:
@@ -95,6 +100,8 @@ def main() -> None:
         help="an MoE model: this many experts per block (2 per token, after one dense block)",
     )
     parser.add_argument("--context", action="store_true", help="run the context-parallel configurations too")
+    parser.add_argument("--float8", action="store_true", help="run the FP8 configurations too, every run in bf16-mixed "
+                        "(on a CPU FP8 matmuls are emulated: time them on a GPU)")  # fmt: skip
     parser.add_argument(
         "--optimizer",
         default="auto",
@@ -138,6 +145,8 @@ def main() -> None:
             results[name] = {"skipped": "needs an MoE model (--experts)"}
         elif name in CONTEXT_ONLY and not args.context:
             results[name] = {"skipped": "a long-sequence configuration (--context)"}
+        elif name in FLOAT8_ONLY and not args.float8:
+            results[name] = {"skipped": "an FP8 configuration (--float8)"}
         elif gpu and processes > torch.cuda.device_count():
             results[name] = {"skipped": f"needs {processes} GPUs"}
         else:
@@ -306,7 +315,7 @@ def _worker(rank: int, processes: int, port: int, schedule: list, args: dict, th
             accelerator="gpu" if gpu else "cpu",
             devices=processes,
             strategy=strategy,
-            precision="bf16-mixed" if gpu else "32-true",
+            precision="bf16-mixed" if gpu or args["float8"] else "32-true",
             max_steps=args["steps"] + args["warmup"] + 1,
             callbacks=callbacks,
             logger=False,
