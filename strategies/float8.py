@@ -56,8 +56,10 @@ def precompute_scales(modules: list[nn.Module]) -> None:
 
 def import_float8() -> Any:
     """``torchao.float8``, or an error that says how to get it."""
-    # NOTE: torchao logs a line for each CUDA kernel library it cannot load on a CPU build; they are not used here.
-    logging.getLogger("torchao").setLevel(logging.ERROR)
+    # NOTE: torchao logs a line for each CUDA kernel library it cannot load on a CPU build (they are not used here),
+    # and registering its enums warns on this PyTorch: neither is the user's to act on.
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
     try:
         import torchao.float8 as float8
     except ImportError as error:

@@ -34,7 +34,7 @@ def _layouts() -> dict[str, tuple[int, dict]]:
     tp2_sp = {"tensor_parallel_size": 2, "sequence_parallel": True}
     pp2 = {"pipeline_parallel_size": 2, "pipeline_schedule": "1f1b"}
     layouts = {
-        "fp8_dp2_zero1": (2, {**TENSORWISE, "zero_stage": 1}),
+        "fp8_dp2_zero1_recompute": (2, {**TENSORWISE, "zero_stage": 1, "activation_checkpointing": "full"}),
         "fp8_dp2_zero3_all_gather": (2, {**TENSORWISE, "zero_stage": 3, "float8_all_gather": True}),
         "fp8_tp2_sequence_parallel": (2, {**TENSORWISE, **tp2_sp}),
         "fp8_pp2": (2, {**TENSORWISE, **pp2}),
