@@ -14,6 +14,7 @@ from lit3d.parallel.context import check_context_parallel
 from lit3d.parallel.layout import Layout, check_model_fits_layout, check_model_fits_pipeline
 from lit3d.parallel.precision import check_float8
 from lit3d.parallel.settings import Parallelism
+from lit3d.parallel.stages import check_stage_layers
 from lit3d.strategies.context_parallel import check_module_for_context_parallel
 from lit3d.strategies.pipeline import check_pipeline_protocol
 
@@ -34,6 +35,7 @@ def check_run(parallelism: Parallelism, layout: Layout, module: Any, trainer: An
     if config is not None:
         check_model_fits_layout(config, layout)
         check_model_fits_pipeline(config, layout.pp, chunks, schedule)
+        check_stage_layers(parallelism.pipeline_stage_layers, config.n_layer, layout.pp * chunks)
     precision = getattr(trainer, "precision", None) if trainer is not None else None
     check_float8(parallelism.float8, precision, config, layout.tp)
     if parallelism.float8 and getattr(module, "lora", None) is not None:

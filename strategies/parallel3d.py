@@ -72,6 +72,7 @@ class Parallel3DStrategy(ModelParallelStrategy):
         pipeline_schedule: str = "1f1b",
         num_microbatches: int | None = None,
         virtual_pipeline_size: int | None = None,
+        pipeline_stage_layers: list[int] | None = None,
         activation_checkpointing: bool | Literal["full", "selective"] = False,
         compile: bool | str = False,
         mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32",

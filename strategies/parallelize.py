@@ -158,7 +158,8 @@ def parallelize_network(
     if layout.pp > 1:
         placement = SCHEDULES[parallelism.pipeline_schedule].placement  # which chunks a rank holds: a loop, or a V
         p = layout.coordinate(rank).p
-        chunks, stage_ids = split_into_stages(network, p, layout.pp, parallelism.chunks_per_rank, placement)
+        chunks, stage_ids = split_into_stages(network, p, layout.pp, parallelism.chunks_per_rank, placement,
+                                              parallelism.pipeline_stage_layers)  # fmt: skip
     if parallelism.float8:  # a module swap that keeps the names TP's plan and FSDP2 go by
         apply_float8(network, parallelism.float8, parallelism.float8_all_gather)
     if layout.tp > 1:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from lit3d.parallel.stages import chunk_stage_ids, partition
+from lit3d.parallel.stages import chunk_stage_ids, stage_runs
 
 
 def end_parts(network: nn.Module) -> tuple[list[str], list[str]]:
@@ -73,11 +73,12 @@ def prune(network: nn.Module, keep_blocks: set[str], keep_first: bool, keep_last
 
 
 def split_into_stages(
-    network: nn.Module, rank: int, pp: int, virtual: int, placement: str = "loop"
+    network: nn.Module, rank: int, pp: int, virtual: int, placement: str = "loop", layers: tuple[int, ...] | None = None
 ) -> tuple[list[nn.Module], list[int]]:
-    """Keep in ``network`` only what pipeline rank ``rank`` runs; return its chunk views and stage indices."""
+    """Keep in ``network`` only what pipeline rank ``rank`` runs; return its chunk views and stage indices.
+    ``layers``: the blocks of each stage (`pipeline_stage_layers`), else cut by cost."""
     num_stages = pp * virtual
-    runs = partition(*block_costs(network), num_stages)
+    runs = stage_runs(*block_costs(network), num_stages, layers)
     keys = list(network.blocks)
     stage_ids = chunk_stage_ids(rank, pp, virtual, placement)
     mine = {s: [keys[b] for b in runs[s]] for s in stage_ids}

@@ -24,6 +24,7 @@ from lit3d.parallel.layout import (
 from lit3d.parallel.outer import check_outer_loop
 from lit3d.parallel.precision import check_reduce_dtype
 from lit3d.parallel.schedules import check_composes, chunks_per_rank
+from lit3d.parallel.stages import check_stage_layers
 
 RECOMPUTE_MODES = ("full", "selective")  # `activation_checkpointing`'s named choices (`lit3d.strategies.recompute`)
 START_METHODS = ("popen", "fork")
@@ -98,6 +99,12 @@ class Parallelism:
         None,
         """Model chunks per pipeline rank (interleaved
         schedules, default 2; ``zbv`` and ``dualpipev`` run 2).""",
+    )
+    pipeline_stage_layers: list[int] | None = _setting(
+        None,
+        """The blocks of each pipeline stage, in order (``pipeline_parallel_size`` x chunks per rank of them, summing to
+        the model's blocks): more on faster or larger GPUs. The embedding stays on the first stage and the head on
+        the last. ``None``: stages balanced by cost.""",
     )
     activation_checkpointing: bool | Literal["full", "selective"] = _setting(
         False,
@@ -182,6 +189,8 @@ class Parallelism:
     )
 
     def __post_init__(self) -> None:
+        if self.pipeline_stage_layers is not None:  # (a tuple: settings are hashed, by the planner's caches)
+            object.__setattr__(self, "pipeline_stage_layers", tuple(self.pipeline_stage_layers))
         self.check()
 
     def check(self) -> None:
@@ -191,6 +200,8 @@ class Parallelism:
         pp = self.pipeline_parallel_size
         check_pipeline_arguments(pp, self.pipeline_schedule, self.num_microbatches, self.virtual_pipeline_size)
         check_composes(self.pipeline_schedule, pp, self.compile, self.zero_stage)
+        if self.pipeline_stage_layers is not None and isinstance(pp, int):
+            check_stage_layers(self.pipeline_stage_layers, None, pp * self.chunks_per_rank)
         check_recompute(self.activation_checkpointing)
         if self.offload not in (False, True) or (self.offload and self.zero_stage != 3):
             raise ValueError(

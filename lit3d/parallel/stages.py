@@ -54,6 +54,31 @@ def partition(costs: list[float], first_extra: float, last_extra: float, chunks:
     return [list(range(i, j)) for i, j in reversed(bounds)]
 
 
+def stage_runs(
+    costs: list[float], first_extra: float, last_extra: float, chunks: int, layers: tuple[int, ...] | None = None
+) -> list[list[int]]:
+    """The blocks of each of ``chunks`` stages: ``layers`` blocks each, in order, where given (uneven stages for
+    GPUs of different speeds or memory: `pipeline_stage_layers`), else cut by cost (`partition`)."""
+    if layers is None:
+        return partition(costs, first_extra, last_extra, chunks)
+    check_stage_layers(layers, len(costs), chunks)
+    starts = [sum(layers[:i]) for i in range(len(layers))]
+    return [list(range(start, start + n)) for start, n in zip(starts, layers)]
+
+
+def check_stage_layers(layers: tuple[int, ...] | None, n_layer: int | None, chunks: int) -> None:
+    """``pipeline_stage_layers`` names a whole number of blocks for every one of the ``chunks`` stages, each at least
+    one, and (where the model is known) all of its ``n_layer`` blocks; refused naming the values."""
+    if layers is None:
+        return
+    if len(layers) != chunks or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in layers):
+        raise ValueError(f"pipeline_stage_layers={list(layers)} must give each of the {chunks} pipeline stages "
+                         "(pipeline_parallel_size x chunks per rank) a whole number of blocks, at least 1")  # fmt: skip
+    if n_layer is not None and sum(layers) != n_layer:
+        raise ValueError(f"pipeline_stage_layers={list(layers)} sums to {sum(layers)} blocks, but the model has "
+                         f"n_layer={n_layer}")  # fmt: skip
+
+
 def chunk_stage_ids(rank: int, pp: int, virtual: int, placement: str = "loop") -> list[int]:
     """Global stage indices held by pipeline rank ``rank``: ``"loop"``, stage s on rank s % pp; ``"v"`` (two chunks
     per rank, the V-shaped schedules), stages ``rank`` and ``2·pp - 1 - rank``, so the last stage is on rank 0."""

@@ -157,7 +157,9 @@ def step_time(
             ),
             rank,
         )  # fmt: skip
-        for rank, stage in enumerate(stages(config, pp, virtual, placement, layout.tp, layout.ep, training.lora))
+        for rank, stage in enumerate(
+            stages(config, pp, virtual, placement, layout.tp, layout.ep, training.lora, settings.pipeline_stage_layers)
+        )  # fmt: skip
     ]
     busiest, rank = max(per_stage, key=lambda t: t[0]["compute"] + t[0]["memory_bound"])
     compute, memory = busiest["compute"] * microbatches, busiest["memory_bound"] * microbatches
@@ -251,7 +253,7 @@ def _optimizer(
     lora: LoRA | None = None,
 ) -> float:
     """AdamW's step over what the rank's optimizer steps, and clipping's norm: memory-bound."""
-    tensors = rank_tensors(config, layout.pp, virtual, rank, placement, lora)
+    tensors = rank_tensors(config, layout.pp, virtual, rank, placement, lora, settings.pipeline_stage_layers)
     numel = stepped_numel(tensors, layout, settings.zero_stage)
     stepped = sum(t.trains for t in tensors)
     return numel * OPTIMIZER_BYTES / device.bandwidth + device.kernels(stepped * OPTIMIZER_OPS)
@@ -271,7 +273,7 @@ def _offloaded(
     """(host transfers, CPU optimizer step) in seconds per step under ZeRO-3 with offload: every gather of a micro-
     batch's forward and backward first copies the rank's shards to the device, the step's gradient reduction copies
     its shards back, and AdamW steps in host memory; none of it overlapped (FSDP2 copies on the compute stream)."""
-    tensors = rank_tensors(config, layout.pp, virtual, rank, placement, training.lora)
+    tensors = rank_tensors(config, layout.pp, virtual, rank, placement, training.lora, settings.pipeline_stage_layers)
     shards = {train: sum(local_numel(t, layout.tp, replicas(t, layout), ep=layout.ep) for t in tensors
                          if t.trains or not train) for train in (False, True)}  # fmt: skip
     microbatches = training.global_batch_size // (layout.data_replicas * training.micro_batch_size)

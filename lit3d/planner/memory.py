@@ -60,7 +60,7 @@ def memory_by_stage(
     ddp = layout.replicas > 1 and zero_stage == 0 and not params_cast_by_fsdp(layout, 0, precision)
     grads_from_start = int(ddp) + int(summed and (zero_stage == 0 or layout.replicas == 1))
     placement = SCHEDULES[schedule].placement  # which chunks each pipeline rank holds
-    by_stage, params_per_rank, key = [], 0, config_key(config, lora)
+    by_stage, params_per_rank, key = [], 0, config_key(config, lora, settings.pipeline_stage_layers)
     for stage_rank in range(pp):
         held = _stage_state(key, layout, virtual, stage_rank, placement, zero_stage, precision, summed, offload)
         memory, layers, holds_head, transient, params = dict(held[0]), *held[1:]

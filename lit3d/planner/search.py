@@ -27,6 +27,7 @@ from lit3d.parallel.layout import (
 from lit3d.parallel.precision import check_float8
 from lit3d.parallel.schedules import check_composes, microbatch_problem
 from lit3d.parallel.settings import Parallelism
+from lit3d.parallel.stages import check_stage_layers
 from lit3d.planner.clock import largest_costs
 from lit3d.planner.estimate import GB, PLANNING_DEFAULTS, PRECISIONS, Cluster, Plan, Training, estimate, sizes_of
 from lit3d.planner.pipeline import CANDIDATES, choose_schedule, why_schedule
@@ -108,6 +109,7 @@ def layout_problem(
         sp = settings.sequence_parallel and tp > 1
         check_context_parallel(config, layout.cp, training.seq_len, tp, sp)
         check_float8(settings.float8, training.precision, config, tp)
+        check_stage_layers(settings.pipeline_stage_layers, config.n_layer, pp * virtual)
     except ValueError as error:
         return str(error)
     per_step = layout.data_replicas * training.micro_batch_size

@@ -17,7 +17,7 @@ from typing import Any
 from lit3d.config import GPTConfig
 from lit3d.lora_settings import LoRA
 from lit3d.parallel.sharding import SHARDED_DIM
-from lit3d.parallel.stages import chunk_stage_ids, partition
+from lit3d.parallel.stages import chunk_stage_ids, stage_runs
 from lit3d.planner.shapes import block_costs, parameter_shapes
 from lit3d.tp_plan import tensor_parallel_plan
 
@@ -89,22 +89,30 @@ def adapter_tensors(module: str, shape: tuple[int, ...], tp_dim: int | None, blo
     ]
 
 
-def stage_blocks(config: GPTConfig, chunks: int) -> tuple[tuple[int, ...], ...]:
-    """Blocks of each pipeline chunk, as the strategy splits them."""
-    return _stage_blocks(config_key(config), chunks)
+def stage_blocks(config: GPTConfig, chunks: int, layers: tuple[int, ...] | None = None) -> tuple[tuple[int, ...], ...]:
+    """Blocks of each pipeline chunk, as the strategy splits them (``layers``: `pipeline_stage_layers`)."""
+    return _stage_blocks(config_key(config, layers=layers), chunks)
 
 
 @lru_cache(maxsize=64)
 def _stage_blocks(key: tuple[tuple[str, Any], ...], chunks: int) -> tuple[tuple[int, ...], ...]:
-    return tuple(tuple(run) for run in partition(*block_costs(config_of(key)), chunks))
+    runs = stage_runs(*block_costs(config_of(key)), chunks, dict(key).get("~layers"))
+    return tuple(tuple(run) for run in runs)
 
 
 def rank_tensors(
-    config: GPTConfig, pp: int, virtual: int, stage_rank: int, placement: str = "loop", lora: LoRA | None = None
+    config: GPTConfig,
+    pp: int,
+    virtual: int,
+    stage_rank: int,
+    placement: str = "loop",
+    lora: LoRA | None = None,
+    layers: tuple[int, ...] | None = None,
 ) -> list[Tensor]:
     """The parameters pipeline rank ``stage_rank`` holds (its chunks' blocks, embedding/head on the ends), its chunks
-    placed as the schedule places them (`chunk_stage_ids`); with ``lora``, its adapters too."""
-    return key_tensors(config_key(config, lora), pp, virtual, stage_rank, placement)
+    placed as the schedule places them (`chunk_stage_ids`); with ``lora``, its adapters too; ``layers``: the blocks
+    of each stage (`pipeline_stage_layers`), else cut by cost."""
+    return key_tensors(config_key(config, lora, layers), pp, virtual, stage_rank, placement)
 
 
 def key_tensors(key: tuple, pp: int, virtual: int, stage_rank: int, placement: str = "loop") -> list[Tensor]:
@@ -112,14 +120,18 @@ def key_tensors(key: tuple, pp: int, virtual: int, stage_rank: int, placement: s
     return list(_rank_tensors(key, pp, virtual, stage_rank, placement))
 
 
-def config_key(config: GPTConfig, lora: LoRA | None = None) -> tuple[tuple[str, Any], ...]:
-    """A hashable stand-in for a (mutable, so unhashable) config and its adapters, for the caches."""
+def config_key(
+    config: GPTConfig, lora: LoRA | None = None, layers: tuple[int, ...] | None = None
+) -> tuple[tuple[str, Any], ...]:
+    """A hashable stand-in for a (mutable, so unhashable) config, its adapters and its stages' blocks, for the
+    caches."""
     fields = {name: tuple(sorted(v.items())) if isinstance(v, dict) else v for name, v in config.to_dict().items()}
-    return tuple(sorted(fields.items())) + ((("~lora", lora),) if lora is not None else ())
+    extra = ((("~lora", lora),) if lora is not None else ()) + ((("~layers", tuple(layers)),) if layers else ())
+    return tuple(sorted(fields.items())) + extra
 
 
 def config_of(key: tuple[tuple[str, Any], ...]) -> GPTConfig:
-    fields = {name: dict(v) if name == "rope_scaling" and v else v for name, v in key if name != "~lora"}
+    fields = {name: dict(v) if name == "rope_scaling" and v else v for name, v in key if not name.startswith("~")}
     return GPTConfig(**fields)
 
 
@@ -134,7 +146,7 @@ def _rank_tensors(
     config = config_of(key)
     chunks = pp * virtual
     stage_ids = chunk_stage_ids(stage_rank, pp, virtual, placement) if pp > 1 else [0]
-    runs = stage_blocks(config, chunks) if pp > 1 else (tuple(range(config.n_layer)),)
+    runs = stage_blocks(config, chunks, dict(key).get("~layers")) if pp > 1 else (tuple(range(config.n_layer)),)
     blocks = {b for s in stage_ids for b in runs[s]}
     first, last = 0 in stage_ids, chunks - 1 in stage_ids
     kept = []

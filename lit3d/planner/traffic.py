@@ -35,7 +35,7 @@ def communication_bytes(
     ring = 2 * (tp - 1) / tp  # all-reduce traffic per byte; SP's all-gather + reduce-scatter pair costs the same
     traffic = {"tp": 0.0, "pp": 0.0, "dp": 0.0, "ep": 0.0, "cp": 0.0}
     placement = SCHEDULES[settings.pipeline_schedule].placement
-    for stage in stages(config, pp, virtual, placement, tp, layout.ep, training.lora):
+    for stage in stages(config, pp, virtual, placement, tp, layout.ep, training.lora, settings.pipeline_stage_layers):
         moe, first, last, blocks = stage.moe, stage.first, stage.last, stage.blocks
         tp_blocks = blocks * per_block + moe * _moe_tp_change(settings, sp)
         tp_bytes = (tp_blocks + first + last) * act_bytes  # embedding (fwd) and head (bwd): one each
@@ -75,7 +75,11 @@ def island_bytes_per_sync(config: GPTConfig, layout: Layout, settings: Paralleli
     virtual = settings.chunks_per_rank if layout.pp > 1 else 1
     placement = SCHEDULES[settings.pipeline_schedule].placement
     numel = max(
-        stepped_numel(rank_tensors(config, layout.pp, virtual, stage, placement, lora), layout, settings.zero_stage)
+        stepped_numel(
+            rank_tensors(config, layout.pp, virtual, stage, placement, lora, settings.pipeline_stage_layers),
+            layout,
+            settings.zero_stage,
+        )  # fmt: skip
         for stage in range(layout.pp)
     )
     element = 2 if settings.outer_reduce_dtype == "bfloat16" else 4
@@ -139,10 +143,18 @@ def _step_shape(layout: Layout, training: Training, settings: Parallelism) -> tu
 
 
 def stages(
-    config: GPTConfig, pp: int, virtual: int, placement: str, tp: int, ep: int, lora: LoRA | None = None
+    config: GPTConfig,
+    pp: int,
+    virtual: int,
+    placement: str,
+    tp: int,
+    ep: int,
+    lora: LoRA | None = None,
+    layers: tuple[int, ...] | None = None,
 ) -> list[StageSums]:
-    """Each pipeline rank's `StageSums` (cached: the search weighs every schedule of every layout with them)."""
-    key = config_key(config, lora)
+    """Each pipeline rank's `StageSums` (cached: the search weighs every schedule of every layout with them);
+    ``layers``: `pipeline_stage_layers`."""
+    key = config_key(config, lora, layers)
     return [_stage_sums(key, pp, virtual, placement, stage_rank, tp, ep) for stage_rank in range(pp)]
 
 
@@ -224,7 +236,7 @@ def collectives(
     counts = {"tp": (0.0, 0.0), "pp": (0.0, 0.0), "dp": (0.0, 0.0), "ep": (0.0, 0.0), "cp": (0.0, 0.0)}
     cp, zero_stage = layout.cp, settings.zero_stage
     placement = SCHEDULES[settings.pipeline_schedule].placement
-    for stage in stages(config, pp, virtual, placement, tp, layout.ep):
+    for stage in stages(config, pp, virtual, placement, tp, layout.ep, layers=settings.pipeline_stage_layers):
         first, last, blocks = stage.first, stage.last, stage.blocks
         if cp > 1:  # point-to-point hops per attention layer: forward (again under recompute), then backward
             hops = (cp - 1) * (2 if settings.activation_checkpointing else 1) + (cp - 1) + cp

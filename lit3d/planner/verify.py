@@ -37,7 +37,8 @@ class StageCount:
 def analytic_params(config: GPTConfig, layout: Layout, stage: int, settings: Parallelism) -> int:
     """Parameter elements the planner expects on rank (d=0, t=0, p=stage)."""
     virtual = settings.chunks_per_rank if layout.pp > 1 else 1
-    tensors = rank_tensors(config, layout.pp, virtual, stage, SCHEDULES[settings.pipeline_schedule].placement)
+    placement = SCHEDULES[settings.pipeline_schedule].placement
+    tensors = rank_tensors(config, layout.pp, virtual, stage, placement, layers=settings.pipeline_stage_layers)
     sharded = settings.zero_stage >= 2
     return sum(local_numel(t, layout.tp, replicas(t, layout) if sharded else 1, ep=layout.ep) for t in tensors)
 

@@ -1,0 +1,78 @@
+"""Uneven pipeline stages (``pipeline_stage_layers``): the blocks each stage runs as given, losses equal to one
+process in every schedule and with ZeRO, the planner's tensors and memory per stage the run's, and bad lists refused
+by name before any process starts."""
+
+import pytest
+import torch
+from uneven_layouts import UNEVEN_GPT, UNEVEN_LAYOUTS
+
+from lit3d import GPTConfig
+from lit3d.parallel.settings import Parallelism
+from lit3d.parallel.stages import check_stage_layers, stage_runs
+
+
+@pytest.mark.parametrize("layout", UNEVEN_LAYOUTS)
+def test_uneven_stages_train_like_one_process(layout, layout_runs, reference_uneven_run):
+    run, reference = layout_runs[layout], reference_uneven_run
+    assert len(run["losses"]) == len(reference["losses"]) == 8 and reference["losses"][-1] < reference["losses"][0]
+    for key in ("losses", "val_loss"):
+        assert len(run[key]) == len(reference[key]) > 0, key
+        assert max(abs(a - b) for a, b in zip(run[key], reference[key])) <= 1e-5, (key, run[key], reference[key])
+
+
+@pytest.mark.parametrize(
+    "layers, schedule, held",
+    [([1, 5], "1f1b", [["0"], ["1", "2", "3", "4", "5"]]),
+     ([2, 1, 2, 1], "interleaved_1f1b", [["0", "1", "3", "4"], ["2", "5"]]),  # stage s on rank s % 2
+     ([2, 1, 2, 1], "zbv", [["0", "1", "5"], ["2", "3", "4"]])],  # a V: rank 0 holds stages 0 and 3
+)  # fmt: skip
+def test_each_rank_keeps_the_blocks_its_stages_are_given(layers, schedule, held):
+    from lit3d.model import Transformer
+    from lit3d.parallel.schedules import SCHEDULES
+    from lit3d.strategies.stages import split_into_stages
+
+    for rank in range(2):
+        with torch.device("meta"):
+            network = Transformer(GPTConfig(**UNEVEN_GPT))
+        placement = SCHEDULES[schedule].placement
+        split_into_stages(network, rank, 2, 2 if len(layers) == 4 else 1, placement, tuple(layers))
+        assert list(network.blocks) == held[rank]
+
+
+def test_the_planner_holds_each_stage_as_given_and_the_parallelised_model_agrees():
+    from lit3d.planner import Cluster, Request, plan
+
+    cluster = Cluster(nodes=1, gpus_per_node=2)
+    counts = {}
+    for layers in ([1, 5], [5, 1]):
+        request = Request.given(GPTConfig(**UNEVEN_GPT), cluster, tensor_parallel_size=1, pipeline_parallel_size=2,
+                                pipeline_stage_layers=layers, seq_len=32, global_batch_size=8, verify=True)  # fmt: skip
+        report = plan(request)
+        assert report.verified and all(count.matches for count in report.verified), report.verified
+        counts[tuple(layers)] = [count.analytic for count in report.verified]
+    assert counts[(1, 5)][0] < counts[(1, 5)][1] and counts[(5, 1)][0] > counts[(5, 1)][1]
+
+
+def test_the_command_line_plan_takes_the_stage_layers(capsys):
+    """tiny's 4 blocks as 1+3 load the last stage most, as 3+1 the first."""
+    from lit3d.cli import main
+
+    for layers, loaded in (("[1, 3]", 1), ("[3, 1]", 0)):
+        main(["plan", "--model", "tiny", "--gpus_per_node", "2", "--tensor_parallel_size", "1",
+              "--pipeline_parallel_size", "2", "--pipeline_stage_layers", layers])  # fmt: skip
+        assert f"most loaded rank (pipeline stage {loaded})" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "layers, n_layer, message",
+    [((1, 4), 6, r"pipeline_stage_layers=\[1, 4\] sums to 5 blocks, but the model has n_layer=6"),
+     ((0, 6), 6, r"pipeline_stage_layers=\[0, 6\] must give each of the 2 pipeline stages"),
+     ((6,), 6, r"pipeline_stage_layers=\[6\] must give each of the 2 pipeline stages")],
+)  # fmt: skip
+def test_bad_stage_layers_are_refused_naming_them(layers, n_layer, message):
+    with pytest.raises(ValueError, match=message):
+        check_stage_layers(layers, n_layer, 2)
+    if n_layer == sum(layers) and len(layers) != 2 or 0 in layers:
+        with pytest.raises(ValueError, match=message):
+            Parallelism(pipeline_parallel_size=2, pipeline_stage_layers=list(layers))
+    assert stage_runs([1.0] * 6, 0.0, 0.0, 2, (2, 4)) == [[0, 1], [2, 3, 4, 5]]

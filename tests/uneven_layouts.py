@@ -1,0 +1,22 @@
+"""Pipeline stages of uneven depth (``pipeline_stage_layers``: more blocks on faster or larger GPUs), each compared with
+the single-process run of the same 6-block model: PP2 with 1+5 and 5+1, interleaved PP2 with 2+1+2+1 (four stages,
+two per rank), and DP2 x PP2 at ZeRO-1 and ZeRO-3."""
+
+UNEVEN_GPT = dict(n_layer=6, n_head=4, n_kv_head=2, d_model=32, d_ff=64, vocab_size=257, max_seq_len=32)
+
+
+def _layouts() -> dict[str, tuple[int, dict]]:
+    pp2 = {"pipeline_parallel_size": 2}
+    layouts = {
+        "pp2_layers_1_5": (2, {**pp2, "pipeline_stage_layers": [1, 5]}),
+        "pp2_layers_5_1": (2, {**pp2, "pipeline_stage_layers": [5, 1]}),
+        "pp2_interleaved_layers_2_1_2_1": (2, {**pp2, "pipeline_schedule": "interleaved_1f1b",
+                                               "pipeline_stage_layers": [2, 1, 2, 1]}),
+        "dp2_pp2_zero1_layers_4_2": (4, {**pp2, "zero_stage": 1, "pipeline_stage_layers": [4, 2]}),
+        "dp2_pp2_zero3_layers_2_4": (4, {**pp2, "zero_stage": 3, "pipeline_stage_layers": [2, 4]}),
+    }  # fmt: skip
+    return {name: (world, {"model": {"config": UNEVEN_GPT}, "strategy": strategy})
+            for name, (world, strategy) in layouts.items()}  # fmt: skip
+
+
+UNEVEN_LAYOUTS = _layouts()
