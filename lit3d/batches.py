@@ -27,6 +27,8 @@ class GlobalBatchData(L.LightningDataModule):
         self.val_set: Any = None
         self.test_set: Any = None
         self.data_parallel: tuple[int, int] | None = None  # (size, rank); None: read from the trainer
+        # Samples of each global batch per replica (`data_parallel_shares`); None: read from the trainer's strategy
+        self.data_parallel_shares: tuple[int, ...] | None = None
         self._resume: dict[str, Any] | None = None  # the data position a checkpoint restored
 
     def train_dataloader(self) -> DataLoader:
@@ -61,9 +63,8 @@ class GlobalBatchData(L.LightningDataModule):
         trainer = self.trainer
         if trainer is None:
             return {}
-        replicas, _ = self._replica()
         batches = trainer.fit_loop.epoch_loop.batch_progress.current.processed  # this replica's, this epoch
-        consumed = batches * self.micro_batch_size() * replicas
+        consumed = batches * self.global_batch_size // trainer.accumulate_grad_batches  # (every replica's together)
         if consumed >= len(self.train_set) - len(self.train_set) % self.global_batch_size:  # saved at an epoch end
             return {"epoch": trainer.current_epoch + 1, "consumed_samples": 0}
         return {"epoch": trainer.current_epoch, "consumed_samples": consumed}
@@ -71,10 +72,14 @@ class GlobalBatchData(L.LightningDataModule):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._resume = dict(state) if state else None
 
-    def micro_batch_size(self) -> int:
-        """Sequences per forward pass on one replica."""
-        replicas, _ = self._replica()
+    def micro_batch_size(self, training: bool = False) -> int:
+        """Sequences per forward pass on one replica; ``training`` with `data_parallel_shares`: this replica's share
+        of each global batch over its micro-steps (evaluation deals even rounds)."""
+        replicas, rank = self._replica()
         accumulate = self.trainer.accumulate_grad_batches if self.trainer is not None else 1
+        shares = self._shares() if training else None
+        if shares is not None:
+            return shares[rank] // accumulate
         if self.global_batch_size % (replicas * accumulate):
             raise ValueError(
                 f"global_batch_size={self.global_batch_size} is not divisible by data_parallel_size={replicas} "
@@ -89,12 +94,21 @@ class GlobalBatchData(L.LightningDataModule):
         kwargs = (self.trainer.distributed_sampler_kwargs if self.trainer is not None else None) or {}
         return kwargs.get("num_replicas", 1), kwargs.get("rank", 0)
 
-    def _sampler(self, dataset: Any, per_step: int, replicas: int, rank: int, shuffle: bool) -> GlobalBatchSampler:
-        return GlobalBatchSampler(dataset, per_step, replicas, rank, shuffle=shuffle, seed=self.seed)
+    def _shares(self) -> tuple[int, ...] | None:
+        """`data_parallel_shares`: set here, or the trainer's strategy's (`lit3d.parallel.Parallelism`)."""
+        if self.data_parallel_shares is not None:
+            return tuple(self.data_parallel_shares)
+        parallelism = getattr(getattr(self.trainer, "strategy", None), "parallelism", None)
+        return getattr(parallelism, "data_parallel_shares", None)
+
+    def _sampler(
+        self, dataset: Any, per_step: int, replicas: int, rank: int, shuffle: bool, shares: Any = None
+    ) -> GlobalBatchSampler:
+        return GlobalBatchSampler(dataset, per_step, replicas, rank, shuffle=shuffle, seed=self.seed, shares=shares)
 
     def _loader(self, dataset: Any, shuffle: bool) -> DataLoader:
         replicas, rank = self._replica()
-        micro = self.micro_batch_size()
+        micro = self.micro_batch_size(training=shuffle)
         # Validation deals out whole rounds of one micro-batch per replica, so every layout sees the same blocks.
         per_step = self.global_batch_size if shuffle else micro * replicas
         if not shuffle and len(dataset) < per_step:
@@ -102,7 +116,7 @@ class GlobalBatchData(L.LightningDataModule):
                 f"the held-out set has {len(dataset)} sequences, fewer than one micro-batch per replica ({micro} x "
                 f"{replicas}): hold out more (val_fraction, test_fraction) or lower global_batch_size"
             )
-        sampler = self._sampler(dataset, per_step, replicas, rank, shuffle)
+        sampler = self._sampler(dataset, per_step, replicas, rank, shuffle, self._shares() if shuffle else None)
         loader = ResumableLoader if shuffle else DataLoader  # training's position is restored; evaluation starts over
         return loader(dataset, batch_size=micro, sampler=sampler, drop_last=True, num_workers=self.num_workers)
 

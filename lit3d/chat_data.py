@@ -111,9 +111,11 @@ class ChatDataModule(GlobalBatchData):
             raise ValueError(f"no example of {self.data_path!r} has an answer token left to train on")
         return examples
 
-    def _sampler(self, dataset: Any, per_step: int, replicas: int, rank: int, shuffle: bool) -> TrainedTokenSampler:
+    def _sampler(
+        self, dataset: Any, per_step: int, replicas: int, rank: int, shuffle: bool, shares: Any = None
+    ) -> TrainedTokenSampler:
         return TrainedTokenSampler(dataset, dataset.trained, self.seq_len, per_step, replicas, rank, shuffle=shuffle,
-                                   seed=self.seed)  # fmt: skip
+                                   seed=self.seed, shares=shares)  # fmt: skip
 
 
 @dataclass

@@ -213,6 +213,9 @@ class TextDataModule(GlobalBatchData):
 
     def _stream_loader(self) -> DataLoader:
         replicas, rank = self._replica()
+        if self._shares() is not None:
+            raise ValueError(f"data_parallel_shares={list(self._shares())} with a streamed corpus: a stream deals "
+                             "even shares; prepare it (lit3d prepare) or read it as a dataset")  # fmt: skip
         resume = self._resume.get("stream") if self._resume else None
         self._resume = None
         blocks = StreamedBlocks(self._open_documents(), self.sources, self.tokenizer, self.seq_len + 1,

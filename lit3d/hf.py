@@ -93,7 +93,7 @@ def config_from_hf(hf: dict[str, Any]) -> GPTConfig:
 
 def _refuse_uncomputed(hf: dict[str, Any], model_type: str) -> None:
     """A family or a field lit3d's model does not compute, named, before anything is built."""
-    uncomputed = {field: what for field, what in NOT_COMPUTED.items() if hf.get(field)}
+    uncomputed = {field: what for field, what in NOT_COMPUTED.items() if hf.get(field) not in (None, False, 1.0)}
     if model_type not in FAMILIES:
         also = f" ({', '.join(f'{k}: {v}' for k, v in uncomputed.items())} is not computed)" if uncomputed else ""
         raise ValueError(f"model_type={model_type!r}: lit3d imports {', '.join(FAMILIES)} folders{also}")

@@ -20,9 +20,9 @@ TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 def export_checkpoint(
     ckpt_path: str | Path, output: str | Path, dtype: torch.dtype = torch.float32, adapter: bool = False
 ) -> tuple[Path, list[str]]:
-    """A lit3d checkpoint of any layout → a HuggingFace Llama folder (one process, no GPU needed), and one line per
-    thing generation needs on where it came from (token ids, generation config, tokenizer). A LoRA run's adapters
-    are merged into their linears, or with ``adapter`` written alone as a PEFT folder (`lit3d.adapters`).
+    """A lit3d checkpoint of any layout → a HuggingFace folder of its family (one process, no GPU needed), and one
+    line per thing generation needs on where it came from (token ids, generation config, tokenizer). A LoRA run's
+    adapters are merged into their linears, or with ``adapter`` written alone as a PEFT folder (`lit3d.adapters`).
 
     The sharded tensors are read whole with `torch.distributed.checkpoint` (`lit3d.pretrained.read_checkpoint`),
     which reassembles the shards of every layout from their recorded global offsets. The BOS/EOS/pad ids and

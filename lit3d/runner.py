@@ -81,3 +81,28 @@ class ContextShare:
             f"context_parallel_size={self.size} holds a share of every sequence; whole-sequence outputs (prediction, "
             "sampling) need context_parallel_size=1 (a checkpoint loads in any layout)"
         )
+
+
+class ReplicaShare:
+    """Uneven data parallelism (`data_parallel_shares`): this replica computes ``weight`` times an even share of each
+    global batch, so its training loss counts ``weight`` times in the replicas' average (what data parallelism
+    reduces), which is then the mean over the global batch. Evaluation deals even rounds and is not weighted.
+
+    NOTE: training is told from evaluation by autograd being on: Lightning runs evaluation without it, and a
+    pipeline's schedule calls the loss inside its training step only."""
+
+    def __init__(self, inner: Runner, weight: float) -> None:
+        self.inner, self.weight = inner, weight
+        self.adds_balance_loss, self.forwards_per_loss = inner.adds_balance_loss, inner.forwards_per_loss
+
+    def loss(self, network: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return self.inner.loss(network, inputs, targets, loss_fn)
+
+        def weighted(*args: Any, **kwargs: Any) -> torch.Tensor:
+            return loss_fn(*args, **kwargs) * self.weight
+
+        return self.inner.loss(network, inputs, targets, weighted)
+
+    def forward(self, network: nn.Module, inputs: Any) -> Any:
+        return self.inner.forward(network, inputs)

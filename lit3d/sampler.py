@@ -17,6 +17,9 @@ class GlobalBatchSampler(DistributedSampler):
     positions ``[k·G, (k+1)·G)`` of the permutation: global batch k holds the same samples whatever R is (and
     however each replica's share is split into micro-batches).
 
+    With ``shares`` (`data_parallel_shares`: samples per replica, summing to the global batch) replica ``r`` takes its
+    own run of ``shares[r]`` positions of each global batch instead: still the same global batch.
+
     It is a `DistributedSampler`, so Lightning keeps it instead of injecting its own, and calls
     `set_epoch` on it. `resume_at` starts one epoch part-way through, for resuming a run: the position counts
     global samples, so it does not depend on R either (a run may resume with another number of replicas).
@@ -30,8 +33,9 @@ class GlobalBatchSampler(DistributedSampler):
         rank: int = 0,
         shuffle: bool = True,
         seed: int = 0,
+        shares: tuple[int, ...] | None = None,
     ) -> None:
-        if global_batch_size % num_replicas:
+        if shares is None and global_batch_size % num_replicas:
             raise ValueError(
                 f"global_batch_size={global_batch_size} is not divisible by the data-parallel size {num_replicas}"
             )
@@ -40,7 +44,7 @@ class GlobalBatchSampler(DistributedSampler):
                 f"the dataset has {len(dataset)} samples, fewer than one global batch ({global_batch_size})"
             )
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=True)
-        self.global_batch_size = global_batch_size
+        self.global_batch_size, self.shares = global_batch_size, shares
         self._resume: tuple[int, int] | None = None  # (epoch, global samples already consumed in it)
 
     def resume_at(self, epoch: int, consumed_samples: int) -> None:
@@ -73,11 +77,24 @@ class GlobalBatchSampler(DistributedSampler):
     def __iter__(self) -> Iterator[int]:
         # NOTE: one int at a time from the int64 order, not a list of Python ints (~36 bytes each): memory must not
         # grow with the corpus's block count.
-        return map(int, self.remaining_order()[self.rank :: self.num_replicas].numpy())
+        order = self.remaining_order()
+        if self.shares is None:
+            return map(int, order[self.rank :: self.num_replicas].numpy())
+        return (int(i) for start in range(0, len(order), self.global_batch_size)
+                for i in self.mine(order[start : start + self.global_batch_size]).numpy())  # fmt: skip
+
+    def mine(self, batch: torch.Tensor) -> torch.Tensor:
+        """This replica's samples of one global ``batch``: every R-th, or its run of ``shares``."""
+        if self.shares is None:
+            return batch[self.rank :: self.num_replicas]
+        start = sum(self.shares[: self.rank])
+        return batch[start : start + self.shares[self.rank]]
 
     def __len__(self) -> int:
         # NOTE: the whole epoch, also when resuming part-way: Lightning counts the batches it already ran.
-        return self.samples_per_epoch // self.num_replicas
+        if self.shares is None:
+            return self.samples_per_epoch // self.num_replicas
+        return self.samples_per_epoch // self.global_batch_size * self.shares[self.rank]
 
 
 class TrainedTokenSampler(GlobalBatchSampler):
@@ -97,5 +114,5 @@ class TrainedTokenSampler(GlobalBatchSampler):
             batch = order[start : start + size]
             trained = int(self.trained[batch].sum())
             scale = size * self.targets_per_sample / trained if trained else 0.0
-            for index in batch[self.rank :: self.num_replicas].tolist():
+            for index in self.mine(batch).tolist():
                 yield index, scale

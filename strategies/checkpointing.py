@@ -24,6 +24,7 @@ from lit3d.strategies.checkpoint import (
     restore_param_groups,
     save,
 )
+from lit3d.strategies.float8 import plain_tensors
 
 SHARDS_SUFFIX = ".shards"  # a single-file save's shards, before rank 0 makes them one file
 
@@ -73,7 +74,7 @@ class Checkpoints:
             "state_dict": checkpoint.pop("state_dict"),
             "optimizer_states": checkpoint.pop("optimizer_states", []),
         }
-        tensors = with_islands(tensors, *islands)
+        tensors = plain_tensors(with_islands(tensors, *islands))
         checkpoint["rng"] = _collect_rng_states()  # rank 0's; every rank was seeded alike
         if not self.distributed:  # one file of the weights: their shards written, then made whole by rank 0
             shards = path.with_name(path.name + SHARDS_SUFFIX)
@@ -118,7 +119,7 @@ class Checkpoints:
             for optimizer in optimizers:
                 init_optimizer_state(optimizer)
             tensors["optimizer_states"] = [optimizer_state(opt) for opt in optimizers]
-        meta = load(path, with_islands(tensors, *islands))  # in place; hyper-parameters come back as values
+        meta = load(path, plain_tensors(with_islands(tensors, *islands)))  # in place; hyper-parameters as values
         for optimizer, loaded in zip(optimizers, tensors.get("optimizer_states", [])):
             restore_param_groups(optimizer, loaded)
         if "rng" in meta:

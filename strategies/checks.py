@@ -14,6 +14,7 @@ from lit3d.parallel.context import check_context_parallel
 from lit3d.parallel.layout import Layout, check_model_fits_layout, check_model_fits_pipeline
 from lit3d.parallel.precision import check_float8
 from lit3d.parallel.settings import Parallelism
+from lit3d.parallel.shares import check_shares_fit
 from lit3d.parallel.stages import check_stage_layers
 from lit3d.strategies.context_parallel import check_module_for_context_parallel
 from lit3d.strategies.pipeline import check_pipeline_protocol
@@ -36,10 +37,7 @@ def check_run(parallelism: Parallelism, layout: Layout, module: Any, trainer: An
         check_model_fits_layout(config, layout)
         check_model_fits_pipeline(config, layout.pp, chunks, schedule)
         check_stage_layers(parallelism.pipeline_stage_layers, config.n_layer, layout.pp * chunks)
-    precision = getattr(trainer, "precision", None) if trainer is not None else None
-    check_float8(parallelism.float8, precision, config, layout.tp)
-    if parallelism.float8 and getattr(module, "lora", None) is not None:
-        raise ValueError(f"float8={parallelism.float8!r} with LoRA adapters: train the adapters in bf16")
+    _check_float8(parallelism, layout, module, trainer, datamodule)
     seq_len = getattr(datamodule, "seq_len", None)
     check_context_parallel(config, layout.cp, seq_len, layout.tp, parallelism.sequence_parallel)
     predicting = trainer is not None and trainer.state.fn == TrainerFn.PREDICTING
@@ -48,4 +46,40 @@ def check_run(parallelism: Parallelism, layout: Layout, module: Any, trainer: An
         check_pipeline_protocol(module, layout.pp)
     batch = getattr(datamodule, "global_batch_size", None) if layout.pp > 1 else None
     accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
-    return parallelism.microbatches(batch, layout.data_replicas, accumulate)
+    microbatches = parallelism.microbatches(batch, layout.data_replicas, accumulate)
+    _check_shares(parallelism, layout, datamodule, accumulate * (microbatches if layout.pp > 1 else 1))
+    return microbatches
+
+
+def _check_float8(parallelism: Parallelism, layout: Layout, module: Any, trainer: Any, datamodule: Any) -> None:
+    """FP8 (`check_float8`) on this run: its precision, model and LoRA; each rank's tokens per sequence in multiples of
+    16 (the weight gradient's matmul runs over them); and a GPU with FP8 tensor cores."""
+    if not parallelism.float8:
+        return
+    config = getattr(module, "config", None)
+    precision = getattr(trainer, "precision", None) if trainer is not None else None
+    lora = getattr(module, "lora", None) is not None
+    check_float8(parallelism.float8, precision, config if isinstance(config, GPTConfig) else None, layout.tp, lora)
+    seq_len = getattr(datamodule, "seq_len", None)
+    if seq_len is not None and (seq_len // layout.cp) % 16:
+        raise ValueError(f"float8={parallelism.float8!r} with seq_len={seq_len} / context_parallel_size={layout.cp}: "
+                         "FP8 matmuls need each rank's tokens per sequence in multiples of 16")  # fmt: skip
+    if type(getattr(trainer, "accelerator", None)).__name__ == "CUDAAccelerator":
+        import torch
+
+        if torch.cuda.get_device_capability() < (8, 9):
+            raise ValueError(f"float8={parallelism.float8!r} on {torch.cuda.get_device_name()}: FP8 matmuls need "
+                             "compute capability 8.9 or later (Ada, Hopper, Blackwell)")  # fmt: skip
+
+
+def _check_shares(parallelism: Parallelism, layout: Layout, datamodule: Any, steps: int) -> None:
+    """`data_parallel_shares` need lit3d's data (its sampler deals them) and must fit the run."""
+    shares = parallelism.data_parallel_shares
+    if shares is None:
+        return
+    from lit3d.batches import GlobalBatchData
+
+    if datamodule is not None and not isinstance(datamodule, GlobalBatchData):
+        raise ValueError(f"data_parallel_shares={list(shares)} needs a lit3d data module (TextDataModule, Chat"
+                         f"DataModule): its sampler deals the shares; got {type(datamodule).__name__}")  # fmt: skip
+    check_shares_fit(shares, layout.data_replicas, getattr(datamodule, "global_batch_size", None), steps)

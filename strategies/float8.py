@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 from lit3d.parallel.precision import is_float8_linear
@@ -65,3 +66,33 @@ def import_float8() -> Any:
     except ImportError as error:
         raise ImportError("float8 training needs torchao: pip install 'lit3d[fp8]' (or torchao)") from error
     return float8
+
+
+def plain_tensors(tree: Any) -> Any:
+    """``tree`` (dicts and lists of a checkpoint), in place, with every tensor that wraps another (FP8 all-gather's
+    weights, and the optimizer states made like them) replaced by the tensor it wraps, sharing its storage: what a
+    checkpoint saves, so that reading one needs no torchao, and what a load fills, in place.
+
+    NOTE: torchao's wrapper would otherwise be pickled into the checkpoint by its class name."""
+    from torch.distributed.tensor import DTensor
+
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else ()
+    for key, value in list(items):
+        if isinstance(value, (dict, list)):
+            plain_tensors(value)
+        elif isinstance(value, DTensor) and _wraps(value._local_tensor):
+            tree[key] = DTensor.from_local(_inner(value._local_tensor), value.device_mesh, value.placements,
+                                           run_check=False, shape=value.shape, stride=value.stride())  # fmt: skip
+        elif isinstance(value, torch.Tensor) and _wraps(value):
+            tree[key] = _inner(value)
+    return tree
+
+
+def _wraps(tensor: torch.Tensor) -> bool:
+    return type(tensor) not in (torch.Tensor, nn.Parameter) and hasattr(tensor, "__tensor_flatten__")
+
+
+def _inner(tensor: torch.Tensor) -> torch.Tensor:
+    while _wraps(tensor):
+        tensor = getattr(tensor, tensor.__tensor_flatten__()[0][0])
+    return tensor

@@ -122,10 +122,13 @@ class OptimizerSteps:
         return {key: named.get(key, value) for key, value in state_dict.items()}
 
     def master_weights_loaded(self) -> None:
-        """After a checkpoint filled the master weights (`with_master_weights`): the parameters from them."""
+        """After a checkpoint filled the master weights (`with_master_weights`): the parameters from them (and with
+        FP8 all-gather, the loaded weights' scales)."""
         for local in self.local.values():
             if local.param_dtype is not None:
                 local.gather_params()
+        if self.module is not None:
+            self._after_step()
 
     def remove_hooks(self) -> None:
         for local in self.local.values():

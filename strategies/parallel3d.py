@@ -64,6 +64,7 @@ class Parallel3DStrategy(ModelParallelStrategy):
         data_parallel_size: int | Literal["auto"] = "auto",
         tensor_parallel_size: int | Literal["auto"] = "auto",
         pipeline_parallel_size: int = 1,
+        data_parallel_shares: list[int] | None = None,
         expert_parallel_size: int = 1,
         context_parallel_size: int = 1,
         zero_stage: int = 1,
@@ -139,9 +140,7 @@ class Parallel3DStrategy(ModelParallelStrategy):
 
     @property
     @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Data is split over DP replicas only: all TP, CP and PP ranks of a replica see the same batch (each CP
-        # rank keeps its share of every sequence: `lit3d.runner.ContextShare`).
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:  # over DP replicas only (CP: `ContextShare`)
         return {"num_replicas": self.layout.data_replicas, "rank": self.layout.data_rank(self.global_rank)}
 
     def check_configuration(self, trainer: Trainer | None = None, datamodule: Any = None) -> None:
@@ -255,8 +254,9 @@ class Parallel3DStrategy(ModelParallelStrategy):
         self.optimizer_steps.build(self.optimizers, self.lightning_module, earlier)
 
     def _log_fit_start(self) -> None:
-        """Rank 0 logs what each axis sends in which dtype, and the planner's estimate of this run (`plan_of_run`)."""
-        if self.layout.world_size > 1 and self._parallelized is not None:  # (else the module's own policy decides)
+        """Rank 0 logs what each axis sends in which dtype (a module split by lit3d), and the planner's estimate of
+        this run (`plan_of_run`)."""
+        if self.layout.world_size > 1 and self._parallelized is not None:
             rank_zero_info(describe(self.parallelism, self.layout, self.precision_plugin.precision))
         self.plan = plan_of_run(self)
         if self.plan is not None:

@@ -19,7 +19,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lit3d.parallel.schedules import SCHEDULES
 from lit3d.parallel.settings import Parallelism
-from lit3d.runner import ContextShare, Runner, WholeNetwork
+from lit3d.parallel.shares import share_weight
+from lit3d.runner import ContextShare, ReplicaShare, Runner, WholeNetwork
 from lit3d.strategies.context_parallel import apply_context_parallel
 from lit3d.strategies.float8 import apply_float8
 from lit3d.strategies.meshes import ParallelMeshes
@@ -104,6 +105,8 @@ def split_module(
         )  # fmt: skip
     if layout.cp > 1:  # each rank's share of the batch's sequences
         runner = ContextShare(runner, layout.cp, layout.cp_rank(rank))
+    if parallelism.data_parallel_shares is not None:  # uneven replicas: each one's loss weighted by its share
+        runner = ReplicaShare(runner, share_weight(parallelism.data_parallel_shares, layout.data_rank(rank)))
     return runner, pipeline
 
 

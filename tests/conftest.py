@@ -408,14 +408,14 @@ def reference_uneven_run(base_job, tmp_path_factory) -> dict:
 @pytest.fixture(scope="session")
 def layout_runs(base_job, packed_data, tmp_path_factory) -> dict[str, dict]:
     """Every layout of `LAYOUTS`, `MOE_LAYOUTS`, `CP_LAYOUTS`, `LORA_LAYOUTS`, `PACKED_LAYOUTS`, `FAMILY_LAYOUTS`,
-    `FLOAT8_LAYOUTS` and `UNEVEN_LAYOUTS`, one spawn per world size."""
+    `FLOAT8_LAYOUTS`, `UNEVEN_LAYOUTS` and `SHARE_LAYOUTS`, one spawn per world size."""
     from family_layouts import FAMILY_LAYOUTS
     from float8_layouts import FLOAT8_LAYOUTS
     from spawned import run_jobs
-    from uneven_layouts import UNEVEN_LAYOUTS
+    from uneven_layouts import SHARE_LAYOUTS, UNEVEN_LAYOUTS
 
     layouts = {**LAYOUTS, **MOE_LAYOUTS, **CP_LAYOUTS, **LORA_LAYOUTS, **PACKED_LAYOUTS, **FAMILY_LAYOUTS,
-               **FLOAT8_LAYOUTS, **UNEVEN_LAYOUTS}  # fmt: skip
+               **FLOAT8_LAYOUTS, **UNEVEN_LAYOUTS, **SHARE_LAYOUTS}  # fmt: skip
     results = {}
     for world in sorted({w for w, _ in layouts.values()}):
         jobs = {name: merge(base_job, with_data(job, packed_data)) for name, (w, job) in layouts.items() if w == world}

@@ -48,6 +48,7 @@ def _layouts() -> dict[str, tuple[int, dict]]:
     for name in ("fp8_dp2_zero3_all_gather", "bf16_dp2_zero3"):
         jobs[name][1]["callbacks"].append(CommReport(step=5))
     jobs["fp8_tp2_sequence_parallel"][1]["checkpoint_every"] = 10
+    jobs["fp8_dp2_zero3_all_gather"][1]["checkpoint_every"] = 10
     return jobs
 
 

@@ -242,6 +242,7 @@ class Probe(Callback):
             "type": type(sampler).__name__,
             "num_replicas": getattr(sampler, "num_replicas", None),
             "rank": getattr(sampler, "rank", None),
+            "batch_size": trainer.train_dataloader.batch_size,
         }
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):

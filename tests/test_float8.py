@@ -56,6 +56,20 @@ def test_a_checkpoint_saved_in_fp8_at_tp2_resumes_in_bf16_on_one_process(layout_
     assert relative(resumed, reference[10:]) <= 1e-2
 
 
+def test_an_fp8_all_gather_checkpoint_exports_in_a_process_without_torchao(layout_runs, tmp_path):
+    """The checkpoint holds plain tensors (not torchao's wrappers of FP8 all-gather's weights): `lit3d export` reads
+    it without importing torchao."""
+    import subprocess
+    import sys
+
+    saved = layout_runs["fp8_dp2_zero3_all_gather"]["job_dir"] + "/ckpts/step=10.ckpt"
+    code = ("import sys; from lit3d.cli import main; main(['export', '--ckpt_path', sys.argv[1], '--output', "
+            "sys.argv[2]]); assert 'torchao' not in sys.modules, 'torchao was imported'")  # fmt: skip
+    run = subprocess.run([sys.executable, "-c", code, saved, str(tmp_path / "hf")], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+
+
 def test_the_blocks_linears_run_in_fp8_and_the_embedding_head_router_and_experts_stay_in_bf16():
     from torchao.float8.float8_linear import Float8Linear
 
@@ -86,10 +100,13 @@ def test_fp8_is_refused_in_fp32_and_for_widths_fp8_matmuls_cannot_take():
     with pytest.raises(ValueError, match=r"float8='rowwise' with precision='32-true': FP8 matmuls run inside a bf16"):
         check_float8("rowwise", "32-true")
     with pytest.raises(
-        ValueError, match=r"\{'n_kv_head x head_dim': 32\} not multiples of 16 x tensor_parallel_size=4"
+        ValueError,
+        match=r"\{'n_kv_head x head_dim': 32\} not multiples of 16 \(those TP splits: of 16 x tensor_parallel_size=4\)",
     ):
         check_float8("tensorwise", "bf16-mixed", GPTConfig(**FP8_GPT), tp=4)
     check_float8("tensorwise", "bf16-mixed", GPTConfig(**FP8_GPT), tp=2)  # 16 per rank: fine
+    with pytest.raises(ValueError, match="float8='rowwise' with LoRA adapters: train the adapters in bf16"):
+        check_float8("rowwise", "bf16-mixed", GPTConfig(**FP8_GPT), lora=True)
 
 
 def test_the_command_line_refuses_fp8_in_fp32_before_any_process_starts():

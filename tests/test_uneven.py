@@ -4,7 +4,7 @@ by name before any process starts."""
 
 import pytest
 import torch
-from uneven_layouts import UNEVEN_GPT, UNEVEN_LAYOUTS
+from uneven_layouts import SHARE_LAYOUTS, UNEVEN_GPT, UNEVEN_LAYOUTS
 
 from lit3d import GPTConfig
 from lit3d.parallel.settings import Parallelism
@@ -76,3 +76,37 @@ def test_bad_stage_layers_are_refused_naming_them(layers, n_layer, message):
         with pytest.raises(ValueError, match=message):
             Parallelism(pipeline_parallel_size=2, pipeline_stage_layers=list(layers))
     assert stage_runs([1.0] * 6, 0.0, 0.0, 2, (2, 4)) == [[0, 1], [2, 3, 4, 5]]
+
+
+@pytest.mark.parametrize("layout", [name for name in SHARE_LAYOUTS if "resumed" not in name])
+def test_uneven_data_parallel_shares_train_like_one_process(layout, layout_runs, reference_run):
+    """Each replica computes its share of every global batch of 8 (its micro-batches that size), its loss weighted
+    by it: the step is the single-process step, at ZeRO-1 and ZeRO-3, with TP too."""
+    run, reference = layout_runs[layout], reference_run
+    shares = SHARE_LAYOUTS[layout][1]["strategy"]["data_parallel_shares"]
+    replica_of = [rank["sampler"]["rank"] for rank in run["ranks"]]
+    assert [rank["sampler"]["batch_size"] for rank in run["ranks"]] == [shares[r] for r in replica_of]
+    for key in ("losses", "val_loss"):
+        assert len(run[key]) == len(reference[key]) > 0, key
+        assert max(abs(a - b) for a, b in zip(run[key], reference[key])) <= 1e-5, (key, run[key], reference[key])
+
+
+def test_a_run_with_uneven_shares_resumes_with_even_ones_on_the_same_curve(layout_runs, reference_run):
+    resumed = layout_runs["dp2_even_resumed_from_shares"]["losses"]
+    assert len(resumed) == 4
+    assert max(abs(a - b) for a, b in zip(resumed, reference_run["losses"][4:])) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "shares, batch, steps, message",
+    [((6, 1), 8, 1, r"data_parallel_shares=\[6, 1\] sums to 7 samples, not the global_batch_size=8"),
+     ((5, 3), 8, 2, r"data_parallel_shares=\[5, 3\]: \[5, 3\] not whole numbers of the 2 micro-batches"),
+     ((4, 2, 2), 8, 1, r"data_parallel_shares=\[4, 2, 2\] has 3 shares for data_parallel_size=2 replicas")],
+)  # fmt: skip
+def test_bad_shares_are_refused_naming_them(shares, batch, steps, message):
+    from lit3d.parallel.shares import check_shares_fit
+
+    with pytest.raises(ValueError, match=message):
+        check_shares_fit(shares, 2, batch, steps)
+    with pytest.raises(ValueError, match=r"data_parallel_shares=\[0, 8\] must be whole numbers of samples"):
+        Parallelism(data_parallel_shares=[0, 8])

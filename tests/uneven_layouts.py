@@ -20,3 +20,19 @@ def _layouts() -> dict[str, tuple[int, dict]]:
 
 
 UNEVEN_LAYOUTS = _layouts()
+
+
+# Uneven data parallelism (``data_parallel_shares``: samples of each global batch of 8 per replica), compared with the
+# plain single-process run; one saved at step 4 resumes with even replicas.
+SHARE_LAYOUTS = {
+    name: (world, {"strategy": strategy})
+    for name, world, strategy in [
+        ("dp2_shares_6_2_zero1", 2, {"zero_stage": 1, "data_parallel_shares": [6, 2]}),
+        ("dp2_shares_2_6_zero3", 2, {"zero_stage": 3, "data_parallel_shares": [2, 6]}),
+        ("dp2_even_resumed_from_shares", 2, {"zero_stage": 1}),
+        ("dp2_tp2_shares_6_2_zero1", 4, {"tensor_parallel_size": 2, "zero_stage": 1, "data_parallel_shares": [6, 2]}),
+        ("dp2_tp2_shares_6_2_zero3", 4, {"tensor_parallel_size": 2, "zero_stage": 3, "data_parallel_shares": [6, 2]}),
+    ]
+}  # fmt: skip
+SHARE_LAYOUTS["dp2_shares_6_2_zero1"][1]["checkpoint_every"] = 4
+SHARE_LAYOUTS["dp2_even_resumed_from_shares"][1]["ckpt_path"] = "job:dp2_shares_6_2_zero1/ckpts/step=4.ckpt"

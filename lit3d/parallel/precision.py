@@ -52,19 +52,25 @@ def is_float8_linear(module: str) -> bool:
     return module.rsplit(".", 1)[-1] in FLOAT8_LINEARS
 
 
-def check_float8(float8: str | None, precision: str | None, config: Any = None, tp: int = 1) -> None:
+def check_float8(
+    float8: str | None, precision: str | None, config: Any = None, tp: int = 1, lora: bool = False
+) -> None:
     """FP8 needs a bf16 run, and each rank's part of every block linear in multiples of 16 (``torch._scaled_mm``);
-    an MoE model's experts stay in bf16 and LoRA's frozen base is not cast. Refused naming the values."""
+    an MoE model's experts stay in bf16; LoRA's frozen base is not cast (refused). Refused naming the values."""
     if float8 is None:
         return
+    if lora:
+        raise ValueError(f"float8={float8!r} with LoRA adapters: train the adapters in bf16")
     if precision is not None and str(precision) not in FLOAT8_PRECISIONS:
         raise ValueError(f"float8={float8!r} with precision={precision!r}: FP8 matmuls run inside a bf16 run, "
                          f"use precision in {FLOAT8_PRECISIONS}")  # fmt: skip
     if config is None:
         return
-    widths = {"d_model": config.d_model, "n_head x head_dim": config.n_head * config.head_dim,
-              "n_kv_head x head_dim": config.n_kv_head * config.head_dim, "d_ff": config.d_ff}  # fmt: skip
-    odd = {name: width for name, width in widths.items() if width % (16 * tp)}
+    split = {"n_head x head_dim": config.n_head * config.head_dim, "n_kv_head x head_dim": config.n_kv_head *
+             config.head_dim, **({"d_ff": config.d_ff} if config.moe_layers < config.n_layer else {})}  # fmt: skip
+    whole = {"d_model": config.d_model, "n_shared_expert x d_ff_expert": config.n_shared_expert * config.d_ff_expert}
+    odd = {name: width for name, width in split.items() if width % (16 * tp)}
+    odd |= {name: width for name, width in whole.items() if width % 16}
     if odd:
-        raise ValueError(f"float8={float8!r}: {odd} not multiples of 16 x tensor_parallel_size={tp} (FP8 matmuls "
-                         "need every rank's weight dims in multiples of 16)")  # fmt: skip
+        raise ValueError(f"float8={float8!r}: {odd} not multiples of 16 (those TP splits: of 16 x "
+                         f"tensor_parallel_size={tp}); FP8 matmuls need every rank's weight dims in them")  # fmt: skip

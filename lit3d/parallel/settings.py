@@ -24,6 +24,7 @@ from lit3d.parallel.layout import (
 from lit3d.parallel.outer import check_outer_loop
 from lit3d.parallel.precision import check_reduce_dtype
 from lit3d.parallel.schedules import check_composes, chunks_per_rank
+from lit3d.parallel.shares import check_shares
 from lit3d.parallel.stages import check_stage_layers
 
 RECOMPUTE_MODES = ("full", "selective")  # `activation_checkpointing`'s named choices (`lit3d.strategies.recompute`)
@@ -51,6 +52,12 @@ class Parallelism:
         ``ModelParallelStrategy`` convention, whose defaults then give its very mesh).""",
     )
     pipeline_parallel_size: int = _setting(1, "Ranks that split the depth into stages of consecutive blocks.")
+    data_parallel_shares: list[int] | None = _setting(
+        None,
+        """The samples of each global batch each data-parallel replica computes, in replica order (summing to the
+        global batch; each a whole number of its micro-batches): more on faster GPUs. Each replica's loss is weighted
+        by its share, so a step is the single-process step on the same global batch. ``None``: even shares.""",
+    )
     expert_parallel_size: int = _setting(
         1,
         """Ranks that split each Mixture-of-Experts layer's experts,
@@ -189,8 +196,9 @@ class Parallelism:
     )
 
     def __post_init__(self) -> None:
-        if self.pipeline_stage_layers is not None:  # (a tuple: settings are hashed, by the planner's caches)
-            object.__setattr__(self, "pipeline_stage_layers", tuple(self.pipeline_stage_layers))
+        for name in ("pipeline_stage_layers", "data_parallel_shares"):  # tuples: the planner's caches hash settings
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         self.check()
 
     def check(self) -> None:
@@ -202,6 +210,7 @@ class Parallelism:
         check_composes(self.pipeline_schedule, pp, self.compile, self.zero_stage)
         if self.pipeline_stage_layers is not None and isinstance(pp, int):
             check_stage_layers(self.pipeline_stage_layers, None, pp * self.chunks_per_rank)
+        check_shares(self.data_parallel_shares, self.data_parallel_size, self.islands)
         check_recompute(self.activation_checkpointing)
         if self.offload not in (False, True) or (self.offload and self.zero_stage != 3):
             raise ValueError(

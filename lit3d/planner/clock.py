@@ -146,22 +146,7 @@ def step_time(
     sp = settings.sequence_parallel and layout.tp > 1
     virtual = settings.chunks_per_rank if pp > 1 else 1
     placement = SCHEDULES[settings.pipeline_schedule].placement
-    recompute = recompute_of(settings, training)
-    per_stage = [
-        (
-            micro_batch_time(
-                stage_work(config, layout, training, sp, fused, stage, settings.float8 is not None),
-                device,
-                training,
-                recompute,
-            ),
-            rank,
-        )  # fmt: skip
-        for rank, stage in enumerate(
-            stages(config, pp, virtual, placement, layout.tp, layout.ep, training.lora, settings.pipeline_stage_layers)
-        )  # fmt: skip
-    ]
-    busiest, rank = max(per_stage, key=lambda t: t[0]["compute"] + t[0]["memory_bound"])
+    busiest, rank = _busiest_stage(config, layout, training, settings, device, sp, fused)
     compute, memory = busiest["compute"] * microbatches, busiest["memory_bound"] * microbatches
     if sp and not training.software.sequence_first:  # each gather and scatter copies the whole tensor in or out
         memory += 4 * layout.tp / (2 * (layout.tp - 1)) * traffic["tp"] / device.bandwidth
@@ -185,13 +170,31 @@ def step_time(
     breakdown = {"compute": compute, "memory_bound": memory, "exposed_communication": exposed, "bubble": idle,
                  "optimizer": optimizer, "overhead": overhead}  # fmt: skip
     step = compute + memory + sum(exposed.values()) + idle + optimizer + overhead
+    return StepTime(step, bubble, schedule_m, _model_flops(config, training), hidden, breakdown)
+
+
+def _busiest_stage(
+    config: GPTConfig, layout: Layout, training: Training, settings: Parallelism, device: Device, sp: bool, fused: bool
+) -> tuple[dict, int]:
+    """The times of one micro-batch on the pipeline rank that takes longest, and that rank."""
+    virtual = settings.chunks_per_rank if layout.pp > 1 else 1
+    placement = SCHEDULES[settings.pipeline_schedule].placement
+    recompute, fp8 = recompute_of(settings, training), settings.float8 is not None
+    held = stages(config, layout.pp, virtual, placement, layout.tp, layout.ep, training.lora,
+                  settings.pipeline_stage_layers)  # fmt: skip
+    times = [(micro_batch_time(stage_work(config, layout, training, sp, fused, stage, fp8), device, training,
+                               recompute), rank) for rank, stage in enumerate(held)]  # fmt: skip
+    return max(times, key=lambda t: t[0]["compute"] + t[0]["memory_bound"])
+
+
+def _model_flops(config: GPTConfig, training: Training) -> float:
+    """Model FLOPs of one optimizer step, all GPUs (recompute not counted)."""
     adapters = adapter_params(config, training.lora) if training.lora else None
     per_token = config.flops_per_token(training.seq_len, adapters)
     if training.document_length:  # packed documents: only the attention each keeps within itself
         kept = min(training.document_length, training.seq_len)
         per_token += config.attention_flops_per_token(kept) - config.attention_flops_per_token(training.seq_len)
-    model_flops = per_token * training.global_batch_size * training.seq_len
-    return StepTime(step, bubble, schedule_m, model_flops, hidden, breakdown)
+    return per_token * training.global_batch_size * training.seq_len
 
 
 def _exposed(

@@ -169,6 +169,9 @@ def plan(request: Request) -> Report:
     counts for the chosen one. Refuses what no layout could run, naming the values."""
     config, cluster, settings = GPTConfig.load(request.model), request.cluster, request.parallelism
     check_inputs(config, cluster, request.training)
+    if settings.data_parallel_shares is not None:  # NOTE: what a fleet plan will choose; not priced yet
+        raise ValueError(f"data_parallel_shares={list(settings.data_parallel_shares)}: lit3d plan prices even "
+                         "data-parallel replicas only; plan without it")  # fmt: skip
     if settings.float8 and not cluster.gpu.fp8_tflops and cluster.gpu.device == "GPU":
         raise ValueError(f"float8={settings.float8!r} on {cluster.gpu.name}: it has no FP8 tensor cores (Hopper, Ada, "
                          "Blackwell and MI300X have)")  # fmt: skip

@@ -43,6 +43,9 @@ def plan_of_run(strategy: Parallel3DStrategy, cluster: Cluster | None = None) ->
     replicas = layout.data_replicas  # every island's
     global_batch = getattr(data, "global_batch_size", replicas * micro_batches)
     micro = max(1, global_batch // (replicas * micro_batches))
+    shares = strategy.parallelism.data_parallel_shares
+    if shares is not None:  # uneven replicas: priced as the most loaded one, as if every replica held its share
+        micro = max(1, max(shares) // micro_batches)
     precision = str(trainer.precision)
     training = Training(
         seq_len=getattr(data, "seq_len", config.max_seq_len),
@@ -53,6 +56,7 @@ def plan_of_run(strategy: Parallel3DStrategy, cluster: Cluster | None = None) ->
         lora=getattr(module, "lora", None),
     )
     microbatches = strategy.num_microbatches if pipelined else None
-    settings = replace(strategy.parallelism, **sizes_of(layout), num_microbatches=microbatches)
+    settings = replace(strategy.parallelism, **sizes_of(layout), num_microbatches=microbatches,
+                       data_parallel_shares=None)  # fmt: skip
     cluster = cluster or Cluster(nodes=strategy.num_nodes, gpus_per_node=strategy.num_processes)
     return plan(Request(config, cluster, training, settings, EVERY_SETTING)).chosen.plan

@@ -108,7 +108,7 @@ def layout_problem(
         check_composes(settings.pipeline_schedule, pp, settings.compile, settings.zero_stage)
         sp = settings.sequence_parallel and tp > 1
         check_context_parallel(config, layout.cp, training.seq_len, tp, sp)
-        check_float8(settings.float8, training.precision, config, tp)
+        check_float8(settings.float8, training.precision, config, tp, training.lora is not None)
         check_stage_layers(settings.pipeline_stage_layers, config.n_layer, pp * virtual)
     except ValueError as error:
         return str(error)
