@@ -89,7 +89,11 @@ def plain_tensors(tree: Any) -> Any:
 
 
 def _wraps(tensor: torch.Tensor) -> bool:
-    return type(tensor) not in (torch.Tensor, nn.Parameter) and hasattr(tensor, "__tensor_flatten__")
+    """A tensor subclass that wraps another (torchao's), not a DTensor (whose shards are placed, not wrapped)."""
+    from torch.distributed.tensor import DTensor
+
+    wrapper = type(tensor) not in (torch.Tensor, nn.Parameter) and hasattr(tensor, "__tensor_flatten__")
+    return wrapper and not isinstance(tensor, DTensor)
 
 
 def _inner(tensor: torch.Tensor) -> torch.Tensor:

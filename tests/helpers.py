@@ -2,6 +2,7 @@
 
 import csv
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 from lightning.pytorch.loggers import CSVLogger
@@ -77,19 +78,24 @@ CHATML = (
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "why", "how", "answer", "is", "yes", "no"]
 
 
-def chat_tokenizer(folder: Path, template: str | None = CHATML) -> Path:
-    """A small byte-level BPE tokenizer folder with ChatML's special tokens and (unless None) a chat ``template``."""
-    import json
-
+def byte_level_bpe(specials: list[str]) -> Any:
+    """A small byte-level BPE `tokenizers.Tokenizer` trained on `WORDS`, with ``specials`` (ids 0, 1, ...)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
     tokenizer.train_from_iterator([" ".join(WORDS)] * 20, trainer)
+    return tokenizer
+
+
+def chat_tokenizer(folder: Path, template: str | None = CHATML) -> Path:
+    """A small byte-level BPE tokenizer folder with ChatML's special tokens and (unless None) a chat ``template``."""
+    import json
+
+    tokenizer = byte_level_bpe(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(folder / "tokenizer.json"))
     config = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}

@@ -164,16 +164,10 @@ def _llama3_tokenizer(folder):
     post-processor, EOS ``<|eot_id|>``."""
     import json
 
-    from helpers import WORDS
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from helpers import byte_level_bpe
+    from tokenizers import processors
 
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
-    tokenizer.train_from_iterator([" ".join(WORDS)] * 20, trainer)
+    tokenizer = byte_level_bpe(["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"])
     tokenizer.post_processor = processors.TemplateProcessing(
         single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A <|begin_of_text|> $B", special_tokens=[
             ("<|begin_of_text|>", 0)])  # fmt: skip
