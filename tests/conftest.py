@@ -388,13 +388,18 @@ def family_references(base_job, tmp_path_factory) -> dict[str, dict]:
 
 
 @pytest.fixture(scope="session")
-def float8_references(base_job, tmp_path_factory) -> dict[str, dict]:
-    """The single-process FP8 runs (tensorwise, rowwise) the FP8 layouts are compared with."""
+def float8_references(base_job, layout_runs, tmp_path_factory) -> dict[str, dict]:
+    """On one spawned rank (FP8 is a `Parallel3DStrategy` setting, whose process group must not outlive the run in
+    this process): the single-process FP8 runs (``tensorwise``, ``rowwise``) the FP8 layouts are compared with, and
+    (``resumed_in_bf16``) the TP2 FP8 run's step-10 checkpoint resumed in bf16."""
     from float8_layouts import FP8_JOB, ROWWISE, TENSORWISE
+    from spawned import run_jobs
 
-    folder = tmp_path_factory.mktemp("reference_float8")
-    return {name: reference(base_job, {**FP8_JOB, "strategy": recipe}, folder / name)
-            for name, recipe in (("tensorwise", TENSORWISE), ("rowwise", ROWWISE))}  # fmt: skip
+    saved = layout_runs["fp8_tp2_sequence_parallel"]["job_dir"] + "/ckpts/step=10.ckpt"
+    jobs = {"tensorwise": {**FP8_JOB, "strategy": TENSORWISE}, "rowwise": {**FP8_JOB, "strategy": ROWWISE},
+            "resumed_in_bf16": {**FP8_JOB, "strategy": {}, "ckpt_path": saved}}  # fmt: skip
+    jobs = {name: merge(base_job, job) for name, job in jobs.items()}
+    return run_jobs(1, jobs, tmp_path_factory.mktemp("reference_float8"))
 
 
 @pytest.fixture(scope="session")
