@@ -81,10 +81,10 @@ def plain_tensors(tree: Any) -> Any:
         if isinstance(value, (dict, list)):
             plain_tensors(value)
         elif isinstance(value, DTensor) and _wraps(value._local_tensor):
-            tree[key] = DTensor.from_local(_inner(value._local_tensor), value.device_mesh, value.placements,
+            tree[key] = DTensor.from_local(unwrapped(value._local_tensor), value.device_mesh, value.placements,
                                            run_check=False, shape=value.shape, stride=value.stride())  # fmt: skip
         elif isinstance(value, torch.Tensor) and _wraps(value):
-            tree[key] = _inner(value)
+            tree[key] = unwrapped(value)
     return tree
 
 
@@ -96,7 +96,8 @@ def _wraps(tensor: torch.Tensor) -> bool:
     return wrapper and not isinstance(tensor, DTensor)
 
 
-def _inner(tensor: torch.Tensor) -> torch.Tensor:
+def unwrapped(tensor: torch.Tensor) -> torch.Tensor:
+    """The plain tensor inside a wrapper subclass (torchao's FP8 all-gather weights); any other tensor as it is."""
     while _wraps(tensor):
         tensor = getattr(tensor, tensor.__tensor_flatten__()[0][0])
     return tensor

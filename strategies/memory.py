@@ -9,14 +9,13 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from lit3d.strategies.float8 import unwrapped
+
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's plain tensor: a DTensor's shard, and inside a wrapper subclass (FP8 all-gather's weights,
     `lit3d.strategies.float8`) the tensor it wraps."""
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-    while type(local) not in (torch.Tensor, nn.Parameter) and hasattr(local, "__tensor_flatten__"):
-        local = getattr(local, local.__tensor_flatten__()[0][0])
-    return local
+    return unwrapped(tensor.to_local() if isinstance(tensor, DTensor) else tensor)
 
 
 def local_bytes(tensors: Iterable[torch.Tensor]) -> int:
