@@ -63,6 +63,7 @@ def plan(
     json: bool = False,
     verify: bool = False,
     map: str | None = None,
+    fleet: str | None = None,
     **settings: Any,
 ) -> None:
     """Plan a layout: memory per GPU, communication, pipeline bubble and step time, before renting a GPU.
@@ -90,8 +91,15 @@ def plan(
         json: Print one JSON object instead of text.
         verify: Check the per-rank parameter counts against the real model parallelised in a fake process group.
         map: Draw the rank map (the layout's, or a search's best three) to this ``.svg``, ``.png`` or ``.html`` file.
+        fleet: Node groups of different GPU kinds in one job, in the order of their node ranks: ``2x8xH100,6x8xA100``
+            (nodes x GPUs per node x GPU). Plans uneven pipeline stages, uneven data-parallel shares and one island
+            per group, beside the fastest group alone and every GPU as the slowest kind (instead of ``--nodes``,
+            ``--gpus_per_node`` and ``--gpu``).
     {settings}
     """
+    if fleet is not None:
+        _plan_fleet(fleet, locals(), settings)
+        return
     cluster = _cluster(gpu, nodes, gpus_per_node, gpu_memory, intra_node_bandwidth, inter_node_bandwidth, peak_tflops,
                        inter_island_bandwidth, inter_island_latency, power_watts)  # fmt: skip
     settings["lora"] = _lora(settings.pop("lora_rank", None), settings.pop("lora_targets", None))
@@ -102,6 +110,28 @@ def plan(
     print(dumps(report.to_dict(), indent=2) if json else format_report(report) + drawn)
     if not report.verified_exactly:
         raise SystemExit("lit3d plan --verify: analytic and verified parameter counts differ")
+
+
+def _plan_fleet(fleet: str, arguments: dict[str, Any], settings: dict[str, Any]) -> None:
+    """``lit3d plan --fleet``: the arguments of `plan` that a fleet replaces are refused if given."""
+    from lit3d.planner.fleet import parse_fleet
+    from lit3d.planner.fleet_report import format_fleet, plan_fleet
+
+    defaults = inspect.signature(plan).parameters
+    replaced = ["nodes", "gpus_per_node", "gpu", "gpu_memory", "intra_node_bandwidth", "inter_node_bandwidth",
+                "peak_tflops", "power_watts", "verify"]  # fmt: skip
+    given = [f"--{name}" for name in replaced if arguments[name] != defaults[name].default]
+    if given:
+        raise ValueError(f"{', '.join(given)}: --fleet names the nodes and GPUs of each group; drop them")
+    groups = parse_fleet(fleet, inter_island_gbps=arguments["inter_island_bandwidth"],
+                         inter_island_latency_ms=arguments["inter_island_latency"])  # fmt: skip
+    settings["lora"] = _lora(settings.pop("lora_rank", None), settings.pop("lora_targets", None))
+    numbers = dict(seq_len=arguments["seq_len"], micro_batch_size=arguments["micro_batch_size"],
+                   global_batch_size=arguments["global_batch_size"], **settings)  # fmt: skip
+    given_numbers = {name: value for name, value in numbers.items() if value is not None}
+    report = plan_fleet(groups, arguments["model"], precision=arguments["precision"], **given_numbers)
+    drawn = f"\nrank map: {report.rank_map().save(arguments['map'])}" if arguments["map"] and report.chosen else ""
+    print(dumps(report.to_dict(), indent=2) if arguments["json"] else format_fleet(report) + drawn)
 
 
 def _lora(rank: int | None, targets: list[str] | None) -> LoRA | None:

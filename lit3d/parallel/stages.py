@@ -14,19 +14,24 @@ of an ``nn.Module`` network) are `lit3d.strategies.stages`.
 from __future__ import annotations
 
 
-def partition(costs: list[float], first_extra: float, last_extra: float, chunks: int) -> list[list[int]]:
+def partition(
+    costs: list[float], first_extra: float, last_extra: float, chunks: int, speeds: list[float] | None = None
+) -> list[list[int]]:
     """Cut blocks ``0..N-1`` (with ``costs``) into ``chunks`` consecutive, non-empty runs, minimising the
     largest run cost; the first run also pays ``first_extra`` (the embedding), the last ``last_extra`` (the
-    head). Exact dynamic programme over cut points."""
+    head). ``speeds``: each chunk's device speed, a run's cost divided by it (a fleet's GPUs of different kinds).
+    Exact dynamic programme over cut points."""
     n = len(costs)
     if not 1 <= chunks <= n:
         raise ValueError(f"cannot cut {n} blocks into {chunks} pipeline chunks")
+    speeds = speeds or [1.0] * chunks
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + c)
 
     def run_cost(i: int, j: int, k: int) -> float:  # blocks i..j-1 as chunk k
-        return prefix[j] - prefix[i] + (first_extra if k == 0 else 0) + (last_extra if k == chunks - 1 else 0)
+        cost = prefix[j] - prefix[i] + (first_extra if k == 0 else 0) + (last_extra if k == chunks - 1 else 0)
+        return cost / speeds[k]
 
     # best[k][j]: minimal largest cost of cutting blocks 0..j-1 into k+1 chunks; cut[k][j]: start of chunk k.
     inf = float("inf")
@@ -37,12 +42,12 @@ def partition(costs: list[float], first_extra: float, last_extra: float, chunks:
     for k in range(1, chunks):
         # NOTE: `run_cost` written out, and no chunk k ending where too few blocks are left for the chunks after it:
         # the planner cuts every model at every chunk count, and these loops were its slowest part.
-        extra = last_extra if k == chunks - 1 else 0
+        extra, speed = last_extra if k == chunks - 1 else 0, speeds[k]
         previous, row, starts = best[k - 1], best[k], cut[k]
         for j in range(k + 1, n - (chunks - 1 - k) + 1):
             end = prefix[j]
             for i in range(k, j):
-                value = max(previous[i], end - prefix[i] + extra)
+                value = max(previous[i], (end - prefix[i] + extra) / speed)
                 if value < row[j]:
                     row[j], starts[j] = value, i
     bounds, j = [], n

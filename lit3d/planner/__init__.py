@@ -2,9 +2,12 @@
 training loop's numbers and the run's `lit3d.parallel.Parallelism`, with what the user fixed): memory,
 communication, bubble and step time of a layout (`estimate`; the time by `lit3d.planner.clock`, how the run's kernels
 are written by `Software`), or of every layout of the cluster (`search`), an exact
-check against the real parallelisation on the meta device (`verify`) and the rank map picture (`RankMap`)."""
+check against the real parallelisation on the meta device (`verify`), the rank map picture (`RankMap`), and a fleet of
+GPU kinds in one job (`plan_fleet`)."""
 
 from lit3d.planner.estimate import GB, PLANNING_DEFAULTS, PRECISIONS, Cluster, Plan, Training, estimate
+from lit3d.planner.fleet import parse_fleet
+from lit3d.planner.fleet_report import FleetReport, format_fleet, plan_fleet
 from lit3d.planner.inputs import Software
 from lit3d.planner.rankmap import RankMap
 from lit3d.planner.report import format_plan, format_search
@@ -18,6 +21,7 @@ __all__ = [
     "PRECISIONS",
     "Candidate",
     "Cluster",
+    "FleetReport",
     "Plan",
     "RankMap",
     "Report",
@@ -26,11 +30,14 @@ __all__ = [
     "Training",
     "check_inputs",
     "estimate",
+    "format_fleet",
     "format_plan",
     "format_report",
     "format_search",
     "layout_problem",
+    "parse_fleet",
     "plan",
+    "plan_fleet",
     "planning_defaults",
     "search",
     "verify",

@@ -33,9 +33,9 @@ from lit3d.lora_settings import LoRA
 from lit3d.parallel.layout import Layout
 from lit3d.parallel.schedules import SCHEDULES, Costs, bubble_theory
 from lit3d.parallel.settings import Parallelism
-from lit3d.planner.inputs import GB, Cluster, Precision, Training
+from lit3d.planner.inputs import GB, Cluster, Precision, Training, held_precision
 from lit3d.planner.tensors import adapter_params, local_numel, rank_tensors, replicas, stepped_numel
-from lit3d.planner.traffic import stages
+from lit3d.planner.traffic import stages, tp_bytes_by_stage
 from lit3d.planner.work import Gemm, Work, stage_work
 
 
@@ -139,14 +139,18 @@ def step_time(
 ) -> StepTime:
     """The step of ``layout`` on its busiest rank: ``traffic`` the bytes each axis sends, ``seconds`` the time they
     take, ``precision`` what the run holds and sends."""
-    pp, device = layout.pp, Device.of(cluster, precision.activations)
+    pp = layout.pp
     microbatches = training.global_batch_size // (layout.data_replicas * training.micro_batch_size)  # per replica
     schedule_m = microbatches // training.schedules_per_step(pp)  # micro-batches of one pipeline schedule
-    fused = bool(settings.compile) if training.software.fused is None else training.software.fused
-    sp = settings.sequence_parallel and layout.tp > 1
+    fused, sp = _fused_and_sp(training, settings, layout)
     virtual = settings.chunks_per_rank if pp > 1 else 1
     placement = SCHEDULES[settings.pipeline_schedule].placement
-    busiest, rank = _busiest_stage(config, layout, training, settings, device, sp, fused)
+    times = _micro_batch_by_stage(config, layout, training, settings, cluster, precision.activations, sp, fused)
+    rank = max(range(pp), key=lambda r: times[r]["compute"] + times[r]["memory_bound"])
+    if cluster.stage_gpus is not None:  # a fleet: each stage sends its own TP traffic over its own NVLink
+        rank, seconds = _busiest_in_fleet(config, layout, training, settings, precision, cluster, times, seconds)
+    busiest = times[rank]
+    device = Device.of(cluster.stage(rank), precision.activations)  # (a fleet's stages run on their own GPUs)
     compute, memory = busiest["compute"] * microbatches, busiest["memory_bound"] * microbatches
     if sp and not training.software.sequence_first:  # each gather and scatter copies the whole tensor in or out
         memory += 4 * layout.tp / (2 * (layout.tp - 1)) * traffic["tp"] / device.bandwidth
@@ -173,18 +177,67 @@ def step_time(
     return StepTime(step, bubble, schedule_m, _model_flops(config, training), hidden, breakdown)
 
 
-def _busiest_stage(
-    config: GPTConfig, layout: Layout, training: Training, settings: Parallelism, device: Device, sp: bool, fused: bool
-) -> tuple[dict, int]:
-    """The times of one micro-batch on the pipeline rank that takes longest, and that rank."""
+def _busiest_in_fleet(
+    config: GPTConfig,
+    layout: Layout,
+    training: Training,
+    settings: Parallelism,
+    precision: Precision,
+    cluster: Cluster,
+    times: list[dict],
+    seconds: dict[str, float],
+) -> tuple[int, dict[str, float]]:
+    """The pipeline rank of a fleet whose micro-batches and TP traffic take longest, and ``seconds`` with its TP time:
+    ``seconds["tp"]`` is the most TP traffic's over the slowest NVLink; each stage's is its own bytes over its own
+    (TP stays inside a node on a fleet), with the same latency."""
+    sent = tp_bytes_by_stage(config, layout, training, settings, precision)
+    microbatches = training.global_batch_size // (layout.data_replicas * training.micro_batch_size)
+    latency = seconds["tp"] - max(sent) / _tp_link(cluster)
+    tp = [n / _tp_link(cluster.stage(r)) + latency if n else 0.0 for r, n in enumerate(sent)]
+    rank = max(range(layout.pp), key=lambda r: (times[r]["compute"] + times[r]["memory_bound"]) * microbatches + tp[r])
+    return rank, {**seconds, "tp": tp[rank]}
+
+
+def _tp_link(cluster: Cluster) -> float:
+    """Bytes per second TP's collectives reach over a node's NVLink."""
+    return cluster.intra_node_gbps * cluster.gpu.efficiency.link * GB
+
+
+def _micro_batch_by_stage(
+    config: GPTConfig,
+    layout: Layout,
+    training: Training,
+    settings: Parallelism,
+    cluster: Cluster,
+    element: int,
+    sp: bool,
+    fused: bool,
+) -> list[dict]:
+    """The times of one micro-batch on each pipeline rank, each on its own device (a fleet's `Cluster.stage_gpus`)."""
     virtual = settings.chunks_per_rank if layout.pp > 1 else 1
     placement = SCHEDULES[settings.pipeline_schedule].placement
     recompute, fp8 = recompute_of(settings, training), settings.float8 is not None
     held = stages(config, layout.pp, virtual, placement, layout.tp, layout.ep, training.lora,
                   settings.pipeline_stage_layers)  # fmt: skip
-    times = [(micro_batch_time(stage_work(config, layout, training, sp, fused, stage, fp8), device, training,
-                               recompute), rank) for rank, stage in enumerate(held)]  # fmt: skip
-    return max(times, key=lambda t: t[0]["compute"] + t[0]["memory_bound"])
+    return [micro_batch_time(stage_work(config, layout, training, sp, fused, stage, fp8),
+                             Device.of(cluster.stage(rank), element), training, recompute)
+            for rank, stage in enumerate(held)]  # fmt: skip
+
+
+def stage_times(
+    config: GPTConfig, cluster: Cluster, layout: Layout, training: Training, settings: Parallelism
+) -> list[float]:
+    """Seconds of one micro-batch's forward and backward on each pipeline rank (compute and memory-bound work)."""
+    element = held_precision(training, settings, layout).activations
+    fused, sp = _fused_and_sp(training, settings, layout)
+    times = _micro_batch_by_stage(config, layout, training, settings, cluster, element, sp, fused)
+    return [t["compute"] + t["memory_bound"] for t in times]
+
+
+def _fused_and_sp(training: Training, settings: Parallelism, layout: Layout) -> tuple[bool, bool]:
+    """Whether elementwise work is fused and whether sequence parallelism is on."""
+    fused = bool(settings.compile) if training.software.fused is None else training.software.fused
+    return fused, settings.sequence_parallel and layout.tp > 1
 
 
 def _model_flops(config: GPTConfig, training: Training) -> float:

@@ -76,8 +76,11 @@ def estimate(
         step_time_s=time.step,
         tokens_per_s_per_gpu=training.global_batch_size * training.seq_len / (time.step * layout.world_size),
         time_breakdown=time.breakdown,
-        mfu=time.model_flops / layout.world_size / (time.step * cluster.peak_tflops * 1e12),
-        fits=memory.peak["total"] <= cluster.gpu_memory_gb * GB * (1 - training.headroom),
+        mfu=time.model_flops / layout.world_size / (time.step * mean_peak(cluster, layout.pp) * 1e12),
+        fits=all(
+            stage["total"] <= cluster.stage(rank).gpu_memory_gb * GB * (1 - training.headroom)
+            for rank, stage in enumerate(memory.by_stage)
+        ),  # fmt: skip
         num_microbatches=time.microbatches,
         flops_per_step=float(time.model_flops),
         params_total=params_total(config_key(config)),
@@ -86,6 +89,11 @@ def estimate(
         activation_bytes_per_layer=memory.activation_bytes_per_layer,
         pipeline_schedule=settings.pipeline_schedule if layout.pp > 1 else None,
     )
+
+
+def mean_peak(cluster: Cluster, pp: int) -> float:
+    """TFLOP/s of one GPU, averaged over a fleet's pipeline stages (each stage as many GPUs)."""
+    return sum(cluster.stage(rank).peak_tflops for rank in range(pp)) / pp
 
 
 def planned_layout(layout: Layout, settings: Parallelism) -> dict[str, int]:

@@ -91,6 +91,9 @@ class Cluster:
     # host's cores: PyTorch's foreach AdamW steps 0.25 G/s per core (benchmarks/finetune.py measures it), 8 cores.
     host_link_gbps: float = 25.0
     host_adamw_gparams: float = 2.0
+    # A fleet's pipeline (`lit3d.planner.fleet`): the GPU of each pipeline rank, whose peak, memory and bandwidth price
+    # that stage (the links stay the numbers above); None: every rank's is ``gpu``.
+    stage_gpus: tuple[GPU, ...] | None = None
 
     @classmethod
     def of(cls, gpu: GPU, nodes: int = 1, gpus_per_node: int = 8, **numbers: Any) -> Cluster:
@@ -102,6 +105,14 @@ class Cluster:
     @property
     def gpus(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    def stage(self, rank: int) -> Cluster:
+        """The cluster pipeline rank ``rank`` runs on: a fleet's stage its own GPU, its peak, memory and NVLink."""
+        if self.stage_gpus is None:
+            return self
+        gpu = self.stage_gpus[rank]
+        return replace(self, gpu=gpu, peak_tflops=gpu.peak_tflops, gpu_memory_gb=gpu.memory_gb,
+                       intra_node_gbps=gpu.intra_node_gbps, stage_gpus=None)  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lit3d.parallel.layout import Layout
 
@@ -28,6 +28,8 @@ COLUMNS = 8  # devices per row of the picture; a wider node wraps (a GB200 NVL72
 CELL_WIDTH, CELL_HEIGHT = 1.1, 0.75  # inches: room for three 8-point lines
 DPI = 150  # of a saved .png
 GOLDEN = (5**0.5 - 1) / 2
+KIND_COLOURS = ("#7fb3e6", "#f3b36b", "#9fd89a", "#d9a3e0")  # a fleet's GPU kinds, in the order they come
+KIND_NAMES = ("blue", "orange", "green", "violet")
 
 
 def stage_colour(stage: int) -> tuple[float, float, float]:
@@ -47,10 +49,14 @@ class RankMap:
         plan: The planner's estimate of the layout: each cell then shows its stage's memory, and the heading the
             step time and the traffic on each link.
         device: What one rank runs on, for the labels (``GPU``, or ``CPU process`` for a rehearsal on CPU).
+        kinds: A fleet's GPU kind of each node (`lit3d.planner.fleet`): the cells are then coloured by kind.
     """
 
-    def __init__(self, layout: Layout, title: str = "", plan: Plan | None = None, device: str = "GPU") -> None:
-        self.layout, self.title, self.plan, self.device = layout, title, plan, device
+    def __init__(
+        self, layout: Layout, title: str = "", plan: Plan | None = None, device: str = "GPU",
+        kinds: list[str] | None = None,
+    ) -> None:  # fmt: skip
+        self.layout, self.title, self.plan, self.device, self.kinds = layout, title, plan, device, kinds
         self._maps = [self]
 
     @classmethod
@@ -112,7 +118,7 @@ class RankMap:
                 c = layout.cp_rank(rank)
                 shown = not one_replica or d == 0
                 edge = ("red", 2.5) if rank in crossing else ("white", 1)
-                colour = stage_colour(p) if shown else "#eeeeee"
+                colour = self._colour(node, p) if shown else "#eeeeee"
                 x = slot - first
                 ax.add_patch(
                     Rectangle((x, -row - 1), 0.94, 0.9, facecolor=colour, edgecolor=edge[0], linewidth=edge[1])
@@ -136,6 +142,12 @@ class RankMap:
         heading = self._heading(one_replica, nodes_drawn, crossing)
         ax.set_title((self.title + "\n" if self.title else "") + heading, fontsize=9)
 
+    def _colour(self, node: int, stage: int) -> Any:
+        """A cell's colour: its pipeline stage's, or on a fleet its node's GPU kind's (in the order they come)."""
+        if self.kinds is None:
+            return stage_colour(stage)
+        return KIND_COLOURS[list(dict.fromkeys(self.kinds)).index(self.kinds[node]) % len(KIND_COLOURS)]
+
     def _heading(self, one_replica: bool, nodes_drawn: int, crossing: set[int]) -> str:
         from lit3d.planner.units import plural, size
 
@@ -143,6 +155,10 @@ class RankMap:
         cp = f" x cp {layout.cp}" if layout.cp > 1 else ""
         lines = [f"{layout.world_size} {plural(self.device)} = dp {layout.dp}{cp} x tp {layout.tp} x pp {layout.pp} on "
                  f"{layout.num_nodes} node(s); colour = pipeline stage"]  # fmt: skip
+        if self.kinds is not None:
+            names = list(dict.fromkeys(self.kinds))
+            legend = ", ".join(f"{name} {KIND_NAMES[i % len(KIND_NAMES)]}" for i, name in enumerate(names))
+            lines[0] = lines[0].replace("colour = pipeline stage", f"colour = GPU kind ({legend})")
         if layout.islands > 1:
             lines[0] = lines[0].replace(" = ", f" = {layout.islands} DiLoCo islands (i) x ", 1)
         if layout.cp > 1:

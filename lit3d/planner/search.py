@@ -184,7 +184,7 @@ def search(
             continue
         for zero in zero_stages if layout.replicas > 1 else zero_stages[:1]:
             for ac in checkpointing:
-                option = _estimated(config, cluster, layout, training, settings, zero, ac, pipeline_schedules)
+                option = estimated(config, cluster, layout, training, settings, zero, ac, pipeline_schedules)
                 if option is None:  # no schedule runs the micro-batches there are (or the settings cannot compose)
                     dropped["invalid"] += 1
                 elif option.plan.fits:
@@ -221,7 +221,7 @@ def _layouts(
     ]
 
 
-def _estimated(
+def estimated(
     config: GPTConfig,
     cluster: Cluster,
     layout: Layout,

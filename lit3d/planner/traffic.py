@@ -28,24 +28,15 @@ def communication_bytes(
     all of it. `lit3d.strategies.comm.CommBytes` measures the same way (`lit3d.callbacks.CommReport` puts both side by
     side). Left out: scalars (the logged loss, the gradient norm).
     """
-    tp, pp, replicas = layout.tp, layout.pp, layout.replicas
-    virtual, microbatches, schedules, sp, per_block = _step_shape(layout, training, settings)
-    tokens = training.micro_batch_size * training.seq_len // layout.cp  # a rank's tokens per micro-batch
-    act_bytes = tokens * config.d_model * precision.activations
-    ring = 2 * (tp - 1) / tp  # all-reduce traffic per byte; SP's all-gather + reduce-scatter pair costs the same
-    traffic = {"tp": 0.0, "pp": 0.0, "dp": 0.0, "ep": 0.0, "cp": 0.0}
+    pp, replicas = layout.pp, layout.replicas
+    virtual, microbatches, schedules, sp, _ = _step_shape(layout, training, settings)
+    act_bytes = training.micro_batch_size * training.seq_len // layout.cp * config.d_model * precision.activations
+    traffic = {"tp": max(tp_bytes_by_stage(config, layout, training, settings, precision)), "pp": 0.0, "dp": 0.0,
+               "ep": 0.0, "cp": 0.0}  # fmt: skip
     placement = SCHEDULES[settings.pipeline_schedule].placement
-    for stage in stages(config, pp, virtual, placement, tp, layout.ep, training.lora, settings.pipeline_stage_layers):
-        moe, first, last, blocks = stage.moe, stage.first, stage.last, stage.blocks
-        tp_blocks = blocks * per_block + moe * _moe_tp_change(settings, sp)
-        tp_bytes = (tp_blocks + first + last) * act_bytes  # embedding (fwd) and head (bwd): one each
-        if last:  # the vocabulary-parallel loss: 3 fp32 all-reduces per token (max, sum, target logit)
-            tp_bytes += 3 * tokens * 4
-        tp_bytes *= microbatches
-        if sp:  # SP norms see part of the sequence, so their weights' gradients are all-reduced after each backward
-            norms = stage.norms * precision.weights  # NOTE: gradients in the parameters' dtype, not the slices'
-            tp_bytes += norms * (schedules if pp > 1 else microbatches)  # once per schedule: it spans its micro-batches
-        traffic["tp"] = max(traffic["tp"], ring * tp_bytes)
+    for stage in stages(config, pp, virtual, placement, layout.tp, layout.ep, training.lora,
+                        settings.pipeline_stage_layers):  # fmt: skip
+        moe, blocks = stage.moe, stage.blocks
         shape = (microbatches // schedules, schedules, pp > 1, precision)
         fp8 = stage.float8 if settings.float8_all_gather else 0  # gathered in FP8: a byte less each than bf16
         sent = _dp_traffic(settings.zero_stage, replicas, stage.in_blocks, stage.root, *shape, stage.trained, fp8)
@@ -60,10 +51,33 @@ def communication_bytes(
         cp_bytes = kv_ring + moe * _balance_bytes(config, layout, training, settings)
         traffic["cp"] = max(traffic["cp"], microbatches * cp_bytes)
     if pp > 1:
-        traffic["pp"] = _pipeline_sends(pp, virtual, placement) * microbatches * act_bytes / (tp if sp else 1)
+        traffic["pp"] = _pipeline_sends(pp, virtual, placement) * microbatches * act_bytes / (layout.tp if sp else 1)
     if layout.islands > 1:  # per step on average: one outer step every sync_every steps
         traffic["island"] = island_bytes_per_sync(config, layout, settings, training.lora) / settings.sync_every
     return traffic
+
+
+def tp_bytes_by_stage(
+    config: GPTConfig, layout: Layout, training: Training, settings: Parallelism, precision: Precision
+) -> list[float]:
+    """Bytes each pipeline rank sends to its tensor-parallel group per optimizer step."""
+    tp, pp = layout.tp, layout.pp
+    virtual, microbatches, schedules, sp, per_block = _step_shape(layout, training, settings)
+    tokens = training.micro_batch_size * training.seq_len // layout.cp  # a rank's tokens per micro-batch
+    act_bytes = tokens * config.d_model * precision.activations
+    ring = 2 * (tp - 1) / tp  # all-reduce traffic per byte; SP's all-gather + reduce-scatter pair costs the same
+    placement, sent = SCHEDULES[settings.pipeline_schedule].placement, []
+    for stage in stages(config, pp, virtual, placement, tp, layout.ep, training.lora, settings.pipeline_stage_layers):
+        tp_blocks = stage.blocks * per_block + stage.moe * _moe_tp_change(settings, sp)
+        tp_bytes = (tp_blocks + stage.first + stage.last) * act_bytes  # embedding (fwd) and head (bwd): one each
+        if stage.last:  # the vocabulary-parallel loss: 3 fp32 all-reduces per token (max, sum, target logit)
+            tp_bytes += 3 * tokens * 4
+        tp_bytes *= microbatches
+        if sp:  # SP norms see part of the sequence, so their weights' gradients are all-reduced after each backward
+            norms = stage.norms * precision.weights  # NOTE: gradients in the parameters' dtype, not the slices'
+            tp_bytes += norms * (schedules if pp > 1 else microbatches)  # once per schedule: it spans its micro-batches
+        sent.append(ring * tp_bytes)
+    return sent
 
 
 def island_bytes_per_sync(config: GPTConfig, layout: Layout, settings: Parallelism, lora: LoRA | None = None) -> float:
