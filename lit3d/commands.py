@@ -91,28 +91,40 @@ def plan(
         json: Print one JSON object instead of text.
         verify: Check the per-rank parameter counts against the real model parallelised in a fake process group.
         map: Draw the rank map (the layout's, or a search's best three) to this ``.svg``, ``.png`` or ``.html`` file.
-        fleet: Node groups of different GPU kinds in one job, in the order of their node ranks: ``2x8xH100,6x8xA100``
-            (nodes x GPUs per node x GPU). Plans uneven pipeline stages, uneven data-parallel shares and one island
-            per group, beside the fastest group alone and every GPU as the slowest kind (instead of ``--nodes``,
-            ``--gpus_per_node`` and ``--gpu``).
+        fleet: Node groups of GPU kinds in one job, in node-rank order, instead of ``--nodes`` and ``--gpu``:
+            ``2x8xH100,6x8xA100`` (nodes x GPUs x kind); plans uneven work (docs/mixed-fleets.md).
     {settings}
     """
+    given = _given_numbers(seq_len, micro_batch_size, global_batch_size, settings)
     if fleet is not None:
-        _plan_fleet(fleet, locals(), settings)
+        _plan_fleet(fleet, locals(), given)
         return
     cluster = _cluster(gpu, nodes, gpus_per_node, gpu_memory, intra_node_bandwidth, inter_node_bandwidth, peak_tflops,
                        inter_island_bandwidth, inter_island_latency, power_watts)  # fmt: skip
-    settings["lora"] = _lora(settings.pop("lora_rank", None), settings.pop("lora_targets", None))
-    numbers = dict(seq_len=seq_len, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size, **settings)
-    given = {name: value for name, value in numbers.items() if value is not None}  # 0 is given
+    _plan_cluster(cluster, locals(), given)
+
+
+def _plan_cluster(cluster: Cluster, arguments: dict[str, Any], given: dict[str, Any]) -> None:
+    """``lit3d plan`` on one kind of GPU: the layout, or a search's best, printed; its rank map drawn."""
+    model, top, verify, precision = (arguments[name] for name in ("model", "top", "verify", "precision"))
     report = plan_request(Request.given(model, cluster, top=top, verify=verify, precision=precision, **given))
-    drawn = f"\nrank map: {RankMap.side_by_side(report.rank_maps()).save(map)}" if map and report.chosen else ""
-    print(dumps(report.to_dict(), indent=2) if json else format_report(report) + drawn)
+    picture = arguments["map"]
+    drawn = f"\nrank map: {RankMap.side_by_side(report.rank_maps()).save(picture)}" if picture and report.chosen else ""
+    print(dumps(report.to_dict(), indent=2) if arguments["json"] else format_report(report) + drawn)
     if not report.verified_exactly:
         raise SystemExit("lit3d plan --verify: analytic and verified parameter counts differ")
 
 
-def _plan_fleet(fleet: str, arguments: dict[str, Any], settings: dict[str, Any]) -> None:
+def _given_numbers(
+    seq_len: int | None, micro_batch_size: int | None, global_batch_size: int, settings: dict[str, Any]
+) -> dict[str, Any]:
+    """The training loop's numbers and the settings given to `lit3d plan` (None: not given; 0 is given)."""
+    settings["lora"] = _lora(settings.pop("lora_rank", None), settings.pop("lora_targets", None))
+    numbers = dict(seq_len=seq_len, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size, **settings)
+    return {name: value for name, value in numbers.items() if value is not None}
+
+
+def _plan_fleet(fleet: str, arguments: dict[str, Any], given: dict[str, Any]) -> None:
     """``lit3d plan --fleet``: the arguments of `plan` that a fleet replaces are refused if given."""
     from lit3d.planner.fleet import parse_fleet
     from lit3d.planner.fleet_report import format_fleet, plan_fleet
@@ -120,16 +132,12 @@ def _plan_fleet(fleet: str, arguments: dict[str, Any], settings: dict[str, Any])
     defaults = inspect.signature(plan).parameters
     replaced = ["nodes", "gpus_per_node", "gpu", "gpu_memory", "intra_node_bandwidth", "inter_node_bandwidth",
                 "peak_tflops", "power_watts", "verify"]  # fmt: skip
-    given = [f"--{name}" for name in replaced if arguments[name] != defaults[name].default]
-    if given:
-        raise ValueError(f"{', '.join(given)}: --fleet names the nodes and GPUs of each group; drop them")
+    clashing = [f"--{name}" for name in replaced if arguments[name] != defaults[name].default]
+    if clashing:
+        raise ValueError(f"{', '.join(clashing)}: --fleet names the nodes and GPUs of each group; drop them")
     groups = parse_fleet(fleet, inter_island_gbps=arguments["inter_island_bandwidth"],
                          inter_island_latency_ms=arguments["inter_island_latency"])  # fmt: skip
-    settings["lora"] = _lora(settings.pop("lora_rank", None), settings.pop("lora_targets", None))
-    numbers = dict(seq_len=arguments["seq_len"], micro_batch_size=arguments["micro_batch_size"],
-                   global_batch_size=arguments["global_batch_size"], **settings)  # fmt: skip
-    given_numbers = {name: value for name, value in numbers.items() if value is not None}
-    report = plan_fleet(groups, arguments["model"], precision=arguments["precision"], **given_numbers)
+    report = plan_fleet(groups, arguments["model"], precision=arguments["precision"], **given)
     drawn = f"\nrank map: {report.rank_map().save(arguments['map'])}" if arguments["map"] and report.chosen else ""
     print(dumps(report.to_dict(), indent=2) if arguments["json"] else format_fleet(report) + drawn)
 

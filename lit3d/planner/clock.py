@@ -19,6 +19,7 @@ Its constants are in `lit3d.calibration`; `benchmarks/planner_vs_published.py` c
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from lit3d.calibration import (
     ATTENTION_BACKWARD_FLOPS,
@@ -34,7 +35,15 @@ from lit3d.parallel.layout import Layout
 from lit3d.parallel.schedules import SCHEDULES, Costs, bubble_theory
 from lit3d.parallel.settings import Parallelism
 from lit3d.planner.inputs import GB, Cluster, Precision, Training, held_precision
-from lit3d.planner.tensors import adapter_params, local_numel, rank_tensors, replicas, stepped_numel
+from lit3d.planner.tensors import (
+    adapter_params,
+    config_key,
+    key_tensors,
+    local_numel,
+    rank_tensors,
+    replicas,
+    stepped_numel,
+)
 from lit3d.planner.traffic import stages, tp_bytes_by_stage
 from lit3d.planner.work import Gemm, Work, stage_work
 
@@ -219,9 +228,13 @@ def _micro_batch_by_stage(
     recompute, fp8 = recompute_of(settings, training), settings.float8 is not None
     held = stages(config, layout.pp, virtual, placement, layout.tp, layout.ep, training.lora,
                   settings.pipeline_stage_layers)  # fmt: skip
-    return [micro_batch_time(stage_work(config, layout, training, sp, fused, stage, fp8),
-                             Device.of(cluster.stage(rank), element), training, recompute)
-            for rank, stage in enumerate(held)]  # fmt: skip
+    times: dict[tuple, dict] = {}  # NOTE: a long pipeline's middle stages hold alike: each is priced once
+    for rank, stage in enumerate(held):
+        gpu = cluster.stage_gpus[rank] if cluster.stage_gpus else None
+        if (stage, gpu) not in times:
+            work = stage_work(config, layout, training, sp, fused, stage, fp8)
+            times[stage, gpu] = micro_batch_time(work, Device.of(cluster.stage(rank), element), training, recompute)
+    return [times[stage, cluster.stage_gpus[rank] if cluster.stage_gpus else None] for rank, stage in enumerate(held)]
 
 
 def stage_times(
@@ -309,10 +322,16 @@ def _optimizer(
     lora: LoRA | None = None,
 ) -> float:
     """AdamW's step over what the rank's optimizer steps, and clipping's norm: memory-bound."""
-    tensors = rank_tensors(config, layout.pp, virtual, rank, placement, lora, settings.pipeline_stage_layers)
-    numel = stepped_numel(tensors, layout, settings.zero_stage)
-    stepped = sum(t.trains for t in tensors)
+    key = config_key(config, lora, settings.pipeline_stage_layers)
+    numel, stepped = _stepped(key, layout, virtual, rank, placement, settings.zero_stage)
     return numel * OPTIMIZER_BYTES / device.bandwidth + device.kernels(stepped * OPTIMIZER_OPS)
+
+
+@lru_cache(maxsize=4096)
+def _stepped(key: tuple, layout: Layout, virtual: int, rank: int, placement: str, zero_stage: int) -> tuple[int, int]:
+    """(elements, tensors) rank ``rank``'s optimizer steps (cached: the search prices every schedule of a layout)."""
+    tensors = key_tensors(key, layout.pp, virtual, rank, placement)
+    return stepped_numel(tensors, layout, zero_stage), sum(t.trains for t in tensors)
 
 
 def _offloaded(
