@@ -64,6 +64,7 @@ def plan(
     verify: bool = False,
     map: str | None = None,
     fleet: str | None = None,
+    html: str | None = None,
     **settings: Any,
 ) -> None:
     """Plan a layout: memory per GPU, communication, pipeline bubble and step time, before renting a GPU.
@@ -93,26 +94,40 @@ def plan(
         map: Draw the rank map (the layout's, or a search's best three) to this ``.svg``, ``.png`` or ``.html`` file.
         fleet: Node groups of GPU kinds in one job, in node-rank order, instead of ``--nodes`` and ``--gpu``:
             ``2x8xH100,6x8xA100`` (nodes x GPUs x kind); plans uneven work (docs/mixed-fleets.md).
+        html: Write the planner's page to this file: every layout of the cluster to play with (docs/planner.md).
     {settings}
     """
     given = _given_numbers(seq_len, micro_batch_size, global_batch_size, settings)
     if fleet is not None:
-        _plan_fleet(fleet, locals(), given)
-        return
-    cluster = _cluster(gpu, nodes, gpus_per_node, gpu_memory, intra_node_bandwidth, inter_node_bandwidth, peak_tflops,
-                       inter_island_bandwidth, inter_island_latency, power_watts)  # fmt: skip
-    _plan_cluster(cluster, locals(), given)
+        return _plan_fleet(fleet, locals(), given)
+    return _plan_cluster(locals(), given)
 
 
-def _plan_cluster(cluster: Cluster, arguments: dict[str, Any], given: dict[str, Any]) -> None:
-    """``lit3d plan`` on one kind of GPU: the layout, or a search's best, printed; its rank map drawn."""
+def _plan_cluster(arguments: dict[str, Any], given: dict[str, Any]) -> None:
+    """``lit3d plan`` on one kind of GPU: the layout, or a search's best, printed; its rank map drawn; its page."""
+    names = ("gpu", "nodes", "gpus_per_node", "gpu_memory", "intra_node_bandwidth", "inter_node_bandwidth",
+             "peak_tflops", "inter_island_bandwidth", "inter_island_latency", "power_watts")  # fmt: skip
+    cluster = _cluster(*(arguments[name] for name in names))
     model, top, verify, precision = (arguments[name] for name in ("model", "top", "verify", "precision"))
+    if arguments["html"]:
+        _write_page(arguments["html"], model, cluster, precision, given)
     report = plan_request(Request.given(model, cluster, top=top, verify=verify, precision=precision, **given))
     picture = arguments["map"]
     drawn = f"\nrank map: {RankMap.side_by_side(report.rank_maps()).save(picture)}" if picture and report.chosen else ""
     print(dumps(report.to_dict(), indent=2) if arguments["json"] else format_report(report) + drawn)
     if not report.verified_exactly:
         raise SystemExit("lit3d plan --verify: analytic and verified parameter counts differ")
+
+
+def _write_page(path: str, model: str, cluster: Cluster, precision: str, given: dict[str, Any]) -> None:
+    from lit3d.planner.explore import explore
+
+    page = explore(model, cluster, precision=precision, **given)
+    page.save(path)
+    print(
+        f"wrote {path}: {len(page.data['layouts'])} layouts, {Path(path).stat().st_size / 1e6:.2f} MB; open it in a "
+        "browser (it needs no network)"
+    )
 
 
 def _given_numbers(
@@ -131,10 +146,10 @@ def _plan_fleet(fleet: str, arguments: dict[str, Any], given: dict[str, Any]) ->
 
     defaults = inspect.signature(plan).parameters
     replaced = ["nodes", "gpus_per_node", "gpu", "gpu_memory", "intra_node_bandwidth", "inter_node_bandwidth",
-                "peak_tflops", "power_watts", "verify"]  # fmt: skip
+                "peak_tflops", "power_watts", "verify", "html"]  # fmt: skip
     clashing = [f"--{name}" for name in replaced if arguments[name] != defaults[name].default]
     if clashing:
-        raise ValueError(f"{', '.join(clashing)}: --fleet names the nodes and GPUs of each group; drop them")
+        raise ValueError(f"{', '.join(clashing)}: not with --fleet, which names each group's nodes and GPUs")
     groups = parse_fleet(fleet, inter_island_gbps=arguments["inter_island_bandwidth"],
                          inter_island_latency_ms=arguments["inter_island_latency"])  # fmt: skip
     report = plan_fleet(groups, arguments["model"], precision=arguments["precision"], **given)

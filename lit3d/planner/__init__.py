@@ -2,10 +2,11 @@
 training loop's numbers and the run's `lit3d.parallel.Parallelism`, with what the user fixed): memory,
 communication, bubble and step time of a layout (`estimate`; the time by `lit3d.planner.clock`, how the run's kernels
 are written by `Software`), or of every layout of the cluster (`search`), an exact
-check against the real parallelisation on the meta device (`verify`), the rank map picture (`RankMap`), and a fleet of
-GPU kinds in one job (`plan_fleet`)."""
+check against the real parallelisation on the meta device (`verify`), the rank map picture (`RankMap`), a fleet of
+GPU kinds in one job (`plan_fleet`), and a page of every layout to play with (`explore`)."""
 
 from lit3d.planner.estimate import GB, PLANNING_DEFAULTS, PRECISIONS, Cluster, Plan, Training, estimate
+from lit3d.planner.explore import explore
 from lit3d.planner.fleet import parse_fleet
 from lit3d.planner.fleet_report import FleetReport, format_fleet, plan_fleet
 from lit3d.planner.inputs import Software
@@ -30,6 +31,7 @@ __all__ = [
     "Training",
     "check_inputs",
     "estimate",
+    "explore",
     "format_fleet",
     "format_plan",
     "format_report",
