@@ -60,7 +60,8 @@ def planned(config, args: argparse.Namespace) -> tuple[dict[str, dict], dict[str
     schedule = {"pipeline_parallel_size": 2, "zero_stage": 0, "pipeline_schedule": run.pipeline_schedule,
                 "num_microbatches": pipeline.plan.num_microbatches}  # fmt: skip
     accumulate = data.candidate.training.accumulate_grad_batches
-    even_shares = (args.global_batch_size // 2, args.global_batch_size - args.global_batch_size // 2)
+    units = args.global_batch_size // accumulate  # the even split, in whole micro-batches as the uneven one
+    even_shares = (units // 2 * accumulate, (units - units // 2) * accumulate)
     configs = {
         "pp2 even": schedule,
         "pp2 uneven": {**schedule, "pipeline_stage_layers": list(run.pipeline_stage_layers)},

@@ -47,6 +47,10 @@ def test_fleet_refuses_what_it_replaces_and_what_it_chooses():
     assert "--nodes: not with --fleet" in str(error.value.code)
     with pytest.raises(ValueError, match="pipeline_parallel_size: a fleet plan chooses"):
         plan_fleet(parse_fleet("1x8xH100,1x8xA100"), "tiny", pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide the 8 GPUs of a node"):
+        plan_fleet(parse_fleet("1x8xH100,1x8xA100"), "tiny", tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="pipeline_schedule='zbv': uneven stages are planned with one chunk"):
+        plan_fleet(parse_fleet("1x8xH100,1x8xA100"), "tiny", pipeline_schedule="zbv")
 
 
 def test_partition_with_speeds_gives_a_faster_chunk_more_blocks_and_equal_speeds_change_nothing():

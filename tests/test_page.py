@@ -3,7 +3,7 @@ Playwright; no browser is downloaded) with every request that is not the page's 
 moved by keyboard changes the GPU count and the cells drawn, ZeRO-3 divides a GPU's optimizer state by d, a clicked
 GPU shows what ``lit3d plan --json`` prints for that layout, and the page stays under 2 MB for 1,024 GPUs.
 
-Without Chromium the browser tests skip here, and fail where ``LIT3D_BROWSER_TESTS=required`` (`.ci/run` sets it
+Without Chromium the browser tests skip here, and fail where ``BROWSER_TESTS=required`` (`.ci/run` sets it
 after installing Debian's ``chromium``)."""
 
 import json
@@ -30,8 +30,8 @@ def browser():
         sync_playwright = None
     if CHROMIUM is None or sync_playwright is None:
         missing = "Debian's chromium" if CHROMIUM is None else "playwright"
-        if os.environ.get("LIT3D_BROWSER_TESTS") == "required":
-            pytest.fail(f"{missing} is not installed, and LIT3D_BROWSER_TESTS=required")
+        if os.environ.get("BROWSER_TESTS") == "required":
+            pytest.fail(f"{missing} is not installed, and BROWSER_TESTS=required")
         pytest.skip(f"{missing} is not installed (apt-get install chromium; pip install playwright)")
     with sync_playwright() as playwright:
         chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
@@ -122,7 +122,11 @@ def test_a_ranked_layout_is_one_click_away_and_a_layout_that_does_not_fit_says_w
     set_slider(page, "p", 1, data["axes"]["p"])
     page.select_option("#zero", "0")
     assert "does not fit" in page.text_content("#status")
-    assert page.locator(".gpu.over").count() > 0 and not errors
+    assert page.locator(".gpu.over").count() > 0
+    set_slider(page, "t", 8, data["axes"]["t"])
+    set_slider(page, "p", 16, data["axes"]["p"])  # 128 GPUs of 64
+    assert "more than the cluster has" in page.text_content("#status") and page.locator(".gpu").count() == 0
+    assert not errors, errors
 
 
 def test_the_page_fetches_nothing_and_a_notebook_shows_it_in_a_frame():

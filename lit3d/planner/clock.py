@@ -58,6 +58,7 @@ class StepTime:
     # Seconds of the step by kind, summing to ``step``: compute (matmuls and attention, recompute included),
     # memory_bound, exposed_communication (per axis), bubble, optimizer, overhead (the host's, between steps).
     breakdown: dict
+    seconds: dict[str, float] | None = None  # each axis's traffic time as priced, where it differs (a fleet's TP)
 
 
 @dataclass(frozen=True)
@@ -183,7 +184,7 @@ def step_time(
     breakdown = {"compute": compute, "memory_bound": memory, "exposed_communication": exposed, "bubble": idle,
                  "optimizer": optimizer, "overhead": overhead}  # fmt: skip
     step = compute + memory + sum(exposed.values()) + idle + optimizer + overhead
-    return StepTime(step, bubble, schedule_m, _model_flops(config, training), hidden, breakdown)
+    return StepTime(step, bubble, schedule_m, _model_flops(config, training), hidden, breakdown, seconds)
 
 
 def _busiest_in_fleet(

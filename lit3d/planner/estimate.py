@@ -58,6 +58,7 @@ def estimate(
     reached = cluster.gpu.efficiency.link  # of a link's rated bandwidth, by ring collectives
     seconds = {axis: traffic[axis] / (links[axis] * reached * GB) + latency[axis] for axis in traffic}
     time = step_time(config, cluster, layout, training, settings, traffic, seconds, precision)
+    seconds = time.seconds or seconds  # (a fleet's TP: the busiest stage's own bytes over its own NVLink)
     return Plan(
         layout=planned_layout(layout, settings),
         memory_per_gpu=memory.peak,

@@ -198,7 +198,8 @@ def replicas_option(
     for group in groups:
         count = group.gpus // layout.tp
         mine = list(shares[start : start + count])
-        cluster = replace(base, gpu=group.gpu, peak_tflops=group.peak_tflops, gpu_memory_gb=group.gpu_memory_gb)
+        cluster = replace(base, gpu=group.gpu, peak_tflops=group.peak_tflops, gpu_memory_gb=group.gpu_memory_gb,
+                          intra_node_gbps=group.intra_node_gbps)  # fmt: skip
         own = replace(training, micro_batch_size=max(mine) // accumulate,
                       global_batch_size=max(mine) * layout.dp)  # fmt: skip
         if layout_problem(config, cluster, layout, own, even):
@@ -232,6 +233,8 @@ def islands_option(config: GPTConfig, groups: list[Cluster], request: Request) -
     best = plan(given).chosen
     if best is None:
         return Option("islands", None, [], "no island layout fits")
+    peak = sum(g.gpus * g.peak_tflops for g in groups) * 1e12  # (planned on the slowest kind: MFU of the fleet's peak)
+    best.plan = replace(best.plan, mfu=best.plan.flops_per_step / (best.plan.step_time_s * peak))
     parts = [_part(g, f"island {i}", best.plan.memory_per_gpu["total"], best.training) for i, g in enumerate(groups)]
     return Option("islands", best, parts)
 

@@ -10,6 +10,7 @@ from lit3d.config import GPTConfig
 from lit3d.planner.estimate import Cluster
 from lit3d.planner.fleet import (
     CHOSEN_BY_FLEET,
+    ONE_CHUNK,
     Option,
     baseline,
     check_fleet,
@@ -93,6 +94,13 @@ def plan_fleet(groups: list[Cluster], model: GPTConfig | str = "llama-8b", **giv
     chosen_here = sorted(name for name in CHOSEN_BY_FLEET if name in given)
     if chosen_here:
         raise ValueError(f"{', '.join(chosen_here)}: a fleet plan chooses these itself; plan without them")
+    tp, schedule = given.get("tensor_parallel_size"), given.get("pipeline_schedule")
+    if tp is not None and tp != "auto" and groups[0].gpus_per_node % tp:
+        raise ValueError(f"tensor_parallel_size={tp} does not divide the {groups[0].gpus_per_node} GPUs of a node: "
+                         "on a fleet TP stays inside a node")  # fmt: skip
+    if schedule is not None and schedule not in {name for name, _ in ONE_CHUNK}:
+        raise ValueError(f"pipeline_schedule={schedule!r}: uneven stages are planned with one chunk per rank "
+                         f"({', '.join(name for name, _ in ONE_CHUNK)})")  # fmt: skip
     request = Request.given(model, shared_cluster(groups), **given)
     config = GPTConfig.load(model)
     without = sorted({g.gpu.name for g in groups if not g.gpu.fp8_tflops})

@@ -91,8 +91,8 @@ class Cluster:
     # host's cores: PyTorch's foreach AdamW steps 0.25 G/s per core (benchmarks/finetune.py measures it), 8 cores.
     host_link_gbps: float = 25.0
     host_adamw_gparams: float = 2.0
-    # A fleet's pipeline (`lit3d.planner.fleet`): the GPU of each pipeline rank, whose peak, memory and bandwidth price
-    # that stage (the links stay the numbers above); None: every rank's is ``gpu``.
+    # A fleet's pipeline (`lit3d.planner.fleet`): the GPU of each pipeline rank, whose peak, memory, bandwidth and
+    # NVLink (its TP traffic's) price that stage, the other links staying the numbers above; None: all are ``gpu``.
     stage_gpus: tuple[GPU, ...] | None = None
 
     @classmethod

@@ -58,11 +58,14 @@ function sameGroup(axis, a, b) {
 }
 function draw() {
   clampD(); ['t', 'p', 'ep', 'cp'].forEach(n => slider(n, D.axes[n])); slider('d', dValues());
-  const e = D.layouts[key()], n = S.d * S.t * S.p * S.cp, per = D.cluster.gpus_per_node;
+  const n = S.d * S.t * S.p * S.cp, per = D.cluster.gpus_per_node, st = $('status');
+  const e = D.layouts[key()] || {error: 't x p x cp = ' + S.t * S.p * S.cp + ' GPUs, more than the cluster has'};
   if (S.rank >= n) S.rank = 0;
-  $('total').textContent = n; $('grids').textContent = S.d;
-  $('summary').dataset.gpus = n;
-  const st = $('status');
+  $('total').textContent = n; $('grids').textContent = S.d * S.cp;
+  if (!D.layouts[key()]) {
+    st.textContent = 'cannot run: ' + e.error; st.className = 'bad';
+    $('grid').textContent = ''; $('panel').textContent = ''; return;
+  }
   if (e.error) {
     st.textContent = (e.fits === false ? 'does not fit: ' : 'cannot run: ') + e.error; st.className = 'bad';
   } else { st.textContent = 'step ' + e.step_s.toFixed(3) + ' s, MFU ' + (100 * e.mfu).toFixed(1) + '%, bubble ' +
@@ -77,7 +80,7 @@ function draw() {
     for (let r = node * per; r < Math.min(n, (node + 1) * per); r++) {
       const c = coords(r), cell = document.createElement('div'); cell.className = 'gpu';
       cell.dataset.rank = r; cell.style.background = 'hsl(' + (c.p * 137.5 % 360) + ',60%,78%)';
-      cell.title = 'GPU ' + r + ': t' + c.t + ' p' + c.p + ' d' + c.d;
+      cell.title = 'GPU ' + r + ': t' + c.t + ' p' + c.p + (S.cp > 1 ? ' c' + c.c : '') + ' d' + c.d;
       cell.textContent = 't' + c.t + ' p' + c.p + (S.cp > 1 ? ' c' + c.c : '') + ' d' + c.d;
       if (e.stages) { const row = D.rows[e.stages[c.p]], total = row[D.components.indexOf('total')];
         cell.appendChild(document.createElement('br')); cell.append(gb(total));
@@ -94,7 +97,8 @@ function panel(e, c) {
   const p = $('panel');
   let h = '<b>GPU ' + S.rank + '</b> (t' + c.t + ' p' + c.p + (S.cp > 1 ? ' c' + c.c : '') + ' d' + c.d +
           ', node ' + Math.floor(S.rank / D.cluster.gpus_per_node) + ')';
-  if (!e.stages) { p.innerHTML = h + '<p>' + e.error + '</p>'; return; }
+  if (!e.stages) { p.innerHTML = h; const why = document.createElement('p'); why.textContent = e.error;
+    p.appendChild(why); return; }
   const row = D.rows[e.stages[c.p]];
   h += '<table><tr><th>holds</th><th>GB</th></tr>';
   D.components.forEach((name, i) => { if (row[i] || name === 'total')
@@ -157,8 +161,8 @@ def render(data: dict[str, Any]) -> str:
 <style>{STYLE}</style></head><body>
 <h1>{html.escape(title)}</h1><div class="sub">{html.escape(sub)}</div>
 <div id="controls">{sliders}<label>optimizer state <select id="zero">{zero}</select></label>{toggles}</div>
-<div id="summary">d x t x p = <span id="total"></span> GPUs of {cluster["gpus"]}, <span id="grids"></span> grid(s)
- of t x p: <span id="status"></span></div>
+<div id="summary">d x t x p{" x cp" if len(axes["cp"]) > 1 else ""} = <span id="total"></span> GPUs of
+ {cluster["gpus"]}, <span id="grids"></span> grid(s) of t x p: <span id="status"></span></div>
 <div id="main"><div id="grid"></div><div id="side"><div id="panel"></div>
 <h3>fastest layouts that fit</h3><ol id="ranking"></ol>
 <div class="more">Each cell is one GPU: t, p, d its coordinates (colour: pipeline stage), and what its stage holds at
