@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, replace
+from itertools import product
 from typing import Any
 
 from lit3d.config import GPTConfig
@@ -114,11 +115,11 @@ def pipeline_option(config: GPTConfig, groups: list[Cluster], request: Request) 
                 settings = replace(even, pipeline_stage_layers=layers)
                 if layout_problem(config, cluster, layout, request.training, settings):
                     continue
-                for zero in zeros if dp > 1 else zeros[:1]:  # (one replica: every ZeRO stage holds the same)
-                    for ac in recompute:
-                        option = estimated(config, cluster, layout, request.training, settings, zero, ac,
-                                            _schedules(request))  # fmt: skip
-                        best = _faster(best, option)
+                # (one replica: every ZeRO stage holds the same)
+                for zero, ac in product(zeros if dp > 1 else zeros[:1], recompute):
+                    option = estimated(config, cluster, layout, request.training, settings, zero, ac,
+                                       _schedules(request))  # fmt: skip
+                    best = _faster(best, option)
     if best is None:
         return Option("pipeline", None, [], "no pipeline over the groups runs this model and batch")
     parts = _stage_parts(config, groups, best, pipeline_cluster(base, groups, best.layout.dp * best.layout.tp))
@@ -162,13 +163,12 @@ def data_option(config: GPTConfig, groups: list[Cluster], request: Request) -> O
         for accumulate in (a for a in divisors(batch) if batch // a >= layout.dp):
             micro = water_fill(batch // accumulate, [speed(g.gpu) for g, n in zip(groups, counts) for _ in range(n)])
             shares = tuple(m * accumulate for m in micro)
-            for zero in zeros:
-                for ac in recompute:
-                    settings = replace(request.parallelism, **sizes_of(layout), zero_stage=zero,
-                                       activation_checkpointing=ac, data_parallel_shares=shares)  # fmt: skip
-                    option = replicas_option(config, groups, base, layout, training, settings, accumulate)
-                    if option and (best is None or _faster(best.candidate, option.candidate) is option.candidate):
-                        best = option
+            for zero, ac in product(zeros, recompute):
+                settings = replace(request.parallelism, **sizes_of(layout), zero_stage=zero,
+                                   activation_checkpointing=ac, data_parallel_shares=shares)  # fmt: skip
+                option = replicas_option(config, groups, base, layout, training, settings, accumulate)
+                if option and (best is None or _faster(best.candidate, option.candidate) is option.candidate):
+                    best = option
     return best or Option("data", None, [], "no data-parallel split runs this model and batch")
 
 
