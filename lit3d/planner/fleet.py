@@ -30,7 +30,7 @@ from lit3d.parallel.layout import ZERO_STAGES, Layout
 from lit3d.parallel.stages import partition
 from lit3d.planner.clock import stage_times
 from lit3d.planner.estimate import GB, Cluster, Training, estimate, sizes_of
-from lit3d.planner.request import Request, plan
+from lit3d.planner.request import DILOCO_SYNC_EVERY, Request, plan
 from lit3d.planner.search import Candidate, divisors, estimated, layout_problem
 from lit3d.planner.shapes import block_costs
 
@@ -229,7 +229,7 @@ def islands_option(config: GPTConfig, groups: list[Cluster], request: Request) -
     if len(sizes) > 1:
         return Option("islands", None, [], f"islands are equal layouts; the groups have {sizes} GPUs")
     settings = replace(request.parallelism, islands=len(groups), sync_every=_sync_every(request))
-    given = replace(request, cluster=shared_cluster(groups), fixed=request.fixed | {"islands"}, parallelism=settings)
+    given = replace(request, fixed=request.fixed | {"islands"}, parallelism=settings)  # (on the slowest kind)
     best = plan(given).chosen
     if best is None:
         return Option("islands", None, [], "no island layout fits")
@@ -239,7 +239,11 @@ def islands_option(config: GPTConfig, groups: list[Cluster], request: Request) -
     return Option("islands", best, parts)
 
 
-def baseline(config: GPTConfig, cluster: Cluster, request: Request, kind: str) -> Option:
+def fastest_group(groups: list[Cluster]) -> Cluster:
+    return max(groups, key=lambda g: speed(g.gpu))
+
+
+def baseline(cluster: Cluster, request: Request, kind: str) -> Option:
     """A plain search on ``cluster`` (the fastest group alone, or every GPU as the slowest kind)."""
     best = plan(replace(request, cluster=cluster)).chosen
     note = "" if best else f"nothing fits on {cluster.gpus} {cluster.gpu.name}"
@@ -247,8 +251,6 @@ def baseline(config: GPTConfig, cluster: Cluster, request: Request, kind: str) -
 
 
 def _sync_every(request: Request) -> int:
-    from lit3d.planner.request import DILOCO_SYNC_EVERY
-
     return request.parallelism.sync_every if "sync_every" in request.fixed else DILOCO_SYNC_EVERY
 
 

@@ -15,10 +15,10 @@ from lit3d.planner.fleet import (
     baseline,
     check_fleet,
     data_option,
+    fastest_group,
     islands_option,
     pipeline_option,
     shared_cluster,
-    speed,
 )
 from lit3d.planner.rankmap import RankMap
 from lit3d.planner.report import count, run_flags, settings
@@ -110,9 +110,9 @@ def plan_fleet(groups: list[Cluster], model: GPTConfig | str = "llama-8b", **giv
     for group in groups:
         check_inputs(config, group, request.training)
     options = [build(config, groups, request) for build in (pipeline_option, data_option, islands_option)]
-    fastest = max(groups, key=lambda g: speed(g.gpu))
-    baselines = [baseline(config, fastest, request, "fastest group"), baseline(config, shared_cluster(groups), request,
-                                                                               "slowest kind")]  # fmt: skip
+    # (the request's cluster: every GPU as the slowest kind)
+    baselines = [baseline(fastest_group(groups), request, "fastest group"), baseline(request.cluster, request,
+                                                                                     "slowest kind")]  # fmt: skip
     return FleetReport(config, groups, request, options, baselines)
 
 
@@ -151,10 +151,9 @@ def format_fleet(report: FleetReport) -> str:
     for option in report.options:
         lines.append(f"  {KINDS[option.kind]:<32} {_outcome(option, chosen)}")
     lines.append("baselines:")
-    fastest = max(groups, key=lambda g: speed(g.gpu))
+    fastest, slowest = fastest_group(groups), report.request.cluster
     names = {"fastest group": f"the fastest group alone ({fastest.nodes} x {fastest.gpus_per_node} {fastest.gpu.name})",
-             "slowest kind": f"every GPU as the slowest kind ({shared_cluster(groups).gpus} "
-                             f"{shared_cluster(groups).gpu.name})"}  # fmt: skip
+             "slowest kind": f"every GPU as the slowest kind ({slowest.gpus} {slowest.gpu.name})"}  # fmt: skip
     for option in report.baselines:
         lines.append(f"  {names[option.kind]}: {_outcome(option, chosen)}")
     if chosen:
