@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from lit3d.strategies import Parallel3DStrategy
 
 __all__ = ["GPT", "GPTConfig", "LoRA", "Parallel3DStrategy"]
-__version__ = "0.1.0"
+__version__ = "0.4.0"  # the one place: pyproject.toml reads it, `lit3d --version` prints it
 
 # NOTE: the names load on first use (PEP 562): `lit3d --help` and `lit3d plan` import `lit3d.*` modules that need
 # neither Lightning nor the model, and importing this package must not pull them in.

@@ -68,17 +68,22 @@ class SampleText(Callback):
 
 class PrintCompletions(BasePredictionWriter):
     """Print each prompt and its continuation (`GPT.predict_step`'s output) as it is generated, decoded with the
-    datamodule's tokenizer; rank 0 prints (it holds the whole tokens in every layout)."""
+    datamodule's tokenizer; rank 0 prints (it holds the whole tokens in every layout).
 
-    def __init__(self) -> None:
+    Args:
+        prompt: Print the prompt before its continuation; ``False``: the continuation alone (a chat's answer).
+    """
+
+    def __init__(self, prompt: bool = True) -> None:
         super().__init__(write_interval="batch")
+        self.prompt = prompt
 
     def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx):
         tokenizer = getattr(trainer.datamodule, "tokenizer", None)
         if not trainer.is_global_zero or tokenizer is None or not isinstance(prediction, dict):
             return
         prompt, completion = prediction["prompt"].tolist(), prediction["completion"].tolist()
-        print(tokenizer.decode(prompt) + tokenizer.decode(completion), flush=True)
+        print((tokenizer.decode(prompt) if self.prompt else "") + tokenizer.decode(completion), flush=True)
 
 
 class Throughput(Callback):
@@ -105,6 +110,10 @@ class Throughput(Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.peak_flops = device_peak_flops(pl_module.device)
+        if self.peak_flops is None and pl_module.device.type == "cuda":  # a GPU the table lacks: said, by its name
+            from lit3d.hardware import unknown_device
+
+            rank_zero_warn(unknown_device(torch.cuda.get_device_name(pl_module.device)))
         self._last = None
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
@@ -148,8 +157,24 @@ class Throughput(Callback):
 
 
 class RichProgress(RichProgressBar):
-    """Lightning's `RichProgressBar`, its epoch read sensibly when steps bound training: ``Epoch 3`` where Lightning's
-    shows ``Epoch 3/-2`` (``max_epochs=-1``, the trainer's value when ``max_steps`` is given alone)."""
+    """Lightning's `RichProgressBar`, read sensibly when steps bound training: ``Epoch 3`` where Lightning's shows
+    ``Epoch 3/-2`` (``max_epochs=-1``, the trainer's value when ``max_steps`` is given alone); and after a resume in
+    the middle of an epoch, ``70/70`` where Lightning's shows ``70/10``: the count goes on from the epoch's batches
+    done before the resume, so the total counts them too."""
+
+    _total_at_start: float | None = None  # the bar's total as the fit starts (a resume restored), until a batch ends
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        self._total_at_start = self.total_train_batches
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        total, self._total_at_start = self._total_at_start, None
+        resumed = total is not None and total != float("inf") and batch_idx > 0  # the fit's first batch, mid-epoch
+        if resumed and self.progress is not None and self.train_progress_bar_id is not None:
+            self.progress.update(self.train_progress_bar_id, total=batch_idx + total)
+            self.refresh()
 
     def _get_train_description(self, current_epoch: int) -> str:
         max_epochs = self.trainer.max_epochs
@@ -175,13 +200,47 @@ class ModelSummary(LightningModelSummary):
         if not trainer.is_global_zero:
             return
         totals = (table.total_parameters, table.trainable_parameters, table.model_size, table.total_training_modes)
-        layout = RichModelSummary if _RICH_AVAILABLE else LightningModelSummary
-        layout.summarize(table._get_summary_data(), *totals, table.total_flops, **self._summarize_kwargs)
+        data = table._get_summary_data()
+        if table.total_flops or not _RICH_AVAILABLE:
+            layout = RichModelSummary if _RICH_AVAILABLE else LightningModelSummary
+            layout.summarize(data, *totals, table.total_flops, **self._summarize_kwargs)
+        else:  # NOTE: Lightning counts FLOPs only for a module with an `example_input_array`
+            summarize_without_flops([(n, c) for n, c in data if n != "FLOPs"], *totals, **self._summarize_kwargs)
         if table.split:
             rank_zero_info(
                 f"Params per Device: rank 0 holds {get_human_readable_count(table.local_parameters)} of the model's "
                 f"{get_human_readable_count(table.total_parameters)} parameters"
             )
+
+
+def summarize_without_flops(
+    data: list[tuple[str, list[str]]], total: int, trainable: int, size_mb: float, modes: dict[str, int], **kwargs: Any
+) -> None:
+    """Lightning's Rich model summary (`RichModelSummary.summarize`), without its FLOPs column and total: zero for
+    every module without an ``example_input_array``, which says nothing (`Throughput` reports the run's MFU)."""
+    from rich import get_console
+    from rich.table import Table
+
+    table = Table(header_style=kwargs.get("header_style", "bold magenta"))
+    for name, _ in data:
+        numbers = name in ("Params", "Params per Device", "In sizes", "Out sizes")
+        table.add_column(name, justify="right" if numbers else "left", style="dim" if name == " " else None)
+    for row in zip(*(column for _, column in data)):
+        table.add_row(*row)
+    grid = Table.grid(expand=True)
+    grid.add_column()
+    for label, value in (
+        ("Trainable params", get_human_readable_count(trainable)),
+        ("Non-trainable params", get_human_readable_count(total - trainable)),
+        ("Total params", get_human_readable_count(total)),
+        ("Total estimated model params size (MB)", f"{size_mb:,.3f}"),
+        ("Modules in train mode", modes["train"]),
+        ("Modules in eval mode", modes["eval"]),
+    ):
+        grid.add_row(f"[bold]{label}[/]: {value}")
+    console = get_console()
+    console.print(table)
+    console.print(grid)
 
 
 class WholeModelTable(LayerTable):

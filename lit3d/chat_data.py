@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lit3d.batches import GlobalBatchData
+from lit3d.batches import AUTO, GlobalBatchData
 from lit3d.chat_template import ChatTemplate, conversation, read_rows
 from lit3d.documents import row_positions
 from lit3d.sampler import TrainedTokenSampler
@@ -29,14 +29,16 @@ class ChatDataModule(GlobalBatchData):
     However the answer tokens fall over replicas, micro-batches, pipeline stages and context-parallel chunks, the
     step's loss is their global mean: every batch carries its global batch's ``loss_scale`` (`lit3d.GPT.loss`).
 
-    Everything is read, tokenized and checked when the data module is made, in the launching process, so that bad
-    data is refused before any rank starts (a held-out set smaller than one round of the layout's micro-batches, which
-    only the ranks know, is refused when its loader is made).
+    Everything is read, tokenized and checked in the launching process, so that bad data is refused before any rank
+    starts (a held-out set smaller than one round of the layout's micro-batches, which only the ranks know, is refused
+    when its loader is made): when the data module is made, or with ``tokenizer="auto"`` when the model is known
+    (``lit3d fit`` and `Parallel3DStrategy`'s launcher know it before any rank starts).
 
     Args:
         data_path: A ``.jsonl``, ``.json`` or ``.parquet`` file.
-        tokenizer: A local HuggingFace tokenizer folder (``tokenizer.json``, and a chat template in
-            ``tokenizer_config.json`` or ``chat_template.jinja``).
+        tokenizer: A local HuggingFace tokenizer folder or its ``tokenizer.json`` (and a chat template beside it, in
+            ``tokenizer_config.json`` or ``chat_template.jinja``); ``"auto"``: the folder of the model's pretrained
+            weights (`GPT(pretrained=...)`, `lit3d.batches.GlobalBatchData.resolve_tokenizer`).
         seq_len: Tokens per training row.
         global_batch_size: Rows per optimizer step across all data-parallel replicas.
         val_fraction: Share of the examples held out for validation (at least one).
@@ -51,7 +53,7 @@ class ChatDataModule(GlobalBatchData):
     def __init__(
         self,
         data_path: str,
-        tokenizer: str,
+        tokenizer: str = "auto",
         seq_len: int = 1024,
         global_batch_size: int = 16,
         val_fraction: float = 0.05,
@@ -61,7 +63,7 @@ class ChatDataModule(GlobalBatchData):
         overlong: str = "error",
         num_workers: int = 0,
     ) -> None:
-        super().__init__(global_batch_size, seed, num_workers)
+        super().__init__(global_batch_size, seed, num_workers, tokenizer)
         if seq_len <= 0 or global_batch_size <= 0:
             raise ValueError(f"seq_len={seq_len} and global_batch_size={global_batch_size} must be positive")
         if overlong not in OVERLONG:
@@ -70,24 +72,42 @@ class ChatDataModule(GlobalBatchData):
             raise ValueError(f"val_fraction={val_fraction} and test_fraction={test_fraction} must leave training data")
         self.save_hyperparameters()
         self.seq_len, self.data_path = seq_len, data_path
-        self.chat = ChatTemplate(tokenizer)
-        examples = self._examples(read_rows(data_path), overlong)
-        order = np.random.default_rng(seed).permutation(len(examples))
-        n_val = max(1, round(val_fraction * len(examples)))
-        n_test = max(1, round(test_fraction * len(examples))) if test_fraction else 0
+        self.val_fraction, self.test_fraction = val_fraction, test_fraction
+        self.packing, self.overlong = packing, overlong
+        self.rows: list[dict[str, Any]] | None = read_rows(data_path)
+        self.chat: ChatTemplate | None = None
+        if tokenizer != AUTO:  # else when the model is known
+            self.resolve_tokenizer()
+
+    def _load_tokenizer(self, name: str) -> None:
+        """Tokenize every example with the chat template of ``name``'s folder, and split and pack them."""
+        if name == "byte":
+            raise ValueError(f"chat data needs a tokenizer folder with a chat template, not {name!r}: give the data "
+                             "module tokenizer=FOLDER, or a model pretrained from a HuggingFace folder")  # fmt: skip
+        self.chat = ChatTemplate(name)
+        rows, self.rows = self.rows, None  # (tokenized once)
+        examples = self._examples(rows, self.overlong)
+        order = np.random.default_rng(self.seed).permutation(len(examples))
+        n_val = max(1, round(self.val_fraction * len(examples)))
+        n_test = max(1, round(self.test_fraction * len(examples))) if self.test_fraction else 0
         split = np.split(order, [n_val, n_val + n_test])
-        pack = ChatRows.packed if packing else ChatRows.one_per_row
-        self.val_set, test, train = (pack([examples[i] for i in part], seq_len + 1, self.chat.pad_id) for part in split)
+        pack = ChatRows.packed if self.packing else ChatRows.one_per_row
+        width, pad = self.seq_len + 1, self.chat.pad_id
+        self.val_set, test, train = (pack([examples[i] for i in part], width, pad) for part in split)
         self.test_set = test if n_test else None
         self.train_set = train
-        if len(train) < global_batch_size:
+        if len(train) < self.global_batch_size:
             raise ValueError(
-                f"the {len(order) - n_val - n_test} training examples of {data_path!r} fill {len(train)} rows of "
-                f"seq_len+1={seq_len + 1} tokens, fewer than global_batch_size={global_batch_size}"
+                f"the {len(order) - n_val - n_test} training examples of {self.data_path!r} fill {len(train)} rows of "
+                f"seq_len+1={width} tokens, fewer than global_batch_size={self.global_batch_size}"
             )
+
+    def setup(self, stage: str | None = None) -> None:
+        self.resolve_tokenizer()
 
     @property
     def vocab_size(self) -> int:
+        self.resolve_tokenizer()
         return self.chat.vocab_size
 
     def _examples(self, rows: list[dict[str, Any]], overlong: str) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -21,18 +21,19 @@ ROLES = ("system", "user", "assistant", "tool")
 
 
 class ChatTemplate:
-    """A local HuggingFace tokenizer folder's tokenizer and chat template."""
+    """A local HuggingFace tokenizer folder's (or its ``tokenizer.json``'s) tokenizer and chat template."""
 
-    def __init__(self, folder: str | Path) -> None:
+    def __init__(self, path: str | Path) -> None:
         from tokenizers import Tokenizer
 
-        folder = Path(folder)
-        if not (folder / "tokenizer.json").is_file():
-            raise FileNotFoundError(f"chat data needs a tokenizer folder with tokenizer.json: {str(folder)!r} has none")
+        file = Path(path) if Path(path).is_file() else Path(path) / "tokenizer.json"
+        folder = file.parent
+        if not file.is_file():
+            raise FileNotFoundError(f"chat data needs a tokenizer folder with tokenizer.json: {str(path)!r} has none")
         config_file = folder / "tokenizer_config.json"
         config = json.loads(config_file.read_text()) if config_file.is_file() else {}
         source = _template_source(folder, config)
-        self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        self.tokenizer = Tokenizer.from_file(str(file))
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         self.special = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token", "pad_token")}
         eos = self.special["eos_token"]
@@ -146,8 +147,20 @@ def read_rows(path: str) -> list[dict[str, Any]]:
 
         return pq.read_table(file).to_pylist()
     if file.suffix == ".jsonl":
-        return [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
+        lines = enumerate(file.read_text().splitlines(), 1)
+        return [json_value(line, path, number) for number, line in lines if line.strip()]
     if file.suffix == ".json":
-        rows = json.loads(file.read_text())
+        rows = json_value(file.read_text(), path)
         return rows if isinstance(rows, list) else [rows]
     raise ValueError(f"chat data file {path!r}: the format must be .jsonl, .json or .parquet, not {file.suffix!r}")
+
+
+def json_value(text: str, path: str, line: int | None = None) -> Any:
+    """``text`` parsed as JSON; malformed, a `ValueError` naming the file and its line (``line``: the text is that
+    line of the file, as in JSON Lines)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(
+            f"{path}, line {line or error.lineno}, column {error.colno}: not valid JSON ({error.msg})"
+        ) from None

@@ -11,14 +11,18 @@ from typing import TYPE_CHECKING, Any
 
 # NOTE: nothing heavy at the top: `lit3d --help` imports no torch and `lit3d plan` no Lightning. The LightningCLI
 # (`lit3d.lightning_cli`) loads in `make_cli`, the other commands in `main`.
+from lit3d import help_cache
 from lit3d.checkpoint_errors import UnsafeCheckpointError
+from lit3d.quiet import quiet_lightning
 
 if TYPE_CHECKING:
     from lit3d.lightning_cli import Lit3DCLI
 
 
-FLAGS = ("--json", "--verify", "--adapter")  # and the settings that may be true (`lit3d.commands.SWITCHES`)
+# and the settings that may be true (`lit3d.commands.SWITCHES`)
+FLAGS = ("--json", "--verify", "--adapter", "--search", "--chat")
 USAGE = """usage: lit3d COMMAND [--help] [arguments]
+       lit3d --version
 
 Train and plan 3D-parallel (data x tensor x pipeline) GPTs with PyTorch Lightning.
 
@@ -29,7 +33,7 @@ commands:
   predict    continue the data's prompts (--data.prompts)
   plan       memory, communication and step time of a layout, or the best layouts of a cluster
   calibrate  measure this machine as the planner's clock sees a device (lit3d plan --gpu cpu.json)
-  export     a lit3d checkpoint (any layout) as a HuggingFace Llama folder
+  export     a lit3d checkpoint (any layout) as a HuggingFace folder of its family (Llama, Qwen, Mistral)
   convert    a lit3d checkpoint folder (any layout) as one Lightning checkpoint file
   generate   print a continuation of a prompt by a checkpoint or a HuggingFace folder
   prepare    tokenize a corpus once into memory-mapped shards that training reads
@@ -52,21 +56,50 @@ def _bare_flags_true(argv: list[str]) -> list[str]:
     return out
 
 
+def version() -> str:
+    """``lit3d --version``: lit3d's, and what it runs on from the installed packages' metadata (no torch import)."""
+    import platform
+    from importlib import metadata
+
+    from lit3d import __version__
+
+    def installed(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    runs_on = f"Python {platform.python_version()}, torch {installed('torch')}, lightning {installed('lightning')}"
+    return f"lit3d {__version__} ({runs_on})"
+
+
 def main(args: list[str] | None = None) -> None:
     argv = sys.argv[1:] if args is None else args
     if argv[:1] in ([], ["-h"], ["--help"]):
         print(USAGE, end="")
         return
+    if argv[:1] in (["-V"], ["--version"]):
+        print(version())
+        return
+    quiet_lightning()
     if argv[0] in COMMANDS:
         from jsonargparse import CLI
 
         from lit3d import commands
 
         try:
-            CLI(getattr(commands, argv[0]), args=_bare_flags_true(argv[1:]), as_positional=False)
+            command, arguments = getattr(commands, argv[0]), _bare_flags_true(argv[1:])
+            if argv[0] == "plan":  # NOTE: its --config is a `lit3d fit` config, which jsonargparse's CLI would drop
+                from lit3d.plan_command import command_line
+
+                command_line(arguments)
+            else:
+                CLI(command, args=arguments, as_positional=False, prog=f"lit3d {argv[0]}")
         except (ValueError, FileNotFoundError, FileExistsError, UnsafeCheckpointError) as error:  # bad input: one line
             raise SystemExit(f"lit3d {argv[0]}: error: {error}") from None
         return
+    if help_cache.is_help(argv):  # NOTE: answered from a cache when asked before: building it loads Lightning and torch
+        help_cache.answer(argv, lambda: make_cli(args))
     make_cli(args)
 
 
@@ -78,6 +111,7 @@ def make_cli(args: list[str] | None = None, run: bool = True) -> Lit3DCLI:
     from lit3d.lightning_cli import Lit3DCLI, resolve_lit3d_01_strategy_path
 
     resolve_lit3d_01_strategy_path()
+    quiet_lightning()
     return Lit3DCLI(
         LightningModule,
         LightningDataModule,

@@ -10,10 +10,12 @@ from lit3d.plan_command import SWITCHES, plan  # noqa: F401 (the CLI's `lit3d pl
 
 
 def export(ckpt_path: str, output: str, dtype: str = "float32", adapter: bool = False) -> None:
-    """Write a lit3d checkpoint (saved by any layout) as a HuggingFace Llama folder.
+    """Write a lit3d checkpoint (any layout) as a HuggingFace folder: Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE.
+
+    The family is the model config's ``family`` (that of the folder it started from, for ``GPT(pretrained=...)``).
 
     Args:
-        ckpt_path: The checkpoint folder (e.g. ``runs/tiny/version_0/checkpoints/epoch=0-step=600.ckpt``).
+        ckpt_path: The checkpoint folder (e.g. ``runs/tiny/checkpoints/epoch=0-step=600.ckpt``).
         output: The folder to write: ``config.json`` (with the source's BOS/EOS ids), ``model.safetensors``, the
             source's ``generation_config.json`` and the run's tokenizer, loadable with
             ``transformers.AutoModelForCausalLM.from_pretrained(output)`` and ``AutoTokenizer``.
@@ -83,42 +85,64 @@ def generate(
     devices: int = 1,
     tensor_parallel_size: int = 1,
     accelerator: str = "auto",
+    chat: bool = False,
 ) -> None:
-    """Print the prompt and its continuation by a trained model.
+    """Print the prompt and its continuation by a trained model; or with ``--chat``, the model's answer.
 
     Args:
         ckpt_path: A lit3d checkpoint (a folder written by any layout, or a single file) or a local HuggingFace
-            Llama folder.
-        prompt: The text to continue.
+            model folder.
+        prompt: The text to continue; or a conversation, as JSON: ``[{"role": "user", "content": "..."}, ...]``
+            (or ``{"messages": [...]}``), which is answered as with ``--chat``.
         max_new_tokens: Tokens to generate.
         temperature: Sampling temperature; 0 is greedy.
         top_k: Sample among the k most likely tokens.
         top_p: Sample among the most likely tokens that reach this probability together.
         seed: Seed of the sampling: the same seed gives the same tokens on one device and in any TP layout.
-        tokenizer: ``byte`` or a ``tokenizer.json``; default: the run's own (or the HuggingFace folder's).
+        tokenizer: ``byte`` or a ``tokenizer.json`` (or its folder, with the chat template ``--chat`` uses); default:
+            the run's own (or the HuggingFace folder's).
         devices: Processes (GPUs) to run on; more than one splits the model with tensor parallelism.
         tensor_parallel_size: Ranks that split each layer (``devices`` by default when it is more than one).
         accelerator: ``cpu``, ``gpu`` or ``auto``.
+        chat: Answer the prompt as a user's turn: rendered with the chat template of the model's tokenizer folder,
+            generation stops at the end of the assistant's turn, and the answer alone is printed.
     """
     import lightning as L
 
     from lit3d.callbacks import PrintCompletions
+    from lit3d.chat_prompt import ChatPrompt, chat_messages
     from lit3d.data import TextDataModule
     from lit3d.generation import Sampling
     from lit3d.gpt import GPT
-    from lit3d.pretrained import tokenizer_of
+    from lit3d.pretrained import read_config, tokenizer_of
+    from lit3d.quiet import lightning_info_silenced
     from lit3d.strategies import Parallel3DStrategy
+    from lit3d.tokenizers import ByteTokenizer
 
-    sampling = Sampling(max_new_tokens, temperature, top_k, top_p, seed)
-    model = GPT(pretrained=ckpt_path, sampling=sampling)
-    data = TextDataModule(tokenizer=tokenizer or tokenizer_of(ckpt_path) or "byte", prompts=[prompt],
-                          seq_len=model.config.max_seq_len)  # fmt: skip
+    config, chosen = read_config(ckpt_path), tokenizer or tokenizer_of(ckpt_path)
+    if chosen is None and config.vocab_size > ByteTokenizer.vocab_size:  # bytes could not decode what it says
+        raise ValueError(
+            f"{ckpt_path!r} names no tokenizer (a model folder's tokenizer.json, or the one its run recorded), and "
+            f"its vocab_size={config.vocab_size} is more than the byte tokenizer's {ByteTokenizer.vocab_size} ids: "
+            "give --tokenizer, the tokenizer.json (or its folder) the model was trained with"
+        )
+    messages = chat_messages(prompt, chat)
+    if messages is not None:
+        if chosen in (None, "byte"):
+            raise ValueError(f"--chat needs a tokenizer folder with a chat template; {ckpt_path!r} names none")
+        data = ChatPrompt(messages, chosen, ckpt_path)
+    else:
+        data = TextDataModule(tokenizer=chosen or "byte", prompts=[prompt], seq_len=config.max_seq_len)
+    sampling = Sampling(max_new_tokens, temperature, top_k, top_p, seed, getattr(data, "stop_ids", ()))
+    model = GPT(pretrained=ckpt_path, sampling=sampling)  # a LoRA run's adapters merged in (`read_tensors`)
     tp = tensor_parallel_size if tensor_parallel_size > 1 else devices
     strategy = Parallel3DStrategy(tensor_parallel_size=tp, zero_stage=0) if devices > 1 else "auto"
     quiet = dict(logger=False, enable_progress_bar=False, enable_model_summary=False)
-    trainer = L.Trainer(accelerator=accelerator, devices=devices, strategy=strategy, callbacks=[PrintCompletions()],
-                        **quiet)  # fmt: skip
-    trainer.predict(model, datamodule=data, return_predictions=False)
+    printer = PrintCompletions(prompt=messages is None)
+    L.seed_everything(seed, verbose=False)  # every rank alike, as the strategy asks (sampling has its own generator)
+    with lightning_info_silenced():  # the text alone (and any warning)
+        trainer = L.Trainer(accelerator=accelerator, devices=devices, strategy=strategy, callbacks=[printer], **quiet)
+        trainer.predict(model, datamodule=data, return_predictions=False)
 
 
 def prepare(

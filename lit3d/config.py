@@ -264,5 +264,20 @@ def check_rope_scaling(scaling: dict[str, Any] | None) -> None:
         raise ValueError(f"rope_scaling={scaling}: {kind} needs {', '.join(missing)}")
 
 
+def check_model_fits_data(config: GPTConfig, datamodule: Any, module: Any = None) -> None:
+    """Refuse a tokenizer larger than the model's vocabulary, or sequences longer than the model's context. A lit3d
+    data module first settles its tokenizer for ``module`` (``tokenizer="auto"``: `GlobalBatchData.resolve_tokenizer`).
+    """
+    resolve = getattr(datamodule, "resolve_tokenizer", None)
+    name = resolve(module) if resolve is not None else None
+    vocab, seq_len = getattr(datamodule, "vocab_size", None), getattr(datamodule, "seq_len", None)
+    if vocab is not None and vocab > config.vocab_size:
+        which = f" (tokenizer={name!r})" if name is not None else ""
+        raise ValueError(f"the tokenizer has {vocab} ids but the model's vocab_size={config.vocab_size}{which}: give "
+                         "the data module the model's own tokenizer")  # fmt: skip
+    if seq_len is not None and seq_len > config.max_seq_len:
+        raise ValueError(f"seq_len={seq_len} is above the model's max_seq_len={config.max_seq_len}")
+
+
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple

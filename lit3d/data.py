@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Subset
 
-from lit3d.batches import GlobalBatchData, ResumableLoader
+from lit3d.batches import AUTO, GlobalBatchData, ResumableLoader
 from lit3d.chat_data import ChatDataModule  # noqa: F401 (re-exported: `lit3d.data.ChatDataModule`)
 from lit3d.documents import document_starts, row_positions
 from lit3d.mixture import MixtureBlocks
@@ -47,7 +47,10 @@ class TextDataModule(GlobalBatchData):
             proportion to the weights. ``None`` uses the embedded default corpus: the Python standard library's
             own source files, present on every machine. A folder written by ``lit3d prepare`` is read
             memory-mapped, block by block; it may be part of a mixture.
-        tokenizer: ``"byte"`` (256 ids, no files) or the path of a HuggingFace ``tokenizer.json``.
+        tokenizer: ``"byte"`` (256 ids, no files), a HuggingFace ``tokenizer.json`` or the folder holding it, or
+            ``"auto"``: the tokenizer the model's pretrained weights came with (`GPT(pretrained=...)`: its folder's
+            ``tokenizer.json``, or its checkpoint's run's tokenizer), else ``"byte"``
+            (`lit3d.batches.GlobalBatchData.resolve_tokenizer`).
         seq_len: Tokens per training sequence.
         global_batch_size: Sequences per optimizer step across all data-parallel replicas. Each replica's
             micro-batch is ``global_batch_size / (data_parallel_size * accumulate_grad_batches)``.
@@ -72,7 +75,7 @@ class TextDataModule(GlobalBatchData):
     def __init__(
         self,
         data_path: dict[str, float] | str | None = None,
-        tokenizer: str = "byte",
+        tokenizer: str = "auto",
         seq_len: int = 256,
         global_batch_size: int = 16,
         val_fraction: float = 0.05,
@@ -87,7 +90,7 @@ class TextDataModule(GlobalBatchData):
         streaming: bool = False,
         document_masking: bool = False,
     ) -> None:
-        super().__init__(global_batch_size, seed, num_workers)
+        super().__init__(global_batch_size, seed, num_workers, tokenizer)
         if seq_len <= 0 or global_batch_size <= 0:
             raise ValueError(f"seq_len={seq_len} and global_batch_size={global_batch_size} must be positive")
         if not 0 < val_fraction < 1 or not 0 <= test_fraction < 1 - val_fraction:
@@ -101,7 +104,7 @@ class TextDataModule(GlobalBatchData):
         self.prompts = list(prompts or [])
         self.name, self.split, self.cache_dir = name, split, cache_dir
         self.streaming, self.document_masking = streaming, document_masking
-        self.tokenizer: Tokenizer = load_tokenizer(tokenizer)
+        self._tokenizer: Tokenizer | None = None
         self.sources = mixture_weights(data_path)  # source -> share of the blocks
         if document_masking and (streaming or len(self.sources) > 1 or any(map(is_prepared, self.sources))):
             raise ValueError(
@@ -110,14 +113,24 @@ class TextDataModule(GlobalBatchData):
             )
         for source in self.sources:  # NOTE: here, in the launching process, so a source no rank can read fails once
             check_source(source, text_column, split)
-            if is_prepared(source):
-                read_index(source, self.tokenizer)
             if streaming and is_prepared(source):
                 raise ValueError(f"{source!r} is a prepared folder, read memory-mapped: train on it without streaming")
         if streaming and num_workers > 1:
             raise ValueError(f"streaming reads one stream in order: num_workers={num_workers} must be 0 or 1")
         self.train_start: list[dict] | None = None  # streaming: each source's position where training starts
         self.stream_position: dict | None = None  # streaming: the position after the last batch trained on
+        if tokenizer != AUTO:  # else when the model is known
+            self.resolve_tokenizer()
+
+    def _load_tokenizer(self, name: str) -> None:
+        self._tokenizer = load_tokenizer(name)
+        for source in filter(is_prepared, self.sources):  # prepared with this tokenizer, or refused
+            read_index(source, self._tokenizer)
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        self.resolve_tokenizer()
+        return self._tokenizer
 
     @property
     def vocab_size(self) -> int:

@@ -4,9 +4,10 @@ A packed row comes with each token's position inside its own document (``positio
 position is 0. Attention then never crosses a document boundary and rotary positions restart per document, so a
 packed row computes what its documents would compute one by one.
 
-What the attention of the next forward (and of its recomputation in backward) sees is this rank's `Documents`, set
-per batch by the module (`use`), cut to this rank's tokens by context parallelism (`lit3d.runner.ContextShare`) and
-to one micro-batch's rows by a pipeline stage (`micro_batch`).
+What the attention of the next forward sees is this rank's `Documents`, set per batch by the module (`use`), cut to
+this rank's tokens by context parallelism (`lit3d.runner.ContextShare`) and to one micro-batch's rows by a pipeline
+stage (`micro_batch`). A block recomputed in backward sees again what its forward saw (`held`, restored by
+`lit3d.strategies.recompute`), wherever the backward runs.
 
 NOTE: held here, per process, instead of passed as an argument: a pipeline stage receives only the previous stage's
 hidden state, and a block recomputed in backward (activation checkpointing) runs again without its caller.
@@ -58,6 +59,12 @@ _current: list[Documents | None] = [None]
 def use(documents: Documents | None) -> None:
     """The documents of the batch the next forward runs (``None``: every row is one sequence)."""
     _current[0] = documents
+
+
+def held() -> Documents | None:
+    """The documents set for the next forward, unchecked: what a block's recomputation in backward must see again
+    (`lit3d.strategies.recompute`)."""
+    return _current[0]
 
 
 def current(batch: int, seq: int) -> Documents | None:

@@ -19,6 +19,8 @@ class Sampling:
         top_p: Sample among the most likely tokens whose probabilities add up to p (nucleus sampling).
         seed: Seed of the sampling generator; every rank of a model-parallel layout uses the same, so all feed
             the same tokens.
+        stop_ids: Tokens that end a sequence (a chat's end of turn): generation stops once every sequence has
+            sampled one.
     """
 
     max_new_tokens: int = 64
@@ -26,6 +28,7 @@ class Sampling:
     top_k: int | None = None
     top_p: float | None = None
     seed: int = 0
+    stop_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0 or self.temperature < 0:

@@ -11,9 +11,9 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torchmetrics import MeanMetric
 
-from lit3d import documents
+from lit3d import documents, lora_dropout
 from lit3d.adapters import adapter_settings, read_adapter
-from lit3d.config import GPTConfig
+from lit3d.config import GPTConfig, check_model_fits_data
 from lit3d.generation import Sampling, next_token
 from lit3d.loop import ends_optimizer_step
 from lit3d.lora import LoRA, freeze_all_but_adapters
@@ -45,7 +45,8 @@ class GPT(L.LightningModule):
         optimizer_impl: AdamW implementation: ``"foreach"``, ``"fused"`` or ``"auto"`` (PyTorch's choice).
         pretrained: Start from these weights instead of the seed: a local HuggingFace folder (``config.json`` +
             safetensors: Llama, Mistral, Qwen3, Mixtral) or a lit3d checkpoint (a folder of any layout, or a single
-            file). Its shapes replace ``config``; every parallel layout shards the weights as it loads them.
+            file). Its shapes replace ``config``; every parallel layout shards the weights as it loads them. A LoRA
+            run's adapters load as adapters into the same ``lora``, and are merged into their weights otherwise.
         sampling: How ``predict`` (and ``lit3d generate``) continue a prompt.
         lora: Train low-rank adapters (`lit3d.LoRA`) on the linears it targets, every other weight frozen.
         adapter: Start the adapters from a PEFT LoRA folder (``adapter_config.json`` + ``adapter_model.safetensors``);
@@ -126,7 +127,7 @@ class GPT(L.LightningModule):
         if self.lora is not None:
             freeze_all_but_adapters(model)
         if self.pretrained is not None:
-            model.init_source = read_tensors(self.pretrained)
+            model.init_source = read_tensors(self.pretrained, self.lora)
         if self.adapter is not None:
             model.init_source = {**(model.init_source or {}), **read_adapter(self.adapter, self.config.n_layer)[1]}
         if device.type != "meta":
@@ -147,11 +148,14 @@ class GPT(L.LightningModule):
         """A GPT with a checkpoint's hyper-parameters and weights, on the CPU: a lit3d folder written by any layout
         or a single file, read as data only (`lit3d.pretrained`); ``kwargs`` override hyper-parameters.
 
+        Every weight is the checkpoint's: the ``pretrained`` folder and the ``adapter`` the run started from are not
+        read again (its trained adapters are in the checkpoint).
+
         Unlike Lightning's, it takes no ``hparams_file``, ``strict`` or ``weights_only``: the weights must fit, and
         a checkpoint is always read as data only."""
         saved = read_meta(checkpoint_path)["hyper_parameters"]
         saved = {key: value for key, value in saved.items() if not key.startswith("_")}  # LightningCLI's `_class_path`
-        model = cls(**{**saved, **kwargs, "pretrained": str(checkpoint_path)})
+        model = cls(**{**saved, "adapter": None, **kwargs, "pretrained": str(checkpoint_path)})
         model.configure_model()
         return model
 
@@ -164,6 +168,7 @@ class GPT(L.LightningModule):
         """Token ids ``[batch, seq]`` → logits ``[batch, seq, vocab_size]``: whole, on every rank, in any layout."""
         self._build_on(tokens.device)
         documents.use(None)
+        lora_dropout.use(None)
         logits = self.runner.forward(self.model, tokens)
         if hasattr(logits, "full_tensor"):  # vocabulary-sharded DTensor
             logits = logits.full_tensor()
@@ -209,13 +214,16 @@ class GPT(L.LightningModule):
         return self.runner.loss(self.model, inputs, targets, loss_fn)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.lora is not None and self.lora.dropout:  # its masks drawn from each sample's place in the run
+            rows = len(self.inputs_and_targets(batch)[0])
+            lora_dropout.use(lora_dropout.training_samples(self.trainer, batch_idx, rows))
         loss = self.loss(batch)
         self._loss_sum = self._loss_sum + loss.detach()
         self._loss_count += 1
         moe = self.model.moe_layers()  # a pipeline stage may hold none, but still joins the balance's reduce
         if moe and not self.runner.adds_balance_loss:
             # (A pipeline's MoE layers add their term in backward: `lit3d.moe.balance_loss_weight`.)
-            loss = loss + self._balance_loss(moe)
+            loss = loss + self._balance_loss(moe) * self.runner.balance_weight  # (weighted as the loss is)
         if ends_optimizer_step(self.trainer):
             self.log_train_loss(self._loss_sum / self._loss_count)
             # The balance is one collective: on the steps Lightning logs, and on every step a sigmoid router's
@@ -339,16 +347,20 @@ class GPT(L.LightningModule):
     def generate(
         self, prompt_tokens: torch.Tensor, sampling: Sampling | None = None, generator: torch.Generator | None = None
     ) -> torch.Tensor:
-        """The prompt (``[seq]`` or ``[batch, seq]``) and ``sampling.max_new_tokens`` sampled tokens after it.
+        """The prompt (``[seq]`` or ``[batch, seq]``) and ``sampling.max_new_tokens`` sampled tokens after it (fewer
+        when every sequence samples one of ``sampling.stop_ids``, the last token then).
 
         Under model parallelism every rank must call this with the same prompt and an identically seeded
         ``generator``, so that all ranks feed the same tokens.
         """
         sampling = sampling or self.sampling
         tokens = prompt_tokens[None] if prompt_tokens.ndim == 1 else prompt_tokens
+        stop = torch.as_tensor(sampling.stop_ids, dtype=tokens.dtype, device=tokens.device)
         for _ in range(sampling.max_new_tokens):
             logits = self(tokens[:, -self.config.max_seq_len :])[:, -1].float()
             tokens = torch.cat((tokens, next_token(logits, sampling, generator)), dim=1)
+            if len(stop) and torch.isin(tokens[:, -1], stop).all():  # (alike on every rank: all sample alike)
+                break
         return tokens[0] if prompt_tokens.ndim == 1 else tokens
 
     def configure_callbacks(self) -> list[L.Callback]:
@@ -360,7 +372,7 @@ class GPT(L.LightningModule):
     def setup(self, stage: str) -> None:
         datamodule = getattr(self.trainer, "datamodule", None)
         if datamodule is not None and stage != "predict":  # prediction feeds prompts, not seq_len blocks
-            check_model_fits_data(self.config, datamodule)
+            check_model_fits_data(self.config, datamodule, self)
 
 
 def _trained_share(batch: Any) -> torch.Tensor | float:
@@ -370,12 +382,3 @@ def _trained_share(batch: Any) -> torch.Tensor | float:
         return 1.0
     scale = batch["loss_scale"][0]
     return torch.where(scale > 0, 1 / scale.clamp(min=1e-12), torch.zeros_like(scale))
-
-
-def check_model_fits_data(config: GPTConfig, datamodule: Any) -> None:
-    """Refuse a tokenizer larger than the model's vocabulary, or sequences longer than the model's context."""
-    vocab, seq_len = getattr(datamodule, "vocab_size", None), getattr(datamodule, "seq_len", None)
-    if vocab is not None and vocab > config.vocab_size:
-        raise ValueError(f"the tokenizer has {vocab} ids but the model's vocab_size={config.vocab_size}")
-    if seq_len is not None and seq_len > config.max_seq_len:
-        raise ValueError(f"seq_len={seq_len} is above the model's max_seq_len={config.max_seq_len}")

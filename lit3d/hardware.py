@@ -49,6 +49,15 @@ GPUS: dict[str, GPU] = {
     # NVIDIA H100 NVL/PCIe datasheet (PCIe: 300-350 W): 756 TFLOP/s dense BF16 (PCIe), 80 GB HBM2e at 2 TB/s,
     # NVLink bridge 600 GB/s.
     "H100 PCIe": GPU("H100 PCIe", 756.0, 80.0, 300.0, 50.0, 2000.0, 350.0, HOPPER, fp8_tflops=1513.0),
+    # The same datasheet's H100 NVL (350-400 W): 1,671 TFLOP/s BF16 with sparsity (835.5 dense), 94 GB HBM3 at
+    # 3.9 TB/s, NVLink bridge 600 GB/s.
+    "H100 NVL": GPU("H100 NVL", 835.5, 94.0, 300.0, 50.0, 3900.0, 400.0, HOPPER, fp8_tflops=1671.0),
+    # NVIDIA H200 NVL (PCIe card, up to 600 W), H200 datasheet: 1,671 TFLOP/s BF16 with sparsity (835.5 dense), 141 GB
+    # HBM3e at 4.8 TB/s, NVLink bridge 900 GB/s.
+    "H200 NVL": GPU("H200 NVL", 835.5, 141.0, 450.0, 50.0, 4800.0, 600.0, HOPPER, fp8_tflops=1671.0),
+    # NVIDIA GH200 Grace Hopper (`get_device_name()`: "NVIDIA GH200 480GB"): an H100's compute (989 TFLOP/s dense
+    # BF16) with 96 GB HBM3 at 4 TB/s, NVLink 4 at 900 GB/s both ways (GH200 datasheet; rated here as the H100 SXM).
+    "GH200": GPU("GH200", 989.0, 96.0, 450.0, 50.0, 4000.0, 700.0, HOPPER, fp8_tflops=1979.0),
     # NVIDIA A100 SXM datasheet (400 W): 312 TFLOP/s dense BF16, 80 GB HBM2e at 2,039 GB/s (40 GB: 1,555), NVLink 3
     # 600 GB/s.
     "A100": GPU("A100", 312.0, 80.0, 300.0, 25.0, 2039.0, 400.0, AMPERE),
@@ -92,22 +101,34 @@ def cpu_share(processes: int, cores: int | None = None, memory_gb: float | None 
 
 
 def identify(device_name: str) -> GPU | None:
-    """The table entry for a CUDA (or ROCm) device name (``torch.cuda.get_device_name()``), or None when unknown:
-    an unknown device gets no MFU rather than a wrong one."""
+    """The table entry for a CUDA (or ROCm) device name (``torch.cuda.get_device_name()``: "NVIDIA H100 80GB HBM3",
+    "NVIDIA H100 NVL", "NVIDIA A100-SXM4-40GB", "AMD Instinct MI300X", ...), or None when unknown: an unknown device
+    gets no MFU rather than a wrong one (`unknown_device` says so by name)."""
     name = device_name.upper()
+    # NOTE: the more specific names first: "GB200" holds "B200", "GH200" and "H200 NVL" hold "H200".
     if "GB200" in name:
         return GPUS["GB200"]
     if "B200" in name:
         return GPUS["B200"]
     if "MI300X" in name:
         return GPUS["MI300X"]
+    if "GH200" in name:
+        return GPUS["GH200"]
     if "H200" in name:
-        return GPUS["H200"]
+        return GPUS["H200 NVL"] if "NVL" in name else GPUS["H200"]
     if "H100" in name:
-        return GPUS["H100 PCIe"] if "PCIE" in name else GPUS["H100"]
+        return GPUS["H100 NVL"] if "NVL" in name else GPUS["H100 PCIe"] if "PCIE" in name else GPUS["H100"]
     if "A100" in name:
         return GPUS["A100 40GB"] if "40GB" in name else GPUS["A100"]
     for key in ("L40S", "A10G"):
         if key in name:
             return GPUS[key]
     return None
+
+
+def unknown_device(device_name: str) -> str:
+    """What to say of a device `identify` does not know: its name, and the names it does."""
+    return (
+        f"the device {device_name!r} is not in lit3d's GPU table (lit3d/hardware.py knows {', '.join(GPUS)}): "
+        "no MFU, and the planner needs its numbers given (--gpu_memory, --peak_tflops, the bandwidths)"
+    )

@@ -35,29 +35,6 @@ def moe_family(config: GPTConfig) -> str:
     return "qwen3_moe" if config.family in ("qwen3", "qwen3_moe") else "mixtral"
 
 
-def moe_from_hf(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
-    """The `GPTConfig` fields of a Mixtral or Qwen3-MoE ``config.json``; refuses Qwen3-MoE's dense layers between
-    the MoE ones, which lit3d does not place."""
-    if model_type == "mixtral":
-        experts = dict(n_expert=hf["num_local_experts"], d_ff_expert=hf["intermediate_size"])
-        return experts | dict(
-            n_expert_per_token=hf["num_experts_per_tok"], aux_loss_coef=hf.get("router_aux_loss_coef", 0.02)
-        )
-    step, dense = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
-    if step != 1 or dense:
-        raise ValueError(
-            f"decoder_sparse_step={step}, mlp_only_layers={dense}: lit3d's MoE models have MoE feed-forwards in "
-            "every block (after first_dense_layers), not dense ones between them"
-        )
-    return dict(
-        n_expert=hf.get("num_experts", hf.get("num_local_experts")),
-        n_expert_per_token=hf["num_experts_per_tok"],
-        d_ff_expert=hf["moe_intermediate_size"],
-        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-        aux_loss_coef=hf.get("router_aux_loss_coef", 0.001),
-    )
-
-
 def moe_to_hf(config: GPTConfig) -> dict[str, Any]:
     """The MoE fields of the ``config.json`` of `moe_family`; refuses what that family cannot hold, naming it."""
     family = moe_family(config)

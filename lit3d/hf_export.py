@@ -64,7 +64,7 @@ def export_checkpoint(
         notes.append(f"token ids: none ({why}; config.json says null, so generation stops at max_new_tokens)")
     if source is not None and (source / "generation_config.json").is_file():
         shutil.copyfile(source / "generation_config.json", folder / "generation_config.json")
-        notes.append(f"generation_config.json: {str(source)!r}'s")
+        notes.append(f"generation_config.json: copied from {str(source)!r}")
     notes.append(export_tokenizer(tokenizer, folder, config.max_seq_len))
     return folder, notes
 

@@ -6,7 +6,8 @@ so any layout starts the same), ``B`` ``(out, rank)`` zero, so training starts f
 adapters follow their linear's tensor-parallel split (`strategies.tensor_parallel`): a column-parallel linear splits
 ``B`` along its output and keeps ``A`` whole, a row-parallel one splits ``A`` along its input and keeps ``B`` whole,
 so the base layer's own collective carries the adapter's share too and no other runs. An MoE layer's experts take
-``gate``, ``up`` and ``down`` adapters per expert, stacked as their weights are (`lit3d.moe.Experts`).
+``gate``, ``up`` and ``down`` adapters per expert, stacked as their weights are (`lit3d.moe.Experts`). Dropout's masks
+are drawn from each element's place in the run, so every layout drops what one process drops (`lit3d.lora_dropout`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lit3d.lora_dropout import LayoutFreeDropout
 from lit3d.lora_settings import ADAPTERS, ROLES, LoRA  # noqa: F401 (read from here too)
 
 
@@ -28,7 +30,7 @@ class LoRALinear(nn.Linear):
         self.lora_a = nn.Parameter(torch.empty(lora.rank, in_features))
         self.lora_b = nn.Parameter(torch.empty(out_features, lora.rank))
         self.scaling = lora.scaling
-        self.dropout = nn.Dropout(lora.dropout)
+        self.dropout = LayoutFreeDropout(lora.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dropped = self.dropout(x) if self.dropout.p > 0 else x

@@ -24,7 +24,8 @@ class LoRA:
     Args:
         rank: The adapters' inner width r.
         alpha: Their scale is ``alpha / rank`` (PEFT's ``lora_alpha``).
-        dropout: Dropout on the adapters' input while training.
+        dropout: Dropout on the adapters' input while training; its masks are the same in every layout (drawn from
+            each element's place in the run: `lit3d.lora_dropout`).
         targets: The linears that get one, by role: ``q``, ``k``, ``v``, ``o``, ``gate``, ``up``, ``down``.
     """
 

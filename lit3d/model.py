@@ -29,6 +29,7 @@ from lit3d import documents
 from lit3d.attention import causal_attention
 from lit3d.config import GPTConfig
 from lit3d.lora import LoRA, init_adapter, linear
+from lit3d.lora_dropout import name_dropouts
 from lit3d.ring_attention import ContextParallel, ring_attention
 from lit3d.rotary import Rope, apply_rotary, context_parallel_rotary_tables, rotary_tables
 
@@ -132,6 +133,7 @@ class Transformer(nn.Module):
         self.head: nn.Linear | None = nn.Linear(config.d_model, config.padded_vocab_size, bias=False)
         if config.tie_embeddings:
             self.head.weight = self.embed.weight
+        name_dropouts(self)  # LoRA's dropout masks are keyed by their module's name, the same in every layout
         # Whole tensors by parameter name to start from instead of the seed (`GPT(pretrained=...)`); the next
         # `reset_parameters` copies each rank's shard of them and lets them go.
         self.init_source: dict[str, torch.Tensor] | None = None

@@ -23,7 +23,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lit3d import lora_dropout
 from lit3d.config import GPTConfig
+from lit3d.lora_dropout import LayoutFreeDropout
 from lit3d.lora_settings import LoRA
 
 
@@ -119,7 +121,8 @@ class Experts(nn.Module):
 
     With ``lora`` targeting ``gate``, ``up`` or ``down``, each expert's projection gets its own adapter, stacked the
     same way: ``{role}_proj_lora_a`` ``[expert, in, rank]`` and ``{role}_proj_lora_b`` ``[expert, rank, out]``
-    (`lit3d.lora`), split over expert parallelism with the experts. (A shared expert, `MoE.shared`, stays frozen.)"""
+    (`lit3d.lora`), split over expert parallelism with the experts. (A shared expert, `MoE.shared`, stays frozen.)
+    Their dropout keys each row by its token and expert (``row_keys``: `lit3d.lora_dropout`), wherever it runs."""
 
     def __init__(self, n_expert: int, d_model: int, d_ff: int, lora: LoRA | None = None) -> None:
         super().__init__()
@@ -132,23 +135,23 @@ class Experts(nn.Module):
             self.register_parameter(f"{role}_proj_lora_a", nn.Parameter(torch.empty(n_expert, inner, lora.rank)))
             self.register_parameter(f"{role}_proj_lora_b", nn.Parameter(torch.empty(n_expert, lora.rank, outer)))
         self.scaling = lora.scaling if lora is not None else 0.0
-        self.dropout = nn.Dropout(lora.dropout if lora is not None else 0.0)
+        self.dropout = LayoutFreeDropout(lora.dropout if lora is not None else 0.0)
         # Under expert parallelism 1 / ep: each rank's expert gradients sum the tokens of its whole EP group (the
         # all-to-all's backward), so any data-parallel average over the ranks that hold the same experts then
         # yields the average over all data-parallel ranks, as for every other parameter.
         self.grad_scale = 1.0
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """``x``: tokens sorted by expert, ``counts[e]`` of them for local expert e."""
-        hidden = F.silu(self._project("gate", x, counts)) * self._project("up", x, counts)
-        return self._project("down", hidden, counts)
+    def forward(self, x: torch.Tensor, counts: list[int], row_keys: torch.Tensor | None = None) -> torch.Tensor:
+        """``x``: tokens sorted by expert, ``counts[e]`` of them for local expert e; ``row_keys``: their dropout's."""
+        hidden = F.silu(self._project("gate", x, counts, row_keys)) * self._project("up", x, counts, row_keys)
+        return self._project("down", hidden, counts, row_keys)
 
-    def _project(self, role: str, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def _project(self, role: str, x: torch.Tensor, counts: list[int], row_keys: torch.Tensor | None) -> torch.Tensor:
         """Each expert's ``role`` projection of its tokens, with its adapter if it has one."""
         out = grouped_mm(x, self._weight(f"{role}_proj", x.dtype), counts)
         if role not in self.adapted:
             return out
-        dropped = self.dropout(x) if self.dropout.p > 0 else x
+        dropped = self.dropout.on_rows(x, row_keys, role)
         a, b = (self._weight(f"{role}_proj_lora_{which}", x.dtype) for which in "ab")
         return out + self.scaling * grouped_mm(grouped_mm(dropped, a, counts), b, counts)
 
@@ -247,15 +250,27 @@ class MoE(nn.Module):
         if self.capacity_factor is not None:  # each expert keeps its first `capacity` pairs, in token order
             order, computed = _within_capacity(order, tokens_per_expert, self.capacity_factor)
         routed = flat[order // self.k]
+        keys = self._dropout_keys(batch, seq, order, chosen, x.device)
         if self.ep_group is None:
-            out = self.experts(routed, computed.tolist())
+            out = self.experts(routed, computed.tolist(), keys)
         else:
-            out = dispatch(routed, computed, self.experts, self.ep_group)
+            out = dispatch(routed, computed, self.experts, self.ep_group, keys)
         combined = out.new_zeros(flat.shape[0] * self.k, width).index_copy(0, order, out).view(-1, self.k, width)
         y = (combined * weights.unsqueeze(-1).to(combined.dtype)).sum(dim=1).view(batch, seq, width)
         if _LOSS_WEIGHT and torch.is_grad_enabled():
             y = _AddToObjective.apply(y, aux, _LOSS_WEIGHT[-1] * self.coef)
         return y if self.shared is None else y + self.shared(x)
+
+    def _dropout_keys(
+        self, batch: int, seq: int, order: torch.Tensor, chosen: torch.Tensor, device: torch.device
+    ) -> torch.Tensor | None:
+        """The dropout keys of the routed rows (`lit3d.lora_dropout`): each row's token's, mixed with its expert's
+        index; ``None`` without dropout or outside a training step."""
+        dropout = self.experts.dropout
+        if not (dropout.active() and self.experts.adapted and lora_dropout.current() is not None):
+            return None
+        tokens = dropout.token_keys(batch, seq, device).flatten()
+        return lora_dropout.mix(tokens[order // self.k] ^ lora_dropout.mix(chosen.flatten()[order]))
 
 
 def _within_capacity(
@@ -269,9 +284,16 @@ def _within_capacity(
     return order[rank_in_expert < capacity], tokens_per_expert.clamp(max=capacity)
 
 
-def dispatch(routed: torch.Tensor, tokens_per_expert: torch.Tensor, experts: Experts, group) -> torch.Tensor:
+def dispatch(
+    routed: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    experts: Experts,
+    group,
+    row_keys: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Expert parallelism: send each row of ``routed`` (sorted by expert) to the rank holding its expert, run the
-    local experts on what arrives, and send the results back, in ``routed``'s order.
+    local experts on what arrives, and send the results back, in ``routed``'s order. ``row_keys`` (the rows' dropout
+    keys) travel with their rows.
 
     NOTE: dropless routing makes the split sizes data-dependent, so they are exchanged first (a small all-to-all)
     and read on the host, as Megatron-Core and torchtitan do.
@@ -290,6 +312,11 @@ def dispatch(routed: torch.Tensor, tokens_per_expert: torch.Tensor, experts: Exp
     by_source = torch.arange(counts.numel(), device=counts.device).view(ranks, local)
     segment = torch.repeat_interleave(by_source.flatten(), counts.flatten())
     regroup = (segment % local * ranks + segment // local).argsort(stable=True)
-    out = experts(arrived[regroup], counts.sum(dim=0).tolist())
+    keys = None
+    if row_keys is not None:
+        keys = row_keys.new_empty(arrived.shape[0])
+        torch.distributed.all_to_all_single(keys, row_keys, receive, send, group=group)
+        keys = keys[regroup]
+    out = experts(arrived[regroup], counts.sum(dim=0).tolist(), keys)
     back = torch.empty_like(out).index_copy(0, regroup, out)
     return all_to_all_single_autograd(back, send, receive, group)

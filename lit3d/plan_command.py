@@ -14,19 +14,24 @@ from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from lit3d.config import PRESETS
-from lit3d.hardware import GPUS
+from lit3d.hardware import GPUS, identify
 from lit3d.lora_settings import LoRA
 from lit3d.parallel.settings import Parallelism
 from lit3d.planner import Cluster, RankMap, Request, format_report
 from lit3d.planner import plan as plan_request
-from lit3d.planner.request import DILOCO_SYNC_EVERY
+from lit3d.planner.fit_config import read_fit_config, read_model, run_batches
+from lit3d.planner.launch import Launch, model_flag
+from lit3d.planner.request import DILOCO_SYNC_EVERY, SEARCHED
+from lit3d.shipped import shipped_configs
 
 
 def plan(
-    model: str = "llama-8b",
-    nodes: int = 1,
-    gpus_per_node: int = 8,
-    gpu: str = "H100",
+    model: str | None = None,
+    config: str | None = None,
+    search: bool = False,
+    nodes: int | None = None,
+    gpus_per_node: int | None = None,
+    gpu: str | None = None,
     gpu_memory: float | None = None,
     intra_node_bandwidth: float | None = None,
     inter_node_bandwidth: float | None = None,
@@ -34,8 +39,8 @@ def plan(
     power_watts: float | None = None,
     seq_len: int | None = None,
     micro_batch_size: int | None = None,
-    global_batch_size: int = 1024,
-    precision: str = "bf16-mixed",
+    global_batch_size: int | None = None,
+    precision: str | None = None,
     inter_island_bandwidth: float = 1.0,
     inter_island_latency: float = 10.0,
     top: int = 5,
@@ -52,10 +57,11 @@ def plan(
     layout of the cluster that keeps the settings given and prints the fastest that fit. Takes every strategy argument.
 
     Args:
-        model: A preset name ({presets}) or a model YAML file.
-        nodes: Number of nodes.
-        gpus_per_node: GPUs in each node.
-        gpu: A known device ({gpus}; ``CPU``: one core each), or a profile that ``lit3d calibrate`` wrote.
+    {run}
+        nodes: Number of nodes (default 1).
+        gpus_per_node: GPUs in each node (default 8).
+        gpu: A known device ({gpus}; ``CPU``: one core each), a device's name as PyTorch reports it (``"NVIDIA H100
+            80GB HBM3"``), or a profile that ``lit3d calibrate`` wrote (default ``H100``).
         gpu_memory: Memory of one GPU, GB.
         intra_node_bandwidth: GB/s per GPU and direction inside a node (NVLink).
         inter_node_bandwidth: GB/s per GPU between nodes (InfiniBand).
@@ -63,8 +69,8 @@ def plan(
         power_watts: The GPUs' power limit, if below their rated power (it lowers the clock the step is priced at).
         seq_len: Tokens per sequence (default: the model's max_seq_len).
         micro_batch_size: Sequences per micro-batch (default 1, or global_batch_size / (dp x num_microbatches)).
-        global_batch_size: Sequences per optimizer step over all replicas.
-        precision: ``bf16-mixed`` (2 + 2 + 12 bytes per parameter), ``bf16-true`` or ``32-true``.
+        global_batch_size: Sequences per optimizer step over all replicas (default 1024).
+        precision: ``bf16-mixed`` (2 + 2 + 12 bytes per parameter; the default), ``bf16-true`` or ``32-true``.
         inter_island_bandwidth: GB/s per GPU between DiLoCo's islands.
         inter_island_latency: Milliseconds per hop between islands.
         top: How many layouts a search prints.
@@ -76,13 +82,65 @@ def plan(
         html: Write the planner's page to this file: every layout of the cluster to play with (docs/planner.md).
     {settings}
     """
-    given = _given_numbers(seq_len, micro_batch_size, global_batch_size, settings)
-    if fleet is not None:
-        return _plan_fleet(fleet, locals(), given)
-    return _plan_cluster(locals(), given)
+    arguments, given, launch = _with_config(locals())
+    return _plan_fleet(fleet, arguments, given) if fleet is not None else _plan_cluster(arguments, given, launch)
 
 
-def _plan_cluster(arguments: dict[str, Any], given: dict[str, Any]) -> None:
+def command_line(args: list[str]) -> None:
+    """``lit3d plan ARGS``: `plan` of the arguments parsed. NOTE: parsed here rather than by jsonargparse's ``CLI``,
+    which drops a function's own ``config`` argument (it keeps ``--config`` for a file of the function's arguments)."""
+    from jsonargparse import CLI, capture_parser
+
+    parser = capture_parser(lambda: CLI(plan, args=[], as_positional=False, prog="lit3d plan"))
+    plan(**parser.parse_args(args).as_dict())
+
+
+# The settings a search chooses (with the micro-batches per schedule, and where ZeRO-2/3 accumulate gradients).
+CHOSEN_BY_A_SEARCH = (*SEARCHED, "num_microbatches", "accumulate_unsharded")
+# What `plan` plans where neither a flag nor the config says.
+DEFAULTS = dict(model="llama-8b", nodes=1, gpus_per_node=8, gpu="H100", global_batch_size=1024, precision="bf16-mixed")
+
+
+def _with_config(arguments: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], Launch]:
+    """The arguments of `plan`: each flag given, else the ``--config``'s value, else `DEFAULTS`, the model read
+    (`read_model`); what they fix of the run (`_given_numbers`); and how the plan's ``lit3d fit`` command names the
+    config and the model. A config's run splits its batch as the run does (`run_batches`) unless
+    ``micro_batch_size`` is given."""
+    settings, name, flagged_model = dict(arguments.pop("settings")), arguments["config"], arguments["model"]
+    fit = read_fit_config(name) if name is not None else None
+    if arguments["search"] and fit is None:
+        raise ValueError(
+            "search=True needs --config (without one, lit3d plan searches unless tensor_parallel_size and "
+            "pipeline_parallel_size are given)"
+        )
+    searching = fit is not None and (arguments["search"] or fit.searches)
+    if fit is not None:
+        run = fit.settings
+        if searching:  # of the strategy's settings, only those a search does not choose are the config's
+            run = {k: v for k, v in fit.settings.items() if k in fit.written and k not in CHOSEN_BY_A_SEARCH}
+        numbers = {k: v for k, v in fit.numbers.items() if not (searching and k == "accumulate_grad_batches")}
+        for key, value in {"model": fit.model, **numbers, **run}.items():
+            into = arguments if key in arguments else settings
+            if into.get(key) is None:
+                into[key] = value
+    arguments = {**arguments, **{k: v for k, v in DEFAULTS.items() if arguments[k] is None}}
+    if fit is not None and arguments["micro_batch_size"] is None:
+        gpus, batch = arguments["nodes"] * arguments["gpus_per_node"], arguments["global_batch_size"]
+        run = fit.settings if searching else {**fit.settings, **{k: v for k, v in settings.items() if v is not None}}
+        batches = run_batches(run, gpus, batch, fit.numbers["accumulate_grad_batches"])
+        if searching or "num_microbatches" not in batches:
+            arguments["micro_batch_size"] = batches["micro_batch_size"]
+        elif settings.get("num_microbatches") is None:  # (the micro-batch size follows from it)
+            settings["num_microbatches"] = batches["num_microbatches"]
+    model = flagged_model if fit is not None else arguments["model"]
+    launch = Launch(name, model_flag(model) if model is not None else None, fit.written if fit else frozenset())
+    given = _given_numbers(
+        arguments["seq_len"], arguments["micro_batch_size"], arguments["global_batch_size"], settings
+    )
+    return {**arguments, "model": read_model(arguments["model"])}, given, launch
+
+
+def _plan_cluster(arguments: dict[str, Any], given: dict[str, Any], launch: Launch) -> None:
     """``lit3d plan`` on one kind of GPU: the layout, or a search's best, printed; its rank map drawn; its page."""
     names = ("gpu", "nodes", "gpus_per_node", "gpu_memory", "intra_node_bandwidth", "inter_node_bandwidth",
              "peak_tflops", "inter_island_bandwidth", "inter_island_latency", "power_watts")  # fmt: skip
@@ -90,7 +148,8 @@ def _plan_cluster(arguments: dict[str, Any], given: dict[str, Any]) -> None:
     model, top, verify, precision = (arguments[name] for name in ("model", "top", "verify", "precision"))
     if arguments["html"]:
         _write_page(arguments["html"], model, cluster, precision, given)
-    report = plan_request(Request.given(model, cluster, top=top, verify=verify, precision=precision, **given))
+    request = Request.given(model, cluster, top=top, verify=verify, launch=launch, precision=precision, **given)
+    report = plan_request(request)
     picture = arguments["map"]
     drawn = f"\nrank map: {RankMap.side_by_side(report.rank_maps()).save(picture)}" if picture and report.chosen else ""
     print(dumps(report.to_dict(), indent=2) if arguments["json"] else format_report(report) + drawn)
@@ -126,7 +185,7 @@ def _plan_fleet(fleet: str, arguments: dict[str, Any], given: dict[str, Any]) ->
     defaults = inspect.signature(plan).parameters
     replaced = ["nodes", "gpus_per_node", "gpu", "gpu_memory", "intra_node_bandwidth", "inter_node_bandwidth",
                 "peak_tflops", "power_watts", "verify", "html", "top"]  # fmt: skip
-    clashing = [f"--{name}" for name in replaced if arguments[name] != defaults[name].default]
+    clashing = [f"--{name}" for name in replaced if arguments[name] != DEFAULTS.get(name, defaults[name].default)]
     if clashing:
         raise ValueError(f"{', '.join(clashing)}: not with --fleet (it names the GPUs and plans one fleet layout)")
     groups = parse_fleet(fleet, inter_island_gbps=arguments["inter_island_bandwidth"],
@@ -142,6 +201,17 @@ def _lora(rank: int | None, targets: list[str] | None) -> LoRA | None:
     return None if rank is None else LoRA(rank=rank, **({"targets": tuple(targets)} if targets else {}))
 
 
+# The run `lit3d plan` plans: the help of `plan`'s first arguments.
+RUN_HELP = {
+    "model": "A preset name ({presets}), a model YAML file, or a local HuggingFace folder or its ``config.json`` "
+    "(default: ``llama-8b``, or the config's model).",
+    "config": "A ``lit3d fit`` config, a file or the name of one shipped with lit3d ({configs}): plans exactly the run "
+    "it describes: its model, the data's ``seq_len`` and ``global_batch_size``, the trainer's ``num_nodes``, "
+    "``devices``, ``precision`` and ``accumulate_grad_batches``, and the strategy's settings. The flags given "
+    "override it.",
+    "search": "With ``--config``: search the cluster for the config's model and data (its micro-batch size and the "
+    "settings a search does not choose kept) instead of planning the config's layout.",
+}
 # What `lit3d plan` plans of the training beyond its loop's numbers: name -> (type, help), flags as the settings are.
 TRAINING_FLAGS = {
     "lora_rank": (int, "LoRA: adapters of this rank train, every other weight frozen (no gradients, no optimizer "
@@ -175,9 +245,12 @@ def _cluster(
         latency = dict(collective_latency_us=measured, intra_node_hop_us=0.0, inter_node_hop_us=0.0)
     elif gpu in GPUS:
         spec = GPUS[gpu]
+    elif identify(gpu) is not None:  # a device's name as PyTorch reports it: "NVIDIA H100 80GB HBM3"
+        spec = identify(gpu)
     else:
-        raise ValueError(f"gpu={gpu!r} is not one of {', '.join(GPUS)} nor a profile (.json) of `lit3d calibrate`; "
-                         "give gpu_memory, bandwidths and peak_tflops")  # fmt: skip
+        raise ValueError(f"gpu={gpu!r} is not one of {', '.join(GPUS)}, nor a device name lit3d/hardware.py knows "
+                         "(`torch.cuda.get_device_name()`), nor a profile (.json) of `lit3d calibrate`; give "
+                         "gpu_memory, bandwidths and peak_tflops")  # fmt: skip
     given = {"gpu_memory_gb": gpu_memory, "intra_node_gbps": intra_node_bandwidth, "peak_tflops": peak_tflops,
              "inter_node_gbps": inter_node_bandwidth}  # fmt: skip
     numbers = {name: value for name, value in given.items() if value is not None}  # NOTE: 0 is given (and refused)
@@ -230,7 +303,10 @@ def _with_every_setting(command: Callable[..., None]) -> None:
     if command.__doc__:  # (None under python -OO)
         presets = ", ".join(f"``{name}``" for name in PRESETS)
         doc = re.sub(r"^ *\{settings\}\n", lambda _: "".join(lines), command.__doc__, flags=re.MULTILINE)
-        command.__doc__ = doc.replace("{presets}", presets).replace("{gpus}", ", ".join(GPUS))
+        run = "".join(f"        {name}: {text}\n" for name, text in RUN_HELP.items())
+        doc = re.sub(r"^ *\{run\}\n", lambda _: run, doc, flags=re.MULTILINE)
+        doc = doc.replace("{presets}", presets).replace("{gpus}", ", ".join(GPUS))
+        command.__doc__ = doc.replace("{configs}", ", ".join(f"``{name}``" for name in shipped_configs()))
 
 
 def _choices_as_str(hint: Any) -> Any:

@@ -4,12 +4,15 @@ layout, or the single file `lit3d convert` writes). One reading path for `GPT(pr
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from lit3d.adapters import merge_adapters
 from lit3d.config import GPTConfig
+from lit3d.lora import LoRA
 from lit3d.strategies.safe_io import load_meta
 
 
@@ -66,14 +69,26 @@ def read_config(path: str | Path) -> GPTConfig:
     return _config_of(read_meta(path), path)
 
 
-def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """The whole weights of a HuggingFace folder or a lit3d checkpoint, by lit3d name relative to ``GPT.model``."""
+def read_tensors(path: str | Path, lora: LoRA | None = None) -> dict[str, torch.Tensor]:
+    """The whole weights of a HuggingFace folder or a lit3d checkpoint, by lit3d name relative to ``GPT.model``.
+
+    A LoRA run's trained adapters stay adapters for a model with the same ones (``lora``: rank, alpha and targets);
+    for any other model they are merged into the weights they adapt, so it starts from what the run trained."""
     from lit3d import hf
 
     if is_hf_folder(path):
         config, tensors = hf.read_folder(path)
         return hf.to_lit3d_names(config, tensors)
-    return read_checkpoint(path)[1]
+    _, tensors, meta = read_checkpoint(path)
+    trained = (meta.get("hyper_parameters") or {}).get("lora")
+    if trained is not None and not _same_adapters(LoRA(**trained), lora):
+        tensors = merge_adapters(tensors, LoRA(**trained))
+    return tensors
+
+
+def _same_adapters(trained: LoRA, lora: LoRA | None) -> bool:
+    """Whether a model with ``lora`` holds the adapters of a run trained with ``trained`` (dropout only trains)."""
+    return lora is not None and replace(trained, dropout=0.0) == replace(lora, dropout=0.0)
 
 
 def tokenizer_of(path: str | Path) -> str | None:

@@ -36,6 +36,9 @@ class Runner(Protocol):
     adds_balance_loss: bool
     # Forward passes of the network per `loss` call (a pipeline's micro-batches).
     forwards_per_loss: int
+    # What the MoE layers' balance term counts in this rank's objective, as its loss does: its replica's share of an
+    # uneven global batch (`ReplicaShare`), else 1.
+    balance_weight: float
 
     def loss(self, network: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn) -> torch.Tensor: ...
 
@@ -47,6 +50,7 @@ class WholeNetwork:
 
     adds_balance_loss = False
     forwards_per_loss = 1
+    balance_weight = 1.0
 
     def loss(self, network: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn) -> torch.Tensor:
         return loss_fn(network(inputs), targets)
@@ -64,6 +68,7 @@ class ContextShare:
     def __init__(self, inner: Runner, size: int, rank: int) -> None:
         self.inner, self.size, self.rank = inner, size, rank
         self.adds_balance_loss, self.forwards_per_loss = inner.adds_balance_loss, inner.forwards_per_loss
+        self.balance_weight = inner.balance_weight
 
     def loss(self, network: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn) -> torch.Tensor:
         from lit3d import documents
@@ -86,7 +91,9 @@ class ContextShare:
 class ReplicaShare:
     """Uneven data parallelism (`data_parallel_shares`): this replica computes ``weight`` times an even share of each
     global batch, so its training loss counts ``weight`` times in the replicas' average (what data parallelism
-    reduces), which is then the mean over the global batch. Evaluation deals even rounds and is not weighted.
+    reduces), which is then the mean over the global batch; so does its MoE balance term (``balance_weight``: the module
+    weighs the term it adds, and a pipeline, which adds it in backward, is built with the same weight). Evaluation
+    deals even rounds and is not weighted.
 
     NOTE: training is told from evaluation by autograd being on: Lightning runs evaluation without it, and a
     pipeline's schedule calls the loss inside its training step only."""
@@ -94,6 +101,7 @@ class ReplicaShare:
     def __init__(self, inner: Runner, weight: float) -> None:
         self.inner, self.weight = inner, weight
         self.adds_balance_loss, self.forwards_per_loss = inner.adds_balance_loss, inner.forwards_per_loss
+        self.balance_weight = weight
 
     def loss(self, network: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn) -> torch.Tensor:
         if not torch.is_grad_enabled():

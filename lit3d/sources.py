@@ -20,6 +20,8 @@ import gzip
 import itertools
 import json
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -124,21 +126,16 @@ def table_columns(file: str) -> list[str] | None:
 def _json_lines_columns(file: str, head_bytes: int = 2**20) -> list[str] | None:
     """The keys of the records on the first lines (up to ``head_bytes``), in order of first appearance, as pyarrow
     infers a JSON Lines schema; None if a line is not one record (a JSON array, or an object over many lines)."""
-    suffix = Path(file).suffix.lower()
-    if suffix == ".zst":
-        import zstandard  # as `datasets` reads it
-
-        opened = zstandard.open(file, "rt", encoding="utf-8")
-    else:
-        opened = gzip.open(file, "rt", encoding="utf-8") if suffix == ".gz" else open(file, encoding="utf-8")
     columns: dict[str, None] = {}
-    with opened as lines:
-        for line in itertools.islice(lines, 1000):
+    with _open_text(file) as lines:
+        for number, line in enumerate(itertools.islice(lines, 1000), 1):
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
-            except ValueError:
+                record = json.loads(line.rstrip("\r\n"))
+            except ValueError as error:
+                if columns:  # JSON Lines so far: this line is malformed
+                    raise _malformed(file, number, error) from None
                 return None
             if not isinstance(record, dict):
                 return None
@@ -147,6 +144,53 @@ def _json_lines_columns(file: str, head_bytes: int = 2**20) -> list[str] | None:
             if head_bytes <= 0:
                 break
     return list(columns) if columns else None
+
+
+@contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """`datasets`' bars ("Downloading data", "Generating train split") off while local files are read: nothing is
+    downloaded, and the tokenizing that follows shows its own progress."""
+    import datasets
+
+    was_on = not datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was_on:
+            datasets.enable_progress_bars()
+
+
+def _open_text(file: str) -> Any:
+    """``file`` opened as text, decompressed as `datasets` reads it (``.gz``, ``.zst``)."""
+    suffix = Path(file).suffix.lower()
+    if suffix == ".zst":
+        import zstandard
+
+        return zstandard.open(file, "rt", encoding="utf-8")
+    return gzip.open(file, "rt", encoding="utf-8") if suffix == ".gz" else open(file, encoding="utf-8")
+
+
+def _malformed(file: str, line: int, error: ValueError) -> ValueError:
+    column = f", column {error.colno}" if isinstance(error, json.JSONDecodeError) else ""
+    message = error.msg if isinstance(error, json.JSONDecodeError) else str(error)
+    return ValueError(f"{file}, line {line}{column}: not valid JSON ({message}); each line must be one JSON record")
+
+
+def malformed_json_line(file: str) -> ValueError | None:
+    """The error naming the first line of a JSON Lines ``file`` that is not JSON, or None (every line is, or the file
+    is one JSON document over many lines). Read only once `datasets` has failed on the file."""
+    records = 0
+    with _open_text(file) as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                json.loads(line.rstrip("\r\n"))
+            except ValueError as error:
+                return _malformed(file, number, error) if records else None
+            records += 1
+    return None
 
 
 def saved_columns(path: str, split: str) -> list[str] | None:
@@ -178,12 +222,21 @@ def load_documents(data_path: str, text_column: str = "text", name: str | None =
     parts = []
     for builder, files in sorted(by_format.items()):
         if builder == "text":  # one row per file, so packing sees whole files in order
-            parts.append(datasets.load_dataset("text", data_files=files, sample_by="document", split="train",
-                                               cache_dir=cache_dir, streaming=streaming))  # fmt: skip
+            with _no_progress_bars():
+                parts.append(datasets.load_dataset("text", data_files=files, sample_by="document", split="train",
+                                                   cache_dir=cache_dir, streaming=streaming))  # fmt: skip
             continue
-        for file in files:  # one at a time, so a missing column names its file
-            loaded = datasets.load_dataset(builder, data_files=[file], split="train", cache_dir=cache_dir,
-                                           streaming=streaming)  # fmt: skip
+        for file in files:  # one at a time, so a missing column or a malformed line names its file
+            try:
+                with _no_progress_bars():
+                    loaded = datasets.load_dataset(
+                        builder, data_files=[file], split="train", cache_dir=cache_dir, streaming=streaming
+                    )
+            except Exception as error:
+                malformed = malformed_json_line(file) if builder == "json" else None
+                if malformed is None:
+                    raise
+                raise malformed from error
             parts.append(_text_column(loaded, text_column, file))
     return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
 

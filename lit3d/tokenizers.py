@@ -33,7 +33,9 @@ class ByteTokenizer:
         return [np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32) for text in texts]
 
     def decode(self, ids: list[int]) -> str:
-        return bytes(ids).decode("utf-8", errors="replace")
+        """The text of ``ids``; an id past the bytes (a model with a larger vocabulary) reads as U+FFFD, as a byte that
+        is not UTF-8 does."""
+        return b"".join(bytes([i]) if i < 256 else "\ufffd".encode() for i in ids).decode("utf-8", errors="replace")
 
 
 class HFTokenizer:
@@ -109,10 +111,18 @@ def tokenize_documents(batch: dict[str, list], tokenizer: Tokenizer) -> dict[str
     return {"input_ids": ids}
 
 
+# What transformers reads from a tokenizer folder besides ``tokenizer.json``: its settings and special tokens, the chat
+# templates (transformers 5 keeps the template in ``chat_template.jinja``, named ones in a folder) and a slow
+# tokenizer's vocabulary.
+TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+                   "chat_template.json", "additional_chat_templates", "tokenizer.model", "vocab.json", "merges.txt",
+                   "vocab.txt")  # fmt: skip
+
+
 def export_tokenizer(name: str | None, folder: Path, max_seq_len: int) -> str:
-    """Write the tokenizer a run trained with (``"byte"`` or a ``tokenizer.json``) into an exported model folder, so
-    ``transformers.AutoTokenizer.from_pretrained(folder)`` loads it; returns one line on what was written, or why
-    nothing was."""
+    """Write the tokenizer a run trained with (``"byte"`` or a ``tokenizer.json``, with every tokenizer file beside
+    it: `TOKENIZER_FILES`) into an exported model folder, so ``transformers.AutoTokenizer.from_pretrained(folder)``
+    loads it, chat template included; returns one line on what was written, or why nothing was."""
     import json
     import shutil
 
@@ -127,15 +137,20 @@ def export_tokenizer(name: str | None, folder: Path, max_seq_len: int) -> str:
     if not source.is_file():
         return f"tokenizer: not written ({str(source)!r}, the run's tokenizer, is gone)"
     shutil.copyfile(source, folder / "tokenizer.json")
-    beside = [source.with_name(n) for n in ("tokenizer_config.json", "special_tokens_map.json")]
-    for file in (f for f in beside if f.is_file()):
-        shutil.copyfile(file, folder / file.name)
-    if not beside[0].is_file():  # NOTE: without one, transformers picks a tokenizer class from the model type
+    beside = [source.with_name(n) for n in TOKENIZER_FILES if source.with_name(n).exists()]
+    for path in beside:
+        if path.is_dir():
+            shutil.copytree(path, folder / path.name, dirs_exist_ok=True)
+        else:
+            shutil.copyfile(path, folder / path.name)
+    if not source.with_name("tokenizer_config.json").is_file():
+        # NOTE: without one, transformers picks a tokenizer class from the model type
         tokenizer = HFTokenizer(source)
         named = {key: tokenizer._tokenizer.id_to_token(i) for key, i in
                  (("bos_token", tokenizer.bos_id), ("eos_token", tokenizer.eos_id)) if i is not None}  # fmt: skip
         (folder / "tokenizer_config.json").write_text(json.dumps({**settings, **named}))
-    return f"tokenizer: {str(source)!r}, the run's own"
+    with_files = f" with {', '.join(path.name for path in beside)}" if beside else ""
+    return f"tokenizer: {str(source)!r}, the run's own{with_files}"
 
 
 def _byte_level_json() -> str:

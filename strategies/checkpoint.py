@@ -118,10 +118,46 @@ def publish(path: Path, partial: Path) -> None:
     """Move a complete ``partial`` folder into place at ``path`` (rank 0), replacing what was there."""
     previous = path.with_name(path.name + ".old")
     if path.exists():
+        if previous.is_dir() and is_own_folder(previous):  # an interrupted publish's: ``path`` is newer
+            shutil.rmtree(previous)
         path.rename(previous)
     partial.rename(path)
     if previous.exists():
         shutil.rmtree(previous) if previous.is_dir() else previous.unlink()
+
+
+def is_own_folder(path: Path) -> bool:
+    """Whether lit3d may replace or delete the folder ``path``: it holds only what a sharded checkpoint holds (DCP's
+    ``.metadata`` and ``*.distcp`` shards, `META_FILE`: lit3d's, or Lightning's ``ModelParallelStrategy``'s), or
+    nothing."""
+    own = lambda entry: entry.is_file() and (entry.name in (".metadata", META_FILE) or entry.suffix == ".distcp")
+    return all(own(entry) for entry in path.iterdir())
+
+
+def replace_refusal(path: Path, single_file: bool) -> OSError | None:
+    """Why a save to ``path`` must not start, or None. A folder there (or at its ``.partial`` name, where a save
+    writes first) that lit3d did not write is never replaced: `IsADirectoryError` for a single file's path, as
+    Lightning's, else `FileExistsError`. A file there, or an own checkpoint folder, is replaced."""
+    for folder in (path, path.with_name(path.name + PARTIAL_SUFFIX)):
+        if folder.is_dir() and not is_own_folder(folder):
+            held = sorted(entry.name for entry in folder.iterdir())
+            kind = IsADirectoryError if single_file and folder == path else FileExistsError
+            return kind(
+                f"the checkpoint path {str(folder)!r} exists and is a directory lit3d did not write (it holds "
+                f"{', '.join(held[:3])}{', ...' if len(held) > 3 else ''}); lit3d replaces only its own checkpoints: "
+                "save to another path, or move that folder away"
+            )
+    return None
+
+
+def as_plain_data(tree: Any) -> Any:
+    """``tree`` with Lightning's dict subclasses (``AttributeDict``: hyper-parameters) as plain dicts, so that
+    ``torch.load``'s default (``weights_only=True``) reads the file."""
+    if isinstance(tree, dict):
+        return {key: as_plain_data(value) for key, value in tree.items()}
+    if isinstance(tree, list | tuple) and type(tree) in (list, tuple):
+        return type(tree)(as_plain_data(value) for value in tree)
+    return tree
 
 
 def check_readable(path: Path) -> None:
@@ -266,7 +302,32 @@ class ShardedCheckpointReader(TorchCheckpointIO):
 
     @override
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
-        return read_weights(path) if is_sharded_checkpoint(path) else load_meta(path)
+        return FolderWeights(read_weights(path), path) if is_sharded_checkpoint(path) else load_meta(path)
+
+
+class FolderWeights(dict):
+    """`read_weights` of a lit3d folder, as another strategy gets it: asked for its optimizer states (Lightning asks
+    before it resumes a fit), it says where they are and how to go on (`resume_refusal`) rather than Lightning's
+    "checkpoint contains only the model ... save_weights_only"."""
+
+    def __init__(self, checkpoint: dict[str, Any], path: Any) -> None:
+        super().__init__(checkpoint)
+        self.path = path
+
+    def __contains__(self, key: object) -> bool:
+        if key == "optimizer_states":
+            raise ValueError(resume_refusal(self.path))
+        return super().__contains__(key)
+
+
+def resume_refusal(path: Any, strategy: str = "another strategy") -> str:
+    """Why a fit under ``strategy`` cannot resume the lit3d checkpoint folder ``path``, and what can."""
+    return (
+        f"{str(path)!r} is a lit3d checkpoint folder: its optimizer states resume only under Parallel3DStrategy "
+        f"(--trainer.strategy=3d, in any layout). Under {strategy}, start from its weights with a new optimizer "
+        f"(--model.pretrained={path}, or one file: lit3d convert --ckpt_path {path} --output FILE); a run saved with "
+        "--trainer.strategy.save_distributed_checkpoint=false writes one file that every strategy resumes"
+    )
 
 
 def parameter_names(module: nn.Module) -> dict[int, str]:

@@ -8,8 +8,9 @@ from __future__ import annotations
 from typing import Any
 
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lit3d.config import GPTConfig
+from lit3d.config import GPTConfig, check_model_fits_data
 from lit3d.parallel.context import check_context_parallel
 from lit3d.parallel.layout import Layout, check_model_fits_layout, check_model_fits_pipeline
 from lit3d.parallel.precision import check_float8
@@ -17,7 +18,10 @@ from lit3d.parallel.settings import Parallelism
 from lit3d.parallel.shares import check_shares_fit
 from lit3d.parallel.stages import check_stage_layers
 from lit3d.strategies.context_parallel import check_module_for_context_parallel
+from lit3d.strategies.float8 import small_gemms_warning
 from lit3d.strategies.pipeline import check_pipeline_protocol
+from lit3d.strategies.recompute import check_recompute_composes
+from lit3d.strategies.torch_compat import rowwise_float8_on_cpu
 
 
 class ConfigurationError(ValueError, RuntimeError):
@@ -37,11 +41,14 @@ def check_run(parallelism: Parallelism, layout: Layout, module: Any, trainer: An
         check_model_fits_layout(config, layout)
         check_model_fits_pipeline(config, layout.pp, chunks, schedule)
         check_stage_layers(parallelism.pipeline_stage_layers, config.n_layer, layout.pp * chunks)
+    check_recompute_composes(parallelism.activation_checkpointing, parallelism.zero_stage, layout)
     _check_float8(parallelism, layout, module, trainer, datamodule)
     seq_len = getattr(datamodule, "seq_len", None)
     check_context_parallel(config, layout.cp, seq_len, layout.tp, parallelism.sequence_parallel)
     predicting = trainer is not None and trainer.state.fn == TrainerFn.PREDICTING
     check_module_for_context_parallel(module, layout.cp, predicting)
+    if config is not None and datamodule is not None and not predicting:  # (prediction feeds prompts, not blocks)
+        check_model_fits_data(config, datamodule, module)  # the tokenizer: "auto" settles on the model's here
     if layout.pp > 1 and hasattr(module, "tensor_parallel_plan"):  # one the strategy splits (`model` comes later)
         check_pipeline_protocol(module, layout.pp)
     batch = getattr(datamodule, "global_batch_size", None) if layout.pp > 1 else None
@@ -53,7 +60,8 @@ def check_run(parallelism: Parallelism, layout: Layout, module: Any, trainer: An
 
 def _check_float8(parallelism: Parallelism, layout: Layout, module: Any, trainer: Any, datamodule: Any) -> None:
     """FP8 (`check_float8`) on this run: its precision, model and LoRA; each rank's tokens per sequence in multiples of
-    16 (the weight gradient's matmul runs over them); and a GPU with FP8 tensor cores."""
+    16 (the weight gradient's matmul runs over them); and a GPU with FP8 tensor cores. Linears too small for FP8 to
+    pay are said on rank 0, naming the width (`small_gemms_warning`)."""
     if not parallelism.float8:
         return
     config = getattr(module, "config", None)
@@ -64,12 +72,23 @@ def _check_float8(parallelism: Parallelism, layout: Layout, module: Any, trainer
     if seq_len is not None and (seq_len // layout.cp) % 16:
         raise ValueError(f"float8={parallelism.float8!r} with seq_len={seq_len} / context_parallel_size={layout.cp}: "
                          "FP8 matmuls need each rank's tokens per sequence in multiples of 16")  # fmt: skip
-    if type(getattr(trainer, "accelerator", None)).__name__ == "CUDAAccelerator":
+    accelerator = type(getattr(trainer, "accelerator", None)).__name__
+    if accelerator == "CUDAAccelerator":
         import torch
 
         if torch.cuda.get_device_capability() < (8, 9):
             raise ValueError(f"float8={parallelism.float8!r} on {torch.cuda.get_device_name()}: FP8 matmuls need "
                              "compute capability 8.9 or later (Ada, Hopper, Blackwell)")  # fmt: skip
+    if accelerator == "CPUAccelerator" and parallelism.float8 == "rowwise" and not rowwise_float8_on_cpu():
+        import torch
+
+        raise ValueError(
+            f"float8='rowwise' on CPU with PyTorch {torch.__version__}: its CPU FP8 matmul takes one scale per tensor "
+            "(PyTorch 2.13 and later take one per row); use float8='tensorwise'"
+        )
+    warning = small_gemms_warning(parallelism.float8, config, layout.tp) if isinstance(config, GPTConfig) else None
+    if warning is not None:
+        rank_zero_warn(warning)
 
 
 def _check_shares(parallelism: Parallelism, layout: Layout, datamodule: Any, steps: int) -> None:

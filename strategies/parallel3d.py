@@ -31,6 +31,7 @@ from lit3d.parallel.settings import Parallelism, argument_docs
 from lit3d.planner.run import plan_of_run
 from lit3d.strategies import checkpointing as sharded
 from lit3d.strategies.checks import ConfigurationError, check_run
+from lit3d.strategies.full_state import WholeOrder
 from lit3d.strategies.launchers import CheckingLauncher, ForkLauncher, agree_on_seed
 from lit3d.strategies.memory import memory_line
 from lit3d.strategies.meshes import ParallelMeshes
@@ -42,7 +43,7 @@ from lit3d.strategies.preemption import StopOnSignal
 from lit3d.strategies.rank_life import RankLife
 from lit3d.strategies.tensor_parallel import lay_out_grads_like_params
 from lit3d.strategies.watchdog import batch_kind, report_failure
-from lit3d.strategies.zero import check_replicas_in_sync, gradient_sync_off
+from lit3d.strategies.zero import SyncedByModule, accumulation_sync
 
 if TYPE_CHECKING:
     from lit3d.planner.estimate import Plan
@@ -68,6 +69,7 @@ class Parallel3DStrategy(ModelParallelStrategy):
         expert_parallel_size: int = 1,
         context_parallel_size: int = 1,
         zero_stage: int = 1,
+        accumulate_unsharded: bool = False,
         offload: bool = False,
         sequence_parallel: bool = False,
         pipeline_schedule: str = "1f1b",
@@ -109,6 +111,8 @@ class Parallel3DStrategy(ModelParallelStrategy):
         self.rank_life = RankLife()  # the launcher watch and the watchdog: neither outlives a fit
         self._parallelized: nn.Module | None = None  # the network this strategy split
         self.plan: Plan | None = None  # the planner's estimate of this run (a lit3d GPT only), set at fit start
+        self._whole_order: WholeOrder | None = None  # the network's names before the split (`full_state`)
+        self.synced_by_module: SyncedByModule | None = None  # what a module keeps in sync itself, checked
         self.memory_estimate: dict[str, int] | None = None  # the planner's bytes for this rank's stage
 
     @classmethod
@@ -120,6 +124,8 @@ class Parallel3DStrategy(ModelParallelStrategy):
     def layout(self) -> Layout:
         """Sizes and rank coordinates, checked against the launched ranks (``"auto"`` resolved for the module)."""
         if self._layout is None:
+            if not self.num_processes:
+                raise RuntimeError("Parallel3DStrategy has no devices yet: a Trainer sets them up")
             sizes = self.parallelism.sizes(devices_per_node=self.num_processes, lit3d_splits=self._lit3d_splits)
             world = self.num_nodes * self.num_processes
             self._layout = resolve_layout(world, self.num_processes, **sizes, islands=self.parallelism.islands)
@@ -144,9 +150,8 @@ class Parallel3DStrategy(ModelParallelStrategy):
         return {"num_replicas": self.layout.data_replicas, "rank": self.layout.data_rank(self.global_rank)}
 
     def check_configuration(self, trainer: Trainer | None = None, datamodule: Any = None) -> None:
-        """Refuse a bad layout or a model it cannot split, before any process group exists (the launcher calls
-        this before it starts a rank; ``trainer`` and ``datamodule`` are there before the module knows them), as a
-        `ConfigurationError` naming the values (`lit3d.strategies.checks.check_run`)."""
+        """Refuse a bad layout or a model it cannot split before any process group exists (the launcher calls this
+        before it starts a rank), as a `ConfigurationError` naming the values (`lit3d.strategies.checks.check_run`)."""
         try:
             if self.cluster_environment is not None:  # under torchrun / SLURM: devices x num_nodes = launched ranks
                 self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
@@ -207,7 +212,7 @@ class Parallel3DStrategy(ModelParallelStrategy):
         self.model_to_device()
         if self.layout.replicas > 1:  # before any step: replicas that are not kept in sync would silently drift
             chunks = tuple(self.pipeline.chunks) if self.pipeline is not None else ()
-            check_replicas_in_sync(module, self.meshes.replicas["dp"], chunks)
+            self.synced_by_module = SyncedByModule.check(module, self.meshes.replicas["dp"], chunks)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             if not any(isinstance(callback, StopOnSignal) for callback in trainer.callbacks):
@@ -224,6 +229,7 @@ class Parallel3DStrategy(ModelParallelStrategy):
         if self._parallelized is module.model:
             return  # a later call in the same processes (fit, then validate or test): it is split already
         self._parallelized = module.model
+        self._whole_order = WholeOrder.of(module)  # NOTE: before the split: a pipeline rank holds only its part
         settings = replace(self.parallelism, **sizes_of(self.layout))  # "auto" sizes resolved
         module.runner, self.pipeline = split_module(
             module, settings, self.meshes, self.global_rank, self.num_microbatches, self.root_device,
@@ -288,10 +294,10 @@ class Parallel3DStrategy(ModelParallelStrategy):
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """No gradient communication on the micro-steps of an accumulation window but the last."""
+        """The micro-steps of an accumulation window but the last (`accumulation_sync`)."""
         # NOTE: under pipeline parallelism the schedule itself syncs once per schedule, after its micro-batches.
         modules = [] if self.pipeline is not None else list(self.lightning_module.modules())
-        with gradient_sync_off(modules, keep_gathered=self.parallelism.zero_stage == 2):
+        with accumulation_sync(modules, self.parallelism.zero_stage, self.parallelism.accumulate_unsharded):
             yield
 
     @override
@@ -320,45 +326,40 @@ class Parallel3DStrategy(ModelParallelStrategy):
 
         if self.optimizer_steps is None:
             return inner_step(closure)
-        return self.optimizer_steps.step(optimizer, closure, inner_step)
+        result = self.optimizer_steps.step(optimizer, closure, inner_step)
+        if self.synced_by_module is not None:  # did the module's own hooks keep its replicas together?
+            self.synced_by_module.after_step()
+        return result
 
     def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
         self.optimizer_steps.clip_grad_norm(optimizer, clip_val, self.lightning_module.parameters())
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        state = self.lightning_module.state_dict()  # DTensor shards, layout-free names
-        if self.optimizer_steps is None:
-            return state
-        return self.optimizer_steps.with_master_weights(self.lightning_module, state)
+        """Shards by name; without distributed checkpoints, Lightning's: the whole state on rank 0 (a collective)."""
+        return self.checkpoints.module_state(self._rank_state())
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap a LightningOptimizer
-        local = self.optimizer_steps.local.get(id(optimizer)) if self.optimizer_steps is not None else None
-        return sharded.optimizer_state(optimizer, self.lightning_module, local)
+        """By name; without distributed checkpoints, one process's ``state_dict()`` on rank 0 (a collective)."""
+        return self.checkpoints.optimizer_state(self._rank_state(), optimizer)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         self._beat("a checkpoint save")
         path = Path(self.broadcast(str(filepath)))  # rank 0's name
-        self.checkpoints.save(path, checkpoint, self._islands(), self.is_global_zero, storage_options)
+        self.checkpoints.save(path, checkpoint, self._rank_state().islands(), self.is_global_zero, storage_options)
         self._beat("training after a checkpoint save")
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        path = Path(self.broadcast(str(checkpoint_path)))
-        optimizers = self.optimizers if self.lightning_module.trainer.state.fn == TrainerFn.FITTING else []
-        state_dict, optimizer_state = self.lightning_module_state_dict, self.optimizer_state
-        meta = self.checkpoints.load(path, state_dict, optimizers, optimizer_state, self._islands())
-        if self.optimizer_steps is not None:
-            self.optimizer_steps.master_weights_loaded()
-        return meta
+        path, module = Path(self.broadcast(str(checkpoint_path))), self.lightning_module
+        fitting = module is not None and module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
+        return self.checkpoints.load(path, self._rank_state(), self.optimizers if fitting else [])
 
-    def _islands(self) -> tuple[int, Any]:
-        """This rank's DiLoCo island and the outer loop (`lit3d.strategies.checkpointing.with_islands`)."""
-        outer_loop = self.optimizer_steps.outer_loop if self.optimizer_steps is not None else None
-        return self.layout.island(self.global_rank), outer_loop
+    def _rank_state(self) -> sharded.RankState:  # before any setup: the module alone, as one process
+        layout, module = self.layout if self.meshes is not None else None, self.lightning_module
+        return sharded.RankState(module, self.optimizer_steps, layout, self.global_rank, self._whole_order)
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
@@ -370,8 +371,7 @@ class Parallel3DStrategy(ModelParallelStrategy):
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        if self.is_global_zero:
-            sharded.remove(Path(filepath))
+        sharded.remove(Path(filepath)) if self.is_global_zero else None
 
     @override
     def on_train_end(self) -> None:
@@ -381,7 +381,7 @@ class Parallel3DStrategy(ModelParallelStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         # NOTE: neither a preemption exit nor a configuration refused before any rank ran is a failed rank; the
-        # launching process has no trainer attached to the module yet, so the step is read where it may be absent.
+        # launching process has no trainer attached to the module yet.
         if not isinstance(exception, SystemExit | KeyboardInterrupt | ConfigurationError):
             trainer = getattr(self.lightning_module, "_trainer", None)
             step = trainer.global_step if trainer is not None else 0

@@ -96,17 +96,19 @@ def split_module(
         network.reset_parameters()
     runner: Runner = WholeNetwork()
     pipeline = None
+    shares = parallelism.data_parallel_shares  # uneven replicas: each one's objective weighted by its share
+    weight = share_weight(shares, layout.data_rank(rank)) if shares is not None else 1.0
     if layout.pp > 1:
         runner = pipeline = Pipeline(
             chunks, stage_ids, layout.pp * parallelism.chunks_per_rank, meshes.world["pp"],
             parallelism.pipeline_schedule, microbatches, device, loss_parallel=layout.tp > 1,
             split_backward=not parallelism.activation_checkpointing,
-            accumulate=lambda: module.trainer.accumulate_grad_batches, grad_scaler=grad_scaler,
+            accumulate=lambda: module.trainer.accumulate_grad_batches, grad_scaler=grad_scaler, balance_weight=weight,
         )  # fmt: skip
     if layout.cp > 1:  # each rank's share of the batch's sequences
         runner = ContextShare(runner, layout.cp, layout.cp_rank(rank))
-    if parallelism.data_parallel_shares is not None:  # uneven replicas: each one's loss weighted by its share
-        runner = ReplicaShare(runner, share_weight(parallelism.data_parallel_shares, layout.data_rank(rank)))
+    if shares is not None:
+        runner = ReplicaShare(runner, weight)
     return runner, pipeline
 
 

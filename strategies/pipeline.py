@@ -19,11 +19,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lit3d import documents
+from lit3d import documents, lora_dropout
 from lit3d.model import loss_parallel_scope
 from lit3d.moe import balance_loss_weight
 from lit3d.parallel.schedules import SCHEDULES, Costs, bubble_theory
 from lit3d.parallel.stages import stage_rank
+from lit3d.strategies.torch_compat import all_gather_single, pipeline_stage
 
 # What a module split by the strategy provides so that its loss can run as a schedule: `loss(batch)` is
 # `loss_fn(model(inputs), targets)` with `inputs, targets = inputs_and_targets(batch)`.
@@ -57,6 +58,8 @@ class Pipeline:
         accumulate: Lightning's micro-steps per optimizer step, asked at each step (the loss is divided by them).
         grad_scaler: fp16's loss scaler, asked at each step (its scale multiplies the loss inside the schedule, whose
             backward is the only one; the precision plugin unscales the gradients before the optimizer step).
+        balance_weight: What the MoE layers' balance term counts, as the loss does (an uneven replica's share:
+            `lit3d.runner.ReplicaShare`, which weighs the loss around this runner).
 
     It is a module's runner (`lit3d.runner`): the module's ``loss`` and ``forward`` call `loss` and `forward`.
     """
@@ -76,6 +79,7 @@ class Pipeline:
         split_backward: bool = True,
         accumulate: Callable[[], int] = lambda: 1,
         grad_scaler: Callable[[], Any] = lambda: None,
+        balance_weight: float = 1.0,
     ) -> None:
         self.chunks, self.stage_ids, self.num_stages = chunks, stage_ids, num_stages
         self.split_backward = split_backward
@@ -83,6 +87,7 @@ class Pipeline:
         self.schedule_name, self.microbatches, self.device = schedule, microbatches, device
         self.loss_parallel = loss_parallel
         self.accumulate, self.grad_scaler = accumulate, grad_scaler
+        self.balance_weight = balance_weight
         self.holds_first, self.holds_last = 0 in stage_ids, num_stages - 1 in stage_ids
         last = stage_rank(num_stages - 1, pp_mesh.size(), SCHEDULES[schedule].placement)  # rank 0 under a V
         self.last_rank = dist.get_global_rank(self.group, last)
@@ -159,12 +164,15 @@ class Pipeline:
             )
         self._loss_fn, self._losses, self._grad_scaler = loss_fn, [], grad_scaler
         self._scale = 1.0 / (self.microbatches * accumulate)
-        args = (inputs,) if self.holds_first else ()
+        # NOTE: contiguous, since a stage checks its inputs' strides against those it traced (PyTorch 2.11/2.12), and
+        # inputs sliced from longer blocks (``tokens[:, :-1]``) keep the longer rows' stride.
+        args = (inputs.contiguous(),) if self.holds_first else ()
         target = targets if self.holds_last else None
         self.clock.start_step()
         with loss_parallel_scope() if self.loss_parallel else nullcontext():
             if torch.is_grad_enabled():
                 scale = self._scale * (grad_scaler.get_scale() if grad_scaler is not None else 1.0)
+                scale *= self.balance_weight  # (an uneven replica's share, as its loss)
                 with self._gradients_set_aside(), balance_loss_weight(scale):  # MoE layers on every stage
                     self.schedule.step(*args, target=target)
             else:  # validation: forward only, and not in inference mode (the stages' buffers outlive this call)
@@ -201,7 +209,7 @@ class Pipeline:
         the measured bubble (the mean idle share of the step). Every rank of the pipeline calls this."""
         mine = torch.tensor([self.clock.busy(), self.clock.step_seconds()], device=self.device)
         every = torch.empty(self.pp_mesh.size() * 2, device=self.device)
-        dist.all_gather_single(every, mine, group=self.group)
+        all_gather_single(every, mine, group=self.group)
         busy, step = every.view(-1, 2).unbind(1)
         metrics = {f"pp/stage{p}_busy_s": seconds for p, seconds in enumerate(busy.tolist())}
         return {**metrics, "pp/step_s": step.max().item(), "pp/bubble": 1 - (busy / step.max()).mean().item()}
@@ -271,10 +279,9 @@ def _nothing() -> None:
 @cache
 def _stage_class() -> type:
     """PyTorch's `PipelineStage`, timed by a `StageClock` and mended for forward-only runs (imported late: the module
-    takes seconds to import)."""
-    from torch.distributed.pipelining import PipelineStage
+    takes seconds to import: `torch_compat.pipeline_stage`)."""
 
-    class Stage(PipelineStage):
+    class Stage(pipeline_stage()):
         """NOTE: the V-shaped schedules hold two adjacent stages on one rank and hand a backward's input gradient
         from one to the other directly; PyTorch 2.13 does so in ``eval()`` too (validation, sampling), where there is
         no backward, and fails. Nothing is handed over then."""
@@ -295,11 +302,12 @@ def _stage_class() -> type:
 
         def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
             """Shape inference runs one micro-batch's rows: the documents of the first."""
-            with documents.micro_batch(0, self.microbatches):
+            with documents.micro_batch(0, self.microbatches), lora_dropout.micro_batch(0, self.microbatches):
                 return super()._forward_metadata_inference(*args, **kwargs)
 
         def _timed(self, kind: str, chunk_id: int, run: Callable, *args: Any, **kwargs: Any) -> Any:
-            with documents.micro_batch(chunk_id, self.microbatches):  # packed rows: this micro-batch's documents
+            count = self.microbatches  # packed rows: this micro-batch's documents; LoRA's dropout: its rows' masks
+            with documents.micro_batch(chunk_id, count), lora_dropout.micro_batch(chunk_id, count):
                 if self.clock is None:
                     return run(chunk_id, *args, **kwargs)
                 return self.clock.timed(self.stage_index, kind, chunk_id, run, *args, **kwargs)

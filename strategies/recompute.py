@@ -4,16 +4,34 @@
 ``selective``: the outputs of the matmuls, of attention and of the tensor-parallel collectives; backward reruns
 only the cheap elementwise work (norms, rotary, SiLU, products). Most of the memory those take, for a few
 percent of compute, and no collective is run twice.
+
+Either way the recomputed forward sees what the forward saw: the context a block reads besides its inputs (packed
+documents, LoRA dropout's rows; `FORWARD_CONTEXT`) is taken when the forward runs and put back around the
+recomputation. NOTE: it is set per batch and cut per micro-batch by callers the recomputation runs without: a
+pipeline's backward (and PyTorch's shape inference of it, which back-propagates through micro-batch 0's forward
+outside any stage call) would otherwise see the whole batch's.
 """
 
 from __future__ import annotations
 
-from functools import partial
+import inspect
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from functools import cache, partial
+from typing import Any
 
 import torch
 import torch.nn as nn
 
+from lit3d import documents, lora_dropout
+from lit3d.parallel.layout import Layout
 from lit3d.parallel.settings import check_recompute
+
+# What a block's forward reads besides its inputs, as ``(get, set)``: its recomputation gets the forward's values.
+FORWARD_CONTEXT: tuple[tuple[Callable[[], Any], Callable[[Any], None]], ...] = (
+    (documents.held, documents.use),
+    (lora_dropout.current, lora_dropout.use),
+)
 
 
 def _saved_ops() -> set:
@@ -46,14 +64,91 @@ def _keep_matmuls_and_collectives(saved: set, ctx, op, *args, **kwargs):
 
 
 def apply_activation_checkpointing(blocks: list[nn.Module], activation_checkpointing: bool | str) -> None:
-    """Checkpoint each of ``blocks`` in place (``True`` or ``"full"``, ``"selective"``); names are unchanged."""
-    from torch.distributed._composable import checkpoint
+    """Checkpoint each of ``blocks`` in place (``True`` or ``"full"``, ``"selective"``); names are unchanged.
+
+    NOTE: by module hooks, as PyTorch's composable ``checkpoint``, but the recomputation runs the block's ``forward``
+    alone, not the block's call (as torchtitan's checkpoint wrapper, without a wrapper module): the hooks data
+    parallelism puts on the block (FSDP2's unshard and input casts, which run before the checkpointed region) are not
+    run again inside it, where selective recompute refuses what the forward did not run (PyTorch 2.13: "...
+    encountered during backward but not found in storage"; bf16-mixed at ZeRO 0, 2 and 3).
+    """
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     check_recompute(activation_checkpointing)
     for block in blocks:
         if activation_checkpointing in (True, "full"):
-            checkpoint(block)
+            context_fn = _as_at_forward(None)
         elif activation_checkpointing == "selective":
             policy = partial(_keep_matmuls_and_collectives, _saved_ops())
-            checkpoint(block, context_fn=partial(create_selective_checkpoint_contexts, policy))
+            context_fn = _as_at_forward(partial(create_selective_checkpoint_contexts, policy))
+        else:
+            continue
+        region = _Region(context_fn)
+        block.register_forward_pre_hook(region.enter, with_kwargs=True)
+        block.register_forward_hook(region.exit, prepend=True, always_call=True)
+
+
+class _Region:
+    """The checkpointed region of one block's forward, opened by its pre-hook and closed by its hook."""
+
+    def __init__(self, context_fn: Callable[[], tuple]) -> None:
+        self.context_fn, self.run = context_fn, None
+
+    def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        from torch.utils.checkpoint import _checkpoint_without_reentrant_generator as checkpointed
+
+        # PyTorch's own region (composable `checkpoint`'s), given its arguments before the inputs by position
+        given = {"preserve_rng_state": True, "context_fn": self.context_fn}
+        options = [given.get(name, default) for name, default in _options(checkpointed)]
+        self.run = checkpointed(module.forward, *options, *args, **kwargs)
+        next(self.run)
+
+    def exit(self, module: nn.Module, args: tuple, output: Any) -> None:
+        run, self.run = self.run, None
+        if run is not None:
+            next(run, None)
+
+
+@cache
+def _options(checkpointed: Callable) -> list[tuple[str, Any]]:
+    """The names and defaults of the arguments between the function and its inputs (they differ across versions)."""
+    named = [p for p in inspect.signature(checkpointed).parameters.values() if p.kind is p.POSITIONAL_OR_KEYWORD]
+    return [(p.name, p.default) for p in named[1:]]
+
+
+def check_recompute_composes(activation_checkpointing: bool | str, zero_stage: int, layout: Layout) -> None:
+    """Refuse what recompute cannot run with, naming the settings (asked before any rank starts)."""
+    edp = layout.dp // layout.ep * layout.cp  # the ranks that hold the same experts
+    if activation_checkpointing == "selective" and zero_stage == 0 and layout.ep > 1 and edp > 1:
+        # NOTE: measured (PyTorch 2.13): a `replicate` unit inside the recomputed block runs other hooks in the
+        # recomputation than in the forward ("FSDP::root_pre_forward"), which selective recompute refuses in step 0.
+        raise ValueError(
+            f"activation_checkpointing='selective' with expert_parallel_size={layout.ep} at zero_stage=0: each MoE "
+            f"layer's experts are then a data-parallel unit of their own inside the recomputed block (replicated over "
+            f"{edp} ranks), whose hooks PyTorch's selective recompute cannot run again; use "
+            "activation_checkpointing='full', or zero_stage=1, 2 or 3"
+        )
+
+
+def _as_at_forward(context_fn: Callable[[], tuple] | None) -> Callable[[], tuple]:
+    """A checkpoint's ``context_fn`` (called at each forward; ``context_fn``'s contexts inside): the recomputation
+    runs with the `FORWARD_CONTEXT` of that forward."""
+
+    def contexts() -> tuple[AbstractContextManager, AbstractContextManager]:
+        forward, recompute = context_fn() if context_fn is not None else (nullcontext(), nullcontext())
+        return forward, _restored([get() for get, _ in FORWARD_CONTEXT], recompute)
+
+    return contexts
+
+
+@contextmanager
+def _restored(seen: list[Any], inner: AbstractContextManager) -> Iterator[None]:
+    before = [get() for get, _ in FORWARD_CONTEXT]
+    for (_, put), value in zip(FORWARD_CONTEXT, seen):
+        put(value)
+    try:
+        with inner:
+            yield
+    finally:
+        for (_, put), value in zip(FORWARD_CONTEXT, before):
+            put(value)

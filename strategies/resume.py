@@ -1,16 +1,20 @@
 """``--ckpt_path last``: the newest complete checkpoint in a run's checkpoint folders, or a fresh start.
 
-What a requeued job needs: the same command finds where the run left off. Candidates are lit3d's checkpoint
-folders (and single ``.ckpt`` files) in the folders of the run's `ModelCheckpoint` callbacks, newest first (by
-when their last file was written); a symbolic link (Lightning's ``save_last="link"``, the ``last-preempted.ckpt``
-a preempted run leaves) counts as the checkpoint it points at. A ``.partial`` folder (a save that never finished)
-or an ``.old`` one (the checkpoint a save replaced) is never a candidate; an incomplete or corrupt one is refused
-with a message naming it, and the one before it is tried. With none left, training starts fresh and says so.
+What a requeued job needs: the same command finds where the run left off. The folders (`checkpoint_folders`) are
+those of the run's `ModelCheckpoint` callbacks, and those the default one wrote into in the logger's earlier versions
+of the run (``runs/tiny/version_*/checkpoints``: each run of a config without a fixed folder gets a new version).
+Candidates are lit3d's checkpoint folders (and single ``.ckpt`` files) in them, newest first (by when their last file
+was written); a symbolic link (Lightning's ``save_last="link"``, the ``last-preempted.ckpt`` a preempted run leaves)
+counts as the checkpoint it points at. A ``.partial`` folder (a save that never finished) or an ``.old`` one (the
+checkpoint a save replaced) is never a candidate; an incomplete or corrupt one is named and skipped for the one
+before it. Without any candidate, training starts fresh and says so; with candidates but none complete, the command
+is refused, naming them: a requeued job never silently starts over.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
@@ -33,8 +37,26 @@ def newest_complete_checkpoint(folders: list[Path]) -> Path | None:
         rank_zero_info(f"--ckpt_path last: resuming from {str(path)!r}")
         return path
     where = ", ".join(repr(str(folder)) for folder in folders) or "no checkpoint folder (set ModelCheckpoint's dirpath)"
-    rank_zero_info(f"--ckpt_path last: no complete checkpoint in {where}; starting fresh")
+    if candidates:
+        names = ", ".join(repr(str(path)) for path in candidates)
+        raise ValueError(
+            f"--ckpt_path last: no checkpoint in {where} is complete ({names}); resume from one of them with "
+            "--ckpt_path PATH, or move them away to start fresh"
+        )
+    rank_zero_info(f"--ckpt_path last: no checkpoint in {where}; starting fresh")
     return None
+
+
+def checkpoint_folders(trainer: Any) -> list[Path]:
+    """Where ``--ckpt_path last`` looks: every `ModelCheckpoint`'s ``dirpath``, and for one without a dirpath the
+    folder it writes to in each of the logger's versions of the run (or the trainer's ``default_root_dir``)."""
+    folders = [Path(cb.dirpath) for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)]
+    if any(getattr(cb, "dirpath", None) is None for cb in trainer.checkpoint_callbacks):
+        roots = [Path(logger.root_dir) for logger in trainer.loggers if getattr(logger, "root_dir", None)]
+        folders += [version / "checkpoints" for root in roots for version in sorted(root.glob("version_*"))]
+        if not trainer.loggers:
+            folders.append(Path(trainer.default_root_dir) / "checkpoints")
+    return list(dict.fromkeys(folders))
 
 
 def _candidate(entry: Path) -> bool:

@@ -35,6 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from lit3d.parallel.layout import LIGHTNING_DIM_NAMES
+from lit3d.strategies.torch_compat import all_gather_single, ddp_no_buffer_sync
 
 
 def apply_data_parallel(
@@ -67,8 +68,8 @@ def apply_data_parallel(
             network,
             process_group=dp_mesh.get_group(),
             init_sync=False,
-            forward_sync_buffers=False,
             gradient_as_bucket_view=True,
+            **ddp_no_buffer_sync(),
         )
         return
     if zero_stage == 1:  # `LocalShardOptimizer` syncs the gradients at the step; nothing to wrap
@@ -122,11 +123,21 @@ def _experts_data_parallel(
     return None
 
 
+def accumulation_sync(modules: list[nn.Module], zero_stage: int, accumulate_unsharded: bool) -> Any:
+    """What the micro-steps of an accumulation window but the last communicate (`gradient_sync_off`): nothing under
+    DDP (ZeRO-0); at ZeRO-2/3 a reduce-scatter per micro-step, so the gradients accumulate as shards, unless
+    ``accumulate_unsharded``; ZeRO-2 keeps its parameters gathered from one micro-step to the next."""
+    sharded = zero_stage >= 2 and not accumulate_unsharded
+    return gradient_sync_off(modules, keep_gathered=zero_stage == 2, sharded=sharded)
+
+
 @contextmanager
-def gradient_sync_off(modules: list[nn.Module], keep_gathered: bool = False) -> Iterator[None]:
-    """No gradient communication from the data-parallel units among ``modules`` (DDP and FSDP2) inside the context,
-    for the micro-steps before the last of an accumulation window. ``keep_gathered`` (ZeRO-2): keep each unit's
-    parameters gathered after backward too, since they are gathered once per step anyway."""
+def gradient_sync_off(modules: list[nn.Module], keep_gathered: bool = False, sharded: bool = True) -> Iterator[None]:
+    """Inside the context, for the micro-steps before the last of an accumulation window: no gradient communication
+    from the DDP units among ``modules``; the FSDP2 units reduce-scatter as usual when ``sharded`` (their gradients
+    accumulate as shards: 1/dp of them on each rank), else hold them unsharded until the last micro-step.
+    ``keep_gathered`` (ZeRO-2): keep each FSDP2 unit's parameters gathered after backward, since ZeRO-2 gathers them
+    once per step."""
     from torch.distributed._composable.replicate import DDP
     from torch.distributed.fsdp import FSDPModule
 
@@ -137,7 +148,8 @@ def gradient_sync_off(modules: list[nn.Module], keep_gathered: bool = False) -> 
         for module in ddp:
             module.set_requires_gradient_sync(sync)
         for unit in units:
-            unit.set_requires_gradient_sync(sync, recurse=False)
+            if not sharded:
+                unit.set_requires_gradient_sync(sync, recurse=False)
             if keep_gathered:
                 unit.set_reshard_after_backward(sync, recurse=False)
 
@@ -148,13 +160,17 @@ def gradient_sync_off(modules: list[nn.Module], keep_gathered: bool = False) -> 
         switch(True)
 
 
-def check_replicas_in_sync(module: nn.Module, dp_mesh: DeviceMesh, other_roots: tuple[nn.Module, ...] = ()) -> None:
-    """Refuse, on every rank alike, parameters the data-parallel replicas would not keep in sync: ones outside any
-    data-parallel unit (DDP, FSDP2), or replicated ones whose values differ between the replicas.
+def check_replicas_in_sync(
+    module: nn.Module, dp_mesh: DeviceMesh, other_roots: tuple[nn.Module, ...] = ()
+) -> list[str]:
+    """Refuse, on every rank alike, parameters the data-parallel replicas would not keep in sync: trainable ones
+    outside any data-parallel unit (DDP, FSDP2) that nothing else reduces, or replicated ones whose values differ
+    between the replicas. Returns the names of those a module synchronises itself (a gradient hook of its own), which
+    `replicas_apart` checks again after the first optimizer step.
 
-    A parameter sharded over the data-parallel dim (FSDP2's ZeRO) is in sync by construction. Collective over
-    ``dp_mesh``: one all-gather of a checksum per replicated parameter. ``other_roots``: modules outside
-    ``module`` that hold data-parallel units of its parameters (pipeline chunks).
+    A parameter sharded over the data-parallel dim (FSDP2's ZeRO) is in sync by construction; a frozen one needs
+    only to start alike. Collective over ``dp_mesh``: one all-gather of a checksum per replicated parameter.
+    ``other_roots``: modules outside ``module`` that hold data-parallel units of its parameters (pipeline chunks).
     """
     from torch.distributed._composable.replicate import DDP
     from torch.distributed.fsdp import FSDPModule
@@ -166,18 +182,35 @@ def check_replicas_in_sync(module: nn.Module, dp_mesh: DeviceMesh, other_roots: 
         if isinstance(m, DDP | FSDPModule) or getattr(m, "_lit3d_zero1", False)
     ]
     covered = {id(p) for unit in units for p in unit.parameters()}
-    names = [name for name, p in module.named_parameters() if id(p) not in covered]
+    alone = [(name, p) for name, p in module.named_parameters() if id(p) not in covered and p.requires_grad]
+    own_sync = [name for name, p in alone if _has_grad_hooks(p)]
+    names = [name for name, p in alone if name not in own_sync]
     if names:
         raise RuntimeError(
             f"{type(module).__name__} has parameters that nothing keeps in sync over the {dp_mesh.size()} "
             f"data-parallel replicas, e.g. {names[:4]}: each replica would train on its own. Apply data parallelism "
             "in `configure_model` (`fully_shard(module, mesh=self.device_mesh['data_parallel'])`, or `replicate`), "
-            "or give the module lit3d's protocol (`model.blocks` and a `tensor_parallel_plan`) so the strategy does"
+            "or give the module lit3d's protocol (`model.blocks` and a `tensor_parallel_plan`) so the strategy does; "
+            "frozen parameters, and ones whose gradient hooks reduce them, are accepted"
         )
+    differ = replicas_apart(module, dp_mesh)
+    if differ:
+        raise RuntimeError(
+            f"the data-parallel replicas of {type(module).__name__} start from different weights, e.g. {differ[:4]}: "
+            "seed every rank alike (`seed_everything`) or broadcast the weights in `configure_model`"
+        )
+    return own_sync
+
+
+def replicas_apart(module: nn.Module, dp_mesh: DeviceMesh, only: list[str] | None = None) -> list[str]:
+    """Names of the replicated parameters (``only`` these, if given) whose values differ between the data-parallel
+    replicas. Collective over ``dp_mesh``."""
     dim = dp_mesh.mesh_dim_names[0]
     dims = {dim, *(long for long, short in LIGHTNING_DIM_NAMES.items() if short == dim)}  # a module's own mesh's too
     replicated = {}
     for name, p in module.named_parameters():
+        if only is not None and name not in only:
+            continue
         if isinstance(p, DTensor):
             names = p.device_mesh.mesh_dim_names or ()
             sharded = any(n in dims and not p.placements[i].is_replicate() for i, n in enumerate(names))
@@ -186,14 +219,41 @@ def check_replicas_in_sync(module: nn.Module, dp_mesh: DeviceMesh, other_roots: 
             p = p.to_local()
         replicated[name] = p.detach()
     if not replicated:
-        return
+        return []
     sums = torch.stack([torch.stack((p.double().sum(), p.double().square().sum())) for p in replicated.values()])
     every = sums.new_empty(dp_mesh.size() * sums.shape[0], 2)
-    torch.distributed.all_gather_single(every, sums, group=dp_mesh.get_group())
+    all_gather_single(every, sums, group=dp_mesh.get_group())
     every = every.view(dp_mesh.size(), *sums.shape)
-    differ = [name for name, row in zip(replicated, (every - every[:1]).abs().amax(dim=(0, 2))) if row > 0]
-    if differ:
-        raise RuntimeError(
-            f"the data-parallel replicas of {type(module).__name__} start from different weights, e.g. {differ[:4]}: "
-            "seed every rank alike (`seed_everything`) or broadcast the weights in `configure_model`"
-        )
+    return [name for name, row in zip(replicated, (every - every[:1]).abs().amax(dim=(0, 2))) if row > 0]
+
+
+class SyncedByModule:
+    """Parameters a module keeps in sync over the replicas itself (`check_replicas_in_sync`): still alike after each
+    of the first two optimizer steps, or the run stops, naming them (AdamW's first step moves every replica by the
+    learning rate whatever its gradient: the second tells)."""
+
+    def __init__(self, names: list[str], module: nn.Module, dp_mesh: DeviceMesh) -> None:
+        self.names, self.module, self.dp_mesh, self.steps = names, module, dp_mesh, 0
+
+    @classmethod
+    def check(cls, module: nn.Module, dp_mesh: DeviceMesh, other_roots: tuple[nn.Module, ...] = ()) -> Any:
+        """`check_replicas_in_sync` (collective), and what is left to check after the first steps, or None."""
+        names = check_replicas_in_sync(module, dp_mesh, other_roots)
+        return cls(names, module, dp_mesh) if names else None
+
+    def after_step(self) -> None:
+        """Collective over the replicas, for the first two steps; nothing afterwards."""
+        if self.steps >= 2:
+            return
+        self.steps += 1
+        apart = replicas_apart(self.module, self.dp_mesh, self.names)
+        if apart:
+            raise RuntimeError(
+                f"the data-parallel replicas of {apart[:4]} differ after optimizer step {self.steps}: the module's own "
+                "gradient hooks on them do not keep them in sync; apply data parallelism to them instead"
+            )
+
+
+def _has_grad_hooks(param: torch.Tensor) -> bool:
+    """Whether a module hooked the parameter's gradient itself (to reduce it over the replicas, presumably)."""
+    return bool(getattr(param, "_post_accumulate_grad_hooks", None) or getattr(param, "_backward_hooks", None))

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lit3d.parallel.sharding import BUCKET_ELEMENTS
+from lit3d.strategies.torch_compat import all_gather_single, reduce_scatter_single
 
 if TYPE_CHECKING:
     from lit3d.strategies.zero1 import _Entry
@@ -94,7 +95,7 @@ class Bucket:
             work = self._to_others(received, send[:-1], async_op=True)
         else:
             received = send.new_empty(self.total)
-            work = torch.distributed.reduce_scatter_single(received, send.view(-1), group=self.group, async_op=True)
+            work = reduce_scatter_single(received, send.view(-1), group=self.group, async_op=True)
         self.pending = (work, received, send)
 
     @torch.no_grad()
@@ -132,7 +133,7 @@ class Bucket:
             send[1:].copy_(mine.expand(self.size - 2, -1))  # the same row to every other rank
             self._to_others(gathered, send)
         else:
-            torch.distributed.all_gather_single(gathered.view(-1), mine, group=self.group)
+            all_gather_single(gathered.view(-1), mine, group=self.group)
         for e, offset in zip(self.entries, self.offsets):
             for rank, target in enumerate(e.slices(e.param)):
                 if rank != self.rank and target.numel():

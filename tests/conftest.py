@@ -68,7 +68,12 @@ LAYOUTS: dict[str, tuple[int, dict]] = {
     "dp2_zero3_full_recompute": (2, {"strategy": {"zero_stage": 3, "activation_checkpointing": "full"}}),
     "dp2_zero0_accumulate2": (2, {"strategy": {"zero_stage": 0}, "trainer": {"accumulate_grad_batches": 2}}),
     "dp2_zero1_accumulate2": (2, {"strategy": {"zero_stage": 1}, "trainer": {"accumulate_grad_batches": 2}}),
+    "dp2_zero2_accumulate2": (2, {"strategy": {"zero_stage": 2}, "trainer": {"accumulate_grad_batches": 2}}),
     "dp2_zero3_accumulate2": (2, {"strategy": {"zero_stage": 3}, "trainer": {"accumulate_grad_batches": 2}}),
+    "dp2_zero3_accumulate2_unsharded": (
+        2,
+        {"strategy": {"zero_stage": 3, "accumulate_unsharded": True}, "trainer": {"accumulate_grad_batches": 2}},
+    ),
     "dp2_zero0_unseeded": (2, {"strategy": {"zero_stage": 0}, "unseeded": True, "trainer": {"max_steps": 2}}),
     **{
         f"dp2_zero{z}_accumulate2_comms": (
@@ -213,8 +218,11 @@ class OffloadProbe(L.Callback):
         return {"offload_policies": self.policies, "optimizer_state_devices": self.state_devices}
 
 
-# LoRA on every linear of the blocks, every other weight frozen, compared with its own single-process run.
-LORA = {"model": {"lora": {"rank": 4, "alpha": 8.0, "targets": ["q", "k", "v", "o", "gate", "up", "down"]}}}
+# LoRA on every linear of the blocks, every other weight frozen, with dropout on the adapters' inputs (its masks are the
+# same in every layout: `lit3d.lora_dropout`), compared with its own single-process run.
+LORA = {
+    "model": {"lora": {"rank": 4, "alpha": 8.0, "dropout": 0.1, "targets": ["q", "k", "v", "o", "gate", "up", "down"]}}
+}
 LORA_LAYOUTS = {
     name: (world, {**LORA, "strategy": strategy})
     for name, world, strategy in [
@@ -228,18 +236,25 @@ LORA_LAYOUTS = {
         ("lora_pp2", 2, pp(2)),
         ("lora_pp2_zbv", 2, pp(2, "zbv")),
         ("lora_pp2_interleaved", 2, pp(2, "interleaved_1f1b")),
-        ("lora_dp2_pp2_zero1", 4, {"zero_stage": 1, **pp(2)}),
+        ("lora_dp2_pp2_zero1_full_recompute_accumulate2", 4, {"zero_stage": 1, "activation_checkpointing": "full",
+                                                               **pp(2)}),
         ("lora_dp2_tp2_pp2_zero3", 8, {"tensor_parallel_size": 2, "zero_stage": 3, **pp(2)}),
     ]
 }  # fmt: skip
 # An MoE model with adapters on its attention and on each expert, the experts (and their adapters) split over EP.
-LORA_MOE = {"model": {"config": SMALL_MOE, "lora": {"rank": 4, "alpha": 8.0, "targets": ["q", "v", "gate", "down"]}}}
+LORA_MOE = {
+    "model": {
+        "config": SMALL_MOE,
+        "lora": {"rank": 4, "alpha": 8.0, "dropout": 0.1, "targets": ["q", "v", "gate", "down"]},
+    }
+}
 LORA_LAYOUTS["lora_moe_ep2"] = (2, {**LORA_MOE, "strategy": {"expert_parallel_size": 2}})
 # Context parallelism: the adapters on sequences of 256 tokens, split over 2 ranks.
 LORA_LONG = {**LONG, "model": {**LONG["model"], **LORA["model"]}}
 LORA_LAYOUTS["lora_cp2"] = (2, {**LORA_LONG, "strategy": {"context_parallel_size": 2}})
 LORA_LAYOUTS["lora_dp2_zero3_offload"] = (2, {**LORA, "strategy": {"zero_stage": 3, "offload": True},
                                              "callbacks": [OffloadProbe()]})  # fmt: skip
+LORA_LAYOUTS["lora_dp2_pp2_zero1_full_recompute_accumulate2"][1]["trainer"] = {"accumulate_grad_batches": 2}
 LORA_LAYOUTS["lora_tp2"][1]["checkpoint_every"] = 4
 LORA_LAYOUTS["lora_pp2_resumed_from_tp2"][1]["ckpt_path"] = "job:lora_tp2/ckpts/step=4.ckpt"
 
@@ -433,7 +448,9 @@ COMM_MEASURED = [
     "dp2_zero1",
     "dp2_zero2",
     "dp2_zero3",
+    "dp2_zero2_accumulate2",
     "dp2_zero3_accumulate2",
+    "dp2_zero3_accumulate2_unsharded",
     "dp2_zero3_full_recompute",
     "tp2",
     "tp2_sequence_parallel",

@@ -39,6 +39,36 @@ SHELL = ("bash", "sh", "shell", "console")
 TABLE_START, TABLE_END = "<!-- generated: argument_table -->", "<!-- end generated -->"
 ARGUMENT_TABLE = ROOT / "docs" / "strategy-arguments.md"
 TEST_COMMAND = 'pip install torch==2.13.0 -e ".[test]" && python -m pytest -q'  # .ci/run greps the README for it
+
+# The HuggingFace folders the docs' plans name (as the reader downloads them): their config.json, as published.
+HF_FOLDERS = {
+    "Llama-3.1-8B": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+    },
+}
+
 # NOTE: linked already, written alongside these pages by its own author; an entry here stops mattering once it exists
 
 
@@ -215,6 +245,10 @@ def test_the_plans_in_the_docs_run_and_print_the_output_shown(lightning_commands
     from lit3d.cli import main
 
     monkeypatch.chdir(tmp_path)  # `--map FILE` writes here
+    (tmp_path / "configs").symlink_to(ROOT / "configs")  # `--config configs/X.yaml`
+    for folder, config in HF_FOLDERS.items():  # `--model FOLDER`: the planner reads its config.json alone
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "config.json").write_text(json.dumps(config, indent=2))
     plans = [c for c in all_commands() if c.argv[:1] == ("plan",)]
     assert len(plans) >= 5
     printed: dict[tuple[str, ...], str] = {}

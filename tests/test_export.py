@@ -55,6 +55,7 @@ def test_export_keeps_the_source_bos_eos_and_generation_config(llama_folder, tmp
     tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))  # the run's byte tokenizer
     assert tokenizer("héllo\n", add_special_tokens=False).input_ids == list("héllo\n".encode())
     assert "generation_config.json" in printed and "bos_token_id=5, eos_token_id=7" in printed
+    assert f"generation_config.json: copied from {str(llama_folder)!r}" in printed  # not "'...''s"
 
 
 def test_a_byte_level_run_exports_a_byte_tokenizer_and_no_made_up_ids(tmp_path, capsys):

@@ -133,15 +133,85 @@ def test_each_expert_of_an_moe_layer_has_its_own_adapter_which_merges_into_its_w
 
 @pytest.mark.parametrize("layout", [name for name in LORA_LAYOUTS if "resumed" not in name])
 def test_lora_trains_like_one_process_in_every_layout(layout, layout_runs, request):
-    """Loss and val loss within 1e-5 of the single process (fp32), the frozen base split as any weight is."""
+    """Loss and val loss within 1e-5 of the single process (fp32), the frozen base split as any weight is, with
+    dropout 0.1 on the adapters' inputs: every layout drops what one process drops (an accumulating run validates on
+    smaller micro-batches, other blocks: its losses only)."""
     kind = "moe_" if "moe" in layout else "long_" if "cp" in layout else ""
     reference = request.getfixturevalue(f"reference_lora_{kind}run")
     run = layout_runs[layout]
     assert len(reference["losses"]) == len(run["losses"]) == 8
     assert reference["losses"][-1] < reference["losses"][0] - 0.1  # the adapters learn
-    for key in ("losses", "val_loss"):
+    for key in ("losses",) if "accumulate" in layout else ("losses", "val_loss"):
         assert len(run[key]) == len(reference[key]) > 0, key
         assert max(abs(a - b) for a, b in zip(run[key], reference[key])) <= 1e-5, key
+
+
+def test_dropout_masks_follow_each_elements_place_in_the_run_not_the_layout():
+    """What a rank holds of a batch (every R-th row, a micro-batch, a CP rank's chunks, a slice of the features) is
+    dropped as one process drops those elements; each adapter has masks of its own, and ``p`` of the elements drop."""
+    from lit3d import lora_dropout
+    from lit3d.lora_dropout import LayoutFreeDropout, Samples, keep_mask
+    from lit3d.ring_attention import ContextParallel
+
+    dropout = LayoutFreeDropout(0.25).train()
+    dropout.name = "blocks.0.attn.q_proj.dropout"
+    x = torch.ones(4, 8, 6)
+    try:
+        lora_dropout.use(Samples(first=40, stride=1, count=4, seed=7))  # one process: the global batch's 4 rows
+        whole = dropout(x)
+        assert torch.equal(whole.unique(), torch.tensor([0.0, 1 / 0.75]))  # scaled as torch.nn.Dropout scales
+        with lora_dropout.micro_batch(1, 2):  # a pipeline's second micro-batch
+            assert torch.equal(dropout(x[2:]), whole[2:])
+        lora_dropout.use(Samples(first=41, stride=2, count=2, seed=7))  # data-parallel replica 1 of 2
+        assert torch.equal(dropout(x[1::2]), whole[1::2])
+        lora_dropout.use(Samples(first=40, stride=1, count=4, seed=7))
+        dropout.context_parallel = ContextParallel(None, 2, 1)  # CP rank 1 of 2 holds chunks 1 and 2 of 4
+        assert torch.equal(dropout(x[:, 2:6]), whole[:, 2:6])
+        keys = dropout.token_keys(4, 4, x.device)
+        features = torch.arange(6)
+        assert torch.equal(keep_mask(keys, features[3:], 0.25), keep_mask(keys, features, 0.25)[..., 3:])  # TP
+        other = LayoutFreeDropout(0.25).train()
+        other.name = "blocks.0.attn.v_proj.dropout"
+        assert not torch.equal(other(x[:, 2:6]), whole[:, 2:6])
+        lora_dropout.use(Samples(first=0, stride=1, count=64, seed=7))
+        dropout.context_parallel = None
+        assert (dropout(torch.ones(64, 32, 64)) == 0).float().mean().item() == pytest.approx(0.25, abs=0.01)
+    finally:
+        lora_dropout.use(None)
+
+
+@pytest.mark.parametrize("shares", [None, (6, 2)])
+def test_each_replica_keys_its_rows_by_the_samples_the_sampler_deals_it(shares):
+    """Replica r's rows at micro-step m of optimizer step s are the samples the sampler deals it there, numbered in the
+    run (s x global batch + their place in it), with or without `data_parallel_shares`."""
+    from types import SimpleNamespace
+
+    from lit3d.lora_dropout import training_samples
+    from lit3d.sampler import GlobalBatchSampler
+
+    step, accumulate, replicas, batch = 3, 2, 2, 8
+    for replica in range(replicas):
+        sampler = GlobalBatchSampler(range(64), batch, replicas, replica, shuffle=False, shares=shares)
+        dealt = sampler.mine(torch.arange(batch)).view(accumulate, -1)  # its samples of each global batch, by step
+        trainer = SimpleNamespace(
+            distributed_sampler_kwargs={"num_replicas": replicas, "rank": replica},
+            accumulate_grad_batches=accumulate,
+            strategy=SimpleNamespace(parallelism=SimpleNamespace(data_parallel_shares=shares)),
+            global_step=step,
+        )
+        for micro_step, samples in enumerate(dealt):
+            keyed = training_samples(trainer, batch_idx=10 * accumulate + micro_step, rows=len(samples))
+            assert torch.equal(keyed.ids(torch.device("cpu")), step * batch + samples), (replica, micro_step)
+
+
+def test_the_fused_mask_gpus_compile_is_the_eager_one():
+    """GPUs draw the masks with one compiled kernel (`lit3d.lora_dropout.fused_keep`), the CPU in eager passes over
+    slices of rows: the same bits (compiled here for the CPU)."""
+    from lit3d.lora_dropout import fused_keep, keep_mask, mix
+
+    keys, features = mix(torch.arange(300) * 7919), torch.arange(40, 97)
+    fused = fused_keep()(keys, mix(features ^ 0x9E3779B9), int(0.1 * 2**32))
+    assert torch.equal(fused, keep_mask(keys, features, 0.1)) and 0.05 < 1 - fused.float().mean() < 0.15
 
 
 def test_offload_keeps_the_sharded_states_in_host_memory(layout_runs):

@@ -72,13 +72,17 @@ def _storage(tensor: torch.Tensor) -> int:
     return getattr(tensor, "_local_tensor", tensor).untyped_storage().data_ptr()
 
 
-def planned(zero_stage: int, lora: LoRA | None = None, tp: int = 1, offload: bool = False) -> dict[str, int]:
+def planned(
+    zero_stage: int, lora: LoRA | None = None, tp: int = 1, offload: bool = False, accumulate: int = 1,
+    unsharded: bool = False,
+) -> dict[str, int]:  # fmt: skip
     """What `lit3d plan` counts for rank 0 of this run's layout."""
     dp = 2 // tp
-    training = Training(seq_len=SEQ, micro_batch_size=BATCH // dp, global_batch_size=BATCH, precision="bf16-mixed",
-                        lora=lora)  # fmt: skip
+    training = Training(seq_len=SEQ, micro_batch_size=BATCH // dp // accumulate, global_batch_size=BATCH,
+                        precision="bf16-mixed", lora=lora, accumulate_grad_batches=accumulate)  # fmt: skip
     layout = Layout(dp=dp, tp=tp, pp=1, devices_per_node=2)
-    settings = Parallelism(zero_stage=zero_stage, tensor_parallel_size=tp, offload=offload)
+    settings = Parallelism(zero_stage=zero_stage, tensor_parallel_size=tp, offload=offload,
+                           accumulate_unsharded=unsharded)  # fmt: skip
     cluster = Cluster(nodes=1, gpus_per_node=2)
     return estimate(GPTConfig(**CONFIG), cluster, layout, training, settings).memory_by_stage[0]
 
@@ -91,6 +95,25 @@ LORA_RUNS = {
     "lora_tp2": ({"tensor_parallel_size": 2}, dict(zero_stage=1, tp=2)),
     "lora_dp2_zero3_offload": ({"zero_stage": 3, "offload": True}, dict(zero_stage=3, offload=True)),
 }
+
+
+class GradientsBetweenMicroSteps(L.Callback):
+    """The bytes of gradients the parameters hold after the first micro-step of an accumulation window."""
+
+    def __init__(self) -> None:
+        self.held: int | None = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.held is None and trainer.fit_loop._should_accumulate():
+            grads = [getattr(p.grad, "_local_tensor", p.grad) for p in pl_module.parameters() if p.grad is not None]
+            storages = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes() for g in grads}  # each once
+            self.held = sum(storages.values())
+
+    def results(self) -> dict:
+        return {"grads_between_micro_steps": self.held}
+
+
+ACCUMULATE = {"zero3_accumulate4": False, "zero3_accumulate4_unsharded": True}  # name -> accumulate_unsharded
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +131,10 @@ def runs(corpus, tmp_path_factory) -> dict[str, dict]:
         for z in STAGES
     }
     jobs["zero1"]["checkpoint_every"] = 2
+    for name, unsharded in ACCUMULATE.items():
+        jobs[name] = merge(base, {"strategy": {"zero_stage": 3, "accumulate_unsharded": unsharded},
+                                  "trainer": {**base["trainer"], "accumulate_grad_batches": 4},
+                                  "callbacks": [PeakMemory(step=2), GradientsBetweenMicroSteps()]})  # fmt: skip
     lora = {**asdict(LORA), "targets": list(LORA.targets)}
     for name, (strategy, _) in LORA_RUNS.items():
         jobs[name] = merge(base, {"model": {**base["model"], "lora": lora}, "strategy": strategy,
@@ -206,3 +233,24 @@ def test_offload_moves_the_states_to_the_host_memory_the_plan_counts(runs):
     for report in runs["lora_dp2_zero3_offload"]["ranks"]:
         assert report["memory"]["estimate"] == offloaded
         assert report["peak_memory"]["peak"] == pytest.approx(offloaded["total"] + offloaded["host"], rel=0.05)
+
+
+def test_zero3_accumulates_sharded_gradients_by_default_and_holds_the_planned_peak_either_way(runs):
+    """ZeRO-3 over 4 micro-steps: by default each micro-step reduce-scatters, so a rank holds 1/dp of the gradients
+    (4 bytes a parameter over 2 ranks) from the first micro-step on; with ``accumulate_unsharded`` it holds them whole
+    until the last. The peak of a step is the plan's total in both modes, within 5 %."""
+    from lit3d.model import Transformer
+
+    with torch.device("meta"):
+        elements = sum(p.numel() for p in Transformer(GPTConfig(**CONFIG)).parameters())
+    for name, unsharded in ACCUMULATE.items():
+        plan = planned(3, accumulate=4, unsharded=unsharded)
+        for rank, report in enumerate(runs[name]["ranks"]):
+            assert report["memory"]["estimate"] == plan and report["memory"]["grads"] == plan["grads"], (name, rank)
+            assert report["peak_memory"]["peak"] == pytest.approx(plan["total"], rel=0.05), (name, rank, plan)
+            held = report["grads_between_micro_steps"]
+            assert held == (0 if unsharded else pytest.approx(4 * elements / 2, rel=0.01)), (name, rank, held)
+    sharded, whole = (planned(3, accumulate=4, unsharded=u)["total"] for u in ACCUMULATE.values())
+    peaks = [max(r["peak_memory"]["peak"] for r in runs[name]["ranks"]) for name in ACCUMULATE]
+    assert whole > sharded and peaks[1] > peaks[0], (sharded, whole, peaks)
+    assert runs["zero3_accumulate4"]["losses"] == pytest.approx(runs["zero3_accumulate4_unsharded"]["losses"], rel=1e-5)

@@ -169,7 +169,7 @@ def test_configs_chat_yaml_tunes_a_huggingface_folder_on_chat_data_and_exports_t
     assert run.returncode == 0, run.stderr[-3000:]
     losses = logged(tmp_path / "runs" / "chat" / "version_0", "train_loss")
     assert len(losses) == 2 and all(np.isfinite(losses))
-    ckpt = next((tmp_path / "runs" / "chat" / "version_0" / "checkpoints").glob("*.ckpt"))
+    ckpt = tmp_path / "runs" / "chat" / "checkpoints" / "last.ckpt"  # the config's fixed folder
     export = lit3d("export", "--ckpt_path", str(ckpt), "--output", str(tmp_path / "adapter"), "--adapter", cwd=tmp_path)
     assert export.returncode == 0, export.stderr[-3000:]
     assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["r"] == 16

@@ -137,6 +137,26 @@ def test_the_page_fetches_nothing_and_a_notebook_shows_it_in_a_frame():
     assert frame.startswith("<iframe srcdoc=") and "&lt;script" in frame and 'sandbox="allow-scripts"' in frame
 
 
+def test_an_moe_page_names_each_gpu_s_share_of_the_experts_and_outlines_its_expert_group(browser, tmp_path):
+    """Issue 47, item 15: with ep 2 over d 8, GPU 3 (d3) holds the second half of the experts of group 1 (d2, d3)."""
+    explorer = explore("moe-tiny", Cluster(nodes=1, gpus_per_node=8), seq_len=256, global_batch_size=64)
+    page, elsewhere, errors = open_offline(browser, Path(explorer.save(str(tmp_path / "moe.html"))))
+    data = explorer.data
+    set_slider(page, "t", 1, data["axes"]["t"])
+    set_slider(page, "p", 1, data["axes"]["p"])
+    set_slider(page, "ep", 2, data["axes"]["ep"])
+    page.focus("#d")
+    page.keyboard.press("End")  # d = 8
+    page.check("#show-ep")
+    page.click('.gpu[data-rank="3"]')
+    titles = [page.get_attribute(f'.gpu[data-rank="{r}"]', "title") for r in range(4)]
+    assert titles == [f"GPU {r}: t0 p0 d{r} e{r % 2}, expert group {r // 2}" for r in range(4)]
+    assert [int(r) for r in page.eval_on_selector_all(".gpu.ep", "cells => cells.map(c => c.dataset.rank)")] == [2, 3]
+    panel = page.text_content("#panel")
+    assert "expert group 1: 2 GPUs (d 2-3), each holding 1/2 of every MoE layer's experts" in panel
+    assert not elsewhere and not errors, (elsewhere, errors)
+
+
 def gpt3_page():
     return explore("gpt3-175b", Cluster(nodes=128), seq_len=2048, global_batch_size=1536)
 

@@ -138,21 +138,25 @@ def test_compile_is_planned_fused_and_passed_to_the_run(capsys):
     assert "--trainer.strategy.compile=true" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("zero_stage, ratio", [(0, 1 / 2), (1, 4 / 6), (2, 4 / 6), (3, None)])
-def test_gradients_reduced_in_bf16_send_the_dp_bytes_the_run_sends(zero_stage, ratio, capsys):
+@pytest.mark.parametrize(
+    "zero_stage, unsharded, ratio", [(0, "false", 1 / 2), (1, "false", 4 / 6), (2, "true", 4 / 6), (2, "false", None),
+                                     (3, "false", None)],
+)  # fmt: skip
+def test_gradients_reduced_in_bf16_send_the_dp_bytes_the_run_sends(zero_stage, unsharded, ratio, capsys):
     """Under bf16-mixed the run reduces gradients in fp32 unless ``mixed_precision_reduce="bfloat16"``: 2 bytes per
     gradient element instead of 4. ZeRO-0 all-reduces gradients only (half the bytes); ZeRO-1 reduce-scatters them
-    and all-gathers the bf16 parameters (4 + 2 bytes per element become 2 + 2), as does ZeRO-2."""
+    and all-gathers the bf16 parameters (4 + 2 bytes per element become 2 + 2), as does ZeRO-2 once per step with
+    ``accumulate_unsharded``; by default it reduce-scatters at each of the step's micro-steps."""
     args = ["plan", "--model", "llama-8b", "--nodes", "2", "--tensor_parallel_size", "2", "--pipeline_parallel_size",
             "1", "--zero_stage", str(zero_stage), "--seq_len", "4096", "--global_batch_size", "64",
-            "--json"]  # fmt: skip
+            "--accumulate_unsharded", unsharded, "--json"]  # fmt: skip
     sent = {}
     for dtype in ("float32", "bfloat16"):
         main([*args, "--mixed_precision_reduce", dtype])
         sent[dtype] = json.loads(capsys.readouterr().out)["communication_per_step"]["dp"]["bytes"]
     if ratio is not None:
         assert sent["bfloat16"] == pytest.approx(sent["float32"] * ratio, rel=1e-12)
-    else:  # ZeRO-3 gathers each block's bf16 weights for every forward and backward beside one gradient reduction
+    else:  # ZeRO-2/3 gather bf16 weights beside the gradient reductions
         assert sent["float32"] > sent["bfloat16"] > sent["float32"] / 2
     main([*args[:-1], "--precision", "32-true", "--mixed_precision_reduce", "bfloat16", "--json"])
     fp32 = json.loads(capsys.readouterr().out)["communication_per_step"]["dp"]["bytes"]

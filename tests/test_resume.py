@@ -25,11 +25,45 @@ def test_the_newest_complete_checkpoint_is_chosen_and_a_corrupt_one_is_named_and
         assert newest_complete_checkpoint([folder]) == folder / "step=2.ckpt"
 
 
-def test_without_a_complete_checkpoint_training_starts_fresh_and_says_so(tmp_path, caplog):
+def test_without_a_checkpoint_training_starts_fresh_and_says_so(tmp_path, caplog):
     (tmp_path / "step=2.ckpt.partial").mkdir()
     with caplog.at_level("INFO"):
         assert newest_complete_checkpoint([tmp_path, tmp_path / "missing"]) is None
-    assert "no complete checkpoint" in caplog.text and "starting fresh" in caplog.text
+    assert "no checkpoint in" in caplog.text and "starting fresh" in caplog.text
+
+
+def test_checkpoints_that_are_all_broken_are_refused_by_name_rather_than_a_fresh_start(tmp_path):
+    save(tmp_path / "step=2.ckpt", {"state_dict": {"w": torch.ones(100)}}, {}, True)
+    (tmp_path / "step=2.ckpt" / "meta.pt").unlink()
+    refused = pytest.raises(ValueError, match=r"no checkpoint in .* is complete .*step=2.ckpt")
+    with pytest.warns(UserWarning, match="skipping"), refused:
+        newest_complete_checkpoint([tmp_path])
+
+
+def test_last_finds_the_checkpoints_of_the_loggers_earlier_versions(tmp_path):
+    """A config without a fixed checkpoint folder: its first run wrote runs/tiny/version_0/checkpoints; the requeued
+    run (version_1) resumes from there."""
+    import lightning as L
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lit3d.strategies.resume import checkpoint_folders
+
+    old = tmp_path / "runs" / "tiny" / "version_0" / "checkpoints"
+    save(old / "epoch=0-step=40.ckpt", {"state_dict": {"w": torch.ones(4)}}, {}, True)
+    logger = CSVLogger(str(tmp_path / "runs"), name="tiny")
+    trainer = L.Trainer(logger=logger, default_root_dir=tmp_path, enable_progress_bar=False)
+    assert newest_complete_checkpoint(checkpoint_folders(trainer)) == old / "epoch=0-step=40.ckpt"
+
+
+def test_every_shipped_config_checkpoints_into_a_fixed_folder():
+    from pathlib import Path
+
+    import yaml
+
+    for path in sorted((Path(__file__).parents[1] / "configs").glob("*.yaml")):
+        callbacks = yaml.safe_load(path.read_text())["trainer"].get("callbacks") or []
+        folders = [c["init_args"]["dirpath"] for c in callbacks if c["class_path"].endswith("ModelCheckpoint")]
+        assert folders == [f"runs/{path.stem}/checkpoints"], path.name
 
 
 @pytest.mark.parametrize("name", ["last.ckpt", "epoch=0-step=9.ckpt"])

@@ -21,6 +21,13 @@ JOBS = {
     "3d_llama_tp2": {"user_module": LLAMA, "strategy": TP2},
     "3d_single_file": {"user_module": {}, "strategy": {"save_distributed_checkpoint": False}, "checkpoint_every": 5,
                        "whole_param_sum": True},
+    **{
+        f"{kind}_dp2_gain_{gain}": {"user_module": {"tensor_parallel": False, "gain": gain}, "strategy": DP2,
+                                    **({"lightning_strategy": True} if kind == "mp" else {})}
+        for kind in ("mp", "3d") for gain in ("frozen", "averaged")
+    },
+    "3d_dp2_gain_hooked": {"user_module": {"tensor_parallel": False, "gain": "hooked"}, "strategy": DP2,
+                           "expect_error": True},
     "3d_dp2_nothing_syncs": {"user_module": {"tensor_parallel": False, "data_parallel": False}, "strategy": DP2,
                              "expect_error": True},
     "3d_dp2_apart": {"user_module": {"tensor_parallel": False, "data_parallel": "replicate", "seed_by_rank": True},
@@ -52,7 +59,10 @@ def runs(user_runs, user_runs_4, name: str) -> dict:
     return user_runs_4[name] if name in JOBS_4 else user_runs[name]
 
 
-@pytest.mark.parametrize("layout", ["dp2", "tp2", "defaults", "llama_dp2", "llama_tp2", "llama_dp2tp2", "defaults_2x2"])
+LAYOUTS = ["dp2", "tp2", "defaults", "llama_dp2", "llama_tp2", "llama_dp2tp2", "defaults_2x2"]
+
+
+@pytest.mark.parametrize("layout", [*LAYOUTS, "dp2_gain_frozen", "dp2_gain_averaged"])
 def test_a_model_parallel_strategy_module_trains_as_under_model_parallel_strategy(user_runs, user_runs_4, layout):
     lightning, lit3d = (runs(user_runs, user_runs_4, f"{kind}_{layout}")["losses"] for kind in ("mp", "3d"))
     assert len(set(lightning)) == 5  # five steps on five batches, the weights changing in between
@@ -62,6 +72,7 @@ def test_a_model_parallel_strategy_module_trains_as_under_model_parallel_strateg
 @pytest.mark.parametrize("name, message", [
     ("3d_dp2_nothing_syncs", "has parameters that nothing keeps in sync over the 2 data-parallel replicas"),
     ("3d_dp2_apart", "the data-parallel replicas of ParallelisesItself start from different weights"),
+    ("3d_dp2_gain_hooked", "the data-parallel replicas of ['gain'] differ after optimizer step 2"),
 ])  # fmt: skip
 def test_replicas_that_would_drift_apart_are_refused_before_training_on_every_rank(user_runs, name, message):
     for rank in user_runs[name]["ranks"]:
@@ -100,10 +111,24 @@ def test_a_single_file_checkpoint_loads_in_a_plain_lightning_module_on_one_devic
     model = ParallelisesItself.load_from_checkpoint(file, tensor_parallel=False, data_parallel=False)
     param_sum = sum(float(p.detach().double().sum()) for p in model.parameters())
     assert param_sum == pytest.approx(user_runs["3d_single_file"]["whole_param_sum"], rel=1e-6)
-    from lit3d.strategies.checkpointing import Checkpoints
+    # The whole state, as one process holds it: a plain Lightning run resumes it, AdamW's states included.
+    optimizer = torch.load(file)["optimizer_states"][0]
+    assert optimizer["param_groups"][0]["params"] == [0, 1, 2, 3] and sorted(optimizer["state"]) == [0, 1, 2, 3]
+    import lightning as L
+    from user_modules import RegressionData
 
-    with pytest.raises(ValueError, match="is a single-file checkpoint .* does not resume"):  # weights only
-        Checkpoints().load(file, dict, [], None, (0, None))
+    plain = ParallelisesItself(tensor_parallel=False, data_parallel=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=6,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(plain, RegressionData(), ckpt_path=file)
+    assert trainer.global_step == 6
 
 
 @pytest.fixture
@@ -162,3 +187,31 @@ def test_sizes_that_do_not_fit_the_ranks_are_a_runtime_error_as_under_lightning(
         trainer.fit(ParallelisesItself(), RegressionData())
     with pytest.raises(ValueError):
         trainer.fit(ParallelisesItself(), RegressionData())
+
+
+def test_no_fsdp2_unit_returns_a_view_that_an_in_place_op_could_break(tmp_path, text_folder, own_process_group):
+    """FSDP2 warns when a unit returns a view: an in-place op on it (``out += y``) would drop the unit's pre-backward
+    hook. lit3d's own units (a GPT's blocks and root under ZeRO-3) return none, nor does this suite's module that
+    parallelises itself (its row-parallel layer's output stays a DTensor inside the unit: `user_modules`)."""
+    import warnings
+
+    import lightning as L
+    from user_modules import ParallelisesItself, RegressionData
+
+    from lit3d import GPT, GPTConfig
+    from lit3d.data import TextDataModule
+    from lit3d.strategies import Parallel3DStrategy
+
+    def views(module: L.LightningModule, data: L.LightningDataModule, **strategy) -> list[str]:
+        trainer = L.Trainer(accelerator="cpu", devices=1, strategy=Parallel3DStrategy(**strategy), max_steps=2,
+                            logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, default_root_dir=tmp_path)  # fmt: skip
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(module, data)
+        return [str(w.message) for w in caught if "returned a view tensor" in str(w.message)]
+
+    assert views(ParallelisesItself(), RegressionData()) == []  # TP and FSDP2 over meshes of one
+    config = GPTConfig(n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=64, vocab_size=256, max_seq_len=16)
+    data = TextDataModule(data_path=str(text_folder), seq_len=16, global_batch_size=2)
+    assert views(GPT(config), data, zero_stage=3, offload=True) == []  # FSDP2 units on one process

@@ -25,12 +25,29 @@ class ParallelisesItself(L.LightningModule):
         data_parallel: `fully_shard` over ``device_mesh["data_parallel"]``; ``"replicate"``: FSDP2's replicate
             (no sharding, no broadcast of the weights); ``False``: nothing syncs the replicas.
         seed_by_rank: Draw the weights from a per-rank seed (replicas that start apart).
+        gain: A scalar parameter beside the network, outside its data parallelism, that scales its output:
+            ``"frozen"`` (no gradient), ``"averaged"`` (its own gradient hook averages it over the replicas),
+            ``"hooked"`` (a hook that does not), or None (no such parameter).
     """
 
-    def __init__(self, tensor_parallel: bool = True, data_parallel: bool | str = True, seed_by_rank: bool = False):
+    def __init__(
+        self,
+        tensor_parallel: bool = True,
+        data_parallel: bool | str = True,
+        seed_by_rank: bool = False,
+        gain: str | None = None,
+    ):
         super().__init__()
         self.tensor_parallel, self.data_parallel, self.seed_by_rank = tensor_parallel, data_parallel, seed_by_rank
         self.net: nn.Module | None = None
+        self.gain = None if gain is None else nn.Parameter(torch.ones(1), requires_grad=gain != "frozen")
+        if gain in ("averaged", "hooked"):
+            self.gain.register_hook(self._averaged if gain == "averaged" else lambda grad: grad)
+
+    def _averaged(self, grad: torch.Tensor) -> torch.Tensor:
+        group = self.device_mesh["data_parallel"].get_group()
+        torch.distributed.all_reduce(grad, group=group)
+        return grad / torch.distributed.get_world_size(group)
 
     def configure_model(self) -> None:
         from torch.distributed.fsdp import fully_shard
@@ -42,7 +59,10 @@ class ParallelisesItself(L.LightningModule):
             torch.manual_seed(self.global_rank)
         self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8))
         if self.tensor_parallel:
-            plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+            # NOTE: the row-parallel output stays a DTensor inside the FSDP2 unit, and `training_step` takes its local
+            # tensor: `to_local()` is a view, and FSDP2 warns about a unit that returns one (an in-place op on it would
+            # drop the unit's pre-backward hook).
+            plan = {"0": ColwiseParallel(), "2": RowwiseParallel(use_local_output=False)}
             parallelize_module(self.net, self.device_mesh["tensor_parallel"], plan)
         if self.data_parallel == "replicate":
             from torch.distributed._composable.replicate_with_fsdp import replicate
@@ -53,7 +73,9 @@ class ParallelisesItself(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        loss = F.mse_loss(self.net(x), y)
+        out = self.net(x)
+        out = out.to_local() if hasattr(out, "to_local") else out  # a DTensor under TP (`configure_model`)
+        loss = F.mse_loss(out if self.gain is None else out * self.gain, y)
         self.log("train_loss", loss, sync_dist=True, on_step=True, on_epoch=False)
         return loss
 

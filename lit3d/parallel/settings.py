@@ -76,6 +76,14 @@ class Parallelism:
         states, the gradients reduce-scattered at the step (DDP's bytes); 2 and parameters between steps
         (gathered once per step); 3 and parameters gathered block by block.""",
     )
+    accumulate_unsharded: bool = _setting(
+        False,
+        """``True``: under gradient accumulation, keep the gradients whole on every rank until the window's last
+        micro-step (ZeRO-2/3: one reduce-scatter per step, for the memory of the whole gradients). ``False``:
+        reduce-scatter them at every micro-step, so they accumulate as shards, 1/dp of them per rank (as FSDP2 and
+        torchtitan do). A pipeline's micro-batches sum whole within a schedule either way (PyTorch's
+        ``PipelineStage``).""",
+    )
     offload: bool = _setting(
         False,
         """ZeRO-3 only: keep the sharded parameters, their gradients and the optimizer states in CPU memory (FSDP2's
@@ -250,7 +258,7 @@ class Parallelism:
                 "start_method='popen' cannot start ranks from a notebook or an interactive session: "
                 "use start_method='fork' (or leave it unset), or run a script"
             )
-        for name in ("async_checkpoint", "save_distributed_checkpoint"):
+        for name in ("async_checkpoint", "save_distributed_checkpoint", "accumulate_unsharded"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         if self.islands > 1 and not self.save_distributed_checkpoint:
@@ -285,6 +293,8 @@ class Parallelism:
         """Settings that are allowed but do nothing here."""
         if self.sequence_parallel and self.tensor_parallel_size == 1:
             return ["sequence_parallel=True does nothing with tensor_parallel_size=1"]
+        if self.accumulate_unsharded and self.zero_stage < 2:
+            return [f"accumulate_unsharded=True does nothing at zero_stage={self.zero_stage} (ZeRO-2/3 only)"]
         return []
 
     @property

@@ -55,14 +55,18 @@ def memory_by_stage(
     adapter_copies = cast and lora is not None and precision.weights > a
     weight_copies = autocast_weight_bytes(config, tp, lora, copies, adapter_copies)
     summed = microbatches > 1  # gradients summed over micro-steps (accumulation) or a pipeline's micro-batches
+    # ZeRO-2/3's accumulation without a pipeline: reduce-scattered at every micro-step, summed as shards
+    as_shards = summed and pp == 1 and zero_stage >= 2 and layout.replicas > 1 and not settings.accumulate_unsharded
     offload = settings.offload  # ZeRO-3's shards, gradients and optimizer states in host memory
-    # Whole gradients before backward starts: DDP's buckets, the parameters' sums of earlier micro-steps, or both.
+    # Gradients before backward starts: DDP's buckets, the parameters' sums of earlier micro-steps, or both; the
+    # shards of earlier micro-steps.
     ddp = layout.replicas > 1 and zero_stage == 0 and not params_cast_by_fsdp(layout, 0, precision)
-    grads_from_start = int(ddp) + int(summed and (zero_stage == 0 or layout.replicas == 1))
+    grads_from_start = int(ddp) + int(summed and (zero_stage == 0 or layout.replicas == 1)) + int(as_shards)
     placement = SCHEDULES[schedule].placement  # which chunks each pipeline rank holds
     by_stage, params_per_rank, key = [], 0, config_key(config, lora, settings.pipeline_stage_layers)
     for stage_rank in range(pp):
-        held = _stage_state(key, layout, virtual, stage_rank, placement, zero_stage, precision, summed, offload)
+        unsharded_sums = summed and not as_shards
+        held = _stage_state(key, layout, virtual, stage_rank, placement, zero_stage, precision, unsharded_sums, offload)
         memory, layers, holds_head, transient, params = dict(held[0]), *held[1:]
         params_per_rank = max(params_per_rank, params)
         in_flight = peak_in_flight(schedule, pp, schedule_m, virtual, stage_rank)

@@ -49,6 +49,8 @@ function slider(name, values) {
 function clampD() { const v = dValues(); if (!v.includes(S.d)) S.d = Math.max(...v.filter(x => x <= S.d), 1); }
 function coords(r) { const T = S.t, C = S.cp, Dd = S.d;
   return {t: r % T, c: Math.floor(r / T) % C, d: Math.floor(r / (T * C)) % Dd, p: Math.floor(r / (T * C * Dd))}; }
+function where(c) {  // a GPU's coordinates; e: its share of each MoE layer's experts, in its expert-parallel group
+  return 't' + c.t + ' p' + c.p + (S.cp > 1 ? ' c' + c.c : '') + ' d' + c.d + (S.ep > 1 ? ' e' + c.d % S.ep : ''); }
 function sameGroup(axis, a, b) {
   if (axis === 'tp') return a.d === b.d && a.c === b.c && a.p === b.p;
   if (axis === 'dp') return a.t === b.t && a.c === b.c && a.p === b.p;
@@ -80,8 +82,8 @@ function draw() {
     for (let r = node * per; r < Math.min(n, (node + 1) * per); r++) {
       const c = coords(r), cell = document.createElement('div'); cell.className = 'gpu';
       cell.dataset.rank = r; cell.style.background = 'hsl(' + (c.p * 137.5 % 360) + ',60%,78%)';
-      cell.title = 'GPU ' + r + ': t' + c.t + ' p' + c.p + (S.cp > 1 ? ' c' + c.c : '') + ' d' + c.d;
-      cell.textContent = 't' + c.t + ' p' + c.p + (S.cp > 1 ? ' c' + c.c : '') + ' d' + c.d;
+      cell.title = 'GPU ' + r + ': ' + where(c) + (S.ep > 1 ? ', expert group ' + Math.floor(c.d / S.ep) : '');
+      cell.textContent = where(c);
       if (e.stages) { const row = D.rows[e.stages[c.p]], total = row[D.components.indexOf('total')];
         cell.appendChild(document.createElement('br')); cell.append(gb(total));
         if (total > D.training.usable_gb * 1e9) cell.classList.add('over'); }
@@ -95,8 +97,10 @@ function draw() {
 }
 function panel(e, c) {
   const p = $('panel');
-  let h = '<b>GPU ' + S.rank + '</b> (t' + c.t + ' p' + c.p + (S.cp > 1 ? ' c' + c.c : '') + ' d' + c.d +
-          ', node ' + Math.floor(S.rank / D.cluster.gpus_per_node) + ')';
+  let h = '<b>GPU ' + S.rank + '</b> (' + where(c) + ', node ' + Math.floor(S.rank / D.cluster.gpus_per_node) + ')';
+  if (S.ep > 1) h += '<br>expert group ' + Math.floor(c.d / S.ep) + ': ' + S.ep + ' GPUs (d ' +
+    Math.floor(c.d / S.ep) * S.ep + '-' + (Math.floor(c.d / S.ep) * S.ep + S.ep - 1) + '), each holding 1/' + S.ep +
+    ' of every MoE layer\'s experts';
   if (!e.stages) { p.innerHTML = h; const why = document.createElement('p'); why.textContent = e.error;
     p.appendChild(why); return; }
   const row = D.rows[e.stages[c.p]];
@@ -165,7 +169,8 @@ def render(data: dict[str, Any]) -> str:
  {cluster["gpus"]}, <span id="grids"></span> grid(s) of t x p: <span id="status"></span></div>
 <div id="main"><div id="grid"></div><div id="side"><div id="panel"></div>
 <h3>fastest layouts that fit</h3><ol id="ranking"></ol>
-<div class="more">Each cell is one GPU: t, p, d its coordinates (colour: pipeline stage), and what its stage holds at
+<div class="more">Each cell is one GPU: t, p, d its coordinates (with expert parallelism, e: its share of the experts
+in its group of consecutive d; colour: pipeline stage), and what its stage holds at
 the step's peak (hatched: more than usable; past 128 GPUs the cells are small, their coordinates in a tooltip).
 Click a GPU for what it holds and sends; tick a group to outline it.</div>
 </div></div>

@@ -3,7 +3,8 @@ the planner's estimate, the memory it holds; coloured by pipeline stage. Several
 other, each with its memory, step time and the traffic on each link, to answer "which layout, and why"; the picture
 keeps a page's width (eight devices per row) so that it stays readable when shrunk.
 
-Small fleets are drawn whole (each cell also names its replica d). A large fleet repeats the same pattern for
+Small fleets are drawn whole (each cell also names its replica d; with expert parallelism, e: which share of each
+MoE layer's experts it holds). A large fleet repeats the same pattern for
 every data-parallel replica, so only the nodes that hold replica d = 0 are drawn, with the replica count in
 the title. A tensor-parallel group that spans nodes is outlined in red: its traffic leaves the fast link.
 
@@ -124,6 +125,7 @@ class RankMap:
                     Rectangle((x, -row - 1), 0.94, 0.9, facecolor=colour, edgecolor=edge[0], linewidth=edge[1])
                 )
                 label = f"r{rank}\nt{t} p{p}" + (f" c{c}" if layout.cp > 1 else "") + ("" if one_replica else f" d{d}")
+                label += f" e{d % layout.ep}" if layout.ep > 1 else ""
                 label += f" i{layout.island(rank)}" if layout.islands > 1 else ""
                 if self.plan is not None and shown:
                     label += "\n" + size(self.plan.memory_by_stage[p]["total"])
@@ -152,8 +154,9 @@ class RankMap:
         from lit3d.planner.units import plural, size
 
         layout = self.layout
-        cp = f" x cp {layout.cp}" if layout.cp > 1 else ""
-        lines = [f"{layout.world_size} {plural(self.device)} = dp {layout.dp}{cp} x tp {layout.tp} x pp {layout.pp} on "
+        ep = f" (ep {layout.ep} within dp)" if layout.ep > 1 else ""
+        dp = f"{layout.dp}{ep}" + (f" x cp {layout.cp}" if layout.cp > 1 else "")
+        lines = [f"{layout.world_size} {plural(self.device)} = dp {dp} x tp {layout.tp} x pp {layout.pp} on "
                  f"{layout.num_nodes} node(s); colour = pipeline stage"]  # fmt: skip
         if self.kinds is not None:
             names = list(dict.fromkeys(self.kinds))
@@ -161,6 +164,11 @@ class RankMap:
             lines[0] = lines[0].replace("colour = pipeline stage", f"colour = GPU kind ({legend})")
         if layout.islands > 1:
             lines[0] = lines[0].replace(" = ", f" = {layout.islands} DiLoCo islands (i) x ", 1)
+        if layout.ep > 1:
+            lines.append(
+                f"e = share of each MoE layer's experts: expert-parallel groups of {layout.ep} consecutive d (ranks "
+                f"{layout.tp * layout.cp} apart); the {layout.dp // layout.ep} groups hold the same experts"
+            )
         if layout.cp > 1:
             lines.append(f"c = place in the context-parallel ring (ranks {layout.tp} apart; each holds sequence chunks "
                          f"c and {2 * layout.cp - 1}-c)")  # fmt: skip

@@ -119,15 +119,20 @@ def format_search(
     dropped: dict[str, int],
     top: int,
     given: frozenset[str] = frozenset(),
+    command: str | None = None,
+    nearest_miss: Candidate | None = None,
 ) -> str:
-    """The best ``top`` layouts of a search, each with why, and the command that runs the best (with the settings
-    ``given``)."""
+    """The best ``top`` layouts of a search, each with why, and the command that runs the best (``command``: the whole
+    ``lit3d fit`` command, `lit3d.planner.launch.fit_command`; else its strategy flags, with the settings ``given``);
+    if none fits, the layout that needs the least memory (``nearest_miss``) and what it lacks."""
     lines = [
         f"lit3d plan: {describe(config, cluster)}",
         f"{len(candidates)} layout(s) fit; dropped {dropped['invalid']} invalid and "
         f"{dropped['out_of_memory']} that do not fit in memory",
     ]
     if not candidates:
+        if nearest_miss is not None:
+            lines += format_miss(cluster, nearest_miss)
         lines.append(
             "nothing fits: add GPUs, use a longer pipeline or more tensor parallelism, "
             "lower micro_batch_size or seq_len"
@@ -148,10 +153,19 @@ def format_search(
             f"{c.plan.mfu:>6.1%}"
         )
         lines.append(f"    why: {why(c, cluster)}")
-    lines.append(
-        f"run the best with: lit3d fit ... --trainer.strategy=Parallel3DStrategy {run_flags(candidates[0], given)}"
-    )
+    command = command or f"lit3d fit ... --trainer.strategy=Parallel3DStrategy {run_flags(candidates[0], given)}"
+    lines.append(f"run the best with: {command}")
     return "\n".join(lines)
+
+
+def format_miss(cluster: Cluster, candidate: Candidate) -> list[str]:
+    """The report's lines on the layout that needs the least memory when none fits: its settings, and by how much."""
+    usable = cluster.gpu_memory_gb * (1 - candidate.training.headroom)
+    needed = candidate.plan.memory_per_gpu["total"] / GB
+    return [
+        f"nearest miss: {settings(candidate)}",
+        f"  needs {needed:.1f} GB per {cluster.device} of {usable:.1f} usable: {needed - usable:.1f} GB short",
+    ]
 
 
 # Settings `run_flags` writes whatever their value (the search chose them), in this order, and those it leaves out:
@@ -179,7 +193,9 @@ def run_flags(candidate: Candidate, given: frozenset[str] = frozenset()) -> str:
         text += f" --trainer.strategy.islands={layout.islands} --trainer.strategy.sync_every={run.sync_every}"
     if run.splits_sequence:  # planned with it (`PLANNING_DEFAULTS`), which the strategy leaves off unless told
         text += " --trainer.strategy.sequence_parallel=true"
-    written.add("sequence_parallel")
+    if run.accumulate_unsharded:  # the search's choice where memory allows
+        text += " --trainer.strategy.accumulate_unsharded=true"
+    written.update(("sequence_parallel", "accumulate_unsharded"))
     default = defaults()
     for f in fields(Parallelism):
         if f.name in given and f.name not in written and getattr(run, f.name) != default.get(f.name):

@@ -18,9 +18,10 @@ from lit3d.parallel.layout import ZERO_STAGES, Layout, check_islands, check_size
 from lit3d.parallel.settings import Parallelism
 from lit3d.planner.estimate import PLANNING_DEFAULTS, Cluster, Training, estimate, sizes_of
 from lit3d.planner.islands import format_islands, versus_synchronous
+from lit3d.planner.launch import Launch, fit_command
 from lit3d.planner.pipeline import candidates, choose_schedule
 from lit3d.planner.rankmap import RankMap
-from lit3d.planner.report import format_plan, format_search, format_verify
+from lit3d.planner.report import format_plan, format_search, format_verify, run_flags
 from lit3d.planner.search import Candidate, check_inputs, layout_problem, search
 from lit3d.planner.verify import StageCount, verify
 
@@ -48,6 +49,7 @@ class Request:
         top: How many layouts a search reports (JSON: the best and ``top - 1`` alternatives).
         verify: Parallelise the real model on the meta device for the chosen layout and compare its per-rank
             parameter counts with the planner's (imports torch and the strategy).
+        launch: How the ``lit3d fit`` command that runs the plan names its config and model (`fit_command`).
     """
 
     model: GPTConfig | str = "llama-8b"
@@ -57,10 +59,18 @@ class Request:
     fixed: frozenset[str] = frozenset()
     top: int = 5
     verify: bool = False
+    launch: Launch = Launch()
 
     @classmethod
     def given(
-        cls, model: GPTConfig | str, cluster: Cluster | None = None, *, top: int = 5, verify: bool = False, **given: Any
+        cls,
+        model: GPTConfig | str,
+        cluster: Cluster | None = None,
+        *,
+        top: int = 5,
+        verify: bool = False,
+        launch: Launch | None = None,
+        **given: Any,
     ) -> Request:
         """A request that fixes the settings ``given`` by name (fields of `Training` and of `Parallelism`) and
         leaves the rest to the planner: ``seq_len`` the model's longest, the other numbers `Training`'s defaults,
@@ -74,7 +84,7 @@ class Request:
         numbers = {f.name: given.pop(f.name) for f in fields(Training) if f.name in given}
         training = Training(**{"seq_len": config.max_seq_len, **numbers})
         return cls(config, cluster or Cluster(), training, planning_defaults(**given), frozenset({*numbers, *given}),
-                   top, verify)  # fmt: skip
+                   top, verify, launch or Launch())  # fmt: skip
 
     @property
     def fixes_layout(self) -> bool:
@@ -115,6 +125,7 @@ class Report:
         islands: With DiLoCo's islands, the chosen layout's outer step against synchronous DP
             (`lit3d.planner.islands.versus_synchronous`).
         verified: ``--verify``'s per-stage parameter counts of the chosen layout, real against planned.
+        nearest_miss: When nothing fits a search, the layout that needs the least memory.
     """
 
     request: Request
@@ -123,6 +134,7 @@ class Report:
     dropped: dict[str, int] | None = None
     islands: dict[str, Any] | None = None
     verified: list[StageCount] | None = None
+    nearest_miss: Candidate | None = None
 
     @property
     def searched(self) -> bool:
@@ -145,6 +157,10 @@ class Report:
             alternatives = [c.plan.to_dict() for c in self.candidates[1 : self.request.top]]
             report.update(alternatives=alternatives, dropped=self.dropped)
         report.update(model=self.config.name, cluster=asdict(self.request.cluster), fits=report.get("fits", False))
+        if best:
+            report["command"] = self.command(best)
+        if self.nearest_miss:
+            report["nearest_miss"] = self.nearest_miss.plan.to_dict()
         if self.islands:
             report["islands"] = self.islands
         if self.verified is not None:
@@ -153,6 +169,12 @@ class Report:
                 for c in self.verified
             ]
         return report
+
+    def command(self, candidate: Candidate) -> str:
+        """The ``lit3d fit`` command that runs ``candidate`` as planned."""
+        request = self.request
+        flags = run_flags(candidate, request.fixed)
+        return fit_command(candidate, request.cluster, self.config, request.launch, flags)
 
     def rank_maps(self) -> list[RankMap]:
         """The rank map of the layout, or of a search's best three."""
@@ -252,6 +274,7 @@ def _search(request: Request, config: GPTConfig) -> Report:
         sizes["data_parallel_size"] //= settings.islands  # (of one island)
     zero, checkpointing = request.fixed_value("zero_stage"), request.fixed_value("activation_checkpointing")
     schedules = candidates(request.fixed_value("pipeline_schedule"), request.fixed_value("virtual_pipeline_size"))
+    misses: list[Candidate] = []
     fitting, dropped = search(
         config,
         request.cluster,
@@ -261,18 +284,23 @@ def _search(request: Request, config: GPTConfig) -> Report:
         zero_stages=ZERO_STAGES if zero is None else (zero,),
         checkpointing=(False, True) if checkpointing is None else (checkpointing,),
         pipeline_schedules=schedules,
+        misses=misses,
     )
-    return Report(request, config, fitting, dropped)
+    nearest = None if fitting else min(misses, key=lambda c: c.plan.memory_per_gpu["total"], default=None)
+    return Report(request, config, fitting, dropped, nearest_miss=nearest)
 
 
 def format_report(report: Report) -> str:
     """What ``lit3d plan`` prints: the layout (or the search's best), DiLoCo's comparison, ``--verify``'s counts."""
     request = report.request
     if report.searched:
+        best = report.command(report.chosen) if report.chosen else None
         text = format_search(report.config, request.cluster, report.candidates, report.dropped, request.top,
-                             request.fixed)  # fmt: skip
+                             request.fixed, best, report.nearest_miss)  # fmt: skip
     else:
         text = format_plan(report.config, request.cluster, report.chosen)
+        if report.chosen.plan.fits:
+            text += f"\nrun it with: {report.command(report.chosen)}"
     if report.islands:
         text += "\n" + format_islands(report.islands)
     if report.verified is not None:

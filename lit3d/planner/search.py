@@ -162,6 +162,7 @@ def search(
     zero_stages: tuple[int, ...] = ZERO_STAGES,
     checkpointing: tuple[bool | str, ...] = (False, True),
     pipeline_schedules: list[tuple[str, int]] | None = None,
+    misses: list[Candidate] | None = None,
 ) -> tuple[list[Candidate], dict[str, int]]:
     """Layouts using every GPU of ``cluster`` (sizes given are kept), estimated with ``settings`` (the sizes, ZeRO
     stage, recompute and pipeline schedule replaced by each candidate's); returns those that fit, best first, and
@@ -170,7 +171,8 @@ def search(
     An MoE model is searched over expert parallelism too, a long sequence over context parallelism. With DiLoCo's
     ``settings.islands``, each island gets ``1/islands`` of the GPUs and the same layout (``data_parallel_size`` then
     counts the replicas of one island). A pipelined layout runs the fastest of ``pipeline_schedules`` (``(schedule,
-    chunks per rank)``; default: every one of `lit3d.planner.pipeline.CANDIDATES`) that fits."""
+    chunks per rank)``; default: every one of `lit3d.planner.pipeline.CANDIDATES`) that fits. ``misses``, if given,
+    collects the layouts dropped for memory."""
     dropped = {"invalid": 0, "out_of_memory": 0}
     # NOTE: GPipe runs any micro-batch count on one chunk: the layout check leaves the schedules to `choose_schedule`.
     any_schedule = replace(settings, pipeline_schedule="gpipe", virtual_pipeline_size=None)
@@ -191,6 +193,8 @@ def search(
                     fitting.append(option)
                 else:
                     dropped["out_of_memory"] += 1
+                    if misses is not None:
+                        misses.append(option)
     # Fastest first; among equals, the least data-parallel traffic, then the least memory.
     fitting.sort(
         key=lambda c: (
@@ -238,9 +242,24 @@ def estimated(
     except ValueError:  # e.g. a schedule given that this ZeRO stage cannot run
         return None
     if layout.pp == 1:
-        return Candidate(layout, training, option, estimate(config, cluster, layout, training, option))
+        plan = estimate(config, cluster, layout, training, option)
+        return _accumulation(config, cluster, Candidate(layout, training, option, plan))
     chosen = choose_schedule(config, cluster, layout, training, option, schedules or list(CANDIDATES))
     return None if chosen is None else Candidate(layout, *chosen)
+
+
+def _accumulation(config: GPTConfig, cluster: Cluster, candidate: Candidate) -> Candidate:
+    """ZeRO-2/3 with gradient accumulation: the candidate that keeps the gradients unsharded across the micro-steps
+    (one reduce-scatter per step) where it fits and is faster, else the sharded one (one per micro-step)."""
+    layout, training, settings = candidate.layout, candidate.training, candidate.parallelism
+    micro_steps = training.global_batch_size // (layout.data_replicas * training.micro_batch_size)
+    if settings.zero_stage < 2 or layout.replicas == 1 or micro_steps == 1 or settings.accumulate_unsharded:
+        return candidate
+    unsharded = replace(settings, accumulate_unsharded=True)
+    plan = estimate(config, cluster, layout, training, unsharded)
+    if plan.fits and plan.step_time_s < candidate.plan.step_time_s:
+        return Candidate(layout, training, unsharded, plan)
+    return candidate
 
 
 def why(candidate: Candidate, cluster: Cluster) -> str:
@@ -277,6 +296,8 @@ def why(candidate: Candidate, cluster: Cluster) -> str:
         parts.append(
             f"{replicas} ZeRO-{settings.zero_stage} moves {dp['bytes'] / GB:.1f} GB/GPU in {dp['seconds']:.2f} s"
         )
+    if settings.accumulate_unsharded:
+        parts.append("gradients unsharded across the micro-steps (one reduce-scatter per step)")
     if settings.activation_checkpointing:
         policy = "selective" if settings.activation_checkpointing == "selective" else "full"
         parts.append(f"recomputes activations ({policy})")

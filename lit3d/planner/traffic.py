@@ -37,7 +37,8 @@ def communication_bytes(
     for stage in stages(config, pp, virtual, placement, layout.tp, layout.ep, training.lora,
                         settings.pipeline_stage_layers):  # fmt: skip
         moe, blocks = stage.moe, stage.blocks
-        shape = (microbatches // schedules, schedules, pp > 1, precision)
+        reduces = gradient_reductions(settings, pp, microbatches, schedules)
+        shape = (microbatches // schedules, schedules, pp > 1, precision, reduces)
         fp8 = stage.float8 if settings.float8_all_gather else 0  # gathered in FP8: a byte less each than bf16
         sent = _dp_traffic(settings.zero_stage, replicas, stage.in_blocks, stage.root, *shape, stage.trained, fp8)
         if fp8 and replicas > 1:  # their scales, computed after each step from the amaxes: one fp32 all-reduce
@@ -140,6 +141,15 @@ def _all_to_all_bytes(
     row_bytes = config.d_model * precision.activations
     forwards = 2 if settings.activation_checkpointing in (True, "full") else 1
     return forwards * (config.n_expert * 8 * share + 2 * rows * row_bytes) + 2 * rows * row_bytes
+
+
+def gradient_reductions(settings: Parallelism, pp: int, microbatches: int, schedules: int) -> int:
+    """How often per optimizer step the gradients are reduced over DP: once per pipeline schedule; without a
+    pipeline, once per step, but at every micro-step under ZeRO-2/3 unless ``accumulate_unsharded`` (they accumulate
+    as shards)."""
+    if pp == 1 and settings.zero_stage >= 2 and not settings.accumulate_unsharded:
+        return microbatches
+    return schedules
 
 
 def _step_shape(layout: Layout, training: Training, settings: Parallelism) -> tuple[int, int, int, bool, float]:
@@ -263,15 +273,16 @@ def collectives(
             counts["tp"] = max(counts["tp"], (n * (2 if sp else 1), n * 2 * (tp - 1)))
         if dp > 1:
             units, steps = blocks + 1, schedules if pp > 1 else 1
+            reduces = gradient_reductions(settings, pp, microbatches, steps)
             if zero_stage == 0:
                 n, hops = units * steps, 2 * (dp - 1)
             elif zero_stage == 1:  # one reduce-scatter and one all-gather per bucket
                 n, hops = 2 * -(-stage.total // BUCKET_ELEMENTS), dp - 1
             elif zero_stage == 2:
-                n, hops = 2 * units * steps, dp - 1
+                n, hops = units * (steps + reduces), dp - 1
             else:
                 gathers = (microbatches // steps + 1, 1) if pp > 1 else (2 * microbatches, microbatches)
-                n, hops = (gathers[0] * blocks + gathers[1] + units) * steps, dp - 1
+                n, hops = (gathers[0] * blocks + gathers[1]) * steps + units * reduces, dp - 1
             counts["dp"] = max(counts["dp"], (n, n * hops))
     if pp > 1:
         sends = _pipeline_sends(pp, virtual, placement) * microbatches
@@ -291,15 +302,17 @@ def _dp_traffic(
     schedules: int,
     pipelined: bool,
     precision: Precision,
+    reduces: int,
     trained: int | None = None,
     float8: int = 0,
 ) -> float:
     """Bytes a GPU sends per step to synchronise its parameters (``in_blocks`` + ``root``) over ``dp`` replicas.
 
-    Without a pipeline, gradients go once per step (not on the micro-steps before it). ZeRO-2 gathers the weights
-    once per step and keeps them. ZeRO-3 gathers each block for every forward and backward of a micro-batch, and
-    the root (embedding, final norm, head; not resharded after forward, since backward starts there) once per
-    micro-batch.
+    Without a pipeline, DDP's gradients go once per step (not on the micro-steps before it); ZeRO-2/3 reduce-scatter
+    them at every micro-step (``reduces`` times: `gradient_reductions`), once with ``accumulate_unsharded``. ZeRO-2
+    gathers the weights once per step and keeps them. ZeRO-3 gathers each block for every forward and backward of a
+    micro-batch, and the root (embedding, final norm, head; not resharded after forward, since backward starts
+    there) once per micro-batch.
 
     A pipeline schedule (``microbatches`` each, ``schedules`` of them per step under gradient accumulation)
     synchronises gradients at its end, and ZeRO-2 gathers the weights at its start, once per schedule. It keeps
@@ -323,7 +336,7 @@ def _dp_traffic(
     if zero_stage == 0:  # all-reduce of the gradients
         return schedules * 2 * share * grads
     if zero_stage == 2:  # reduce-scatter of the gradients, all-gather of the weights
-        return schedules * share * (grads + weights)
+        return share * (reduces * grads + schedules * weights)
     gathers = (microbatches + 1, 1) if pipelined else (2 * microbatches, microbatches)  # blocks, root
     blocks = gathers[0] * (in_blocks * precision.gather_bytes - fp8_saved)
-    return schedules * share * (grads + blocks + gathers[1] * root * precision.gather_bytes)
+    return share * (reduces * grads + schedules * (blocks + gathers[1] * root * precision.gather_bytes))

@@ -1,0 +1,139 @@
+"""On a GPU: `benchmarks/gpu_check.py`'s dry run goes the GPU run's way on CPU and prints every row of its table with
+nothing failed (so the script cannot rot while no GPU is at hand), and the card names PyTorch reports map to lit3d's
+hardware table, or are named when they do not."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.gpu_table import EXTRA_ROWS, FP8_ROWS, PEER_ROWS, PLANNER_ROWS
+from lit3d.hardware import identify, unknown_device
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = str(ROOT / "benchmarks" / "gpu_check.py")
+
+# As `torch.cuda.get_device_name()` reports each card (seen in public logs and code), and its row in lit3d's table.
+DEVICE_NAMES = {
+    "NVIDIA H100 80GB HBM3": "H100",
+    "NVIDIA H100 PCIe": "H100 PCIe",
+    "NVIDIA H100 NVL": "H100 NVL",
+    "NVIDIA H200": "H200",
+    "NVIDIA H200 NVL": "H200 NVL",
+    "NVIDIA GH200 480GB": "GH200",
+    "NVIDIA A100-SXM4-80GB": "A100",
+    "NVIDIA A100 80GB PCIe": "A100",
+    "NVIDIA A100-SXM4-40GB": "A100 40GB",
+    "NVIDIA A100-PCIE-40GB": "A100 40GB",
+    "NVIDIA L40S": "L40S",
+    "NVIDIA A10G": "A10G",
+    "NVIDIA B200": "B200",
+    "NVIDIA GB200": "GB200",
+    "AMD Instinct MI300X": "MI300X",
+    "AMD Instinct MI300X VF": "MI300X",
+}
+
+
+def test_the_card_names_pytorch_reports_map_to_the_hardware_table():
+    assert {name: identify(name).name for name in DEVICE_NAMES} == DEVICE_NAMES
+
+
+@pytest.mark.parametrize("name", ["NVIDIA GeForce RTX 4090", "NVIDIA L40", "Tesla V100-SXM2-16GB"])
+def test_a_card_the_table_lacks_is_named_by_the_planner(name, capsys):
+    from lit3d.plan_command import command_line
+
+    assert identify(name) is None and repr(name) in unknown_device(name)
+    with pytest.raises(ValueError, match=f"gpu='{name}' is not one of .*H100.*nor a device name"):
+        command_line(
+            ["--model", "llama3.2-1b", "--gpu", name, "--tensor_parallel_size", "1", "--pipeline_parallel_size", "1"]
+        )
+
+
+def test_lit3d_plan_takes_the_card_as_pytorch_names_it(capsys):
+    from lit3d.plan_command import command_line
+
+    command_line(
+        [
+            "--model",
+            "llama3.2-1b",
+            "--gpu",
+            "NVIDIA H100 NVL",
+            "--gpus_per_node",
+            "1",
+            "--seq_len",
+            "2048",
+            "--micro_batch_size",
+            "4",
+            "--global_batch_size",
+            "4",
+            "--tensor_parallel_size",
+            "1",
+            "--pipeline_parallel_size",
+            "1",
+            "--zero_stage",
+            "0",
+            "--json",
+            "true",
+        ]
+    )
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["cluster"]["gpu"]["name"] == "H100 NVL" and plan["cluster"]["gpu_memory_gb"] == 94.0
+
+
+def run_check(tmp_path: Path, *flags: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """The script run from an empty folder with its temporary files in another: both must stay empty."""
+    cwd, tmp, output = tmp_path / "cwd", tmp_path / "tmp", tmp_path / "out"
+    cwd.mkdir(), tmp.mkdir()
+    environment = {**os.environ, "TMPDIR": str(tmp)}
+    run = subprocess.run(
+        [sys.executable, SCRIPT, "--output", str(output), *flags],
+        cwd=cwd,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    log = (output / "gpu_check.log").read_text() if (output / "gpu_check.log").exists() else ""
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:] + log[-6000:]
+    assert not any(cwd.iterdir()) and not any(tmp.iterdir()), "it wrote outside its output folder"
+    assert sorted(p.name for p in output.iterdir()) == ["gpu_check.json", "gpu_check.log", "gpu_check.md"]
+    assert (output / "gpu_check.md").read_text() in run.stdout
+    return run, json.loads((output / "gpu_check.json").read_text())
+
+
+def test_the_dry_run_prints_every_row_of_the_table_and_fails_nothing(tmp_path):
+    run, results = run_check(tmp_path, "--dry-run")
+    labels = [label for rows in (PEER_ROWS, PLANNER_ROWS, EXTRA_ROWS) for _, label in rows]
+    assert all(f"| {label} |" in run.stdout for label in labels), run.stdout
+    assert (
+        run.stdout.count("| Parallel3DStrategy 1x1x1 | ") == 2
+        and "| tiny-wide (d_model 128, 2 blocks) | bf16 |" in run.stdout
+    )
+    assert all(f"| tiny | {recipe} |" in run.stdout for _, recipe in FP8_ROWS[3:])
+    assert [row["met"] for row in results["targets"]] == [None] * 9 and run.stdout.count("n/a (dry run)") == 9
+    assert results["environment"]["device"].startswith("CPU") and results["commit"]
+    for name in ("peers", "extras", "fp8", "planner"):
+        section = results["sections"][name]
+        assert section.get("done", name == "planner") and "error" not in section and "skipped" not in section, section
+        for item, value in section["items"].items():
+            rowwise_on_an_old_cpu = item.endswith("rowwise") and "CPU FP8 matmul" in value.get("skipped", "")
+            assert rowwise_on_an_old_cpu or not {"error", "skipped"} & set(value), (name, item, value)
+    peers = results["sections"]["peers"]["items"]
+    assert set(peers) == {f"{system} {on}" for system, _ in PEER_ROWS for on in ("eager", "compile")}
+    assert all(value["tokens_per_s"] > 0 and value["micro_batch"] == 2 for value in peers.values())
+    extras = results["sections"]["extras"]["items"]
+    assert extras["resume"]["max_difference"] <= 1e-4 and extras["generate"]["tokens_per_s"] > 0
+    plans = results["sections"]["planner"]["items"]
+    assert all(plans[item]["step_s"] > 0 and "--gpu CPU" in plans[item]["command"] for item, _ in PLANNER_ROWS)
+
+
+def test_what_the_time_budget_leaves_no_room_for_is_skipped_with_a_note(tmp_path):
+    run, results = run_check(tmp_path, "--dry-run", "--budget-s", "1")
+    assert all(
+        "s left of the 1 s budget" in results["sections"][name]["skipped"] for name in ("peers", "extras", "fp8")
+    )
+    assert "the peers section measured nothing to plan" in run.stdout
+    assert all(f"| {label} | not run |" in run.stdout for _, label in EXTRA_ROWS)
