@@ -67,6 +67,7 @@ GPU_RUN = {
     ).to_dict(),
     "side_model": GPTConfig.from_name("llama3.2-1b", n_layer=4, vocab_size=32768).to_dict(),
     "side_micro_batch": 4,
+    "fp8_micro_batch_cap": 8,  # (16k tokens a step: GEMMs large enough for FP8 to pay, and 3 compiled runs in time)
     "seq_len": 2048,
     "warmup": 3,
     "steps": 6,
@@ -90,6 +91,7 @@ DRY_RUN = {
     ).to_dict(),
     "micro_batch": 2,
     "side_micro_batch": 2,
+    "fp8_micro_batch_cap": 2,
     "seq_len": 32,
     "warmup": 1,
     "steps": 2,
@@ -133,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         for group in groups:
             print(f"== {', '.join(group)}", flush=True)
             results["sections"].update(sections(group, settings, work, log, budget))
+            if results["sections"].get("peers", {}).get("micro_batch"):  # what the sections after it train with
+                settings["micro_batch_found"] = results["sections"]["peers"]["micro_batch"]
         if "planner" in args.sections:  # (torch-free and quick: after the budget's end too)
             print("== planner", flush=True)
             results["sections"]["planner"] = planner(results["sections"], settings, work)
@@ -188,8 +192,10 @@ def sections(names: list[str], settings: dict[str, Any], work: Path, log: Path, 
     for name in names:
         written = work / f"{name}.json"
         result = json.loads(written.read_text()) if written.exists() else None
-        if result is None:
-            result = {"skipped": f"not reached: {ended or f'the process exited with {code} (gpu_check.log)'}"}
+        if result is None and ended:
+            result = {"skipped": f"not reached: {ended}"}
+        elif result is None:
+            result = {"error": f"its process exited with {code} before the section began (see gpu_check.log)"}
         elif not result.get("done"):
             result["error"] = ended or f"its process exited with {code} (see gpu_check.log)"
         results[name] = result

@@ -59,7 +59,9 @@ class Section:
         self.write()
 
     def write(self) -> None:
-        self.path.write_text(json.dumps(self.results, indent=2, default=str))
+        partial = self.path.with_suffix(".partial")  # NOTE: then renamed: a process ended mid-write leaves the last
+        partial.write_text(json.dumps(self.results, indent=2, default=str))
+        partial.replace(self.path)
 
     def skip(self, item: str, reason: str) -> None:
         self.results["items"][item] = {"skipped": reason}
@@ -78,8 +80,10 @@ class Section:
         except Exception as error:  # recorded, and the section goes on
             traceback.print_exc()
             record = {"error": f"{type(error).__name__}: {error}"[:2000]}
-        finally:
+        try:
             free_memory()
+        except Exception as error:  # (a CUDA error leaves the device unusable: the items after it say so)
+            record.setdefault("note", f"freeing memory afterwards failed: {error}"[:500])
         record["wall_s"] = round(time.time() - began, 1)
         self.results["items"][item] = record
         self.write()
@@ -276,7 +280,8 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int
 
 
 def with_smaller_batch(function, config: GPTConfig, micro: int, *args: Any, **kwargs: Any) -> dict:
-    """``function(config, micro, ...)``, halving the micro-batch on out-of-memory (noted in the record)."""
+    """``function(config, micro, ...)``, with three quarters of the micro-batch after an out-of-memory (noted in the
+    record: the planner said the larger one fits)."""
     tried = micro
     while True:
         try:
@@ -285,8 +290,8 @@ def with_smaller_batch(function, config: GPTConfig, micro: int, *args: Any, **kw
         except torch.OutOfMemoryError:
             if micro == 1:
                 raise
-            free_memory()
-            micro //= 2
+        free_memory()  # NOTE: here, past the except clause, whose traceback held the failed run's tensors
+        micro = max(1, micro * 3 // 4)
 
 
 def largest_micro_batch(config: GPTConfig, settings: dict, **given: Any) -> int:
@@ -371,7 +376,7 @@ def fp8(section: Section) -> None:
     for shape in ("wide", "model"):
         config = GPTConfig(**settings["model" if shape == "model" else "fp8_model"])
         found = settings.get("micro_batch_found") if shape == "model" else None
-        micro = found or largest_micro_batch(config, settings, compile=True)
+        micro = found or min(largest_micro_batch(config, settings, compile=True), settings["fp8_micro_batch_cap"])
         for recipe in ([None] if shape == "wide" else []) + ["tensorwise", "rowwise"]:
             item = f"{shape} {recipe or 'bf16'}"
             if recipe == "rowwise" and settings["accelerator"] == "cpu" and not rowwise_float8_on_cpu():

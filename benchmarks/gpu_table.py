@@ -77,7 +77,8 @@ def markdown(results: dict[str, Any]) -> str:
     lines += ["## Targets (on an H100 or H200)", "", "| target | value | met |", "|---|---:|---|"]
     for row in results["targets"]:
         met = {True: "yes", False: "**no**", None: "n/a (dry run)" if results["dry_run"] else "not measured"}
-        lines.append(f"| {row['target']} | {number(row['value'], 3)} | {met[row['met']]} |")
+        value = percent(row["value"]) if row["target"].startswith("MFU") else number(row["value"], 3)
+        lines.append(f"| {row['target']} | {value} | {met[row['met']]} |")
     return "\n".join(lines) + "\n"
 
 

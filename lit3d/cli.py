@@ -100,6 +100,7 @@ def main(args: list[str] | None = None) -> None:
         return
     if help_cache.is_help(argv):  # NOTE: answered from a cache when asked before: building it loads Lightning and torch
         help_cache.answer(argv, lambda: make_cli(args))
+        return
     make_cli(args)
 
 

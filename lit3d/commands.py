@@ -110,35 +110,19 @@ def generate(
     import lightning as L
 
     from lit3d.callbacks import PrintCompletions
-    from lit3d.chat_prompt import ChatPrompt, chat_messages
-    from lit3d.data import TextDataModule
     from lit3d.generation import Sampling
     from lit3d.gpt import GPT
-    from lit3d.pretrained import read_config, tokenizer_of
+    from lit3d.prompts import ChatPrompt, prompt_data
     from lit3d.quiet import lightning_info_silenced
     from lit3d.strategies import Parallel3DStrategy
-    from lit3d.tokenizers import ByteTokenizer
 
-    config, chosen = read_config(ckpt_path), tokenizer or tokenizer_of(ckpt_path)
-    if chosen is None and config.vocab_size > ByteTokenizer.vocab_size:  # bytes could not decode what it says
-        raise ValueError(
-            f"{ckpt_path!r} names no tokenizer (a model folder's tokenizer.json, or the one its run recorded), and "
-            f"its vocab_size={config.vocab_size} is more than the byte tokenizer's {ByteTokenizer.vocab_size} ids: "
-            "give --tokenizer, the tokenizer.json (or its folder) the model was trained with"
-        )
-    messages = chat_messages(prompt, chat)
-    if messages is not None:
-        if chosen in (None, "byte"):
-            raise ValueError(f"--chat needs a tokenizer folder with a chat template; {ckpt_path!r} names none")
-        data = ChatPrompt(messages, chosen, ckpt_path)
-    else:
-        data = TextDataModule(tokenizer=chosen or "byte", prompts=[prompt], seq_len=config.max_seq_len)
+    data = prompt_data(ckpt_path, prompt, tokenizer, chat)
     sampling = Sampling(max_new_tokens, temperature, top_k, top_p, seed, getattr(data, "stop_ids", ()))
     model = GPT(pretrained=ckpt_path, sampling=sampling)  # a LoRA run's adapters merged in (`read_tensors`)
     tp = tensor_parallel_size if tensor_parallel_size > 1 else devices
     strategy = Parallel3DStrategy(tensor_parallel_size=tp, zero_stage=0) if devices > 1 else "auto"
     quiet = dict(logger=False, enable_progress_bar=False, enable_model_summary=False)
-    printer = PrintCompletions(prompt=messages is None)
+    printer = PrintCompletions(prompt=not isinstance(data, ChatPrompt))  # a chat's answer alone
     L.seed_everything(seed, verbose=False)  # every rank alike, as the strategy asks (sampling has its own generator)
     with lightning_info_silenced():  # the text alone (and any warning)
         trainer = L.Trainer(accelerator=accelerator, devices=devices, strategy=strategy, callbacks=[printer], **quiet)

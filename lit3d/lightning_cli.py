@@ -47,10 +47,11 @@ __all__ = ["Lit3DCLI", "Parallel3DStrategy", "resolve_lit3d_01_strategy_path"]
 
 
 class Lit3DCLI(LightningCLI):
-    """LightningCLI with lit3d's defaults: the tiny GPT on the embedded corpus, a Rich progress bar when
-    interactive, a model summary of the whole model in every layout, the `Throughput` callback (tokens/s, MFU) unless
-    the config has one, `PrintCompletions` for ``predict``, and a checkpoint reader that also takes lit3d's sharded
-    folders under any strategy; bad input ends the command with one line naming it."""
+    """LightningCLI with lit3d's defaults: the tiny GPT on the embedded corpus, lit3d's Rich progress bar when
+    interactive (and in place of Lightning's default Rich one), a model summary of the whole model in every layout,
+    the `Throughput` callback (tokens/s, MFU) unless the config has one, `PrintCompletions` for ``predict``, and a
+    checkpoint reader that also takes lit3d's sharded folders under any strategy; bad input ends the command with one
+    line naming it."""
 
     def _add_subcommands(self, parser: Any, **kwargs: Any) -> None:
         """Lightning's; each command's usage line reads ``usage: lit3d fit ...``, as its errors do (jsonargparse names

@@ -248,9 +248,11 @@ def _cluster(
     elif identify(gpu) is not None:  # a device's name as PyTorch reports it: "NVIDIA H100 80GB HBM3"
         spec = identify(gpu)
     else:
-        raise ValueError(f"gpu={gpu!r} is not one of {', '.join(GPUS)}, nor a device name lit3d/hardware.py knows "
-                         "(`torch.cuda.get_device_name()`), nor a profile (.json) of `lit3d calibrate`; give "
-                         "gpu_memory, bandwidths and peak_tflops")  # fmt: skip
+        raise ValueError(
+            f"gpu={gpu!r} is not one of {', '.join(GPUS)}, nor a device name lit3d/hardware.py knows "
+            "(`torch.cuda.get_device_name()`), nor a profile (.json) of `lit3d calibrate`; give gpu_memory, "
+            "bandwidths and peak_tflops"
+        )
     given = {"gpu_memory_gb": gpu_memory, "intra_node_gbps": intra_node_bandwidth, "peak_tflops": peak_tflops,
              "inter_node_gbps": inter_node_bandwidth}  # fmt: skip
     numbers = {name: value for name, value in given.items() if value is not None}  # NOTE: 0 is given (and refused)

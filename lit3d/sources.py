@@ -222,9 +222,9 @@ def load_documents(data_path: str, text_column: str = "text", name: str | None =
     parts = []
     for builder, files in sorted(by_format.items()):
         if builder == "text":  # one row per file, so packing sees whole files in order
+            options = dict(sample_by="document", split="train", cache_dir=cache_dir, streaming=streaming)
             with _no_progress_bars():
-                parts.append(datasets.load_dataset("text", data_files=files, sample_by="document", split="train",
-                                                   cache_dir=cache_dir, streaming=streaming))  # fmt: skip
+                parts.append(datasets.load_dataset("text", data_files=files, **options))
             continue
         for file in files:  # one at a time, so a missing column or a malformed line names its file
             try:

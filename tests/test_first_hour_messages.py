@@ -7,7 +7,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import lightning as L
@@ -389,20 +388,20 @@ class Lines(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def test_calibrate_prints_its_one_line_not_a_lightning_fit_log(tmp_path, capsys):
-    """Item 11: its timing loop is a fit, but not one the user ran: Lightning's info lines (devices, tips,
-    "`Trainer.fit` stopped") are left out, its warnings would show."""
+def test_calibrate_s_timing_fit_logs_nothing_of_lightning_s():
+    """Item 11: ``lit3d calibrate`` times Lightning's loop with a fit, but not one the user ran: Lightning's info lines
+    (devices, tips, "`Trainer.fit` stopped") are left out, its warnings would show."""
+    from lit3d.calibrate import measure_step_overhead
+
     lines = Lines()
     loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
     for logger in loggers:
         logger.addHandler(lines)
     try:
-        main(["calibrate", "--output", str(tmp_path / "cpu.json")])
+        assert measure_step_overhead(steps=2) > 0
     finally:
         for logger in loggers:
             logger.removeHandler(lines)
-    out = capsys.readouterr().out
-    assert out.startswith(f"wrote {tmp_path / 'cpu.json'}: ") and out.count("\n") == 1
     assert lines.messages == [], lines.messages
 
 
@@ -516,13 +515,10 @@ def test_help_asked_again_is_answered_without_loading_torch(tmp_path):
     seconds, torch_loaded, lightning_loaded = summary.split()
     assert text == first.stdout and torch_loaded == lightning_loaded == "False"
     assert float(seconds) < 1.0
-    (tmp_path / "user.py").write_text("")
-    start = time.perf_counter()  # help about a class from elsewhere is not kept: its source could change unseen
     from lit3d.help_cache import cache_file
 
-    assert cache_file(["fit", "--model.help", "user.MyModel"]) is None
+    assert cache_file(["fit", "--model.help", "mypackage.MyModel"]) is None  # its source could change unseen
     assert cache_file(["fit", "--data.help", "lit3d.data.TextDataModule"]) is not None
-    assert time.perf_counter() - start < 1.0
 
 
 # ---------------------------------------------------------------- 15: expert parallelism drawn

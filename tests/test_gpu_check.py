@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -137,3 +138,26 @@ def test_what_the_time_budget_leaves_no_room_for_is_skipped_with_a_note(tmp_path
     )
     assert "the peers section measured nothing to plan" in run.stdout
     assert all(f"| {label} | not run |" in run.stdout for _, label in EXTRA_ROWS)
+
+
+def test_the_end_of_the_budget_skips_what_is_left_or_ends_the_section_and_the_table_is_written(tmp_path):
+    """7 s for the peers: its process skips the runs it has no time left for, or the budget's end kills it (and what
+    it started), whatever it was doing (importing torch, compiling, training); the table is written all the same."""
+    began = time.time()
+    command = [
+        sys.executable,
+        SCRIPT,
+        "--output",
+        str(tmp_path),
+        "--dry-run",
+        "--sections",
+        "peers",
+        "--budget-s",
+        "12",
+    ]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    peers = json.loads((tmp_path / "gpu_check.json").read_text())["sections"]["peers"]
+    ended = "ended at the end of the time budget" in peers.get("skipped", "") + peers.get("error", "")
+    skipped = [item for item, value in peers.get("items", {}).items() if "s left of the time budget" in str(value)]
+    assert ended or (peers["done"] and skipped), peers
+    assert time.time() - began < 60 and all(f"| {label} |" in run.stdout for _, label in PEER_ROWS)

@@ -6,6 +6,11 @@ Not collected by the suite (its name is no ``test_*.py``): the suite's `layout_r
 pinned PyTorch. The legs name it: ``python -m pytest tests/torch_range.py``.
 """
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import COMM_MEASURED, CP_LAYOUTS, LAYOUTS, LONG, LORA, LORA_LAYOUTS, MOE_LAYOUTS, SMALL_MOE, merge, pp
@@ -36,7 +41,9 @@ RESUMED = {  # resumed from another layout's step-4 checkpoint -> (the layout th
     "lora_pp2_resumed_from_tp2": ("lora_tp2", "lora"),
     "tp2_pp2_resumed_from_dp2_zero3": ("dp2_zero3", "dense"),
 }
+ROOT = Path(__file__).resolve().parents[1]
 ROWWISE_ON_CPU = rowwise_float8_on_cpu()
+pytestmark = pytest.mark.timeout(900)  # the first test waits for `runs` (about 2 minutes on 2 idle cores)
 NO_ROWWISE = f"PyTorch {torch.__version__}'s CPU FP8 matmul takes one scale per tensor: float8='rowwise' is refused"
 
 
@@ -117,3 +124,13 @@ def test_the_command_line_demo_trains_as_one_process_under_tp2_pp2(tmp_path):
         losses[name], _ = fit_losses(tmp_path / name, *arguments)
     assert len(losses["one"]) == 4
     torch.testing.assert_close(losses["tp2_pp2"], losses["one"], rtol=1e-5, atol=0)
+
+
+def test_installing_lit3d_keeps_this_torch():
+    """What ``pip install -e .[test]`` would install here, over this supported torch: never another torch (a GPU
+    node's image holds its own CUDA build). Its metadata is built with this environment's setuptools, no index."""
+    command = [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--report", "-", "--no-build-isolation"]
+    run = subprocess.run([*command, "-e", f"{ROOT}[test]"], capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    installs = {p["metadata"]["name"]: p["metadata"]["version"] for p in json.loads(run.stdout)["install"]}
+    assert "torch" not in installs, f"installing lit3d would replace torch {torch.__version__} by {installs['torch']}"

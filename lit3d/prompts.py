@@ -1,6 +1,7 @@
-"""``lit3d generate --chat``: a conversation rendered with the chat template of the model's tokenizer folder (as
-`ChatDataModule` renders its training data), the assistant's turn opened, and the tokens that end that turn, where
-generation stops; the answer is printed alone."""
+"""What ``lit3d generate`` feeds the model: the prompt as text to continue, or with ``--chat`` (or a prompt that is a
+conversation) the conversation rendered with the chat template of the model's tokenizer folder (as `ChatDataModule`
+renders its training data), the assistant's turn opened, and the tokens that end that turn, where generation stops;
+the answer is printed alone."""
 
 from __future__ import annotations
 
@@ -13,6 +14,29 @@ import torch
 from torch.utils.data import DataLoader
 
 from lit3d.chat_template import ROLES, ChatTemplate
+
+
+def prompt_data(ckpt_path: str, prompt: str, tokenizer: str | None, chat: bool) -> L.LightningDataModule:
+    """The data module of one prompt: `ChatPrompt` for a conversation (`chat_messages`), else a `TextDataModule`.
+    ``tokenizer``: the one given, else the model's (`tokenizer_of`); a model whose ids bytes cannot decode, and a
+    conversation without a tokenizer folder, are refused."""
+    from lit3d.data import TextDataModule
+    from lit3d.pretrained import read_config, tokenizer_of
+    from lit3d.tokenizers import ByteTokenizer
+
+    config, chosen = read_config(ckpt_path), tokenizer or tokenizer_of(ckpt_path)
+    if chosen is None and config.vocab_size > ByteTokenizer.vocab_size:  # bytes could not decode what it says
+        raise ValueError(
+            f"{ckpt_path!r} names no tokenizer (a model folder's tokenizer.json, or the one its run recorded), and "
+            f"its vocab_size={config.vocab_size} is more than the byte tokenizer's {ByteTokenizer.vocab_size} ids: "
+            "give --tokenizer, the tokenizer.json (or its folder) the model was trained with"
+        )
+    messages = chat_messages(prompt, chat)
+    if messages is None:
+        return TextDataModule(tokenizer=chosen or "byte", prompts=[prompt], seq_len=config.max_seq_len)
+    if chosen in (None, "byte"):
+        raise ValueError(f"--chat needs a tokenizer folder with a chat template; {ckpt_path!r} names none")
+    return ChatPrompt(messages, chosen, ckpt_path)
 
 
 def chat_messages(prompt: str, chat: bool) -> list[dict[str, str]] | None:
