@@ -214,7 +214,7 @@ def figure(item: str, row: dict[str, Any], items: dict[str, Any]) -> str:
         return f"training blocked {row['blocked_s']:.2f} s ({row['checkpoint_gb']:.2f} GB)"
     if item == "resume":
         return f"its {len(row['losses'])} losses match the saving run's within {row['max_difference']:.1e}"
-    return f"{number(row['tokens_per_s'], 1)} tokens/s"
+    return f"{number(row['tokens_per_s'], 1)} tokens/s" + (f" ({row['note']})" if "note" in row else "")
 
 
 def status(row: dict[str, Any]) -> str:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +57,9 @@ def load_meta(path: str | Path) -> Any:
         path = path / META_FILE
     try:
         with torch.serialization.safe_globals(_data_globals()):
-            return torch.load(path, map_location="cpu", weights_only=True)
+            # NOTE: memory-mapped where the format allows (torch's zip files): every rank that reads a whole
+            # single-file checkpoint shares the page cache instead of holding a copy
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
     except pickle.UnpicklingError as error:
         # NOTE: the weights-only unpickler refuses broken bytes and code alike; only a pickle that parses whole can
         # hold code worth refusing.
@@ -88,7 +91,6 @@ def corrupt(path: str | Path, error: BaseException) -> CorruptCheckpointError:
 def _parses_whole(path: Path) -> bool:
     """Whether the file's pickle (``data.pkl`` of torch's zip format, else the file) parses from start to STOP."""
     import pickletools
-    import zipfile
 
     try:
         if zipfile.is_zipfile(path):

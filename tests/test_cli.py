@@ -65,25 +65,24 @@ def test_fit_under_dp2_tp2_pp2_on_8_processes_gives_the_single_process_losses(tm
 
 
 def test_fit_with_ckpt_path_last_starts_fresh_then_resumes_where_the_run_stopped(tmp_path, single_process_losses):
-    """The same command twice, as a requeued job runs it: DP2 saving in the background every 2 steps, stopped after
-    step 2, then continued to step 4 from the newest complete checkpoint."""
+    """The same command twice, as a requeued job runs it: DP2 saving in the background into the config's fixed
+    checkpoint folder (``runs/tiny/checkpoints``), stopped after step 2, then continued to step 4 from there."""
     command = [
         "fit", "--config", TINY, *QUICK, "--trainer.enable_checkpointing=true",
-        "--trainer.callbacks+=ModelCheckpoint", f"--trainer.callbacks.dirpath={tmp_path / 'ckpts'}",
-        "--trainer.callbacks.every_n_train_steps=2", "--trainer.callbacks.save_top_k=-1",
-        "--trainer.devices=2", "--trainer.strategy=Parallel3DStrategy", "--trainer.strategy.async_checkpoint=true",
-        "--ckpt_path=last",
+        "--trainer.callbacks.every_n_train_steps=2", "--trainer.devices=2", "--trainer.strategy=Parallel3DStrategy",
+        "--trainer.strategy.async_checkpoint=true", "--ckpt_path=last",
     ]  # fmt: skip
     first = lit3d(*command, "--trainer.max_steps=2", cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     assert "no checkpoint in" in first.stderr + first.stdout and "starting fresh" in first.stderr + first.stdout
     second = lit3d(*command, "--trainer.max_steps=4", cwd=tmp_path)
     assert second.returncode == 0, second.stderr[-3000:]
-    assert "resuming from" in second.stderr + second.stdout and "step=2.ckpt" in second.stderr + second.stdout
+    folder = tmp_path / "runs" / "tiny" / "checkpoints"
+    assert f"resuming from '{folder / 'last.ckpt'}'" in second.stderr + second.stdout
     resumed = torch.tensor(logged(tmp_path / "runs" / "tiny" / "version_1", "train_loss"))
     torch.testing.assert_close(resumed, single_process_losses[2:], rtol=1e-5, atol=0)
     # a checkpoint of `lit3d fit` (its hyper-parameters hold LightningCLI's `_class_path`) loads back in Python
-    model = GPT.load_from_checkpoint(tmp_path / "ckpts" / "epoch=0-step=4.ckpt")
+    model = GPT.load_from_checkpoint(folder / "last.ckpt")
     assert model.global_step == 0 and model.config.name == "tiny" and model.model is not None
 
 

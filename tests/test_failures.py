@@ -143,8 +143,9 @@ def test_sigterm_saves_exits_to_be_requeued_and_last_resumes_the_curve(tmp_path,
     layout = ["--trainer.devices=2"] if launcher else pipeline
     run = tmp_path / "run"
     run.mkdir()
-    saving = ["--trainer.callbacks+=ModelCheckpoint", f"--trainer.callbacks.dirpath={run / 'ckpts'}",
-              "--trainer.callbacks.every_n_train_steps=100000", "--ckpt_path=last"]  # fmt: skip
+    # (the config's own ModelCheckpoint is its last callback, which these flags set)
+    saving = [f"--trainer.callbacks.dirpath={run / 'ckpts'}", "--trainer.callbacks.every_n_train_steps=100000",
+              "--ckpt_path=last"]  # fmt: skip
     proc = cli(run, *layout, *saving, max_steps=100000, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()

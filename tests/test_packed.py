@@ -165,7 +165,8 @@ def test_configs_chat_yaml_tunes_a_huggingface_folder_on_chat_data_and_exports_t
                 f"--data.init_args.tokenizer={model}", f"--data.init_args.data_path={data}",
                 "--data.init_args.seq_len=64", "--data.init_args.global_batch_size=2",
                 "--data.init_args.val_fraction=0.2", "--trainer.max_steps=2", "--trainer.val_check_interval=2",
-                "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false", cwd=tmp_path)  # fmt: skip
+                "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false",
+                "--trainer.callbacks.every_n_train_steps=2", cwd=tmp_path)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     losses = logged(tmp_path / "runs" / "chat" / "version_0", "train_loss")
     assert len(losses) == 2 and all(np.isfinite(losses))

@@ -14,11 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import COMM_MEASURED, CP_LAYOUTS, LAYOUTS, LONG, LORA, LORA_LAYOUTS, MOE_LAYOUTS, SMALL_MOE, merge, pp
-from float8_layouts import FLOAT8_LAYOUTS, FP8_JOB, ROWWISE, TENSORWISE
+from float8_layouts import FLOAT8_LAYOUTS, FP8_JOB, NO_ROWWISE, ROWWISE, ROWWISE_HERE, TENSORWISE
 from spawned import run_jobs
 from test_cli import fit_losses
-
-from lit3d.strategies.torch_compat import rowwise_float8_on_cpu
 
 REFERENCES = {  # the single-process runs, by name
     "dense": {},
@@ -42,14 +40,12 @@ RESUMED = {  # resumed from another layout's step-4 checkpoint -> (the layout th
     "tp2_pp2_resumed_from_dp2_zero3": ("dp2_zero3", "dense"),
 }
 ROOT = Path(__file__).resolve().parents[1]
-ROWWISE_ON_CPU = rowwise_float8_on_cpu()
 pytestmark = pytest.mark.timeout(900)  # the first test waits for `runs` (about 2 minutes on 2 idle cores)
-NO_ROWWISE = f"PyTorch {torch.__version__}'s CPU FP8 matmul takes one scale per tensor: float8='rowwise' is refused"
 
 
 @pytest.fixture(scope="module")
 def runs(base_job, tmp_path_factory) -> dict[str, dict]:
-    """Every run above: one spawn per world size. Without row-wise FP8 on this CPU, its run must be refused."""
+    """Every run above: one spawn per world size. Without row-wise FP8 on this CPU, its runs must be refused."""
     out = tmp_path_factory.mktemp("torch_range")
     every = {**LAYOUTS, **MOE_LAYOUTS, **CP_LAYOUTS, **LORA_LAYOUTS, **FLOAT8_LAYOUTS}
     layouts = {name: every[name] for name in [*FOLLOWS, "lora_pp2_resumed_from_tp2"]}
@@ -60,9 +56,7 @@ def runs(base_job, tmp_path_factory) -> dict[str, dict]:
         {"strategy": pp(2, tensor_parallel_size=2), "ckpt_path": str(saved)},
     )
     references = {name: merge(base_job, job) for name, job in REFERENCES.items()}
-    if not ROWWISE_ON_CPU:
-        del layouts["fp8_rowwise_tp2_sequence_parallel"]
-        references["fp8_rowwise"]["expect_error"] = True
+    references["fp8_rowwise"]["expect_error"] = not ROWWISE_HERE
     results = run_jobs(1, references, out / "world1")
     for world in sorted({w for w, _ in layouts.values()}):
         jobs = {name: merge(base_job, job) for name, (w, job) in layouts.items() if w == world}
@@ -78,7 +72,7 @@ def largest_difference(run: list[float], reference: list[float]) -> float:
 @pytest.mark.parametrize("layout", FOLLOWS)
 def test_each_layout_follows_its_single_process_run(layout, runs):
     """fp32 within 1e-5 (losses and val losses), FP8 within 1e-2 (its dynamic scales follow each layout's rounding)."""
-    if "rowwise" in layout and not ROWWISE_ON_CPU:
+    if "rowwise" in layout and not ROWWISE_HERE:
         pytest.skip(NO_ROWWISE)
     run, reference = runs[layout], runs[FOLLOWS[layout]]
     assert reference["losses"][-1] < reference["losses"][0] - 0.1  # it learns, so the curves are worth comparing
@@ -108,10 +102,11 @@ def test_each_axis_sends_what_the_planner_counts(layout, runs):
         assert planned[axis] <= measured[axis] <= planned[axis] + 256, (axis, measured, planned)
 
 
-@pytest.mark.skipif(ROWWISE_ON_CPU, reason=f"PyTorch {torch.__version__} runs row-wise FP8 on CPU")
-def test_rowwise_fp8_on_a_cpu_without_it_is_refused_by_name(runs):
-    error = runs["fp8_rowwise"]["error"]
-    assert error is not None and f"float8='rowwise' on CPU with PyTorch {torch.__version__}" in error, error
+@pytest.mark.skipif(ROWWISE_HERE, reason=f"PyTorch {torch.__version__} runs row-wise FP8 on CPU")
+@pytest.mark.parametrize("run", ["fp8_rowwise", "fp8_rowwise_tp2_sequence_parallel"])
+def test_rowwise_fp8_on_a_cpu_without_it_is_refused_by_name(run, runs):
+    for rank in runs[run]["ranks"]:
+        assert f"float8='rowwise' on CPU with PyTorch {torch.__version__}" in (rank["error"] or ""), rank["error"]
 
 
 def test_the_command_line_demo_trains_as_one_process_under_tp2_pp2(tmp_path):
@@ -128,7 +123,7 @@ def test_the_command_line_demo_trains_as_one_process_under_tp2_pp2(tmp_path):
 
 def test_installing_lit3d_keeps_this_torch():
     """What ``pip install -e .[test]`` would install here, over this supported torch: never another torch (a GPU
-    node's image holds its own CUDA build). Its metadata is built with this environment's setuptools, no index."""
+    node's image holds its own CUDA build). lit3d's metadata is built by this environment's setuptools."""
     command = [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--report", "-", "--no-build-isolation"]
     run = subprocess.run([*command, "-e", f"{ROOT}[test]"], capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stderr[-3000:]
