@@ -102,6 +102,16 @@ def main(args: list[str] | None = None) -> None:
         help_cache.answer(argv, lambda: make_cli(args))
         return
     make_cli(args)
+    if args is None:  # the program's end (in Python, the process group stays for the caller, as under Lightning)
+        _end_process_groups()
+
+
+def _end_process_groups() -> None:
+    """NOTE: ended here, before Python's shutdown, which would destroy them in any order: a gloo group's threads
+    destroyed while still joinable abort the process ("terminate called without an active exception")."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def make_cli(args: list[str] | None = None, run: bool = True) -> Lit3DCLI:

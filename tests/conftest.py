@@ -14,9 +14,11 @@ os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 def pytest_collection_modifyitems(config, items):
     # NOTE: `layout_runs` spawns every layout once for the session (about 5 minutes on 2 cores); the first test that
     # asks for it pays for that, so tests that use it get a longer limit than the suite's 300 s.
+    # Under pytest-xdist (the suite runs on two workers) they stay on one worker, so the session's runs happen once.
     for item in items:
         if "layout_runs" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.timeout(900))
+            item.add_marker(pytest.mark.xdist_group("layout_runs"))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device; its CPU counterpart runs instead")
@@ -25,20 +27,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-# A run in this process (Lightning under Parallel3DStrategy) sets these and keeps its process group, whose store
-# holds MASTER_PORT: a command a later test starts must not inherit them.
+# A run in this process (Lightning under Parallel3DStrategy, in a test or a shared fixture) sets these and keeps its
+# process group, whose store holds MASTER_PORT: a command a test starts must not inherit them. Once a process group
+# exists, Lightning does not read them again, so every test starts without them.
 LAUNCH_ENVIRONMENT = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK")
 
 
 @pytest.fixture(autouse=True)
-def launch_environment_restored():
-    before = {key: os.environ.get(key) for key in LAUNCH_ENVIRONMENT}
+def no_launch_environment():
+    for key in LAUNCH_ENVIRONMENT:
+        os.environ.pop(key, None)
     yield
-    for key, value in before.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
 
 
 @pytest.fixture

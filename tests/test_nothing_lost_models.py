@@ -141,12 +141,12 @@ def test_lora_yaml_on_a_pretrained_folder_tokenizes_with_the_folders_tokenizer(l
         cli = make_cli(["fit", "--config", str(ROOT / "configs" / "lora.yaml"), f"--model.pretrained={llama_folder}",
                         f"--data.init_args.data_path={corpus}", "--data.init_args.seq_len=32",
                         "--data.init_args.global_batch_size=2", "--trainer.max_steps=1",
-                        "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
+                        "--trainer.callbacks.every_n_train_steps=1", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
                         "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}"])  # fmt: skip
     own = str(llama_folder / "tokenizer.json")
     batch = next(iter(cli.datamodule.train_dataloader()))["input_ids"]
     assert cli.datamodule.vocab_size == 306 and batch.max() >= 256  # BPE merges: ids a byte tokenizer never gives
-    (ckpt,) = tmp_path.rglob("epoch=*.ckpt")  # where the config's ModelCheckpoint, or Lightning, puts it
+    (ckpt,) = tmp_path.rglob("epoch=*.ckpt")  # the config's ModelCheckpoint, saving after every step
     assert torch.load(ckpt, weights_only=True)["datamodule_hyper_parameters"]["tokenizer"] == own
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("tokenizer: ")]
     assert len(said) == 1 and own in said[0] and "pretrained folder" in said[0], said
@@ -190,7 +190,7 @@ def test_the_merged_export_of_a_chat_run_keeps_the_chat_template(tmp_path, monke
     make_cli(["fit", "--config", str(ROOT / "configs" / "chat.yaml"), f"--model.pretrained={model_folder}",
               f"--data.init_args.tokenizer={model_folder}", f"--data.init_args.data_path={chats}",
               "--data.init_args.seq_len=64", "--data.init_args.global_batch_size=2", "--trainer.max_steps=1",
-              "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false", "--trainer.logger=false",
+              "--trainer.callbacks.every_n_train_steps=1", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false", "--trainer.logger=false",
               f"--trainer.default_root_dir={tmp_path}"])  # fmt: skip
     (ckpt,) = tmp_path.rglob("epoch=*.ckpt")
     main(["export", "--ckpt_path", str(ckpt), "--output", str(tmp_path / "merged")])

@@ -1,0 +1,91 @@
+"""lit3d's import graph has no cycle, counting imports made inside functions as well as at module level: a cycle that a
+deferred import hides is still a cycle. Imports deferred to keep ``lit3d --help`` and ``lit3d plan`` free of torch and
+Lightning are fine, as long as they do not close a loop."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {"lit3d": ROOT / "lit3d", "lit3d.strategies": ROOT / "strategies"}
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for package, folder in PACKAGES.items():
+        for path in folder.rglob("*.py"):
+            parts = path.relative_to(folder).with_suffix("").parts
+            name = ".".join((package, *parts))
+            found[name.removesuffix(".__init__")] = path
+    return found
+
+
+def imported(module: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The lit3d modules `module` imports anywhere in its file (`from lit3d.x import y` counts `lit3d.x.y` when that is
+    a module, else `lit3d.x`)."""
+    names = set()
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
+            names.update(f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names)
+    return {name for name in names if name in known and name != module}
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imported(name, path, known) for name, path in known.items()}
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), each sorted."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for other in edges[node]:
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while not component or component[-1] != node:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_graph_is_read_from_the_code():
+    edges = graph()
+    assert "lit3d.strategies.parallel3d" in edges and "lit3d.parallel" in edges
+    assert "lit3d.parallel" in edges["lit3d.strategies.parallel3d"] or any(
+        name.startswith("lit3d.parallel.") for name in edges["lit3d.strategies.parallel3d"]
+    )
+
+
+def test_a_planted_loop_is_found():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_lit3d_imports_no_module_that_imports_it_back():
+    # NOTE: a package's __init__ re-exports its modules for users; a module that imports its own package (or a package
+    # above it) is left out of the loops, since Python runs the package first either way.
+    edges = {
+        name: {other for other in targets if not name.startswith(other + ".")} for name, targets in graph().items()
+    }
+    assert cycles(edges) == []
