@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lit3d.attention import causal_attention, flash_attn_installed
+from lit3d.models.attention import causal_attention, flash_attn_installed
 
 
 def time_ms(fn, repeats: int) -> float:

@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.gpu_table import markdown, targets  # noqa: E402
-from lit3d.config import PRESETS, GPTConfig  # noqa: E402  (torch-free, as is the planner this process runs)
+from lit3d.models.config import PRESETS, GPTConfig  # noqa: E402  (torch-free, as is the planner this process runs)
 
 SECTIONS = ("peers", "extras", "fp8", "planner")
 # The shapes and step counts of a GPU run and of the dry run (the same code path on CPU, in seconds).
@@ -205,8 +205,8 @@ def sections(names: list[str], settings: dict[str, Any], work: Path, log: Path, 
 
 def planner(sections: dict[str, Any], settings: dict[str, Any], work: Path) -> dict[str, Any]:
     """``lit3d plan --json`` for exactly each measured lit3d run, the card named by its ``get_device_name()``."""
-    from lit3d.hardware import identify, unknown_device
-    from lit3d.plan_command import command_line
+    from lit3d.cli.plan_command import command_line
+    from lit3d.planner.hardware import identify, unknown_device
 
     peers = sections.get("peers", {})
     device = peers.get("environment", {}).get("device")

@@ -44,7 +44,7 @@ from benchmarks.gpu_training import (  # noqa: E402
     with_smaller_batch,
 )
 from lit3d import GPTConfig, LoRA  # noqa: E402
-from lit3d.hardware import identify, unknown_device  # noqa: E402
+from lit3d.planner.hardware import identify, unknown_device  # noqa: E402
 
 READY = time.time()  # (imports took READY - STARTED: a dry run's largest cost on a small machine)
 

@@ -87,7 +87,7 @@ def heading(results: dict[str, Any], environment: dict[str, Any]) -> list[str]:
     card = ", ".join(
         part
         for part in (
-            f"lit3d/hardware.py: {environment.get('hardware')}"
+            f"lit3d/planner/hardware.py: {environment.get('hardware')}"
             if environment.get("hardware")
             else "not in lit3d's table",
             f"compute capability {'.'.join(map(str, environment['capability']))}"

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from benchmarks.step_timer import StepTimer
 from lit3d import GPT, GPTConfig
-from lit3d.hardware import GPUS, cpu_share, identify
+from lit3d.planner.hardware import GPUS, cpu_share, identify
 from lit3d.strategies import Parallel3DStrategy
 from lit3d.strategies.parallelize import apply_compile
 
@@ -37,7 +37,7 @@ def free_memory() -> None:
 
 
 def peak_flops() -> float:
-    """Dense bf16 FLOP/s of this device (`lit3d.hardware`; a CPU: its cores' share), NaN when unknown."""
+    """Dense bf16 FLOP/s of this device (`lit3d.planner.hardware`; a CPU: its cores' share), NaN when unknown."""
     if torch.cuda.is_available():
         gpu = identify(torch.cuda.get_device_name())
         return gpu.peak_tflops * 1e12 if gpu else math.nan
@@ -144,7 +144,7 @@ def transformers_run(config: GPTConfig, micro: int, settings: dict, compile: boo
     groups and settings, bf16 autocast, SDPA attention, each decoder layer compiled as the GPT's blocks are."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lit3d.hf import config_to_hf
+    from lit3d.hf.folders import config_to_hf
 
     torch.manual_seed(0)
     device = torch.device("cuda" if settings["accelerator"] == "gpu" else "cpu")
@@ -289,7 +289,7 @@ def resume_run(config: GPTConfig, micro: int, settings: dict, path: Path, saved:
 def generate_run(path: Path, settings: dict) -> dict:
     """``lit3d generate`` from the checkpoint, for one token and for ``generate_tokens`` more: the difference of the
     two wall times is the generation alone (loading the checkpoint is in both), after a first call that warms up."""
-    from lit3d.commands import generate
+    from lit3d.cli.commands import generate
 
     times, output, more = [], io.StringIO(), settings["generate_tokens"]
     for new in (1 + more, 1 + more, 1):  # (the first warms up: a new length first costs more, on CPU and GPU)

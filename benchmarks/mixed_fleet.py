@@ -44,9 +44,9 @@ def planned(config, args: argparse.Namespace) -> tuple[dict[str, dict], dict[str
     pipeline runs the schedule and micro-batches the planner chose; the replicas, its gradient accumulation."""
     from dataclasses import replace
 
-    from lit3d.hardware import cpu_share
     from lit3d.planner import Cluster, Request, estimate
     from lit3d.planner.fleet import data_option, pipeline_cluster, pipeline_option, replicas_option, shared_cluster
+    from lit3d.planner.hardware import cpu_share
 
     fast = cpu_share(2)
     slow = replace(fast, name=f"CPU {args.slow:g}x slower", peak_tflops=fast.peak_tflops / args.slow,

@@ -8,8 +8,8 @@ batches, layout, recompute, compile and kernels (`lit3d.planner.inputs.Software`
 fixed layout. The ratio is predicted / published, in the unit the source publishes (tokens/s per GPU, or MFU against
 989 TFLOP/s with the source's FLOP count, which for these models is the planner's: 6 per matmul weight plus
 attention's 12 · layers · width · sequence, causal not halved). The calibration runs are the ones the fitted
-constants of `lit3d.calibration` were chosen on; the held-out runs were not used to choose them. Arithmetic only: a
-second or two on a CPU.
+constants of `lit3d.planner.calibration` were chosen on; the held-out runs were not used to choose them. Arithmetic
+only: a second or two on a CPU.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from benchmarks.published_runs import (
     MEGATRON,
     Run,
 )
-from lit3d.calibration import ASYNC_TP, HOPPER, MEGATRON_TP_OVERLAP
-from lit3d.hardware import GPUS
 from lit3d.planner import Cluster, Plan, Request, plan
+from lit3d.planner.calibration import ASYNC_TP, HOPPER, MEGATRON_TP_OVERLAP
+from lit3d.planner.hardware import GPUS
 
 # The number of kinds the breakdown has, printed largest first.
 KINDS = ("compute", "memory_bound", "communication", "bubble", "optimizer", "overhead")

@@ -1,8 +1,9 @@
 """Published bf16 training runs on H100s, as the planner is asked them: the model, the cluster, the loop's numbers,
 the layout and how the run's kernels were written. `planner_vs_published.py` prints the planner's clock beside them.
 
-``CALIBRATION``: the runs the clock's fitted constants (`lit3d.calibration`) were chosen on: the issue's nine, and the
-two vanilla-TP runs that torchtitan's async-TP runs were measured against (what async TP hides is their difference).
+``CALIBRATION``: the runs the clock's fitted constants (`lit3d.planner.calibration`) were chosen on: the issue's nine,
+and the two vanilla-TP runs that torchtitan's async-TP runs were measured against (what async TP hides is their
+difference).
 ``HELD_OUT``: other rows of the same sources, not used to choose them. What a source leaves out is assumed, and said
 under ``assumed``.
 """
@@ -12,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from lit3d.calibration import ASYNC_TP, MEGATRON_TP_OVERLAP
-from lit3d.config import GPTConfig
-from lit3d.hardware import GPUS
+from lit3d.models.config import GPTConfig
+from lit3d.planner.calibration import ASYNC_TP, MEGATRON_TP_OVERLAP
+from lit3d.planner.hardware import GPUS
 from lit3d.planner.inputs import Software
 
 TORCHTITAN_2412 = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md"

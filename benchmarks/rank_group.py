@@ -27,7 +27,7 @@ from torch.multiprocessing.spawn import ProcessException
 # NOTE: ranks are forked from a server process that has imported torch, Lightning and lit3d once, rather than each
 # spawned rank importing them again (about 5 s of one core per rank).
 START_METHOD = "forkserver"
-PRELOAD = ["torch", "lightning.pytorch", "lit3d.gpt", "lit3d.strategies", "lit3d.data"]
+PRELOAD = ["torch", "lightning.pytorch", "lit3d.models.gpt", "lit3d.strategies", "lit3d.data.text", "lit3d.data.chat"]
 
 
 def run_group(

@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lit3d import GPT  # noqa: E402
-from lit3d.model import loss_parallel_scope  # noqa: E402
+from lit3d.models.transformer import loss_parallel_scope  # noqa: E402
 from lit3d.strategies.tensor_parallel import apply_tensor_parallel  # noqa: E402
 
 # name -> (processes, strategy: a Lightning name, ("mp", dp, tp) for ModelParallelStrategy or Parallel3DStrategy
@@ -153,7 +153,7 @@ def main() -> None:
             runnable.setdefault(processes, []).append(name)
     started = time.time()
     if args.predict:  # the machine's profile for each process count, measured before the layouts run
-        from lit3d.calibrate import calibrate
+        from lit3d.planner.calibrate import calibrate
 
         folder = tempfile.mkdtemp()
         args.profiles = {n: str(Path(folder, f"{n}.json")) for n in runnable}
@@ -330,7 +330,7 @@ def _worker(rank: int, processes: int, port: int, schedule: list, args: dict, th
             report = {"measured": callbacks[1].measured, "planned": callbacks[1].planned}
             (Path(tmp) / f"0-{name}-comm.json").write_text(json.dumps(report))
         if round_ == 0 and trainer.is_global_zero and args.get("profiles") and isinstance(strategy, Parallel3DStrategy):
-            from lit3d.calibrate import cluster_of
+            from lit3d.planner.calibrate import cluster_of
             from lit3d.planner.run import plan_of_run
 
             planned = plan_of_run(trainer.strategy, cluster_of(args["profiles"][processes], processes))

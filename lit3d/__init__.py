@@ -5,10 +5,12 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from lit3d import moved
+
 if TYPE_CHECKING:
-    from lit3d.config import GPTConfig
-    from lit3d.gpt import GPT
-    from lit3d.lora import LoRA
+    from lit3d.models.config import GPTConfig
+    from lit3d.models.gpt import GPT
+    from lit3d.models.lora import LoRA
     from lit3d.strategies import Parallel3DStrategy
 
 __all__ = ["GPT", "GPTConfig", "LoRA", "Parallel3DStrategy"]
@@ -17,11 +19,14 @@ __version__ = "0.4.0"  # the one place: pyproject.toml reads it, `lit3d --versio
 # NOTE: the names load on first use (PEP 562): `lit3d --help` and `lit3d plan` import `lit3d.*` modules that need
 # neither Lightning nor the model, and importing this package must not pull them in.
 _HOMES = {
-    "GPT": "lit3d.gpt",
-    "GPTConfig": "lit3d.config",
-    "LoRA": "lit3d.lora",
+    "GPT": "lit3d.models.gpt",
+    "GPTConfig": "lit3d.models.config",
+    "LoRA": "lit3d.models.lora",
     "Parallel3DStrategy": "lit3d.strategies",
 }
+
+
+moved.install()  # the modules' 0.3 names (`lit3d.gpt`, ...) lead to their folders
 
 
 def __getattr__(name: str) -> Any:

@@ -9,9 +9,11 @@ import torch
 from lightning.pytorch.callbacks import BasePredictionWriter, Callback, RichProgressBar
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lit3d.documents import attended_length
-from lit3d.loop import ends_optimizer_step
 from lit3d.model_summary import ModelSummary  # noqa: F401 (its home is lit3d.model_summary; configs name it here)
+from lit3d.models.documents import attended_length
+from lit3d.models.generation import Sampling
+from lit3d.models.loop import ends_optimizer_step
+from lit3d.planner.hardware import identify
 
 
 class SampleText(Callback):
@@ -48,7 +50,6 @@ class SampleText(Callback):
         tokenizer = getattr(trainer.datamodule, "tokenizer", None)
         if trainer.sanity_checking or tokenizer is None or not hasattr(pl_module, "generate"):
             return
-        from lit3d.generation import Sampling
 
         prompt = torch.as_tensor(tokenizer.encode_batch([self.prompt])[0], dtype=torch.long, device=pl_module.device)
         generator = torch.Generator(device=pl_module.device).manual_seed(self.seed)
@@ -89,9 +90,9 @@ class Throughput(Callback):
     device allocator's peak on GPUs, the process's peak resident memory on CPU) and ``perf/mfu``: model FLOPs
     per token (`GPTConfig.flops_per_token`, no recompute; with LoRA, no gradient of the frozen weights) times
     tokens/s per device, over the device's dense bf16
-    peak from `lit3d.hardware`; for packed documents (`lit3d.documents`) attention counts only the keys a token's
-    own document holds (the mean document length a token sits in, from the step's last micro-batch, instead of the
-    sequence length). A device that is not in that table (a CPU, an unknown GPU) reports no MFU
+    peak from `lit3d.planner.hardware`; for packed documents (`lit3d.models.documents`) attention counts only the keys
+    a token's own document holds (the mean document length a token sits in, from the step's last micro-batch, instead of
+    the sequence length). A device that is not in that table (a CPU, an unknown GPU) reports no MFU
     rather than a wrong one. The first ``warmup`` steps (compilation, allocator warm-up) are not logged.
 
     Args:
@@ -106,7 +107,7 @@ class Throughput(Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.peak_flops = device_peak_flops(pl_module.device)
         if self.peak_flops is None and pl_module.device.type == "cuda":  # a GPU the table lacks: said, by its name
-            from lit3d.hardware import unknown_device
+            from lit3d.planner.hardware import unknown_device
 
             rank_zero_warn(unknown_device(torch.cuda.get_device_name(pl_module.device)))
         self._last = None
@@ -269,8 +270,7 @@ def format_comm_report(measured: dict[str, float], planned: dict[str, float] | N
 
 
 def device_peak_flops(device: torch.device) -> float | None:
-    """Dense bf16 FLOP/s of a known GPU; None for a CPU or a GPU not in `lit3d.hardware`."""
-    from lit3d.hardware import identify
+    """Dense bf16 FLOP/s of a known GPU; None for a CPU or a GPU not in `lit3d.planner.hardware`."""
 
     gpu = identify(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     return gpu.peak_tflops * 1e12 if gpu else None

@@ -10,7 +10,8 @@ from typing import Any
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lit3d.config import GPTConfig, check_model_fits_data
+from lit3d.data.batches import GlobalBatchData
+from lit3d.models.config import GPTConfig, check_model_fits_data
 from lit3d.parallel.context import check_context_parallel
 from lit3d.parallel.layout import Layout, check_model_fits_layout, check_model_fits_pipeline
 from lit3d.parallel.precision import check_float8
@@ -70,15 +71,19 @@ def _check_float8(parallelism: Parallelism, layout: Layout, module: Any, trainer
     check_float8(parallelism.float8, precision, config if isinstance(config, GPTConfig) else None, layout.tp, lora)
     seq_len = getattr(datamodule, "seq_len", None)
     if seq_len is not None and (seq_len // layout.cp) % 16:
-        raise ValueError(f"float8={parallelism.float8!r} with seq_len={seq_len} / context_parallel_size={layout.cp}: "
-                         "FP8 matmuls need each rank's tokens per sequence in multiples of 16")  # fmt: skip
+        raise ValueError(
+            f"float8={parallelism.float8!r} with seq_len={seq_len} / context_parallel_size={layout.cp}: "
+            "FP8 matmuls need each rank's tokens per sequence in multiples of 16"
+        )
     accelerator = type(getattr(trainer, "accelerator", None)).__name__
     if accelerator == "CUDAAccelerator":
         import torch
 
         if torch.cuda.get_device_capability() < (8, 9):
-            raise ValueError(f"float8={parallelism.float8!r} on {torch.cuda.get_device_name()}: FP8 matmuls need "
-                             "compute capability 8.9 or later (Ada, Hopper, Blackwell)")  # fmt: skip
+            raise ValueError(
+                f"float8={parallelism.float8!r} on {torch.cuda.get_device_name()}: FP8 matmuls need "
+                "compute capability 8.9 or later (Ada, Hopper, Blackwell)"
+            )
     if accelerator == "CPUAccelerator" and parallelism.float8 == "rowwise" and not rowwise_float8_on_cpu():
         import torch
 
@@ -96,9 +101,10 @@ def _check_shares(parallelism: Parallelism, layout: Layout, datamodule: Any, ste
     shares = parallelism.data_parallel_shares
     if shares is None:
         return
-    from lit3d.batches import GlobalBatchData
 
     if datamodule is not None and not isinstance(datamodule, GlobalBatchData):
-        raise ValueError(f"data_parallel_shares={list(shares)} needs a lit3d data module (TextDataModule, Chat"
-                         f"DataModule): its sampler deals the shares; got {type(datamodule).__name__}")  # fmt: skip
+        raise ValueError(
+            f"data_parallel_shares={list(shares)} needs a lit3d data module (TextDataModule, Chat"
+            f"DataModule): its sampler deals the shares; got {type(datamodule).__name__}"
+        )
     check_shares_fit(shares, layout.data_replicas, getattr(datamodule, "global_batch_size", None), steps)

@@ -1,9 +1,9 @@
 """Context parallelism in the strategy: the checks, the ring on each attention layer, each rank's share of a batch.
 
-The algorithm (load-balanced chunks, ring attention) is `lit3d.ring_attention`. Here: a CP rank's module still
+The algorithm (load-balanced chunks, ring attention) is `lit3d.models.ring_attention`. Here: a CP rank's module still
 receives whole sequences from the data (CP ranks of a replica are dealt the same batch), and its runner
-(`lit3d.runner.ContextShare`) keeps this rank's two chunks of inputs and targets; every attention layer gets the CP ring
-(`apply_context_parallel`). Everything else is per token, and the weights are synced over the ``dp × cp``
+(`lit3d.models.runner.ContextShare`) keeps this rank's two chunks of inputs and targets; every attention layer gets the
+CP ring (`apply_context_parallel`). Everything else is per token, and the weights are synced over the ``dp × cp``
 replicas. Each CP rank's loss is the mean over its tokens; every rank holds as many, so the mean of the ranks'
 losses (and of their gradients) is the mean over all tokens of the global batch.
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from lit3d.ring_attention import ContextParallel
+from lit3d.models.ring_attention import ContextParallel
 
 
 def check_module_for_context_parallel(module: Any, cp: int, predicting: bool = False) -> None:

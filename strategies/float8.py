@@ -33,13 +33,14 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from lit3d.models.lora import LoRALinear
 from lit3d.parallel.precision import is_float8_linear
+from lit3d.planner.tensors import parameter_table
 
 
 def apply_float8(network: nn.Module, recipe: str, all_gather: bool = False) -> int:
     """Swap the block linears of ``network`` for torchao's ``Float8Linear`` (``recipe``: `RECIPES`); returns how
     many were swapped."""
-    from lit3d.lora import LoRALinear
 
     float8 = import_float8()
     config = float8.Float8LinearConfig.from_recipe_name(recipe)
@@ -58,7 +59,6 @@ def apply_float8(network: nn.Module, recipe: str, all_gather: bool = False) -> i
 def block_gemms(config: Any, tp: int = 1) -> dict[str, tuple[int, int, str]]:
     """The block linears of ``config`` that FP8 runs, by role (``attn.q_proj``): ``(in, out)`` as one TP rank of
     ``tp`` holds them, and a module's name."""
-    from lit3d.planner.tensors import parameter_table
 
     gemms = {}
     for tensor in parameter_table(config):
@@ -138,8 +138,14 @@ def plain_tensors(tree: Any) -> Any:
         if isinstance(value, (dict, list)):
             plain_tensors(value)
         elif isinstance(value, DTensor) and _wraps(value._local_tensor):
-            tree[key] = DTensor.from_local(unwrapped(value._local_tensor), value.device_mesh, value.placements,
-                                           run_check=False, shape=value.shape, stride=value.stride())  # fmt: skip
+            tree[key] = DTensor.from_local(
+                unwrapped(value._local_tensor),
+                value.device_mesh,
+                value.placements,
+                run_check=False,
+                shape=value.shape,
+                stride=value.stride(),
+            )
         elif isinstance(value, torch.Tensor) and _wraps(value):
             tree[key] = unwrapped(value)
     return tree

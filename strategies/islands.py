@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from lit3d.strategies.meshes import ParallelMeshes
 
 from lit3d.parallel.outer import OUTER_REDUCE_DTYPE_NAMES
+from lit3d.strategies.checkpoint_folder import parameter_names
 
 OUTER_REDUCE_DTYPES = dict(zip(OUTER_REDUCE_DTYPE_NAMES, (torch.float32, torch.bfloat16)))
 
@@ -143,7 +144,6 @@ def build_outer_loop(
 ) -> OuterLoop:
     """The outer loop over what the run's (single) inner optimizer steps on this rank (``local_optimizers``: the
     ones that step on local shards, by id of the optimizer)."""
-    from lit3d.strategies.checkpoint import parameter_names
 
     if len(optimizers) != 1:
         raise ValueError(
@@ -168,9 +168,17 @@ def build_outer_loop(
             globals_.append(lambda state, p=param: _like(p, state))
     p = parallelism
     return OuterLoop(
-        tensors, keys, globals_, meshes.group("island"), meshes.layout.islands, p.sync_every, p.outer_lr,
-        p.outer_momentum, p.outer_fragments, p.outer_reduce_dtype,
-    )  # fmt: skip
+        tensors,
+        keys,
+        globals_,
+        meshes.group("island"),
+        meshes.layout.islands,
+        p.sync_every,
+        p.outer_lr,
+        p.outer_momentum,
+        p.outer_fragments,
+        p.outer_reduce_dtype,
+    )
 
 
 def _like(param: torch.Tensor, state: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ import logging
 import os
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -26,10 +26,20 @@ from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcess
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lit3d.strategies.checkpoint import check_ckpt_path
+from lit3d.strategies.checkpoint_folder import check_ckpt_path
 
-if TYPE_CHECKING:
-    from lit3d.strategies.parallel3d import Parallel3DStrategy
+
+class CheckedStrategy(Protocol):
+    """What a launcher reads of its strategy (`lit3d.strategies.Parallel3DStrategy`): Lightning's launch sizes and the
+    configuration check it runs before any rank starts."""
+
+    cluster_environment: Any
+    num_processes: int
+    num_nodes: int
+    local_rank: int
+
+    def check_configuration(self, trainer: Trainer | None, datamodule: Any) -> None: ...
+
 
 log = logging.getLogger(__name__)
 LAUNCHER_PID = "LIT3D_LAUNCHER_PID"
@@ -38,7 +48,7 @@ LAUNCHER_PID = "LIT3D_LAUNCHER_PID"
 class _ChecksFirst:
     """Check the configuration before any rank starts, then let the ranks watch this process."""
 
-    _strategy: Parallel3DStrategy
+    _strategy: CheckedStrategy
 
     def launch(self, function: Any, *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
         # `Trainer.fit` (validate, ...) hands its datamodule to the launcher; it reaches the trainer in the ranks only.
@@ -57,7 +67,7 @@ class _ChecksFirst:
 class CheckingLauncher(_ChecksFirst, _SubprocessScriptLauncher):
     """Lightning's script launcher, but the configuration is checked before any child process starts."""
 
-    def __init__(self, strategy: Parallel3DStrategy) -> None:
+    def __init__(self, strategy: CheckedStrategy) -> None:
         super().__init__(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
         self._strategy = strategy
 
@@ -69,7 +79,7 @@ class ForkLauncher(_ChecksFirst, _MultiProcessingLauncher):
     path come back to the notebook; the weights stay sharded in the ranks, so save a checkpoint to keep them.
     """
 
-    def __init__(self, strategy: Parallel3DStrategy) -> None:
+    def __init__(self, strategy: CheckedStrategy) -> None:
         super().__init__(strategy, start_method="fork")
 
     def _collect_rank_zero_results(self, trainer: Trainer, results: Any) -> _WorkerOutput | None:

@@ -25,11 +25,11 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lit3d.model import loss_parallel_scope
+from lit3d.models.transformer import loss_parallel_scope
 from lit3d.parallel.layout import Layout, layout_lines, resolve_layout, sizes_of
 from lit3d.parallel.settings import Parallelism, argument_docs
 from lit3d.planner.run import plan_of_run
-from lit3d.strategies import checkpointing as sharded
+from lit3d.strategies.checkpoints import Checkpoints, RankState, remove
 from lit3d.strategies.checks import ConfigurationError, check_run
 from lit3d.strategies.full_state import WholeOrder
 from lit3d.strategies.launchers import CheckingLauncher, ForkLauncher, agree_on_seed
@@ -106,7 +106,7 @@ class Parallel3DStrategy(ModelParallelStrategy):
         self._layout: Layout | None = None
         self.meshes: ParallelMeshes | None = None  # built in setup_environment
         self.optimizer_steps: OptimizerSteps | None = None  # built with the optimizers
-        self.checkpoints = sharded.Checkpoints(async_checkpoint, save_distributed_checkpoint)
+        self.checkpoints = Checkpoints(async_checkpoint, save_distributed_checkpoint)
         self.pipeline: Pipeline | None = None  # this rank's stages and schedule, when pipeline_parallel_size > 1
         self.rank_life = RankLife()  # the launcher watch and the watchdog: neither outlives a fit
         self._parallelized: nn.Module | None = None  # the network this strategy split
@@ -230,11 +230,10 @@ class Parallel3DStrategy(ModelParallelStrategy):
             return  # a later call in the same processes (fit, then validate or test): it is split already
         self._parallelized = module.model
         self._whole_order = WholeOrder.of(module)  # NOTE: before the split: a pipeline rank holds only its part
-        settings = replace(self.parallelism, **sizes_of(self.layout))  # "auto" sizes resolved
+        sized = replace(self.parallelism, **sizes_of(self.layout))  # "auto" sizes resolved
         module.runner, self.pipeline = split_module(
-            module, settings, self.meshes, self.global_rank, self.num_microbatches, self.root_device,
-            self.precision_plugin.precision, grad_scaler=lambda: getattr(self.precision_plugin, "scaler", None),
-        )  # fmt: skip
+            module, sized, self.meshes, self.global_rank, self.num_microbatches, self.root_device, self.precision_plugin
+        )
 
     @override
     def model_to_device(self) -> None:
@@ -357,9 +356,9 @@ class Parallel3DStrategy(ModelParallelStrategy):
         fitting = module is not None and module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
         return self.checkpoints.load(path, self._rank_state(), self.optimizers if fitting else [])
 
-    def _rank_state(self) -> sharded.RankState:  # before any setup: the module alone, as one process
+    def _rank_state(self) -> RankState:  # before any setup: the module alone, as one process
         layout, module = self.layout if self.meshes is not None else None, self.lightning_module
-        return sharded.RankState(module, self.optimizer_steps, layout, self.global_rank, self._whole_order)
+        return RankState(module, self.optimizer_steps, layout, self.global_rank, self._whole_order)
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
@@ -371,7 +370,7 @@ class Parallel3DStrategy(ModelParallelStrategy):
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        sharded.remove(Path(filepath)) if self.is_global_zero else None
+        remove(Path(filepath)) if self.is_global_zero else None
 
     @override
     def on_train_end(self) -> None:

@@ -10,17 +10,17 @@ the DTensor shards over the ``dp`` mesh dimension and its units are the checkpoi
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lit3d.models.moe import MoE
+from lit3d.models.runner import ContextShare, ReplicaShare, Runner, WholeNetwork
 from lit3d.parallel.schedules import SCHEDULES
 from lit3d.parallel.settings import Parallelism
 from lit3d.parallel.shares import share_weight
-from lit3d.runner import ContextShare, ReplicaShare, Runner, WholeNetwork
 from lit3d.strategies.context_parallel import apply_context_parallel
 from lit3d.strategies.float8 import apply_float8
 from lit3d.strategies.meshes import ParallelMeshes
@@ -35,18 +35,17 @@ from lit3d.strategies.zero import apply_data_parallel
 def apply_expert_parallel(network: nn.Module, ep_mesh: DeviceMesh, group: object | None = None) -> None:
     """Split the experts of every MoE layer of ``network`` over ``ep_mesh``: each expert weight becomes a DTensor
     sharded along its expert dim (each rank holds a contiguous run of experts), and the layer dispatches its
-    tokens over ``group`` (the same ranks; default: the mesh's group) (`lit3d.moe.dispatch`)."""
+    tokens over ``group`` (the same ranks; default: the mesh's group) (`lit3d.models.moe.dispatch`)."""
     from torch.distributed.tensor import DTensor, Shard
-
-    from lit3d.moe import MoE
 
     for moe in (m for m in network.modules() if isinstance(m, MoE)):
         experts = moe.experts
         for name, param in list(experts.named_parameters(recurse=False)):
             rank, size = ep_mesh.get_local_rank(), ep_mesh.size()
             local = param.detach().chunk(size, dim=0)[rank]
-            sharded = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False, shape=param.shape,
-                                         stride=param.stride())  # fmt: skip
+            sharded = DTensor.from_local(
+                local, ep_mesh, [Shard(0)], run_check=False, shape=param.shape, stride=param.stride()
+            )
             setattr(experts, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
         experts.grad_scale = 1 / ep_mesh.size()
         moe.ep_group = group or ep_mesh.get_group()
@@ -69,13 +68,13 @@ def split_module(
     rank: int,
     microbatches: int,
     device: torch.device,
-    precision: str,
-    grad_scaler: Callable[[], Any],
+    precision_plugin: Any,
 ) -> tuple[Runner, Pipeline | None]:
     """Split ``module.model`` for ``rank`` (`parallelize_network`), give it its weights (from the seed and the
-    parameter names, shard by shard), and return the runner of this rank's part (`lit3d.runner`) and the pipeline.
-    ``precision``: Lightning's setting; ``grad_scaler``: fp16's loss scaler, asked at each step."""
-    network, layout = module.model, meshes.layout
+    parameter names, shard by shard), and return the runner of this rank's part (`lit3d.models.runner`) and the
+    pipeline.
+    ``precision_plugin``: Lightning's, whose ``precision`` setting this reads, and fp16's loss scaler at each step."""
+    network, layout, precision = module.model, meshes.layout, precision_plugin.precision
     mp_policy = mixed_precision_policy(precision, parallelism.mixed_precision_reduce)
     ddp = ddp_runs(parallelism, layout, precision)
     if getattr(network, "_lit3d_split", False):
@@ -100,11 +99,19 @@ def split_module(
     weight = share_weight(shares, layout.data_rank(rank)) if shares is not None else 1.0
     if layout.pp > 1:
         runner = pipeline = Pipeline(
-            chunks, stage_ids, layout.pp * parallelism.chunks_per_rank, meshes.world["pp"],
-            parallelism.pipeline_schedule, microbatches, device, loss_parallel=layout.tp > 1,
+            chunks,
+            stage_ids,
+            layout.pp * parallelism.chunks_per_rank,
+            meshes.world["pp"],
+            parallelism.pipeline_schedule,
+            microbatches,
+            device,
+            loss_parallel=layout.tp > 1,
             split_backward=not parallelism.activation_checkpointing,
-            accumulate=lambda: module.trainer.accumulate_grad_batches, grad_scaler=grad_scaler, balance_weight=weight,
-        )  # fmt: skip
+            accumulate=lambda: module.trainer.accumulate_grad_batches,
+            grad_scaler=lambda: getattr(precision_plugin, "scaler", None),
+            balance_weight=weight,
+        )
     if layout.cp > 1:  # each rank's share of the batch's sequences
         runner = ContextShare(runner, layout.cp, layout.cp_rank(rank))
     if shares is not None:
@@ -163,8 +170,9 @@ def parallelize_network(
     if layout.pp > 1:
         placement = SCHEDULES[parallelism.pipeline_schedule].placement  # which chunks a rank holds: a loop, or a V
         p = layout.coordinate(rank).p
-        chunks, stage_ids = split_into_stages(network, p, layout.pp, parallelism.chunks_per_rank, placement,
-                                              parallelism.pipeline_stage_layers)  # fmt: skip
+        chunks, stage_ids = split_into_stages(
+            network, p, layout.pp, parallelism.chunks_per_rank, placement, parallelism.pipeline_stage_layers
+        )
     if parallelism.float8:  # a module swap that keeps the names TP's plan and FSDP2 go by
         apply_float8(network, parallelism.float8, parallelism.float8_all_gather)
     if layout.tp > 1:

@@ -19,11 +19,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lit3d import documents, lora_dropout
-from lit3d.model import loss_parallel_scope
-from lit3d.moe import balance_loss_weight
+from lit3d.models import documents, lora_dropout
+from lit3d.models.moe import balance_loss_weight
+from lit3d.models.transformer import loss_parallel_scope
 from lit3d.parallel.schedules import SCHEDULES, Costs, bubble_theory
 from lit3d.parallel.stages import stage_rank
+from lit3d.strategies.timeline import PipelineTimeline
 from lit3d.strategies.torch_compat import all_gather_single, pipeline_stage
 
 # What a module split by the strategy provides so that its loss can run as a schedule: `loss(batch)` is
@@ -59,9 +60,9 @@ class Pipeline:
         grad_scaler: fp16's loss scaler, asked at each step (its scale multiplies the loss inside the schedule, whose
             backward is the only one; the precision plugin unscales the gradients before the optimizer step).
         balance_weight: What the MoE layers' balance term counts, as the loss does (an uneven replica's share:
-            `lit3d.runner.ReplicaShare`, which weighs the loss around this runner).
+            `lit3d.models.runner.ReplicaShare`, which weighs the loss around this runner).
 
-    It is a module's runner (`lit3d.runner`): the module's ``loss`` and ``forward`` call `loss` and `forward`.
+    It is a module's runner (`lit3d.models.runner`): the module's ``loss`` and ``forward`` call `loss` and `forward`.
     """
 
     adds_balance_loss = True  # the MoE layers of every stage add their term in backward (`balance_loss_weight`)
@@ -97,8 +98,9 @@ class Pipeline:
         self._scale = 1.0
         self._grad_scaler: Any = None
         self._pending: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-        self.schedule = self._schedule(self._stages(self.clock, microbatches), schedule, microbatches,
-                                       self._record_loss)  # fmt: skip
+        self.schedule = self._schedule(
+            self._stages(self.clock, microbatches), schedule, microbatches, self._record_loss
+        )
         self._inference: dict[tuple, Any] = {}
 
     def _stages(self, clock: StageClock | None, microbatches: int) -> list[Any]:
@@ -118,7 +120,7 @@ class Pipeline:
                 dw_builder=whole,
                 clock=clock,
                 microbatches=microbatches,
-            )  # fmt: skip
+            )
             for chunk, s in zip(self.chunks, self.stage_ids)
         ]
 
@@ -190,7 +192,6 @@ class Pipeline:
         draws, and on the former each stage's busy time and the measured bubble logged next to the theory.
 
         NOTE: only on those steps: the clock's metrics cost a collective and a host sync."""
-        from lit3d.strategies.timeline import PipelineTimeline
 
         trainer = module.trainer
         logs = trainer._logger_connector.should_update_logs

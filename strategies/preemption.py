@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from lit3d.loop import ends_optimizer_step
+from lit3d.models.loop import ends_optimizer_step
 
 log = logging.getLogger(__name__)
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)

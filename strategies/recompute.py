@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from lit3d import documents, lora_dropout
+from lit3d.models import documents, lora_dropout
 from lit3d.parallel.layout import Layout
 from lit3d.parallel.settings import check_recompute
 

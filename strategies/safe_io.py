@@ -1,4 +1,5 @@
-"""Reading checkpoint files without running code that is in them.
+"""Reading checkpoint files without running code that is in them, and checking a folder is whole before reading it
+(`check_readable`: every file its index names there and long enough, every tensor tiled by its chunks).
 
 A checkpoint may come from elsewhere (a colleague, a download). Three of its parts are pickles, and plain
 unpickling runs whatever a crafted file asks for:
@@ -20,6 +21,7 @@ rather than advise loading it unchecked. Every lit3d path that opens a checkpoin
 from __future__ import annotations
 
 import io
+import math
 import pickle
 import zipfile
 from pathlib import Path
@@ -30,7 +32,9 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from lit3d.checkpoint_errors import CorruptCheckpointError, UnsafeCheckpointError
+from lit3d.errors import CorruptCheckpointError, UnsafeCheckpointError
+
+META_FILE = "meta.pt"  # a checkpoint folder's plain data: hyper-parameters, loops, RNG, layout
 
 
 def _data_globals() -> list[Any]:
@@ -51,8 +55,6 @@ def load_meta(path: str | Path) -> Any:
     """
     path = Path(path)
     if path.is_dir():
-        from lit3d.strategies.checkpoint import META_FILE, check_readable
-
         check_readable(path)
         path = path / META_FILE
     try:
@@ -72,6 +74,63 @@ def load_meta(path: str | Path) -> Any:
         ) from None
     except (EOFError, RuntimeError, KeyError, ValueError) as error:  # torch's readers on broken bytes
         raise corrupt(path, error) from None
+
+
+def check_readable(path: Path) -> None:
+    """A clear error for a missing, incomplete or foreign checkpoint (before any collective)."""
+    if not path.exists():
+        previous = path.with_name(path.name + ".old")
+        hint = f" ({str(previous)!r} is the checkpoint an interrupted save replaced)" if previous.exists() else ""
+        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist{hint}")
+    if path.is_dir() and not any(path.iterdir()):
+        raise ValueError(f"checkpoint folder {str(path)!r} is empty")
+    missing = [name for name in (".metadata", META_FILE) if not (path / name).is_file()]
+    if missing:
+        raise ValueError(
+            f"{str(path)!r} is not a complete lit3d checkpoint: {', '.join(missing)} missing "
+            "(an interrupted save leaves a '.partial' folder; use the previous checkpoint)"
+        )
+    metadata = SafeFileSystemReader(str(path)).read_metadata()
+    check_sizes_are_stored(path, metadata)
+    # Every shard file the metadata points into must be there, and long enough.
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            raise ValueError(f"checkpoint {str(path)!r} is incomplete: shard file {name!r} is missing")
+        if file.stat().st_size < size:
+            raise ValueError(
+                f"checkpoint {str(path)!r} is truncated: {name!r} has {file.stat().st_size} bytes, "
+                f"its index expects {size}"
+            )
+
+
+def check_sizes_are_stored(path: Path, metadata: Any) -> None:
+    """Refuse metadata whose tensors are not tiled by their chunks, or whose chunks claim more bytes than their
+    shards store: reading it would allocate what the file does not hold (a corrupt or crafted index)."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+    for fqn, entry in metadata.state_dict_metadata.items():
+        if not isinstance(entry, TensorStorageMetadata):
+            continue
+        itemsize = torch.empty((), dtype=entry.properties.dtype).element_size()
+        covered = 0
+        for chunk in entry.chunks:
+            numel = math.prod(chunk.sizes)
+            stored = metadata.storage_data.get(MetadataIndex(fqn, chunk.offsets))
+            if stored is None or numel * itemsize > stored.length:
+                raise ValueError(
+                    f"checkpoint {str(path)!r} is corrupt: {fqn!r} claims a {tuple(chunk.sizes)} chunk "
+                    f"({numel * itemsize:,} bytes) but its shard stores {stored.length if stored else 0:,}"
+                )
+            covered += numel
+        if covered != math.prod(entry.size):
+            raise ValueError(
+                f"checkpoint {str(path)!r} is corrupt: {fqn!r} claims size {tuple(entry.size)} "
+                f"({math.prod(entry.size):,} elements) but its chunks hold {covered:,}"
+            )
 
 
 def first_line(text: str) -> str:

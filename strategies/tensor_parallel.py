@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from lit3d.models.transformer import compute_dtype
 from lit3d.parallel.sharding import ROLES
 
 
@@ -48,7 +49,7 @@ def parallel_styles(sequence_parallel: bool) -> dict[str, ParallelStyle | None]:
             output_layouts=(Replicate(),),
             desired_output_layouts=(between,),
             use_local_output=True,
-        ),  # fmt: skip
+        ),
         "norm": NormOnShards() if sequence_parallel else None,
         # q and k as [batch, seq, heads, head_dim], split by heads (dim 2): the weight's gradient summed over TP.
         "head_norm": NormOnShards(sequence_dim=2, use_local_output=True),
@@ -72,7 +73,7 @@ class NormOnShards(SequenceParallel):
 
 class SplitColumns(ColwiseParallel):
     """Column parallel: the weight split along its output features; a LoRA adapter's ``B`` along them too and its
-    ``A`` whole, so ``x Aᵀ`` is every rank's and ``(x Aᵀ) Bᵀ`` is split as the base output is (`lit3d.lora`)."""
+    ``A`` whole, so ``x Aᵀ`` is every rank's and ``(x Aᵀ) Bᵀ`` is split as the base output is (`lit3d.models.lora`)."""
 
     def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
         placements = {"weight": Shard(0), "bias": Shard(0), "lora_b": Shard(0), "lora_a": Replicate()}
@@ -103,8 +104,6 @@ class VocabParallelEmbedding(RowwiseParallel):
 
     @staticmethod
     def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
-        from lit3d.model import compute_dtype
-
         # NOTE: cast the local partial sums: DTensor would reduce a partial tensor before casting it.
         local = compute_dtype(outputs.to_local())
         if local.dtype != outputs.dtype:

@@ -34,6 +34,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from lit3d.models.moe import MoE
 from lit3d.parallel.layout import LIGHTNING_DIM_NAMES
 from lit3d.strategies.torch_compat import all_gather_single, ddp_no_buffer_sync
 
@@ -101,10 +102,8 @@ def _experts_data_parallel(
     """Expert parallelism under ZeRO-0/2/3: each MoE layer's experts become an FSDP2 unit (ZeRO-0: ``replicate``)
     of their own over the ranks that hold the same experts (``edp``); with a single such group there is nothing to
     sync, and the experts are left out of the DP units (returned, to ignore). (Their gradients come scaled for
-    this: `lit3d.moe.Experts.grad_scale`.)"""
+    this: `lit3d.models.moe.Experts.grad_scale`.)"""
     from torch.distributed.fsdp import fully_shard
-
-    from lit3d.moe import MoE
 
     experts = [m.experts for m in network.modules() if isinstance(m, MoE) and m.ep_group is not None]
     if expert_mesh is None or not experts:
@@ -118,8 +117,13 @@ def _experts_data_parallel(
 
             replicate(unit, mesh=edp, mp_policy=mp_policy)
         else:
-            fully_shard(unit, mesh=edp, reshard_after_forward=zero_stage == 3, mp_policy=mp_policy,
-                        offload_policy=offload_policy)  # fmt: skip
+            fully_shard(
+                unit,
+                mesh=edp,
+                reshard_after_forward=zero_stage == 3,
+                mp_policy=mp_policy,
+                offload_policy=offload_policy,
+            )
     return None
 
 

@@ -7,7 +7,6 @@ bytes). Under bf16-mixed the parameters are bf16 and the optimizer steps fp32 ma
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
@@ -19,7 +18,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from lit3d.strategies.zero1_buckets import buckets, rank_chunk
+from lit3d.strategies.zero1_buckets import buckets
+from lit3d.strategies.zero1_params import SlicedParam
 
 ELEMENTWISE_OPTIMIZERS = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
 
@@ -48,10 +48,16 @@ class LocalShardOptimizer:
     D``. Checkpoints hold the masters as the weights (`master_weights`); ``masters``: those of an earlier setup.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, zero1_mesh: DeviceMesh | None = None,
-                 reduce_dtype: torch.dtype | None = None, module: nn.Module | None = None,
-                 expert_mesh: DeviceMesh | None = None, param_dtype: torch.dtype | None = None,
-                 masters: dict[int, torch.Tensor] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        zero1_mesh: DeviceMesh | None = None,
+        reduce_dtype: torch.dtype | None = None,
+        module: nn.Module | None = None,
+        expert_mesh: DeviceMesh | None = None,
+        param_dtype: torch.dtype | None = None,
+        masters: dict[int, torch.Tensor] | None = None,
+    ) -> None:
         if zero1_mesh is not None and not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
             raise TypeError(
                 f"{type(optimizer).__name__} is not one of the elementwise optimizers "
@@ -64,7 +70,7 @@ class LocalShardOptimizer:
             raise ValueError("master weights (param_dtype) are ZeRO-1's: give its mesh")
         self.mesh, self.reduce_dtype, self.expert_mesh = zero1_mesh, reduce_dtype, expert_mesh
         self.param_dtype, self._masters = param_dtype, masters or {}
-        self.entries: list[_Entry] = []
+        self.entries: list[SlicedParam] = []
         for group in optimizer.param_groups:
             entries = [self._entry(p) for p in group["params"]]
             self.entries += entries
@@ -92,11 +98,11 @@ class LocalShardOptimizer:
         self._launched = -1  # buckets up to this index have started their reduce-scatter this step
         self._overlapping = False  # inside `overlap`
 
-    def _entry(self, param: torch.Tensor) -> _Entry:
+    def _entry(self, param: torch.Tensor) -> SlicedParam:
         if self.mesh is None:
             if not isinstance(param, DTensor):
-                return _Entry(param, param)
-            entry = _Entry(param, None, param.device_mesh, tuple(param.placements))
+                return SlicedParam(param, param)
+            entry = SlicedParam(param, None, param.device_mesh, tuple(param.placements))
         elif isinstance(param, DTensor) and param.device_mesh.mesh_dim_names == ("ep",):
             entry = self._expert_entry(param)
         else:
@@ -109,7 +115,7 @@ class LocalShardOptimizer:
             # A column-parallel linear's bias has no dim TP leaves whole: each TP rank's part is sliced over DP,
             # which DTensor places as a strided shard (FSDP2 places such tensors the same way).
             over_dp = _StridedShard(dim, split_factor=mesh["tp"].size()) if dim in taken else Shard(dim)
-            entry = _Entry(param, None, mesh, (over_dp, *tp), dim)
+            entry = SlicedParam(param, None, mesh, (over_dp, *tp), dim)
             entry.tp_sharded = bool(taken)
         view = entry.local(param).detach()
         if self.param_dtype is not None:  # the fp32 master weights of this rank's part
@@ -117,14 +123,14 @@ class LocalShardOptimizer:
         entry.view = nn.Parameter(view, requires_grad=param.requires_grad)
         return entry
 
-    def _expert_entry(self, param: DTensor) -> _Entry:
+    def _expert_entry(self, param: DTensor) -> SlicedParam:
         """An MoE expert weight, split over the EP ranks (dim 0), sliced and averaged over the ``edp`` ranks that
         hold the same experts (with a single such group, nothing to average). Its gradient comes scaled already
-        (`lit3d.moe.Experts.grad_scale`)."""
+        (`lit3d.models.moe.Experts.grad_scale`)."""
         if self.expert_mesh["edp"].size() == 1:
-            return _Entry(param, None, param.device_mesh, tuple(param.placements))
+            return SlicedParam(param, None, param.device_mesh, tuple(param.placements))
         mesh = self.expert_mesh["edp", "ep"]
-        return _Entry(param, None, mesh, (Shard(1), *param.placements), 1, dp_dim="edp")
+        return SlicedParam(param, None, mesh, (Shard(1), *param.placements), 1, dp_dim="edp")
 
     def remove_hooks(self) -> None:
         """Its backward hooks off the parameters, before another setup of them replaces it (a second fit)."""
@@ -153,7 +159,7 @@ class LocalShardOptimizer:
             self._overlapping = False
 
     @torch.no_grad()
-    def _grad_ready(self, index: int, entry: _Entry, param: torch.Tensor) -> None:
+    def _grad_ready(self, index: int, entry: SlicedParam, param: torch.Tensor) -> None:
         self._buckets[index].add_grad(entry)
         if not self._overlapping:  # a micro-step before the last, or a pipeline's micro-batch: the rows sum it
             return
@@ -235,64 +241,6 @@ class LocalShardOptimizer:
         shape = entry.param.shape
         stride = torch.empty(shape, device="meta").stride()
         return DTensor.from_local(state, entry.mesh, entry.placements, run_check=False, shape=shape, stride=stride)
-
-
-class _Entry:
-    """One parameter: the model's parameter, the plain view the optimizer steps, and where that view lies in the
-    global tensor (``mesh`` and ``placements``; ``dim``: the dim ZeRO-1 splits over DP)."""
-
-    def __init__(self, param: torch.Tensor, view: torch.Tensor | None, mesh: Any = None, placements: Any = None,
-                 dim: int | None = None, dp_dim: str = "dp") -> None:  # fmt: skip
-        self.param, self.view, self.mesh, self.placements, self.dim = param, view, mesh, placements, dim
-        self.dp_dim = dp_dim  # the mesh dim ZeRO-1 slices over ("edp" for MoE experts)
-        self.tp_sharded = False  # split over TP: every TP rank's part counts in the gradient norm
-        self.grad_aside: torch.Tensor | None = None  # with master weights: backward's gradients so far
-
-    @torch.no_grad()
-    def set_grad_aside(self, param: torch.Tensor) -> None:
-        """Post-accumulate-grad hook (master weights): move the gradient backward left to ``grad_aside``, adding it
-        to the earlier backwards' in fp32, as fp32 parameters would (gradient accumulation, pipeline micro-batches);
-        a single backward's bf16 gradient stays as it is."""
-        grad, param.grad = self.like_param(param.grad), None
-        self.grad_aside = grad if self.grad_aside is None else self.grad_aside.float().add_(grad)
-
-    def take_grad(self) -> torch.Tensor | None:
-        """The parameter's gradient (what backward set aside and left), laid out as the parameter; taken from it."""
-        grad, aside = self.param.grad, self.grad_aside
-        self.param.grad = self.grad_aside = None
-        grad = None if grad is None else self.like_param(grad)
-        return grad if aside is None else aside if grad is None else aside.float().add_(grad)
-
-    def like_param(self, grad: torch.Tensor) -> torch.Tensor:
-        if isinstance(grad, DTensor) and grad.placements != self.param.placements:
-            # e.g. the tied embedding's gradient, still replicated when backward hands it over: take its shard
-            grad = grad.redistribute(placements=self.param.placements)
-        return grad
-
-    @functools.cached_property
-    def dp(self) -> tuple[Any, int, int]:
-        """(process group, size, this rank's index) of the DP dim."""
-        dp = self.mesh[self.dp_dim]
-        return dp.get_group(), dp.size(), dp.get_local_rank()
-
-    def local(self, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's part of ``tensor`` (the parameter or its gradient) that the optimizer steps, as a view."""
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        if self.dim is None:
-            return local
-        _, size, rank = self.dp
-        return rank_chunk(local, self.dim, size, rank)
-
-    def slices(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """Every DP rank's slice of ``tensor``'s local part (torch.chunk's split, as DTensor's ``Shard``)."""
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        _, size, _ = self.dp
-        return [rank_chunk(local, self.dim, size, r) for r in range(size)]
-
-    @functools.cached_property
-    def slice_numel(self) -> int:
-        """Elements of the largest DP slice (what each rank contributes to a collective, padded)."""
-        return max(s.numel() for s in self.slices(self.param))
 
 
 def _hold_in(param: torch.Tensor, dtype: torch.dtype) -> None:

@@ -3,20 +3,18 @@ collective each (`lit3d.strategies.zero1.LocalShardOptimizer` moves its slices w
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from lit3d.parallel.sharding import BUCKET_ELEMENTS
 from lit3d.strategies.torch_compat import all_gather_single, reduce_scatter_single
-
-if TYPE_CHECKING:
-    from lit3d.strategies.zero1 import _Entry
+from lit3d.strategies.zero1_params import SlicedParam
 
 
-def buckets(entries: list[_Entry]) -> list[Bucket]:
+def buckets(entries: list[SlicedParam]) -> list[Bucket]:
     """ZeRO-1 entries in groups moved by one collective each: same DP group and dtype, bounded size."""
-    by_key: dict[tuple, list[list[_Entry]]] = {}
+    by_key: dict[tuple, list[list[SlicedParam]]] = {}
     for e in entries:
         groups = by_key.setdefault((e.dp[0], e.view.dtype, e.param.dtype), [[]])
         if groups[-1] and sum(x.slice_numel for x in groups[-1]) + e.slice_numel > BUCKET_ELEMENTS:
@@ -44,7 +42,7 @@ class Bucket:
     a few more rows while a collective runs).
     """
 
-    def __init__(self, entries: list[_Entry]) -> None:
+    def __init__(self, entries: list[SlicedParam]) -> None:
         self.entries = entries
         sizes = [e.slice_numel for e in entries]
         self.offsets, self.total = [sum(sizes[:i]) for i in range(len(sizes))], sum(sizes)
@@ -61,7 +59,7 @@ class Bucket:
         return self.size - 1 if rank == self.rank else rank - (rank > self.rank)
 
     @torch.no_grad()
-    def add_grad(self, entry: _Entry) -> None:
+    def add_grad(self, entry: SlicedParam) -> None:
         """Add the gradient left on ``entry``'s parameter to the bucket's rows (made zero at the step's first), and
         drop it from the parameter. Exact: the rows hold what the parameter's own gradient would sum."""
         grad, entry.param.grad = entry.param.grad, None
@@ -76,8 +74,7 @@ class Bucket:
     def _to_others(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Any:
         """CPU: row i of ``input`` to the i-th other rank, whose row for this rank lands in row i of ``output``."""
         splits = [int(r != self.rank) for r in range(self.size)]
-        return torch.distributed.all_to_all_single(output, input, splits, splits, group=self.group,
-                                                   async_op=async_op)  # fmt: skip
+        return torch.distributed.all_to_all_single(output, input, splits, splits, group=self.group, async_op=async_op)
 
     @torch.no_grad()
     def start_reduce_scatter(self, dtype: torch.dtype | None) -> None:
@@ -138,11 +135,3 @@ class Bucket:
             for rank, target in enumerate(e.slices(e.param)):
                 if rank != self.rank and target.numel():
                     target.copy_(gathered[self.row(rank), offset : offset + target.numel()].view(target.shape))
-
-
-def rank_chunk(tensor: torch.Tensor, dim: int, parts: int, index: int) -> torch.Tensor:
-    """``torch.chunk``'s split of ``dim`` (the one DTensor's ``Shard`` uses, trailing parts may be empty)."""
-    size = tensor.shape[dim]
-    step = -(-size // parts)
-    start = min(index * step, size)
-    return tensor.narrow(dim, start, min(step, size - start))

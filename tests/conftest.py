@@ -11,6 +11,7 @@ from lit3d.callbacks import CommReport
 os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups marked here
 def pytest_collection_modifyitems(config, items):
     # NOTE: `layout_runs` spawns every layout once for the session (about 5 minutes on 2 cores); the first test that
     # asks for it pays for that, so tests that use it get a longer limit than the suite's 300 s.
@@ -234,7 +235,7 @@ class OffloadProbe(L.Callback):
 
 
 # LoRA on every linear of the blocks, every other weight frozen, with dropout on the adapters' inputs (its masks are the
-# same in every layout: `lit3d.lora_dropout`), compared with its own single-process run.
+# same in every layout: `lit3d.models.lora_dropout`), compared with its own single-process run.
 LORA = {
     "model": {"lora": {"rank": 4, "alpha": 8.0, "dropout": 0.1, "targets": ["q", "k", "v", "o", "gate", "up", "down"]}}
 }

@@ -1,5 +1,5 @@
-"""Tiny models of each family lit3d imports (`lit3d.config.FAMILIES`), trained at TP2, PP2 and, for Qwen2's biases
-(the only tensors TP splits along their one dim, so ZeRO-1 slices each rank's part again), DP2×TP2 at ZeRO-1 and
+"""Tiny models of each family lit3d imports (`lit3d.models.config.FAMILIES`), trained at TP2, PP2 and, for Qwen2's
+biases (the only tensors TP splits along their one dim, so ZeRO-1 slices each rank's part again), DP2×TP2 at ZeRO-1 and
 ZeRO-3, and resumed from ZeRO-1 at TP2×PP2. Llama 3.2's tied head cannot be pipelined (refused by name), so it
 trains at DP2 ZeRO-3 instead of PP2. Mistral's blocks are Llama's: the plain layouts of `LAYOUTS` are its."""
 

@@ -46,7 +46,9 @@ from lit3d.strategies.precision import SplitModelMixedPrecision
 # NOTE: ranks are forked from a server process that has imported torch, Lightning and lit3d once for the session
 # (and has started no thread), instead of each spawned rank importing them again: about 5 s of one core per rank.
 START_METHOD = "forkserver"
-multiprocessing.set_forkserver_preload(["torch", "lightning.pytorch", "lit3d.gpt", "lit3d.strategies", "lit3d.data"])
+multiprocessing.set_forkserver_preload(
+    ["torch", "lightning.pytorch", "lit3d.models.gpt", "lit3d.strategies", "lit3d.data.text", "lit3d.data.chat"]
+)
 
 
 def free_port() -> int:

@@ -15,14 +15,14 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch.utils._pytree import tree_leaves
 
 from lit3d import GPTConfig, LoRA
-from lit3d.lora import freeze_all_but_adapters
-from lit3d.model import Transformer, cross_entropy, rotary_tables
+from lit3d.models.lora import freeze_all_but_adapters
+from lit3d.models.tp_plan import TENSOR_PARALLEL_PLAN
+from lit3d.models.transformer import Transformer, cross_entropy, rotary_tables
 from lit3d.parallel.layout import Layout
 from lit3d.parallel.settings import Parallelism
 from lit3d.planner.estimate import activation_bytes_per_token, autocast_weight_bytes, output_layer_bytes
 from lit3d.strategies.meshes import ParallelMeshes
 from lit3d.strategies.parallelize import parallelize_network
-from lit3d.tp_plan import TENSOR_PARALLEL_PLAN
 
 CONFIG = GPTConfig(n_layer=1, n_head=4, n_kv_head=2, d_model=64, d_ff=160, vocab_size=250, max_seq_len=64)
 BATCH, SEQ = 2, 24  # 48 tokens: no activation shares a shape with a weight
@@ -184,8 +184,8 @@ def test_sequence_parallel_keeps_a_tth_of_the_unsplit_layer(saved_bytes, tp2_mes
 def test_context_parallel_divides_a_blocks_activations_as_the_planner_says(saved_bytes, fake_world, cp, precision):
     """A CP rank's block keeps what the planner counts for its share of the tokens: 1/cp of the unsplit block.
     (Ring attention runs on one rank of a fake process group: real shapes, no real hops.)"""
-    from lit3d.model import context_parallel_rotary_tables
-    from lit3d.ring_attention import ContextParallel
+    from lit3d.models.ring_attention import ContextParallel
+    from lit3d.models.transformer import context_parallel_rotary_tables
     from lit3d.strategies.context_parallel import apply_context_parallel
 
     unsplit = build(None, False, False, precision)

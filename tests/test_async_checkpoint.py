@@ -12,7 +12,8 @@ import torch
 from conftest import merge
 
 from lit3d.strategies.async_checkpoint import BackgroundSaves
-from lit3d.strategies.checkpoint import PARTIAL_SUFFIX, check_readable, read_weights
+from lit3d.strategies.checkpoint_folder import PARTIAL_SUFFIX, read_weights
+from lit3d.strategies.safe_io import check_readable
 
 
 @pytest.fixture(scope="module")

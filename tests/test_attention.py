@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from lit3d.attention import causal_attention, reference_attention, resolve_backend
+from lit3d.models.attention import causal_attention, reference_attention, resolve_backend
 
 
 @pytest.mark.parametrize("n_head,n_kv_head", [(4, 4), (4, 2), (6, 1)])

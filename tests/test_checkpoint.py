@@ -66,15 +66,15 @@ class SaveTwiceDyingOnTheSecond(Callback):
 
     def on_train_batch_end(self, trainer, *args) -> None:
         if trainer.global_step == 6:
-            import lit3d.strategies.checkpoint
+            import lit3d.strategies.checkpoint_folder
 
-            original = lit3d.strategies.checkpoint.dcp.save
+            original = lit3d.strategies.checkpoint_folder.dcp.save
 
             def save_then_die(*a, **k):
                 original(*a, **k)  # this rank's shards are written ...
                 os._exit(1)  # ... and the process is gone before the checkpoint is complete
 
-            lit3d.strategies.checkpoint.dcp.save = save_then_die
+            lit3d.strategies.checkpoint_folder.dcp.save = save_then_die
         if trainer.global_step in (4, 6):
             trainer.save_checkpoint(self.path)
 
@@ -159,7 +159,7 @@ def test_an_exported_checkpoint_loads_in_transformers_with_the_same_logits(saved
 
     from lit3d import GPT, GPTConfig
     from lit3d.cli import main
-    from lit3d.hf import hf_name
+    from lit3d.hf.folders import hf_name
 
     main(["export", "--ckpt_path", str(saved["step4"]), "--output", str(tmp_path / "hf")])
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_key_value_heads"] == 2
@@ -180,7 +180,7 @@ def test_an_exported_checkpoint_loads_in_transformers_with_the_same_logits(saved
 
 
 def test_huggingface_folders_lit3d_cannot_compute_are_refused(tmp_path):
-    from lit3d.hf import config_from_hf
+    from lit3d.hf.folders import config_from_hf
 
     base = dict(
         model_type="llama",

@@ -374,7 +374,7 @@ def test_the_wheel_installs_lit3d_alone_at_the_top_level(tmp_path):
     (wheel,) = (tmp_path / "dist").glob("lit3d-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert {n.split("/")[0] for n in names} == {"lit3d", wheel.name.split("-py")[0] + ".dist-info"}
-    assert {"lit3d/strategies/parallel3d.py", "lit3d/cli.py", "lit3d/planner/estimate.py"} <= set(names)
+    assert {"lit3d/strategies/parallel3d.py", "lit3d/cli/__init__.py", "lit3d/planner/estimate.py"} <= set(names)
     assert {f"lit3d/configs/{path.name}" for path in (ROOT / "configs").glob("*.yaml")} <= set(names)
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "lit3d = lit3d.cli:main" in entry_points

@@ -12,13 +12,13 @@ import pytest
 
 from benchmarks.planner_vs_published import predict, ratio
 from benchmarks.published_runs import CALIBRATION, HELD_OUT
-from lit3d.calibration import HOPPER
-from lit3d.config import GPTConfig
-from lit3d.hardware import GPUS
+from lit3d.models.config import GPTConfig
 from lit3d.parallel.layout import Layout
 from lit3d.planner import Cluster, Request, Training, plan
+from lit3d.planner.calibration import HOPPER
 from lit3d.planner.clock import Device, power_clock, time_shares
 from lit3d.planner.estimate import link_speeds
+from lit3d.planner.hardware import GPUS
 from lit3d.planner.inputs import Software
 from lit3d.planner.work import Gemm
 

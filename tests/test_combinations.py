@@ -11,7 +11,8 @@ from conftest import SMALL_GPT
 
 from benchmarks.combinations import Draw, compare, draw, job_of, reference_of, refusal, train, write_corpus
 from benchmarks.rank_group import run_group
-from lit3d import GPT, GPTConfig, documents
+from lit3d import GPT, GPTConfig
+from lit3d.models import documents
 from lit3d.strategies.recompute import apply_activation_checkpointing
 
 MODEL = dict(SMALL_GPT, max_seq_len=64)

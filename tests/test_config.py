@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from lit3d import GPT, GPTConfig
-from lit3d.config import PRESETS
+from lit3d.models.config import PRESETS
 
 
 @pytest.mark.parametrize("name", ["tiny", "125m", "1b", "llama-8b", "llama-70b", "llama-405b", "gpt3-175b"])

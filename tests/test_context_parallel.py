@@ -9,10 +9,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import CP_LAYOUTS, LONG, SMALL_GPT, merge
 
-from lit3d import GPTConfig, documents
+from lit3d import GPTConfig
+from lit3d.models import documents
+from lit3d.models.ring_attention import ContextParallel, positions, ring_attention, shard_sequence, unshard_sequence
 from lit3d.parallel.context import check_context_parallel
 from lit3d.parallel.layout import Layout, resolve_layout
-from lit3d.ring_attention import ContextParallel, positions, ring_attention, shard_sequence, unshard_sequence
 
 
 def test_each_rank_holds_an_early_and_a_late_chunk_at_their_true_positions():
@@ -94,9 +95,9 @@ def test_ring_attention_equals_whole_sequence_attention_forward_and_backward(tmp
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA flash kernel: needs a GPU")
 def test_the_cuda_kernels_of_the_ring_match_sdpa_on_one_block():
-    """The CUDA side of `lit3d.ring_attention` (its CPU side runs in every test above): one block's output,
+    """The CUDA side of `lit3d.models.ring_attention` (its CPU side runs in every test above): one block's output,
     log-sum-exp and gradients from the flash kernel, against SDPA's autograd."""
-    from lit3d.ring_attention import _attend, _attend_backward
+    from lit3d.models.ring_attention import _attend, _attend_backward
 
     q, k, v = (torch.randn(2, 4, 64, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     out, lse = _attend(q.detach(), k.detach(), v.detach(), True)

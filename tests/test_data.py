@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from lit3d.data import TextDataModule, default_corpus, default_corpus_files
-from lit3d.sampler import GlobalBatchSampler
-from lit3d.sources import resolve_files
+from lit3d.data.sampler import GlobalBatchSampler
+from lit3d.data.sources import resolve_files
+from lit3d.data.text import TextDataModule, default_corpus, default_corpus_files
 
 
 def documents(folder):

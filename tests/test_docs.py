@@ -34,7 +34,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LIGHTNING = ("fit", "validate", "test", "predict")
-FUNCTIONS = ("calibrate", "export", "convert", "generate", "prepare")  # jsonargparse functions of `lit3d.commands`
+FUNCTIONS = ("calibrate", "export", "convert", "generate", "prepare")  # jsonargparse functions of `lit3d.cli.commands`
 SHELL = ("bash", "sh", "shell", "console")
 TABLE_START, TABLE_END = "<!-- generated: argument_table -->", "<!-- end generated -->"
 ARGUMENT_TABLE = ROOT / "docs" / "strategy-arguments.md"
@@ -285,8 +285,8 @@ def _parse(command: Command) -> None:
     """Parse ``command``'s arguments as its jsonargparse function's command line (nothing runs)."""
     from jsonargparse import CLI, capture_parser
 
-    from lit3d import commands as functions
     from lit3d.cli import _bare_flags_true
+    from lit3d.cli import commands as functions
 
     parser = capture_parser(lambda: CLI(getattr(functions, command.argv[0]), args=[], as_positional=False))
     parser.parse_args(_bare_flags_true(list(command.argv[1:])))

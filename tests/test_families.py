@@ -6,7 +6,7 @@ import torch
 from family_layouts import FAMILY_CONFIGS, FAMILY_LAYOUTS
 
 from lit3d import GPT, GPTConfig
-from lit3d.rotary import Rope
+from lit3d.models.rotary import Rope
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 8192}  # fmt: skip
@@ -189,7 +189,7 @@ def test_a_family_tokenizer_encodes_as_transformers_autotokenizer(family, tmp_pa
     from helpers import chat_tokenizer
     from transformers import AutoTokenizer
 
-    from lit3d.tokenizers import load_tokenizer
+    from lit3d.data.tokenizers import load_tokenizer
 
     folder = _llama3_tokenizer(tmp_path / "tok") if family == "llama3" else chat_tokenizer(tmp_path / "tok")
     texts = ["the quick brown fox", "  jumps over\nthe lazy dog ", "<|im_start|>user def ( fox<|im_end|>", "ünïcode ✓"]
@@ -211,7 +211,7 @@ def test_a_family_tokenizer_encodes_as_transformers_autotokenizer(family, tmp_pa
        "moe_intermediate_size": 16}, r"decoder_sparse_step=1, mlp_only_layers=\[1\]")],
 )  # fmt: skip
 def test_a_folder_with_what_lit3d_does_not_compute_is_refused_naming_the_field(field, message):
-    from lit3d.hf import config_from_hf
+    from lit3d.hf.folders import config_from_hf
 
     base = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                 vocab_size=10)  # fmt: skip

@@ -100,7 +100,7 @@ def test_a_malformed_json_line_is_refused_naming_its_file_and_line(chat_model, t
         TextDataModule(str(texts), seq_len=16, global_batch_size=1)
     late = tmp_path / "late.jsonl"
     late.write_text('{"text": "the quick brown fox"}\n' * 1200 + '{"text": "the end\n')
-    from lit3d.sources import load_documents
+    from lit3d.data.sources import load_documents
 
     with pytest.raises(ValueError, match=re.escape(f"{late}, line 1201, column 10: not valid JSON")):
         load_documents(str(late), cache_dir=str(tmp_path / "cache"))
@@ -156,7 +156,7 @@ def test_resuming_a_lit3d_folder_under_another_strategy_says_it_is_one_and_how_t
 ):
     """Item 8: not Lightning's "checkpoint contains only the model ... save_weights_only"; the command line refuses it
     before any rank starts."""
-    from lit3d.strategies.checkpoint import ShardedCheckpointReader
+    from lit3d.strategies.checkpoint_folder import ShardedCheckpointReader
 
     data = TextDataModule(str(text_folder), seq_len=16, global_batch_size=4)
     trainer = L.Trainer(max_steps=3, plugins=[ShardedCheckpointReader()], enable_checkpointing=False, **QUIET)
@@ -192,7 +192,7 @@ def scripted_chat_model(folder: Path) -> list[int]:
     from tokenizers import Tokenizer
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lit3d.chat_template import ChatTemplate
+    from lit3d.data.chat_template import ChatTemplate
 
     chat_tokenizer(folder)
     tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
@@ -346,7 +346,7 @@ def test_a_tiny_3d_fit_prints_the_rank_map_the_plan_and_the_samples_and_none_of_
 def test_a_full_save_does_not_log_that_weights_only_was_not_set(small_config, text_folder, tmp_path, caplog):
     """Item 11: preemption saves call ``trainer.save_checkpoint(path)`` (a full checkpoint, resumable), and Lightning
     logged "`weights_only` was not set" for each; any other line of the same logger still shows."""
-    from lit3d.quiet import quiet_lightning
+    from lit3d.cli.quiet import quiet_lightning
 
     quiet_lightning()
     trainer = L.Trainer(max_steps=1, enable_checkpointing=False, **QUIET)
@@ -391,7 +391,7 @@ class Lines(logging.Handler):
 def test_calibrate_s_timing_fit_logs_nothing_of_lightning_s():
     """Item 11: ``lit3d calibrate`` times Lightning's loop with a fit, but not one the user ran: Lightning's info lines
     (devices, tips, "`Trainer.fit` stopped") are left out, its warnings would show."""
-    from lit3d.calibrate import measure_step_overhead
+    from lit3d.planner.calibrate import measure_step_overhead
 
     lines = Lines()
     loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
@@ -407,7 +407,7 @@ def test_calibrate_s_timing_fit_logs_nothing_of_lightning_s():
 
 def test_reading_local_files_shows_no_download_progress(text_folder, tmp_path):
     """Item 11: `datasets`' "Downloading data" and "Generating train split" bars, for files already here."""
-    probe = f"from lit3d.sources import load_documents; load_documents({str(text_folder)!r}, cache_dir='cache')"
+    probe = f"from lit3d.data.sources import load_documents; load_documents({str(text_folder)!r}, cache_dir='cache')"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("HF_DATASETS_DISABLE_PROGRESS_BARS", None)  # (the suite's)
     run = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True)
@@ -452,7 +452,7 @@ def page_configs(text: str) -> dict[Path, set[int]]:
     its runs end at (the config's own, and any ``--trainer.max_steps`` a command of the page gives with it)."""
     import yaml
 
-    from lit3d.shipped import find_config
+    from lit3d.cli.shipped import find_config
 
     configs: dict[Path, set[int]] = {}
     for line in text.splitlines():
@@ -515,7 +515,7 @@ def test_help_asked_again_is_answered_without_loading_torch(tmp_path):
     seconds, torch_loaded, lightning_loaded = summary.split()
     assert text == first.stdout and torch_loaded == lightning_loaded == "False"
     assert float(seconds) < 1.0
-    from lit3d.help_cache import cache_file
+    from lit3d.cli.help_cache import cache_file
 
     assert cache_file(["fit", "--model.help", "mypackage.MyModel"]) is None  # its source could change unseen
     assert cache_file(["fit", "--data.help", "lit3d.data.TextDataModule"]) is not None

@@ -7,13 +7,13 @@ from dataclasses import replace
 import pytest
 
 from lit3d.cli import main
-from lit3d.config import GPTConfig
-from lit3d.hardware import GPUS
+from lit3d.models.config import GPTConfig
 from lit3d.parallel.layout import Layout
 from lit3d.parallel.stages import partition
 from lit3d.planner import Cluster, Training, estimate
 from lit3d.planner.fleet import parse_fleet, pipeline_cluster, shared_cluster, speed, water_fill
 from lit3d.planner.fleet_report import format_fleet, plan_fleet
+from lit3d.planner.hardware import GPUS
 
 LLAMA_8B = GPTConfig.load("llama-8b")
 

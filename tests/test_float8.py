@@ -69,7 +69,7 @@ def test_an_fp8_all_gather_checkpoint_exports_in_a_process_without_torchao(layou
 def test_the_blocks_linears_run_in_fp8_and_the_embedding_head_router_and_experts_stay_in_bf16():
     from torchao.float8.float8_linear import Float8Linear
 
-    from lit3d.model import Transformer
+    from lit3d.models.transformer import Transformer
     from lit3d.strategies.float8 import apply_float8
 
     config = GPTConfig(**FP8_GPT, n_expert=4, n_expert_per_token=2, d_ff_expert=64, first_dense_layers=1)
@@ -147,7 +147,7 @@ def test_the_command_line_refuses_fp8_in_fp32_before_any_process_starts():
 @pytest.mark.gpu
 def test_fp8_on_the_gpu_runs_the_fast_kernels_and_follows_bf16():
     """On CUDA (H100 and later), the same layer runs torch._scaled_mm's FP8 kernels; its loss follows bf16's."""
-    from lit3d.model import Transformer
+    from lit3d.models.transformer import Transformer
     from lit3d.strategies.float8 import apply_float8
 
     if torch.cuda.get_device_capability() < (8, 9):
@@ -168,8 +168,8 @@ def test_fp8_on_the_gpu_runs_the_fast_kernels_and_follows_bf16():
 def test_the_planner_runs_the_blocks_gemms_at_the_fp8_peak_and_refuses_gpus_without_fp8():
     """On an H100 (FP8 twice bf16's peak) the blocks' matmuls take less time, the head's and attention's the same;
     an A100 has no FP8 tensor cores."""
-    from lit3d.hardware import GPUS
     from lit3d.planner import Cluster, Request, plan
+    from lit3d.planner.hardware import GPUS
 
     def compute(gpu: str, **fp8) -> float:
         cluster = Cluster.of(GPUS[gpu], nodes=1, gpus_per_node=8)

@@ -7,8 +7,8 @@ from helpers import fit, logged
 
 from lit3d import GPT, GPTConfig
 from lit3d.data import TextDataModule
-from lit3d.generation import Sampling, next_token
-from lit3d.gpt import WarmupCosine
+from lit3d.models.generation import Sampling, next_token
+from lit3d.models.gpt import WarmupCosine
 
 
 def test_weight_decay_applies_to_matrices_only(small_config):

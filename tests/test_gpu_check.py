@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.gpu_table import EXTRA_ROWS, FP8_ROWS, PEER_ROWS, PLANNER_ROWS
-from lit3d.hardware import identify, unknown_device
+from lit3d.planner.hardware import identify, unknown_device
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "benchmarks" / "gpu_check.py")
@@ -45,7 +45,7 @@ def test_the_card_names_pytorch_reports_map_to_the_hardware_table():
 
 @pytest.mark.parametrize("name", ["NVIDIA GeForce RTX 4090", "NVIDIA L40", "Tesla V100-SXM2-16GB"])
 def test_a_card_the_table_lacks_is_named_by_the_planner(name):
-    from lit3d.plan_command import command_line
+    from lit3d.cli.plan_command import command_line
 
     assert identify(name) is None and repr(name) in unknown_device(name)
     with pytest.raises(ValueError, match=f"gpu='{name}' is not one of .*H100.*nor a device name"):
@@ -55,7 +55,7 @@ def test_a_card_the_table_lacks_is_named_by_the_planner(name):
 
 
 def test_lit3d_plan_takes_the_card_as_pytorch_names_it(capsys):
-    from lit3d.plan_command import command_line
+    from lit3d.cli.plan_command import command_line
 
     command_line(
         shlex.split(

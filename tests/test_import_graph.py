@@ -1,6 +1,7 @@
-"""lit3d's import graph has no cycle, counting imports made inside functions as well as at module level: a cycle that a
-deferred import hides is still a cycle. Imports deferred to keep ``lit3d --help`` and ``lit3d plan`` free of torch and
-Lightning are fine, as long as they do not close a loop."""
+"""lit3d's import graph has no cycle, counting imports made inside functions (and for type checking) as well as at
+module level: a cycle that a deferred import hides is still a cycle. An import is deferred into a function only to keep
+its module light: what it imports loads a library (torch, Lightning, transformers, ...) that the module itself does not,
+which keeps ``lit3d --help`` and ``lit3d plan`` free of them."""
 
 import ast
 from pathlib import Path
@@ -35,6 +36,45 @@ def imported(module: str, path: Path, known: dict[str, Path]) -> set[str]:
                 )
             names.update(f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names)
     return {name for name in names if name in known and name != module}
+
+
+HEAVY = {
+    "torch",
+    "lightning",
+    "transformers",
+    "peft",
+    "torchao",
+    "datasets",
+    "matplotlib",
+    "safetensors",
+    "tokenizers",
+    "jsonargparse",
+    "numpy",
+    "huggingface_hub",
+}
+
+
+def module_level(path: Path) -> set[str]:
+    """What a module imports when it is imported (``from x import y``: ``x``, and ``x.y`` too; not `TYPE_CHECKING`)."""
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.update([node.module, *(f"{node.module}.{alias.name}" for alias in node.names)])
+    return names
+
+
+def heavy_libraries(module: str, known: dict[str, Path], seen: dict[str, set[str]]) -> set[str]:
+    """The libraries of `HEAVY` that importing ``module`` loads (its packages', and through lit3d's modules)."""
+    if module not in seen:
+        seen[module] = set()
+        parents = [".".join(module.split(".")[:n]) for n in range(1, module.count(".") + 1)]
+        found = {name.split(".")[0] for name in module_level(known[module])} & HEAVY
+        for name in [*parents, *module_level(known[module])]:
+            found |= heavy_libraries(name, known, seen) if name in known else set()
+        seen[module] = found
+    return seen[module]
 
 
 def graph() -> dict[str, set[str]]:
@@ -78,6 +118,12 @@ def test_the_graph_is_read_from_the_code():
     )
 
 
+def test_what_a_module_loads_is_read_from_the_code():
+    known, seen = modules(), {}
+    assert {"torch", "lightning"} <= heavy_libraries("lit3d.models.gpt", known, seen)
+    assert heavy_libraries("lit3d.parallel.settings", known, seen) == set()  # the pure description of a run
+
+
 def test_a_planted_loop_is_found():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
@@ -89,3 +135,20 @@ def test_lit3d_imports_no_module_that_imports_it_back():
         name: {other for other in targets if not name.startswith(other + ".")} for name, targets in graph().items()
     }
     assert cycles(edges) == []
+
+
+def test_an_import_is_deferred_into_a_function_only_to_keep_its_module_light():
+    known, seen, needless = modules(), {}, []
+    for name, path in known.items():
+        light = heavy_libraries(name, known, seen)
+        for function in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            for node in function.body:
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("lit3d"):
+                    targets = {f"{node.module}.{a.name}" for a in node.names} & known.keys() or {node.module}
+                    if not set().union(*(heavy_libraries(t, known, seen) for t in targets if t in known)) - light:
+                        needless.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.module}")
+    assert not needless, "imports made inside a function that load nothing their module does not:\n" + "\n".join(
+        needless
+    )

@@ -1,4 +1,5 @@
-"""LoRA (`lit3d.lora`): adapters that train like PEFT's on the same HuggingFace model, only the adapters training,
+"""LoRA (`lit3d.models.lora`): adapters that train like PEFT's on the same HuggingFace model, only the adapters
+training,
 and bad settings refused by name before anything is built."""
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def _peft_twin(folder: Path, lora: LoRA, ours: GPT) -> torch.nn.Module:
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaForCausalLM
 
-    from lit3d.lora import ROLES
+    from lit3d.models.lora import ROLES
 
     config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=0.0,
                         target_modules=[ROLES[t][1].split(".")[-1] for t in lora.targets])  # fmt: skip
@@ -42,7 +43,7 @@ def _peft_twin(folder: Path, lora: LoRA, ours: GPT) -> torch.nn.Module:
 
 
 def _role(name: str) -> str:
-    from lit3d.lora import ROLES
+    from lit3d.models.lora import ROLES
 
     return next(role for role, (ours, _) in ROLES.items() if f".{ours}." in name)
 
@@ -101,7 +102,7 @@ def test_bad_settings_are_refused_by_name(settings, message):
 def test_each_expert_of_an_moe_layer_has_its_own_adapter_which_merges_into_its_weights(tmp_path):
     """Adapters on gate, up and down give every expert its own A and B, stacked as its weights; merged, a plain
     model computes what the adapted one does; the planner's tensors are the model's; PEFT has no form for them."""
-    from lit3d.adapters import merge_adapters, write_adapter
+    from lit3d.hf.adapters import merge_adapters, write_adapter
     from lit3d.planner.tensors import parameter_table
 
     config = GPTConfig(n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=64, vocab_size=64, n_expert=4,
@@ -149,9 +150,9 @@ def test_lora_trains_like_one_process_in_every_layout(layout, layout_runs, reque
 def test_dropout_masks_follow_each_elements_place_in_the_run_not_the_layout():
     """What a rank holds of a batch (every R-th row, a micro-batch, a CP rank's chunks, a slice of the features) is
     dropped as one process drops those elements; each adapter has masks of its own, and ``p`` of the elements drop."""
-    from lit3d import lora_dropout
-    from lit3d.lora_dropout import LayoutFreeDropout, Samples, keep_mask
-    from lit3d.ring_attention import ContextParallel
+    from lit3d.models import lora_dropout
+    from lit3d.models.lora_dropout import LayoutFreeDropout, Samples, keep_mask
+    from lit3d.models.ring_attention import ContextParallel
 
     dropout = LayoutFreeDropout(0.25).train()
     dropout.name = "blocks.0.attn.q_proj.dropout"
@@ -186,8 +187,8 @@ def test_each_replica_keys_its_rows_by_the_samples_the_sampler_deals_it(shares):
     run (s x global batch + their place in it), with or without `data_parallel_shares`."""
     from types import SimpleNamespace
 
-    from lit3d.lora_dropout import training_samples
-    from lit3d.sampler import GlobalBatchSampler
+    from lit3d.data.sampler import GlobalBatchSampler
+    from lit3d.models.lora_dropout import training_samples
 
     step, accumulate, replicas, batch = 3, 2, 2, 8
     for replica in range(replicas):
@@ -205,9 +206,10 @@ def test_each_replica_keys_its_rows_by_the_samples_the_sampler_deals_it(shares):
 
 
 def test_the_fused_mask_gpus_compile_is_the_eager_one():
-    """GPUs draw the masks with one compiled kernel (`lit3d.lora_dropout.fused_keep`), the CPU in eager passes over
+    """GPUs draw the masks with one compiled kernel (`lit3d.models.lora_dropout.fused_keep`), the CPU in eager passes
+    over
     slices of rows: the same bits (compiled here for the CPU)."""
-    from lit3d.lora_dropout import fused_keep, keep_mask, mix
+    from lit3d.models.lora_dropout import fused_keep, keep_mask, mix
 
     keys, features = mix(torch.arange(300) * 7919), torch.arange(40, 97)
     fused = fused_keep()(keys, mix(features ^ 0x9E3779B9), int(0.1 * 2**32))

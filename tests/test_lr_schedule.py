@@ -7,7 +7,7 @@ import pytest
 from conftest import merge
 from spawned import run_job
 
-from lit3d.gpt import WarmupCosine
+from lit3d.models.gpt import WarmupCosine
 
 PEAK, WARMUP, FLOOR = 1e-2, 2, 0.1  # `base_job`'s learning_rate and warmup_steps, GPT's default min_lr_ratio
 

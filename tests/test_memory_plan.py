@@ -42,7 +42,7 @@ class SavedActivations(L.Callback):
         self.most, self._seen, self._hooks = 0, {}, None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        from lit3d.model import rotary_tables
+        from lit3d.models.transformer import rotary_tables
 
         config = pl_module.config
         tables = [t for dtype in (torch.float32, torch.bfloat16) for t in rotary_tables(
@@ -172,7 +172,7 @@ def test_the_planned_total_is_the_measured_peak(runs, zero_stage):
 def test_the_peak_leaves_out_only_gloos_copy_of_a_reduce_scatter_input(runs):
     """Gloo copies a reduce-scatter's whole input where NCCL reads the caller's buffer: at ZeRO-3, FSDP2's fp32
     gradient of one block (ZeRO-1 sends through an all-to-all, which copies nothing; DDP all-reduces in place)."""
-    from lit3d.model import Transformer
+    from lit3d.models.transformer import Transformer
 
     with torch.device("meta"):
         block = sum(p.numel() for p in Transformer(GPTConfig(**CONFIG)).blocks["0"].parameters())
@@ -201,7 +201,7 @@ def test_every_stage_trains_as_ddp_does(runs):
 
 
 def test_zero1_checkpoints_hold_the_fp32_master_weights_and_resume_exactly(runs):
-    from lit3d.strategies.checkpoint import read_weights
+    from lit3d.strategies.checkpoint_folder import read_weights
 
     assert runs["zero1_resumed"]["losses"] == runs["zero1"]["losses"][2:]  # bit-identical
     weights = read_weights(runs["step2"])["state_dict"]
@@ -239,7 +239,7 @@ def test_zero3_accumulates_sharded_gradients_by_default_and_holds_the_planned_pe
     """ZeRO-3 over 4 micro-steps: by default each micro-step reduce-scatters, so a rank holds 1/dp of the gradients
     (4 bytes a parameter over 2 ranks) from the first micro-step on; with ``accumulate_unsharded`` it holds them whole
     until the last. The peak of a step is the plan's total in both modes, within 5 %."""
-    from lit3d.model import Transformer
+    from lit3d.models.transformer import Transformer
 
     with torch.device("meta"):
         elements = sum(p.numel() for p in Transformer(GPTConfig(**CONFIG)).parameters())

@@ -1,7 +1,7 @@
 import torch
 
 from lit3d import GPT, GPTConfig
-from lit3d.model import Transformer, apply_rotary, rotary_tables
+from lit3d.models.transformer import Transformer, apply_rotary, rotary_tables
 
 
 def test_logits_shape_and_grouped_query_projections(small_config):
@@ -103,8 +103,8 @@ def test_gradients_reach_every_parameter(small_config):
 
 
 def test_rotary_tables_are_computed_once_not_per_block_and_step(monkeypatch):
-    from lit3d import model as model_module
-    from lit3d import rotary
+    from lit3d.models import rotary
+    from lit3d.models import transformer as model_module
 
     calls = []
     compute = rotary._rotary_tables

@@ -9,10 +9,10 @@ import torch.nn.functional as F
 from conftest import MOE_LAYOUTS, SMALL_MOE
 
 from lit3d import GPTConfig
-from lit3d.model import Transformer
-from lit3d.moe import MoE, balance_loss, grouped_mm
+from lit3d.models.moe import MoE, balance_loss, grouped_mm
+from lit3d.models.tp_plan import tensor_parallel_plan
+from lit3d.models.transformer import Transformer
 from lit3d.parallel.layout import Layout, check_model_fits_layout, resolve_layout
-from lit3d.tp_plan import tensor_parallel_plan
 
 CONFIG = GPTConfig(**{**SMALL_MOE, "n_shared_expert": 1})
 
@@ -200,7 +200,7 @@ def test_a_huggingface_mixtral_imports_and_exports_with_the_same_logits(tmp_path
     from transformers import MixtralForCausalLM
 
     from lit3d import GPT
-    from lit3d.hf import write_folder
+    from lit3d.hf.folders import write_folder
 
     reference = _random_mixtral()
     reference.save_pretrained(tmp_path / "hf")
@@ -224,7 +224,7 @@ def test_a_huggingface_mixtral_imports_and_exports_with_the_same_logits(tmp_path
 
 
 def test_moe_models_mixtral_cannot_hold_are_not_exported_as_mixtral():
-    from lit3d.hf import config_to_hf
+    from lit3d.hf.folders import config_to_hf
 
     with pytest.raises(ValueError, match="first_dense_layers"):
         config_to_hf(GPTConfig(**SMALL_MOE), torch.float32)
@@ -233,7 +233,7 @@ def test_moe_models_mixtral_cannot_hold_are_not_exported_as_mixtral():
 @pytest.mark.gpu
 def test_grouped_gemm_on_the_gpu_matches_the_per_group_loop():
     """The CUDA path of `grouped_mm` (PyTorch's grouped GEMM, bf16, Hopper and later) against the CPU loop."""
-    from lit3d.moe import _has_grouped_gemm
+    from lit3d.models.moe import _has_grouped_gemm
 
     x = torch.randn(96, 64, device="cuda", dtype=torch.bfloat16)
     weight = torch.randn(4, 64, 32, device="cuda", dtype=torch.bfloat16)

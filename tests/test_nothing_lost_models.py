@@ -12,12 +12,12 @@ import torch
 from helpers import CHATML, byte_level_bpe, chat_file, chat_tokenizer, tiny_llama
 
 from lit3d import GPT, GPTConfig
-from lit3d.adapters import read_adapter
 from lit3d.cli import main, make_cli
 from lit3d.data import ChatDataModule, TextDataModule
-from lit3d.generation import Sampling
+from lit3d.hf.adapters import read_adapter
+from lit3d.models.generation import Sampling
 from lit3d.strategies import Parallel3DStrategy
-from lit3d.strategies.checkpoint import ShardedCheckpointReader
+from lit3d.strategies.checkpoint_folder import ShardedCheckpointReader
 from lit3d.strategies.checks import ConfigurationError
 
 transformers = pytest.importorskip("transformers")
@@ -81,7 +81,7 @@ def lora_run(corpus, tmp_path_factory) -> dict:
 
 
 def test_load_from_checkpoint_gives_the_trained_adapters_as_export_writes_them_not_the_starting_ones(lora_run):
-    from lit3d.commands import convert, export
+    from lit3d.cli.commands import convert, export
 
     start = adapters(lora_run["start"])
     assert all(not torch.equal(start[name], tensor) for name, tensor in lora_run["trained"].items() if "lora_b" in name)
@@ -138,11 +138,23 @@ def test_lora_yaml_on_a_pretrained_folder_tokenizes_with_the_folders_tokenizer(l
     """The issue's command: no tokenizer given, the folder's own is used (and said), and the checkpoint records it."""
     monkeypatch.chdir(tmp_path)
     with caplog.at_level(logging.INFO):
-        cli = make_cli(["fit", "--config", str(ROOT / "configs" / "lora.yaml"), f"--model.pretrained={llama_folder}",
-                        f"--data.init_args.data_path={corpus}", "--data.init_args.seq_len=32",
-                        "--data.init_args.global_batch_size=2", "--trainer.max_steps=1",
-                        "--trainer.callbacks.every_n_train_steps=1", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
-                        "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}"])  # fmt: skip
+        cli = make_cli(
+            [
+                "fit",
+                "--config",
+                str(ROOT / "configs" / "lora.yaml"),
+                f"--model.pretrained={llama_folder}",
+                f"--data.init_args.data_path={corpus}",
+                "--data.init_args.seq_len=32",
+                "--data.init_args.global_batch_size=2",
+                "--trainer.max_steps=1",
+                "--trainer.callbacks.every_n_train_steps=1",
+                "--trainer.limit_val_batches=0",
+                "--trainer.enable_progress_bar=false",
+                "--trainer.logger=false",
+                f"--trainer.default_root_dir={tmp_path}",
+            ]
+        )
     own = str(llama_folder / "tokenizer.json")
     batch = next(iter(cli.datamodule.train_dataloader()))["input_ids"]
     assert cli.datamodule.vocab_size == 306 and batch.max() >= 256  # BPE merges: ids a byte tokenizer never gives
@@ -187,11 +199,24 @@ def test_the_merged_export_of_a_chat_run_keeps_the_chat_template(tmp_path, monke
     (model_folder / "chat_template.jinja").write_text(CHATML)  # where transformers 5 keeps it
     chats = chat_file(tmp_path / "chats.jsonl", 24, max_words=8)
     monkeypatch.chdir(tmp_path)
-    make_cli(["fit", "--config", str(ROOT / "configs" / "chat.yaml"), f"--model.pretrained={model_folder}",
-              f"--data.init_args.tokenizer={model_folder}", f"--data.init_args.data_path={chats}",
-              "--data.init_args.seq_len=64", "--data.init_args.global_batch_size=2", "--trainer.max_steps=1",
-              "--trainer.callbacks.every_n_train_steps=1", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false", "--trainer.logger=false",
-              f"--trainer.default_root_dir={tmp_path}"])  # fmt: skip
+    make_cli(
+        [
+            "fit",
+            "--config",
+            str(ROOT / "configs" / "chat.yaml"),
+            f"--model.pretrained={model_folder}",
+            f"--data.init_args.tokenizer={model_folder}",
+            f"--data.init_args.data_path={chats}",
+            "--data.init_args.seq_len=64",
+            "--data.init_args.global_batch_size=2",
+            "--trainer.max_steps=1",
+            "--trainer.callbacks.every_n_train_steps=1",
+            "--trainer.limit_val_batches=0",
+            "--trainer.enable_progress_bar=false",
+            "--trainer.logger=false",
+            f"--trainer.default_root_dir={tmp_path}",
+        ]
+    )
     (ckpt,) = tmp_path.rglob("epoch=*.ckpt")
     main(["export", "--ckpt_path", str(ckpt), "--output", str(tmp_path / "merged")])
     assert (tmp_path / "merged" / "chat_template.jinja").read_text() == CHATML

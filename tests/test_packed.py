@@ -9,10 +9,11 @@ import torch
 from conftest import CHAT_GPT, PACKED_LAYOUTS
 from helpers import chat_file, chat_tokenizer, logged, tiny_llama
 
-from lit3d import GPT, GPTConfig, documents
-from lit3d.chat_template import ChatTemplate
+from lit3d import GPT, GPTConfig
 from lit3d.data import ChatDataModule, TextDataModule
-from lit3d.model import IGNORED
+from lit3d.data.chat_template import ChatTemplate
+from lit3d.models import documents
+from lit3d.models.transformer import IGNORED
 
 
 @pytest.fixture(scope="module")
@@ -188,8 +189,8 @@ def test_templates_with_huggingfaces_generation_marks_render_as_without(tmp_path
 
 
 def test_an_evaluation_round_weighs_by_its_answer_tokens_and_one_without_any_not_at_all():
-    from lit3d.documents import document_starts
-    from lit3d.gpt import _trained_share
+    from lit3d.models.documents import document_starts
+    from lit3d.models.gpt import _trained_share
 
     scales = torch.tensor([4.0, 0.0])  # a round with a quarter of its targets trained; one with none
     assert [float(_trained_share({"loss_scale": s[None]})) for s in scales] == [0.25, 0.0]

@@ -181,7 +181,7 @@ def test_memory_per_rank_follows_the_zero_formula(layout_runs):
 
 
 def _parameter_sizes(config):
-    from lit3d.model import Transformer
+    from lit3d.models.transformer import Transformer
 
     with torch.device("meta"):
         return {name: p.numel() for name, p in Transformer(config).named_parameters()}

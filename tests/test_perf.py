@@ -16,10 +16,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lit3d import GPT
 from lit3d.callbacks import CommReport, Throughput
 from lit3d.data import TextDataModule
-from lit3d.hardware import identify
-from lit3d.model import Transformer
+from lit3d.models.tp_plan import TENSOR_PARALLEL_PLAN
+from lit3d.models.transformer import Transformer
 from lit3d.parallel.layout import Layout
-from lit3d.tp_plan import TENSOR_PARALLEL_PLAN
+from lit3d.planner.hardware import identify
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -119,7 +119,7 @@ def test_throughput_steps_end_where_the_optimizer_steps_also_at_a_short_last_win
     tmp_path, small_config, text_folder
 ):
     """3 batches an epoch, accumulating 2: each epoch's steps end after batches 2 and 3 (a window of one). The
-    callback and the model's train_loss use Lightning's own rule (`lit3d.loop.ends_optimizer_step`)."""
+    callback and the model's train_loss use Lightning's own rule (`lit3d.models.loop.ends_optimizer_step`)."""
     data = TextDataModule(data_path=str(text_folder), seq_len=16, global_batch_size=2)
     trainer, log_dir = fit(
         GPT(small_config),

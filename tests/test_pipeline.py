@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lit3d import GPTConfig
-from lit3d.model import Transformer
+from lit3d.models.transformer import Transformer
 from lit3d.parallel.layout import check_model_fits_pipeline, default_microbatches
 from lit3d.parallel.schedules import SCHEDULES, Costs, bubble_theory, describe_schedule, idle_time, peak_in_flight
 from lit3d.parallel.stages import chunk_stage_ids, partition, stage_rank

@@ -34,7 +34,7 @@ def test_plan_refuses_zero_and_negative_numbers_naming_the_value(flag, value, na
 
 
 def test_plan_help_lists_every_preset(capsys):
-    from lit3d.config import PRESETS
+    from lit3d.models.config import PRESETS
 
     with pytest.raises(SystemExit):
         main(["plan", "--help"])
@@ -44,7 +44,7 @@ def test_plan_help_lists_every_preset(capsys):
 
 
 def test_the_gpu_table_knows_blackwell_and_mi300x_with_their_datasheet_numbers():
-    from lit3d.hardware import GPUS, identify
+    from lit3d.planner.hardware import GPUS, identify
 
     assert (GPUS["B200"].peak_tflops, GPUS["B200"].memory_gb, GPUS["B200"].intra_node_gbps) == (2250, 180, 900)
     assert (GPUS["GB200"].peak_tflops, GPUS["GB200"].memory_gb, GPUS["GB200"].intra_node_gbps) == (2500, 186, 900)
@@ -90,7 +90,7 @@ def test_rank_map_stage_colours_do_not_repeat_up_to_128_stages():
 
 
 def test_a_cpu_rehearsal_plans_with_its_share_of_this_machines_cpu():
-    from lit3d.hardware import GPUS, cpu_share
+    from lit3d.planner.hardware import GPUS, cpu_share
 
     share = cpu_share(8, cores=16, memory_gb=32.0)
     assert (share.device, share.memory_gb) == ("CPU process", 4.0)
@@ -229,7 +229,7 @@ def test_packed_documents_count_only_the_attention_within_each(capsys):
     whole = json.loads(capsys.readouterr().out)
     main([*args, "--document_length", "1024"])
     packed = json.loads(capsys.readouterr().out)
-    from lit3d.config import GPTConfig
+    from lit3d.models.config import GPTConfig
 
     config = GPTConfig.from_name("llama-8b")
     dropped = (config.attention_flops_per_token(8192) - config.attention_flops_per_token(1024)) * 64 * 8192

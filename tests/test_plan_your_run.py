@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from lit3d.cli import main
-from lit3d.hf_config import read_config
+from lit3d.hf.config import read_config
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_70B = str(ROOT / "configs" / "llama-70b.yaml")
@@ -197,7 +197,7 @@ def test_the_command_printed_runs_the_plan_shown(plan, tmp_path):
 
 def test_when_nothing_fits_the_nearest_miss_is_named_with_what_it_lacks(capsys):
     """It said only "add GPUs": the layout that needs the least memory of those dropped, and by how much."""
-    from lit3d.config import GPTConfig
+    from lit3d.models.config import GPTConfig
     from lit3d.planner import Cluster, Training, search
 
     main(["plan", "--model", "llama-70b", "--nodes", "1", "--seq_len", "4096", "--global_batch_size", "64"])

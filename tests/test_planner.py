@@ -6,7 +6,7 @@ import json
 import pytest
 
 from lit3d.cli import main
-from lit3d.config import GPTConfig
+from lit3d.models.config import GPTConfig
 from lit3d.parallel.layout import Layout
 from lit3d.parallel.settings import Parallelism
 from lit3d.planner import GB, Cluster, RankMap, Training, estimate, layout_problem, search, verify

@@ -1,13 +1,14 @@
 """The planner's torch-free description of the model (`lit3d.planner.shapes`) is the real model's, for every preset
-and the tests' small models: any change to `lit3d.model` or `lit3d.moe` not made there too fails here."""
+and the tests' small models: any change to `lit3d.models.transformer` or `lit3d.models.moe` not made there too fails
+here."""
 
 import pytest
 import torch
 from conftest import SMALL_GPT, SMALL_MOE
 from family_layouts import FAMILY_CONFIGS
 
-from lit3d.config import PRESETS, GPTConfig
-from lit3d.model import Transformer
+from lit3d.models.config import PRESETS, GPTConfig
+from lit3d.models.transformer import Transformer
 from lit3d.planner.shapes import block_costs, parameter_shapes
 from lit3d.strategies.stages import block_costs as measured_block_costs
 
@@ -36,7 +37,7 @@ def test_the_planners_shapes_and_block_costs_are_the_meta_models(name):
 def test_the_planners_lora_table_is_the_adapted_models_in_order_with_qwen2s_biases():
     """Adapters after their linear's bias, as `LoRALinear` registers them; a bias is frozen with its weight and split
     by TP with the linear's outputs."""
-    from lit3d.lora import LoRA, freeze_all_but_adapters
+    from lit3d.models.lora import LoRA, freeze_all_but_adapters
     from lit3d.planner.tensors import parameter_table
 
     config, lora = GPTConfig(**FAMILY_CONFIGS["qwen2"]), LoRA(rank=4, targets=("q", "k", "v", "o", "up"))

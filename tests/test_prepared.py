@@ -9,9 +9,9 @@ from helpers import fit, logged
 from lit3d import GPT
 from lit3d.cli import main
 from lit3d.data import TextDataModule
-from lit3d.prepared import PreparedBlocks
-from lit3d.sources import load_documents
-from lit3d.tokenizers import ByteTokenizer, tokenize_documents
+from lit3d.data.prepared import PreparedBlocks
+from lit3d.data.sources import load_documents
+from lit3d.data.tokenizers import ByteTokenizer, tokenize_documents
 
 
 @pytest.fixture

@@ -13,15 +13,14 @@ import pytest
 import torch
 
 from lit3d import GPT
-from lit3d.strategies.checkpoint import (
+from lit3d.strategies.checkpoint_folder import ShardedCheckpointReader, check_ckpt_path, load, read_weights
+from lit3d.strategies.safe_io import (
     META_FILE,
-    ShardedCheckpointReader,
-    check_ckpt_path,
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    UnsafeCheckpointError,
     check_readable,
-    load,
-    read_weights,
 )
-from lit3d.strategies.safe_io import SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpointError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -164,7 +163,7 @@ def test_every_checkpoint_reader_goes_through_the_safe_ones():
 @pytest.fixture
 def tiny_folder(tmp_path) -> Path:
     """A one-process lit3d checkpoint folder of two numbers (``.metadata``, one shard, ``meta.pt``)."""
-    from lit3d.strategies.checkpoint import save
+    from lit3d.strategies.checkpoint_folder import save
 
     folder = tmp_path / "tiny.ckpt"
     with pytest.warns(UserWarning, match="single process"):

@@ -8,8 +8,8 @@ import datasets
 import pytest
 
 from lit3d.data import TextDataModule
-from lit3d.sources import file_format
-from lit3d.tokenizers import tokenize_documents
+from lit3d.data.sources import file_format
+from lit3d.data.tokenizers import tokenize_documents
 
 DOCUMENTS = [f"document {i}: the quick brown fox jumps over the lazy dog " * 3 for i in range(40)]
 

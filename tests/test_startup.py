@@ -64,7 +64,8 @@ def test_the_lazy_package_keeps_its_names_and_importing_the_strategies_registers
         "from lightning.pytorch.strategies import StrategyRegistry\n"
         "from lit3d import GPT, GPTConfig, Parallel3DStrategy\n"
         "assert StrategyRegistry['3d']['strategy'] is Parallel3DStrategy is lit3d.strategies.Parallel3DStrategy\n"
-        "assert lit3d.GPT is GPT and GPT.__module__ == 'lit3d.gpt' and GPTConfig.__module__ == 'lit3d.config'\n"
+        "assert lit3d.GPT is GPT and GPT.__module__ == 'lit3d.models.gpt'\n"
+        "assert GPTConfig.__module__ == 'lit3d.models.config'\n"
         "print(sorted(n for n in dir(lit3d) if not n.startswith('_')))"
     )
     assert {"GPT", "GPTConfig", "Parallel3DStrategy"} <= set(eval(ran["out"]))

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from helpers import fit, logged
 
-from lit3d import GPT, streaming
-from lit3d.data import TextDataModule
+from lit3d import GPT
+from lit3d.data import TextDataModule, streaming
 
 DOCUMENTS = [f"document {i}: " + "the quick brown fox jumps over the lazy dog " * (i % 4 + 1) for i in range(30)]
 

@@ -8,9 +8,9 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from lit3d import GPTConfig
-from lit3d.model import Block
+from lit3d.models.tp_plan import TENSOR_PARALLEL_PLAN
+from lit3d.models.transformer import Block
 from lit3d.strategies.tensor_parallel import apply_tensor_parallel
-from lit3d.tp_plan import TENSOR_PARALLEL_PLAN
 
 
 @pytest.fixture
@@ -63,7 +63,7 @@ def test_sequence_parallel_keeps_a_frozen_norm_frozen_and_adapters_follow_their_
     one splits A along the input and keeps B whole."""
     from torch.distributed.tensor import Replicate, Shard
 
-    from lit3d.lora import LoRA, freeze_all_but_adapters
+    from lit3d.models.lora import LoRA, freeze_all_but_adapters
 
     block = Block(GPTConfig(n_layer=1, n_head=4, n_kv_head=2, d_model=32, d_ff=64), lora=LoRA(targets=("q", "o")))
     freeze_all_but_adapters(block)

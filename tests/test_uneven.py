@@ -27,7 +27,7 @@ def test_uneven_stages_train_like_one_process(layout, layout_runs, reference_une
      ([2, 1, 2, 1], "zbv", [["0", "1", "5"], ["2", "3", "4"]])],  # a V: rank 0 holds stages 0 and 3
 )  # fmt: skip
 def test_each_rank_keeps_the_blocks_its_stages_are_given(layers, schedule, held):
-    from lit3d.model import Transformer
+    from lit3d.models.transformer import Transformer
     from lit3d.parallel.schedules import SCHEDULES
     from lit3d.strategies.stages import split_into_stages
 

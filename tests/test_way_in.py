@@ -14,7 +14,7 @@ from helpers import logged, tiny_llama
 
 from lit3d import GPT, GPTConfig
 from lit3d.data import TextDataModule
-from lit3d.strategies.checkpoint import ShardedCheckpointReader
+from lit3d.strategies.checkpoint_folder import ShardedCheckpointReader
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUT = "dp2_tp2_pp2_zero1"  # saves its step-8 checkpoint (tests/conftest.py)
@@ -59,7 +59,7 @@ def test_test_reports_the_test_split_loss_and_perplexity_alike_in_every_layout(l
 def test_predict_continues_each_prompt(base_job, capsys):
     data = TextDataModule(**{**base_job["data"], "prompts": ["the quick", "def"]})
     from lit3d.callbacks import PrintCompletions
-    from lit3d.generation import Sampling
+    from lit3d.models.generation import Sampling
 
     model = GPT(GPTConfig(**SMALL_GPT), sampling=Sampling(max_new_tokens=5, temperature=0))
     predictions = one_process(callbacks=[PrintCompletions()]).predict(model, data)

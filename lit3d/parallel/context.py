@@ -1,5 +1,5 @@
 """Context parallelism's arithmetic: the sequence split each CP rank holds (two of ``2 x cp`` equal chunks, an early
-and a late one, for balanced causal attention: `lit3d.ring_attention`) and the bytes its ring sends."""
+and a late one, for balanced causal attention: `lit3d.models.ring_attention`) and the bytes its ring sends."""
 
 from __future__ import annotations
 

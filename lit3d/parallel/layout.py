@@ -261,9 +261,14 @@ def resolve_layout(
         )
     check_islands(islands, dp, expert_parallel_size, cp)
     return Layout(
-        dp=dp // islands, tp=tp, pp=pp, devices_per_node=devices_per_node, ep=expert_parallel_size, cp=cp,
+        dp=dp // islands,
+        tp=tp,
+        pp=pp,
+        devices_per_node=devices_per_node,
+        ep=expert_parallel_size,
+        cp=cp,
         islands=islands,
-    )  # fmt: skip
+    )
 
 
 def check_islands(islands: int, data_parallel_size: int, expert_parallel_size: int = 1, cp: int = 1) -> None:

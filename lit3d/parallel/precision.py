@@ -62,15 +62,22 @@ def check_float8(
     if lora:
         raise ValueError(f"float8={float8!r} with LoRA adapters: train the adapters in bf16")
     if precision is not None and str(precision) not in FLOAT8_PRECISIONS:
-        raise ValueError(f"float8={float8!r} with precision={precision!r}: FP8 matmuls run inside a bf16 run, "
-                         f"use precision in {FLOAT8_PRECISIONS}")  # fmt: skip
+        raise ValueError(
+            f"float8={float8!r} with precision={precision!r}: FP8 matmuls run inside a bf16 run, "
+            f"use precision in {FLOAT8_PRECISIONS}"
+        )
     if config is None:
         return
-    split = {"n_head x head_dim": config.n_head * config.head_dim, "n_kv_head x head_dim": config.n_kv_head *
-             config.head_dim, **({"d_ff": config.d_ff} if config.moe_layers < config.n_layer else {})}  # fmt: skip
+    split = {
+        "n_head x head_dim": config.n_head * config.head_dim,
+        "n_kv_head x head_dim": config.n_kv_head * config.head_dim,
+        **({"d_ff": config.d_ff} if config.moe_layers < config.n_layer else {}),
+    }
     whole = {"d_model": config.d_model, "n_shared_expert x d_ff_expert": config.n_shared_expert * config.d_ff_expert}
     odd = {name: width for name, width in split.items() if width % (16 * tp)}
     odd |= {name: width for name, width in whole.items() if width % 16}
     if odd:
-        raise ValueError(f"float8={float8!r}: {odd} not multiples of 16 (those TP splits: of 16 x "
-                         f"tensor_parallel_size={tp}); FP8 matmuls need every rank's weight dims in them")  # fmt: skip
+        raise ValueError(
+            f"float8={float8!r}: {odd} not multiples of 16 (those TP splits: of 16 x "
+            f"tensor_parallel_size={tp}); FP8 matmuls need every rank's weight dims in them"
+        )

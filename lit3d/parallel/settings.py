@@ -226,14 +226,20 @@ class Parallelism:
                 "(FSDP2 keeps the sharded states it offloads)"
             )
         if self.offload and self.expert_parallel_size != 1:
-            raise ValueError(f"offload=True with expert_parallel_size={self.expert_parallel_size}: experts split over "
-                             "ranks are not offloaded yet; offload without expert parallelism")  # fmt: skip
+            raise ValueError(
+                f"offload=True with expert_parallel_size={self.expert_parallel_size}: experts split over "
+                "ranks are not offloaded yet; offload without expert parallelism"
+            )
         check_reduce_dtype(self.mixed_precision_reduce)
         self._check_float8()
         check_outer_loop(
-            self.islands, self.sync_every, self.outer_lr, self.outer_momentum, self.outer_fragments,
+            self.islands,
+            self.sync_every,
+            self.outer_lr,
+            self.outer_momentum,
+            self.outer_fragments,
             self.outer_reduce_dtype,
-        )  # fmt: skip
+        )
         if self.data_parallel_size != "auto":
             check_islands(self.islands, self.data_parallel_size, self.expert_parallel_size, self.context_parallel_size)
         self._check_process_settings()
@@ -244,11 +250,15 @@ class Parallelism:
         if self.float8_all_gather not in (False, True):
             raise ValueError(f"float8_all_gather={self.float8_all_gather!r} must be True or False")
         if self.float8_all_gather and self.float8 != "tensorwise":
-            raise ValueError(f"float8_all_gather=True with float8={self.float8!r}: FP8 gathers need "
-                             "float8='tensorwise' (one scale per weight, computed before the gather)")  # fmt: skip
+            raise ValueError(
+                f"float8_all_gather=True with float8={self.float8!r}: FP8 gathers need "
+                "float8='tensorwise' (one scale per weight, computed before the gather)"
+            )
         if self.float8_all_gather and self.zero_stage < 2:
-            raise ValueError(f"float8_all_gather=True with zero_stage={self.zero_stage}: the weights are gathered by "
-                             "FSDP2 at zero_stage 2 or 3")  # fmt: skip
+            raise ValueError(
+                f"float8_all_gather=True with zero_stage={self.zero_stage}: the weights are gathered by "
+                "FSDP2 at zero_stage 2 or 3"
+            )
 
     def _check_process_settings(self) -> None:
         if self.start_method not in (None, *START_METHODS):
@@ -316,9 +326,14 @@ class Parallelism:
         """The pipeline's micro-batches per schedule: ``num_microbatches``, or chosen from the per-replica batch
         (`lit3d.parallel.layout.pipeline_microbatches`; from the settings alone while the batch is unknown)."""
         return pipeline_microbatches(
-            self.num_microbatches, global_batch_size, data_replicas, accumulate, self.pipeline_parallel_size,
-            self.chunks_per_rank, self.pipeline_schedule,
-        )  # fmt: skip
+            self.num_microbatches,
+            global_batch_size,
+            data_replicas,
+            accumulate,
+            self.pipeline_parallel_size,
+            self.chunks_per_rank,
+            self.pipeline_schedule,
+        )
 
     def resolved_start_method(self) -> str:
         return self.start_method or ("fork" if interactive() else "popen")

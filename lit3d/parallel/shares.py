@@ -1,6 +1,7 @@
 """Uneven data parallelism: ``data_parallel_shares``, the samples of each global batch each replica computes (more on
-faster GPUs). The rules a list must follow; the sampler deals the shares (`lit3d.sampler.GlobalBatchSampler`) and each
-replica's loss is weighted by its share (`lit3d.runner.ReplicaShare`), so the step is the single-process step."""
+faster GPUs). The rules a list must follow; the sampler deals the shares (`lit3d.data.sampler.GlobalBatchSampler`) and
+each
+replica's loss is weighted by its share (`lit3d.models.runner.ReplicaShare`), so the step is the single-process step."""
 
 from __future__ import annotations
 
@@ -14,11 +15,13 @@ def check_shares(shares: tuple[int, ...] | None, replicas: Any = "auto", islands
     if any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in shares):
         raise ValueError(f"data_parallel_shares={list(shares)} must be whole numbers of samples, each at least 1")
     if isinstance(replicas, int) and len(shares) != replicas:
-        raise ValueError(f"data_parallel_shares={list(shares)} has {len(shares)} shares for data_parallel_size="
-                         f"{replicas} replicas")  # fmt: skip
+        raise ValueError(
+            f"data_parallel_shares={list(shares)} has {len(shares)} shares for data_parallel_size={replicas} replicas"
+        )
     if islands > 1:
-        raise ValueError(f"data_parallel_shares={list(shares)} with islands={islands}: DiLoCo's islands split "
-                         "their replicas evenly")  # fmt: skip
+        raise ValueError(
+            f"data_parallel_shares={list(shares)} with islands={islands}: DiLoCo's islands split their replicas evenly"
+        )
 
 
 def check_shares_fit(shares: tuple[int, ...] | None, replicas: int, global_batch_size: int | None, steps: int) -> None:
@@ -28,12 +31,16 @@ def check_shares_fit(shares: tuple[int, ...] | None, replicas: int, global_batch
         return
     check_shares(shares, replicas)
     if global_batch_size is not None and sum(shares) != global_batch_size:
-        raise ValueError(f"data_parallel_shares={list(shares)} sums to {sum(shares)} samples, not the "
-                         f"global_batch_size={global_batch_size}")  # fmt: skip
+        raise ValueError(
+            f"data_parallel_shares={list(shares)} sums to {sum(shares)} samples, not the "
+            f"global_batch_size={global_batch_size}"
+        )
     uneven = [n for n in shares if n % steps]
     if uneven:
-        raise ValueError(f"data_parallel_shares={list(shares)}: {uneven} not whole numbers of the {steps} "
-                         "micro-batches each replica runs per step")  # fmt: skip
+        raise ValueError(
+            f"data_parallel_shares={list(shares)}: {uneven} not whole numbers of the {steps} "
+            "micro-batches each replica runs per step"
+        )
 
 
 def share_weight(shares: tuple[int, ...], replica: int) -> float:

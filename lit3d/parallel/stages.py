@@ -77,11 +77,14 @@ def check_stage_layers(layers: tuple[int, ...] | None, n_layer: int | None, chun
     if layers is None:
         return
     if len(layers) != chunks or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in layers):
-        raise ValueError(f"pipeline_stage_layers={list(layers)} must give each of the {chunks} pipeline stages "
-                         "(pipeline_parallel_size x chunks per rank) a whole number of blocks, at least 1")  # fmt: skip
+        raise ValueError(
+            f"pipeline_stage_layers={list(layers)} must give each of the {chunks} pipeline stages "
+            "(pipeline_parallel_size x chunks per rank) a whole number of blocks, at least 1"
+        )
     if n_layer is not None and sum(layers) != n_layer:
-        raise ValueError(f"pipeline_stage_layers={list(layers)} sums to {sum(layers)} blocks, but the model has "
-                         f"n_layer={n_layer}")  # fmt: skip
+        raise ValueError(
+            f"pipeline_stage_layers={list(layers)} sums to {sum(layers)} blocks, but the model has n_layer={n_layer}"
+        )
 
 
 def chunk_stage_ids(rank: int, pp: int, virtual: int, placement: str = "loop") -> list[int]:

@@ -11,9 +11,9 @@
   behind attention, data-parallel traffic behind the compute it can overlap (FSDP's prefetched gathers behind every
   forward and backward, gradient reductions behind the last backward); what hides still slows the compute a little
   (`Efficiencies.overlap_cost`). The pipeline's bubble stretches what its stages run.
-- A power cap below the board's rating lowers the tensor-core clock (`lit3d.calibration.STATIC_POWER_SHARE`).
+- A power cap below the board's rating lowers the tensor-core clock (`lit3d.planner.calibration.STATIC_POWER_SHARE`).
 
-Its constants are in `lit3d.calibration`; `benchmarks/planner_vs_published.py` checks it against published runs.
+Its constants are in `lit3d.planner.calibration`; `benchmarks/planner_vs_published.py` checks it against published runs.
 """
 
 from __future__ import annotations
@@ -21,7 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from lit3d.calibration import (
+from lit3d.models.config import GPTConfig
+from lit3d.models.lora_settings import LoRA
+from lit3d.parallel.layout import Layout
+from lit3d.parallel.schedules import SCHEDULES, Costs, bubble_theory
+from lit3d.parallel.settings import Parallelism
+from lit3d.planner.calibration import (
     ATTENTION_BACKWARD_FLOPS,
     BACKWARD_ELEMENTWISE,
     FP8_CAST_BYTES,
@@ -29,11 +34,6 @@ from lit3d.calibration import (
     OPTIMIZER_OPS,
     STATIC_POWER_SHARE,
 )
-from lit3d.config import GPTConfig
-from lit3d.lora_settings import LoRA
-from lit3d.parallel.layout import Layout
-from lit3d.parallel.schedules import SCHEDULES, Costs, bubble_theory
-from lit3d.parallel.settings import Parallelism
 from lit3d.planner.inputs import GB, Cluster, Precision, Training, held_precision
 from lit3d.planner.tensors import (
     adapter_params,
@@ -167,22 +167,31 @@ def step_time(
     exposed, hidden = _exposed(seconds, training, busiest["attention"] * microbatches, cluster)
     bubble = 0.0
     if pp > 1:
-        bubble = bubble_theory(settings.pipeline_schedule, pp, schedule_m, virtual,
-                               Costs.of(settings.activation_checkpointing))  # fmt: skip
+        bubble = bubble_theory(
+            settings.pipeline_schedule, pp, schedule_m, virtual, Costs.of(settings.activation_checkpointing)
+        )
     pipelined = compute + memory + sum(exposed.values())
     idle = pipelined * bubble / (1 - bubble)
     gathered = _gathered_share(settings.zero_stage, precision)
-    exposed["dp"], hidden["dp"] = _data_parallel(seconds["dp"], settings, training, busiest, microbatches, gathered,
-                                                 cluster)  # fmt: skip
+    exposed["dp"], hidden["dp"] = _data_parallel(
+        seconds["dp"], settings, training, busiest, microbatches, gathered, cluster
+    )
     if "island" in seconds:  # NOTE: the outer step waits for its all-reduce, amortised over its inner steps
         exposed["island"] = seconds["island"]
     optimizer = _optimizer(config, layout, settings, rank, device, virtual, placement, training.lora)
     if settings.offload:  # the states in host memory: copies over the host link, the optimizer on the CPU
-        exposed["host"], optimizer = _offloaded(config, layout, settings, training, rank, virtual, placement,
-                                                cluster, precision)  # fmt: skip
+        exposed["host"], optimizer = _offloaded(
+            config, layout, settings, training, rank, virtual, placement, cluster, precision
+        )
     overhead = cluster.gpu.efficiency.step_overhead_ms * 1e-3
-    breakdown = {"compute": compute, "memory_bound": memory, "exposed_communication": exposed, "bubble": idle,
-                 "optimizer": optimizer, "overhead": overhead}  # fmt: skip
+    breakdown = {
+        "compute": compute,
+        "memory_bound": memory,
+        "exposed_communication": exposed,
+        "bubble": idle,
+        "optimizer": optimizer,
+        "overhead": overhead,
+    }
     step = compute + memory + sum(exposed.values()) + idle + optimizer + overhead
     return StepTime(step, bubble, schedule_m, _model_flops(config, training), hidden, breakdown, seconds)
 
@@ -227,8 +236,9 @@ def _micro_batch_by_stage(
     virtual = settings.chunks_per_rank if layout.pp > 1 else 1
     placement = SCHEDULES[settings.pipeline_schedule].placement
     recompute, fp8 = recompute_of(settings, training), settings.float8 is not None
-    held = stages(config, layout.pp, virtual, placement, layout.tp, layout.ep, training.lora,
-                  settings.pipeline_stage_layers)  # fmt: skip
+    held = stages(
+        config, layout.pp, virtual, placement, layout.tp, layout.ep, training.lora, settings.pipeline_stage_layers
+    )
     times: dict[tuple, dict] = {}  # NOTE: a long pipeline's middle stages hold alike: each is priced once
     for rank, stage in enumerate(held):
         gpu = cluster.stage_gpus[rank] if cluster.stage_gpus else None
@@ -350,8 +360,12 @@ def _offloaded(
     batch's forward and backward first copies the rank's shards to the device, the step's gradient reduction copies
     its shards back, and AdamW steps in host memory; none of it overlapped (FSDP2 copies on the compute stream)."""
     tensors = rank_tensors(config, layout.pp, virtual, rank, placement, training.lora, settings.pipeline_stage_layers)
-    shards = {train: sum(local_numel(t, layout.tp, replicas(t, layout), ep=layout.ep) for t in tensors
-                         if t.trains or not train) for train in (False, True)}  # fmt: skip
+    shards = {
+        train: sum(
+            local_numel(t, layout.tp, replicas(t, layout), ep=layout.ep) for t in tensors if t.trains or not train
+        )
+        for train in (False, True)
+    }
     microbatches = training.global_batch_size // (layout.data_replicas * training.micro_batch_size)
     reductions = training.schedules_per_step(layout.pp)  # gradients sync once per step (or pipeline schedule)
     copied = 2 * microbatches * shards[False] * precision.weights + reductions * shards[True] * precision.grads

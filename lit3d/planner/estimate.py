@@ -13,7 +13,7 @@ with what communication hides and what it exposes (`lit3d.planner.clock`).
 
 from __future__ import annotations
 
-from lit3d.config import GPTConfig
+from lit3d.models.config import GPTConfig
 from lit3d.parallel.layout import Layout, sizes_of  # noqa: F401 (read from here too)
 from lit3d.parallel.settings import Parallelism
 from lit3d.planner.clock import step_time
@@ -81,7 +81,7 @@ def estimate(
         fits=all(
             stage["total"] <= cluster.stage(rank).gpu_memory_gb * GB * (1 - training.headroom)
             for rank, stage in enumerate(memory.by_stage)
-        ),  # fmt: skip
+        ),
         num_microbatches=time.microbatches,
         flops_per_step=float(time.model_flops),
         params_total=params_total(config_key(config)),

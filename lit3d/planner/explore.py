@@ -13,9 +13,10 @@ from dataclasses import asdict
 from itertools import product
 from typing import Any
 
-from lit3d.config import GPTConfig
+from lit3d.models.config import GPTConfig
 from lit3d.parallel.layout import ZERO_STAGES
 from lit3d.planner.estimate import GB, Cluster
+from lit3d.planner.page import render
 from lit3d.planner.request import Request, plan
 from lit3d.planner.search import context_parallel_sizes, divisors
 
@@ -30,8 +31,14 @@ def page_data(model: GPTConfig | str, cluster: Cluster | None = None, **given: A
     ranking of those that fit. ``given``: as `Request.given` (the sizes and ZeRO stage are the controls')."""
     config, cluster = GPTConfig.load(model), cluster or Cluster()
     given = {"pipeline_schedule": DEFAULT_SCHEDULE, **given}
-    for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "expert_parallel_size",
-                 "context_parallel_size", "zero_stage"):  # fmt: skip
+    for name in (
+        "tensor_parallel_size",
+        "pipeline_parallel_size",
+        "data_parallel_size",
+        "expert_parallel_size",
+        "context_parallel_size",
+        "zero_stage",
+    ):
         given.pop(name, None)
     training = Request.given(config, cluster, **given).training
     axes = _axis_values(config, cluster, training)
@@ -39,8 +46,14 @@ def page_data(model: GPTConfig | str, cluster: Cluster | None = None, **given: A
     layouts = {}
     for t, p, ep, cp, zero in product(axes["t"], axes["p"], axes["ep"], axes["cp"], ZERO_STAGES):
         for d in divisors(cluster.gpus // (t * p * cp)):
-            sizes = dict(tensor_parallel_size=t, pipeline_parallel_size=p, data_parallel_size=d,
-                         expert_parallel_size=ep, context_parallel_size=cp, zero_stage=zero)  # fmt: skip
+            sizes = dict(
+                tensor_parallel_size=t,
+                pipeline_parallel_size=p,
+                data_parallel_size=d,
+                expert_parallel_size=ep,
+                context_parallel_size=cp,
+                zero_stage=zero,
+            )
             layouts[layout_key(d, t, p, ep, cp, zero)] = _layout_entry(config, cluster, given, sizes, rows)
     return {
         "model": {"name": config.name, "params": config.num_params, "n_layer": config.n_layer},
@@ -48,7 +61,7 @@ def page_data(model: GPTConfig | str, cluster: Cluster | None = None, **given: A
             **{k: v for k, v in asdict(cluster).items() if k not in ("gpu", "stage_gpus")},
             "gpu": cluster.gpu.name,
             "gpus": cluster.gpus,
-        },  # fmt: skip
+        },
         "training": {
             "seq_len": training.seq_len,
             "global_batch_size": training.global_batch_size,
@@ -56,7 +69,7 @@ def page_data(model: GPTConfig | str, cluster: Cluster | None = None, **given: A
             "precision": training.precision,
             "pipeline_schedule": given["pipeline_schedule"],
             "usable_gb": cluster.gpu_memory_gb * (1 - training.headroom),
-        },  # fmt: skip
+        },
         "axes": {**axes, "zero": list(ZERO_STAGES)},
         "components": list(COMPONENTS),
         "rows": [list(row) for row in rows],
@@ -118,11 +131,10 @@ def _layout_entry(
             axis: [c["bytes"], c["seconds"], c["link_gbps"]]
             for axis, c in p.communication_per_step.items()
             if c["bytes"]
-        },  # fmt: skip
+        },
     }
     if not p.fits:
-        entry["error"] = (f"needs {p.memory_per_gpu['total'] / GB:.1f} GB on its most loaded GPU, {usable:.1f} GB "
-                          "usable")  # fmt: skip
+        entry["error"] = f"needs {p.memory_per_gpu['total'] / GB:.1f} GB on its most loaded GPU, {usable:.1f} GB usable"
     return entry
 
 
@@ -133,8 +145,6 @@ class Explorer:
         self.data = data
 
     def html(self) -> str:
-        from lit3d.planner.page import render
-
         return render(self.data)
 
     def save(self, path: str) -> str:
@@ -145,8 +155,10 @@ class Explorer:
     def _repr_html_(self) -> str:
         import html
 
-        return (f'<iframe srcdoc="{html.escape(self.html(), quote=True)}" style="width:100%;height:760px;border:0" '
-                'sandbox="allow-scripts"></iframe>')  # fmt: skip
+        return (
+            f'<iframe srcdoc="{html.escape(self.html(), quote=True)}" style="width:100%;height:760px;border:0" '
+            'sandbox="allow-scripts"></iframe>'
+        )
 
 
 def explore(model: GPTConfig | str, cluster: Cluster | None = None, **given: Any) -> Explorer:

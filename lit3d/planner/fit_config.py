@@ -13,13 +13,13 @@ from typing import Any
 
 import yaml
 
-from lit3d.config import PRESETS, GPTConfig
-from lit3d.hf_config import read_config
+from lit3d.cli.shipped import find_config
+from lit3d.hf.config import read_config
+from lit3d.models.config import PRESETS, GPTConfig
 from lit3d.parallel.layout import pipeline_microbatches
 from lit3d.parallel.schedules import chunks_per_rank
 from lit3d.parallel.settings import Parallelism
 from lit3d.planner.request import SEARCHED
-from lit3d.shipped import find_config
 
 # The top-level keys of a `lit3d fit` config (LightningCLI's), which a model YAML of `GPTConfig` fields never has.
 FIT_KEYS = ("trainer", "model", "data", "seed_everything", "ckpt_path", "optimizer", "lr_scheduler")
@@ -146,14 +146,14 @@ def run_batches(settings: dict[str, Any], gpus: int, global_batch_size: int, acc
 def _model(spec: str, section: dict[str, Any]) -> tuple[GPTConfig, dict[str, Any]]:
     """The model of a config's ``model`` section and its LoRA (``rank``, ``targets``; empty without)."""
     class_path = section.get("class_path", "lit3d.GPT")
-    if class_path not in ("lit3d.GPT", "lit3d.gpt.GPT", "GPT"):
+    if class_path not in ("lit3d.GPT", "lit3d.models.gpt.GPT", "GPT"):
         raise ValueError(f"config={spec!r}: model.class_path={class_path!r}; lit3d plan plans lit3d.GPT models")
     arguments = _init_args("model", section)
     pretrained = arguments.get("pretrained")
     if pretrained is not None and Path(pretrained, "config.json").is_file():
         model = read_config(pretrained)
     elif pretrained is not None:  # a lit3d checkpoint: its hyperparameters (NOTE: imports torch)
-        from lit3d.pretrained import read_config as read_checkpoint_config
+        from lit3d.hf.pretrained import read_config as read_checkpoint_config
 
         model = read_checkpoint_config(pretrained)
     else:

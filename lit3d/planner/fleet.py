@@ -24,21 +24,29 @@ from dataclasses import dataclass, replace
 from itertools import product
 from typing import Any
 
-from lit3d.config import GPTConfig
-from lit3d.hardware import GPU, GPUS
+from lit3d.models.config import GPTConfig
 from lit3d.parallel.layout import ZERO_STAGES, Layout
 from lit3d.parallel.stages import partition
 from lit3d.planner.clock import stage_times
 from lit3d.planner.estimate import GB, Cluster, Training, estimate, sizes_of
+from lit3d.planner.hardware import GPU, GPUS
 from lit3d.planner.request import DILOCO_SYNC_EVERY, Request, plan
 from lit3d.planner.search import Candidate, divisors, estimated, layout_problem
 from lit3d.planner.shapes import block_costs
 
 FLEET_FORMAT = "NODESxGPUSxKIND"  # one node group: 2x8xH100
 # Settings the fleet plan chooses itself; given, they are refused (plan a single kind with them instead).
-CHOSEN_BY_FLEET = ("pipeline_parallel_size", "data_parallel_size", "expert_parallel_size", "context_parallel_size",
-                   "pipeline_stage_layers", "data_parallel_shares", "islands", "virtual_pipeline_size",
-                   "num_microbatches")  # fmt: skip
+CHOSEN_BY_FLEET = (
+    "pipeline_parallel_size",
+    "data_parallel_size",
+    "expert_parallel_size",
+    "context_parallel_size",
+    "pipeline_stage_layers",
+    "data_parallel_shares",
+    "islands",
+    "virtual_pipeline_size",
+    "num_microbatches",
+)
 ONE_CHUNK = [("gpipe", 1), ("1f1b", 1), ("zero_bubble", 1)]  # the schedules uneven stages are planned with
 
 
@@ -63,8 +71,7 @@ def parse_fleet(text: str, **numbers: Any) -> list[Cluster]:
 def check_fleet(groups: list[Cluster]) -> None:
     """Two groups or more, each node with as many GPUs (Lightning's ``devices`` is one number for every node)."""
     if len(groups) < 2:
-        raise ValueError(f"a fleet has two node groups or more, got {len(groups)}: plan one kind with --nodes, "
-                         "--gpu")  # fmt: skip
+        raise ValueError(f"a fleet has two node groups or more, got {len(groups)}: plan one kind with --nodes, --gpu")
     per_node = sorted({g.gpus_per_node for g in groups})
     if len(per_node) > 1:
         raise ValueError(f"fleet groups have {per_node} GPUs per node: one job runs as many on every node")
@@ -80,8 +87,15 @@ def shared_cluster(groups: list[Cluster]) -> Cluster:
     group's links: what an even split, and the links between groups, are priced with."""
     slowest = replace(min((g.gpu for g in groups), key=speed), memory_gb=min(g.gpu_memory_gb for g in groups))
     links = {name: min(getattr(g, name) for g in groups) for name in ("intra_node_gbps", "inter_node_gbps")}
-    return replace(groups[0], nodes=sum(g.nodes for g in groups), gpu=slowest, peak_tflops=slowest.peak_tflops,
-                   gpu_memory_gb=slowest.memory_gb, device="GPU", **links)  # fmt: skip
+    return replace(
+        groups[0],
+        nodes=sum(g.nodes for g in groups),
+        gpu=slowest,
+        peak_tflops=slowest.peak_tflops,
+        gpu_memory_gb=slowest.memory_gb,
+        device="GPU",
+        **links,
+    )
 
 
 @dataclass
@@ -109,16 +123,18 @@ def pipeline_option(config: GPTConfig, groups: list[Cluster], request: Request) 
             if len(cluster.stage_gpus) > config.n_layer:
                 continue
             layout = Layout(dp=dp, tp=tp, pp=len(cluster.stage_gpus), devices_per_node=base.gpus_per_node)
-            even = replace(request.parallelism, **sizes_of(layout), pipeline_schedule="gpipe",
-                           virtual_pipeline_size=None)  # fmt: skip
+            even = replace(
+                request.parallelism, **sizes_of(layout), pipeline_schedule="gpipe", virtual_pipeline_size=None
+            )
             for layers in stage_splits(config, cluster, layout, request.training, even):
                 settings = replace(even, pipeline_stage_layers=layers)
                 if layout_problem(config, cluster, layout, request.training, settings):
                     continue
                 # (one replica: every ZeRO stage holds the same)
                 for zero, ac in product(zeros if dp > 1 else zeros[:1], recompute):
-                    option = estimated(config, cluster, layout, request.training, settings, zero, ac,
-                                       _schedules(request))  # fmt: skip
+                    option = estimated(
+                        config, cluster, layout, request.training, settings, zero, ac, _schedules(request)
+                    )
                     best = _faster(best, option)
     if best is None:
         return Option("pipeline", None, [], "no pipeline over the groups runs this model and batch")
@@ -142,8 +158,12 @@ def stage_splits(
     cut = _cut(costs, first, last, promised)
     times = stage_times(config, cluster, layout, training, replace(settings, pipeline_stage_layers=cut))
     priced = [n / t for n, t in zip(cut, times)]  # blocks per second each stage's device runs
-    splits = [cut, _cut(costs, first, last, priced), _cut(costs, first, last, [v**0.5 for v in priced]),
-              _cut(costs, first, last, [1.0] * len(priced))]  # fmt: skip
+    splits = [
+        cut,
+        _cut(costs, first, last, priced),
+        _cut(costs, first, last, [v**0.5 for v in priced]),
+        _cut(costs, first, last, [1.0] * len(priced)),
+    ]
     return list(dict.fromkeys(splits))
 
 
@@ -164,8 +184,13 @@ def data_option(config: GPTConfig, groups: list[Cluster], request: Request) -> O
             micro = water_fill(batch // accumulate, [speed(g.gpu) for g, n in zip(groups, counts) for _ in range(n)])
             shares = tuple(m * accumulate for m in micro)
             for zero, ac in product(zeros, recompute):
-                settings = replace(request.parallelism, **sizes_of(layout), zero_stage=zero,
-                                   activation_checkpointing=ac, data_parallel_shares=shares)  # fmt: skip
+                settings = replace(
+                    request.parallelism,
+                    **sizes_of(layout),
+                    zero_stage=zero,
+                    activation_checkpointing=ac,
+                    data_parallel_shares=shares,
+                )
                 option = replicas_option(config, groups, base, layout, training, settings, accumulate)
                 if option and (best is None or _faster(best.candidate, option.candidate) is option.candidate):
                     best = option
@@ -198,26 +223,41 @@ def replicas_option(
     for group in groups:
         count = group.gpus // layout.tp
         mine = list(shares[start : start + count])
-        cluster = replace(base, gpu=group.gpu, peak_tflops=group.peak_tflops, gpu_memory_gb=group.gpu_memory_gb,
-                          intra_node_gbps=group.intra_node_gbps)  # fmt: skip
-        own = replace(training, micro_batch_size=max(mine) // accumulate,
-                      global_batch_size=max(mine) * layout.dp)  # fmt: skip
+        cluster = replace(
+            base,
+            gpu=group.gpu,
+            peak_tflops=group.peak_tflops,
+            gpu_memory_gb=group.gpu_memory_gb,
+            intra_node_gbps=group.intra_node_gbps,
+        )
+        own = replace(training, micro_batch_size=max(mine) // accumulate, global_batch_size=max(mine) * layout.dp)
         if layout_problem(config, cluster, layout, own, even):
             return None
         group_plan = estimate(config, cluster, layout, own, even)
         priced.append((group_plan, own))
         part = _part(group, f"replicas {start}-{start + count - 1}", group_plan.memory_per_gpu["total"], training)
-        parts.append({**part, "step_s": group_plan.step_time_s, "replicas": list(range(start, start + count)),
-                      "data_parallel_shares": mine})  # fmt: skip
+        parts.append(
+            {
+                **part,
+                "step_s": group_plan.step_time_s,
+                "replicas": list(range(start, start + count)),
+                "data_parallel_shares": mine,
+            }
+        )
         start += count
     slowest, own = max(priced, key=lambda p: p[0].step_time_s)
     step, batch = slowest.step_time_s, training.global_batch_size
     flops = slowest.flops_per_step * batch / own.global_batch_size  # of the real global batch
     most = max((p for p, _ in priced), key=lambda p: p.memory_per_gpu["total"])
-    combined = replace(slowest, fits=all(p.fits for p, _ in priced), memory_per_gpu=most.memory_per_gpu,
-                       memory_by_stage=most.memory_by_stage, flops_per_step=flops,
-                       mfu=flops / (step * sum(g.gpus * g.peak_tflops for g in groups) * 1e12),
-                       tokens_per_s_per_gpu=batch * training.seq_len / (step * layout.world_size))  # fmt: skip
+    combined = replace(
+        slowest,
+        fits=all(p.fits for p, _ in priced),
+        memory_per_gpu=most.memory_per_gpu,
+        memory_by_stage=most.memory_by_stage,
+        flops_per_step=flops,
+        mfu=flops / (step * sum(g.gpus * g.peak_tflops for g in groups) * 1e12),
+        tokens_per_s_per_gpu=batch * training.seq_len / (step * layout.world_size),
+    )
     ran = replace(training, micro_batch_size=min(shares) // accumulate, accumulate_grad_batches=accumulate)
     return Option("data", Candidate(layout, ran, settings, combined), parts, "" if combined.fits else "does not fit")
 
@@ -263,16 +303,28 @@ def _stage_parts(config: GPTConfig, groups: list[Cluster], best: Candidate, clus
         stages = list(range(first, first + group.gpus // (layout.dp * layout.tp)))
         memory = max(best.plan.memory_by_stage[s]["total"] for s in stages)
         part = _part(group, f"stages {stages[0]}-{stages[-1]}", memory, best.training)
-        parts.append({**part, "micro_batch_s": max(times[s] for s in stages), "stages": stages,
-                      "pipeline_stage_layers": [layers[s] for s in stages]})  # fmt: skip
+        parts.append(
+            {
+                **part,
+                "micro_batch_s": max(times[s] for s in stages),
+                "stages": stages,
+                "pipeline_stage_layers": [layers[s] for s in stages],
+            }
+        )
         first += len(stages)
     return parts
 
 
 def _part(group: Cluster, role: str, memory: float, training: Training) -> dict[str, Any]:
     usable = group.gpu_memory_gb * (1 - training.headroom)
-    return {"gpu": group.gpu.name, "nodes": group.nodes, "gpus": group.gpus, "role": role,
-            "memory_gb": round(memory / GB, 1), "usable_gb": round(usable, 1)}  # fmt: skip
+    return {
+        "gpu": group.gpu.name,
+        "nodes": group.nodes,
+        "gpus": group.gpus,
+        "role": role,
+        "memory_gb": round(memory / GB, 1),
+        "usable_gb": round(usable, 1),
+    }
 
 
 def _tensor_sizes(groups: list[Cluster], request: Request) -> list[int]:
@@ -296,5 +348,6 @@ def _faster(best: Candidate | None, option: Candidate | None) -> Candidate | Non
         return best
     if best is None:
         return option
-    return min(best, option, key=lambda c: (not c.plan.fits, round(c.plan.step_time_s, 6),
-                                            c.plan.memory_per_gpu["total"]))  # fmt: skip
+    return min(
+        best, option, key=lambda c: (not c.plan.fits, round(c.plan.step_time_s, 6), c.plan.memory_per_gpu["total"])
+    )

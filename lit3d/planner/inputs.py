@@ -6,11 +6,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from lit3d.hardware import GPU, GPUS
-from lit3d.lora_settings import LoRA
+from lit3d.models.lora_settings import LoRA
 from lit3d.parallel.layout import Layout
 from lit3d.parallel.precision import is_bf16_mixed, keeps_master_weights
 from lit3d.parallel.settings import Parallelism
+from lit3d.planner.hardware import GPU, GPUS
 
 GB = 1e9
 
@@ -98,8 +98,13 @@ class Cluster:
     @classmethod
     def of(cls, gpu: GPU, nodes: int = 1, gpus_per_node: int = 8, **numbers: Any) -> Cluster:
         """``nodes`` x ``gpus_per_node`` of ``gpu``, with its memory, peak and links (``numbers`` replace them)."""
-        own = dict(gpu_memory_gb=gpu.memory_gb, intra_node_gbps=gpu.intra_node_gbps, peak_tflops=gpu.peak_tflops,
-                   inter_node_gbps=gpu.inter_node_gbps, device=gpu.device)  # fmt: skip
+        own = dict(
+            gpu_memory_gb=gpu.memory_gb,
+            intra_node_gbps=gpu.intra_node_gbps,
+            peak_tflops=gpu.peak_tflops,
+            inter_node_gbps=gpu.inter_node_gbps,
+            device=gpu.device,
+        )
         return cls(nodes=nodes, gpus_per_node=gpus_per_node, gpu=gpu, **{**own, **numbers})
 
     @property
@@ -111,8 +116,14 @@ class Cluster:
         if self.stage_gpus is None:
             return self
         gpu = self.stage_gpus[rank]
-        return replace(self, gpu=gpu, peak_tflops=gpu.peak_tflops, gpu_memory_gb=gpu.memory_gb,
-                       intra_node_gbps=gpu.intra_node_gbps, stage_gpus=None)  # fmt: skip
+        return replace(
+            self,
+            gpu=gpu,
+            peak_tflops=gpu.peak_tflops,
+            gpu_memory_gb=gpu.memory_gb,
+            intra_node_gbps=gpu.intra_node_gbps,
+            stage_gpus=None,
+        )
 
 
 @dataclass(frozen=True)
@@ -125,7 +136,7 @@ class Software:
         fused: Elementwise work fused into a few kernels per block (``torch.compile``, Transformer Engine's fused
             kernels); None: as the run's ``compile``.
         tp_overlap: The share of tensor-parallel traffic hidden behind the GEMMs: torchtitan's async TP
-            (`lit3d.calibration.ASYNC_TP`), Megatron's TP communication overlap (``MEGATRON_TP_OVERLAP``); lit3d
+            (`lit3d.planner.calibration.ASYNC_TP`), Megatron's TP communication overlap (``MEGATRON_TP_OVERLAP``); lit3d
             runs them in turn (0).
         overlap_param_gather: ZeRO-1's gather of the updated weights overlapped with the next forward (Megatron's
             distributed optimizer); lit3d gathers right after the step.

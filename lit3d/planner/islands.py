@@ -13,9 +13,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from lit3d.config import GPTConfig
+from lit3d.models.config import GPTConfig
 from lit3d.planner.estimate import Cluster, estimate, held_precision
 from lit3d.planner.search import Candidate
+from lit3d.planner.units import size
 
 
 def versus_synchronous(config: GPTConfig, cluster: Cluster, candidate: Candidate) -> dict[str, Any]:
@@ -47,18 +48,18 @@ def versus_synchronous(config: GPTConfig, cluster: Cluster, candidate: Candidate
 
 def format_islands(comparison: dict[str, Any]) -> str:
     """The lines `lit3d plan` prints for DiLoCo's islands."""
-    from lit3d.planner.units import size
-
     c = comparison
     fragments = f", streaming in {c['fragments']} fragments" if c["fragments"] > 1 else ""
-    return "\n".join([
-        f"DiLoCo: {c['islands']} islands, an outer step every {c['sync_every']} inner steps{fragments}, over "
-        f"{c['link_gbps']:g} GB/s per GPU and {c['latency_ms']:g} ms per hop between islands",
-        f"  per outer step: {c['outer_step_s']:.1f} s ({c['sync_every']} inner steps and the sync); each GPU sends "
-        f"{size(c['outer_sync_bytes'])} to the other islands in {c['outer_sync_s']:.2f} s"
-        + (f" ({size(c['outer_sync_peak_bytes'])} at a time)" if c["fragments"] > 1 else ""),
-        f"  synchronous DP over the same link: {c['synchronous_s']:.1f} s for the same {c['sync_every']} steps, "
-        f"{size(c['synchronous_bytes'])} per GPU between islands (MFU {c['synchronous_mfu']:.1%})",
-        f"  DiLoCo saves {c['traffic_saved']:.1%} of the traffic between islands "
-        f"({c['synchronous_bytes'] / c['outer_sync_bytes']:.0f}x fewer bytes) and runs {c['speedup']:.2f}x as fast",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            f"DiLoCo: {c['islands']} islands, an outer step every {c['sync_every']} inner steps{fragments}, over "
+            f"{c['link_gbps']:g} GB/s per GPU and {c['latency_ms']:g} ms per hop between islands",
+            f"  per outer step: {c['outer_step_s']:.1f} s ({c['sync_every']} inner steps and the sync); each GPU sends "
+            f"{size(c['outer_sync_bytes'])} to the other islands in {c['outer_sync_s']:.2f} s"
+            + (f" ({size(c['outer_sync_peak_bytes'])} at a time)" if c["fragments"] > 1 else ""),
+            f"  synchronous DP over the same link: {c['synchronous_s']:.1f} s for the same {c['sync_every']} steps, "
+            f"{size(c['synchronous_bytes'])} per GPU between islands (MFU {c['synchronous_mfu']:.1%})",
+            f"  DiLoCo saves {c['traffic_saved']:.1%} of the traffic between islands "
+            f"({c['synchronous_bytes'] / c['outer_sync_bytes']:.0f}x fewer bytes) and runs {c['speedup']:.2f}x as fast",
+        ]
+    )

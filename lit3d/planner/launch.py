@@ -10,10 +10,10 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from lit3d.config import GPTConfig
+from lit3d.models.config import GPTConfig
+from lit3d.models.presets import PRESETS
 from lit3d.planner.inputs import Cluster
 from lit3d.planner.search import Candidate
-from lit3d.presets import PRESETS
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,8 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
-from lit3d.config import GPTConfig
-from lit3d.lora_settings import LoRA
+from lit3d.models.config import GPTConfig
+from lit3d.models.lora_settings import LoRA
 from lit3d.parallel.layout import Layout
 from lit3d.parallel.schedules import SCHEDULES, last_stage_in_flight, peak_in_flight
 from lit3d.parallel.settings import Parallelism
@@ -239,8 +239,10 @@ def _stage_state(
     NOTE: cached, as the planner weighs every schedule for each layout and these sums over the tensors dominate."""
     tensors = key_tensors(key, layout.pp, virtual, stage_rank, placement)
     state = state_bytes(tensors, layout, zero_stage, precision)
-    params = sum(local_numel(t, layout.tp, replicas(t, layout) if zero_stage >= 2 and layout.replicas > 1 else 1,
-                             ep=layout.ep) for t in tensors)  # fmt: skip
+    params = sum(
+        local_numel(t, layout.tp, replicas(t, layout) if zero_stage >= 2 and layout.replicas > 1 else 1, ep=layout.ep)
+        for t in tensors
+    )
     transient = transient_bytes(tensors, layout, zero_stage, precision, summed, offload)
     if offload:
         state = {"params": 0, "grads": 0, "optimizer": 0, "host": sum(state.values())}

@@ -147,17 +147,26 @@ def render(data: dict[str, Any]) -> str:
     """The page of `lit3d.planner.explore.page_data`'s ``data``: one HTML document, nothing fetched."""
     model, cluster, training = data["model"], data["cluster"], data["training"]
     title = f"lit3d plan: {model['name']} on {cluster['nodes']} x {cluster['gpus_per_node']} {cluster['gpu']}"
-    sub = (f"{model['params'] / 1e9:.1f}B parameters, {model['n_layer']} blocks; global batch "
-           f"{training['global_batch_size']} x {training['seq_len']} tokens, micro-batch {training['micro_batch_size']}"
-           f", {training['precision']}, pipelines {training['pipeline_schedule']}; "
-           f"{training['usable_gb']:.1f} GB usable per GPU")  # fmt: skip
+    sub = (
+        f"{model['params'] / 1e9:.1f}B parameters, {model['n_layer']} blocks; global batch "
+        f"{training['global_batch_size']} x {training['seq_len']} tokens, micro-batch {training['micro_batch_size']}"
+        f", {training['precision']}, pipelines {training['pipeline_schedule']}; "
+        f"{training['usable_gb']:.1f} GB usable per GPU"
+    )
     axes = data["axes"]
-    sliders = "".join([_slider("d", "data parallel d"), _slider("t", "tensor parallel t"),
-                       _slider("p", "pipeline parallel p"), _slider("ep", "expert parallel", len(axes["ep"]) < 2),
-                       _slider("cp", "context parallel", len(axes["cp"]) < 2)])  # fmt: skip
+    sliders = "".join(
+        [
+            _slider("d", "data parallel d"),
+            _slider("t", "tensor parallel t"),
+            _slider("p", "pipeline parallel p"),
+            _slider("ep", "expert parallel", len(axes["ep"]) < 2),
+            _slider("cp", "context parallel", len(axes["cp"]) < 2),
+        ]
+    )
     zero = "".join(f'<option value="{z}">ZeRO-{z}</option>' for z in data["axes"]["zero"])
-    toggles = "".join(f'<label><input type="checkbox" id="show-{a}">{a.upper()} group</label>'
-                      for a in ("tp", "cp", "dp", "pp", "ep"))  # fmt: skip
+    toggles = "".join(
+        f'<label><input type="checkbox" id="show-{a}">{a.upper()} group</label>' for a in ("tp", "cp", "dp", "pp", "ep")
+    )
     payload = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from lit3d.config import GPTConfig
+from lit3d.models.config import GPTConfig
 from lit3d.parallel.layout import Layout, check_model_fits_pipeline
 from lit3d.parallel.schedules import SCHEDULES, last_stage_in_flight, microbatch_problem, peak_in_flight
 from lit3d.parallel.settings import Parallelism
@@ -26,8 +26,14 @@ CANDIDATES = (
     ("zbv", 2),
     ("dualpipev", 2),
 )
-NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "interleaved 1F1B", "zero_bubble": "ZB-H1",
-         "zbv": "ZBV", "dualpipev": "DualPipe-V"}  # fmt: skip
+NAMES = {
+    "gpipe": "GPipe",
+    "1f1b": "1F1B",
+    "interleaved_1f1b": "interleaved 1F1B",
+    "zero_bubble": "ZB-H1",
+    "zbv": "ZBV",
+    "dualpipev": "DualPipe-V",
+}
 
 
 def candidates(schedule: str | None, virtual: int | None) -> list[tuple[str, int]]:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lit3d.parallel.layout import Layout
+from lit3d.planner.units import plural, size
 
 if TYPE_CHECKING:
     from lit3d.planner.estimate import Plan
@@ -54,9 +55,13 @@ class RankMap:
     """
 
     def __init__(
-        self, layout: Layout, title: str = "", plan: Plan | None = None, device: str = "GPU",
+        self,
+        layout: Layout,
+        title: str = "",
+        plan: Plan | None = None,
+        device: str = "GPU",
         kinds: list[str] | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.layout, self.title, self.plan, self.device, self.kinds = layout, title, plan, device, kinds
         self._maps = [self]
 
@@ -85,8 +90,13 @@ class RankMap:
             raise ImportError('drawing the rank map needs matplotlib: pip install "lit3d[plot]"') from error
         columns = max(min(m.layout.devices_per_node, COLUMNS) for m in self._maps)
         heights = [1.3 + 0.2 * m._heading(*m._drawn()).count("\n") + CELL_HEIGHT * len(m._rows()) for m in self._maps]
-        fig, axes = plt.subplots(len(self._maps), 1, figsize=(1.2 + CELL_WIDTH * columns, sum(heights)), squeeze=False,
-                                 gridspec_kw={"height_ratios": heights})  # fmt: skip
+        fig, axes = plt.subplots(
+            len(self._maps),
+            1,
+            figsize=(1.2 + CELL_WIDTH * columns, sum(heights)),
+            squeeze=False,
+            gridspec_kw={"height_ratios": heights},
+        )
         for ax, one in zip(axes[:, 0], self._maps):
             one._draw(ax, columns)
         fig.tight_layout()
@@ -104,8 +114,6 @@ class RankMap:
 
     def _draw(self, ax, columns: int) -> None:
         from matplotlib.patches import Rectangle
-
-        from lit3d.planner.units import size
 
         layout = self.layout
         one_replica, nodes_drawn, crossing = self._drawn()
@@ -151,13 +159,13 @@ class RankMap:
         return KIND_COLOURS[list(dict.fromkeys(self.kinds)).index(self.kinds[node]) % len(KIND_COLOURS)]
 
     def _heading(self, one_replica: bool, nodes_drawn: int, crossing: set[int]) -> str:
-        from lit3d.planner.units import plural, size
-
         layout = self.layout
         ep = f" (ep {layout.ep} within dp)" if layout.ep > 1 else ""
         dp = f"{layout.dp}{ep}" + (f" x cp {layout.cp}" if layout.cp > 1 else "")
-        lines = [f"{layout.world_size} {plural(self.device)} = dp {dp} x tp {layout.tp} x pp {layout.pp} on "
-                 f"{layout.num_nodes} node(s); colour = pipeline stage"]  # fmt: skip
+        lines = [
+            f"{layout.world_size} {plural(self.device)} = dp {dp} x tp {layout.tp} x pp {layout.pp} on "
+            f"{layout.num_nodes} node(s); colour = pipeline stage"
+        ]
         if self.kinds is not None:
             names = list(dict.fromkeys(self.kinds))
             legend = ", ".join(f"{name} {KIND_NAMES[i % len(KIND_NAMES)]}" for i, name in enumerate(names))
@@ -170,15 +178,22 @@ class RankMap:
                 f"{layout.tp * layout.cp} apart); the {layout.dp // layout.ep} groups hold the same experts"
             )
         if layout.cp > 1:
-            lines.append(f"c = place in the context-parallel ring (ranks {layout.tp} apart; each holds sequence chunks "
-                         f"c and {2 * layout.cp - 1}-c)")  # fmt: skip
+            lines.append(
+                f"c = place in the context-parallel ring (ranks {layout.tp} apart; each holds sequence chunks "
+                f"c and {2 * layout.cp - 1}-c)"
+            )
         if self.plan is not None:
             plan = self.plan
             memory = size(plan.memory_per_gpu["total"])
             step = f"step {plan.step_time_s:.3g} s, MFU {plan.mfu:.0%}, bubble {plan.pipeline_bubble:.1%}"
             lines.append(f"ZeRO-{plan.layout['zero_stage']}: {memory} per {self.device} at most, {step}")
-            lines.append(", ".join(f"{axis} {size(c['bytes'])}/step on {c['link_gbps']:g} GB/s"
-                                   for axis, c in plan.communication_per_step.items() if c["bytes"]))  # fmt: skip
+            lines.append(
+                ", ".join(
+                    f"{axis} {size(c['bytes'])}/step on {c['link_gbps']:g} GB/s"
+                    for axis, c in plan.communication_per_step.items()
+                    if c["bytes"]
+                )
+            )
         if one_replica:
             lines.append(f"replica d=0 shown; the other {layout.dp - 1} replicas repeat it")
         if layout.num_nodes > nodes_drawn and not one_replica:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from lit3d.config import GPTConfig
+from lit3d.models.config import GPTConfig
 from lit3d.parallel.layout import Layout
 from lit3d.parallel.settings import Parallelism, defaults
 from lit3d.planner.clock import largest_costs

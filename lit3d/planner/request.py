@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from lit3d.config import GPTConfig
+from lit3d.models.config import GPTConfig
 from lit3d.parallel.layout import ZERO_STAGES, Layout, check_islands, check_sizes
 from lit3d.parallel.settings import Parallelism
 from lit3d.planner.estimate import PLANNING_DEFAULTS, Cluster, Training, estimate, sizes_of
@@ -27,8 +27,13 @@ from lit3d.planner.verify import StageCount, verify
 
 # The sizes a search keeps when they are fixed, and chooses otherwise (with, per layout, the ZeRO stage, recompute, the
 # pipeline schedule and its chunks per rank: `SEARCHED`).
-SIZES = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "expert_parallel_size",
-         "context_parallel_size")  # fmt: skip
+SIZES = (
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "data_parallel_size",
+    "expert_parallel_size",
+    "context_parallel_size",
+)
 SEARCHED = (*SIZES, "zero_stage", "activation_checkpointing", "pipeline_schedule", "virtual_pipeline_size")
 DILOCO_SYNC_EVERY = 500  # inner steps per outer step planned with islands unless given (DiLoCo's paper)
 
@@ -83,8 +88,16 @@ class Request:
             given["zero_stage"] = 3  # what offloading and FP8 gathers run
         numbers = {f.name: given.pop(f.name) for f in fields(Training) if f.name in given}
         training = Training(**{"seq_len": config.max_seq_len, **numbers})
-        return cls(config, cluster or Cluster(), training, planning_defaults(**given), frozenset({*numbers, *given}),
-                   top, verify, launch or Launch())  # fmt: skip
+        return cls(
+            config,
+            cluster or Cluster(),
+            training,
+            planning_defaults(**given),
+            frozenset({*numbers, *given}),
+            top,
+            verify,
+            launch or Launch(),
+        )
 
     @property
     def fixes_layout(self) -> bool:
@@ -192,11 +205,15 @@ def plan(request: Request) -> Report:
     config, cluster, settings = GPTConfig.load(request.model), request.cluster, request.parallelism
     check_inputs(config, cluster, request.training)
     if settings.data_parallel_shares is not None:  # NOTE: what a fleet plan will choose; not priced yet
-        raise ValueError(f"data_parallel_shares={list(settings.data_parallel_shares)}: lit3d plan prices even "
-                         "data-parallel replicas only; plan without it")  # fmt: skip
+        raise ValueError(
+            f"data_parallel_shares={list(settings.data_parallel_shares)}: lit3d plan prices even "
+            "data-parallel replicas only; plan without it"
+        )
     if settings.float8 and not cluster.gpu.fp8_tflops and cluster.gpu.device == "GPU":
-        raise ValueError(f"float8={settings.float8!r} on {cluster.gpu.name}: it has no FP8 tensor cores (Hopper, Ada, "
-                         "Blackwell and MI300X have)")  # fmt: skip
+        raise ValueError(
+            f"float8={settings.float8!r} on {cluster.gpu.name}: it has no FP8 tensor cores (Hopper, Ada, "
+            "Blackwell and MI300X have)"
+        )
     if settings.islands > 1 and cluster.gpus % settings.islands:
         raise ValueError(f"islands={settings.islands} does not divide the {cluster.gpus} GPUs of the cluster")
     check_sizes(top=request.top)
@@ -223,8 +240,9 @@ def _one_layout(request: Request, config: GPTConfig) -> Report:
     check_islands(islands, dp, ep, cp)
     if dp % ep:
         raise ValueError(f"expert_parallel_size={ep} does not divide data_parallel_size={dp}")
-    layout = Layout(dp=dp // islands, tp=tp, pp=pp, devices_per_node=cluster.gpus_per_node, ep=ep, cp=cp,
-                    islands=islands)  # fmt: skip
+    layout = Layout(
+        dp=dp // islands, tp=tp, pp=pp, devices_per_node=cluster.gpus_per_node, ep=ep, cp=cp, islands=islands
+    )
     training, settings = _micro_batches(request, dp), replace(settings, **sizes_of(layout))
     schedule_fixed = "pipeline_schedule" in request.fixed
     # NOTE: GPipe runs any micro-batch count on one chunk: the layout check leaves the schedules to `choose_schedule`.
@@ -249,8 +267,10 @@ def _micro_batches(request: Request, dp: int) -> Training:
     batch, steps = training.global_batch_size, m * training.accumulate_grad_batches
     accumulating = f" x accumulate_grad_batches={training.accumulate_grad_batches}" if steps > m else ""
     if batch % (dp * steps):
-        raise ValueError(f"global_batch_size={batch} is not divisible by data_parallel_size={dp} x num_microbatches="
-                         f"{m}{accumulating}")  # fmt: skip
+        raise ValueError(
+            f"global_batch_size={batch} is not divisible by data_parallel_size={dp} x num_microbatches="
+            f"{m}{accumulating}"
+        )
     derived = batch // (dp * steps)
     if "micro_batch_size" in request.fixed and training.micro_batch_size != derived:
         raise ValueError(
@@ -295,8 +315,16 @@ def format_report(report: Report) -> str:
     request = report.request
     if report.searched:
         best = report.command(report.chosen) if report.chosen else None
-        text = format_search(report.config, request.cluster, report.candidates, report.dropped, request.top,
-                             request.fixed, best, report.nearest_miss)  # fmt: skip
+        text = format_search(
+            report.config,
+            request.cluster,
+            report.candidates,
+            report.dropped,
+            request.top,
+            request.fixed,
+            best,
+            report.nearest_miss,
+        )
     else:
         text = format_plan(report.config, request.cluster, report.chosen)
         if report.chosen.plan.fits:

@@ -8,20 +8,29 @@ arithmetic serve both, so `lit3d plan` plans what the run holds.
 from __future__ import annotations
 
 from dataclasses import fields, replace
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-from lit3d.config import GPTConfig
+from lit3d.models.config import GPTConfig
+from lit3d.parallel.layout import Layout
 from lit3d.parallel.settings import Parallelism
 from lit3d.planner.estimate import PRECISIONS, Cluster, Plan, Training, sizes_of
 from lit3d.planner.request import Request, plan
 
-if TYPE_CHECKING:
-    from lit3d.strategies import Parallel3DStrategy
-
 EVERY_SETTING = frozenset(f.name for f in fields(Parallelism)) | {"micro_batch_size"}
 
 
-def plan_of_run(strategy: Parallel3DStrategy, cluster: Cluster | None = None) -> Plan | None:
+class RunningStrategy(Protocol):
+    """What `plan_of_run` reads of the strategy (`lit3d.strategies.Parallel3DStrategy`)."""
+
+    parallelism: Parallelism
+    layout: Layout
+    num_microbatches: int
+    num_nodes: int
+    num_processes: int
+    lightning_module: Any
+
+
+def plan_of_run(strategy: RunningStrategy, cluster: Cluster | None = None) -> Plan | None:
     """Memory and communication of the strategy's run as the planner counts them (with its LoRA adapters, if any);
     None unless it trains a lit3d GPT. ``cluster``: the devices to price its step on (default: H100s, as many as
     the run has ranks).
@@ -56,7 +65,8 @@ def plan_of_run(strategy: Parallel3DStrategy, cluster: Cluster | None = None) ->
         lora=getattr(module, "lora", None),
     )
     microbatches = strategy.num_microbatches if pipelined else None
-    settings = replace(strategy.parallelism, **sizes_of(layout), num_microbatches=microbatches,
-                       data_parallel_shares=None)  # fmt: skip
+    settings = replace(
+        strategy.parallelism, **sizes_of(layout), num_microbatches=microbatches, data_parallel_shares=None
+    )
     cluster = cluster or Cluster(nodes=strategy.num_nodes, gpus_per_node=strategy.num_processes)
     return plan(Request(config, cluster, training, settings, EVERY_SETTING)).chosen.plan

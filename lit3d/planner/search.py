@@ -14,8 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from lit3d.calibration import STATIC_POWER_SHARE
-from lit3d.config import GPTConfig
+from lit3d.models.config import GPTConfig
 from lit3d.parallel.context import check_context_parallel
 from lit3d.parallel.layout import (
     ZERO_STAGES,
@@ -28,6 +27,7 @@ from lit3d.parallel.precision import check_float8
 from lit3d.parallel.schedules import check_composes, microbatch_problem
 from lit3d.parallel.settings import Parallelism
 from lit3d.parallel.stages import check_stage_layers
+from lit3d.planner.calibration import STATIC_POWER_SHARE
 from lit3d.planner.clock import largest_costs
 from lit3d.planner.estimate import GB, PLANNING_DEFAULTS, PRECISIONS, Cluster, Plan, Training, estimate, sizes_of
 from lit3d.planner.pipeline import CANDIDATES, choose_schedule, why_schedule
@@ -60,8 +60,10 @@ def check_inputs(config: GPTConfig, cluster: Cluster, training: Training) -> Non
             raise ValueError(f"{name}={value!r} must be positive")
     power, idle = cluster.power_watts, STATIC_POWER_SHARE * cluster.gpu.tdp_watts
     if power is not None and not power > idle:
-        raise ValueError(f"power_watts={power!r} must be above the {cluster.gpu.name}'s idle power ({idle:g} W of its "
-                         f"{cluster.gpu.tdp_watts:g} W)")  # fmt: skip
+        raise ValueError(
+            f"power_watts={power!r} must be above the {cluster.gpu.name}'s idle power ({idle:g} W of its "
+            f"{cluster.gpu.tdp_watts:g} W)"
+        )
     software = training.software
     for name in ("tp_overlap", "recomputed_matmuls"):
         share = getattr(software, name)
@@ -69,8 +71,9 @@ def check_inputs(config: GPTConfig, cluster: Cluster, training: Training) -> Non
             raise ValueError(f"Software.{name}={share!r} must be a share between 0 and 1")
     bandwidth, latency = cluster.inter_island_gbps, cluster.inter_island_latency_ms
     if not bandwidth > 0 or not latency >= 0:
-        raise ValueError(f"inter_island_bandwidth={bandwidth!r} must be positive and inter_island_latency={latency!r} "
-                         "at least 0")  # fmt: skip
+        raise ValueError(
+            f"inter_island_bandwidth={bandwidth!r} must be positive and inter_island_latency={latency!r} at least 0"
+        )
     check_sizes(
         seq_len=training.seq_len,
         micro_batch_size=training.micro_batch_size,

@@ -1,8 +1,9 @@
 """The model's parameter shapes from its `GPTConfig` alone, without torch: what the planner counts with.
 
 `parameter_shapes` is, name for name and in the same order, ``Transformer(config).named_parameters()``
-(`lit3d.model`, `lit3d.moe`), and `block_costs` what `lit3d.strategies.stages.block_costs` measures on that module
-(the pipeline cut's costs). Building the real model, even on the meta device, needs torch and costs seconds that
+(`lit3d.models.transformer`, `lit3d.models.moe`), and `block_costs` what `lit3d.strategies.stages.block_costs` measures
+on that module (the pipeline cut's costs). Building the real model, even on the meta device, needs torch and costs
+seconds that
 ``lit3d plan`` should not pay.
 
 NOTE: this is a second description of the model's shapes. tests/test_planner_shapes.py compares both functions with
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-from lit3d.config import GPTConfig
+from lit3d.models.config import GPTConfig
 
 Shape = tuple[int, ...]
 
@@ -55,7 +56,7 @@ def _parts(config: GPTConfig) -> list[tuple[str, list[tuple[str, Shape]]]]:
 
 
 def _block(config: GPTConfig, index: int) -> list[tuple[str, Shape]]:
-    """`lit3d.model.Block`: norm, attention, norm, then a SwiGLU MLP or (`is_moe_layer`) an MoE."""
+    """`lit3d.models.transformer.Block`: norm, attention, norm, then a SwiGLU MLP or (`is_moe_layer`) an MoE."""
     d, q_width, kv_width = config.d_model, config.n_head * config.head_dim, config.n_kv_head * config.head_dim
     attention = [("q_proj", (q_width, d)), ("k_proj", (kv_width, d)), ("v_proj", (kv_width, d))]
     attention.append(("o_proj", (d, q_width)))
@@ -78,5 +79,5 @@ def _block(config: GPTConfig, index: int) -> list[tuple[str, Shape]]:
 
 
 def _mlp(d: int, hidden: int) -> list[tuple[str, Shape]]:
-    """`lit3d.model.MLP` (SwiGLU, no biases): ``nn.Linear`` weights are ``[out, in]``."""
+    """`lit3d.models.transformer.MLP` (SwiGLU, no biases): ``nn.Linear`` weights are ``[out, in]``."""
     return [("gate_proj.weight", (hidden, d)), ("up_proj.weight", (hidden, d)), ("down_proj.weight", (d, hidden))]

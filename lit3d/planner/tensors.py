@@ -2,7 +2,7 @@
 each, and how many elements a rank keeps after TP and data-parallel sharding.
 
 Shapes come from the model's config (`lit3d.planner.shapes`, checked against the real model by the tests), each
-tensor's split from the model's tensor-parallel plan (`lit3d.tp_plan`) and `lit3d.parallel.sharding.SHARDED_DIM`,
+tensor's split from the model's tensor-parallel plan (`lit3d.models.tp_plan`) and `lit3d.parallel.sharding.SHARDED_DIM`,
 its stage from the strategy's own partition (`lit3d.parallel.stages`); no torch (its import alone takes seconds).
 """
 
@@ -14,12 +14,12 @@ from fnmatch import fnmatchcase
 from functools import lru_cache
 from typing import Any
 
-from lit3d.config import GPTConfig
-from lit3d.lora_settings import LoRA
+from lit3d.models.config import GPTConfig
+from lit3d.models.lora_settings import LoRA
+from lit3d.models.tp_plan import tensor_parallel_plan
 from lit3d.parallel.sharding import SHARDED_DIM
 from lit3d.parallel.stages import chunk_stage_ids, stage_runs
 from lit3d.planner.shapes import block_costs, parameter_shapes
-from lit3d.tp_plan import tensor_parallel_plan
 
 
 @dataclass(frozen=True)
@@ -66,22 +66,25 @@ def _parameter_table(key: tuple[tuple[str, Any], ...]) -> tuple[Tensor, ...]:
                 listed.add(bias[0])
             table += adapter_tensors(module, shape, tp_dim, block, lora.rank)
         elif ".experts." in name and name.rsplit(".", 1)[-1].removesuffix("_proj") in (lora.targets if lora else ()):
-            experts, inner, outer = shape  # each expert's adapter, stacked as its weights (`lit3d.moe.Experts`)
-            table += [Tensor(f"{name}_lora_a", (experts, inner, lora.rank), None, block, expert=True),
-                      Tensor(f"{name}_lora_b", (experts, lora.rank, outer), None, block, expert=True)]  # fmt: skip
+            experts, inner, outer = shape  # each expert's adapter, stacked as its weights (`lit3d.models.moe.Experts`)
+            table += [
+                Tensor(f"{name}_lora_a", (experts, inner, lora.rank), None, block, expert=True),
+                Tensor(f"{name}_lora_b", (experts, lora.rank, outer), None, block, expert=True),
+            ]
     return tuple(table)
 
 
 def adapter_params(config: GPTConfig, lora: LoRA) -> int:
     """Elements of the LoRA adapters one token uses: every adapter, an MoE layer's experts' as k of them."""
     active = config.n_expert_per_token / config.n_expert if config.n_expert else 1.0
-    return round(sum(math.prod(t.shape) * (active if t.expert else 1) for t in parameter_table(config, lora)
-                     if t.trains))  # fmt: skip
+    return round(
+        sum(math.prod(t.shape) * (active if t.expert else 1) for t in parameter_table(config, lora) if t.trains)
+    )
 
 
 def adapter_tensors(module: str, shape: tuple[int, ...], tp_dim: int | None, block: int, rank: int) -> list[Tensor]:
     """LoRA's ``A`` ``(rank, in)`` and ``B`` ``(out, rank)`` beside a linear's weight ``(out, in)``: a column-parallel
-    linear splits ``B`` along its output, a row-parallel one ``A`` along its input (`lit3d.lora`)."""
+    linear splits ``B`` along its output, a row-parallel one ``A`` along its input (`lit3d.models.lora`)."""
     out, inner = shape
     return [
         Tensor(f"{module}.lora_a", (rank, inner), 1 if tp_dim == 1 else None, block),

@@ -5,8 +5,8 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import TYPE_CHECKING, NamedTuple
 
-from lit3d.config import GPTConfig
-from lit3d.lora_settings import LoRA
+from lit3d.models.config import GPTConfig
+from lit3d.models.lora_settings import LoRA
 from lit3d.parallel.context import ring_bytes_per_layer
 from lit3d.parallel.layout import Layout
 from lit3d.parallel.precision import is_float8_linear
@@ -31,11 +31,17 @@ def communication_bytes(
     pp, replicas = layout.pp, layout.replicas
     virtual, microbatches, schedules, sp, _ = _step_shape(layout, training, settings)
     act_bytes = training.micro_batch_size * training.seq_len // layout.cp * config.d_model * precision.activations
-    traffic = {"tp": max(tp_bytes_by_stage(config, layout, training, settings, precision)), "pp": 0.0, "dp": 0.0,
-               "ep": 0.0, "cp": 0.0}  # fmt: skip
+    traffic = {
+        "tp": max(tp_bytes_by_stage(config, layout, training, settings, precision)),
+        "pp": 0.0,
+        "dp": 0.0,
+        "ep": 0.0,
+        "cp": 0.0,
+    }
     placement = SCHEDULES[settings.pipeline_schedule].placement
-    for stage in stages(config, pp, virtual, placement, layout.tp, layout.ep, training.lora,
-                        settings.pipeline_stage_layers):  # fmt: skip
+    for stage in stages(
+        config, pp, virtual, placement, layout.tp, layout.ep, training.lora, settings.pipeline_stage_layers
+    ):
         moe, blocks = stage.moe, stage.blocks
         reduces = gradient_reductions(settings, pp, microbatches, schedules)
         shape = (microbatches // schedules, schedules, pp > 1, precision, reduces)
@@ -43,8 +49,7 @@ def communication_bytes(
         sent = _dp_traffic(settings.zero_stage, replicas, stage.in_blocks, stage.root, *shape, stage.trained, fp8)
         if fp8 and replicas > 1:  # their scales, computed after each step from the amaxes: one fp32 all-reduce
             sent += 2 * (replicas - 1) / replicas * stage.float8_tensors * 4
-        sent += _dp_traffic(settings.zero_stage, replicas // layout.ep, stage.experts, 0, *shape,
-                            stage.trained_experts)  # fmt: skip
+        sent += _dp_traffic(settings.zero_stage, replicas // layout.ep, stage.experts, 0, *shape, stage.trained_experts)
         traffic["dp"] = max(traffic["dp"], sent)
         a2a = _all_to_all_bytes(config, layout, training, settings, precision)
         traffic["ep"] = max(traffic["ep"], moe * microbatches * a2a)
@@ -94,7 +99,7 @@ def island_bytes_per_sync(config: GPTConfig, layout: Layout, settings: Paralleli
             rank_tensors(config, layout.pp, virtual, stage, placement, lora, settings.pipeline_stage_layers),
             layout,
             settings.zero_stage,
-        )  # fmt: skip
+        )
         for stage in range(layout.pp)
     )
     element = 2 if settings.outer_reduce_dtype == "bfloat16" else 4

@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from lit3d.config import GPTConfig
+from lit3d.models.config import GPTConfig
+from lit3d.models.tp_plan import tensor_parallel_plan
 from lit3d.parallel.layout import Layout
 from lit3d.parallel.schedules import SCHEDULES
 from lit3d.parallel.settings import Parallelism
@@ -51,10 +52,9 @@ def verify(config: GPTConfig, layout: Layout, settings: Parallelism) -> list[Sta
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from lit3d.model import Transformer
+    from lit3d.models.transformer import Transformer
     from lit3d.strategies.meshes import ParallelMeshes
     from lit3d.strategies.parallelize import parallelize_network
-    from lit3d.tp_plan import tensor_parallel_plan
 
     if dist.is_initialized():
         raise RuntimeError("verify() starts its own fake process group; call it outside a distributed job")

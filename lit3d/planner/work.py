@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lit3d.config import GPTConfig
-from lit3d.lora_settings import LoRA
+from lit3d.models.config import GPTConfig
+from lit3d.models.lora_settings import LoRA
 from lit3d.parallel.layout import Layout
 from lit3d.planner.inputs import Training
 from lit3d.planner.traffic import StageSums

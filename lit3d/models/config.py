@@ -1,0 +1,286 @@
+"""`GPTConfig`: the shape of a Llama-style decoder, with named presets."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from lit3d.models.presets import PRESETS
+
+AttentionBackend = Literal["auto", "sdpa", "flash"]
+
+# The HuggingFace model families lit3d imports and exports (``model_type``), with their architecture
+# (`lit3d.hf.folders`).
+FAMILIES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+
+
+@dataclass
+class GPTConfig:
+    """Shape of a Llama-style GPT (RMSNorm, rotary attention with grouped-query heads, SwiGLU MLP).
+
+    Args:
+        name: Preset name, for display only.
+        n_layer: Number of decoder blocks.
+        n_head: Number of query heads.
+        n_kv_head: Number of key/value heads (grouped-query attention); must divide ``n_head``.
+            ``None`` means ``n_head`` (plain multi-head attention).
+        d_model: Width of the residual stream.
+        d_ff: Hidden width of the SwiGLU MLP. ``None`` means the Llama rule: 8/3 of ``d_model``
+            rounded up to a multiple of 256.
+        vocab_size: Number of token ids the tokenizer produces.
+        max_seq_len: Longest sequence the model is meant to see.
+        rope_theta: Base of the rotary embedding frequencies.
+        rope_scaling: HuggingFace's ``rope_scaling``: ``{"rope_type": "llama3", "factor", "low_freq_factor",
+            "high_freq_factor", "original_max_position_embeddings"}`` (Llama 3.1-3.3) or ``{"rope_type": "linear",
+            "factor"}``; ``None``: plain rotary embeddings (`lit3d.models.rotary`).
+        norm_eps: Epsilon of the RMSNorms.
+        tie_embeddings: Share the token embedding with the LM head.
+        pad_vocab_multiple: Embedding and head rows are padded up to a multiple of this (padded logits are
+            masked, so losses are unchanged). Keeps every tensor-parallel size up to this value possible
+            with the same checkpoint shapes.
+        init_std: Standard deviation of the normal initialisation of matrices.
+        attention: ``"sdpa"`` (PyTorch), ``"flash"`` (the flash-attn package) or ``"auto"`` (flash-attn on
+            CUDA in bf16/fp16 when installed, else SDPA).
+        head_dim: Width of each attention head; ``None`` means ``d_model / n_head`` (Qwen3 sets it apart).
+        qk_norm: An RMSNorm over each head of q and of k before rotary (Qwen3).
+        qkv_bias: A bias on the q, k and v projections (Qwen2, Qwen2.5).
+        family: The HuggingFace ``model_type`` an export writes (`FAMILIES`: ``llama``, ``mistral``, ``qwen2``,
+            ``qwen3``; ``mixtral`` or ``qwen3_moe`` for an MoE model).
+        n_expert: Routed experts per Mixture-of-Experts layer; 0 means a dense model (`lit3d.models.moe`).
+        n_expert_per_token: Experts each token is routed to (top-k).
+        n_shared_expert: Experts every token also goes through (DeepSeek, Qwen2-MoE), as one wider SwiGLU.
+        d_ff_expert: Hidden width of each expert; ``None`` means ``d_ff``.
+        first_dense_layers: The first this many blocks keep a dense MLP (DeepSeek-V3: 3); the rest are MoE.
+        router: ``"softmax"`` top-k (Mixtral, Qwen3-MoE) or ``"sigmoid"`` with a balancing bias (DeepSeek-V3).
+        norm_topk_prob: The chosen experts' weights are renormalised to sum to 1 (HuggingFace's name; Mixtral and
+            Qwen3-30B-A3B: True); False keeps the softmax router's probabilities as they are.
+        aux_loss_coef: Weight of the load-balancing loss added to the cross-entropy (0 turns it off).
+        router_bias_rate: How far the sigmoid router's bias moves per step toward an even load.
+        capacity_factor: ``None`` routes dropless (every token reaches its experts: the default, and what keeps
+            results independent of the layout); a number caps each expert at that many times its even share of a
+            micro-batch's (token, choice) pairs on a rank, dropping the rest (Switch Transformer, GShard).
+    """
+
+    name: str = "custom"
+    n_layer: int = 4
+    n_head: int = 4
+    n_kv_head: int | None = None
+    d_model: int = 128
+    d_ff: int | None = None
+    vocab_size: int = 256
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    pad_vocab_multiple: int = 64
+    init_std: float = 0.02
+    attention: AttentionBackend = "auto"
+    head_dim: int | None = None
+    qk_norm: bool = False
+    qkv_bias: bool = False
+    family: str = "llama"
+    n_expert: int = 0
+    n_expert_per_token: int = 2
+    n_shared_expert: int = 0
+    d_ff_expert: int | None = None
+    first_dense_layers: int = 0
+    router: Literal["softmax", "sigmoid"] = "softmax"
+    norm_topk_prob: bool = True
+    aux_loss_coef: float = 0.01
+    router_bias_rate: float = 1e-3
+    capacity_factor: float | None = None
+    # Derived in __post_init__, never set by hand.
+    padded_vocab_size: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.n_kv_head is None:
+            self.n_kv_head = self.n_head
+        if self.d_ff is None:
+            self.d_ff = _round_up(int(8 * self.d_model / 3), 256)
+        for key in (
+            "n_layer",
+            "n_head",
+            "n_kv_head",
+            "d_model",
+            "d_ff",
+            "vocab_size",
+            "max_seq_len",
+            "pad_vocab_multiple",
+        ):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"GPTConfig.{key}={getattr(self, key)} must be positive")
+        if self.head_dim is None and self.d_model % self.n_head:
+            raise ValueError(f"n_head={self.n_head} does not divide d_model={self.d_model}")
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"n_kv_head={self.n_kv_head} does not divide n_head={self.n_head}")
+        check_rope_scaling(self.rope_scaling)
+        if self.family not in FAMILIES:
+            raise ValueError(f"family={self.family!r} is not one of {', '.join(FAMILIES)}")
+        if self.attention not in ("auto", "sdpa", "flash"):
+            raise ValueError(f"attention={self.attention!r} is not one of 'auto', 'sdpa', 'flash'")
+        self._explicit_head_dim = self.head_dim
+        if self.head_dim is None:
+            self.head_dim = self.d_model // self.n_head
+        if self.head_dim <= 0 or self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be positive and even for rotary embeddings")
+        self.padded_vocab_size = _round_up(self.vocab_size, self.pad_vocab_multiple)
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        if self.d_ff_expert is None:
+            self.d_ff_expert = self.d_ff
+        if self.n_expert < 0 or self.n_shared_expert < 0 or self.d_ff_expert <= 0 or self.aux_loss_coef < 0:
+            raise ValueError(
+                f"n_expert={self.n_expert}, n_shared_expert={self.n_shared_expert}, d_ff_expert={self.d_ff_expert} "
+                f"and aux_loss_coef={self.aux_loss_coef} must not be negative (d_ff_expert positive)"
+            )
+        if self.n_expert and not 1 <= self.n_expert_per_token <= self.n_expert:
+            raise ValueError(
+                f"n_expert_per_token={self.n_expert_per_token} must be between 1 and n_expert={self.n_expert}"
+            )
+        if not 0 <= self.first_dense_layers <= self.n_layer:
+            raise ValueError(
+                f"first_dense_layers={self.first_dense_layers} must be between 0 and n_layer={self.n_layer}"
+            )
+        if self.router not in ("softmax", "sigmoid"):
+            raise ValueError(f"router={self.router!r} is not one of 'softmax', 'sigmoid'")
+        if self.capacity_factor is not None and self.capacity_factor <= 0:
+            raise ValueError(f"capacity_factor={self.capacity_factor} must be positive (or None: dropless)")
+
+    def is_moe_layer(self, index: int) -> bool:
+        return self.n_expert > 0 and index >= self.first_dense_layers
+
+    @property
+    def moe_layers(self) -> int:
+        """How many layers `is_moe_layer` (all from ``first_dense_layers`` on; the planner asks this very often)."""
+        return max(0, self.n_layer - self.first_dense_layers) if self.n_expert > 0 else 0
+
+    @classmethod
+    def from_name(cls, name: str, **overrides: Any) -> GPTConfig:
+        """A preset by name (see `PRESETS`), with optional field overrides."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown model preset {name!r}; known presets: {', '.join(PRESETS)}")
+        return cls(**{**PRESETS[name], "name": name, **overrides})
+
+    @classmethod
+    def load(cls, spec: str | dict[str, Any] | GPTConfig) -> GPTConfig:
+        """A preset name, a YAML file of fields (``base: <preset>`` starts from a preset), or a dict of fields."""
+        if isinstance(spec, GPTConfig):
+            return spec
+        if isinstance(spec, dict):
+            return cls(**spec)
+        if spec.endswith((".yaml", ".yml")):
+            import yaml
+
+            path = Path(spec)
+            if not path.is_file():
+                raise FileNotFoundError(f"model config file {spec!r} does not exist")
+            fields = yaml.safe_load(path.read_text()) or {}
+            base = fields.pop("base", None)
+            return cls.from_name(base, **fields) if base else cls(**fields)
+        return cls.from_name(spec)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The settable fields (derived ones are left out): ``GPTConfig(**config.to_dict()) == config``.
+        ``head_dim`` is kept only when it was set apart from ``d_model / n_head``."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        fields["head_dim"] = self._explicit_head_dim
+        return fields
+
+    def replace(self, **changes: Any) -> GPTConfig:
+        """A copy with some fields changed (derived fields are recomputed)."""
+        return GPTConfig(**{**self.to_dict(), **changes})
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count, embedding and head included (counted once when tied), without vocab padding."""
+        return (
+            self.block_params(active=False) + self.embedding_params * (1 if self.tie_embeddings else 2) + self.d_model
+        )
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token uses: all of a dense model; attention, shared and k routed experts of an MoE."""
+        return self.num_params - self.block_params(active=False) + self.block_params(active=True)
+
+    @property
+    def params_per_block(self) -> int:
+        """Parameters of a block, averaged over the blocks (MoE and dense ones differ)."""
+        return self.block_params(active=False) // self.n_layer
+
+    def block_params(self, active: bool) -> int:
+        """Parameters of all blocks; ``active``: only those one token uses (k of the routed experts)."""
+        attention = self.d_model * self.head_dim * (2 * self.n_head + 2 * self.n_kv_head) + 2 * self.d_model
+        attention += 2 * self.head_dim if self.qk_norm else 0  # Qwen3's per-head q and k norms
+        attention += self.head_dim * (self.n_head + 2 * self.n_kv_head) if self.qkv_bias else 0  # Qwen2's biases
+        dense = 3 * self.d_model * self.d_ff
+        expert = 3 * self.d_model * self.d_ff_expert
+        routed = self.n_expert_per_token if active else self.n_expert
+        moe = self.d_model * self.n_expert + (routed + self.n_shared_expert) * expert
+        return self.n_layer * attention + (self.n_layer - self.moe_layers) * dense + self.moe_layers * moe
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.d_model
+
+    def flops_per_token(self, seq_len: int, adapter_params: int | None = None) -> int:
+        """Training FLOPs per token (forward + backward): 6 per weight of every matmul (the embedding lookup is
+        not one) plus attention's 12 · n_layer · d_model · seq_len (Chinchilla / PaLM accounting, no recompute).
+        With LoRA's ``adapter_params`` the weights are frozen: 4 per weight (no weight gradient), 6 per adapter's."""
+        matmul_params = self.active_params - (0 if self.tie_embeddings else self.embedding_params)
+        per_weight = 6 if adapter_params is None else 4
+        return per_weight * matmul_params + 6 * (adapter_params or 0) + self.attention_flops_per_token(seq_len)
+
+    def attention_flops_per_token(self, seq_len: int) -> int:
+        """The attention scores and their weighted sum, forward and backward: 12 · n_layer · heads · seq_len."""
+        return 12 * self.n_layer * self.n_head * self.head_dim * seq_len
+
+
+# Rotary scalings lit3d computes (`lit3d.models.rotary`), and the parameters each needs besides ``rope_type``.
+ROPE_SCALINGS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+
+def check_rope_scaling(scaling: dict[str, Any] | None) -> None:
+    """Refuse a rotary scaling lit3d does not compute, or one missing a parameter, naming it."""
+    if not scaling:
+        return
+    kind = scaling.get("rope_type")
+    if kind not in ROPE_SCALINGS:
+        raise ValueError(f"rope_scaling={scaling}: rope_type {kind!r} is not one of {', '.join(ROPE_SCALINGS)}")
+    missing = [name for name in ROPE_SCALINGS[kind] if name not in scaling]
+    if missing:
+        raise ValueError(f"rope_scaling={scaling}: {kind} needs {', '.join(missing)}")
+
+
+def check_model_fits_data(config: GPTConfig, datamodule: Any, module: Any = None) -> None:
+    """Refuse a tokenizer larger than the model's vocabulary, or sequences longer than the model's context. A lit3d
+    data module first settles its tokenizer for ``module`` (``tokenizer="auto"``: `GlobalBatchData.resolve_tokenizer`).
+    """
+    resolve = getattr(datamodule, "resolve_tokenizer", None)
+    name = resolve(module) if resolve is not None else None
+    vocab, seq_len = getattr(datamodule, "vocab_size", None), getattr(datamodule, "seq_len", None)
+    if vocab is not None and vocab > config.vocab_size:
+        which = f" (tokenizer={name!r})" if name is not None else ""
+        raise ValueError(
+            f"the tokenizer has {vocab} ids but the model's vocab_size={config.vocab_size}{which}: give "
+            "the data module the model's own tokenizer"
+        )
+    if seq_len is not None and seq_len > config.max_seq_len:
+        raise ValueError(f"seq_len={seq_len} is above the model's max_seq_len={config.max_seq_len}")
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple

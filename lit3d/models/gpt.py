@@ -1,0 +1,389 @@
+"""`GPT`: the LightningModule — what is computed (loss, optimizer, schedule, sampling), never where."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import asdict
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torchmetrics import MeanMetric
+
+from lit3d.callbacks import Throughput
+from lit3d.hf.adapters import adapter_settings, read_adapter
+from lit3d.hf.pretrained import read_config, read_meta, read_tensors
+from lit3d.models import documents, lora_dropout
+from lit3d.models.config import GPTConfig, check_model_fits_data
+from lit3d.models.generation import Sampling, next_token
+from lit3d.models.loop import ends_optimizer_step
+from lit3d.models.lora import LoRA, freeze_all_but_adapters
+from lit3d.models.lr_schedule import WarmupCosine
+from lit3d.models.runner import Runner, WholeNetwork
+from lit3d.models.tp_plan import tensor_parallel_plan
+from lit3d.models.transformer import IGNORED, Transformer, cross_entropy
+from lit3d.planner.tensors import adapter_params
+
+
+class GPT(L.LightningModule):
+    """A Llama-style GPT trained on next-token cross-entropy with AdamW and a warm-up + cosine schedule.
+
+    Args:
+        config: A preset name (``tiny``, ``llama3.1-8b``, ``qwen3-8b``, ...: `lit3d.models.config.PRESETS`), a model
+        YAML
+            file, or the `GPTConfig` fields.
+        learning_rate: Peak learning rate, reached after ``warmup_steps``.
+        weight_decay: AdamW weight decay, applied to matrices only (not to norms).
+        betas: AdamW betas.
+        eps: AdamW epsilon.
+        warmup_steps: Optimizer steps of linear warm-up from 0.
+        decay_steps: Step at which the cosine decay reaches its floor; ``None`` uses the trainer's
+            ``max_steps`` (or its estimated number of steps). The schedule is a function of the step and of this
+            run's horizon, also on a resumed run: continued with a larger ``max_steps``, a run follows from the step
+            it resumes at the schedule planned for the new horizon (a 20-step run resumed with ``max_steps=40``
+            takes at step 20 the learning rate a 40-step run has there, not its floor) and logs that the schedule
+            was stretched; set ``decay_steps`` to the old horizon to keep the old schedule (its floor from there).
+        min_lr_ratio: The floor of the cosine decay as a fraction of ``learning_rate``.
+        optimizer_impl: AdamW implementation: ``"foreach"``, ``"fused"`` or ``"auto"`` (PyTorch's choice).
+        pretrained: Start from these weights instead of the seed: a local HuggingFace folder (``config.json`` +
+            safetensors: Llama, Mistral, Qwen3, Mixtral) or a lit3d checkpoint (a folder of any layout, or a single
+            file). Its shapes replace ``config``; every parallel layout shards the weights as it loads them. A LoRA
+            run's adapters load as adapters into the same ``lora``, and are merged into their weights otherwise.
+        sampling: How ``predict`` (and ``lit3d generate``) continue a prompt.
+        lora: Train low-rank adapters (`lit3d.LoRA`) on the linears it targets, every other weight frozen.
+        adapter: Start the adapters from a PEFT LoRA folder (``adapter_config.json`` + ``adapter_model.safetensors``);
+            its settings are the run's ``lora``.
+    """
+
+    def __init__(
+        self,
+        config: GPTConfig | str = "tiny",
+        learning_rate: float = 3e-4,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        warmup_steps: int = 100,
+        decay_steps: int | None = None,
+        min_lr_ratio: float = 0.1,
+        optimizer_impl: str = "auto",
+        pretrained: str | None = None,
+        sampling: Sampling | None = None,
+        lora: LoRA | None = None,
+        adapter: str | None = None,
+    ) -> None:
+        super().__init__()
+        if optimizer_impl not in ("auto", "foreach", "fused"):
+            raise ValueError(f"optimizer_impl={optimizer_impl!r} is not one of 'auto', 'foreach', 'fused'")
+        if warmup_steps < 0 or not 0 <= min_lr_ratio <= 1:
+            raise ValueError(f"warmup_steps={warmup_steps} must be >= 0 and min_lr_ratio={min_lr_ratio} in [0, 1]")
+        self.pretrained = pretrained
+        self.config = read_config(pretrained) if pretrained is not None else GPTConfig.load(config)
+        self.sampling = sampling or Sampling()
+        self.lora = LoRA(**lora) if isinstance(lora, dict) else lora
+        self.adapter = adapter
+        if adapter is not None:
+            self.lora = adapter_settings(adapter, self.config, self.lora)
+        self.save_hyperparameters(ignore=["config", "sampling", "lora"])
+        self.hparams["config"] = self.config.to_dict()  # plain data, so checkpoints load with weights_only
+        self.hparams["lora"] = asdict(self.lora) if self.lora else None
+        self.learning_rate, self.weight_decay, self.betas, self.eps = learning_rate, weight_decay, tuple(betas), eps
+        self.warmup_steps, self.decay_steps, self.min_lr_ratio = warmup_steps, decay_steps, min_lr_ratio
+        self.optimizer_impl = optimizer_impl
+
+        # The network is built by `configure_model`, on the device Lightning chooses, or empty (meta) when a
+        # model-parallel strategy splits it first and then initialises each rank's shards.
+        self.model: Transformer | None = None
+        # How this rank runs `model` (`lit3d.models.runner`): the whole network, until a strategy that splits it says
+        # else.
+        self.runner: Runner = WholeNetwork()
+
+        self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
+        self._loss_sum: torch.Tensor | float = 0.0
+        self._loss_count = 0
+
+    @property
+    def tensor_parallel_plan(self) -> dict[str, str]:
+        """What the strategy reads to apply tensor parallelism: module name pattern → role
+        (`lit3d.models.transformer`), names
+        relative to ``self.model``."""
+        return tensor_parallel_plan(self.config)
+
+    @property
+    def adapter_params(self) -> int | None:
+        """Elements of the LoRA adapters a token uses (None without LoRA): what its FLOPs count (`Throughput`)."""
+
+        return adapter_params(self.config, self.lora) if self.lora is not None else None
+
+    def configure_model(self) -> None:
+        """Build the network on the current default device (idempotent; Lightning calls this hook).
+
+        Weights come from `Transformer.reset_parameters`: the seed and each parameter's name alone, or the
+        ``pretrained`` weights. Under a meta-device context the network stays empty: the 3D strategy splits it
+        first, then initialises each rank's shards. Outside a Trainer, call this yourself (a first forward does it
+        too).
+        """
+        if self.model is not None:
+            return
+        device = torch.get_default_device()
+        with torch.device("meta"):  # shapes only: no memory, and no throw-away default init
+            model = Transformer(self.config, self.lora)
+        if self.lora is not None:
+            freeze_all_but_adapters(model)
+        if self.pretrained is not None:
+            model.init_source = read_tensors(self.pretrained, self.lora)
+        if self.adapter is not None:
+            model.init_source = {**(model.init_source or {}), **read_adapter(self.adapter, self.config.n_layer)[1]}
+        if device.type != "meta":
+            model.to_empty(device=device)
+            model.tie_weights()
+            model.reset_parameters()
+        self.model = model
+
+    @classmethod
+    def from_pretrained(cls, path: str, **kwargs: Any) -> GPT:
+        """``GPT(pretrained=path, **kwargs)`` with its weights loaded now, on the CPU."""
+        model = cls(pretrained=path, **kwargs)
+        model.configure_model()
+        return model
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: Any, map_location: Any = None, **kwargs: Any) -> GPT:
+        """A GPT with a checkpoint's hyper-parameters and weights, on the CPU: a lit3d folder written by any layout
+        or a single file, read as data only (`lit3d.hf.pretrained`); ``kwargs`` override hyper-parameters.
+
+        Every weight is the checkpoint's: the ``pretrained`` folder and the ``adapter`` the run started from are not
+        read again (its trained adapters are in the checkpoint).
+
+        Unlike Lightning's, it takes no ``hparams_file``, ``strict`` or ``weights_only``: the weights must fit, and
+        a checkpoint is always read as data only."""
+        saved = read_meta(checkpoint_path)["hyper_parameters"]
+        saved = {key: value for key, value in saved.items() if not key.startswith("_")}  # LightningCLI's `_class_path`
+        model = cls(**{**saved, "adapter": None, **kwargs, "pretrained": str(checkpoint_path)})
+        model.configure_model()
+        return model
+
+    def _build_on(self, device: torch.device) -> None:
+        if self.model is None:
+            with torch.device(device):
+                self.configure_model()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token ids ``[batch, seq]`` → logits ``[batch, seq, vocab_size]``: whole, on every rank, in any layout."""
+        self._build_on(tokens.device)
+        documents.use(None)
+        lora_dropout.use(None)
+        logits = self.runner.forward(self.model, tokens)
+        if hasattr(logits, "full_tensor"):  # vocabulary-sharded DTensor
+            logits = logits.full_tensor()
+        return logits[..., : self.config.vocab_size]
+
+    # The loss in three parts, run through `self.runner` (`lit3d.models.runner`), so that a strategy can run it in
+    # pieces (a pipeline computes `loss_fn` on its last stage, micro-batch by micro-batch): `loss_fn(model(inputs),
+    # targets)`.
+
+    @staticmethod
+    def inputs_and_targets(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch of ``seq_len + 1`` token blocks → the inputs and their next tokens; a target the batch's
+        ``loss_mask`` leaves out (a prompt's, or padding) is ``IGNORED``."""
+        tokens = batch["input_ids"] if isinstance(batch, dict) else batch
+        targets = tokens[:, 1:]
+        if isinstance(batch, dict) and "loss_mask" in batch:
+            targets = targets.masked_fill(~batch["loss_mask"][:, 1:], IGNORED)
+        return tokens[:, :-1], targets
+
+    @staticmethod
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        """Mean next-token cross-entropy (`lit3d.models.transformer.cross_entropy`); with a ``scale``, the sum over the
+        trained
+        targets times ``scale / targets.numel()`` (see `loss`)."""
+        return cross_entropy(logits, targets, scale)
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        """Mean next-token cross-entropy of a batch of ``seq_len + 1`` blocks.
+
+        A batch with a ``loss_mask`` (chat data: the answers' tokens) also has a ``loss_scale``: the targets of its
+        whole global batch over the trained ones among them (`lit3d.data.sampler.TrainedTokenSampler`). Each piece of
+        the batch a rank computes (a micro-batch, a pipeline's, a CP share) returns its trained targets' loss sum times
+        that scale over its own target count; the layout averages equal pieces, so the step's loss is the mean over
+        every trained token of the global batch, in any layout.
+
+        Packed rows (``positions``, `lit3d.models.documents`) keep their documents apart in attention.
+        """
+        inputs, targets = self.inputs_and_targets(batch)
+        self._build_on(inputs.device)
+        packed = isinstance(batch, dict) and "positions" in batch
+        documents.use(documents.Documents.of(batch["positions"][:, :-1]) if packed else None)
+        loss_fn = self.loss_fn
+        if isinstance(batch, dict) and "loss_scale" in batch:  # (a tensor: no wait for the device)
+            loss_fn = functools.partial(self.loss_fn, scale=batch["loss_scale"][0])
+        return self.runner.loss(self.model, inputs, targets, loss_fn)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.lora is not None and self.lora.dropout:  # its masks drawn from each sample's place in the run
+            rows = len(self.inputs_and_targets(batch)[0])
+            lora_dropout.use(lora_dropout.training_samples(self.trainer, batch_idx, rows))
+        loss = self.loss(batch)
+        self._loss_sum = self._loss_sum + loss.detach()
+        self._loss_count += 1
+        moe = self.model.moe_layers()  # a pipeline stage may hold none, but still joins the balance's reduce
+        if moe and not self.runner.adds_balance_loss:
+            # (A pipeline's MoE layers add their term in backward: `lit3d.models.moe.balance_loss_weight`.)
+            loss = loss + self._balance_loss(moe) * self.runner.balance_weight  # (weighted as the loss is)
+        if ends_optimizer_step(self.trainer):
+            self.log_train_loss(self._loss_sum / self._loss_count)
+            # The balance is one collective: on the steps Lightning logs, and on every step a sigmoid router's
+            # bias follows it; the other steps only drop what their forwards kept.
+            logs = self.trainer._logger_connector.should_update_logs
+            if self.config.n_expert and (self.config.router == "sigmoid" or logs):
+                self._log_balance(moe, self._loss_count)
+            for layer in moe:
+                layer.history = []
+            self._loss_sum, self._loss_count = 0.0, 0
+        return loss
+
+    def _balance_loss(self, layers: list[torch.nn.Module]) -> torch.Tensor:
+        """The MoE layers' load-balancing term of this forward's objective."""
+        return self.config.aux_loss_coef * torch.stack([layer.stats[0] for layer in layers]).sum()
+
+    def _log_balance(self, layers: list[torch.nn.Module], micro_steps: int) -> None:
+        """Log ``moe/aux_loss`` (the balance loss summed over layers, the mean of the step's micro-batches and
+        replicas) and ``moe/load_imbalance`` (each layer's busiest expert's tokens over the mean, averaged over
+        layers), and move the sigmoid routers' biases. One reduce over all ranks: each rank contributes the layers
+        it holds (a pipeline stage holds some), and each layer is divided by the ranks that hold it."""
+        n_layer, n_expert = self.config.n_layer, self.config.n_expert
+        # The step's forwards (a pipeline's first step also runs a stage on placeholders to learn shapes).
+        forwards = micro_steps * self.runner.forwards_per_loss
+        stats = torch.zeros(n_layer, 2 + n_expert, device=self.device)  # aux, held, tokens per expert
+        for layer in layers:
+            history, layer.history = layer.history[-forwards:], []
+            stats[layer.index, 0] = torch.stack([aux for aux, _ in history]).mean()
+            stats[layer.index, 1] = 1.0
+            stats[layer.index, 2:] = torch.stack([tokens for _, tokens in history]).sum(dim=0)
+        stats = self.trainer.strategy.reduce(stats, reduce_op="sum")
+        held = stats[:, 1] > 0
+        aux, tokens = stats[held, 0] / stats[held, 1], stats[held, 2:]
+        imbalance = (tokens.amax(dim=1) / tokens.mean(dim=1).clamp(min=1e-9)).mean()
+        self.log("moe/aux_loss", aux.sum(), on_step=True, on_epoch=False, batch_size=1)
+        self.log("moe/load_imbalance", imbalance, on_step=True, on_epoch=False, batch_size=1)
+        for layer in layers:  # any multiple of the global tokens per expert does
+            layer.router.update_bias(stats[layer.index, 2:], self.config.router_bias_rate)
+
+    def log_train_loss(self, local_mean: torch.Tensor) -> None:
+        """Log the global-batch mean loss (same value on every rank); stop on a non-finite loss."""
+        global_mean = self.trainer.strategy.reduce(local_mean, reduce_op="mean")
+        # All ranks see the same reduced value, so all stop together instead of leaving others in a collective.
+        if not torch.isfinite(global_mean):
+            raise FloatingPointError(f"train_loss is {global_mean.item()} at step {self.global_step}; stopping")
+        self.log("train_loss", global_mean, on_step=True, on_epoch=False, prog_bar=True, batch_size=1)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.val_loss.update(self.loss(batch), weight=_trained_share(batch))
+        self.log("val_loss", self.val_loss, prog_bar=True, batch_size=1)
+
+    def on_validation_epoch_end(self) -> None:
+        # compute() already gathered every rank's values; sync_dist only confirms the identical result.
+        self.log("val_ppl", torch.exp(self.val_loss.compute()), batch_size=1, sync_dist=True)
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self.test_loss.update(self.loss(batch), weight=_trained_share(batch))
+        self.log("test_loss", self.test_loss, batch_size=1)
+
+    def on_test_epoch_end(self) -> None:
+        self.log("test_ppl", torch.exp(self.test_loss.compute()), batch_size=1, sync_dist=True)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
+        """A batch of one prompt (``input_ids`` ``[1, n]``) → its ``prompt`` and ``completion`` token ids."""
+        prompt = batch["input_ids"] if isinstance(batch, dict) else batch
+        generator = torch.Generator(device=prompt.device).manual_seed(self.sampling.seed + batch_idx)
+        tokens = self.generate(prompt, self.sampling, generator)
+        return {"prompt": prompt[0], "completion": tokens[0, prompt.shape[1] :]}
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": self.weight_decay},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ]
+        impl = {"auto": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}[self.optimizer_impl]
+        optimizer = torch.optim.AdamW(groups, lr=self.learning_rate, betas=self.betas, eps=self.eps, **impl)
+        schedule = WarmupCosine(self.warmup_steps, self._decay_steps(), self.min_lr_ratio)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_train_start(self) -> None:
+        """A resumed run's schedule follows this run's horizon (``decay_steps`` above), not the checkpoint's."""
+        planned = WarmupCosine(self.warmup_steps, self._decay_steps(), self.min_lr_ratio)
+        for config in self.trainer.lr_scheduler_configs:
+            self._follow_schedule(config.scheduler, planned)
+
+    def _follow_schedule(self, scheduler: Any, planned: WarmupCosine) -> None:
+        """Set a `WarmupCosine` schedule restored from a checkpoint to ``planned`` (what this run is configured
+        with), and the optimizer's learning rates to what ``planned`` gives the step about to run; say so."""
+        restored = [f for f in getattr(scheduler, "lr_lambdas", []) if isinstance(f, WarmupCosine)]
+        if all(vars(f) == vars(planned) for f in restored):
+            return  # a fresh run, or one resumed with the same horizon
+        # NOTE: LambdaLR's state holds its multiplier's fields (`LambdaLR.state_dict`), so a checkpoint brings back
+        # the horizon of the run that saved it; left so, a run continued further would sit at the old floor.
+        step, old, groups = scheduler.last_epoch, WarmupCosine(**vars(restored[0])), scheduler.optimizer.param_groups
+        old_lr = groups[0]["lr"]
+        for multiplier in restored:
+            vars(multiplier).update(vars(planned))
+        for group, base_lr, multiplier in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas):
+            group["lr"] = base_lr * multiplier(step)
+        scheduler._last_lr = [group["lr"] for group in groups]  # what `get_last_lr()` reports
+        longer, shorter = planned.decay_steps > old.decay_steps, planned.decay_steps < old.decay_steps
+        how = "stretched" if longer else "shortened" if shorter else "changed"
+        source = "decay_steps" if self.decay_steps is not None else "max_steps"
+        rank_zero_info(
+            f"learning-rate schedule {how} from {old.decay_steps} to {planned.decay_steps} steps (this run's "
+            f"{source}): from step {step} it follows "
+            f"{planned}, so the learning rate is {groups[0]['lr']:.3g}, not {old_lr:.3g}; "
+            f"set decay_steps={old.decay_steps} to keep the checkpoint's schedule"
+        )
+
+    def _decay_steps(self) -> int:
+        if self.decay_steps is not None:
+            return self.decay_steps
+        if self.trainer.max_steps and self.trainer.max_steps > 0:
+            return self.trainer.max_steps
+        return max(1, int(self.trainer.estimated_stepping_batches))
+
+    @torch.no_grad()
+    def generate(
+        self, prompt_tokens: torch.Tensor, sampling: Sampling | None = None, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
+        """The prompt (``[seq]`` or ``[batch, seq]``) and ``sampling.max_new_tokens`` sampled tokens after it (fewer
+        when every sequence samples one of ``sampling.stop_ids``, the last token then).
+
+        Under model parallelism every rank must call this with the same prompt and an identically seeded
+        ``generator``, so that all ranks feed the same tokens.
+        """
+        sampling = sampling or self.sampling
+        tokens = prompt_tokens[None] if prompt_tokens.ndim == 1 else prompt_tokens
+        stop = torch.as_tensor(sampling.stop_ids, dtype=tokens.dtype, device=tokens.device)
+        for _ in range(sampling.max_new_tokens):
+            logits = self(tokens[:, -self.config.max_seq_len :])[:, -1].float()
+            tokens = torch.cat((tokens, next_token(logits, sampling, generator)), dim=1)
+            if len(stop) and torch.isin(tokens[:, -1], stop).all():  # (alike on every rank: all sample alike)
+                break
+        return tokens[0] if prompt_tokens.ndim == 1 else tokens
+
+    def configure_callbacks(self) -> list[L.Callback]:
+        """`Throughput` (tokens/s, MFU) in every run, unless the trainer has one already (with its own settings)."""
+
+        return [] if any(isinstance(c, Throughput) for c in self.trainer.callbacks) else [Throughput()]
+
+    def setup(self, stage: str) -> None:
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if datamodule is not None and stage != "predict":  # prediction feeds prompts, not seq_len blocks
+            check_model_fits_data(self.config, datamodule, self)
+
+
+def _trained_share(batch: Any) -> torch.Tensor | float:
+    """How much an evaluation batch's loss weighs in the mean: 1, or with a ``loss_scale`` (chat data) the share of its
+    round's targets that are trained (1 / scale: 0 for a round without any), so the mean is over answer tokens."""
+    if not isinstance(batch, dict) or "loss_scale" not in batch:
+        return 1.0
+    scale = batch["loss_scale"][0]
+    return torch.where(scale > 0, 1 / scale.clamp(min=1e-12), torch.zeros_like(scale))

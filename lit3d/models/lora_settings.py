@@ -1,0 +1,54 @@
+"""What LoRA is asked for (`LoRA`) and the roles it targets: plain values, no torch (the planner reads them too)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Targets by role, and the module each names in a block (and in a HuggingFace Llama's, for PEFT's adapters).
+ROLES = {
+    "q": ("attn.q_proj", "self_attn.q_proj"),
+    "k": ("attn.k_proj", "self_attn.k_proj"),
+    "v": ("attn.v_proj", "self_attn.v_proj"),
+    "o": ("attn.o_proj", "self_attn.o_proj"),
+    "gate": ("mlp.gate_proj", "mlp.gate_proj"),
+    "up": ("mlp.up_proj", "mlp.up_proj"),
+    "down": ("mlp.down_proj", "mlp.down_proj"),
+}
+ADAPTERS = ("lora_a", "lora_b")  # the parameter names of an adapter; every other parameter is frozen
+
+
+@dataclass(frozen=True)
+class LoRA:
+    """Low-rank adapters (``--model.lora.rank=16`` on the command line).
+
+    Args:
+        rank: The adapters' inner width r.
+        alpha: Their scale is ``alpha / rank`` (PEFT's ``lora_alpha``).
+        dropout: Dropout on the adapters' input while training; its masks are the same in every layout (drawn from
+            each element's place in the run: `lit3d.models.lora_dropout`).
+        targets: The linears that get one, by role: ``q``, ``k``, ``v``, ``o``, ``gate``, ``up``, ``down``.
+    """
+
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = ("q", "v")
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "targets", tuple(self.targets))  # (a list from YAML)
+        if not isinstance(self.rank, int) or self.rank <= 0:
+            raise ValueError(f"lora.rank={self.rank!r} must be a positive integer")
+        if not self.alpha > 0 or not 0 <= self.dropout < 1:
+            raise ValueError(f"lora.alpha={self.alpha!r} must be positive and lora.dropout={self.dropout!r} in [0, 1)")
+        unknown = [t for t in self.targets if t not in ROLES]
+        if unknown or not self.targets:
+            raise ValueError(f"lora.targets={list(self.targets)!r}: {unknown or 'none'} not among {', '.join(ROLES)}")
+        object.__setattr__(self, "targets", tuple(role for role in ROLES if role in self.targets))  # in block order
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+    def module_names(self) -> tuple[str, ...]:
+        """The targeted modules' names inside a block (``attn.q_proj``, ...)."""
+        return tuple(ROLES[t][0] for t in self.targets)

@@ -1,0 +1,124 @@
+"""The named model shapes `GPTConfig.from_name` knows: published Llama, Qwen and Mistral models (their parameter counts
+are checked against the published ones in tests/test_config.py) and small ones to try layouts with. Plain field
+dicts, so that this module imports nothing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Llama 3.1's rotary scaling to 128k positions (3.2 has a factor of 32).
+LLAMA31_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+# Llama-style presets. `gpt3-175b` keeps GPT-3's widths and parameter count with a SwiGLU MLP (3 matrices of
+# d_ff = 2/3 * 4 * d_model hold as many weights as GPT-3's 2 matrices of 4 * d_model), with an untied head so
+# that it can be pipelined.
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(n_layer=4, n_head=4, n_kv_head=2, d_model=128, d_ff=384, vocab_size=256, max_seq_len=256),
+    "125m": dict(n_layer=12, n_head=12, n_kv_head=12, d_model=768, d_ff=2048, vocab_size=32000, max_seq_len=2048),
+    "1b": dict(
+        n_layer=16,
+        n_head=32,
+        n_kv_head=8,
+        d_model=2048,
+        d_ff=8192,
+        vocab_size=128256,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+        tie_embeddings=True,
+    ),
+    "llama-8b": dict(
+        n_layer=32,
+        n_head=32,
+        n_kv_head=8,
+        d_model=4096,
+        d_ff=14336,
+        vocab_size=128256,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+    ),
+    "llama-70b": dict(
+        n_layer=80,
+        n_head=64,
+        n_kv_head=8,
+        d_model=8192,
+        d_ff=28672,
+        vocab_size=128256,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+    ),
+    "llama-405b": dict(
+        n_layer=126,
+        n_head=128,
+        n_kv_head=8,
+        d_model=16384,
+        d_ff=53248,
+        vocab_size=128256,
+        max_seq_len=131072,  # Llama 3.1: 128k tokens after the long-context stage (trained at TP8 x CP16 x PP16)
+        rope_theta=500000.0,
+    ),
+    # Llama 3.1 and 3.2 as their published config.json files have them: 128k positions by llama3 rotary scaling.
+    "llama3.1-8b": dict(
+        n_layer=32, n_head=32, n_kv_head=8, d_model=4096, d_ff=14336, vocab_size=128256, max_seq_len=131072,
+        rope_theta=500000.0, norm_eps=1e-5, rope_scaling=dict(LLAMA31_SCALING),
+    ),
+    "llama3.1-70b": dict(
+        n_layer=80, n_head=64, n_kv_head=8, d_model=8192, d_ff=28672, vocab_size=128256, max_seq_len=131072,
+        rope_theta=500000.0, norm_eps=1e-5, rope_scaling=dict(LLAMA31_SCALING),
+    ),
+    "llama3.2-1b": dict(
+        n_layer=16, n_head=32, n_kv_head=8, d_model=2048, d_ff=8192, vocab_size=128256, max_seq_len=131072,
+        rope_theta=500000.0, norm_eps=1e-5, tie_embeddings=True, rope_scaling=dict(LLAMA31_SCALING, factor=32.0),
+    ),
+    "llama3.2-3b": dict(
+        n_layer=28, n_head=24, n_kv_head=8, d_model=3072, d_ff=8192, vocab_size=128256, max_seq_len=131072,
+        rope_theta=500000.0, norm_eps=1e-5, tie_embeddings=True, rope_scaling=dict(LLAMA31_SCALING, factor=32.0),
+    ),
+    "qwen2.5-7b": dict(
+        n_layer=28, n_head=28, n_kv_head=4, d_model=3584, d_ff=18944, vocab_size=152064, max_seq_len=32768,
+        rope_theta=1e6, norm_eps=1e-6, qkv_bias=True, family="qwen2",
+    ),
+    "qwen3-8b": dict(
+        n_layer=36, n_head=32, n_kv_head=8, head_dim=128, d_model=4096, d_ff=12288, vocab_size=151936,
+        max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6, qk_norm=True, family="qwen3",
+    ),
+    "qwen3-32b": dict(
+        n_layer=64, n_head=64, n_kv_head=8, head_dim=128, d_model=5120, d_ff=25600, vocab_size=151936,
+        max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6, qk_norm=True, family="qwen3",
+    ),
+    "mistral-7b": dict(  # v0.3
+        n_layer=32, n_head=32, n_kv_head=8, d_model=4096, d_ff=14336, vocab_size=32768, max_seq_len=32768,
+        rope_theta=1e6, family="mistral",
+    ),
+    "gpt3-175b": dict(
+        n_layer=96, n_head=96, n_kv_head=96, d_model=12288, d_ff=32768, vocab_size=50257, max_seq_len=2048
+    ),
+    # Mixture-of-Experts, from the models' published config.json files.
+    "moe-tiny": dict(
+        n_layer=4, n_head=4, n_kv_head=2, d_model=128, d_ff=384, vocab_size=256, max_seq_len=256,
+        n_expert=8, n_expert_per_token=2, d_ff_expert=128, first_dense_layers=1,
+    ),
+    "mixtral-8x7b": dict(
+        n_layer=32, n_head=32, n_kv_head=8, d_model=4096, d_ff=14336, vocab_size=32000, max_seq_len=32768,
+        rope_theta=1e6, n_expert=8, n_expert_per_token=2,
+    ),
+    "mixtral-8x22b": dict(
+        n_layer=56, n_head=48, n_kv_head=8, d_model=6144, d_ff=16384, vocab_size=32768, max_seq_len=65536,
+        rope_theta=1e6, n_expert=8, n_expert_per_token=2,
+    ),
+    "qwen3-30b-a3b": dict(
+        n_layer=48, n_head=32, n_kv_head=4, head_dim=128, d_model=2048, d_ff=6144, vocab_size=151936,
+        max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6, n_expert=128, n_expert_per_token=8, d_ff_expert=768,
+        aux_loss_coef=0.001, qk_norm=True, family="qwen3_moe",
+    ),
+    "qwen3-235b-a22b": dict(
+        n_layer=94, n_head=64, n_kv_head=4, head_dim=128, d_model=4096, d_ff=12288, vocab_size=151936,
+        max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6, n_expert=128, n_expert_per_token=8, d_ff_expert=1536,
+        aux_loss_coef=0.001, qk_norm=True, family="qwen3_moe",
+    ),
+}  # fmt: skip

@@ -1,0 +1,53 @@
+"""The decoder's tensor-parallel plan, as data: which module (by name pattern) plays which role.
+
+The strategy turns each role into a DTensor parallel style (`lit3d.strategies.tensor_parallel`); the planner counts
+each tensor's shards with the same plan (`lit3d.planner.tensors`), so this module imports no torch.
+"""
+
+from __future__ import annotations
+
+from lit3d.models.config import GPTConfig
+
+# Which module does what under tensor parallelism, by name pattern. The strategy turns each role into a DTensor
+# parallel style (Megatron pattern: column-parallel in, row-parallel out, one all-reduce per region forward).
+#   colwise / rowwise  split the output / input features of a linear
+#   tp_region          a module that runs on the full sequence (its input is gathered under sequence parallel)
+#   norm               runs on sequence shards under sequence parallel, replicated otherwise
+#   head_norm          a norm over each head (Qwen3's q and k norms): on each rank's heads, its weight replicated
+#   vocab_embedding    embedding rows split by vocabulary
+#   vocab_head         LM head split by vocabulary; its logits stay sharded for the parallel loss
+TENSOR_PARALLEL_PLAN: dict[str, str] = {
+    "embed": "vocab_embedding",
+    "blocks.*.attn_norm": "norm",
+    "blocks.*.attn": "tp_region",
+    "blocks.*.attn.q_proj": "colwise",
+    "blocks.*.attn.k_proj": "colwise",
+    "blocks.*.attn.v_proj": "colwise",
+    "blocks.*.attn.o_proj": "rowwise",
+    "blocks.*.mlp_norm": "norm",
+    "blocks.*.mlp": "tp_region",
+    "blocks.*.mlp.gate_proj": "colwise",
+    "blocks.*.mlp.up_proj": "colwise",
+    "blocks.*.mlp.down_proj": "rowwise",
+    "norm": "norm",
+    "head": "vocab_head",
+}
+
+
+def tensor_parallel_plan(config: GPTConfig) -> dict[str, str]:
+    """`TENSOR_PARALLEL_PLAN` for ``config``: an MoE block's feed-forward is a ``replicated_region`` (every TP rank
+    routes the same tokens through the same experts; expert parallelism is what splits the experts); Qwen3's q and k
+    norms are ``head_norm``s (each rank normalises its heads; their weights' gradients are summed over TP)."""
+    base = dict(TENSOR_PARALLEL_PLAN)
+    if config.qk_norm:
+        base.update({"blocks.*.attn.q_norm": "head_norm", "blocks.*.attn.k_norm": "head_norm"})
+    if not config.n_expert:
+        return base
+    mlp = [k for k in TENSOR_PARALLEL_PLAN if k == "blocks.*.mlp" or k.startswith("blocks.*.mlp.")]
+    plan = {k: v for k, v in base.items() if k not in mlp}
+    for i in range(config.n_layer):
+        if config.is_moe_layer(i):
+            plan[f"blocks.{i}.mlp"] = "replicated_region"
+        else:
+            plan.update({k.replace("*", str(i)): TENSOR_PARALLEL_PLAN[k] for k in mlp})
+    return plan
