@@ -346,7 +346,7 @@ def test_a_tiny_3d_fit_prints_the_rank_map_the_plan_and_the_samples_and_none_of_
 def test_a_full_save_does_not_log_that_weights_only_was_not_set(small_config, text_folder, tmp_path, caplog):
     """Item 11: preemption saves call ``trainer.save_checkpoint(path)`` (a full checkpoint, resumable), and Lightning
     logged "`weights_only` was not set" for each; any other line of the same logger still shows."""
-    from lit3d.cli.quiet import quiet_lightning
+    from lit3d.quiet import quiet_lightning
 
     quiet_lightning()
     trainer = L.Trainer(max_steps=1, enable_checkpointing=False, **QUIET)
@@ -452,7 +452,7 @@ def page_configs(text: str) -> dict[Path, set[int]]:
     its runs end at (the config's own, and any ``--trainer.max_steps`` a command of the page gives with it)."""
     import yaml
 
-    from lit3d.cli.shipped import find_config
+    from lit3d.shipped import find_config
 
     configs: dict[Path, set[int]] = {}
     for line in text.splitlines():

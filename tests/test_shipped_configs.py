@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from lit3d.cli import main
-from lit3d.cli.shipped import shipped_configs
+from lit3d.shipped import shipped_configs
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))

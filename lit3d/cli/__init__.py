@@ -15,8 +15,8 @@ from lit3d import __version__
 # (`lit3d.cli.lightning_cli`) loads in `make_cli`, the other commands in `main`.
 from lit3d.cli import help_cache
 from lit3d.cli.commands import SWITCHES
-from lit3d.cli.quiet import quiet_lightning
 from lit3d.errors import UnsafeCheckpointError
+from lit3d.quiet import quiet_lightning
 
 if TYPE_CHECKING:
     from lit3d.cli.lightning_cli import Lit3DCLI

@@ -7,9 +7,9 @@ from json import dumps
 from pathlib import Path
 
 from lit3d.cli.plan_command import SWITCHES, plan  # noqa: F401 (the CLI's `lit3d plan`, and its flags that stand alone)
-from lit3d.cli.quiet import lightning_info_silenced
 from lit3d.data.sources import check_source, load_documents
 from lit3d.planner.calibrate import calibrate as measure
+from lit3d.quiet import lightning_info_silenced
 
 
 def export(ckpt_path: str, output: str, dtype: str = "float32", adapter: bool = False) -> None:

@@ -22,7 +22,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from lit3d.cli.shipped import configs_folder
+from lit3d.shipped import configs_folder
 
 HELP_FLAGS = ("-h", "--help")
 KNOWN_CLASSES = ("lit3d.", "lightning.", "torch.", "strategies.")  # the ``.help`` classes whose source is keyed

@@ -27,11 +27,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 import lit3d.strategies
 from lit3d.callbacks import ModelSummary as WholeModelSummary
 from lit3d.callbacks import PrintCompletions, RichProgress, Throughput
-from lit3d.cli.shipped import find_config, shipped_configs
 from lit3d.cli.strategy_names import check_strategy_names, strategy_name_refusal
 from lit3d.data.batches import GlobalBatchData
 from lit3d.models.config import check_model_fits_data
 from lit3d.models.gpt import GPT
+from lit3d.shipped import find_config, shipped_configs
 from lit3d.strategies import Parallel3DStrategy  # NOTE: naming it registers "3d" (see lit3d.strategies)
 from lit3d.strategies.checkpoint_folder import (
     ShardedCheckpointReader,
@@ -207,7 +207,7 @@ def resolve_lit3d_01_strategy_path() -> None:
 
 
 def shipped_config_paths(argv: list[str]) -> list[str]:
-    """``--config NAME`` (or ``-c``) naming no file but a config shipped with lit3d (`lit3d.cli.shipped`): its file, so
+    """``--config NAME`` (or ``-c``) naming no file but a config shipped with lit3d (`lit3d.shipped`): its file, so
     ``lit3d fit --config tiny`` works from any folder. A missing ``configs/NAME.yaml`` of a shipped config is refused
     with the name to give."""
     out = list(argv)

@@ -13,7 +13,6 @@ from pathlib import Path
 from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
-from lit3d.cli.shipped import shipped_configs
 from lit3d.models.config import PRESETS
 from lit3d.models.lora_settings import LoRA
 from lit3d.parallel.settings import Parallelism
@@ -26,6 +25,7 @@ from lit3d.planner.fleet_report import format_fleet, plan_fleet
 from lit3d.planner.hardware import GPUS, identify
 from lit3d.planner.launch import Launch, model_flag
 from lit3d.planner.request import DILOCO_SYNC_EVERY, SEARCHED
+from lit3d.shipped import shipped_configs
 
 
 def plan(

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
+from lit3d.hf import folders as hf
 from lit3d.hf.adapters import merge_adapters
-from lit3d.hf.folders import folders as hf
 from lit3d.models.config import GPTConfig
 from lit3d.models.lora import LoRA
 from lit3d.strategies.checkpoint_folder import is_sharded_checkpoint, read_weights

@@ -32,11 +32,11 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from lit3d.cli.quiet import lightning_info_silenced
 from lit3d.planner.calibration import BACKWARD_ELEMENTWISE, CPU, Efficiencies
 from lit3d.planner.hardware import GPU, GPUS, cpu_share
 from lit3d.planner.inputs import Cluster
 from lit3d.planner.work import NORM, SWIGLU
+from lit3d.quiet import lightning_info_silenced
 
 GEMM_ROWS, GEMM_COLUMNS, GEMM_KS = 2048, 512, (64, 256, 1024)
 GEMM_SIDE = 1024  # of the GEMM the collectives follow

@@ -13,13 +13,13 @@ from typing import Any
 
 import yaml
 
-from lit3d.cli.shipped import find_config
 from lit3d.hf.config import read_config
 from lit3d.models.config import PRESETS, GPTConfig
 from lit3d.parallel.layout import pipeline_microbatches
 from lit3d.parallel.schedules import chunks_per_rank
 from lit3d.parallel.settings import Parallelism
 from lit3d.planner.request import SEARCHED
+from lit3d.shipped import find_config
 
 # The top-level keys of a `lit3d fit` config (LightningCLI's), which a model YAML of `GPTConfig` fields never has.
 FIT_KEYS = ("trainer", "model", "data", "seed_everything", "ckpt_path", "optimizer", "lr_scheduler")
