@@ -89,11 +89,11 @@ class Throughput(Callback):
     ``perf/tokens_per_s_per_device``, ``perf/samples_per_s``, ``perf/step_s``, ``perf/peak_memory_gb`` (the
     device allocator's peak on GPUs, the process's peak resident memory on CPU) and ``perf/mfu``: model FLOPs
     per token (`GPTConfig.flops_per_token`, no recompute; with LoRA, no gradient of the frozen weights) times
-    tokens/s per device, over the device's dense bf16
-    peak from `lit3d.planner.hardware`; for packed documents (`lit3d.models.documents`) attention counts only the keys
-    a token's own document holds (the mean document length a token sits in, from the step's last micro-batch, instead of
-    the sequence length). A device that is not in that table (a CPU, an unknown GPU) reports no MFU
-    rather than a wrong one. The first ``warmup`` steps (compilation, allocator warm-up) are not logged.
+    tokens/s per device, over the device's dense bf16 peak from `lit3d.planner.hardware`; for packed documents
+    (`lit3d.models.documents`) attention counts only the keys a token's own document holds (the mean document length
+    a token sits in, from the step's last micro-batch, instead of the sequence length). A device that is not in that
+    table (a CPU, an unknown GPU) reports no MFU rather than a wrong one. The first ``warmup`` steps (compilation,
+    allocator warm-up) are not logged.
 
     Args:
         warmup: Optimizer steps to skip before logging.

@@ -1,7 +1,6 @@
 """How `Parallel3DStrategy` saves and loads: `Checkpoints`, this rank's part of the run's checkpoints, in the format of
-`lit3d.strategies.checkpoint_folder` (a folder of shards), or with ``save_distributed_checkpoint=False`` Lightning's
-one file
-(`lit3d.strategies.full_state`); single files of other strategies load too."""
+`lit3d.strategies.checkpoint_folder` (a folder of shards), or with ``save_distributed_checkpoint=False`` Lightning's one
+file (`lit3d.strategies.full_state`); single files of other strategies load too."""
 
 from __future__ import annotations
 

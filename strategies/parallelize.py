@@ -72,8 +72,7 @@ def split_module(
 ) -> tuple[Runner, Pipeline | None]:
     """Split ``module.model`` for ``rank`` (`parallelize_network`), give it its weights (from the seed and the
     parameter names, shard by shard), and return the runner of this rank's part (`lit3d.models.runner`) and the
-    pipeline.
-    ``precision_plugin``: Lightning's, whose ``precision`` setting this reads, and fp16's loss scaler at each step."""
+    pipeline. ``precision_plugin``: Lightning's, whose ``precision`` this reads, and fp16's loss scaler at each step."""
     network, layout, precision = module.model, meshes.layout, precision_plugin.precision
     mp_policy = mixed_precision_policy(precision, parallelism.mixed_precision_reduce)
     ddp = ddp_runs(parallelism, layout, precision)

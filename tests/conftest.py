@@ -11,15 +11,12 @@ from lit3d.callbacks import CommReport
 os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups marked here
 def pytest_collection_modifyitems(config, items):
     # NOTE: `layout_runs` spawns every layout once for the session (about 5 minutes on 2 cores); the first test that
     # asks for it pays for that, so tests that use it get a longer limit than the suite's 300 s.
-    # Under pytest-xdist (the suite runs on two workers) they stay on one worker, so the session's runs happen once.
     for item in items:
         if "layout_runs" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.timeout(900))
-            item.add_marker(pytest.mark.xdist_group("layout_runs"))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device; its CPU counterpart runs instead")

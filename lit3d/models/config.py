@@ -11,8 +11,7 @@ from lit3d.models.presets import PRESETS
 
 AttentionBackend = Literal["auto", "sdpa", "flash"]
 
-# The HuggingFace model families lit3d imports and exports (``model_type``), with their architecture
-# (`lit3d.hf.folders`).
+# The HuggingFace model families lit3d imports and exports (``model_type``), with their architecture (lit3d.hf).
 FAMILIES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",

@@ -30,9 +30,8 @@ class GPT(L.LightningModule):
     """A Llama-style GPT trained on next-token cross-entropy with AdamW and a warm-up + cosine schedule.
 
     Args:
-        config: A preset name (``tiny``, ``llama3.1-8b``, ``qwen3-8b``, ...: `lit3d.models.config.PRESETS`), a model
-        YAML
-            file, or the `GPTConfig` fields.
+        config: A preset name (``tiny``, ``llama3.1-8b``, ``qwen3-8b``, ...: `lit3d.models.config.PRESETS`), a
+            model YAML file, or the `GPTConfig` fields.
         learning_rate: Peak learning rate, reached after ``warmup_steps``.
         weight_decay: AdamW weight decay, applied to matrices only (not to norms).
         betas: AdamW betas.
@@ -94,8 +93,7 @@ class GPT(L.LightningModule):
         # The network is built by `configure_model`, on the device Lightning chooses, or empty (meta) when a
         # model-parallel strategy splits it first and then initialises each rank's shards.
         self.model: Transformer | None = None
-        # How this rank runs `model` (`lit3d.models.runner`): the whole network, until a strategy that splits it says
-        # else.
+        # How this rank runs `model` (`lit3d.models.runner`): the whole network, until a strategy splits it.
         self.runner: Runner = WholeNetwork()
 
         self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
@@ -105,8 +103,7 @@ class GPT(L.LightningModule):
     @property
     def tensor_parallel_plan(self) -> dict[str, str]:
         """What the strategy reads to apply tensor parallelism: module name pattern → role
-        (`lit3d.models.transformer`), names
-        relative to ``self.model``."""
+        (`lit3d.models.transformer`), names relative to ``self.model``."""
         return tensor_parallel_plan(self.config)
 
     @property
@@ -195,8 +192,7 @@ class GPT(L.LightningModule):
     @staticmethod
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
         """Mean next-token cross-entropy (`lit3d.models.transformer.cross_entropy`); with a ``scale``, the sum over the
-        trained
-        targets times ``scale / targets.numel()`` (see `loss`)."""
+        trained targets times ``scale / targets.numel()`` (see `loss`)."""
         return cross_entropy(logits, targets, scale)
 
     def loss(self, batch: Any) -> torch.Tensor:

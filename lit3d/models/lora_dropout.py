@@ -94,8 +94,7 @@ def micro_batch(index: int, count: int) -> Iterator[None]:
 def training_samples(trainer: Any, batch_idx: int, rows: int) -> Samples:
     """Where this replica's ``rows`` of training batch ``batch_idx`` sit in the run: the samplers of lit3d's data deal
     replica ``r`` of ``R`` every R-th sample of each global batch from ``r`` (`lit3d.data.sampler.GlobalBatchSampler`),
-    or
-    with ``data_parallel_shares`` its own run of them, micro-step after micro-step of the accumulation window."""
+    or with ``data_parallel_shares`` its own run of them, micro-step after micro-step of the accumulation window."""
     dealt = trainer.distributed_sampler_kwargs or {}
     replicas, replica = dealt.get("num_replicas", 1), dealt.get("rank", 0)
     accumulate = trainer.accumulate_grad_batches

@@ -124,8 +124,7 @@ class Experts(nn.Module):
     same way: ``{role}_proj_lora_a`` ``[expert, in, rank]`` and ``{role}_proj_lora_b`` ``[expert, rank, out]``
     (`lit3d.models.lora`), split over expert parallelism with the experts. (A shared expert, `MoE.shared`, stays
     frozen.) Their dropout keys each row by its token and expert (``row_keys``: `lit3d.models.lora_dropout`), wherever
-    it
-    runs."""
+    it runs."""
 
     def __init__(self, n_expert: int, d_model: int, d_ff: int, lora: LoRA | None = None) -> None:
         super().__init__()
@@ -267,8 +266,7 @@ class MoE(nn.Module):
         self, batch: int, seq: int, order: torch.Tensor, chosen: torch.Tensor, device: torch.device
     ) -> torch.Tensor | None:
         """The dropout keys of the routed rows (`lit3d.models.lora_dropout`): each row's token's, mixed with its
-        expert's
-        index; ``None`` without dropout or outside a training step."""
+        expert's index; ``None`` without dropout or outside a training step."""
         dropout = self.experts.dropout
         if not (dropout.active() and self.experts.adapted and lora_dropout.current() is not None):
             return None

@@ -86,8 +86,7 @@ def ring_attention(
 ) -> torch.Tensor:
     """Causal attention of the CP-sharded sequence; tensors ``[batch, seq, heads, head_dim]`` as in
     `lit3d.models.attention`, ``seq`` being this rank's tokens (`shard_sequence`); with packed ``documents`` (this
-    rank's
-    share, `lit3d.models.documents`) a query meets only the keys of its own document."""
+    rank's share, `lit3d.models.documents`) a query meets only the keys of its own document."""
     if q.shape[1] % 2:
         raise ValueError(f"a context-parallel rank holds two equal chunks; got {q.shape[1]} tokens")
     out = _RingAttention.apply(*(t.transpose(1, 2) for t in (q, k, v)), cp, documents)

@@ -1,7 +1,7 @@
 """Uneven data parallelism: ``data_parallel_shares``, the samples of each global batch each replica computes (more on
 faster GPUs). The rules a list must follow; the sampler deals the shares (`lit3d.data.sampler.GlobalBatchSampler`) and
-each
-replica's loss is weighted by its share (`lit3d.models.runner.ReplicaShare`), so the step is the single-process step."""
+each replica's loss is weighted by its share (`lit3d.models.runner.ReplicaShare`), so the step is the single-process
+step."""
 
 from __future__ import annotations
 
