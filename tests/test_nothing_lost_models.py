@@ -133,6 +133,14 @@ def test_generate_validate_test_and_predict_from_the_checkpoint_use_its_tensors(
     assert float(cli.trainer.callback_metrics["val_loss"]) == pytest.approx(expected["validate"]["val_loss"], rel=1e-6)
 
 
+def one_step(tmp_path) -> list[str]:
+    """Flags of a one-step fit that saves its checkpoint (the config's ModelCheckpoint, every step) in ``tmp_path``."""
+    return ["--data.init_args.global_batch_size=2", "--trainer.max_steps=1",
+            "--trainer.callbacks.every_n_train_steps=1", "--trainer.limit_val_batches=0",
+            "--trainer.enable_progress_bar=false", "--trainer.logger=false",
+            f"--trainer.default_root_dir={tmp_path}"]  # fmt: skip
+
+
 def test_lora_yaml_on_a_pretrained_folder_tokenizes_with_the_folders_tokenizer(llama_folder, corpus, tmp_path,
                                                                                monkeypatch, caplog):  # fmt: skip
     """The issue's command: no tokenizer given, the folder's own is used (and said), and the checkpoint records it."""
@@ -146,13 +154,7 @@ def test_lora_yaml_on_a_pretrained_folder_tokenizes_with_the_folders_tokenizer(l
                 f"--model.pretrained={llama_folder}",
                 f"--data.init_args.data_path={corpus}",
                 "--data.init_args.seq_len=32",
-                "--data.init_args.global_batch_size=2",
-                "--trainer.max_steps=1",
-                "--trainer.callbacks.every_n_train_steps=1",
-                "--trainer.limit_val_batches=0",
-                "--trainer.enable_progress_bar=false",
-                "--trainer.logger=false",
-                f"--trainer.default_root_dir={tmp_path}",
+                *one_step(tmp_path),
             ]
         )
     own = str(llama_folder / "tokenizer.json")
@@ -208,13 +210,7 @@ def test_the_merged_export_of_a_chat_run_keeps_the_chat_template(tmp_path, monke
             f"--data.init_args.tokenizer={model_folder}",
             f"--data.init_args.data_path={chats}",
             "--data.init_args.seq_len=64",
-            "--data.init_args.global_batch_size=2",
-            "--trainer.max_steps=1",
-            "--trainer.callbacks.every_n_train_steps=1",
-            "--trainer.limit_val_batches=0",
-            "--trainer.enable_progress_bar=false",
-            "--trainer.logger=false",
-            f"--trainer.default_root_dir={tmp_path}",
+            *one_step(tmp_path),
         ]
     )
     (ckpt,) = tmp_path.rglob("epoch=*.ckpt")
