@@ -419,11 +419,11 @@ def family_references(base_job, tmp_path_factory) -> dict[str, dict]:
 def float8_references(base_job, layout_runs, tmp_path_factory) -> dict[str, dict]:
     """On one spawned rank (FP8 is a `Parallel3DStrategy` setting, whose process group must not outlive the run in
     this process): the single-process FP8 runs (``tensorwise``, ``rowwise``) the FP8 layouts are compared with, and
-    (``resumed_in_bf16``) the TP2 FP8 run's step-10 checkpoint resumed in bf16."""
-    from float8_layouts import FP8_JOB, ROWWISE, ROWWISE_HERE, TENSORWISE
+    (``resumed_in_bf16``) the TP2 FP8 run's checkpoint of step `FP8_SAVED` resumed in bf16."""
+    from float8_layouts import FP8_JOB, FP8_SAVED, ROWWISE, ROWWISE_HERE, TENSORWISE
     from spawned import run_jobs
 
-    saved = layout_runs["fp8_tp2_sequence_parallel"]["job_dir"] + "/ckpts/step=10.ckpt"
+    saved = layout_runs["fp8_tp2_sequence_parallel"]["job_dir"] + f"/ckpts/step={FP8_SAVED}.ckpt"
     rowwise = {**FP8_JOB, "strategy": ROWWISE, "expect_error": not ROWWISE_HERE}
     jobs = {"tensorwise": {**FP8_JOB, "strategy": TENSORWISE}, "rowwise": rowwise,
             "resumed_in_bf16": {**FP8_JOB, "strategy": {}, "ckpt_path": saved}}  # fmt: skip

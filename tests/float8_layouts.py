@@ -1,17 +1,18 @@
 """FP8 training (``float8``) in every layout, each compared with the single-process FP8 run of the same model: widths
-in multiples of 16 on every TP rank (FP8 matmuls need them), bf16-mixed, 20 steps at a learning rate that does not
-spike (an FP8 run's rounding would move a spike's step, not the curve)."""
+in multiples of 16 on every TP rank (FP8 matmuls need them), bf16-mixed, `FP8_STEPS` steps at a learning rate that
+does not spike (an FP8 run's rounding would move a spike's step, not the curve), saved at `FP8_SAVED`."""
 
 import lightning as L
 import torch
 
 from lit3d.strategies.torch_compat import rowwise_float8_on_cpu
 
-FP8_GPT = dict(n_layer=4, n_head=4, n_kv_head=2, d_model=64, d_ff=128, vocab_size=257, max_seq_len=64)
+FP8_GPT = dict(n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_ff=128, vocab_size=257, max_seq_len=64)
+FP8_STEPS, FP8_SAVED = 12, 6
 FP8_JOB = {
     "model": {"config": FP8_GPT, "learning_rate": 3e-3, "warmup_steps": 5},
     "data": {"seq_len": 32},
-    "trainer": {"max_steps": 20, "limit_val_batches": 0, "precision": "bf16-mixed"},
+    "trainer": {"max_steps": FP8_STEPS, "limit_val_batches": 0, "precision": "bf16-mixed"},
 }
 TENSORWISE, ROWWISE = {"float8": "tensorwise"}, {"float8": "rowwise"}
 # Row-wise FP8 on CPU needs PyTorch 2.13 or later; on an older one its runs are refused by name before they start.
@@ -53,8 +54,8 @@ def _layouts() -> dict[str, tuple[int, dict]]:
             for name, (world, strategy) in layouts.items()}  # fmt: skip
     for name in ("fp8_dp2_zero3_all_gather", "bf16_dp2_zero3"):
         jobs[name][1]["callbacks"].append(CommReport(step=5))
-    jobs["fp8_tp2_sequence_parallel"][1]["checkpoint_every"] = 10
-    jobs["fp8_dp2_zero3_all_gather"][1]["checkpoint_every"] = 10
+    jobs["fp8_tp2_sequence_parallel"][1]["checkpoint_every"] = FP8_SAVED
+    jobs["fp8_dp2_zero3_all_gather"][1]["checkpoint_every"] = FP8_SAVED
     jobs["fp8_rowwise_tp2_sequence_parallel"][1]["expect_error"] = not ROWWISE_HERE
     return jobs
 

@@ -95,7 +95,9 @@ def _worker(rank: int, world: int, port: int, jobs: dict, out_dir: str) -> None:
     # NOTE: one process group for every job of these ranks (a strategy ends only a group it started itself).
     dist.init_process_group("gloo", rank=rank, world_size=world)
     for name, job in jobs.items():
+        started = time.perf_counter()
         result = run_job(job, Path(out_dir) / name, devices=world)
+        result["seconds"] = time.perf_counter() - started
         (Path(out_dir) / name).mkdir(parents=True, exist_ok=True)  # (a job refused at its start made none)
         (Path(out_dir) / name / f"rank{rank}.json").write_text(json.dumps(result))
     if dist.is_initialized():  # leave together, and join gloo's threads now rather than at interpreter exit
