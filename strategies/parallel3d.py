@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
-from dataclasses import fields, replace
+from dataclasses import fields
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -26,8 +26,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lit3d.models.transformer import loss_parallel_scope
-from lit3d.parallel.layout import Layout, layout_lines, resolve_layout, sizes_of
-from lit3d.parallel.settings import Parallelism, argument_docs
+from lit3d.parallel.arguments import argument_docs
+from lit3d.parallel.layout import Layout, layout_lines
+from lit3d.parallel.settings import Parallelism
 from lit3d.planner.run import plan_of_run
 from lit3d.strategies.checkpoints import Checkpoints, RankState, remove
 from lit3d.strategies.checks import ConfigurationError, check_run
@@ -126,9 +127,8 @@ class Parallel3DStrategy(ModelParallelStrategy):
         if self._layout is None:
             if not self.num_processes:
                 raise RuntimeError("Parallel3DStrategy has no devices yet: a Trainer sets them up")
-            sizes = self.parallelism.sizes(devices_per_node=self.num_processes, lit3d_splits=self._lit3d_splits)
             world = self.num_nodes * self.num_processes
-            self._layout = resolve_layout(world, self.num_processes, **sizes, islands=self.parallelism.islands)
+            self._layout = self.parallelism.resolve(world, self.num_processes, self._lit3d_splits)
         return self._layout
 
     @property
@@ -230,9 +230,9 @@ class Parallel3DStrategy(ModelParallelStrategy):
             return  # a later call in the same processes (fit, then validate or test): it is split already
         self._parallelized = module.model
         self._whole_order = WholeOrder.of(module)  # NOTE: before the split: a pipeline rank holds only its part
-        sized = replace(self.parallelism, **sizes_of(self.layout))  # "auto" sizes resolved
+        rank, device, plugin = self.global_rank, self.root_device, self.precision_plugin
         module.runner, self.pipeline = split_module(
-            module, sized, self.meshes, self.global_rank, self.num_microbatches, self.root_device, self.precision_plugin
+            module, self.parallelism, self.meshes, rank, self.num_microbatches, device, plugin
         )
 
     @override

@@ -162,8 +162,8 @@ def parallelize_network(
     ZeRO-0 may be PyTorch's DDP (default: when the network is data parallel only).
     """
     layout, mesh, expert_mesh = meshes.layout, meshes.replicas, meshes.experts
-    sequence_parallel, activation_checkpointing = parallelism.splits_sequence, parallelism.activation_checkpointing
-    compile, zero_stage = parallelism.compile, parallelism.zero_stage
+    sequence_parallel, compile = parallelism.splits_sequence(layout), parallelism.compile
+    activation_checkpointing, zero_stage = parallelism.activation_checkpointing, parallelism.zero_stage
     check_plan(network, plan)
     chunks, stage_ids = [network], [0]
     if layout.pp > 1:

@@ -203,12 +203,12 @@ def test_every_relative_link_leads_to_a_file_and_its_heading():
 
 
 def test_the_argument_table_is_generated_from_the_strategy_settings():
-    from lit3d.parallel.settings import argument_table
+    from lit3d.parallel.arguments import argument_table
 
     assert argument_table_block(ARGUMENT_TABLE.read_text()) == argument_table().strip(), (
         "docs/strategy-arguments.md's table is not what the strategy's settings say; regenerate it with "
         '`python tests/test_docs.py --write-argument-table` (it pastes the output of `python -c "from '
-        'lit3d.parallel.settings import argument_table; print(argument_table())"` between the markers)'
+        'lit3d.parallel.arguments import argument_table; print(argument_table())"` between the markers)'
     )
 
 
@@ -344,7 +344,7 @@ def check_lightning_commands(commands: list[list[str]]) -> list[dict]:
 
 
 def write_argument_table() -> None:
-    from lit3d.parallel.settings import argument_table
+    from lit3d.parallel.arguments import argument_table
 
     text = ARGUMENT_TABLE.read_text()
     start, end = text.index(TABLE_START) + len(TABLE_START), text.index(TABLE_END)

@@ -8,7 +8,9 @@ from dataclasses import FrozenInstanceError, fields, replace
 
 import pytest
 
-from lit3d.parallel.settings import Parallelism, argument_table, defaults
+from lit3d.parallel.arguments import argument_table
+from lit3d.parallel.layout import Layout
+from lit3d.parallel.settings import Parallelism, defaults
 from lit3d.strategies import Parallel3DStrategy
 
 
@@ -45,8 +47,8 @@ def test_the_value_is_frozen_and_checked_when_made_or_replaced():
 def test_derived_settings():
     assert Parallelism(pipeline_parallel_size=2, pipeline_schedule="interleaved_1f1b").chunks_per_rank == 2
     assert Parallelism(pipeline_parallel_size=2, pipeline_schedule="zbv").chunks_per_rank == 2
-    assert not Parallelism(sequence_parallel=True).splits_sequence  # needs tensor parallelism
-    assert Parallelism(sequence_parallel=True, tensor_parallel_size=2).splits_sequence
+    assert not Parallelism(sequence_parallel=True).splits_sequence(Layout(dp=2, tp=1, pp=1, devices_per_node=2))
+    assert Parallelism(sequence_parallel=True).splits_sequence(Layout(dp=1, tp=2, pp=1, devices_per_node=2))
     assert Parallelism(sync_every=4).runs_outer_loop and not Parallelism().runs_outer_loop
     assert Parallelism(sequence_parallel=True, tensor_parallel_size=1).warnings() == [
         "sequence_parallel=True does nothing with tensor_parallel_size=1"

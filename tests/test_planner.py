@@ -10,7 +10,6 @@ from lit3d.models.config import GPTConfig
 from lit3d.parallel.layout import Layout
 from lit3d.parallel.settings import Parallelism
 from lit3d.planner import GB, Cluster, RankMap, Training, estimate, layout_problem, search, verify
-from lit3d.planner.estimate import sizes_of
 
 GPT3 = GPTConfig.from_name("gpt3-175b")
 MEGATRON_GPT3 = Layout(dp=8, tp=8, pp=16, devices_per_node=8)  # 1,024 GPUs on 128 nodes
@@ -110,8 +109,7 @@ def test_verify_counts_match_the_analytic_ones_exactly(name, layout, zero_stage,
     import time
 
     start = time.perf_counter()
-    settings = Parallelism(**sizes_of(layout), zero_stage=zero_stage, virtual_pipeline_size=virtual,
-                           pipeline_schedule=schedule)  # fmt: skip
+    settings = Parallelism(zero_stage=zero_stage, virtual_pipeline_size=virtual, pipeline_schedule=schedule).at(layout)
     counts = verify(GPTConfig.from_name(name), layout, settings)
     assert len(counts) == layout.pp
     assert [c.verified for c in counts] == [c.analytic for c in counts]

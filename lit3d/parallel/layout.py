@@ -217,18 +217,6 @@ def layout_lines(layout: Layout, parallelism: Any, microbatches: int, lit3d_spli
     return lines
 
 
-def sizes_of(layout: Layout) -> dict[str, int]:
-    """The `Parallelism` sizes of ``layout`` (``data_parallel_size``: the replicas of every island)."""
-    return {
-        "data_parallel_size": layout.data_replicas,
-        "tensor_parallel_size": layout.tp,
-        "pipeline_parallel_size": layout.pp,
-        "expert_parallel_size": layout.ep,
-        "context_parallel_size": layout.cp,
-        "islands": layout.islands,
-    }
-
-
 def resolve_layout(
     world_size: int,
     devices_per_node: int,

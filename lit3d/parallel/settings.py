@@ -10,16 +10,18 @@ or the model are `lit3d.parallel.layout`'s.
 from __future__ import annotations
 
 import sys
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields, replace
 from datetime import timedelta
 from typing import Any, Literal
 
 from lit3d.parallel.layout import (
+    Layout,
     check_choices,
     check_islands,
     check_pipeline_arguments,
     check_sizes,
     pipeline_microbatches,
+    resolve_layout,
 )
 from lit3d.parallel.outer import check_outer_loop
 from lit3d.parallel.precision import check_reduce_dtype
@@ -213,12 +215,7 @@ class Parallelism:
         """Refuse settings that no run could use, naming the values (before any process starts)."""
         check_sizes(**self.sizes())
         check_choices(self.zero_stage, self.pipeline_schedule)
-        pp = self.pipeline_parallel_size
-        check_pipeline_arguments(pp, self.pipeline_schedule, self.num_microbatches, self.virtual_pipeline_size)
-        check_composes(self.pipeline_schedule, pp, self.compile, self.zero_stage)
-        if self.pipeline_stage_layers is not None and isinstance(pp, int):
-            check_stage_layers(self.pipeline_stage_layers, None, pp * self.chunks_per_rank)
-        check_shares(self.data_parallel_shares, self.data_parallel_size, self.islands)
+        self._check_sized(self.pipeline_parallel_size, self.data_parallel_size)
         check_recompute(self.activation_checkpointing)
         if self.offload not in (False, True) or (self.offload and self.zero_stage != 3):
             raise ValueError(
@@ -240,8 +237,6 @@ class Parallelism:
             self.outer_fragments,
             self.outer_reduce_dtype,
         )
-        if self.data_parallel_size != "auto":
-            check_islands(self.islands, self.data_parallel_size, self.expert_parallel_size, self.context_parallel_size)
         self._check_process_settings()
 
     def _check_float8(self) -> None:
@@ -299,6 +294,43 @@ class Parallelism:
             "context_parallel_size": self.context_parallel_size,
         }
 
+    def resolve(self, world_size: int, devices_per_node: int, lit3d_splits: bool = True) -> Layout:
+        """The `Layout` these sizes give on ``world_size`` ranks, ``"auto"`` resolved (`sizes`) and every rule that
+        needs the resolved sizes checked. From here on the layout owns the sizes: nothing downstream reads them from
+        a `Parallelism`."""
+        sizes = self.sizes(devices_per_node, lit3d_splits)
+        layout = resolve_layout(world_size, devices_per_node, **sizes, islands=self.islands)
+        self.check_layout(layout)
+        return layout
+
+    def check_layout(self, layout: Layout) -> None:
+        """Refuse these settings on ``layout`` where they need its sizes: the schedule against the pipeline and the ZeRO
+        stage, the blocks per stage against the stages, the shares against the replicas, the islands against them."""
+        self._check_sized(layout.pp, layout.data_replicas, layout.ep, layout.cp)
+
+    def _check_sized(self, pp: int, replicas: int | str, ep: int | None = None, cp: int | None = None) -> None:
+        """The rules that read the pipeline's size and the data-parallel replicas (``"auto"``: not known yet)."""
+        check_pipeline_arguments(pp, self.pipeline_schedule, self.num_microbatches, self.virtual_pipeline_size)
+        check_composes(self.pipeline_schedule, pp, self.compile, self.zero_stage)
+        check_stage_layers(self.pipeline_stage_layers, None, pp * self.chunks_per_rank)
+        check_shares(self.data_parallel_shares, replicas, self.islands)
+        if replicas != "auto":
+            ep, cp = ep or self.expert_parallel_size, cp or self.context_parallel_size
+            check_islands(self.islands, replicas, ep, cp)
+
+    def at(self, layout: Layout) -> Parallelism:
+        """These settings at the sizes of ``layout`` (checked as every `Parallelism` is): the strategy's arguments that
+        run it. The one way back from a `Layout` to arguments, for the planner, which writes runs."""
+        return replace(
+            self,
+            data_parallel_size=layout.data_replicas,
+            tensor_parallel_size=layout.tp,
+            pipeline_parallel_size=layout.pp,
+            expert_parallel_size=layout.ep,
+            context_parallel_size=layout.cp,
+            islands=layout.islands,
+        )
+
     def warnings(self) -> list[str]:
         """Settings that are allowed but do nothing here."""
         if self.sequence_parallel and self.tensor_parallel_size == 1:
@@ -312,10 +344,9 @@ class Parallelism:
         """Model chunks each pipeline rank runs (``virtual_pipeline_size`` resolved for the schedule)."""
         return chunks_per_rank(self.pipeline_schedule, self.virtual_pipeline_size)
 
-    @property
-    def splits_sequence(self) -> bool:
-        """Whether sequence parallelism runs (it needs tensor parallelism)."""
-        return self.sequence_parallel and self.tensor_parallel_size not in (1, "auto")
+    def splits_sequence(self, layout: Layout) -> bool:
+        """Whether sequence parallelism runs on ``layout`` (it needs tensor parallelism)."""
+        return self.sequence_parallel and layout.tp > 1
 
     @property
     def runs_outer_loop(self) -> bool:
@@ -356,20 +387,3 @@ def interactive() -> bool:
 def defaults() -> dict[str, Any]:
     """Each setting's default by name."""
     return {f.name: f.default for f in fields(Parallelism) if f.default is not MISSING}
-
-
-def argument_docs(indent: str = "    ") -> str:
-    """Google-style ``Args:`` lines for every setting (the strategy's docstring, read by ``--help``)."""
-    lines = ["Args:"]
-    for f in fields(Parallelism):
-        lines.append(f"{indent}{f.name}: {f.metadata['help']}")
-    return "\n".join(lines)
-
-
-def argument_table() -> str:
-    """The settings as a Markdown table (the docs' table of the strategy's arguments)."""
-    rows = ["| argument | default | what it does |", "|---|---|---|"]
-    for f in fields(Parallelism):
-        default = "10 minutes" if f.name == "timeout" else repr(f.default)
-        rows.append(f"| `{f.name}` | `{default}` | {f.metadata['help']} |")
-    return "\n".join(rows)

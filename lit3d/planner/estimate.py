@@ -14,7 +14,7 @@ with what communication hides and what it exposes (`lit3d.planner.clock`).
 from __future__ import annotations
 
 from lit3d.models.config import GPTConfig
-from lit3d.parallel.layout import Layout, sizes_of  # noqa: F401 (read from here too)
+from lit3d.parallel.layout import Layout
 from lit3d.parallel.settings import Parallelism
 from lit3d.planner.clock import step_time
 from lit3d.planner.inputs import (  # noqa: F401 (read from here too)

@@ -28,7 +28,7 @@ from lit3d.models.config import GPTConfig
 from lit3d.parallel.layout import ZERO_STAGES, Layout
 from lit3d.parallel.stages import partition
 from lit3d.planner.clock import stage_times
-from lit3d.planner.estimate import GB, Cluster, Training, estimate, sizes_of
+from lit3d.planner.estimate import GB, Cluster, Training, estimate
 from lit3d.planner.hardware import GPU, GPUS
 from lit3d.planner.request import DILOCO_SYNC_EVERY, Request, plan
 from lit3d.planner.search import Candidate, divisors, estimated, layout_problem
@@ -123,9 +123,7 @@ def pipeline_option(config: GPTConfig, groups: list[Cluster], request: Request) 
             if len(cluster.stage_gpus) > config.n_layer:
                 continue
             layout = Layout(dp=dp, tp=tp, pp=len(cluster.stage_gpus), devices_per_node=base.gpus_per_node)
-            even = replace(
-                request.parallelism, **sizes_of(layout), pipeline_schedule="gpipe", virtual_pipeline_size=None
-            )
+            even = replace(request.parallelism, pipeline_schedule="gpipe", virtual_pipeline_size=None).at(layout)
             for layers in stage_splits(config, cluster, layout, request.training, even):
                 settings = replace(even, pipeline_stage_layers=layers)
                 if layout_problem(config, cluster, layout, request.training, settings):
@@ -185,12 +183,8 @@ def data_option(config: GPTConfig, groups: list[Cluster], request: Request) -> O
             shares = tuple(m * accumulate for m in micro)
             for zero, ac in product(zeros, recompute):
                 settings = replace(
-                    request.parallelism,
-                    **sizes_of(layout),
-                    zero_stage=zero,
-                    activation_checkpointing=ac,
-                    data_parallel_shares=shares,
-                )
+                    request.parallelism, zero_stage=zero, activation_checkpointing=ac, data_parallel_shares=shares
+                ).at(layout)
                 option = replicas_option(config, groups, base, layout, training, settings, accumulate)
                 if option and (best is None or _faster(best.candidate, option.candidate) is option.candidate):
                     best = option

@@ -14,7 +14,7 @@ from lit3d.models.config import GPTConfig
 from lit3d.parallel.layout import Layout, check_model_fits_pipeline
 from lit3d.parallel.schedules import SCHEDULES, last_stage_in_flight, microbatch_problem, peak_in_flight
 from lit3d.parallel.settings import Parallelism
-from lit3d.planner.estimate import GB, Cluster, Plan, Training, estimate, sizes_of
+from lit3d.planner.estimate import GB, Cluster, Plan, Training, estimate
 
 # (schedule, chunks per rank) the search tries: the interleaved and zero-bubble ones at two chunks (ZB-H1 at one).
 CANDIDATES = (
@@ -67,7 +67,7 @@ def choose_schedule(
         try:
             check_model_fits_pipeline(config, layout.pp, virtual)
             # (a `Parallelism` checks itself: the schedule composes with the ZeRO stage, runs these micro-batches)
-            schedule = replace(settings, **sizes_of(layout), pipeline_schedule=name, virtual_pipeline_size=virtual)
+            schedule = replace(settings, pipeline_schedule=name, virtual_pipeline_size=virtual).at(layout)
         except ValueError:
             continue
         held = None  # activations in flight of the last micro-batch count that did not fit

@@ -45,7 +45,7 @@ def settings(candidate: Candidate) -> str:
     if run.activation_checkpointing:
         selective = run.activation_checkpointing == "selective"
         parts.append("selective activation checkpointing" if selective else "activation checkpointing")
-    if run.splits_sequence:
+    if run.splits_sequence(layout):
         parts.append("sequence parallel")
     if layout.pp > 1:
         parts.append(run.pipeline_schedule + (f" v{run.chunks_per_rank}" if run.chunks_per_rank > 1 else ""))
@@ -191,7 +191,7 @@ def run_flags(candidate: Candidate, given: frozenset[str] = frozenset()) -> str:
         text += schedule_flags(candidate.training, run, candidate.plan)
     if layout.islands > 1:
         text += f" --trainer.strategy.islands={layout.islands} --trainer.strategy.sync_every={run.sync_every}"
-    if run.splits_sequence:  # planned with it (`PLANNING_DEFAULTS`), which the strategy leaves off unless told
+    if run.splits_sequence(layout):  # planned with it (`PLANNING_DEFAULTS`), which the strategy leaves off unless told
         text += " --trainer.strategy.sequence_parallel=true"
     if run.accumulate_unsharded:  # the search's choice where memory allows
         text += " --trainer.strategy.accumulate_unsharded=true"

@@ -16,7 +16,7 @@ from typing import Any
 from lit3d.models.config import GPTConfig
 from lit3d.parallel.layout import ZERO_STAGES, Layout, check_islands, check_sizes
 from lit3d.parallel.settings import Parallelism
-from lit3d.planner.estimate import PLANNING_DEFAULTS, Cluster, Training, estimate, sizes_of
+from lit3d.planner.estimate import PLANNING_DEFAULTS, Cluster, Training, estimate
 from lit3d.planner.islands import format_islands, versus_synchronous
 from lit3d.planner.launch import Launch, fit_command
 from lit3d.planner.pipeline import candidates, choose_schedule
@@ -243,7 +243,7 @@ def _one_layout(request: Request, config: GPTConfig) -> Report:
     layout = Layout(
         dp=dp // islands, tp=tp, pp=pp, devices_per_node=cluster.gpus_per_node, ep=ep, cp=cp, islands=islands
     )
-    training, settings = _micro_batches(request, dp), replace(settings, **sizes_of(layout))
+    training, settings = _micro_batches(request, dp), settings.at(layout)
     schedule_fixed = "pipeline_schedule" in request.fixed
     # NOTE: GPipe runs any micro-batch count on one chunk: the layout check leaves the schedules to `choose_schedule`.
     checked = settings if schedule_fixed else replace(settings, pipeline_schedule="gpipe", virtual_pipeline_size=None)

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 from lit3d.models.config import GPTConfig
 from lit3d.parallel.layout import Layout
 from lit3d.parallel.settings import Parallelism
-from lit3d.planner.estimate import PRECISIONS, Cluster, Plan, Training, sizes_of
+from lit3d.planner.estimate import PRECISIONS, Cluster, Plan, Training
 from lit3d.planner.request import Request, plan
 
 EVERY_SETTING = frozenset(f.name for f in fields(Parallelism)) | {"micro_batch_size"}
@@ -65,8 +65,6 @@ def plan_of_run(strategy: RunningStrategy, cluster: Cluster | None = None) -> Pl
         lora=getattr(module, "lora", None),
     )
     microbatches = strategy.num_microbatches if pipelined else None
-    settings = replace(
-        strategy.parallelism, **sizes_of(layout), num_microbatches=microbatches, data_parallel_shares=None
-    )
+    settings = replace(strategy.parallelism, num_microbatches=microbatches, data_parallel_shares=None).at(layout)
     cluster = cluster or Cluster(nodes=strategy.num_nodes, gpus_per_node=strategy.num_processes)
     return plan(Request(config, cluster, training, settings, EVERY_SETTING)).chosen.plan

@@ -29,7 +29,7 @@ from lit3d.parallel.settings import Parallelism
 from lit3d.parallel.stages import check_stage_layers
 from lit3d.planner.calibration import STATIC_POWER_SHARE
 from lit3d.planner.clock import largest_costs
-from lit3d.planner.estimate import GB, PLANNING_DEFAULTS, PRECISIONS, Cluster, Plan, Training, estimate, sizes_of
+from lit3d.planner.estimate import GB, PLANNING_DEFAULTS, PRECISIONS, Cluster, Plan, Training, estimate
 from lit3d.planner.pipeline import CANDIDATES, choose_schedule, why_schedule
 
 LONG_SEQUENCE = 16384  # tokens from which the search tries context parallelism
@@ -241,7 +241,7 @@ def estimated(
     """``layout`` run with ``settings`` at this ZeRO stage and recompute (and, pipelined, its fastest schedule that
     fits); None if none can run."""
     try:
-        option = replace(settings, **sizes_of(layout), zero_stage=zero_stage, activation_checkpointing=checkpointing)
+        option = replace(settings, zero_stage=zero_stage, activation_checkpointing=checkpointing).at(layout)
     except ValueError:  # e.g. a schedule given that this ZeRO stage cannot run
         return None
     if layout.pp == 1:
