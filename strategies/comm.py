@@ -110,14 +110,14 @@ class CommBytes(CommDebugMode):
         """Bytes per axis of a `ParallelMeshes`; groups of no single axis (the whole world, say) go to "other".
 
         Groups are matched by their ranks: FSDP and DTensor may reach the same ranks through another group object.
-        The ``dp`` groups of the replica mesh (the ``dp × cp`` ranks that sync the weights) count as "dp". The ring
-        attention's group is "cp" and the tokens' all-to-alls' is "ep", matched by name (with ``dp == 1`` or
-        ``ep == dp`` their ranks are a DP group's); the expert mesh's ``edp`` groups (ranks holding the same experts)
-        count as "dp".
+        The replica mesh's groups (``dp_cp`` with context parallelism: the ranks that sync the weights) count as
+        "dp". The ring attention's group is "cp" and the tokens' all-to-alls' is "ep", matched by name (with
+        ``dp == 1`` or ``ep == dp`` their ranks are a DP group's); the expert mesh's ``edp`` groups (ranks holding
+        the same experts) count as "dp".
         """
         ranks = self._ranks_by_dim(meshes.world)
-        if meshes.replicas["dp"].size() > 1:
-            ranks[_ranks(meshes.replicas["dp"])] = "dp"
+        if meshes.replica_mesh.size() > 1:
+            ranks[_ranks(meshes.replica_mesh)] = "dp"
         groups = (("ep", meshes.ep_group), ("cp", meshes.cp_group))
         names = {group.group_name: axis for axis, group in groups if group is not None}
         if meshes.experts is not None and meshes.experts["edp"].size() > 1:

@@ -48,7 +48,7 @@ def whole_on_rank_zero(tensors: dict[str, Any], layout: Layout, rank: int, order
     Every rank gathers its DTensors over their own meshes (the ranks of a stage hold the same names, in the same
     order); then one rank of each later stage sends its stage's to rank 0."""
     coordinate = layout.coordinate(rank)
-    sends = layout.pp > 1 and rank != 0 and coordinate.d == coordinate.t == layout.cp_rank(rank) == 0
+    sends = layout.pp > 1 and rank != 0 and coordinate.d == coordinate.c == coordinate.t == 0
     sends = sends and layout.island(rank) == 0
     whole = {}
     for name, value in tensors.items():

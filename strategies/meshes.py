@@ -35,8 +35,9 @@ class ParallelMeshes:
         layout: The sizes and rank arithmetic they were built from.
         world: ``(pp, dp, cp, tp)`` over every rank (``(island, pp, dp, cp, tp)`` with DiLoCo's islands): the
             strategy's ``device_mesh``.
-        replicas: ``(pp, dp, tp)``, its ``dp`` the ``dp × cp`` ranks that hold the same weights: what the weights
-            are split, synced and ZeRO-sharded over (``world``'s own dims without context parallelism).
+        replicas: ``(pp, dp, tp)``, or ``(pp, dp_cp, tp)`` with context parallelism: its `replica_dim` spans the
+            ranks that hold the same weights, what the weights are split, synced and ZeRO-sharded over (``world``'s
+            own dims without context parallelism, a mesh of its own with it).
         experts: ``(pp, edp, ep, tp)`` with expert parallelism: ``ep`` splits each MoE layer's experts, ``edp`` holds
             the same ones.
         cp_group: The ring attention's group (context parallelism).
@@ -63,10 +64,8 @@ class ParallelMeshes:
         world = LightningNamedMesh(device_type, torch.arange(layout.world_size).view(shape), mesh_dim_names=names)
         replicas = world["pp", "dp", "tp"]
         if layout.cp > 1:  # the dp x cp ranks as one dim: a mesh of its own
-            shape = (layout.pp, layout.replicas, layout.tp)
-            replicas = DeviceMesh(
-                device_type, torch.arange(layout.world_size).view(shape), mesh_dim_names=("pp", "dp", "tp")
-            )
+            shape, names = (layout.pp, layout.replicas, layout.tp), ("pp", replica_dim(layout), "tp")
+            replicas = DeviceMesh(device_type, torch.arange(layout.world_size).view(shape), mesh_dim_names=names)
         # NOTE: the ring and the tokens' all-to-alls get groups of their own, apart from the meshes' (which may be the
         # very group the weights sync over: dp == 1, or ep == dp), so that `CommReport` tells their bytes apart.
         cp_group = _subgroup(layout.cp_groups()) if layout.cp > 1 else None
@@ -76,6 +75,11 @@ class ParallelMeshes:
         for_modules = _lightning_mesh(world, layout) if lightning_like else world
         return cls(layout, world, replicas, experts, cp_group, ep_group, for_modules)
 
+    @property
+    def replica_mesh(self) -> DeviceMesh:
+        """The 1-D mesh of this rank's replicas (`replica_dim` of `replicas`): what the weights sync over."""
+        return self.replicas[replica_dim(self.layout)]
+
     def group(self, axis: str) -> Any:
         """The process group of this rank along ``axis`` (``pp``, ``dp``, ``tp``, ``cp``, ``ep``, ``island``), or
         None when that axis has one rank. ``dp`` is the ``dp × cp`` replicas the weights are synced over."""
@@ -83,10 +87,13 @@ class ParallelMeshes:
             return self.cp_group
         if axis == "ep":
             return self.ep_group
-        mesh = self.replicas if axis == "dp" else self.world
-        if axis not in (mesh.mesh_dim_names or ()) or mesh[axis].size() == 1:
-            return None
-        return mesh[axis].get_group()
+        mesh = self.replica_mesh if axis == "dp" else self.world[axis] if axis in self.world.mesh_dim_names else None
+        return None if mesh is None or mesh.size() == 1 else mesh.get_group()
+
+
+def replica_dim(layout: Layout) -> str:
+    """The name of the replicas' dim: ``"dp"``, or ``"dp_cp"`` where it spans the ``dp × cp`` ranks."""
+    return "dp_cp" if layout.cp > 1 else "dp"
 
 
 def _lightning_mesh(world: DeviceMesh, layout: Layout) -> DeviceMesh:

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from lit3d.parallel.precision import keeps_master_weights
 from lit3d.parallel.settings import Parallelism
+from lit3d.parallel.zero import ZeroPolicy
 from lit3d.strategies.float8 import precompute_scales
 from lit3d.strategies.grad_norm import clip_grad_norm_
 from lit3d.strategies.islands import OuterLoop, build_outer_loop
@@ -50,8 +50,8 @@ class OptimizerSteps:
     def build(self, optimizers: list[torch.optim.Optimizer], module: nn.Module, earlier: OptimizerSteps | None) -> None:
         """Wrap each optimizer that steps on local shards; ``earlier``: the steps of a previous fit in these
         processes, whose master weights carry over."""
-        masters = self.zero1 and keeps_master_weights(
-            self.precision, self.parallelism.zero_stage, self.meshes.layout.replicas
+        masters = self.zero1 and ZeroPolicy.of(self.parallelism, self.meshes.layout).keeps_master_weights(
+            self.precision
         )
         self.module = module
         kept = {key: _local(value) for key, value in earlier.master_weights().items()} if earlier else {}

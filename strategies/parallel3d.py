@@ -10,7 +10,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import fields
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn as nn
@@ -29,7 +29,8 @@ from lit3d.models.transformer import loss_parallel_scope
 from lit3d.parallel.arguments import argument_docs
 from lit3d.parallel.layout import Layout, layout_lines
 from lit3d.parallel.settings import Parallelism
-from lit3d.planner.run import plan_of_run
+from lit3d.parallel.zero import ZeroPolicy
+from lit3d.planner.inputs import Plan
 from lit3d.strategies.checkpoints import Checkpoints, RankState, remove
 from lit3d.strategies.checks import ConfigurationError, check_run
 from lit3d.strategies.full_state import WholeOrder
@@ -39,15 +40,13 @@ from lit3d.strategies.meshes import ParallelMeshes
 from lit3d.strategies.optimizers import OptimizerSteps
 from lit3d.strategies.parallelize import follows_plan, not_splittable, refuse_fsdp1, split_module
 from lit3d.strategies.pipeline import Pipeline
+from lit3d.strategies.plan_check import PlanCheck, planned_run
 from lit3d.strategies.precision import clipping_split_model, describe
 from lit3d.strategies.preemption import StopOnSignal
 from lit3d.strategies.rank_life import RankLife
 from lit3d.strategies.tensor_parallel import lay_out_grads_like_params
 from lit3d.strategies.watchdog import batch_kind, report_failure
 from lit3d.strategies.zero import SyncedByModule, accumulation_sync
-
-if TYPE_CHECKING:
-    from lit3d.planner.estimate import Plan
 
 
 class Parallel3DStrategy(ModelParallelStrategy):
@@ -86,6 +85,7 @@ class Parallel3DStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta = timedelta(minutes=10),
+        plan_profile: str | None = None,
         start_method: Literal["popen", "fork"] | None = None,
         islands: int = 1,
         sync_every: int = 1,
@@ -212,7 +212,7 @@ class Parallel3DStrategy(ModelParallelStrategy):
         self.model_to_device()
         if self.layout.replicas > 1:  # before any step: replicas that are not kept in sync would silently drift
             chunks = tuple(self.pipeline.chunks) if self.pipeline is not None else ()
-            self.synced_by_module = SyncedByModule.check(module, self.meshes.replicas["dp"], chunks)
+            self.synced_by_module = SyncedByModule.check(module, self.meshes.replica_mesh, chunks)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             if not any(isinstance(callback, StopOnSignal) for callback in trainer.callbacks):
@@ -222,7 +222,7 @@ class Parallel3DStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             if not self.parallelism.offload:  # offloaded states stay in host memory
                 _optimizers_to_device(self.optimizers, self.root_device)
-            self._log_fit_start()
+            self._log_fit_start(trainer)
 
     def _split(self, module: LightningModule) -> None:
         """Split ``module.model`` for this rank and give the module the runner of its part (`split_module`)."""
@@ -251,22 +251,23 @@ class Parallel3DStrategy(ModelParallelStrategy):
         super().setup_optimizers(trainer)  # Lightning's drops the optimizers of an earlier setup first
         # ZeRO-1 where the strategy applied data parallelism; a module that parallelises itself chose its own.
         split = self._parallelized is not None
-        zero1 = self.parallelism.zero_stage == 1 and self.layout.replicas > 1 and split
+        zero1 = ZeroPolicy.of(self.parallelism, self.layout).slices_optimizer and split
         earlier, self.optimizer_steps = (
             self.optimizer_steps,
             OptimizerSteps(self.parallelism, self.meshes, self.precision_plugin.precision, zero1, split),
         )
         self.optimizer_steps.build(self.optimizers, self.lightning_module, earlier)
 
-    def _log_fit_start(self) -> None:
+    def _log_fit_start(self, trainer: Trainer) -> None:
         """Rank 0 logs what each axis sends in which dtype (a module split by lit3d), and the planner's estimate of
-        this run (`plan_of_run`)."""
+        this run (`planned_run`: priced on this device), which a `PlanCheck` holds the run to."""
         if self.layout.world_size > 1 and self._parallelized is not None:
             rank_zero_info(describe(self.parallelism, self.layout, self.precision_plugin.precision))
-        self.plan = plan_of_run(self)
+        self.plan, check = planned_run(self)
         if self.plan is not None:
             self.memory_estimate = self.plan.memory_by_stage[self.layout.coordinate(self.global_rank).p]
             rank_zero_info(memory_line(self.memory_estimate))
+            trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, PlanCheck)] + [check]
 
     @override
     def batch_to_device(self, batch: Any, device: Any = None, dataloader_idx: int = 0) -> Any:
@@ -296,7 +297,7 @@ class Parallel3DStrategy(ModelParallelStrategy):
         """The micro-steps of an accumulation window but the last (`accumulation_sync`)."""
         # NOTE: under pipeline parallelism the schedule itself syncs once per schedule, after its micro-batches.
         modules = [] if self.pipeline is not None else list(self.lightning_module.modules())
-        with accumulation_sync(modules, self.parallelism.zero_stage, self.parallelism.accumulate_unsharded):
+        with accumulation_sync(modules, ZeroPolicy.of(self.parallelism, self.layout)):
             yield
 
     @override

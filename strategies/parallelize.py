@@ -21,6 +21,7 @@ from lit3d.models.runner import ContextShare, ReplicaShare, Runner, WholeNetwork
 from lit3d.parallel.schedules import SCHEDULES
 from lit3d.parallel.settings import Parallelism
 from lit3d.parallel.shares import share_weight
+from lit3d.parallel.zero import ZeroPolicy
 from lit3d.strategies.context_parallel import apply_context_parallel
 from lit3d.strategies.float8 import apply_float8
 from lit3d.strategies.meshes import ParallelMeshes
@@ -163,7 +164,7 @@ def parallelize_network(
     """
     layout, mesh, expert_mesh = meshes.layout, meshes.replicas, meshes.experts
     sequence_parallel, compile = parallelism.splits_sequence(layout), parallelism.compile
-    activation_checkpointing, zero_stage = parallelism.activation_checkpointing, parallelism.zero_stage
+    activation_checkpointing = parallelism.activation_checkpointing
     check_plan(network, plan)
     chunks, stage_ids = [network], [0]
     if layout.pp > 1:
@@ -194,8 +195,8 @@ def parallelize_network(
             apply_data_parallel(
                 chunk,
                 list(chunk.blocks.values()),
-                mesh["dp"],
-                zero_stage,
+                meshes.replica_mesh,
+                ZeroPolicy.of(parallelism, layout),
                 mp_policy,
                 data_parallel_only=layout.tp == layout.pp == 1 and layout.ep == 1 if ddp is None else ddp,
                 expert_mesh=expert_mesh,

@@ -11,22 +11,24 @@ from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, P
 from typing_extensions import override
 
 from lit3d.parallel.layout import Layout
-from lit3d.parallel.precision import REDUCE_DTYPE_NAMES, is_bf16_mixed, keeps_master_weights
+from lit3d.parallel.precision import REDUCE_DTYPE_NAMES, is_bf16_mixed
 from lit3d.parallel.settings import Parallelism
+from lit3d.parallel.zero import ZeroPolicy
 
 REDUCE_DTYPES = dict(zip(REDUCE_DTYPE_NAMES, (torch.float32, torch.bfloat16)))
 
 
-def uses_ddp(zero_stage: int, data_parallel_only: bool, precision: str, mixed_precision_reduce: str) -> bool:
+def uses_ddp(zero: ZeroPolicy, data_parallel_only: bool, precision: str, mixed_precision_reduce: str) -> bool:
     """ZeRO-0 of a network that is only data parallel is DDP, unless bf16-mixed asks for bf16 reduction (which
     FSDP2's ``replicate`` does)."""
-    return zero_stage == 0 and data_parallel_only and reduce_dtype(precision, mixed_precision_reduce) is None
+    return zero.all_reduces and data_parallel_only and reduce_dtype(precision, mixed_precision_reduce) is None
 
 
 def ddp_runs(parallelism: Parallelism, layout: Layout, precision: str) -> bool:
     """`uses_ddp` for a run: DDP takes no DTensor, so only a network that is data parallel alone."""
     data_parallel_only = layout.tp == layout.pp == layout.ep == 1
-    return uses_ddp(parallelism.zero_stage, data_parallel_only, precision, parallelism.mixed_precision_reduce)
+    zero = ZeroPolicy.of(parallelism, layout)
+    return uses_ddp(zero, data_parallel_only, precision, parallelism.mixed_precision_reduce)
 
 
 def reduce_dtype(precision: str, mixed_precision_reduce: str) -> torch.dtype | None:
@@ -46,11 +48,11 @@ def mixed_precision_policy(precision: str, mixed_precision_reduce: str) -> objec
 
 def describe(parallelism: Parallelism, layout: Layout, precision: str) -> str:
     """One line for the rank-0 log: what each rank holds and what each axis sends, in which dtype."""
-    zero_stage, reduce = parallelism.zero_stage, parallelism.mixed_precision_reduce
-    return describe_dtypes(precision, zero_stage, ddp_runs(parallelism, layout, precision), reduce, layout.replicas)
+    zero, reduce = ZeroPolicy.of(parallelism, layout), parallelism.mixed_precision_reduce
+    return describe_dtypes(precision, zero, ddp_runs(parallelism, layout, precision), reduce)
 
 
-def describe_dtypes(precision: str, zero_stage: int, ddp: bool, mixed_precision_reduce: str, replicas: int) -> str:
+def describe_dtypes(precision: str, zero: ZeroPolicy, ddp: bool, mixed_precision_reduce: str) -> str:
     """`describe` from its parts."""
     precision = str(precision)
     if not is_bf16_mixed(precision):
@@ -60,14 +62,14 @@ def describe_dtypes(precision: str, zero_stage: int, ddp: bool, mixed_precision_
     if ddp:
         held = "fp32 parameters (autocast keeps a bf16 copy of each weight for backward)"
         dp = "gradients all-reduced in fp32 (DDP)"
-    elif replicas == 1:  # nothing to shard over: the optimizer steps the fp32 parameters themselves
+    elif zero.replicas == 1:  # nothing to shard over: the optimizer steps the fp32 parameters themselves
         held, dp = "fp32 parameters", "no data parallelism"
-    elif keeps_master_weights(precision, zero_stage, replicas):
+    elif zero.keeps_master_weights(precision):
         held = "bf16 parameters, fp32 master weights in the optimizer slices"
         dp = f"gradients reduce-scattered in {reduce}, updated slices all-gathered in bf16 (ZeRO-1)"
     else:
-        held = "fp32 parameters" + ("" if zero_stage == 0 else " sharded") + ", cast to bf16 by FSDP2"
-        gathers = "" if zero_stage == 0 else ", parameters gathered in bf16"
+        held = "fp32 parameters" + ("" if zero.all_reduces else " sharded") + ", cast to bf16 by FSDP2"
+        gathers = "" if zero.all_reduces else ", parameters gathered in bf16"
         dp = f"gradients reduced in {reduce}{gathers} (FSDP2)"
     return (
         f"precision bf16-mixed: {held}, fp32 optimizer states, bf16 compute; dp: {dp}; tp and pp: "

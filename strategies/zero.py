@@ -1,13 +1,6 @@
 """Data parallelism with ZeRO sharding over the DP mesh dimension, from PyTorch's FSDP2 building blocks.
 
-==========  ==================  ================  ==============  ============================================
-zero_stage  parameters          gradients         optimizer       built from
-==========  ==================  ================  ==============  ============================================
-0           replicated          all-reduced       replicated      DDP, or ``replicate``
-1           replicated          reduce-scattered  sharded (1/D)   `zero1.LocalShardOptimizer` (no wrapper)
-2           gathered once/step  reduce-scattered  sharded         ``fully_shard(reshard_after_forward=False)``
-3           gathered per block  reduce-scattered  sharded         ``fully_shard``
-==========  ==================  ================  ==============  ============================================
+What each stage shards and sends is `lit3d.parallel.zero.ZeroPolicy`'s (its table); here it is built.
 
 ZeRO-0 on a network that is data parallel only is PyTorch's DDP (its composable ``replicate``): gradients go out
 in buckets of about 25 MB, all-reduced in the background while backward goes on, as Lightning's ``ddp`` does.
@@ -36,6 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from lit3d.models.moe import MoE
 from lit3d.parallel.layout import LIGHTNING_DIM_NAMES
+from lit3d.parallel.zero import ZeroPolicy
 from lit3d.strategies.torch_compat import all_gather_single, ddp_no_buffer_sync
 
 
@@ -43,7 +37,7 @@ def apply_data_parallel(
     network: nn.Module,
     blocks: list[nn.Module],
     dp_mesh: DeviceMesh,
-    zero_stage: int,
+    zero: ZeroPolicy,
     mp_policy: Any = None,
     *,
     data_parallel_only: bool = False,
@@ -59,7 +53,7 @@ def apply_data_parallel(
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    if zero_stage == 0 and data_parallel_only:
+    if zero.all_reduces and data_parallel_only:
         from torch.distributed._composable.replicate import replicate
 
         # NOTE: no broadcast at the first forward (every rank initialises the same weights from the same seed),
@@ -73,13 +67,13 @@ def apply_data_parallel(
             **ddp_no_buffer_sync(),
         )
         return
-    if zero_stage == 1:  # `LocalShardOptimizer` syncs the gradients at the step; nothing to wrap
+    if zero.stage == 1:  # `LocalShardOptimizer` syncs the gradients at the step; nothing to wrap
         network._lit3d_zero1 = True
         return
     mp_policy = mp_policy or MixedPrecisionPolicy()
     offload_policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
-    ignored = _experts_data_parallel(network, expert_mesh, zero_stage, mp_policy, offload_policy)
-    if zero_stage == 0:
+    ignored = _experts_data_parallel(network, expert_mesh, zero, mp_policy, offload_policy)
+    if zero.all_reduces:
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
         # One gradient all-reduce per block, issued as soon as backward is done with it (overlaps the rest).
@@ -87,7 +81,7 @@ def apply_data_parallel(
             replicate(block, mesh=dp_mesh, mp_policy=mp_policy, ignored_params=ignored)
         replicate(network, mesh=dp_mesh, mp_policy=mp_policy, ignored_params=ignored)
         return
-    reshard = zero_stage == 3
+    reshard = zero.reshards_after_forward
     policies = dict(mp_policy=mp_policy, offload_policy=offload_policy, ignored_params=ignored)
     for block in blocks:
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, **policies)
@@ -97,7 +91,7 @@ def apply_data_parallel(
 
 
 def _experts_data_parallel(
-    network: nn.Module, expert_mesh: DeviceMesh | None, zero_stage: int, mp_policy: Any, offload_policy: Any = None
+    network: nn.Module, expert_mesh: DeviceMesh | None, zero: ZeroPolicy, mp_policy: Any, offload_policy: Any = None
 ) -> set[nn.Parameter] | None:
     """Expert parallelism under ZeRO-0/2/3: each MoE layer's experts become an FSDP2 unit (ZeRO-0: ``replicate``)
     of their own over the ranks that hold the same experts (``edp``); with a single such group there is nothing to
@@ -112,7 +106,7 @@ def _experts_data_parallel(
     if edp.size() == 1:
         return {p for e in experts for p in e.parameters()}
     for unit in experts:
-        if zero_stage == 0:
+        if zero.all_reduces:
             from torch.distributed._composable.replicate_with_fsdp import replicate
 
             replicate(unit, mesh=edp, mp_policy=mp_policy)
@@ -120,19 +114,20 @@ def _experts_data_parallel(
             fully_shard(
                 unit,
                 mesh=edp,
-                reshard_after_forward=zero_stage == 3,
+                reshard_after_forward=zero.reshards_after_forward,
                 mp_policy=mp_policy,
                 offload_policy=offload_policy,
             )
     return None
 
 
-def accumulation_sync(modules: list[nn.Module], zero_stage: int, accumulate_unsharded: bool) -> Any:
+def accumulation_sync(modules: list[nn.Module], zero: ZeroPolicy) -> Any:
     """What the micro-steps of an accumulation window but the last communicate (`gradient_sync_off`): nothing under
     DDP (ZeRO-0); at ZeRO-2/3 a reduce-scatter per micro-step, so the gradients accumulate as shards, unless
     ``accumulate_unsharded``; ZeRO-2 keeps its parameters gathered from one micro-step to the next."""
-    sharded = zero_stage >= 2 and not accumulate_unsharded
-    return gradient_sync_off(modules, keep_gathered=zero_stage == 2, sharded=sharded)
+    return gradient_sync_off(
+        modules, keep_gathered=zero.keeps_gathered_across_micro_steps, sharded=zero.reduces_every_micro_step
+    )
 
 
 @contextmanager

@@ -69,6 +69,7 @@ class LocalShardOptimizer:
         if param_dtype is not None and zero1_mesh is None:
             raise ValueError("master weights (param_dtype) are ZeRO-1's: give its mesh")
         self.mesh, self.reduce_dtype, self.expert_mesh = zero1_mesh, reduce_dtype, expert_mesh
+        self.dp_dim = "dp_cp" if zero1_mesh is not None and "dp_cp" in zero1_mesh.mesh_dim_names else "dp"
         self.param_dtype, self._masters = param_dtype, masters or {}
         self.entries: list[SlicedParam] = []
         for group in optimizer.param_groups:
@@ -111,11 +112,11 @@ class LocalShardOptimizer:
                 raise TypeError(f"ZeRO-1 expects plain or tensor-parallel parameters, got {param.placements}")
             taken = {p.dim for p in tp if isinstance(p, Shard)}
             dim = next((d for d in range(param.ndim) if d not in taken), 0)
-            mesh = self.mesh["dp", "tp"] if tp else self.mesh["dp"]
+            mesh = self.mesh[self.dp_dim, "tp"] if tp else self.mesh[self.dp_dim]
             # A column-parallel linear's bias has no dim TP leaves whole: each TP rank's part is sliced over DP,
             # which DTensor places as a strided shard (FSDP2 places such tensors the same way).
             over_dp = _StridedShard(dim, split_factor=mesh["tp"].size()) if dim in taken else Shard(dim)
-            entry = SlicedParam(param, None, mesh, (over_dp, *tp), dim)
+            entry = SlicedParam(param, None, mesh, (over_dp, *tp), dim, dp_dim=self.dp_dim)
             entry.tp_sharded = bool(taken)
         view = entry.local(param).detach()
         if self.param_dtype is not None:  # the fp32 master weights of this rank's part
@@ -215,7 +216,7 @@ class LocalShardOptimizer:
         first_tp = "tp" not in mesh.mesh_dim_names or mesh["tp"].get_local_rank() == 0
         counted = [e.view.grad for e in self.entries if e.view.grad is not None and (first_tp or e.tp_sharded)]
         squared = sum((g.float().square().sum() for g in counted), torch.zeros((), device=grads[0].device))
-        for dim in ("dp", "tp", "pp"):
+        for dim in (self.dp_dim, "tp", "pp"):
             group = pipeline_group if dim == "pp" else mesh[dim].get_group() if dim in mesh.mesh_dim_names else None
             if group is not None and torch.distributed.get_world_size(group) > 1:
                 torch.distributed.all_reduce(squared, group=group)

@@ -25,7 +25,7 @@ class SlicedParam:
         dp_dim: str = "dp",
     ) -> None:
         self.param, self.view, self.mesh, self.placements, self.dim = param, view, mesh, placements, dim
-        self.dp_dim = dp_dim  # the mesh dim ZeRO-1 slices over ("edp" for MoE experts)
+        self.dp_dim = dp_dim  # the mesh dim ZeRO-1 slices over ("dp_cp" with CP, "edp" for MoE experts)
         self.tp_sharded = False  # split over TP: every TP rank's part counts in the gradient norm
         self.grad_aside: torch.Tensor | None = None  # with master weights: backward's gradients so far
 

@@ -149,6 +149,7 @@ LAYOUTS: dict[str, tuple[int, dict]] = {
     ),
     "dp2_tp2_zero1": (4, {"strategy": {"tensor_parallel_size": 2, "zero_stage": 1}}),
     "dp2_tp2_zero3": (4, {"strategy": {"tensor_parallel_size": 2, "zero_stage": 3}}),
+    "dp2_zero1_plan_profile": (2, {"strategy": {"zero_stage": 1, "plan_profile": "CPU_PROFILE"}}),
     "dp2_tp2_plain_loader": (
         4,
         {"strategy": {"tensor_parallel_size": 2}, "plain_loader": True, "trainer": {"max_steps": 2}},
@@ -440,7 +441,28 @@ def reference_uneven_run(base_job, tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="session")
-def layout_runs(base_job, packed_data, tmp_path_factory) -> dict[str, dict]:
+def cpu_profile(tmp_path_factory) -> str:
+    """A profile as `lit3d calibrate` writes it (the planner's CPU core, two processes), for runs that price their
+    step on it (``plan_profile``: ``"CPU_PROFILE"`` in a layout's strategy)."""
+    import json
+    from dataclasses import asdict
+
+    from lit3d.planner.hardware import cpu_share
+
+    path = tmp_path_factory.mktemp("profile") / "cpu.json"
+    path.write_text(json.dumps({"gpu": asdict(cpu_share(2, cores=2, memory_gb=8.0)), "collective_latency_us": 50.0}))
+    return str(path)
+
+
+def with_profile(job: dict, profile: str) -> dict:
+    strategy = job.get("strategy", {})
+    if strategy.get("plan_profile") != "CPU_PROFILE":
+        return job
+    return {**job, "strategy": {**strategy, "plan_profile": profile}}
+
+
+@pytest.fixture(scope="session")
+def layout_runs(base_job, packed_data, cpu_profile, tmp_path_factory) -> dict[str, dict]:
     """Every layout of `LAYOUTS`, `MOE_LAYOUTS`, `CP_LAYOUTS`, `LORA_LAYOUTS`, `PACKED_LAYOUTS`, `FAMILY_LAYOUTS`,
     `FLOAT8_LAYOUTS`, `UNEVEN_LAYOUTS` and `SHARE_LAYOUTS`, one spawn per world size."""
     from family_layouts import FAMILY_LAYOUTS
@@ -452,7 +474,11 @@ def layout_runs(base_job, packed_data, tmp_path_factory) -> dict[str, dict]:
                **FLOAT8_LAYOUTS, **UNEVEN_LAYOUTS, **SHARE_LAYOUTS}  # fmt: skip
     results = {}
     for world in sorted({w for w, _ in layouts.values()}):
-        jobs = {name: merge(base_job, with_data(job, packed_data)) for name, (w, job) in layouts.items() if w == world}
+        jobs = {
+            name: merge(base_job, with_profile(with_data(job, packed_data), cpu_profile))
+            for name, (w, job) in layouts.items()
+            if w == world
+        }
         results.update(run_jobs(world, jobs, tmp_path_factory.mktemp(f"world{world}")))
     return results
 

@@ -200,6 +200,9 @@ def _run_job(job: dict, job_dir: Path, devices: int) -> dict:
         result["val_loss"] = logged(log_dir, "val_loss")
         result["pp_bubble"] = logged(log_dir, "pp/bubble")
         result["pp_bubble_theory"] = logged(log_dir, "pp/bubble_theory")
+        result["plan_check"] = {
+            name: logged(log_dir, f"plan/{name}") for name in ("peak_memory_ratio", "step_time_ratio")
+        }
     if job.get("validate_after_fit"):
         result["validate_after_fit"] = trainer.validate(model, data, verbose=False)[0]["val_loss"]
     if job.get("test_after_fit"):

@@ -193,10 +193,10 @@ def test_context_parallel_sits_between_data_and_tensor_parallel_in_the_rank_map(
     layout = Layout(dp=2, tp=2, pp=2, devices_per_node=8, cp=2)
     assert layout.world_size == 16 and layout.replicas == 4
     assert layout.cp_groups()[0] == [0, 2] and layout.tp_groups()[0] == [0, 1]
-    assert all(layout.rank(*layout.coordinate(r), c=layout.cp_rank(r)) == r for r in range(16))
+    assert all(layout.rank(*layout.coordinate(r)) == r for r in range(16))
     text = layout.rank_map()
     assert "dp 2 x cp 2 x tp 2 x pp 2" in text and "context-parallel ring of 2 (stride 2)" in text
-    assert "(d, c, t, p)" in text and "   0     6  (1, 1, 0, 0)" in text
+    assert "(p, d, c, t)" in text and "   0     6  (0, 1, 1, 0)" in text
 
 
 def test_the_planner_needs_context_parallelism_for_llama_405b_at_128k_tokens(capsys):

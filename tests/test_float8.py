@@ -72,7 +72,9 @@ def test_the_blocks_linears_run_in_fp8_and_the_embedding_head_router_and_experts
     from lit3d.models.transformer import Transformer
     from lit3d.strategies.float8 import apply_float8
 
-    config = GPTConfig(**FP8_GPT, n_expert=4, n_expert_per_token=2, d_ff_expert=64, first_dense_layers=1)
+    config = GPTConfig(
+        **{**FP8_GPT, "n_layer": 4}, n_expert=4, n_expert_per_token=2, d_ff_expert=64, first_dense_layers=1
+    )
     network = Transformer(config)
     assert apply_float8(network, "rowwise") == 4 * 4 + 3  # q, k, v, o per block; gate, up, down of the dense one
     fp8 = {name for name, m in network.named_modules() if isinstance(m, Float8Linear)}

@@ -9,15 +9,15 @@ from lit3d.strategies import Parallel3DStrategy
 
 def test_tp_is_innermost_and_pp_outermost():
     layout = Layout(dp=2, tp=2, pp=2, devices_per_node=4)
-    assert [tuple(layout.coordinate(r)) for r in range(8)] == [
-        (0, 0, 0),
-        (0, 1, 0),
-        (1, 0, 0),
-        (1, 1, 0),
-        (0, 0, 1),
-        (0, 1, 1),
-        (1, 0, 1),
-        (1, 1, 1),
+    assert [tuple(layout.coordinate(r)) for r in range(8)] == [  # (p, d, c, t)
+        (0, 0, 0, 0),
+        (0, 0, 0, 1),
+        (0, 1, 0, 0),
+        (0, 1, 0, 1),
+        (1, 0, 0, 0),
+        (1, 0, 0, 1),
+        (1, 1, 0, 0),
+        (1, 1, 0, 1),
     ]
     assert all(layout.rank(*layout.coordinate(r)) == r for r in range(8))  # global = t + d*T + p*T*D
     assert layout.tp_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]
@@ -28,7 +28,7 @@ def test_tp_is_innermost_and_pp_outermost():
 def test_rank_map_shows_nodes_coordinates_and_group_sizes():
     text = Layout(dp=2, tp=2, pp=2, devices_per_node=4).rank_map()
     assert "8 ranks = dp 2 x tp 2 x pp 2, 2 node(s) x 4 device(s)" in text
-    assert "   1     5  (0, 1, 1)" in text  # node 1, rank 5, (d, t, p)
+    assert "   1     5  (1, 0, 1)" in text  # node 1, rank 5, (p, d, t)
     assert "WARNING" not in text
 
 

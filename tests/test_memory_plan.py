@@ -4,8 +4,8 @@ LoRA at DP2 (ZeRO-1, ZeRO-3, ZeRO-3 offloaded) and TP2.
 The plan is the search's own `estimate` of the layout (what `lit3d plan` prints and picks by), not the run's. The run
 measures its parameters, gradients and optimizer states at the last optimizer step (`memory_by_component`), the bytes
 autograd saves in each forward (saved-tensor hooks: the activations, with autocast's bf16 copies of fp32 weights), and
-the most bytes of live tensors each rank holds over a whole step (`benchmarks.live_memory.PeakMemory`: what a GPU's
-allocator would hand out), against the plan's total. A model wide enough for its weights and optimizer states to
+the most bytes of live tensors each rank holds over a whole step (`lit3d.strategies.live_memory.PeakMemory`: what a
+GPU's allocator would hand out), against the plan's total. A model wide enough for its weights and optimizer states to
 dominate, as in a real run; AdamW as PyTorch runs it on GPUs by default (``foreach``: a temporary the size of what
 it steps).
 
@@ -22,11 +22,11 @@ import pytest
 import torch
 from conftest import merge
 
-from benchmarks.live_memory import PeakMemory
 from lit3d import GPTConfig, LoRA
 from lit3d.parallel.layout import Layout
 from lit3d.parallel.settings import Parallelism
 from lit3d.planner import Cluster, Training, estimate
+from lit3d.strategies.live_memory import PeakMemory
 
 CONFIG = dict(n_layer=2, n_head=6, n_kv_head=2, d_model=384, d_ff=1024, vocab_size=257, max_seq_len=32)
 SEQ, BATCH = 16, 8  # 4 sequences per replica: one micro-batch of 64 tokens

@@ -322,16 +322,19 @@ def test_each_preset_config_parses_and_its_layout_fits_in_80_gb(name):
 
 
 def test_the_rank0_log_says_what_dtype_each_axis_communicates_in():
+    from lit3d.parallel.zero import ZeroPolicy
     from lit3d.strategies.precision import describe_dtypes
 
-    assert "every axis communicates in fp32" in describe_dtypes("32-true", 1, False, "float32", 2)
-    line = describe_dtypes("bf16-mixed", 3, False, "float32", 2)
+    assert "every axis communicates in fp32" in describe_dtypes("32-true", ZeroPolicy(1, 2), False, "float32")
+    line = describe_dtypes("bf16-mixed", ZeroPolicy(3, 2), False, "float32")
     assert "parameters gathered in bf16" in line and "gradients reduced in fp32" in line
-    zero1 = describe_dtypes("bf16-mixed", 1, False, "bfloat16", 2)
+    zero1 = describe_dtypes("bf16-mixed", ZeroPolicy(1, 2), False, "bfloat16")
     assert "reduce-scattered in bf16" in zero1 and "bf16 parameters, fp32 master weights" in zero1
-    assert "all-reduced in fp32 (DDP)" in describe_dtypes("bf16-mixed", 0, True, "float32", 2)
+    assert "all-reduced in fp32 (DDP)" in describe_dtypes("bf16-mixed", ZeroPolicy(0, 2), True, "float32")
     # ZeRO-1 without data-parallel replicas (TP only) has nothing to shard: it keeps fp32 parameters
-    assert "precision bf16-mixed: fp32 parameters, " in describe_dtypes("bf16-mixed", 1, False, "float32", 1)
+    assert "precision bf16-mixed: fp32 parameters, " in describe_dtypes(
+        "bf16-mixed", ZeroPolicy(1, 1), False, "float32"
+    )
 
 
 def test_plan_json_reports_flops_parameters_and_activations_per_layer(capsys):

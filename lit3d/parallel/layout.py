@@ -36,9 +36,12 @@ LIGHTNING_DIM_NAMES = {
 
 
 class Coordinate(NamedTuple):
-    d: int
-    t: int
+    """A rank's place on each axis, outermost first: the order of the rank formula and of `MESH_DIMS`."""
+
     p: int
+    d: int
+    c: int
+    t: int
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,7 @@ class Layout:
         return self.island(rank) * self.dp + self.coordinate(rank).d
 
     def island_groups(self) -> list[list[int]]:
-        """The ranks DiLoCo's outer step averages over (the mesh's ``island`` dim): one group per (d, c, t, p)."""
+        """The ranks DiLoCo's outer step averages over (the mesh's ``island`` dim): one group per (p, d, c, t)."""
         return [[rank + i * self.island_size for i in range(self.islands)] for rank in range(self.island_size)]
 
     @property
@@ -88,25 +91,23 @@ class Layout:
         return -(-self.world_size // self.devices_per_node)
 
     def coordinate(self, rank: int) -> Coordinate:
-        """(d, t, p) of ``rank``; its place in the CP ring is `cp_rank`."""
-        t, c, d, p = self._digits(rank)
-        return Coordinate(d=d, t=t, p=p)
-
-    def cp_rank(self, rank: int) -> int:
-        return self._digits(rank)[1]
-
-    def _digits(self, rank: int) -> tuple[int, int, int, int]:
+        """``(p, d, c, t)`` of ``rank`` (in its island): the rank formula's digits, outermost first."""
         t, rest = rank % self.tp, rank // self.tp
         c, rest = rest % self.cp, rest // self.cp
-        return t, c, rest % self.dp, rest // self.dp % self.pp
+        return Coordinate(p=rest // self.dp % self.pp, d=rest % self.dp, c=c, t=t)
 
-    def rank(self, d: int, t: int, p: int, c: int = 0, island: int = 0) -> int:
+    def cp_rank(self, rank: int) -> int:
+        """``rank``'s place in its context-parallel ring."""
+        return self.coordinate(rank).c
+
+    def rank(self, p: int = 0, d: int = 0, c: int = 0, t: int = 0, island: int = 0) -> int:
+        """The rank at ``(p, d, c, t)`` of ``island``: the rank formula."""
         return t + self.tp * (c + self.cp * (d + self.dp * (p + self.pp * island)))
 
     def cp_groups(self) -> list[list[int]]:
-        """The context-parallel rings: ``cp`` ranks with the same d, t and p, ``tp`` apart."""
+        """The context-parallel rings: ``cp`` ranks with the same p, d and t, ``tp`` apart."""
         return [
-            [self.rank(d, t, p, c) for c in range(self.cp)]
+            [self.rank(p, d, c, t) for c in range(self.cp)]
             for p in range(self.pp)
             for d in range(self.dp)
             for t in range(self.tp)
@@ -116,7 +117,7 @@ class Layout:
         """The expert-parallel groups: ``ep`` consecutive data-parallel ranks each (same TP, CP and PP
         coordinates)."""
         return [
-            [self.rank(first + e, t, p, c) for e in range(self.ep)]
+            [self.rank(p, first + e, c, t) for e in range(self.ep)]
             for p in range(self.pp)
             for first in range(0, self.dp, self.ep)
             for c in range(self.cp)
@@ -128,7 +129,7 @@ class Layout:
 
     def tp_groups(self) -> list[list[int]]:
         return [
-            [self.rank(d, t, p, c, i) for t in range(self.tp)]
+            [self.rank(p, d, c, t, i) for t in range(self.tp)]
             for i in range(self.islands)
             for p in range(self.pp)
             for d in range(self.dp)
@@ -148,7 +149,8 @@ class Layout:
         )
 
     def rank_map(self, max_rows: int = 64) -> str:
-        """A table of node, rank and (d, t, p) per rank, with the group sizes; rank 0 prints it at start."""
+        """A table of node, rank and (p, d, t) per rank (with c: context parallelism), with the group sizes; rank 0
+        prints it at start."""
         cp = f" x cp {self.cp}" if self.cp > 1 else ""
         grid = f"dp {self.dp}{cp} x tp {self.tp} x pp {self.pp}"
         grid = f"{self.islands} islands x ({grid})" if self.islands > 1 else grid
@@ -173,7 +175,7 @@ class Layout:
         if self.islands > 1:
             lines.append(
                 f"islands: {self.islands} of {self.island_size} consecutive ranks each, synced only at DiLoCo's outer "
-                f"step (ranks {self.island_size} apart: same d, t, p); the global batch is split over all "
+                f"step (ranks {self.island_size} apart: same p, d, t); the global batch is split over all "
                 f"{self.data_replicas} replicas"
             )
         crossing = self.tp_groups_across_nodes()
@@ -182,14 +184,14 @@ class Layout:
         lines.append(
             "node  rank  "
             + ("island  " if self.islands > 1 else "")
-            + ("(d, c, t, p)" if self.cp > 1 else "(d, t, p)")
+            + ("(p, d, c, t)" if self.cp > 1 else "(p, d, t)")
             + ("  ep group, experts" if self.ep > 1 else "")
         )
         for rank in range(min(self.world_size, max_rows)):
-            t, c, d, p = self._digits(rank)
+            p, d, c, t = self.coordinate(rank)
             flag = "  <- TP group spans nodes" if any(rank in g for g in crossing) else ""
             experts = f"  {d // self.ep}, part {d % self.ep + 1}/{self.ep}" if self.ep > 1 else ""
-            where = f"({d}, {c}, {t}, {p})" if self.cp > 1 else f"({d}, {t}, {p})"
+            where = f"({p}, {d}, {c}, {t})" if self.cp > 1 else f"({p}, {d}, {t})"
             island = f"{self.island(rank):>6}  " if self.islands > 1 else ""
             lines.append(f"{self.node(rank):>4}  {rank:>4}  {island}{where}{experts}{flag}")
         if self.world_size > max_rows:

@@ -8,9 +8,9 @@ master weights live depends on the data-parallel wrapper:
   precision policy gathers them in bf16 for compute.
 - DDP (ZeRO-0, data parallel only) and a run without data parallelism: the fp32 parameters themselves, which
   autocast casts to bf16 in every forward (keeping each bf16 copy for backward).
-- ZeRO-1 (`keeps_master_weights`): bf16 parameters, and the fp32 master weights of each rank's slice in the sharded
-  optimizer state (Megatron's distributed optimizer); the bf16 gradients are reduce-scattered in the reduce dtype
-  and the updated slices all-gathered in bf16.
+- ZeRO-1 (`lit3d.parallel.zero.ZeroPolicy.keeps_master_weights`): bf16 parameters, and the fp32 master weights
+  of each rank's slice in the sharded optimizer state (Megatron's distributed optimizer); the bf16 gradients are
+  reduce-scattered in the reduce dtype and the updated slices all-gathered in bf16.
 
 The planner counts what each holds from the same rule (`lit3d.planner.estimate.held_precision`).
 """
@@ -32,12 +32,6 @@ def check_reduce_dtype(mixed_precision_reduce: str) -> None:
 
 def is_bf16_mixed(precision: str) -> bool:
     return str(precision) == "bf16-mixed"
-
-
-def keeps_master_weights(precision: str, zero_stage: int, replicas: int) -> bool:
-    """Whether the model's parameters are bf16 and the optimizer steps fp32 master copies of this rank's slices:
-    ZeRO-1 under bf16-mixed with data-parallel replicas (`lit3d.strategies.zero1.LocalShardOptimizer`)."""
-    return is_bf16_mixed(precision) and zero_stage == 1 and replicas > 1
 
 
 FLOAT8_PRECISIONS = ("bf16-mixed", "bf16-true")  # FP8 matmuls inside a bf16 run (`lit3d.strategies.float8`)

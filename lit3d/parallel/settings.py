@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 from dataclasses import MISSING, dataclass, field, fields, replace
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 from lit3d.parallel.layout import (
@@ -174,6 +175,12 @@ class Parallelism:
         """How long a collective may wait for a peer before the
         job fails. At 90 % of it without progress, each rank logs the collective it waits in.""",
     )
+    plan_profile: str | None = _setting(
+        None,
+        """A profile of this machine that ``lit3d calibrate`` wrote (JSON), on which every run's plan check
+        (``plan/step_time_ratio``) prices its step. On GPUs the card PyTorch reports is priced; on CPU ranks without
+        a profile the step time is not compared (the memory is).""",
+    )
     start_method: Literal["popen", "fork"] | None = _setting(
         None,
         """How local ranks are started when nothing
@@ -276,6 +283,8 @@ class Parallelism:
                 "async_checkpoint=True writes sharded folders in the background; with save_distributed_checkpoint="
                 "False (one consolidated file) use async_checkpoint=False"
             )
+        if self.plan_profile is not None and not Path(self.plan_profile).is_file():
+            raise ValueError(f"plan_profile={self.plan_profile!r} is not a file: give what `lit3d calibrate` wrote")
         if not isinstance(self.timeout, timedelta) or self.timeout.total_seconds() <= 0:
             raise ValueError(f"timeout={self.timeout!r} must be a positive datetime.timedelta")
 

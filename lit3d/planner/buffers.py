@@ -7,7 +7,7 @@ activations, and when: the peak of a step is the most of three moments.
 - the optimizer step: every gradient, beside AdamW's temporaries (PyTorch's default on GPUs, ``foreach``, makes
   one tensor the size of the parameters it steps; ``fused`` makes none).
 
-The buffers by ZeRO stage, as lit3d runs them (measured with benchmarks/live_memory.py on CPU ranks):
+The buffers by ZeRO stage, as lit3d runs them (measured with `lit3d.strategies.live_memory` on CPU ranks):
 
 - ZeRO-1 (`lit3d.strategies.zero1_buckets.Bucket`): each bucket's gradient rows in the optimizer's dtype, the only
   whole gradient; one bucket filling and one in flight, or every bucket while micro-steps or a pipeline's
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lit3d.parallel.sharding import BUCKET_ELEMENTS
+from lit3d.parallel.zero import ZeroPolicy
 from lit3d.planner.tensors import Tensor, local_numel, replicas, stepped_numel
 
 
@@ -42,20 +43,20 @@ class Transient:
 
 
 def transient_bytes(
-    tensors: list[Tensor], layout: Any, zero_stage: int, precision: Any, summed: bool, offload: bool = False
+    tensors: list[Tensor], layout: Any, zero: ZeroPolicy, precision: Any, summed: bool, offload: bool = False
 ) -> Transient:
     """What a rank holding ``tensors`` keeps for a moment only; ``summed``: gradients are summed over micro-steps or a
     pipeline's micro-batches before they are reduced. ``precision``: `lit3d.planner.estimate.Precision`. With
     ``offload`` (ZeRO-3, even on one replica) the gathers are on the device and AdamW's temporaries on the host."""
     matrices = [t for t in tensors if len(t.shape) >= 2]  # AdamW's larger parameter group (the norms are the other)
-    step = 0 if offload else stepped_numel(matrices, layout, zero_stage) * precision.stepped_bytes
+    step = 0 if offload else stepped_numel(matrices, layout, zero) * precision.stepped_bytes
     if offload:
-        return _fsdp(tensors, layout, zero_stage, precision, summed, step)
-    if layout.replicas == 1 or zero_stage == 0:
+        return _fsdp(tensors, layout, zero, precision, summed, step)
+    if layout.replicas == 1 or zero.all_reduces:
         return Transient(0, 0, step)
-    if zero_stage == 1:  # buckets of gradients: of what trains
+    if zero.slices_optimizer:  # buckets of gradients: of what trains
         return _zero1([t for t in tensors if t.trains], layout, precision, summed, step)
-    return _fsdp(tensors, layout, zero_stage, precision, summed, step)
+    return _fsdp(tensors, layout, zero, precision, summed, step)
 
 
 def _zero1(tensors: list[Tensor], layout: Any, precision: Any, summed: bool, step: int) -> Transient:
@@ -85,7 +86,7 @@ def zero1_bucket_rows(tensors: list[Tensor], layout: Any) -> list[int]:
     return [ranks * total for buckets in packed.values() for ranks, total in buckets if ranks > 1]
 
 
-def _fsdp(tensors: list[Tensor], layout: Any, zero_stage: int, precision: Any, summed: bool, step: int) -> Transient:
+def _fsdp(tensors: list[Tensor], layout: Any, zero: ZeroPolicy, precision: Any, summed: bool, step: int) -> Transient:
     def whole(group: list[Tensor]) -> int:
         return sum(local_numel(t, layout.tp, ep=layout.ep) for t in group)
 
@@ -103,11 +104,11 @@ def _fsdp(tensors: list[Tensor], layout: Any, zero_stage: int, precision: Any, s
         return Transient(every * gather + every_grad * reduce + block * gather, scatter, step)
     # The root stays gathered for the whole step, and its unsharded gradients wait for its reduce-scatter at
     # backward's end; ZeRO-3 holds the block backward computes and the next one's gather, ZeRO-2 every block.
-    gathered = (every if zero_stage == 2 else root + 2 * block) * gather
+    gathered = (root + 2 * block if zero.reshards_after_forward else every) * gather
     end = (root + root_grads + block) * gather + scatter
     # ZeRO-3's forward: a block's all-gather output and the parameters it is copied out to, beside the next block's
     # output (prefetched), and the root.
-    forward = (root + 3 * block) * gather if zero_stage == 3 else 0
+    forward = (root + 3 * block) * gather if zero.reshards_after_forward else 0
     if summed:  # every unsharded gradient summed in the reduce dtype, beside the first block's new ones
         return Transient(gathered + every_grad * reduce + block_grads * gather, end, step, forward)
     return Transient(gathered + root_grads * gather + scatter, end, step, forward)

@@ -26,6 +26,7 @@ from lit3d.models.lora_settings import LoRA
 from lit3d.parallel.layout import Layout
 from lit3d.parallel.schedules import SCHEDULES, Costs, bubble_theory
 from lit3d.parallel.settings import Parallelism
+from lit3d.parallel.zero import ZeroPolicy
 from lit3d.planner.calibration import (
     ATTENTION_BACKWARD_FLOPS,
     BACKWARD_ELEMENTWISE,
@@ -172,9 +173,10 @@ def step_time(
         )
     pipelined = compute + memory + sum(exposed.values())
     idle = pipelined * bubble / (1 - bubble)
-    gathered = _gathered_share(settings.zero_stage, precision)
+    zero = ZeroPolicy.of(settings, layout)
+    gathered = _gathered_share(zero, precision)
     exposed["dp"], hidden["dp"] = _data_parallel(
-        seconds["dp"], settings, training, busiest, microbatches, gathered, cluster
+        seconds["dp"], zero, training, busiest, microbatches, gathered, cluster
     )
     if "island" in seconds:  # NOTE: the outer step waits for its all-reduce, amortised over its inner steps
         exposed["island"] = seconds["island"]
@@ -287,15 +289,15 @@ def _exposed(
     return exposed, hidden
 
 
-def _gathered_share(zero_stage: int, precision: Precision) -> float:
+def _gathered_share(zero: ZeroPolicy, precision: Precision) -> float:
     """The share of ZeRO-1/2's data-parallel bytes that gathers weights (the rest reduces gradients)."""
-    weights = precision.weights if zero_stage == 1 else precision.gather_bytes
+    weights = precision.weights if zero.slices_optimizer else precision.gather_bytes
     return weights / (weights + precision.reduce_bytes)
 
 
 def _data_parallel(
     dp_seconds: float,
-    settings: Parallelism,
+    zero: ZeroPolicy,
     training: Training,
     busiest: dict,
     microbatches: int,
@@ -309,13 +311,13 @@ def _data_parallel(
         return 0.0, 0.0
     per_micro_batch = busiest["compute"] + busiest["memory_bound"]
     backward = per_micro_batch * 2 / 3
-    if settings.zero_stage == 3:
+    if zero.reshards_after_forward:
         windows = [(dp_seconds, per_micro_batch * microbatches)]
-    elif settings.zero_stage == 0:
+    elif zero.all_reduces:
         windows = [(dp_seconds, backward)]
     else:  # a reduce-scatter of the gradients and a gather of the weights, as many elements each
         gather = dp_seconds * gathered
-        overlapped = training.software.overlap_param_gather or settings.zero_stage == 2
+        overlapped = training.software.overlap_param_gather or zero.shards_parameters  # (ZeRO-2: FSDP2 prefetches)
         windows = [(dp_seconds - gather, backward), (gather, per_micro_batch / 3 if overlapped else 0.0)]
     cost = cluster.gpu.efficiency.overlap_cost
     hidden = sum(min(traffic, window) for traffic, window in windows)
@@ -334,15 +336,15 @@ def _optimizer(
 ) -> float:
     """AdamW's step over what the rank's optimizer steps, and clipping's norm: memory-bound."""
     key = config_key(config, lora, settings.pipeline_stage_layers)
-    numel, stepped = _stepped(key, layout, virtual, rank, placement, settings.zero_stage)
+    numel, stepped = _stepped(key, layout, virtual, rank, placement, ZeroPolicy.of(settings, layout))
     return numel * OPTIMIZER_BYTES / device.bandwidth + device.kernels(stepped * OPTIMIZER_OPS)
 
 
 @lru_cache(maxsize=4096)
-def _stepped(key: tuple, layout: Layout, virtual: int, rank: int, placement: str, zero_stage: int) -> tuple[int, int]:
+def _stepped(key: tuple, layout: Layout, virtual: int, rank: int, placement: str, zero: ZeroPolicy) -> tuple[int, int]:
     """(elements, tensors) rank ``rank``'s optimizer steps (cached: the search prices every schedule of a layout)."""
     tensors = key_tensors(key, layout.pp, virtual, rank, placement)
-    return stepped_numel(tensors, layout, zero_stage), sum(t.trains for t in tensors)
+    return stepped_numel(tensors, layout, zero), sum(t.trains for t in tensors)
 
 
 def _offloaded(
@@ -369,7 +371,7 @@ def _offloaded(
     microbatches = training.global_batch_size // (layout.data_replicas * training.micro_batch_size)
     reductions = training.schedules_per_step(layout.pp)  # gradients sync once per step (or pipeline schedule)
     copied = 2 * microbatches * shards[False] * precision.weights + reductions * shards[True] * precision.grads
-    stepped = stepped_numel(tensors, layout, settings.zero_stage)
+    stepped = stepped_numel(tensors, layout, ZeroPolicy.of(settings, layout))
     return copied / (cluster.host_link_gbps * GB), stepped / (cluster.host_adamw_gparams * 1e9)
 
 

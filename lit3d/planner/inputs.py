@@ -8,8 +8,9 @@ from typing import Any
 
 from lit3d.models.lora_settings import LoRA
 from lit3d.parallel.layout import Layout
-from lit3d.parallel.precision import is_bf16_mixed, keeps_master_weights
+from lit3d.parallel.precision import is_bf16_mixed
 from lit3d.parallel.settings import Parallelism
+from lit3d.parallel.zero import ZeroPolicy
 from lit3d.planner.hardware import GPU, GPUS
 
 GB = 1e9
@@ -222,7 +223,7 @@ def held_precision(training: Training, settings: Parallelism, layout: Layout) ->
     ``training.precision``'s row of `PRECISIONS`, or `MASTER_WEIGHTS` where the strategy keeps master weights, with
     the reduce dtype asked for (``settings.mixed_precision_reduce``)."""
     precision = PRECISIONS[training.precision]
-    if keeps_master_weights(training.precision, settings.zero_stage, layout.replicas):
+    if ZeroPolicy.of(settings, layout).keeps_master_weights(training.precision):
         precision = MASTER_WEIGHTS
     if is_bf16_mixed(training.precision) and settings.mixed_precision_reduce == "bfloat16":
         precision = replace(precision, reduced=2)

@@ -13,6 +13,7 @@ from lit3d.models.lora_settings import LoRA
 from lit3d.parallel.layout import Layout
 from lit3d.parallel.schedules import SCHEDULES, last_stage_in_flight, peak_in_flight
 from lit3d.parallel.settings import Parallelism
+from lit3d.parallel.zero import ZeroPolicy
 from lit3d.planner.buffers import Transient, peak_memory, transient_bytes
 from lit3d.planner.tensors import Tensor, config_key, key_tensors, local_numel, replicas, stepped_numel
 
@@ -44,29 +45,29 @@ def memory_by_stage(
     schedule_m = microbatches // training.schedules_per_step(pp)  # micro-batches of one pipeline schedule
     sp, schedule = settings.sequence_parallel and tp > 1, settings.pipeline_schedule
     tokens = training.micro_batch_size * training.seq_len // layout.cp  # a rank's, per micro-batch
-    a, checkpointing, zero_stage = precision.activations, settings.activation_checkpointing, settings.zero_stage
+    a, checkpointing, zero = precision.activations, settings.activation_checkpointing, ZeroPolicy.of(settings, layout)
     lora = training.lora
     per_token = activation_bytes_per_token(config, tp, sp, checkpointing, a, lora)
     full_recompute = checkpointing in (True, "full")
     # Mixed precision with fp32 parameters in forward: autocast's bf16 weight copies, one per block per step (under
     # LoRA the frozen weights may be fp32 where the adapters are not: ZeRO-1's master weights).
-    cast = not checkpointing and not params_cast_by_fsdp(layout, zero_stage, precision)
+    cast = not checkpointing and not params_cast_by_fsdp(layout, zero, precision)
     copies = cast and (precision.frozen_bytes if lora else precision.weights) > a
     adapter_copies = cast and lora is not None and precision.weights > a
     weight_copies = autocast_weight_bytes(config, tp, lora, copies, adapter_copies)
     summed = microbatches > 1  # gradients summed over micro-steps (accumulation) or a pipeline's micro-batches
     # ZeRO-2/3's accumulation without a pipeline: reduce-scattered at every micro-step, summed as shards
-    as_shards = summed and pp == 1 and zero_stage >= 2 and layout.replicas > 1 and not settings.accumulate_unsharded
+    as_shards = summed and pp == 1 and layout.replicas > 1 and zero.reduces_every_micro_step
     offload = settings.offload  # ZeRO-3's shards, gradients and optimizer states in host memory
     # Gradients before backward starts: DDP's buckets, the parameters' sums of earlier micro-steps, or both; the
     # shards of earlier micro-steps.
-    ddp = layout.replicas > 1 and zero_stage == 0 and not params_cast_by_fsdp(layout, 0, precision)
-    grads_from_start = int(ddp) + int(summed and (zero_stage == 0 or layout.replicas == 1)) + int(as_shards)
+    ddp = layout.replicas > 1 and zero.all_reduces and not params_cast_by_fsdp(layout, zero, precision)
+    grads_from_start = int(ddp) + int(summed and (zero.all_reduces or layout.replicas == 1)) + int(as_shards)
     placement = SCHEDULES[schedule].placement  # which chunks each pipeline rank holds
     by_stage, params_per_rank, key = [], 0, config_key(config, lora, settings.pipeline_stage_layers)
     for stage_rank in range(pp):
         unsharded_sums = summed and not as_shards
-        held = _stage_state(key, layout, virtual, stage_rank, placement, zero_stage, precision, unsharded_sums, offload)
+        held = _stage_state(key, layout, virtual, stage_rank, placement, zero, precision, unsharded_sums, offload)
         memory, layers, holds_head, transient, params = dict(held[0]), *held[1:]
         params_per_rank = max(params_per_rank, params)
         in_flight = peak_in_flight(schedule, pp, schedule_m, virtual, stage_rank)
@@ -90,21 +91,21 @@ def memory_by_stage(
     return Memory(by_stage, params_per_rank, int(per_token * tokens + weight_copies))
 
 
-def state_bytes(tensors: list[Tensor], layout: Layout, zero_stage: int, precision: Precision) -> dict[str, int]:
+def state_bytes(tensors: list[Tensor], layout: Layout, zero: ZeroPolicy, precision: Precision) -> dict[str, int]:
     """Weights, gradients and optimizer state of one rank (rank 0 of its TP and DP groups); frozen weights (LoRA's
     base) have neither gradients nor optimizer state."""
-    tp, dp, ep = layout.tp, layout.replicas, layout.ep
+    tp, ep = layout.tp, layout.ep
 
     def held(group: list[Tensor]) -> int:  # after ZeRO-2/3's sharding
-        if zero_stage >= 2 and dp > 1:
+        if zero.sharded_over_replicas:
             return sum(local_numel(t, tp, replicas(t, layout), ep=ep) for t in group)
         return sum(local_numel(t, tp, ep=ep) for t in group)
 
     trained = [t for t in tensors if t.trains]
-    optimizer = stepped_numel(tensors, layout, zero_stage)  # ZeRO-1 slices a dim TP (and EP) leave whole
+    optimizer = stepped_numel(tensors, layout, zero)  # ZeRO-1 slices a dim TP (and EP) leave whole
     step_counters = 4 * len(trained)  # AdamW keeps one fp32 step count per tensor
     # ZeRO-1 keeps the DP average of its optimizer slice only (backward's whole gradients go at the reduce-scatter).
-    grads = optimizer if zero_stage == 1 and dp > 1 else held(trained)
+    grads = optimizer if zero.slices_optimizer else held(trained)
     frozen = [t for t in tensors if not t.trains]
     return {
         "params": held(trained) * precision.weights + held(frozen) * precision.frozen_bytes,
@@ -205,12 +206,12 @@ def output_layer_bytes(
     return tokens * (norm / (tp if sequence_parallel else 1) + config.padded_vocab_size / tp * 4)
 
 
-def params_cast_by_fsdp(layout: Layout, zero_stage: int, precision: Precision) -> bool:
+def params_cast_by_fsdp(layout: Layout, zero: ZeroPolicy, precision: Precision) -> bool:
     """Whether FSDP2 hands the blocks bf16 parameters (its mixed precision policy): ZeRO-2/3, and ZeRO-0 unless
     it is DDP (`lit3d.strategies.precision.uses_ddp`)."""
-    if layout.replicas == 1 or zero_stage == 1:
+    if layout.replicas == 1 or zero.slices_optimizer:
         return False
-    return zero_stage >= 2 or layout.tp > 1 or layout.pp > 1 or precision.reduce_bytes < 4
+    return zero.shards_parameters or layout.tp > 1 or layout.pp > 1 or precision.reduce_bytes < 4
 
 
 @lru_cache(maxsize=64)
@@ -226,7 +227,7 @@ def _stage_state(
     virtual: int,
     stage_rank: int,
     placement: str,
-    zero_stage: int,
+    zero: ZeroPolicy,
     precision: Precision,
     summed: bool,
     offload: bool = False,
@@ -238,12 +239,12 @@ def _stage_state(
 
     NOTE: cached, as the planner weighs every schedule for each layout and these sums over the tensors dominate."""
     tensors = key_tensors(key, layout.pp, virtual, stage_rank, placement)
-    state = state_bytes(tensors, layout, zero_stage, precision)
+    state = state_bytes(tensors, layout, zero, precision)
     params = sum(
-        local_numel(t, layout.tp, replicas(t, layout) if zero_stage >= 2 and layout.replicas > 1 else 1, ep=layout.ep)
+        local_numel(t, layout.tp, replicas(t, layout) if zero.sharded_over_replicas else 1, ep=layout.ep)
         for t in tensors
     )
-    transient = transient_bytes(tensors, layout, zero_stage, precision, summed, offload)
+    transient = transient_bytes(tensors, layout, zero, precision, summed, offload)
     if offload:
         state = {"params": 0, "grads": 0, "optimizer": 0, "host": sum(state.values())}
     layers = len({t.block for t in tensors if t.block is not None})

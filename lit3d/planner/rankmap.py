@@ -79,7 +79,7 @@ class RankMap:
         layout = self.layout
         if layout.num_nodes <= MAX_NODES // 2 or layout.dp == 1:
             return list(range(min(layout.num_nodes, MAX_NODES))), False
-        nodes = sorted({layout.node(layout.rank(0, t, p)) for p in range(layout.pp) for t in range(layout.tp)})
+        nodes = sorted({layout.node(layout.rank(p=p, t=t)) for p in range(layout.pp) for t in range(layout.tp)})
         return nodes[:MAX_NODES], True
 
     def figure(self):
@@ -123,8 +123,7 @@ class RankMap:
                 rank = node * per_node + slot
                 if rank >= layout.world_size:
                     continue
-                d, t, p = layout.coordinate(rank)
-                c = layout.cp_rank(rank)
+                p, d, c, t = layout.coordinate(rank)
                 shown = not one_replica or d == 0
                 edge = ("red", 2.5) if rank in crossing else ("white", 1)
                 colour = self._colour(node, p) if shown else "#eeeeee"

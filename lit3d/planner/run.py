@@ -28,6 +28,7 @@ class RunningStrategy(Protocol):
     num_nodes: int
     num_processes: int
     lightning_module: Any
+    root_device: Any
 
 
 def plan_of_run(strategy: RunningStrategy, cluster: Cluster | None = None) -> Plan | None:

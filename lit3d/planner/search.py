@@ -27,6 +27,7 @@ from lit3d.parallel.precision import check_float8
 from lit3d.parallel.schedules import check_composes, microbatch_problem
 from lit3d.parallel.settings import Parallelism
 from lit3d.parallel.stages import check_stage_layers
+from lit3d.parallel.zero import ZeroPolicy
 from lit3d.planner.calibration import STATIC_POWER_SHARE
 from lit3d.planner.clock import largest_costs
 from lit3d.planner.estimate import GB, PLANNING_DEFAULTS, PRECISIONS, Cluster, Plan, Training, estimate
@@ -256,7 +257,7 @@ def _accumulation(config: GPTConfig, cluster: Cluster, candidate: Candidate) -> 
     (one reduce-scatter per step) where it fits and is faster, else the sharded one (one per micro-step)."""
     layout, training, settings = candidate.layout, candidate.training, candidate.parallelism
     micro_steps = training.global_batch_size // (layout.data_replicas * training.micro_batch_size)
-    if settings.zero_stage < 2 or layout.replicas == 1 or micro_steps == 1 or settings.accumulate_unsharded:
+    if not ZeroPolicy.of(settings, layout).reduces_every_micro_step or layout.replicas == 1 or micro_steps == 1:
         return candidate
     unsharded = replace(settings, accumulate_unsharded=True)
     plan = estimate(config, cluster, layout, training, unsharded)

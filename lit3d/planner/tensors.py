@@ -19,6 +19,7 @@ from lit3d.models.lora_settings import LoRA
 from lit3d.models.tp_plan import tensor_parallel_plan
 from lit3d.parallel.sharding import SHARDED_DIM
 from lit3d.parallel.stages import chunk_stage_ids, stage_runs
+from lit3d.parallel.zero import ZeroPolicy
 from lit3d.planner.shapes import block_costs, parameter_shapes
 
 
@@ -182,14 +183,14 @@ def replicas(tensor: Tensor, layout: Any) -> int:
     return layout.replicas // layout.ep if tensor.expert else layout.replicas
 
 
-def stepped_numel(tensors: list[Tensor], layout: Any, zero_stage: int) -> int:
+def stepped_numel(tensors: list[Tensor], layout: Any, zero: ZeroPolicy) -> int:
     """Elements of ``tensors`` that rank 0's optimizer steps (those that train): ZeRO-1's slices (of a dim TP and EP
     leave whole), ZeRO-2/3's shards, else its whole tensor-parallel shards. DiLoCo's anchor and outer step cover the
     same."""
     tp, ep, dp = layout.tp, layout.ep, layout.replicas
     tensors = [t for t in tensors if t.trains]
-    if zero_stage == 0 or dp == 1:
+    if zero.all_reduces or dp == 1:
         return sum(local_numel(t, tp, ep=ep) for t in tensors)
-    if zero_stage == 1:
+    if zero.slices_optimizer:
         return sum(local_numel(t, tp, replicas(t, layout), t.free_dim, ep) for t in tensors)
     return sum(local_numel(t, tp, replicas(t, layout), ep=ep) for t in tensors)

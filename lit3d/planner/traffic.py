@@ -13,6 +13,7 @@ from lit3d.parallel.precision import is_float8_linear
 from lit3d.parallel.schedules import SCHEDULES
 from lit3d.parallel.sharding import BUCKET_ELEMENTS
 from lit3d.parallel.stages import chunk_stage_ids
+from lit3d.parallel.zero import ZeroPolicy
 from lit3d.planner.tensors import config_key, key_tensors, local_numel, rank_tensors, stepped_numel
 
 if TYPE_CHECKING:
@@ -28,7 +29,7 @@ def communication_bytes(
     all of it. `lit3d.strategies.comm.CommBytes` measures the same way (`lit3d.callbacks.CommReport` puts both side by
     side). Left out: scalars (the logged loss, the gradient norm).
     """
-    pp, replicas = layout.pp, layout.replicas
+    pp, replicas, zero = layout.pp, layout.replicas, ZeroPolicy.of(settings, layout)
     virtual, microbatches, schedules, sp, _ = _step_shape(layout, training, settings)
     act_bytes = training.micro_batch_size * training.seq_len // layout.cp * config.d_model * precision.activations
     traffic = {
@@ -43,13 +44,13 @@ def communication_bytes(
         config, pp, virtual, placement, layout.tp, layout.ep, training.lora, settings.pipeline_stage_layers
     ):
         moe, blocks = stage.moe, stage.blocks
-        reduces = gradient_reductions(settings, pp, microbatches, schedules)
+        reduces = gradient_reductions(zero, pp, microbatches, schedules)
         shape = (microbatches // schedules, schedules, pp > 1, precision, reduces)
         fp8 = stage.float8 if settings.float8_all_gather else 0  # gathered in FP8: a byte less each than bf16
-        sent = _dp_traffic(settings.zero_stage, replicas, stage.in_blocks, stage.root, *shape, stage.trained, fp8)
+        sent = _dp_traffic(zero, replicas, stage.in_blocks, stage.root, *shape, stage.trained, fp8)
         if fp8 and replicas > 1:  # their scales, computed after each step from the amaxes: one fp32 all-reduce
             sent += 2 * (replicas - 1) / replicas * stage.float8_tensors * 4
-        sent += _dp_traffic(settings.zero_stage, replicas // layout.ep, stage.experts, 0, *shape, stage.trained_experts)
+        sent += _dp_traffic(zero, replicas // layout.ep, stage.experts, 0, *shape, stage.trained_experts)
         traffic["dp"] = max(traffic["dp"], sent)
         a2a = _all_to_all_bytes(config, layout, training, settings, precision)
         traffic["ep"] = max(traffic["ep"], moe * microbatches * a2a)
@@ -98,7 +99,7 @@ def island_bytes_per_sync(config: GPTConfig, layout: Layout, settings: Paralleli
         stepped_numel(
             rank_tensors(config, layout.pp, virtual, stage, placement, lora, settings.pipeline_stage_layers),
             layout,
-            settings.zero_stage,
+            ZeroPolicy.of(settings, layout),
         )
         for stage in range(layout.pp)
     )
@@ -148,11 +149,11 @@ def _all_to_all_bytes(
     return forwards * (config.n_expert * 8 * share + 2 * rows * row_bytes) + 2 * rows * row_bytes
 
 
-def gradient_reductions(settings: Parallelism, pp: int, microbatches: int, schedules: int) -> int:
+def gradient_reductions(zero: ZeroPolicy, pp: int, microbatches: int, schedules: int) -> int:
     """How often per optimizer step the gradients are reduced over DP: once per pipeline schedule; without a
     pipeline, once per step, but at every micro-step under ZeRO-2/3 unless ``accumulate_unsharded`` (they accumulate
     as shards)."""
-    if pp == 1 and settings.zero_stage >= 2 and not settings.accumulate_unsharded:
+    if pp == 1 and zero.reduces_every_micro_step:
         return microbatches
     return schedules
 
@@ -263,7 +264,7 @@ def collectives(
     tp, pp, dp = layout.tp, layout.pp, layout.replicas
     virtual, microbatches, schedules, sp, per_block = _step_shape(layout, training, settings)
     counts = {"tp": (0.0, 0.0), "pp": (0.0, 0.0), "dp": (0.0, 0.0), "ep": (0.0, 0.0), "cp": (0.0, 0.0)}
-    cp, zero_stage = layout.cp, settings.zero_stage
+    cp, zero = layout.cp, ZeroPolicy.of(settings, layout)
     placement = SCHEDULES[settings.pipeline_schedule].placement
     for stage in stages(config, pp, virtual, placement, tp, layout.ep, layers=settings.pipeline_stage_layers):
         first, last, blocks = stage.first, stage.last, stage.blocks
@@ -278,12 +279,12 @@ def collectives(
             counts["tp"] = max(counts["tp"], (n * (2 if sp else 1), n * 2 * (tp - 1)))
         if dp > 1:
             units, steps = blocks + 1, schedules if pp > 1 else 1
-            reduces = gradient_reductions(settings, pp, microbatches, steps)
-            if zero_stage == 0:
+            reduces = gradient_reductions(zero, pp, microbatches, steps)
+            if zero.all_reduces:
                 n, hops = units * steps, 2 * (dp - 1)
-            elif zero_stage == 1:  # one reduce-scatter and one all-gather per bucket
+            elif zero.slices_optimizer:  # one reduce-scatter and one all-gather per bucket
                 n, hops = 2 * -(-stage.total // BUCKET_ELEMENTS), dp - 1
-            elif zero_stage == 2:
+            elif not zero.reshards_after_forward:
                 n, hops = units * (steps + reduces), dp - 1
             else:
                 gathers = (microbatches // steps + 1, 1) if pp > 1 else (2 * microbatches, microbatches)
@@ -299,7 +300,7 @@ def collectives(
 
 
 def _dp_traffic(
-    zero_stage: int,
+    zero: ZeroPolicy,
     dp: int,
     in_blocks: int,
     root: int,
@@ -334,13 +335,13 @@ def _dp_traffic(
     params = in_blocks + root
     trained = params if trained is None else trained
     grads, weights = trained * precision.reduce_bytes, trained * precision.weights
-    if zero_stage == 1:  # once per step, whatever the schedules: a reduce-scatter and an all-gather of the slices
+    if zero.slices_optimizer:  # once per step, whatever the schedules: a reduce-scatter and an all-gather of the slices
         return share * (grads + weights)
     fp8_saved = float8 * (precision.gather_bytes - 1)  # per gather of the blocks
     weights = params * precision.gather_bytes - fp8_saved
-    if zero_stage == 0:  # all-reduce of the gradients
+    if zero.all_reduces:  # all-reduce of the gradients
         return schedules * 2 * share * grads
-    if zero_stage == 2:  # reduce-scatter of the gradients, all-gather of the weights
+    if not zero.reshards_after_forward:  # ZeRO-2: reduce-scatter of the gradients, all-gather of the weights
         return share * (reduces * grads + schedules * weights)
     gathers = (microbatches + 1, 1) if pipelined else (2 * microbatches, microbatches)  # blocks, root
     blocks = gathers[0] * (in_blocks * precision.gather_bytes - fp8_saved)

@@ -17,6 +17,7 @@ from lit3d.models.tp_plan import tensor_parallel_plan
 from lit3d.parallel.layout import Layout
 from lit3d.parallel.schedules import SCHEDULES
 from lit3d.parallel.settings import Parallelism
+from lit3d.parallel.zero import ZeroPolicy
 from lit3d.planner.tensors import local_numel, rank_tensors, replicas
 
 if TYPE_CHECKING:
@@ -40,7 +41,7 @@ def analytic_params(config: GPTConfig, layout: Layout, stage: int, settings: Par
     virtual = settings.chunks_per_rank if layout.pp > 1 else 1
     placement = SCHEDULES[settings.pipeline_schedule].placement
     tensors = rank_tensors(config, layout.pp, virtual, stage, placement, layers=settings.pipeline_stage_layers)
-    sharded = settings.zero_stage >= 2
+    sharded = ZeroPolicy.of(settings, layout).sharded_over_replicas
     return sum(local_numel(t, layout.tp, replicas(t, layout) if sharded else 1, ep=layout.ep) for t in tensors)
 
 
@@ -60,7 +61,7 @@ def verify(config: GPTConfig, layout: Layout, settings: Parallelism) -> list[Sta
         raise RuntimeError("verify() starts its own fake process group; call it outside a distributed job")
     counts = []
     for stage in range(layout.pp):
-        rank = layout.rank(d=0, t=0, p=stage)
+        rank = layout.rank(p=stage)
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
         try:
             meshes = ParallelMeshes.build(layout, "cpu")

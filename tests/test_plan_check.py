@@ -1,0 +1,72 @@
+"""Every run checks its plan (`lit3d.strategies.plan_check`): each `Parallel3DStrategy` fit of a lit3d GPT logs its
+largest rank's peak memory against the planner's as ``plan/peak_memory_ratio``, and, where its step is priced on the
+device it runs on (a `lit3d calibrate` profile on CPU ranks, the card on a GPU), its step time as
+``plan/step_time_ratio``; without a profile the log says why the step time is not compared."""
+
+import json
+from dataclasses import asdict
+
+import pytest
+import torch
+from conftest import CP_LAYOUTS, LAYOUTS, LORA_LAYOUTS, MOE_LAYOUTS
+
+from lit3d.planner.hardware import cpu_share
+from lit3d.strategies.plan_check import plan_check_line, run_cluster
+
+# Layouts of the suite's runs that train 5 steps or more without an expected error: each logs its check once.
+CHECKED = [
+    name
+    for name, (_, job) in {**LAYOUTS, **MOE_LAYOUTS, **CP_LAYOUTS, **LORA_LAYOUTS}.items()
+    if job.get("trainer", {}).get("max_steps", 8) >= 5 and not job.get("expect_error")
+]
+# The band the CPU runs' peaks fall in (printed by the test): the plan counts what a GPU's allocator holds, the run
+# measures its live tensors; small fp32 models whose fixed costs (rotary tables, the loss's buffers) weigh more.
+PEAK_BAND = (0.75, 1.35)
+
+
+def test_every_layout_logs_its_peak_memory_against_the_plan_once(layout_runs):
+    ratios = {name: layout_runs[name]["plan_check"]["peak_memory_ratio"] for name in CHECKED}
+    print("\n".join(f"{name:<48} {r}" for name, r in ratios.items()))
+    assert all(len(r) == 1 for r in ratios.values()), ratios
+    outside = {name: r[0] for name, r in ratios.items() if not PEAK_BAND[0] <= r[0] <= PEAK_BAND[1]}
+    assert not outside, outside
+    assert all(not layout_runs[name]["plan_check"]["step_time_ratio"] for name in CHECKED if "profile" not in name)
+
+
+def test_a_run_with_a_calibrate_profile_logs_its_step_time_against_the_plan_priced_on_it(layout_runs):
+    checked = layout_runs["dp2_zero1_plan_profile"]["plan_check"]
+    assert len(checked["step_time_ratio"]) == 1 and 0.1 < checked["step_time_ratio"][0] < 10, checked
+
+
+def test_the_step_is_priced_on_a_profile_on_cpu_and_said_why_not_without_one(tmp_path):
+    cluster, why = run_cluster(torch.device("cpu"), 1, 2, None)
+    assert cluster is None and "no profile of this CPU" in why and "plan_profile" in why
+    profile = tmp_path / "cpu.json"
+    profile.write_text(json.dumps({"gpu": asdict(cpu_share(2, cores=2, memory_gb=8.0)), "collective_latency_us": 50}))
+    cluster, why = run_cluster(torch.device("cpu"), 2, 4, str(profile))
+    assert (cluster.nodes, cluster.gpus_per_node, cluster.collective_latency_us) == (2, 4, 50) and str(profile) in why
+
+
+def test_the_check_says_both_ratios_or_why_the_step_is_not_compared():
+    line = plan_check_line(2**30, 2**29, 0.3, 0.2, "the profile cpu.json")
+    assert "peak memory 1.000 GiB measured / 0.500 GiB planned = 2.00x (largest rank)" in line
+    assert "step time 0.300 s measured / 0.200 s planned on the profile cpu.json = 1.50x" in line
+    assert "not compared: no profile" in plan_check_line(2**30, 2**30, 0.3, None, "no profile")
+    assert "too few steps to time" in plan_check_line(2**30, 2**30, None, None, "")
+
+
+def test_a_profile_that_is_not_a_file_is_refused_naming_it():
+    from lit3d.parallel.settings import Parallelism
+
+    with pytest.raises(ValueError, match="plan_profile='nowhere.json' is not a file"):
+        Parallelism(plan_profile="nowhere.json")
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_step_is_priced_on_the_card_pytorch_reports():
+    """The CUDA counterpart of the profile on CPU: a card the planner knows prices the step."""
+    from lit3d.planner.hardware import identify
+
+    cluster, why = run_cluster(torch.device("cuda"), 1, 1, None)
+    known = identify(torch.cuda.get_device_name()) is not None
+    assert (cluster is not None) == known and torch.cuda.get_device_name() in why
