@@ -1,4 +1,5 @@
-"""lit3d's Lightning strategy: ``Parallel3DStrategy`` (also ``strategy="3d"`` or ``strategy="Parallel3DStrategy"``).
+"""lit3d's Lightning strategy: ``Parallel3DStrategy`` (also ``strategy="3d"`` or ``strategy="Parallel3DStrategy"``;
+``strategy="3d_auto"`` is ``Parallel3DStrategy(auto_layout=True)``: the planner chooses the layout at launch).
 
 Importing this package registers those names in Lightning's strategy registry. The rules the strategy follows (the
 rank grid, the schedules, the stage split, what each axis shards) are the pure `lit3d.parallel`, which the planner
@@ -18,3 +19,7 @@ for _name in ("3d", "parallel3dstrategy", "lit3d.strategies.parallel3dstrategy",
         StrategyRegistry.register(
             _name, Parallel3DStrategy, description="data x tensor x pipeline parallel with ZeRO (lit3d)"
         )
+if "3d_auto" not in StrategyRegistry:
+    StrategyRegistry.register(
+        "3d_auto", Parallel3DStrategy, description="lit3d's 3D parallelism, laid out by its planner", auto_layout=True
+    )

@@ -31,16 +31,16 @@ from lit3d.parallel.layout import Layout, layout_lines
 from lit3d.parallel.settings import Parallelism
 from lit3d.parallel.zero import ZeroPolicy
 from lit3d.planner.inputs import Plan
+from lit3d.strategies.auto_layout import auto_settings
 from lit3d.strategies.checkpoints import Checkpoints, RankState, remove
 from lit3d.strategies.checks import ConfigurationError, check_run
 from lit3d.strategies.full_state import WholeOrder
 from lit3d.strategies.launchers import CheckingLauncher, ForkLauncher, agree_on_seed
-from lit3d.strategies.memory import memory_line
 from lit3d.strategies.meshes import ParallelMeshes
 from lit3d.strategies.optimizers import OptimizerSteps
 from lit3d.strategies.parallelize import follows_plan, not_splittable, refuse_fsdp1, split_module
 from lit3d.strategies.pipeline import Pipeline
-from lit3d.strategies.plan_check import PlanCheck, planned_run
+from lit3d.strategies.plan_check import start_plan
 from lit3d.strategies.precision import clipping_split_model, describe
 from lit3d.strategies.preemption import StopOnSignal
 from lit3d.strategies.rank_life import RankLife
@@ -85,6 +85,8 @@ class Parallel3DStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta = timedelta(minutes=10),
+        auto_layout: bool = False,
+        auto_memory_gb: float | None = None,
         plan_profile: str | None = None,
         start_method: Literal["popen", "fork"] | None = None,
         islands: int = 1,
@@ -151,13 +153,16 @@ class Parallel3DStrategy(ModelParallelStrategy):
 
     def check_configuration(self, trainer: Trainer | None = None, datamodule: Any = None) -> None:
         """Refuse a bad layout or a model it cannot split before any process group exists (the launcher calls this
-        before it starts a rank), as a `ConfigurationError` naming the values (`lit3d.strategies.checks.check_run`)."""
+        before it starts a rank), as a `ConfigurationError` naming the values (`lit3d.strategies.checks.check_run`);
+        with ``auto_layout``, the planner chooses the layout first (`lit3d.strategies.auto_layout`)."""
         try:
             if self.cluster_environment is not None:  # under torchrun / SLURM: devices x num_nodes = launched ranks
                 self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
             module = self.lightning_module
             trainer = trainer or getattr(module, "_trainer", None)
             datamodule = datamodule or getattr(trainer, "datamodule", None)
+            if self.parallelism.auto_layout and self._layout is None:  # (once per process, before the layout)
+                self.parallelism = auto_settings(self, module, trainer, datamodule)
             self.num_microbatches = check_run(self.parallelism, self.layout, module, trainer, datamodule)
         except (ValueError, TypeError) as error:
             raise ConfigurationError(str(error)) from error
@@ -222,7 +227,9 @@ class Parallel3DStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             if not self.parallelism.offload:  # offloaded states stay in host memory
                 _optimizers_to_device(self.optimizers, self.root_device)
-            self._log_fit_start(trainer)
+            if self.layout.world_size > 1 and self._parallelized is not None:  # what each axis sends, in which dtype
+                rank_zero_info(describe(self.parallelism, self.layout, self.precision_plugin.precision))
+            self.plan, self.memory_estimate = start_plan(self, trainer)  # and the check that holds the run to it
 
     def _split(self, module: LightningModule) -> None:
         """Split ``module.model`` for this rank and give the module the runner of its part (`split_module`)."""
@@ -257,17 +264,6 @@ class Parallel3DStrategy(ModelParallelStrategy):
             OptimizerSteps(self.parallelism, self.meshes, self.precision_plugin.precision, zero1, split),
         )
         self.optimizer_steps.build(self.optimizers, self.lightning_module, earlier)
-
-    def _log_fit_start(self, trainer: Trainer) -> None:
-        """Rank 0 logs what each axis sends in which dtype (a module split by lit3d), and the planner's estimate of
-        this run (`planned_run`: priced on this device), which a `PlanCheck` holds the run to."""
-        if self.layout.world_size > 1 and self._parallelized is not None:
-            rank_zero_info(describe(self.parallelism, self.layout, self.precision_plugin.precision))
-        self.plan, check = planned_run(self)
-        if self.plan is not None:
-            self.memory_estimate = self.plan.memory_by_stage[self.layout.coordinate(self.global_rank).p]
-            rank_zero_info(memory_line(self.memory_estimate))
-            trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, PlanCheck)] + [check]
 
     @override
     def batch_to_device(self, batch: Any, device: Any = None, dataloader_idx: int = 0) -> Any:

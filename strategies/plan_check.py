@@ -25,9 +25,22 @@ from lit3d.planner.hardware import identify
 from lit3d.planner.inputs import Cluster, Plan
 from lit3d.planner.run import RunningStrategy, plan_of_run
 from lit3d.strategies.live_memory import PeakMemory
+from lit3d.strategies.memory import memory_line
 
 MEMORY_STEP = 1  # the fit's optimizer step (from 0) whose peak is measured on CPU: after the first, states exist
 TIMED_STEPS = 3  # optimizer steps timed after it
+
+
+def start_plan(strategy: RunningStrategy, trainer: L.Trainer) -> tuple[Plan | None, dict[str, int] | None]:
+    """The planner's estimate of the strategy's run (`planned_run`) and of this rank's stage, which rank 0 logs, and
+    the `PlanCheck` that holds the run to it added to ``trainer``'s callbacks (one per fit)."""
+    plan, check = planned_run(strategy)
+    if plan is None:
+        return None, None
+    estimate = plan.memory_by_stage[strategy.layout.coordinate(strategy.global_rank).p]
+    rank_zero_info(memory_line(estimate))
+    trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, PlanCheck)] + [check]
+    return plan, estimate
 
 
 def planned_run(strategy: RunningStrategy) -> tuple[Plan | None, PlanCheck | None]:
@@ -101,8 +114,9 @@ class PlanCheck(L.Callback):
         step = statistics.median(intervals) if intervals else None
         if step is not None and self.planned_step:
             self.ratios["plan/step_time_ratio"] = step / self.planned_step
-        for name, value in self.ratios.items():
-            pl_module.log(name, value, rank_zero_only=True, on_step=True, on_epoch=False)
+        if trainer.is_global_zero:  # once, at this step (a module's `log` would repeat it at every later step)
+            for logger in trainer.loggers:
+                logger.log_metrics(self.ratios, step=trainer.global_step)
         rank_zero_info(plan_check_line(peak, self.planned_peak, step, self.planned_step, self.priced_on))
 
 

@@ -64,6 +64,25 @@ def test_fit_under_dp2_tp2_pp2_on_8_processes_gives_the_single_process_losses(tm
     assert "Total params: 853 K" in printed and "of the model's 853 K parameters" in printed, printed[-3000:]
 
 
+def test_3d_auto_with_a_memory_limit_picks_a_split_layout_logs_it_and_trains_like_one_process(
+    tmp_path, single_process_losses
+):
+    """The planner chooses at launch (tests/test_auto_layout.py: at this limit plain data parallelism fits nowhere);
+    rank 0 logs the choice, why and its flags, and the run follows the one-process curve."""
+    from test_auto_layout import SPLIT_ONLY_GB
+
+    losses, printed = fit_losses(
+        tmp_path,
+        "--trainer.devices=4",
+        "--trainer.strategy=3d_auto",
+        f"--trainer.strategy.auto_memory_gb={SPLIT_ONLY_GB}",
+    )
+    torch.testing.assert_close(losses, single_process_losses, rtol=1e-5, atol=0)
+    chose = next(line for line in printed.splitlines() if line.startswith("3d_auto chose: "))
+    assert "tp 1 x pp 1" not in chose and "  why: " in printed and "the same run, written out: " in printed, chose
+    assert "plan check: peak memory" in printed, printed[-3000:]
+
+
 def test_fit_with_ckpt_path_last_starts_fresh_then_resumes_where_the_run_stopped(tmp_path, single_process_losses):
     """The same command twice, as a requeued job runs it: DP2 saving in the background into the config's fixed
     checkpoint folder (``runs/tiny/checkpoints``), stopped after step 2, then continued to step 4 from there."""
@@ -320,7 +339,8 @@ def test_one_callback_in_any_form_trainer_accepts_builds_the_trainer(tmp_path, f
 
 
 @pytest.mark.parametrize(
-    "name", ["3d", "Parallel3DStrategy", "lit3d.strategies.Parallel3DStrategy", "strategies.Parallel3DStrategy"]
+    "name",
+    ["3d", "Parallel3DStrategy", "lit3d.strategies.Parallel3DStrategy", "strategies.Parallel3DStrategy", "3d_auto"],
 )
 def test_every_documented_strategy_name_resolves_when_installed(monkeypatch, tmp_path, name):
     """The installed package has no top-level `strategies`; lit3d 0.1's class path still works in the CLI."""
@@ -338,6 +358,12 @@ def test_every_documented_strategy_name_resolves_when_installed(monkeypatch, tmp
                                "--trainer.strategy.zero_stage=0"], run=False)  # fmt: skip
     assert type(plain.trainer.strategy) is type(with_arguments.trainer.strategy) is Parallel3DStrategy
     assert with_arguments.trainer.strategy.parallelism.zero_stage == 0
+    auto = name == "3d_auto"  # the planner chooses the layout at launch
+    assert (
+        plain.trainer.strategy.parallelism.auto_layout
+        is with_arguments.trainer.strategy.parallelism.auto_layout
+        is auto
+    )
 
 
 def test_the_wheel_installs_lit3d_alone_at_the_top_level(tmp_path):

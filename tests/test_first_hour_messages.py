@@ -123,7 +123,7 @@ def test_a_strategy_name_that_names_nothing_is_refused_with_lit3d_s_names_and_th
     line = refusal(["fit", *given])
     name = given[0].partition("=")[2] or given[1]
     assert line.startswith(f"lit3d fit: error: trainer.strategy={name!r} names no strategy: did you mean {guess!r}?")
-    assert "lit3d registers 3d, Parallel3DStrategy (lit3d.strategies.Parallel3DStrategy" in line
+    assert "lit3d registers 3d, Parallel3DStrategy, 3d_auto (lit3d.strategies.Parallel3DStrategy" in line
     assert "Lightning: auto, ddp, ddp_spawn, deepspeed, fsdp" in line and "NestedArg" not in line
 
 

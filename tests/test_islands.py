@@ -195,7 +195,7 @@ def test_islands_are_the_outermost_digit_and_the_rank_map_shows_them():
     assert layout.island_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
     text = layout.rank_map()
     assert "8 ranks = 2 islands x (dp 2 x tp 2 x pp 1)" in text and "node  rank  island  (p, d, t)" in text
-    assert "   1     5       1  (0, 1, 0)" in text
+    assert "   1     5       1  (0, 0, 1)" in text
 
 
 def test_the_planner_counts_the_outer_step_and_what_it_saves_against_synchronous_dp(capsys):

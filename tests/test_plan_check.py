@@ -21,7 +21,7 @@ CHECKED = [
 ]
 # The band the CPU runs' peaks fall in (printed by the test): the plan counts what a GPU's allocator holds, the run
 # measures its live tensors; small fp32 models whose fixed costs (rotary tables, the loss's buffers) weigh more.
-PEAK_BAND = (0.75, 1.35)
+PEAK_BAND = (0.7, 1.5)
 
 
 def test_every_layout_logs_its_peak_memory_against_the_plan_once(layout_runs):

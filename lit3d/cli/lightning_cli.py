@@ -240,6 +240,8 @@ def strategy_class_paths(argv: list[str]) -> list[str]:
     out = []
     for arg in argv:
         key, _, value = arg.partition("=")
-        registered = key == "--trainer.strategy" and value.lower() in ("3d", "parallel3dstrategy")
+        registered = key == "--trainer.strategy" and value.lower() in ("3d", "parallel3dstrategy", "3d_auto")
         out.append(f"{key}=lit3d.strategies.Parallel3DStrategy" if registered else arg)
+        if registered and value.lower() == "3d_auto":  # the registered name's own argument
+            out.append("--trainer.strategy.auto_layout=true")
     return out

@@ -9,10 +9,8 @@ or the model are `lit3d.parallel.layout`'s.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import MISSING, dataclass, field, fields, replace
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Literal
 
 from lit3d.parallel.layout import (
@@ -26,12 +24,12 @@ from lit3d.parallel.layout import (
 )
 from lit3d.parallel.outer import check_outer_loop
 from lit3d.parallel.precision import check_reduce_dtype
+from lit3d.parallel.run_settings import check_run_settings, interactive
 from lit3d.parallel.schedules import check_composes, chunks_per_rank
 from lit3d.parallel.shares import check_shares
 from lit3d.parallel.stages import check_stage_layers
 
 RECOMPUTE_MODES = ("full", "selective")  # `activation_checkpointing`'s named choices (`lit3d.strategies.recompute`)
-START_METHODS = ("popen", "fork")
 
 
 def _setting(default: Any, help: str) -> Any:
@@ -175,6 +173,17 @@ class Parallelism:
         """How long a collective may wait for a peer before the
         job fails. At 90 % of it without progress, each rank logs the collective it waits in.""",
     )
+    auto_layout: bool = _setting(
+        False,
+        """The planner chooses at launch (``--trainer.strategy=3d_auto``): every setting left at its default among
+        the sizes, ``zero_stage``, the schedule and its micro-batches, recompute and ``sequence_parallel``, and the
+        micro-batch size, from its fastest plan that fits this cluster, model and data; rank 0 logs the choice and its
+        flags.""",
+    )
+    auto_memory_gb: float | None = _setting(
+        None,
+        """With ``auto_layout``: the memory each rank may hold (GB), in place of the device's.""",
+    )
     plan_profile: str | None = _setting(
         None,
         """A profile of this machine that ``lit3d calibrate`` wrote (JSON), on which every run's plan check
@@ -244,7 +253,7 @@ class Parallelism:
             self.outer_fragments,
             self.outer_reduce_dtype,
         )
-        self._check_process_settings()
+        check_run_settings(self)
 
     def _check_float8(self) -> None:
         if self.float8 not in (None, "tensorwise", "rowwise"):
@@ -261,32 +270,6 @@ class Parallelism:
                 f"float8_all_gather=True with zero_stage={self.zero_stage}: the weights are gathered by "
                 "FSDP2 at zero_stage 2 or 3"
             )
-
-    def _check_process_settings(self) -> None:
-        if self.start_method not in (None, *START_METHODS):
-            raise ValueError(f"start_method={self.start_method!r} is not one of 'popen', 'fork' (or None: automatic)")
-        if self.start_method == "popen" and interactive():
-            raise ValueError(
-                "start_method='popen' cannot start ranks from a notebook or an interactive session: "
-                "use start_method='fork' (or leave it unset), or run a script"
-            )
-        for name in ("async_checkpoint", "save_distributed_checkpoint", "accumulate_unsharded"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
-        if self.islands > 1 and not self.save_distributed_checkpoint:
-            raise ValueError(
-                f"islands={self.islands} keeps each island's own weights in its checkpoint folder; "
-                "save_distributed_checkpoint=False (one file of one set of weights) needs islands=1"
-            )
-        if self.async_checkpoint and not self.save_distributed_checkpoint:
-            raise ValueError(
-                "async_checkpoint=True writes sharded folders in the background; with save_distributed_checkpoint="
-                "False (one consolidated file) use async_checkpoint=False"
-            )
-        if self.plan_profile is not None and not Path(self.plan_profile).is_file():
-            raise ValueError(f"plan_profile={self.plan_profile!r} is not a file: give what `lit3d calibrate` wrote")
-        if not isinstance(self.timeout, timedelta) or self.timeout.total_seconds() <= 0:
-            raise ValueError(f"timeout={self.timeout!r} must be a positive datetime.timedelta")
 
     def sizes(self, devices_per_node: int | None = None, lit3d_splits: bool = True) -> dict[str, int | str]:
         """The axes' sizes by their argument names (what `lit3d.parallel.layout.resolve_layout` takes). Given the
@@ -346,6 +329,8 @@ class Parallelism:
             return ["sequence_parallel=True does nothing with tensor_parallel_size=1"]
         if self.accumulate_unsharded and self.zero_stage < 2:
             return [f"accumulate_unsharded=True does nothing at zero_stage={self.zero_stage} (ZeRO-2/3 only)"]
+        if self.auto_memory_gb is not None and not self.auto_layout:
+            return [f"auto_memory_gb={self.auto_memory_gb} does nothing without auto_layout=True"]
         return []
 
     @property
@@ -386,11 +371,6 @@ def check_recompute(activation_checkpointing: bool | str) -> None:
             f"activation_checkpointing={activation_checkpointing!r} is not one of True, False, "
             + ", ".join(map(repr, RECOMPUTE_MODES))
         )
-
-
-def interactive() -> bool:
-    """A notebook or a Python prompt (Lightning's test): script launchers cannot re-run it per rank."""
-    return hasattr(sys, "ps1") or bool(sys.flags.interactive)
 
 
 def defaults() -> dict[str, Any]:

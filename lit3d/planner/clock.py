@@ -35,7 +35,7 @@ from lit3d.planner.calibration import (
     OPTIMIZER_OPS,
     STATIC_POWER_SHARE,
 )
-from lit3d.planner.inputs import GB, Cluster, Precision, Training, held_precision
+from lit3d.planner.inputs import GB, Case, Cluster, Precision, Training, held_precision
 from lit3d.planner.tensors import (
     adapter_params,
     config_key,
@@ -138,19 +138,11 @@ def recompute_of(settings: Parallelism, training: Training) -> tuple[float, bool
     return matmuls, bool(policy)
 
 
-def step_time(
-    config: GPTConfig,
-    cluster: Cluster,
-    layout: Layout,
-    training: Training,
-    settings: Parallelism,
-    traffic: dict[str, float],
-    seconds: dict[str, float],
-    precision: Precision,
-) -> StepTime:
-    """The step of ``layout`` on its busiest rank: ``traffic`` the bytes each axis sends, ``seconds`` the time they
-    take, ``precision`` what the run holds and sends."""
-    pp = layout.pp
+def step_time(case: Case, traffic: dict[str, float], seconds: dict[str, float]) -> StepTime:
+    """The step of ``case`` on its busiest rank: ``traffic`` the bytes each axis sends, ``seconds`` the time they
+    take."""
+    config, cluster, layout, training, settings = case.config, case.cluster, case.layout, case.training, case.settings
+    precision, pp = case.precision, layout.pp
     microbatches = training.global_batch_size // (layout.data_replicas * training.micro_batch_size)  # per replica
     schedule_m = microbatches // training.schedules_per_step(pp)  # micro-batches of one pipeline schedule
     fused, sp = _fused_and_sp(training, settings, layout)

@@ -22,6 +22,7 @@ from lit3d.planner.inputs import (  # noqa: F401 (read from here too)
     MASTER_WEIGHTS,
     PLANNING_DEFAULTS,
     PRECISIONS,
+    Case,
     Cluster,
     Plan,
     Precision,
@@ -50,14 +51,13 @@ def estimate(
     """Memory, communication, bubble and step time of ``layout`` (no checks: see `search.layout_problem`).
 
     ``settings``: the run's; its sizes are ``layout``'s (those ``settings`` holds are not read)."""
-    precision = held_precision(training, settings, layout)
-    memory = memory_by_stage(config, layout, training, settings, precision)
-    traffic = communication_bytes(config, layout, training, settings, precision)
+    case = Case(config, cluster, layout, training, settings)  # passed whole from here down
+    memory, traffic = memory_by_stage(case), communication_bytes(case)
     links = link_speeds(cluster, layout)
-    latency = latencies(cluster, links, collectives(config, layout, training, settings))
+    latency = latencies(cluster, links, collectives(case))
     reached = cluster.gpu.efficiency.link  # of a link's rated bandwidth, by ring collectives
     seconds = {axis: traffic[axis] / (links[axis] * reached * GB) + latency[axis] for axis in traffic}
-    time = step_time(config, cluster, layout, training, settings, traffic, seconds, precision)
+    time = step_time(case, traffic, seconds)
     seconds = time.seconds or seconds  # (a fleet's TP: the busiest stage's own bytes over its own NVLink)
     return Plan(
         layout=planned_layout(layout, settings),

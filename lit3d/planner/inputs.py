@@ -228,3 +228,24 @@ def held_precision(training: Training, settings: Parallelism, layout: Layout) ->
     if is_bf16_mixed(training.precision) and settings.mixed_precision_reduce == "bfloat16":
         precision = replace(precision, reduced=2)
     return precision
+
+
+@dataclass(frozen=True)
+class Case:
+    """One planned run, passed whole down the planner's estimate: the model, the cluster, the layout (which owns the
+    sizes), the training loop's numbers and the run's other settings; what it holds and sends (`held_precision`)
+    and what its ZeRO stage means (`lit3d.parallel.zero.ZeroPolicy`) are read from it."""
+
+    config: Any  # `lit3d.models.config.GPTConfig`
+    cluster: Cluster
+    layout: Layout
+    training: Training
+    settings: Parallelism = PLANNING_DEFAULTS
+
+    @property
+    def precision(self) -> Precision:
+        return held_precision(self.training, self.settings, self.layout)
+
+    @property
+    def zero(self) -> ZeroPolicy:
+        return ZeroPolicy.of(self.settings, self.layout)

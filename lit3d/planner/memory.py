@@ -12,13 +12,12 @@ from lit3d.models.config import GPTConfig
 from lit3d.models.lora_settings import LoRA
 from lit3d.parallel.layout import Layout
 from lit3d.parallel.schedules import SCHEDULES, last_stage_in_flight, peak_in_flight
-from lit3d.parallel.settings import Parallelism
 from lit3d.parallel.zero import ZeroPolicy
 from lit3d.planner.buffers import Transient, peak_memory, transient_bytes
 from lit3d.planner.tensors import Tensor, config_key, key_tensors, local_numel, replicas, stepped_numel
 
 if TYPE_CHECKING:
-    from lit3d.planner.inputs import Precision, Training
+    from lit3d.planner.inputs import Case, Precision
 
 
 @dataclass(frozen=True)
@@ -35,17 +34,22 @@ class Memory:
         return max(self.by_stage, key=lambda m: m["total"])
 
 
-def memory_by_stage(
-    config: GPTConfig, layout: Layout, training: Training, settings: Parallelism, precision: Precision
-) -> Memory:
+def memory_by_stage(case: Case) -> Memory:
     """What each pipeline rank holds (rank 0 of its TP and DP groups) at the peak of a step."""
+    config, layout, training, settings, precision = (
+        case.config,
+        case.layout,
+        case.training,
+        case.settings,
+        case.precision,
+    )
     tp, pp = layout.tp, layout.pp
     virtual = settings.chunks_per_rank if pp > 1 else 1
     microbatches = training.global_batch_size // (layout.data_replicas * training.micro_batch_size)
     schedule_m = microbatches // training.schedules_per_step(pp)  # micro-batches of one pipeline schedule
     sp, schedule = settings.sequence_parallel and tp > 1, settings.pipeline_schedule
     tokens = training.micro_batch_size * training.seq_len // layout.cp  # a rank's, per micro-batch
-    a, checkpointing, zero = precision.activations, settings.activation_checkpointing, ZeroPolicy.of(settings, layout)
+    a, checkpointing, zero = precision.activations, settings.activation_checkpointing, case.zero
     lora = training.lora
     per_token = activation_bytes_per_token(config, tp, sp, checkpointing, a, lora)
     full_recompute = checkpointing in (True, "full")

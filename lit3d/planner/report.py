@@ -215,7 +215,7 @@ def format_verify(layout: Layout, counts: list) -> str:
     """The report's lines on `lit3d.planner.verify`'s per-stage parameter counts against the analytic ones."""
     lines = [
         f"verify: the real parallelisation on {layout.world_size} simulated ranks (meta device, fake process group), "
-        "parameters on rank (d=0, t=0, p):"
+        "parameters on rank (p, d=0, t=0):"
     ]
     for c in counts:
         lines.append(

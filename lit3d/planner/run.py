@@ -29,6 +29,7 @@ class RunningStrategy(Protocol):
     num_processes: int
     lightning_module: Any
     root_device: Any
+    global_rank: int
 
 
 def plan_of_run(strategy: RunningStrategy, cluster: Cluster | None = None) -> Plan | None:

@@ -270,7 +270,8 @@ def why(candidate: Candidate, cluster: Cluster) -> str:
     """One line on what makes this layout good (or what it pays for)."""
     plan, layout, training, settings = candidate.plan, candidate.layout, candidate.training, candidate.parallelism
     usable = cluster.gpu_memory_gb * (1 - training.headroom)
-    parts = [f"{plan.memory_per_gpu['total'] / GB:.1f} of {usable:.0f} GB usable"]
+    total = _gb(plan.memory_per_gpu["total"] / GB)
+    parts = [f"{total} of {usable:.0f} GB usable" if usable >= 1 else f"{total} of {usable:.3g} GB usable"]
     if layout.tp > 1:
         link = "NVLink" if cluster.gpus_per_node % layout.tp == 0 else "crosses nodes"
         parts.append(
@@ -285,20 +286,20 @@ def why(candidate: Candidate, cluster: Cluster) -> str:
     if layout.ep > 1:
         ep = plan.communication_per_step["ep"]
         parts.append(
-            f"EP{layout.ep} holds 1/{layout.ep} of the experts per rank, all-to-alls move {ep['bytes'] / GB:.1f} "
+            f"EP{layout.ep} holds 1/{layout.ep} of the experts per rank, all-to-alls move {_gb(ep['bytes'] / GB)} "
             f"GB/GPU in {ep['seconds']:.2f} s"
         )
     if layout.cp > 1:
         cp = plan.communication_per_step["cp"]
         parts.append(
             f"CP{layout.cp} keeps {training.seq_len // layout.cp:,} of {training.seq_len:,} tokens per rank, its ring "
-            f"moves {cp['bytes'] / GB:.1f} GB/GPU in {cp['seconds']:.2f} s, {cp['hidden_s']:.2f} s hidden by attention"
+            f"moves {_gb(cp['bytes'] / GB)} GB/GPU in {cp['seconds']:.2f} s, {cp['hidden_s']:.2f} s hidden by attention"
         )
     if layout.replicas > 1:
         dp = plan.communication_per_step["dp"]
         replicas = f"DP{layout.dp}" + (f" x CP{layout.cp}" if layout.cp > 1 else "")
         parts.append(
-            f"{replicas} ZeRO-{settings.zero_stage} moves {dp['bytes'] / GB:.1f} GB/GPU in {dp['seconds']:.2f} s"
+            f"{replicas} ZeRO-{settings.zero_stage} moves {_gb(dp['bytes'] / GB)} GB/GPU in {dp['seconds']:.2f} s"
         )
     if settings.accumulate_unsharded:
         parts.append("gradients unsharded across the micro-steps (one reduce-scatter per step)")
@@ -307,6 +308,11 @@ def why(candidate: Candidate, cluster: Cluster) -> str:
         parts.append(f"recomputes activations ({policy})")
     parts.append(f"time: {largest_costs(plan.time_breakdown, plan.step_time_s)}")
     return "; ".join(parts)
+
+
+def _gb(value: float) -> str:
+    """GB as the reports write them: one decimal, or three digits below a tenth (a rehearsal's tiny numbers)."""
+    return f"{value:.1f}" if value >= 0.05 or value == 0 else f"{value:.3g}"
 
 
 def tokens_per_second(plan: Plan, training: Training) -> float:

@@ -18,18 +18,23 @@ from lit3d.planner.tensors import config_key, key_tensors, local_numel, rank_ten
 
 if TYPE_CHECKING:
     from lit3d.parallel.settings import Parallelism
-    from lit3d.planner.inputs import Precision, Training
+    from lit3d.planner.inputs import Case, Precision, Training
 
 
-def communication_bytes(
-    config: GPTConfig, layout: Layout, training: Training, settings: Parallelism, precision: Precision
-) -> dict[str, float]:
+def communication_bytes(case: Case) -> dict[str, float]:
     """Bytes the busiest GPU of each axis sends per optimizer step, counted as a ring sends them: an all-reduce
     2 (n-1)/n of its tensor, an all-gather or reduce-scatter (n-1)/n of the full tensor, a point-to-point send
     all of it. `lit3d.strategies.comm.CommBytes` measures the same way (`lit3d.callbacks.CommReport` puts both side by
     side). Left out: scalars (the logged loss, the gradient norm).
     """
-    pp, replicas, zero = layout.pp, layout.replicas, ZeroPolicy.of(settings, layout)
+    config, layout, training, settings, precision = (
+        case.config,
+        case.layout,
+        case.training,
+        case.settings,
+        case.precision,
+    )
+    pp, replicas, zero = layout.pp, layout.replicas, case.zero
     virtual, microbatches, schedules, sp, _ = _step_shape(layout, training, settings)
     act_bytes = training.micro_batch_size * training.seq_len // layout.cp * config.d_model * precision.activations
     traffic = {
@@ -255,16 +260,15 @@ def _tp_collectives_per_block(settings: Parallelism, sp: bool) -> float:
     return 4 + (1.5 if sp else 1.0) * full + regather
 
 
-def collectives(
-    config: GPTConfig, layout: Layout, training: Training, settings: Parallelism
-) -> dict[str, tuple[float, float]]:
+def collectives(case: Case) -> dict[str, tuple[float, float]]:
     """Per axis, the collectives the busiest GPU waits on per optimizer step and their ring hops in all (a ring
     all-reduce over n ranks is 2 (n-1) hops, an all-gather or reduce-scatter n-1, a point-to-point send 1): the
     latency side of an α-β model, counted as `communication_bytes` counts the bytes."""
+    config, layout, training, settings = case.config, case.layout, case.training, case.settings
     tp, pp, dp = layout.tp, layout.pp, layout.replicas
     virtual, microbatches, schedules, sp, per_block = _step_shape(layout, training, settings)
     counts = {"tp": (0.0, 0.0), "pp": (0.0, 0.0), "dp": (0.0, 0.0), "ep": (0.0, 0.0), "cp": (0.0, 0.0)}
-    cp, zero = layout.cp, ZeroPolicy.of(settings, layout)
+    cp, zero = layout.cp, case.zero
     placement = SCHEDULES[settings.pipeline_schedule].placement
     for stage in stages(config, pp, virtual, placement, tp, layout.ep, layers=settings.pipeline_stage_layers):
         first, last, blocks = stage.first, stage.last, stage.blocks

@@ -37,7 +37,7 @@ class StageCount:
 
 
 def analytic_params(config: GPTConfig, layout: Layout, stage: int, settings: Parallelism) -> int:
-    """Parameter elements the planner expects on rank (d=0, t=0, p=stage)."""
+    """Parameter elements the planner expects on rank (p=stage, d=0, t=0)."""
     virtual = settings.chunks_per_rank if layout.pp > 1 else 1
     placement = SCHEDULES[settings.pipeline_schedule].placement
     tensors = rank_tensors(config, layout.pp, virtual, stage, placement, layers=settings.pipeline_stage_layers)
@@ -46,7 +46,7 @@ def analytic_params(config: GPTConfig, layout: Layout, stage: int, settings: Par
 
 
 def verify(config: GPTConfig, layout: Layout, settings: Parallelism) -> list[StageCount]:
-    """Per pipeline stage: the parameter elements rank (d=0, t=0, p) holds after the real parallelisation of
+    """Per pipeline stage: the parameter elements rank (p, d=0, t=0) holds after the real parallelisation of
     ``config`` on ``layout`` with ``settings`` (its sizes are ``layout``'s)."""
     # NOTE: torch only here: `lit3d plan` imports the planner, and only `--verify` needs the real model.
     import torch
