@@ -14,22 +14,35 @@ from lit3d.planner.hardware import cpu_share
 from lit3d.strategies.plan_check import plan_check_line, run_cluster
 
 # Layouts of the suite's runs that train 5 steps or more without an expected error: each logs its check once.
+LAYOUT_JOBS = {**LAYOUTS, **MOE_LAYOUTS, **CP_LAYOUTS, **LORA_LAYOUTS}
 CHECKED = [
     name
-    for name, (_, job) in {**LAYOUTS, **MOE_LAYOUTS, **CP_LAYOUTS, **LORA_LAYOUTS}.items()
+    for name, (_, job) in LAYOUT_JOBS.items()
     if job.get("trainer", {}).get("max_steps", 8) >= 5 and not job.get("expect_error")
 ]
-# The band the CPU runs' peaks fall in (printed by the test): the plan counts what a GPU's allocator holds, the run
-# measures its live tensors; small fp32 models whose fixed costs (rotary tables, the loss's buffers) weigh more.
-PEAK_BAND = (0.7, 1.5)
+SPLITS = ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size", "expert_parallel_size")
+# What the suite measures (the plan counts what a GPU's allocator would hold, the run its live tensors over a step):
+# data parallelism at every ZeRO stage, which `tests/test_memory_plan.py` holds within 5 % on a wider model, within
+# a quarter here; the layouts that split the model (TP, PP, CP, EP) up to about twice the plan on these tiny fp32
+# models: the planner undercounts what they hold for a moment (their peaks are printed by the test).
+DATA_PARALLEL_BAND, SPLIT_BAND = (0.85, 1.25), (0.85, 2.2)
+
+
+def splits_the_model(name: str) -> bool:
+    job = LAYOUT_JOBS[name][1]
+    return any(job["strategy"].get(axis, 1) > 1 for axis in SPLITS) or "n_expert" in job.get("model", {}).get(
+        "config", {}
+    )
 
 
 def test_every_layout_logs_its_peak_memory_against_the_plan_once(layout_runs):
     ratios = {name: layout_runs[name]["plan_check"]["peak_memory_ratio"] for name in CHECKED}
-    print("\n".join(f"{name:<48} {r}" for name, r in ratios.items()))
+    print("\n".join(f"{name:<48} {r}" for name, r in sorted(ratios.items(), key=lambda item: item[1])))
     assert all(len(r) == 1 for r in ratios.values()), ratios
-    outside = {name: r[0] for name, r in ratios.items() if not PEAK_BAND[0] <= r[0] <= PEAK_BAND[1]}
+    band = {name: SPLIT_BAND if splits_the_model(name) else DATA_PARALLEL_BAND for name in ratios}
+    outside = {name: r[0] for name, r in ratios.items() if not band[name][0] <= r[0] <= band[name][1]}
     assert not outside, outside
+    assert sum(not splits_the_model(name) for name in ratios) >= 20  # (the data-parallel band is not left empty)
     assert all(not layout_runs[name]["plan_check"]["step_time_ratio"] for name in CHECKED if "profile" not in name)
 
 

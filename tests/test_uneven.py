@@ -66,13 +66,13 @@ def test_the_command_line_plan_takes_the_stage_layers(capsys):
 @pytest.mark.parametrize(
     "layers, n_layer, message",
     [((1, 4), 6, r"pipeline_stage_layers=\[1, 4\] sums to 5 blocks, but the model has n_layer=6"),
-     ((0, 6), 6, r"pipeline_stage_layers=\[0, 6\] must give each of the 2 pipeline stages"),
+     ((0, 0), 0, r"pipeline_stage_layers=\[0, 0\] must give each of the 2 pipeline stages"),
      ((6,), 6, r"pipeline_stage_layers=\[6\] must give each of the 2 pipeline stages")],
 )  # fmt: skip
 def test_bad_stage_layers_are_refused_naming_them(layers, n_layer, message):
     with pytest.raises(ValueError, match=message):
         check_stage_layers(layers, n_layer, 2)
-    if n_layer == sum(layers) and len(layers) != 2 or 0 in layers:
+    if n_layer == sum(layers) and len(layers) != 2 or not any(layers):
         with pytest.raises(ValueError, match=message):
             Parallelism(pipeline_parallel_size=2, pipeline_stage_layers=list(layers))
     assert stage_runs([1.0] * 6, 0.0, 0.0, 2, (2, 4)) == [[0, 1], [2, 3, 4, 5]]
@@ -110,3 +110,30 @@ def test_bad_shares_are_refused_naming_them(shares, batch, steps, message):
         check_shares_fit(shares, 2, batch, steps)
     with pytest.raises(ValueError, match=r"data_parallel_shares=\[0, 8\] must be whole numbers of samples"):
         Parallelism(data_parallel_shares=[0, 8])
+
+
+def test_the_first_and_the_last_stage_may_hold_the_embedding_or_the_head_in_place_of_a_block():
+    """Llama 3 405B's cut: 126 blocks on 16 x 8 = 128 stages, the first and the last stage one block less; one or two
+    stages more than blocks are cut so by default; a stage between them without a block is refused."""
+    from lit3d.parallel.stages import end_layers
+
+    check_stage_layers((0, 6), 6, 2)
+    check_stage_layers((6, 0), 6, 2)
+    with pytest.raises(ValueError, match=r"\[3, 0, 3\] must give each of the 3 pipeline stages .* \(0 for the first"):
+        check_stage_layers((3, 0, 3), 6, 3)
+    assert end_layers(126, 128) == (0, *[1] * 126, 0) and end_layers(4, 5) == (1, 1, 1, 1, 0)
+    assert end_layers(6, 6) is None and end_layers(6, 9) is None
+    assert stage_runs([1.0] * 4, 2.0, 3.0, 6) == [[], [0], [1], [2], [3], []]
+
+
+def test_llama3_405b_plans_and_is_parallelised_at_pp16_with_8_virtual_stages():
+    """The real model split on the fake process group (``--verify``) holds what the planner counts on every stage;
+    the first holds the embedding alone, the last the head alone."""
+    from lit3d.planner import Cluster, Request, plan
+
+    request = Request.given("llama-405b", Cluster(nodes=16), tensor_parallel_size=8, pipeline_parallel_size=16,
+                            virtual_pipeline_size=8, pipeline_schedule="interleaved_1f1b", seq_len=8192,
+                            global_batch_size=16, verify=True)  # fmt: skip
+    report = plan(request)
+    assert report.verified and all(count.matches for count in report.verified), report.verified
+    assert report.chosen.layout.pp == 16 and report.chosen.parallelism.chunks_per_rank == 8

@@ -359,14 +359,15 @@ def pipeline_microbatches(
 
 
 def check_model_fits_pipeline(config: Any, pp: int, virtual: int, schedule: str | None = None) -> None:
-    """Every pipeline chunk needs a block of its own, and a tied embedding cannot span stages."""
+    """Every pipeline chunk needs a block of its own, but the first and the last, where the embedding or the head may
+    take its place (`lit3d.parallel.stages.end_layers`); and a tied embedding cannot span stages."""
     chunks = pp * virtual
-    if chunks > config.n_layer:
+    if chunks > config.n_layer + 2:
         by_default = schedule in DEFAULT_CHUNKS and virtual == DEFAULT_CHUNKS[schedule]
         default = f" ({schedule}'s default)" if by_default else ""
         raise ValueError(
             f"pipeline_parallel_size={pp} x virtual_pipeline_size={virtual}{default} = {chunks} stages, but the model "
-            f"has only n_layer={config.n_layer} blocks"
+            f"has only n_layer={config.n_layer} blocks (and the embedding and the head, which may take a stage each)"
         )
     if pp > 1 and getattr(config, "tie_embeddings", False):
         raise ValueError(

@@ -120,7 +120,7 @@ class Parallelism:
         None,
         """The blocks of each pipeline stage, in order (``pipeline_parallel_size`` x chunks per rank of them, summing to
         the model's blocks): more on faster or larger GPUs. The embedding stays on the first stage and the head on
-        the last. ``None``: stages balanced by cost.""",
+        the last, which may hold no block (0). ``None``: stages balanced by cost.""",
     )
     activation_checkpointing: bool | Literal["full", "selective"] = _setting(
         False,

@@ -5,7 +5,9 @@ The network's decoder blocks ``0..N-1`` are cut into ``pp × virtual`` chunks of
 (parameter elements, the same as the matmul FLOPs per token of blocks and head; `partition`); chunk ``s`` lives on
 pipeline rank ``s % pp``, or for the V-shaped schedules (two chunks per rank) rank ``r`` holds chunks ``r`` and
 ``2·pp - 1 - r`` (`chunk_stage_ids`). The first chunk also runs the parts before the blocks (an embedding), the last
-those after them (final norm, head).
+those after them (final norm, head). As Llama 3 405B ran (126 blocks on 16 × 8 = 128 stages, "the first and the last
+stage one layer less"), the first and the last chunk may hold no block: the embedding or the head takes its place.
+Cut by cost, that is how one or two chunks more than blocks are cut (`stage_runs`).
 
 No torch here: the planner cuts with these rules from the model's shapes alone. The chunk modules themselves (views
 of an ``nn.Module`` network) are `lit3d.strategies.stages`.
@@ -65,21 +67,35 @@ def stage_runs(
     """The blocks of each of ``chunks`` stages: ``layers`` blocks each, in order, where given (uneven stages for
     GPUs of different speeds or memory: `pipeline_stage_layers`), else cut by cost (`partition`)."""
     if layers is None:
+        layers = end_layers(len(costs), chunks)  # (None unless the ends must take stages of their own)
+    if layers is None:
         return partition(costs, first_extra, last_extra, chunks)
     check_stage_layers(layers, len(costs), chunks)
     starts = [sum(layers[:i]) for i in range(len(layers))]
     return [list(range(start, start + n)) for start, n in zip(starts, layers)]
 
 
+def end_layers(n_layer: int, chunks: int) -> tuple[int, ...] | None:
+    """One block per chunk where there are one or two chunks more than blocks: the head alone on the last chunk, and
+    with two more the embedding alone on the first too (Llama 3 405B's cut); None where every chunk gets a block."""
+    if chunks <= n_layer or chunks > n_layer + 2:
+        return None
+    ends = chunks - n_layer
+    return (0,) * (ends - 1) + (1,) * n_layer + (0,)
+
+
 def check_stage_layers(layers: tuple[int, ...] | None, n_layer: int | None, chunks: int) -> None:
     """``pipeline_stage_layers`` names a whole number of blocks for every one of the ``chunks`` stages, each at least
-    one, and (where the model is known) all of its ``n_layer`` blocks; refused naming the values."""
+    one but the first and the last (the embedding or the head in place of a block), and (where the model is known)
+    all of its ``n_layer`` blocks; refused naming the values."""
     if layers is None:
         return
-    if len(layers) != chunks or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in layers):
+    whole = len(layers) == chunks and all(isinstance(n, int) and not isinstance(n, bool) for n in layers)
+    if not whole or any(n < (0 if i in (0, chunks - 1) else 1) for i, n in enumerate(layers)) or not any(layers):
         raise ValueError(
             f"pipeline_stage_layers={list(layers)} must give each of the {chunks} pipeline stages "
-            "(pipeline_parallel_size x chunks per rank) a whole number of blocks, at least 1"
+            "(pipeline_parallel_size x chunks per rank) a whole number of blocks, at least 1 (0 for the first and "
+            "the last, whose embedding or head takes a block's place)"
         )
     if n_layer is not None and sum(layers) != n_layer:
         raise ValueError(
