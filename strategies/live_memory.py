@@ -17,9 +17,8 @@ import weakref
 
 import lightning as L
 import torch
-from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 COLLECTIVES = "torch/distributed/distributed_c10d.py"
@@ -42,7 +41,7 @@ class LiveTensors(TorchDispatchMode):
                 self._add(tensor, copy=False)
 
     def _add(self, tensor: torch.Tensor, copy: bool) -> None:
-        for storage in get_untyped_storages(tensor):
+        for storage in storages(tensor):
             key = id(storage)
             if key not in self._live:
                 self._live[key] = (weakref.ref(storage, lambda _, key=key: self._live.pop(key, None)), copy)
@@ -65,6 +64,14 @@ class LiveTensors(TorchDispatchMode):
                     held += storage.nbytes()
         self.peak, self.collective_copies = max(self.peak, held), max(self.collective_copies, copies)
         return out
+
+
+def storages(tensor: torch.Tensor) -> set[torch.UntypedStorage]:
+    """The storages holding ``tensor``'s bytes: through a wrapper subclass (FP8's weights) to the tensors it wraps."""
+    if is_traceable_wrapper_subclass(tensor):
+        inner, _ = tensor.__tensor_flatten__()
+        return {storage for name in inner for storage in storages(getattr(tensor, name))}
+    return {tensor.untyped_storage()} if isinstance(tensor, torch.Tensor) else set()  # (not its mesh, say)
 
 
 def _inside_collective() -> bool:
