@@ -4,6 +4,7 @@ and the `Plan` of one layout (`lit3d.planner.estimate` computes it). Pure values
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
+from functools import cached_property
 from typing import Any
 
 from lit3d.models.lora_settings import LoRA
@@ -242,10 +243,10 @@ class Case:
     training: Training
     settings: Parallelism = PLANNING_DEFAULTS
 
-    @property
+    @cached_property  # (the memory, the traffic and the clock each read it)
     def precision(self) -> Precision:
         return held_precision(self.training, self.settings, self.layout)
 
-    @property
+    @cached_property
     def zero(self) -> ZeroPolicy:
         return ZeroPolicy.of(self.settings, self.layout)

@@ -36,13 +36,8 @@ class Memory:
 
 def memory_by_stage(case: Case) -> Memory:
     """What each pipeline rank holds (rank 0 of its TP and DP groups) at the peak of a step."""
-    config, layout, training, settings, precision = (
-        case.config,
-        case.layout,
-        case.training,
-        case.settings,
-        case.precision,
-    )
+    config, layout, training, settings = case.config, case.layout, case.training, case.settings
+    precision = case.precision
     tp, pp = layout.tp, layout.pp
     virtual = settings.chunks_per_rank if pp > 1 else 1
     microbatches = training.global_batch_size // (layout.data_replicas * training.micro_batch_size)

@@ -27,13 +27,8 @@ def communication_bytes(case: Case) -> dict[str, float]:
     all of it. `lit3d.strategies.comm.CommBytes` measures the same way (`lit3d.callbacks.CommReport` puts both side by
     side). Left out: scalars (the logged loss, the gradient norm).
     """
-    config, layout, training, settings, precision = (
-        case.config,
-        case.layout,
-        case.training,
-        case.settings,
-        case.precision,
-    )
+    config, layout, training, settings = case.config, case.layout, case.training, case.settings
+    precision = case.precision
     pp, replicas, zero = layout.pp, layout.replicas, case.zero
     virtual, microbatches, schedules, sp, _ = _step_shape(layout, training, settings)
     act_bytes = training.micro_batch_size * training.seq_len // layout.cp * config.d_model * precision.activations
