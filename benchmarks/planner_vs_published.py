@@ -1,91 +1,80 @@
-"""The planner's clock against published training runs: tokens/s per GPU and MFU, predicted beside measured.
+"""The planner's clock against published training runs of 11 source groups: tokens/s per GPU or MFU, planned beside
+published, judged by its fit and by leave-one-source-out; and whether each run plans as fitting its card.
 
-    python benchmarks/planner_vs_published.py            # the calibration runs and the held-out ones
-    python benchmarks/planner_vs_published.py --markdown # the table of benchmarks/README.md
+    python benchmarks/planner_vs_published.py             # every run with the shipped constants (a second)
+    python benchmarks/planner_vs_published.py --loso      # and the fit's and leave-one-source-out's (20 s, 2 cores)
+    python benchmarks/planner_vs_published.py --fit       # the constants the fit chooses on every run
+    python benchmarks/planner_vs_published.py --markdown  # the tables of benchmarks/README.md
 
-Each run (`benchmarks/published_runs.py`) is planned as published: its model, GPUs (and power cap), sequence length,
-batches, layout, recompute, compile and kernels (`lit3d.planner.inputs.Software`), with `lit3d.planner.plan` on the
-fixed layout. The ratio is predicted / published, in the unit the source publishes (tokens/s per GPU, or MFU against
-989 TFLOP/s with the source's FLOP count, which for these models is the planner's: 6 per matmul weight plus
-attention's 12 · layers · width · sequence, causal not halved). The calibration runs are the ones the fitted
-constants of `lit3d.planner.calibration` were chosen on; the held-out runs were not used to choose them. Arithmetic
-only: a second or two on a CPU.
+Each run (`benchmarks/published_runs.py`, `benchmarks/published_sources.py`) is planned as published: its model, GPUs,
+links and power cap, sequence length, batches, layout, recompute and how its stack's kernels are written
+(`lit3d.planner.inputs.Software`, set from what the source states or its framework's documented default), with
+`lit3d.planner.plan` on the fixed layout. The ratio is predicted / published, in the unit the source publishes.
+
+The ratio is printed with the shipped constants of `lit3d.planner.calibration`; ``--fit`` and ``--loso`` also fit the
+fitted ones (`FITTED`: Hopper's GEMM efficiency and its inner-dimension shape, the cost of overlapped communication,
+the host's time per step) on a grid, minimising the mean |log ratio| with each source group weighing the same, on
+every run (the fit's error) and on every group but one, predicting that one, for each group in turn
+(leave-one-source-out): each run is planned once per grid point, then every fold is arithmetic over those plans.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import statistics
 import sys
 from dataclasses import replace
+from multiprocessing import Pool
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.published_runs import (
-    CALIBRATION,
-    HELD_OUT,
-    MEGATRON,
-    Run,
-)
+from benchmarks.published_runs import CALIBRATION, HELD_OUT, Run
+from benchmarks.published_sources import OTHER_SOURCES
 from lit3d.planner import Cluster, Plan, Request, plan
-from lit3d.planner.calibration import ASYNC_TP, HOPPER, MEGATRON_TP_OVERLAP
+from lit3d.planner.calibration import HOPPER
 from lit3d.planner.hardware import GPUS
 
-# The number of kinds the breakdown has, printed largest first.
+RUNS = [*CALIBRATION, *HELD_OUT, *OTHER_SOURCES]
+# The kinds the breakdown has, printed largest first.
 KINDS = ("compute", "memory_bound", "communication", "bubble", "optimizer", "overhead")
+# The fitted constants of Hopper (and Blackwell, which takes Hopper's numbers) and the values the fit tries; the host's
+# time per step (``step_overhead_ms``) adds to the step, so its values cost no plan.
+FITTED = {
+    "gemm": [round(0.6 + 0.025 * i, 3) for i in range(11)],
+    "gemm_half_dim": [0.0, 50.0, 100.0, 150.0, 175.0, 200.0],
+    "overlap_cost": [0.0, 0.125, 0.25, 0.5],
+}
+OVERHEADS_MS = [10.0 * i for i in range(21)]
+
+
+# The runs that trained but do not plan as fitting their card, and why (what the planner or the source leaves open).
+NO_RECOMPUTE_STATED = "the source states no recompute, and without any the run cannot fit"
+MEMORY_GAPS = {
+    "Llama 3.1 8B, FSDP8 x TP8, async TP": "torchtitan's per-op selective recompute keeps every second matmul output "
+    "and the reduce-scatters' sharded outputs; the planner counts lit3d's selective rule, which keeps them all",
+    "Llama 3.1 8B, FSDP8 x TP8": "as its async-TP run",
+    "Nemotron-4 340B, 128 H100": "at DP2 the distributed optimizer's states are 52 GB; " + NO_RECOMPUTE_STATED,
+    "Nemotron-4 340B, 128 H100, FP8": "as its BF16 run",
+    "Nemotron-4 340B, 128 H100, FP8 (NeMo 24.07)": "as DGXC's FP8 run",
+    "Llama 3.1 405B, 128 B200, FP8 (Bridge 25.11)": "162.8 GB planned beside the 162 GB the 10 % headroom leaves",
+    "Llama 3 70B, FSDP64, 64 GB200, FP8 (Bridge 25.11)": NO_RECOMPUTE_STATED,
+    "Qwen3 30B-A3B, FSDP8 x EP8": NO_RECOMPUTE_STATED,
+}
 
 
 def predict(run: Run, constants: dict[str, float] | None = None) -> Plan:
-    """The planner's plan of ``run`` as published (with the fitted ``constants`` replaced, `FITTED`)."""
+    """The planner's plan of ``run`` as published, with Hopper's fitted ``constants`` replaced (`FITTED`)."""
     settings = dict(run.cluster)
-    cluster = Cluster.of(settings.pop("gpu", GPUS["H100"]), run.gpus // 8, 8, **settings)
-    loop = dict(run.loop)
-    if constants:
-        efficiency = replace(cluster.gpu.efficiency, **{k: v for k, v in constants.items() if k in EFFICIENCY})
-        cluster = replace(cluster, gpu=replace(cluster.gpu, efficiency=efficiency))
-        software = loop["software"]
-        if software.tp_overlap:
-            overlap = constants["MEGATRON_TP_OVERLAP" if run.source == MEGATRON else "ASYNC_TP"]
-            loop["software"] = replace(software, tp_overlap=overlap)
-    given = {**run.layout, **loop}
-    return plan(Request.given(run.model, cluster, precision="bf16-mixed", **given)).chosen.plan
-
-
-# The constants fitted to the calibration runs, and the values `--fit` tries for each.
-EFFICIENCY = {
-    "gemm": [x / 200 for x in range(110, 181)],
-    "gemm_half_dim": [float(x) for x in range(0, 801, 25)],
-    "overlap_cost": [x / 40 for x in range(0, 21)],
-    "step_overhead_ms": [float(x) for x in range(0, 101, 5)],
-}
-FITTED = {**EFFICIENCY, "ASYNC_TP": [x / 20 for x in range(21)], "MEGATRON_TP_OVERLAP": [x / 20 for x in range(21)]}
-
-
-def fit(runs: list[Run]) -> dict[str, float]:
-    """Coordinate descent over `FITTED` from the current constants: the values that minimise the worst error over
-    ``runs`` (log ratio), then their mean squared log ratio and that of async TP's speedup over vanilla TP (a run
-    named ``X, async TP`` against the run ``X``)."""
-    current = {name: getattr(HOPPER, name) for name in EFFICIENCY} | {
-        "ASYNC_TP": ASYNC_TP, "MEGATRON_TP_OVERLAP": MEGATRON_TP_OVERLAP}  # fmt: skip
-
-    def loss(constants: dict[str, float]) -> float:
-        logs = {run.name: math.log(ratio(run, predict(run, constants))) for run in runs}
-        speedups = [logs[name] - logs[name.removesuffix(", async TP")] for name in logs if name.endswith("async TP")]
-        squares = [x * x for x in [*logs.values(), *speedups]]
-        return max(abs(x) for x in logs.values()) + sum(squares) / len(squares)
-
-    best = loss(current)
-    for sweep in range(3):
-        for name, values in FITTED.items():
-            for value in values:
-                trial = {**current, name: value}
-                trial_loss = loss(trial)
-                if trial_loss < best:
-                    current, best = trial, trial_loss
-        print(f"sweep {sweep + 1}: {current}, loss {best:.5f}", flush=True)
-    return current
+    cluster = Cluster.of(settings.pop("gpu", GPUS["H100"]), max(1, run.gpus // 8), min(8, run.gpus), **settings)
+    if constants and cluster.gpu.efficiency is HOPPER:
+        cluster = replace(cluster, gpu=replace(cluster.gpu, efficiency=replace(HOPPER, **constants)))
+    given = {"precision": "bf16-mixed", **run.layout, **run.loop}
+    return plan(Request.given(run.model, cluster, **given)).chosen.plan
 
 
 def ratio(run: Run, predicted: Plan) -> float:
@@ -101,56 +90,154 @@ def shares(predicted: Plan) -> dict[str, float]:
     return {kind: value / predicted.step_time_s for kind, value in seconds.items()}
 
 
-def row(run: Run, predicted: Plan, markdown: bool) -> str:
+def _grid_row(run: Run) -> tuple[list[float], list[float]]:
+    """(ratio, step seconds) of ``run`` at every point of `FITTED` (one plan where the run is not on Hopper)."""
+    points = [dict(zip(FITTED, values)) for values in itertools.product(*FITTED.values())]
+    if _fitted_device(run) is not HOPPER:
+        alone = predict(run)
+        return [ratio(run, alone)] * len(points), [alone.step_time_s] * len(points)
+    plans = [predict(run, point) for point in points]
+    return [ratio(run, p) for p in plans], [p.step_time_s for p in plans]
+
+
+def _fitted_device(run: Run):
+    return run.cluster.get("gpu", GPUS["H100"]).efficiency
+
+
+class Grid:
+    """Every run's ratio at every point of `FITTED` x `OVERHEADS_MS`, and the fits it allows."""
+
+    def __init__(self, runs: list[Run], processes: int = 2):
+        with Pool(processes) as pool:
+            rows = pool.map(_grid_row, runs)
+        self.runs = runs
+        ratios, steps = (np.array([row[i] for row in rows]).T for i in (0, 1))  # (points, runs)
+        shipped = np.array([HOPPER.step_overhead_ms if _fitted_device(r) is HOPPER else math.nan for r in runs])
+        overheads = np.array(OVERHEADS_MS)[:, None, None]
+        # A step's tokens/s and MFU go as 1 / step: the host's time replaced where the run is on Hopper.
+        on_hopper = ~np.isnan(shipped)
+        changed = steps + np.where(on_hopper, (overheads - np.nan_to_num(shipped)) * 1e-3, 0.0)
+        self.logs = np.log(ratios * steps / changed)  # (overheads, points, runs)
+        groups = [run.source_group for run in runs]
+        self.groups = groups
+        self.weights = np.array([1 / groups.count(g) for g in groups])
+
+    def best(self, keep: np.ndarray) -> tuple[int, int]:
+        """(overhead, point) indices minimising the weighted mean |log ratio| over the runs in ``keep``."""
+        loss = (np.abs(self.logs[:, :, keep]) * self.weights[keep]).sum(axis=2)
+        return np.unravel_index(np.argmin(loss), loss.shape)
+
+    def constants(self, index: tuple[int, int]) -> dict[str, float]:
+        points = list(itertools.product(*FITTED.values()))
+        return dict(zip(FITTED, points[index[1]])) | {"step_overhead_ms": OVERHEADS_MS[index[0]]}
+
+    def fitted(self) -> tuple[dict[str, float], np.ndarray]:
+        """The constants fitted on every run, and each run's ratio with them."""
+        index = self.best(np.ones(len(self.runs), bool))
+        return self.constants(index), np.exp(self.logs[index[0], index[1]])
+
+    def left_out(self) -> tuple[np.ndarray, dict[str, dict[str, float]]]:
+        """Each run's ratio with the constants fitted on every other group; the constants of each fold."""
+        ratios, folds = np.zeros(len(self.runs)), {}
+        for group in dict.fromkeys(self.groups):
+            inside = np.array([g == group for g in self.groups])
+            index = self.best(~inside)
+            ratios[inside] = np.exp(self.logs[index[0], index[1], inside])
+            folds[group] = self.constants(index)
+        return ratios, folds
+
+
+def row(run: Run, predicted: Plan, left_out: float | None, markdown: bool) -> str:
     measured = f"{run.measured:,.0f} tok/s" if run.unit == "tokens" else f"{run.measured:.0%} MFU"
     mine = f"{predicted.tokens_per_s_per_gpu:,.0f} tok/s" if run.unit == "tokens" else f"{predicted.mfu:.1%} MFU"
     split = shares(predicted)
-    largest = ", ".join(f"{kind} {split[kind]:.0%}" for kind in sorted(split, key=split.get, reverse=True)[:3])
-    cells = (run.name, f"{run.gpus:,}", measured, mine, f"{ratio(run, predicted):.3f}",
-             f"{predicted.mfu:.1%}", largest)  # fmt: skip
+    largest = ", ".join(f"{kind} {split[kind]:.0%}" for kind in sorted(split, key=split.get, reverse=True)[:2])
+    loso = "" if left_out is None else f"{left_out:.3f}"
+    cells = (run.name, f"{run.gpus:,}", measured, mine, f"{ratio(run, predicted):.3f}", loso, largest)
     if markdown:
         return "| " + " | ".join(cells) + " |"
-    return f"{cells[0]:<40}{cells[1]:>6}{cells[2]:>16}{cells[3]:>18}{cells[4]:>8}{cells[5]:>8}  {cells[6]}"
+    return f"{cells[0]:<50}{cells[1]:>7}{cells[2]:>15}{cells[3]:>16}{cells[4]:>8}{cells[5]:>8}  {cells[6]}"
 
 
-def report(title: str, runs: list[Run], markdown: bool, constants: dict[str, float] | None = None) -> list[float]:
-    header = ("run", "GPUs", "published", "planner", "ratio", "MFU", "step time, largest shares")
-    print(f"\n{title}")
-    if markdown:
-        print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
-    else:
-        print(f"{header[0]:<40}{header[1]:>6}{header[2]:>16}{header[3]:>18}{header[4]:>8}{header[5]:>8}  {header[6]}")
-    ratios = []
+HEADER = ("run", "GPUs", "published", "planner", "ratio", "LOSO", "largest shares of the step")
+
+
+def report(runs: list[Run], markdown: bool, left_out: dict[str, float] | None = None) -> list[float]:
+    """Every run of ``runs`` by source group, planned with the shipped constants (its ratio) and, where given, with
+    the constants fitted without its group (``left_out``, by index in ``runs``); the ratios, in ``runs``' order."""
+    ratios = {}
+    for group in dict.fromkeys(run.source_group for run in runs):
+        print(f"\n{group}")
+        if markdown:
+            print("| " + " | ".join(HEADER) + " |\n|" + "---|" * len(HEADER))
+        else:
+            widths = (-50, 7, 15, 16, 8, 8)
+            print("".join(f"{cell:{'<' if w < 0 else '>'}{abs(w)}}" for cell, w in zip(HEADER, widths)), HEADER[6])
+        for index in (i for i, run in enumerate(runs) if run.source_group == group):
+            predicted = predict(runs[index])
+            ratios[index] = ratio(runs[index], predicted)
+            print(row(runs[index], predicted, (left_out or {}).get(index), markdown))
+    return [ratios[index] for index in range(len(runs))]
+
+
+def summary(runs: list[Run], columns: dict[str, list[float]], markdown: bool) -> None:
+    """Median error and share within ±20 % of each column of ratios, for every run and by source group."""
+    groups = list(dict.fromkeys(run.source_group for run in runs))
+    names = [f"{c} {what}" for c in columns for what in ("median error", "within ±20 %")]
+    print("\n| source group | runs | " + " | ".join(names) + " |\n|" + "---|" * (2 + len(names)))
+    for group in [*groups, "all"]:
+        inside = [group in ("all", run.source_group) for run in runs]
+        cells = [group if group != "all" else f"**all {len(groups)} groups**", str(sum(inside))]
+        for ratios in columns.values():
+            errors = [abs(r - 1) for r, keep in zip(ratios, inside) if keep]
+            cells += [f"{statistics.median(errors):.1%}", f"{sum(e <= 0.2 for e in errors)} of {len(errors)}"]
+        print("| " + " | ".join(cells) + " |")
+
+
+def memory(runs: list[Run]) -> None:
+    """Whether each run plans as fitting its card, and the planned peak beside the published one where published."""
+    misses = []
     for run in runs:
-        predicted = predict(run, constants)
-        ratios.append(ratio(run, predicted))
-        print(row(run, predicted, markdown))
-    errors = [abs(r - 1) for r in ratios]
-    print(f"median error {statistics.median(errors):.1%}, worst {max(errors):.1%}, within ±15 %: "
-          f"{sum(e <= 0.15 for e in errors)} of {len(errors)}")  # fmt: skip
-    return ratios
+        predicted = predict(run)
+        peak = predicted.memory_per_gpu["total"] / 1e9
+        if not predicted.fits:
+            misses.append(f"  - {run.name}: {peak:.1f} GB ({MEMORY_GAPS.get(run.name, 'not known why')})")
+        if run.memory_gb is not None:
+            print(f"memory: {run.name}: planned {peak:.1f} GB, published {run.memory_gb:.0f} GB "
+                  f"(planned / published {peak / run.memory_gb:.2f})")  # fmt: skip
+    print(
+        f"memory: {len(runs) - len(misses)} of {len(runs)} runs plan as fitting their card"
+        + ("; not:" if misses else "")
+    )
+    print("\n".join(misses))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--markdown", action="store_true", help="print markdown tables")
+    parser.add_argument("--loso", action="store_true", help="also fit leave-one-source-out and print its errors")
+    parser.add_argument("--fit", action="store_true", help="print the constants the fit chooses on every run")
     parser.add_argument("--sources", action="store_true", help="also print each run's source and assumptions")
-    parser.add_argument(
-        "--fit",
-        action="store_true",
-        help="fit the constants of `FITTED` to the calibration runs (Hopper's GEMM efficiency and shape, overlap cost, "
-        "step overhead, the TP overlaps) and report with them",
-    )
     args = parser.parse_args()
-    constants = fit(CALIBRATION) if args.fit else None
-    report("calibration runs (the fitted constants were chosen on these)", CALIBRATION, args.markdown, constants)
-    report("held-out runs (not used to choose them)", HELD_OUT, args.markdown, constants)
-    if args.sources:  # each source's runs and what was assumed where it is silent (8 GPUs per node throughout)
+    columns, left_out = {}, None
+    if args.loso or args.fit:
+        grid = Grid(RUNS)
+        constants, fitted = grid.fitted()
+        print(f"fit on every run: {constants}")
+        columns["fit on every run"] = list(fitted)
+        if args.loso:
+            ratios, folds = grid.left_out()
+            for group, values in folds.items():
+                print(f"fit without {group}: {values}")
+            left_out = dict(enumerate(ratios))
+            columns["leave-one-source-out"] = list(ratios)
+    columns = {"shipped constants": report(RUNS, args.markdown, left_out), **columns}
+    summary(RUNS, columns, args.markdown)
+    memory(RUNS)
+    if args.sources:  # each run's source and what was assumed where it is silent
         print()
-        for source in dict.fromkeys(run.source.split(",")[0] for run in CALIBRATION + HELD_OUT):
-            runs = [run for run in CALIBRATION + HELD_OUT if run.source.startswith(source)]
-            assumed = "; ".join(dict.fromkeys(run.assumed for run in runs))
-            print(f"- {source} ({len(runs)} runs): assumed {assumed}")
+        for run in RUNS:
+            print(f"- {run.name}: {run.source}; assumed {run.assumed}")
 
 
 if __name__ == "__main__":

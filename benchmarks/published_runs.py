@@ -22,6 +22,9 @@ TORCHTITAN_2412 = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
 TORCHTITAN_ASYNC = "torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md"
 MEGATRON = "Megatron-LM README, weak scaling (images/model_table.png)"
 FOUNDRY = "llm-foundry scripts/train/benchmarking/README.md"
+# The source groups of these sources: the Megatron-LM README is NVIDIA's, as NeMo's tables are.
+GROUPS = {TORCHTITAN_2412: "torchtitan", TORCHTITAN_ASYNC: "torchtitan", MEGATRON: "NVIDIA Megatron/NeMo",
+          FOUNDRY: "MosaicML llm-foundry"}  # fmt: skip
 
 # torchtitan's Grand Teton hosts: H100s with 96 GB of HBM2e at 2.4 TB/s, at the default 500 W limit (both files).
 GRAND_TETON = dict(gpu=GPUS["H100 96GB"], power_watts=500.0)
@@ -38,18 +41,25 @@ TITAN_ASYNC_TP = Software(attention="flash2", fused=True, tp_overlap=ASYNC_TP, r
 TITAN_TP = Software(attention="flash2", fused=True, recomputed_matmuls=0.5)
 # Megatron-Core (r0.8): Transformer Engine's fused kernels and cuDNN attention (assumed: not stated), TP communication
 # overlap, the distributed optimizer with gradient reduction and weight gathers overlapped, activations laid out
-# sequence first.
+# sequence first, gradients held and reduced in bf16 (``grad_reduce_in_fp32`` off, its default).
 MEGATRON_STACK = Software(
-    attention="cudnn", fused=True, tp_overlap=MEGATRON_TP_OVERLAP, overlap_param_gather=True, sequence_first=True
+    attention="cudnn",
+    fused=True,
+    tp_overlap=MEGATRON_TP_OVERLAP,
+    overlap_param_gather=True,
+    sequence_first=True,
+    saved_activations="fused",
+    bf16_grads=True,
 )
 MEGATRON_ASSUMED = (
-    "DGX H100s at 700 W, bf16 (MFU against the bf16 peak), micro-batches of one sequence where pipelined (else the "
-    "replica's whole batch, no accumulation), no recompute, the distributed optimizer (ZeRO-1), interleaved 1F1B at 2 "
-    "chunks per rank where pipelined, cuDNN attention; GPT's 4h GeLU MLP as a SwiGLU of 8h/3 (the same weights and "
-    "FLOPs)"
+    "DGX H100s at 700 W, bf16 (MFU against the bf16 peak), gradients held and reduced in bf16 (Megatron's default), "
+    "micro-batches of one sequence where pipelined (else the replica's whole batch, no accumulation), no recompute, "
+    "the distributed optimizer (ZeRO-1), interleaved 1F1B at 2 chunks per rank where pipelined, cuDNN attention; "
+    "GPT's 4h GeLU MLP as a SwiGLU of 8h/3 (the same weights and FLOPs)"
 )
-# llm-foundry (2023): MPT's Triton flash attention (counted as FlashAttention-2), FSDP FULL_SHARD, no compile.
-FOUNDRY_STACK = Software(attention="flash2")
+# llm-foundry (2023): MPT's Triton flash attention (counted as FlashAttention-2), FSDP FULL_SHARD, no compile; its
+# low-precision LayerNorms keep input and output in bf16, its GeLU MLP its 4h input and output: what `fused` counts.
+FOUNDRY_STACK = Software(attention="flash2", saved_activations="fused")
 FOUNDRY_ASSUMED = (
     "MPT's 4d GeLU MLP as a SwiGLU of 8d/3, ALiBi as rotary, its Triton attention as FlashAttention-2, FSDP gathering "
     "bf16 and reducing fp32 (composer's DEFAULT), links of a DGX H100 (not stated)"
@@ -71,6 +81,12 @@ class Run:
     unit: str = "tokens"  # or "mfu"
     cluster: dict[str, Any] = field(default_factory=dict)  # Cluster fields besides nodes (e.g. the power cap)
     assumed: str = TITAN_ASSUMED
+    group: str = ""  # the source group leave-one-source-out leaves out whole; "": as the source's (`GROUPS`)
+    memory_gb: float | None = None  # the memory per GPU the source publishes, if it does
+
+    @property
+    def source_group(self) -> str:
+        return self.group or next(group for source, group in GROUPS.items() if self.source.startswith(source))
 
 
 def llama(name: str) -> GPTConfig:

@@ -10,8 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from benchmarks.planner_vs_published import predict, ratio
-from benchmarks.published_runs import CALIBRATION, HELD_OUT
+from benchmarks.planner_vs_published import MEMORY_GAPS, RUNS, predict, ratio
 from lit3d.models.config import GPTConfig
 from lit3d.parallel.layout import Layout
 from lit3d.planner import Cluster, Request, Training, plan
@@ -22,15 +21,37 @@ from lit3d.planner.hardware import GPUS
 from lit3d.planner.inputs import Software
 from lit3d.planner.work import Gemm
 
-ISSUE_RUNS = 9  # the calibration runs the issue lists come first in CALIBRATION
+
+def test_published_runs_of_eleven_source_groups_are_predicted_within_20_percent_with_a_median_within_8():
+    """The fit's error with the shipped constants (leave-one-source-out is `planner_vs_published.py --loso`)."""
+    errors = [abs(ratio(run, predict(run)) - 1) for run in RUNS]
+    assert len(RUNS) >= 80 and len({run.source_group for run in RUNS}) >= 11
+    assert len({run.name for run in RUNS}) == len(RUNS)  # (the script's tables and MEMORY_GAPS name them)
+    assert statistics.median(errors) <= 0.08 and sum(e <= 0.2 for e in errors) >= 0.85 * len(RUNS), errors
 
 
-def test_the_issues_calibration_runs_are_predicted_within_15_percent_with_a_median_within_8():
-    errors = [abs(ratio(run, predict(run)) - 1) for run in CALIBRATION]
-    assert max(errors) <= 0.15, [(run.name, round(e, 3)) for run, e in zip(CALIBRATION, errors)]
-    assert statistics.median(errors[:ISSUE_RUNS]) <= 0.08 and statistics.median(errors) <= 0.08
-    held_out = [abs(ratio(run, predict(run)) - 1) for run in HELD_OUT]
-    assert max(held_out) <= 0.15, [(run.name, round(e, 3)) for run, e in zip(HELD_OUT, held_out)]
+def test_every_published_run_plans_and_every_one_that_trained_fits_but_the_gaps_named():
+    """Each run is a training run that finished: the planner must plan it as fitting its card, but for the gaps
+    `MEMORY_GAPS` names with their reason."""
+    plans = {run.name: predict(run) for run in RUNS}
+    assert set(MEMORY_GAPS) <= set(plans)
+    misses = {name for name, p in plans.items() if not p.fits}
+    assert misses <= set(MEMORY_GAPS), misses - set(MEMORY_GAPS)
+    assert len(misses) <= 8
+
+
+def test_llama3_405b_as_meta_ran_it_plans_within_an_h100():
+    """DP128 x TP8 x PP16 with 8 virtual stages (Meta's cut), 16 micro-batches of 8,192 tokens, no recompute: every
+    micro-batch's activations are held on every chunk at once (the warm-up covers the whole schedule when there are
+    as many micro-batches as stages), so it fits by what a block keeps (a compiler's fused norms and SwiGLU)."""
+    run = next(run for run in RUNS if run.name == "Llama 3 405B, DP128 x TP8 x PP16")
+    planned = predict(run)
+    assert planned.fits and planned.num_microbatches == 16
+    assert 40e9 < planned.memory_per_gpu["activations"] < 50e9 and planned.memory_per_gpu["total"] < 72e9
+    eager = predict(
+        replace(run, loop={**run.loop, "software": replace(run.loop["software"], saved_activations="eager")})
+    )
+    assert eager.memory_per_gpu["activations"] > 2 * planned.memory_per_gpu["activations"] and not eager.fits
 
 
 def _plans(**given) -> list:
@@ -77,7 +98,8 @@ def test_a_short_inner_dimension_runs_further_from_the_peak_and_a_thin_gemm_is_b
     device = Device.of(Cluster(), 2)
     long, short = Gemm(8192, 8192, 8192), Gemm(8192, 8192, 512)
     rate = lambda g: g.flops / device.gemm(g)
-    assert rate(long) / rate(short) == pytest.approx((8192 / (8192 + 175)) / (512 / (512 + 175)))
+    half = HOPPER.gemm_half_dim
+    assert rate(long) / rate(short) == pytest.approx((8192 / (8192 + half)) / (512 / (512 + half)))
     thin = Gemm(8192, 8192, 1)  # one FLOP per two bytes: bandwidth's
     assert device.gemm(thin) == pytest.approx(2 * (8192 + 8192 + 8192 * 8192) / device.bandwidth)
 
@@ -138,14 +160,15 @@ def test_the_table_in_benchmarks_readme_is_what_the_script_prints(capsys):
 
     from benchmarks.planner_vs_published import report
 
-    report("calibration", CALIBRATION, markdown=True)
-    report("held out", HELD_OUT, markdown=True)
-    printed = {line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")}
+    report(RUNS, markdown=True)
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     page = (Path(__file__).resolve().parents[1] / "benchmarks" / "README.md").read_text()
     section = page.split("## The planner's clock against published runs")[1].split("\n## ")[0]
-    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| run ")]
-    assert len(rows) == len(CALIBRATION) + len(HELD_OUT)
-    assert set(rows) <= printed, set(rows) - printed
+    table = section.partition("| run | GPUs |")[2]
+    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| run ")]
+    # (the leave-one-source-out column, the one before the last, is `--loso`'s: compared without it)
+    assert len(rows) == len(RUNS)
+    assert {" | ".join(row.split(" | ")[:5]) for row in rows} <= {" | ".join(p.split(" | ")[:5]) for p in printed}
 
 
 def test_lora_computes_no_weight_gradients_and_its_mfu_counts_what_it_computes():

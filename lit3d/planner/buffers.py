@@ -61,7 +61,8 @@ def transient_bytes(
 
 def _zero1(tensors: list[Tensor], layout: Any, precision: Any, summed: bool, step: int) -> Transient:
     rows = sorted(zero1_bucket_rows(tensors, layout), reverse=True) + [0]
-    kept, wire = precision.stepped_bytes, precision.reduce_bytes
+    # the rows in the optimizer's dtype, or in the gradients' where a stack holds them narrower (`Software.bf16_grads`)
+    kept, wire = min(precision.stepped_bytes, precision.grads), precision.reduce_bytes
     cast = rows[0] * wire if wire != kept else 0  # the largest bucket's rows, cast for the wire
     if summed:  # every bucket's rows from the first micro-step on, and the sums of what ZeRO-1 leaves unsliced
         whole = sum(rows) * kept

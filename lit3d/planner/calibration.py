@@ -1,9 +1,12 @@
 """The planner's clock constants, in one place, each with where it comes from.
 
 Three kinds: a datasheet or a published measurement (a kernel benchmark, nccl-tests), physics (how power bounds
-clocks), and a fit to the calibration runs of `benchmarks/planner_vs_published.py` (named "fit": one value for every
-run; ``python benchmarks/planner_vs_published.py --fit`` finds them again). A device's efficiencies are in
-`Efficiencies` (hardware.py gives each GPU its architecture's); what the clock assumes of any device is below them.
+clocks), and a fit to published runs (named "fit": one value for every run and every source). The four of Hopper
+were fitted in 2025 to the calibration runs of torchtitan, Megatron-LM and llm-foundry; on the 86 runs of 11 source
+groups of `benchmarks/planner_vs_published.py` they err less (median 5 %) than the values ``--fit`` finds on all of
+them, and ``--loso`` judges the fit by leave-one-source-out. What differs between software stacks is not here but in
+the run's `lit3d.planner.inputs.Software`. A device's efficiencies are in `Efficiencies` (hardware.py gives each GPU
+its architecture's); what the clock assumes of any device is below them.
 """
 
 from __future__ import annotations
@@ -56,14 +59,15 @@ HOPPER = Efficiencies(
     # table: 794.5); inside a training step, with the rest of the step drawing power and memory bandwidth beside it,
     # the fit puts a long-k GEMM at 0.675.
     gemm=0.675,
-    # fit: a GEMM of k = 4,096 runs at 0.96 of a long one, k = 1,024 at 0.85, k = 512 at 0.75.
+    # fit: a GEMM of k = 4,096 runs at 0.96 of a long one, k = 1,024 at 0.85, k = 512 at 0.75. (Above ~230 an outer
+    # product, k = 1, would price as compute-bound rather than bandwidth-bound: `--fit` tries values up to 200.)
     gemm_half_dim=175.0,
     # flash-attention's own figures, H100 80GB SXM5 (700 W), bf16, head dim 128, causal, 8k tokens, FLOPs counted
     # causal (halved): FlashAttention-2 forward 333 TFLOP/s, forward + backward 308 (so backward ~299:
     # assets/flash2_h100_fwd_bwd_benchmark.png); forward of cuDNN 529 and FlashAttention-3 602
     # (assets/flash3_fp16_fwd.png, the FlashAttention-3 paper). Backward of cuDNN and FlashAttention-3: 518 and 559
     # (the paper, non-causal), taken ~10 % lower for causal masking as FlashAttention-2's forward is.
-    attention=(("flash2", 0.337, 0.302), ("cudnn", 0.535, 0.47), ("flash3", 0.61, 0.51)),
+    attention=(("flash2", 0.337, 0.302), ("cudnn", 0.535, 0.47), ("flash3", 0.61, 0.51), ("unfused", 0.07, 0.07)),
     # STREAM-like copies on an H100 SXM reach ~3.0 of 3.35 TB/s (published microbenchmarks, e.g. Chips and Cheese).
     memory=0.88,
     # A kernel launch and its tail: 2-5 us measured on Hopper (CUDA launch latency microbenchmarks).
@@ -78,7 +82,12 @@ HOPPER = Efficiencies(
 )
 # NVIDIA Ampere (A100): FlashAttention-2 paper (Dao 2023), A100: forward up to ~73 % of peak (230 TFLOP/s),
 # backward ~63 % on long causal sequences; cuBLAS large bf16 GEMMs ~0.8 of 312 TFLOP/s.
-AMPERE = Efficiencies(0.80, 128.0, (("flash2", 0.70, 0.58),), 0.88, 4.0, 0.25, 0.82, 30.0)
+AMPERE = Efficiencies(0.80, 128.0, (("flash2", 0.70, 0.58), ("unfused", 0.11, 0.11)), 0.88, 4.0, 0.25, 0.82, 30.0)
+# "unfused" attention (two batched GEMMs around a fused softmax, Megatron-LM before FlashAttention), counted: each
+# score costs 4 · 128 FLOPs (both GEMMs, head dim 128) at about half the GEMM peak (their inner dimension is 128) and 8
+# bytes (written by the first GEMM, read and written by the softmax, read by the second) at the memory bandwidth;
+# every score is computed and only the causal half counted: ~0.11 of the peak on an A100, ~0.07 on an H100 (its
+# FLOPs grew 3.2x over the A100's, its bandwidth 1.6x).
 # NVIDIA Blackwell (B200, GB200), Ada (L40S) and AMD CDNA3 (MI300X): no calibration run; Hopper's numbers stated as
 # the assumption.
 BLACKWELL = HOPPER
@@ -103,10 +112,12 @@ ATTENTION_BACKWARD_FLOPS = 2.5
 # read again, scaled and written in one byte (3). Counted, not fit (no GPU was at hand to fit it against).
 FP8_CAST_BYTES = 5
 # The share of tensor-parallel traffic hidden behind the GEMMs by torchtitan's async TP (the all-gather and the
-# reduce-scatter decomposed into steps that overlap the matmul's chunks): fit, with its published speedups over vanilla
-# TP (1.10 for 8B, 1.09 for 70B) in the fit's objective; the fit predicts 1.04.
+# reduce-scatter decomposed into steps that overlap the matmul's chunks): fit (2025, on torchtitan's published speedups
+# over vanilla TP, 1.10 for 8B and 1.09 for 70B; the fit predicts 1.04), an input of torchtitan's stack that
+# leave-one-source-out holds (no other source runs async TP).
 ASYNC_TP = 0.3
-# The same by Megatron's TP communication overlap (Transformer Engine's userbuffers, copy engines): fit.
+# The same by Megatron's TP communication overlap (Transformer Engine's userbuffers, copy engines): all of it (the fit
+# of 2025 reached the bound), an input of Megatron-Core's stack.
 MEGATRON_TP_OVERLAP = 1.0
 # AdamW as PyTorch's foreach implementation runs it: bytes per stepped fp32 parameter (parameter, gradient and two
 # moments read, written through ~10 passes) and operators per tensor; plus clipping's norm and scale.

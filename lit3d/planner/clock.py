@@ -18,7 +18,7 @@ Its constants are in `lit3d.planner.calibration`; `benchmarks/planner_vs_publish
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from lit3d.models.config import GPTConfig
@@ -71,6 +71,7 @@ class Device:
     cluster: Cluster
     element: int  # bytes of an activation
     fp8_flops: float = 0.0  # the FP8 peak likewise (the bf16 one where the device has no FP8 tensor cores)
+    cast_bytes: float = FP8_CAST_BYTES  # moved per element of an FP8 operand to cast it (`Software.fp8_cast_bytes`)
 
     @classmethod
     def of(cls, cluster: Cluster, element: int) -> Device:
@@ -87,7 +88,7 @@ class Device:
         if gemm.fp8:  # one-byte operands, each cast first by its own kernels (`FP8_CAST_BYTES`)
             moved = operands + self.element * gemm.m * gemm.n * gemm.count
             compute = max(gemm.flops / (self.fp8_flops * share), moved / self.bandwidth)
-            return compute + FP8_CAST_BYTES * operands / self.bandwidth
+            return compute + self.cast_bytes * operands / self.bandwidth
         moved = self.element * (operands + gemm.m * gemm.n * gemm.count)
         return max(gemm.flops / (self.flops * share), moved / self.bandwidth)
 
@@ -108,6 +109,8 @@ def micro_batch_time(work: Work, device: Device, training: Training, recompute: 
     """Seconds of one micro-batch's forward and backward on a rank: compute (GEMMs, attention) and memory-bound
     work (elementwise, loss, embedding, kernel overheads); ``recompute``: the share of the blocks' forward
     matmuls and attention run again, and whether their elementwise work is."""
+    if training.software.fp8_cast_bytes is not None:
+        device = replace(device, cast_bytes=training.software.fp8_cast_bytes)
     forward_attention, backward_attention = device.cluster.gpu.efficiency.attention_efficiency(
         training.software.attention
     )
@@ -297,20 +300,22 @@ def _data_parallel(
     cluster: Cluster,
 ) -> tuple[float, float]:
     """(exposed, hidden) seconds of data-parallel traffic. ZeRO-3's gathers and reductions overlap every forward
-    and backward; otherwise the gradients' reduction overlaps the last micro-batch's backward, and ZeRO-1/2's
-    gather of the weights waits (Megatron overlaps it with the next forward: `Software.overlap_param_gather`)."""
+    and backward; otherwise the gradients' reduction overlaps the last micro-batch's backward (where the stack starts
+    it during backward: `Software.overlap_grad_reduce`), and ZeRO-1/2's gather of the weights waits (Megatron overlaps
+    it with the next forward: `Software.overlap_param_gather`)."""
     if dp_seconds == 0:
         return 0.0, 0.0
     per_micro_batch = busiest["compute"] + busiest["memory_bound"]
-    backward = per_micro_batch * 2 / 3
+    backward, reducing = per_micro_batch * 2 / 3, training.software.overlap_grad_reduce
     if zero.reshards_after_forward:
         windows = [(dp_seconds, per_micro_batch * microbatches)]
     elif zero.all_reduces:
-        windows = [(dp_seconds, backward)]
+        windows = [(dp_seconds, backward if reducing else 0.0)]
     else:  # a reduce-scatter of the gradients and a gather of the weights, as many elements each
         gather = dp_seconds * gathered
         overlapped = training.software.overlap_param_gather or zero.shards_parameters  # (ZeRO-2: FSDP2 prefetches)
-        windows = [(dp_seconds - gather, backward), (gather, per_micro_batch / 3 if overlapped else 0.0)]
+        windows = [(dp_seconds - gather, backward if reducing else 0.0)]
+        windows.append((gather, per_micro_batch / 3 if overlapped else 0.0))
     cost = cluster.gpu.efficiency.overlap_cost
     hidden = sum(min(traffic, window) for traffic, window in windows)
     return dp_seconds - hidden * (1 - cost), hidden

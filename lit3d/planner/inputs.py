@@ -133,8 +133,10 @@ class Software:
     """How the run's kernels are written, where the clock needs to know (the defaults: a lit3d run).
 
     Attributes:
-        attention: The attention kernel's generation: ``flash2`` (the flash-attn package, PyTorch SDPA's flash
-            backend) or ``flash3`` (FlashAttention-3, cuDNN's fused attention); on a CPU, ``sdpa``.
+        attention: The attention kernel: ``flash2`` (the flash-attn package, PyTorch SDPA's flash backend),
+            ``cudnn`` (cuDNN's fused attention, Transformer Engine's), ``flash3`` (FlashAttention-3), ``unfused`` (two
+            batched GEMMs around a softmax that writes the scores out: Megatron-LM and DeepSpeed before
+            FlashAttention); on a CPU, ``sdpa``.
         fused: Elementwise work fused into a few kernels per block (``torch.compile``, Transformer Engine's fused
             kernels); None: as the run's ``compile``.
         tp_overlap: The share of tensor-parallel traffic hidden behind the GEMMs: torchtitan's async TP
@@ -148,6 +150,20 @@ class Software:
         recomputed_matmuls: The share of the forward's matmuls that recompute runs again; None: as the run's
             ``activation_checkpointing`` (full: all, lit3d's selective: none). torchtitan's per-op selective
             recompute: every second one, 0.5.
+        overlap_grad_reduce: The gradients' reduction (ZeRO-0/1/2) starts during the last backward, bucket by bucket
+            (PyTorch's DDP and FSDP, Megatron-Core); False: it starts after backward ends (DeepSpeed's and
+            Megatron-LM's before 2023).
+        fp8_cast_bytes: Bytes moved per element of an FP8 GEMM operand to cast it; None: torchao's eager casts
+            (`lit3d.planner.calibration.FP8_CAST_BYTES`). Transformer Engine and XLA fuse the cast into the kernel
+            that writes the operand, which then writes one byte more per element: 1.
+        saved_activations: What a block's norms and SwiGLU keep for backward: ``eager`` as lit3d's modules under
+            autograd (each norm its fp32 input and normalised input, the SwiGLU gate, up, silu(gate) and their
+            product); ``fused`` as Transformer Engine's and Megatron's fused kernels: each norm its input and output in
+            the compute dtype, the SwiGLU its input (gate and up) and output; ``compiled`` as a compiler's fusion
+            (XLA, torch.compile's min-cut): each norm and the SwiGLU only their input, their outputs recomputed in
+            backward.
+        bf16_grads: Gradients accumulated, held and reduced in bf16 under bf16-mixed (Megatron-Core's default:
+            ``grad_reduce_in_fp32`` off); lit3d sums and reduces them in fp32.
     """
 
     attention: str = "flash2"
@@ -156,6 +172,10 @@ class Software:
     overlap_param_gather: bool = False
     sequence_first: bool = False
     recomputed_matmuls: float | None = None
+    overlap_grad_reduce: bool = True
+    fp8_cast_bytes: float | None = None
+    saved_activations: str = "eager"
+    bf16_grads: bool = False
 
 
 @dataclass
@@ -228,6 +248,8 @@ def held_precision(training: Training, settings: Parallelism, layout: Layout) ->
         precision = MASTER_WEIGHTS
     if is_bf16_mixed(training.precision) and settings.mixed_precision_reduce == "bfloat16":
         precision = replace(precision, reduced=2)
+    if is_bf16_mixed(training.precision) and training.software.bf16_grads:  # (another stack's: `Software`)
+        precision = replace(precision, grads=2, reduced=2)
     return precision
 
 

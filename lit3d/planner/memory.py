@@ -46,7 +46,8 @@ def memory_by_stage(case: Case) -> Memory:
     tokens = training.micro_batch_size * training.seq_len // layout.cp  # a rank's, per micro-batch
     a, checkpointing, zero = precision.activations, settings.activation_checkpointing, case.zero
     lora = training.lora
-    per_token = activation_bytes_per_token(config, tp, sp, checkpointing, a, lora)
+    saves = training.software.saved_activations
+    per_token = activation_bytes_per_token(config, tp, sp, checkpointing, a, lora, saves)
     full_recompute = checkpointing in (True, "full")
     # Mixed precision with fp32 parameters in forward: autocast's bf16 weight copies, one per block per step (under
     # LoRA the frozen weights may be fp32 where the adapters are not: ZeRO-1's master weights).
@@ -74,7 +75,7 @@ def memory_by_stage(case: Case) -> Memory:
         if stage_rank == 0 and lora is not None and not checkpointing:  # (the stage of block 0)
             acts -= first_block_savings(config, tp, sp, lora, tokens * in_flight, copies)
         if full_recompute:  # one block recomputed at a time, for one micro-batch
-            acts += activation_bytes_per_token(config, tp, sp, False, a, lora) * tokens
+            acts += activation_bytes_per_token(config, tp, sp, False, a, lora, saves) * tokens
         if holds_head:
             losses = in_flight if pp == 1 else last_stage_in_flight(schedule, pp, schedule_m)
             acts += output_layer_bytes(config, tp, sp, tokens * losses, a, frozen=lora is not None)
@@ -120,10 +121,12 @@ def activation_bytes_per_token(
     checkpointing: bool | str,
     activations: int = 4,
     lora: LoRA | None = None,
+    saves: str = "eager",
 ) -> float:
     """Bytes one block keeps for backward, per token: what autograd saves (tests/test_activation_memory.py counts
     it with saved-tensor hooks). ``activations``: bytes per element of the compute dtype (2 in bf16). The norms
-    compute in fp32 and attention's log-sum-exp is fp32 in any precision. With ``lora``: `lora_bytes_per_token`."""
+    compute in fp32 and attention's log-sum-exp is fp32 in any precision. With ``lora``: `lora_bytes_per_token`.
+    ``saves``: ``fused`` or ``compiled`` norm and SwiGLU kernels (`lit3d.planner.inputs.Software.saved_activations`)."""
     h, f, kv, a = config.d_model, config.d_ff, config.n_kv_head * config.head_dim, activations
     if lora is not None and not checkpointing:
         return lora_bytes_per_token(config, tp, sequence_parallel, activations, lora)
@@ -141,6 +144,13 @@ def activation_bytes_per_token(
     linear_inputs = a * 2 * h  # the norms' outputs in the compute dtype; under SP their shard (`KeepSequenceShard`)
     attention = a * ((h + 2 * kv) + h) + 4 * config.n_head  # rotated q, k and v; the output; the log-sum-exp
     mlp = a * 4 * f  # gate, up, silu(gate), their product
+    if saves in ("fused", "compiled"):  # each norm keeps its input in the compute dtype and 1/rms, the SwiGLU its
+        # input (gate and up); fused kernels keep both outputs too, a compiler recomputes them
+        norms, mlp = 2 * (a * h + 4), a * 2 * f
+        if saves == "fused":
+            mlp += a * f
+        else:
+            linear_inputs = 0
     return (norms + linear_inputs) / split + (attention + mlp) / tp
 
 
