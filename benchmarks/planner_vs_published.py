@@ -55,9 +55,6 @@ OVERHEADS_MS = [10.0 * i for i in range(21)]
 # The runs that trained but do not plan as fitting their card, and why (what the planner or the source leaves open).
 NO_RECOMPUTE_STATED = "the source states no recompute, and without any the run cannot fit"
 MEMORY_GAPS = {
-    "Llama 3.1 8B, FSDP8 x TP8, async TP": "torchtitan's per-op selective recompute keeps every second matmul output "
-    "and the reduce-scatters' sharded outputs; the planner counts lit3d's selective rule, which keeps them all",
-    "Llama 3.1 8B, FSDP8 x TP8": "as its async-TP run",
     "Nemotron-4 340B, 128 H100": "at DP2 the distributed optimizer's states are 52 GB; " + NO_RECOMPUTE_STATED,
     "Nemotron-4 340B, 128 H100, FP8": "as its BF16 run",
     "Nemotron-4 340B, 128 H100, FP8 (NeMo 24.07)": "as DGXC's FP8 run",

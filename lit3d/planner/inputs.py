@@ -149,7 +149,8 @@ class Software:
             sequence, hidden), and DTensor copies each gathered or scattered tensor through a buffer.
         recomputed_matmuls: The share of the forward's matmuls that recompute runs again; None: as the run's
             ``activation_checkpointing`` (full: all, lit3d's selective: none). torchtitan's per-op selective
-            recompute: every second one, 0.5.
+            recompute: every second one, 0.5; it then keeps only the other matmul outputs, and gathers SP's inputs
+            again.
         overlap_grad_reduce: The gradients' reduction (ZeRO-0/1/2) starts during the last backward, bucket by bucket
             (PyTorch's DDP and FSDP, Megatron-Core); False: it starts after backward ends (DeepSpeed's and
             Megatron-LM's before 2023).

@@ -47,7 +47,8 @@ def memory_by_stage(case: Case) -> Memory:
     a, checkpointing, zero = precision.activations, settings.activation_checkpointing, case.zero
     lora = training.lora
     saves = training.software.saved_activations
-    per_token = activation_bytes_per_token(config, tp, sp, checkpointing, a, lora, saves)
+    recomputed = training.software.recomputed_matmuls
+    per_token = activation_bytes_per_token(config, tp, sp, checkpointing, a, lora, saves, recomputed)
     full_recompute = checkpointing in (True, "full")
     # Mixed precision with fp32 parameters in forward: autocast's bf16 weight copies, one per block per step (under
     # LoRA the frozen weights may be fp32 where the adapters are not: ZeRO-1's master weights).
@@ -122,11 +123,14 @@ def activation_bytes_per_token(
     activations: int = 4,
     lora: LoRA | None = None,
     saves: str = "eager",
+    recomputed: float | None = None,
 ) -> float:
     """Bytes one block keeps for backward, per token: what autograd saves (tests/test_activation_memory.py counts
     it with saved-tensor hooks). ``activations``: bytes per element of the compute dtype (2 in bf16). The norms
     compute in fp32 and attention's log-sum-exp is fp32 in any precision. With ``lora``: `lora_bytes_per_token`.
-    ``saves``: ``fused`` or ``compiled`` norm and SwiGLU kernels (`lit3d.planner.inputs.Software.saved_activations`)."""
+    ``saves``: ``fused`` or ``compiled`` norm and SwiGLU kernels (`lit3d.planner.inputs.Software.saved_activations`);
+    ``recomputed``: under selective recompute, the share of matmuls a per-op policy runs again
+    (`Software.recomputed_matmuls`)."""
     h, f, kv, a = config.d_model, config.d_ff, config.n_kv_head * config.head_dim, activations
     if lora is not None and not checkpointing:
         return lora_bytes_per_token(config, tp, sequence_parallel, activations, lora)
@@ -137,6 +141,10 @@ def activation_bytes_per_token(
         rowwise = 2 * h  # o_proj and down_proj outputs, before their reduction
         reduced = 2 * h / split if tp > 1 else 0  # the all-reduce (SP: reduce-scatter) outputs
         gathered = 2 * h if sequence_parallel else 0  # SP: the all-gathered inputs of both regions
+        if recomputed is not None:  # a per-op policy (torchtitan's): the matmul outputs it keeps, the attention
+            # output, the reductions' outputs; the gathers run again
+            kept = (1 - recomputed) * ((sharded - h) / tp + rowwise) + h / tp
+            return a * (h / split + kept + reduced) + lse
         return a * (h / split + sharded / tp + rowwise + reduced + gathered) + lse
     if checkpointing:
         return a * h / split  # only the block's input; the rest is recomputed
