@@ -191,7 +191,9 @@ class CommReport(Callback):
     communication_per_step``, available under `Parallel3DStrategy` with a lit3d GPT). Rank 0 prints the table;
     ``comm/<axis>_mb`` goes to the logger. Strategies without a device mesh (``ddp``, ``fsdp``) are plain data
     parallel: their traffic is reported as ``dp``. Under DiLoCo the outer steps' traffic between islands is the
-    ``island`` axis; measure ``steps=sync_every`` steps to see its mean per step, as the planner counts it.
+    ``island`` axis; measure ``steps=sync_every`` steps to see its mean per step, as the planner counts it. With
+    HSDP's shard groups (``data_parallel_shard_size``) ``dp`` is two axes: ``dp_shard``, ZeRO's traffic within each
+    group, and ``dp_replicate``, the groups' all-reduce of their shards.
 
     Args:
         step: The optimizer step to measure; later than the first, whose setup may communicate more.
@@ -231,8 +233,10 @@ class CommReport(Callback):
             local = mode.by_axis_of_mesh(mesh)
         else:
             local = {"dp": sum(mode.bytes_by_group.values())}
-        islands = getattr(getattr(trainer.strategy, "layout", None), "islands", 1) > 1
-        axes = ("tp", "pp", "dp", "ep", "cp", *(("island",) if islands else ()), "other")
+        layout = getattr(trainer.strategy, "layout", None)
+        islands = getattr(layout, "islands", 1) > 1
+        dp = ("dp_shard", "dp_replicate") if getattr(layout, "dp_replicate", 1) > 1 else ("dp",)  # HSDP: two axes
+        axes = ("tp", "pp", *dp, "ep", "cp", *(("island",) if islands else ()), "other")
         local = {_AXIS_NAMES.get(axis, axis): sent / self.steps for axis, sent in local.items()}
         sent = torch.tensor([float(local.get(axis, 0.0)) for axis in axes], dtype=torch.float64)
         busiest = trainer.strategy.reduce(sent.to(pl_module.device), reduce_op="max").cpu().tolist()
@@ -257,15 +261,16 @@ class CommReport(Callback):
 def format_comm_report(measured: dict[str, float], planned: dict[str, float] | None, step: int, steps: int = 1) -> str:
     """The table `CommReport` prints: MiB per axis, measured and planned, and their ratio."""
     where = f"step {step}" if steps == 1 else f"steps {step}-{step + steps - 1}, the mean per step"
+    width = max(6, *(len(axis) + 1 for axis in measured))  # (HSDP's dp_replicate)
     lines = [
         f"communication in {where}, MiB sent by the busiest rank per axis:",
-        f"  {'axis':<6}{'measured':>10}{'planner':>10}{'ratio':>8}",
+        f"  {'axis':<{width}}{'measured':>10}{'planner':>10}{'ratio':>8}",
     ]
     for axis, sent in measured.items():
         plan = (planned or {}).get(axis)
         planner = "-" if plan is None else f"{plan / 2**20:.3f}"
         ratio = f"{sent / plan:.3f}" if plan else "-"
-        lines.append(f"  {axis:<6}{sent / 2**20:>10.3f}{planner:>10}{ratio:>8}")
+        lines.append(f"  {axis:<{width}}{sent / 2**20:>10.3f}{planner:>10}{ratio:>8}")
     return "\n".join(lines)
 
 

@@ -111,17 +111,27 @@ class CommBytes(CommDebugMode):
 
         Groups are matched by their ranks: FSDP and DTensor may reach the same ranks through another group object.
         The replica mesh's groups (``dp_cp`` with context parallelism: the ranks that sync the weights) count as
-        "dp". The ring attention's group is "cp" and the tokens' all-to-alls' is "ep", matched by name (with
+        "dp"; with HSDP's shard groups, ZeRO's groups count as "dp_shard" and the groups' replicas as
+        "dp_replicate". The ring attention's group is "cp" and the tokens' all-to-alls' is "ep", matched by name (with
         ``dp == 1`` or ``ep == dp`` their ranks are a DP group's); the expert mesh's ``edp`` groups (ranks holding
         the same experts) count as "dp".
         """
         ranks = self._ranks_by_dim(meshes.world)
         if meshes.replica_mesh.size() > 1:
             ranks[_ranks(meshes.replica_mesh)] = "dp"
+        hybrid = meshes.layout.dp_replicate > 1
+        if hybrid:  # HSDP: ZeRO's gathers and reduce-scatters in each group, the groups' all-reduce across them
+            ranks[_ranks(meshes.sharding["dp_shard"])] = "dp_shard"
+            ranks[_ranks(meshes.sharding["dp_replicate"])] = "dp_replicate"
         groups = (("ep", meshes.ep_group), ("cp", meshes.cp_group))
         names = {group.group_name: axis for axis, group in groups if group is not None}
         if meshes.experts is not None and meshes.experts["edp"].size() > 1:
-            ranks[_ranks(meshes.experts["edp"])] = "dp"  # (with CP its ranks may be a CP dim's: the ring goes by name)
+            # (with CP its ranks may be a CP dim's: the ring goes by name); with shard groups, experts shard over all
+            # the ranks that hold them, as ZeRO's shards do (by name: their ranks may be a dp_replicate group's)
+            if hybrid:
+                names[meshes.experts["edp"].get_group().group_name] = "dp_shard"
+            else:
+                ranks[_ranks(meshes.experts["edp"])] = "dp"
         return self._sum_by(ranks, names)
 
     def by_axis_of_mesh(self, mesh: DeviceMesh) -> dict[str, float]:

@@ -38,6 +38,8 @@ class ParallelMeshes:
         replicas: ``(pp, dp, tp)``, or ``(pp, dp_cp, tp)`` with context parallelism: its `replica_dim` spans the
             ranks that hold the same weights, what the weights are split, synced and ZeRO-sharded over (``world``'s
             own dims without context parallelism, a mesh of its own with it).
+        sharding: What tensor parallelism and ZeRO split over: ``replicas``, or with HSDP's shard groups
+            ``(pp, dp_replicate, dp_shard, tp)`` (``dp_shard`` spans a group's ``shard_size × cp`` ranks).
         experts: ``(pp, edp, ep, tp)`` with expert parallelism: ``ep`` splits each MoE layer's experts, ``edp`` holds
             the same ones.
         cp_group: The ring attention's group (context parallelism).
@@ -50,6 +52,7 @@ class ParallelMeshes:
     layout: Layout
     world: DeviceMesh
     replicas: DeviceMesh
+    sharding: DeviceMesh | None = None
     experts: DeviceMesh | None = None
     cp_group: Any = None
     ep_group: Any = None
@@ -73,12 +76,25 @@ class ParallelMeshes:
         ep_group = _subgroup(layout.ep_groups()) if layout.ep > 1 else None
         lightning_like = layout.pp == layout.cp == layout.islands == 1
         for_modules = _lightning_mesh(world, layout) if lightning_like else world
-        return cls(layout, world, replicas, experts, cp_group, ep_group, for_modules)
+        sharding = _shard_groups(layout, device_type) if layout.dp_replicate > 1 else replicas
+        return cls(layout, world, replicas, sharding, experts, cp_group, ep_group, for_modules)
+
+    def __post_init__(self) -> None:
+        if self.sharding is None:  # (built by hand, as some tests do: no shard groups)
+            object.__setattr__(self, "sharding", self.replicas)
 
     @property
     def replica_mesh(self) -> DeviceMesh:
         """The 1-D mesh of this rank's replicas (`replica_dim` of `replicas`): what the weights sync over."""
         return self.replicas[replica_dim(self.layout)]
+
+    @property
+    def zero_mesh(self) -> DeviceMesh:
+        """What ZeRO shards over: `replica_mesh`, or with HSDP's shard groups the 2-D ``(dp_replicate, dp_shard)``
+        (FSDP2 shards over the second and replicates over the first)."""
+        if self.layout.dp_replicate > 1:
+            return self.sharding["dp_replicate", "dp_shard"]
+        return self.sharding[replica_dim(self.layout)]
 
     def group(self, axis: str) -> Any:
         """The process group of this rank along ``axis`` (``pp``, ``dp``, ``tp``, ``cp``, ``ep``, ``island``), or
@@ -94,6 +110,17 @@ class ParallelMeshes:
 def replica_dim(layout: Layout) -> str:
     """The name of the replicas' dim: ``"dp"``, or ``"dp_cp"`` where it spans the ``dp × cp`` ranks."""
     return "dp_cp" if layout.cp > 1 else "dp"
+
+
+def _shard_groups(layout: Layout, device_type: str) -> DeviceMesh:
+    """HSDP's ``(pp, dp_replicate, dp_shard, tp)`` over the same ranks (``(island, ...)`` with DiLoCo's islands). With
+    ``d = r · shard_size + s`` the rank formula's digits regroup as ``(p, r, (s, c), t)``: a shard group is the ``s``
+    and ``c`` digits, consecutive ranks ``tp`` apart."""
+    shape = (layout.pp, layout.dp_replicate, layout.shard_ranks, layout.tp)
+    names = ("pp", "dp_replicate", "dp_shard", "tp")
+    if layout.islands > 1:
+        shape, names = (layout.islands, *shape), ("island", *names)
+    return DeviceMesh(device_type, torch.arange(layout.world_size).view(shape), mesh_dim_names=names)
 
 
 def _lightning_mesh(world: DeviceMesh, layout: Layout) -> DeviceMesh:

@@ -57,7 +57,7 @@ class OptimizerSteps:
         kept = {key: _local(value) for key, value in earlier.master_weights().items()} if earlier else {}
         if earlier is not None:
             earlier.remove_hooks()
-        mesh = self.meshes.replicas if self.zero1 else None
+        mesh = self.meshes.sharding if self.zero1 else None
         dtype = reduce_dtype(self.precision, self.parallelism.mixed_precision_reduce)
         self.local = {
             id(opt): LocalShardOptimizer(

@@ -27,7 +27,8 @@ from typing_extensions import override
 
 from lit3d.models.transformer import loss_parallel_scope
 from lit3d.parallel.arguments import argument_docs
-from lit3d.parallel.layout import Layout, layout_lines
+from lit3d.parallel.layout import Layout
+from lit3d.parallel.rank_map import layout_lines
 from lit3d.parallel.settings import Parallelism
 from lit3d.parallel.zero import ZeroPolicy
 from lit3d.planner.inputs import Plan
@@ -63,6 +64,7 @@ class Parallel3DStrategy(ModelParallelStrategy):
     def __init__(
         self,
         data_parallel_size: int | Literal["auto"] = "auto",
+        data_parallel_shard_size: int | None = None,
         tensor_parallel_size: int | Literal["auto"] = "auto",
         pipeline_parallel_size: int = 1,
         data_parallel_shares: list[int] | None = None,

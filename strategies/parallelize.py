@@ -162,7 +162,7 @@ def parallelize_network(
     their stage indices. ``mp_policy``: FSDP2's mixed precision (`lit3d.strategies.precision`); ``ddp``: whether
     ZeRO-0 may be PyTorch's DDP (default: when the network is data parallel only).
     """
-    layout, mesh, expert_mesh = meshes.layout, meshes.replicas, meshes.experts
+    layout, mesh, expert_mesh = meshes.layout, meshes.sharding, meshes.experts
     sequence_parallel, compile = parallelism.splits_sequence(layout), parallelism.compile
     activation_checkpointing = parallelism.activation_checkpointing
     check_plan(network, plan)
@@ -195,7 +195,7 @@ def parallelize_network(
             apply_data_parallel(
                 chunk,
                 list(chunk.blocks.values()),
-                meshes.replica_mesh,
+                meshes.zero_mesh,
                 ZeroPolicy.of(parallelism, layout),
                 mp_policy,
                 data_parallel_only=layout.tp == layout.pp == 1 and layout.ep == 1 if ddp is None else ddp,

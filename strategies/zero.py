@@ -126,15 +126,21 @@ def accumulation_sync(modules: list[nn.Module], zero: ZeroPolicy) -> Any:
     DDP (ZeRO-0); at ZeRO-2/3 a reduce-scatter per micro-step, so the gradients accumulate as shards, unless
     ``accumulate_unsharded``; ZeRO-2 keeps its parameters gathered from one micro-step to the next."""
     return gradient_sync_off(
-        modules, keep_gathered=zero.keeps_gathered_across_micro_steps, sharded=zero.reduces_every_micro_step
+        modules,
+        keep_gathered=zero.keeps_gathered_across_micro_steps,
+        sharded=zero.reduces_every_micro_step,
+        hybrid=zero.hybrid,
     )
 
 
 @contextmanager
-def gradient_sync_off(modules: list[nn.Module], keep_gathered: bool = False, sharded: bool = True) -> Iterator[None]:
+def gradient_sync_off(
+    modules: list[nn.Module], keep_gathered: bool = False, sharded: bool = True, hybrid: bool = False
+) -> Iterator[None]:
     """Inside the context, for the micro-steps before the last of an accumulation window: no gradient communication
     from the DDP units among ``modules``; the FSDP2 units reduce-scatter as usual when ``sharded`` (their gradients
-    accumulate as shards: 1/dp of them on each rank), else hold them unsharded until the last micro-step.
+    accumulate as shards: 1/dp of them on each rank), else hold them unsharded until the last micro-step. With
+    HSDP's shard groups (``hybrid``) the groups all-reduce their shards at the last micro-step only.
     ``keep_gathered`` (ZeRO-2): keep each FSDP2 unit's parameters gathered after backward, since ZeRO-2 gathers them
     once per step."""
     from torch.distributed._composable.replicate import DDP
@@ -149,6 +155,8 @@ def gradient_sync_off(modules: list[nn.Module], keep_gathered: bool = False, sha
         for unit in units:
             if not sharded:
                 unit.set_requires_gradient_sync(sync, recurse=False)
+            elif hybrid:
+                unit.set_requires_all_reduce(sync, recurse=False)
             if keep_gathered:
                 unit.set_reshard_after_backward(sync, recurse=False)
 
@@ -205,7 +213,7 @@ def replicas_apart(module: nn.Module, dp_mesh: DeviceMesh, only: list[str] | Non
     """Names of the replicated parameters (``only`` these, if given) whose values differ between the data-parallel
     replicas. Collective over ``dp_mesh``."""
     dim = dp_mesh.mesh_dim_names[0]
-    dims = {dim, *(long for long, short in LIGHTNING_DIM_NAMES.items() if short == dim)}  # a module's own mesh's too
+    dims = {dim, "dp_shard", *(long for long, short in LIGHTNING_DIM_NAMES.items() if short == dim)}  # (a module's own)
     replicated = {}
     for name, p in module.named_parameters():
         if only is not None and name not in only:

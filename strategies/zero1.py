@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from lit3d.strategies.zero1_buckets import buckets
@@ -69,7 +69,9 @@ class LocalShardOptimizer:
         if param_dtype is not None and zero1_mesh is None:
             raise ValueError("master weights (param_dtype) are ZeRO-1's: give its mesh")
         self.mesh, self.reduce_dtype, self.expert_mesh = zero1_mesh, reduce_dtype, expert_mesh
-        self.dp_dim = "dp_cp" if zero1_mesh is not None and "dp_cp" in zero1_mesh.mesh_dim_names else "dp"
+        names = zero1_mesh.mesh_dim_names if zero1_mesh is not None else ()
+        self.dp_dim = next((dim for dim in ("dp_shard", "dp_cp") if dim in names), "dp")  # what slices split over
+        self.replicated = ("dp_replicate",) if "dp_replicate" in names else ()  # HSDP: shard groups, replicas
         self.param_dtype, self._masters = param_dtype, masters or {}
         self.entries: list[SlicedParam] = []
         for group in optimizer.param_groups:
@@ -112,11 +114,12 @@ class LocalShardOptimizer:
                 raise TypeError(f"ZeRO-1 expects plain or tensor-parallel parameters, got {param.placements}")
             taken = {p.dim for p in tp if isinstance(p, Shard)}
             dim = next((d for d in range(param.ndim) if d not in taken), 0)
-            mesh = self.mesh[self.dp_dim, "tp"] if tp else self.mesh[self.dp_dim]
+            mesh = self.mesh[(*self.replicated, self.dp_dim, *(("tp",) if tp else ()))]
             # A column-parallel linear's bias has no dim TP leaves whole: each TP rank's part is sliced over DP,
             # which DTensor places as a strided shard (FSDP2 places such tensors the same way).
             over_dp = _StridedShard(dim, split_factor=mesh["tp"].size()) if dim in taken else Shard(dim)
-            entry = SlicedParam(param, None, mesh, (over_dp, *tp), dim, dp_dim=self.dp_dim)
+            placements = (*(Replicate() for _ in self.replicated), over_dp, *tp)
+            entry = SlicedParam(param, None, mesh, placements, dim, dp_dim=self.dp_dim)
             entry.tp_sharded = bool(taken)
         view = entry.local(param).detach()
         if self.param_dtype is not None:  # the fp32 master weights of this rank's part
@@ -129,7 +132,7 @@ class LocalShardOptimizer:
         hold the same experts (with a single such group, nothing to average). Its gradient comes scaled already
         (`lit3d.models.moe.Experts.grad_scale`)."""
         if self.expert_mesh["edp"].size() == 1:
-            return SlicedParam(param, None, param.device_mesh, tuple(param.placements))
+            return SlicedParam(param, None, param.device_mesh, tuple(param.placements), dp_dim="edp")
         mesh = self.expert_mesh["edp", "ep"]
         return SlicedParam(param, None, mesh, (Shard(1), *param.placements), 1, dp_dim="edp")
 
@@ -214,9 +217,12 @@ class LocalShardOptimizer:
         """
         mesh, grads = self.mesh, [e.view.grad for e in self.entries if e.view.grad is not None]
         first_tp = "tp" not in mesh.mesh_dim_names or mesh["tp"].get_local_rank() == 0
-        counted = [e.view.grad for e in self.entries if e.view.grad is not None and (first_tp or e.tp_sharded)]
-        squared = sum((g.float().square().sum() for g in counted), torch.zeros((), device=grads[0].device))
-        for dim in (self.dp_dim, "tp", "pp"):
+        counted = [e for e in self.entries if e.view.grad is not None and (first_tp or e.tp_sharded)]
+        # HSDP: the shard groups hold the same slices (counted 1/R on each) but MoE experts' own (counted whole)
+        replicas = mesh["dp_replicate"].size() if self.replicated else 1
+        squares = (e.view.grad.float().square().sum() / (1 if e.dp_dim == "edp" else replicas) for e in counted)
+        squared = sum(squares, torch.zeros((), device=grads[0].device))
+        for dim in (*self.replicated, self.dp_dim, "tp", "pp"):
             group = pipeline_group if dim == "pp" else mesh[dim].get_group() if dim in mesh.mesh_dim_names else None
             if group is not None and torch.distributed.get_world_size(group) > 1:
                 torch.distributed.all_reduce(squared, group=group)

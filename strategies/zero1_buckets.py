@@ -48,6 +48,7 @@ class Bucket:
         self.offsets, self.total = [sum(sizes[:i]) for i in range(len(sizes))], sum(sizes)
         self._offset = {id(e): offset for e, offset in zip(entries, self.offsets)}
         self.group, self.size, self.rank = entries[0].dp
+        self.replicate = entries[0].replicate  # HSDP: the other shard groups', which sum the slices too
         self.cpu = entries[0].view.device.type == "cpu"
         self.grads: torch.Tensor | None = None  # this step's gradient sums, ``[size, total]``, until reduce-scattered
         self.pending: tuple | None = None  # a launched reduce-scatter: its work, the tensor it lands in, its input
@@ -108,8 +109,12 @@ class Bucket:
                 summed.add_(row)
             received = summed.clone() if self.size > 2 else summed
         del send
+        replicas = 1
+        if self.replicate is not None:  # HSDP: the shard groups sum their slices, in the wire's dtype
+            group, replicas = self.replicate
+            torch.distributed.all_reduce(received, group=group)
         view = self.entries[0].view
-        received = received.to(view.dtype).div_(self.size)
+        received = received.to(view.dtype).div_(self.size * replicas)
         for e, offset in zip(self.entries, self.offsets):
             e.view.grad = received[offset : offset + e.view.numel()].view(e.view.shape)
 

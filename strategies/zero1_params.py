@@ -56,6 +56,15 @@ class SlicedParam:
         dp = self.mesh[self.dp_dim]
         return dp.get_group(), dp.size(), dp.get_local_rank()
 
+    @functools.cached_property
+    def replicate(self) -> tuple[Any, int] | None:
+        """(process group, size) of HSDP's replicas of this rank's shard group, which all-reduce the slices' gradients
+        after the group's reduce-scatter; None without shard groups."""
+        if self.mesh is None or "dp_replicate" not in (self.mesh.mesh_dim_names or ()):
+            return None
+        mesh = self.mesh["dp_replicate"]
+        return mesh.get_group(), mesh.size()
+
     def local(self, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of ``tensor`` (the parameter or its gradient) that the optimizer steps, as a view."""
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor

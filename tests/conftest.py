@@ -170,6 +170,8 @@ MOE_LAYOUTS = {
         ("moe_ep2_zero3", 2, {"expert_parallel_size": 2, "zero_stage": 3}),
         ("moe_dp4_ep2_zero3", 4, {"expert_parallel_size": 2, "zero_stage": 3}),
         ("moe_dp4_ep2_zero0", 4, {"expert_parallel_size": 2, "zero_stage": 0}),
+        # HSDP: dense shards in groups of 2 (summed across them), experts over the ranks that hold them
+        ("moe_dp4_ep2_shard2_zero1", 4, {"expert_parallel_size": 2, "data_parallel_shard_size": 2}),
         ("moe_pp2", 2, {"pipeline_parallel_size": 2}),
         ("moe_ep2_pp2", 4, {"expert_parallel_size": 2, "pipeline_parallel_size": 2}),
         ("moe_dp2_ep2_tp2_pp2_sequence_parallel", 8, {"expert_parallel_size": 2, "tensor_parallel_size": 2,
@@ -464,14 +466,15 @@ def with_profile(job: dict, profile: str) -> dict:
 @pytest.fixture(scope="session")
 def layout_runs(base_job, packed_data, cpu_profile, tmp_path_factory) -> dict[str, dict]:
     """Every layout of `LAYOUTS`, `MOE_LAYOUTS`, `CP_LAYOUTS`, `LORA_LAYOUTS`, `PACKED_LAYOUTS`, `FAMILY_LAYOUTS`,
-    `FLOAT8_LAYOUTS`, `UNEVEN_LAYOUTS` and `SHARE_LAYOUTS`, one spawn per world size."""
+    `FLOAT8_LAYOUTS`, `UNEVEN_LAYOUTS`, `SHARE_LAYOUTS` and `HSDP_LAYOUTS`, one spawn per world size."""
     from family_layouts import FAMILY_LAYOUTS
     from float8_layouts import FLOAT8_LAYOUTS
+    from hsdp_layouts import HSDP_LAYOUTS
     from spawned import run_jobs
     from uneven_layouts import SHARE_LAYOUTS, UNEVEN_LAYOUTS
 
     layouts = {**LAYOUTS, **MOE_LAYOUTS, **CP_LAYOUTS, **LORA_LAYOUTS, **PACKED_LAYOUTS, **FAMILY_LAYOUTS,
-               **FLOAT8_LAYOUTS, **UNEVEN_LAYOUTS, **SHARE_LAYOUTS}  # fmt: skip
+               **FLOAT8_LAYOUTS, **UNEVEN_LAYOUTS, **SHARE_LAYOUTS, **HSDP_LAYOUTS}  # fmt: skip
     results = {}
     for world in sorted({w for w, _ in layouts.values()}):
         jobs = {

@@ -14,6 +14,7 @@ from lit3d.models import documents
 from lit3d.models.ring_attention import ContextParallel, positions, ring_attention, shard_sequence, unshard_sequence
 from lit3d.parallel.context import check_context_parallel
 from lit3d.parallel.layout import Layout, resolve_layout
+from lit3d.parallel.rank_map import rank_map
 
 
 def test_each_rank_holds_an_early_and_a_late_chunk_at_their_true_positions():
@@ -194,7 +195,7 @@ def test_context_parallel_sits_between_data_and_tensor_parallel_in_the_rank_map(
     assert layout.world_size == 16 and layout.replicas == 4
     assert layout.cp_groups()[0] == [0, 2] and layout.tp_groups()[0] == [0, 1]
     assert all(layout.rank(*layout.coordinate(r)) == r for r in range(16))
-    text = layout.rank_map()
+    text = rank_map(layout)
     assert "dp 2 x cp 2 x tp 2 x pp 2" in text and "context-parallel ring of 2 (stride 2)" in text
     assert "(p, d, c, t)" in text and "   0     6  (0, 1, 1, 0)" in text
 

@@ -9,6 +9,7 @@ from lightning.pytorch.callbacks import Callback
 from spawned import run_jobs
 
 from lit3d.callbacks import CommReport
+from lit3d.parallel.rank_map import rank_map
 
 EXACT = {"outer_lr": 1.0, "outer_momentum": 0.0}  # one round = the islands' average
 
@@ -193,7 +194,7 @@ def test_islands_are_the_outermost_digit_and_the_rank_map_shows_them():
     assert [layout.island(r) for r in range(8)] == [0] * 4 + [1] * 4  # an island is a node here
     assert [layout.data_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
     assert layout.island_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    text = layout.rank_map()
+    text = rank_map(layout)
     assert "8 ranks = 2 islands x (dp 2 x tp 2 x pp 1)" in text and "node  rank  island  (p, d, t)" in text
     assert "   1     5       1  (0, 0, 1)" in text
 

@@ -4,6 +4,7 @@ import pytest
 
 from lit3d import GPTConfig
 from lit3d.parallel.layout import Layout, check_model_fits_layout, resolve_layout
+from lit3d.parallel.rank_map import rank_map
 from lit3d.strategies import Parallel3DStrategy
 
 
@@ -26,7 +27,7 @@ def test_tp_is_innermost_and_pp_outermost():
 
 
 def test_rank_map_shows_nodes_coordinates_and_group_sizes():
-    text = Layout(dp=2, tp=2, pp=2, devices_per_node=4).rank_map()
+    text = rank_map(Layout(dp=2, tp=2, pp=2, devices_per_node=4))
     assert "8 ranks = dp 2 x tp 2 x pp 2, 2 node(s) x 4 device(s)" in text
     assert "   1     5  (1, 0, 1)" in text  # node 1, rank 5, (p, d, t)
     assert "WARNING" not in text
@@ -35,7 +36,7 @@ def test_rank_map_shows_nodes_coordinates_and_group_sizes():
 def test_a_tp_group_across_nodes_is_flagged_with_its_ranks():
     layout = Layout(dp=1, tp=4, pp=1, devices_per_node=2)
     assert layout.tp_groups_across_nodes() == [[0, 1, 2, 3]]
-    text = layout.rank_map()
+    text = rank_map(layout)
     assert "span nodes, e.g. ranks [0, 1, 2, 3]" in text and text.count("<- TP group spans nodes") == 4
 
 

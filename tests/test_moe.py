@@ -13,6 +13,7 @@ from lit3d.models.moe import MoE, balance_loss, grouped_mm
 from lit3d.models.tp_plan import tensor_parallel_plan
 from lit3d.models.transformer import Transformer
 from lit3d.parallel.layout import Layout, check_model_fits_layout, resolve_layout
+from lit3d.parallel.rank_map import rank_map
 
 CONFIG = GPTConfig(**{**SMALL_MOE, "n_shared_expert": 1})
 
@@ -119,7 +120,7 @@ def test_moe_blocks_are_replicated_regions_under_tensor_parallelism():
 
 
 def test_the_rank_map_shows_expert_parallel_groups():
-    text = Layout(dp=4, tp=1, pp=1, devices_per_node=4, ep=2).rank_map()
+    text = rank_map(Layout(dp=4, tp=1, pp=1, devices_per_node=4, ep=2))
     assert "expert-parallel of 2" in text and "0, part 2/2" in text and "1, part 1/2" in text
 
 

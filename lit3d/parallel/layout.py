@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from lit3d.parallel.schedules import DEFAULT_CHUNKS, SCHEDULES, chunks_per_rank, describe_schedule, microbatch_problem
+from lit3d.parallel.schedules import DEFAULT_CHUNKS, SCHEDULES, chunks_per_rank, microbatch_problem
 
 ZERO_STAGES = (0, 1, 2, 3)
 MESH_DIMS = ("pp", "dp", "cp", "tp")  # outermost first: the order of the rank formula
@@ -55,6 +55,7 @@ class Layout:
     ep: int = 1  # expert parallelism: MoE experts split over groups of this many consecutive DP ranks
     cp: int = 1  # context parallelism: every sequence split over this many ranks
     islands: int = 1  # DiLoCo: the layout is repeated this many times; islands sync only at the outer step
+    dp_shard: int | None = None  # HSDP: ZeRO shards over groups of this many consecutive DP ranks (None: all dp)
 
     @property
     def world_size(self) -> int:
@@ -85,6 +86,21 @@ class Layout:
     def replicas(self) -> int:
         """Ranks that hold the same weights (same TP and PP coordinates): ``dp × cp``."""
         return self.dp * self.cp
+
+    @property
+    def shard_size(self) -> int:
+        """Data-parallel ranks of one ZeRO shard group (HSDP's ``dp_shard``): all ``dp`` of them by default."""
+        return self.dp_shard or self.dp
+
+    @property
+    def dp_replicate(self) -> int:
+        """Shard groups that replicate one another (HSDP): they all-reduce the shards' gradients once per step."""
+        return self.dp // self.shard_size
+
+    @property
+    def shard_ranks(self) -> int:
+        """Ranks a ZeRO shard is split over: a shard group's ``shard_size × cp``."""
+        return self.shard_size * self.cp
 
     @property
     def num_nodes(self) -> int:
@@ -148,76 +164,6 @@ class Layout:
             "intra-node link. This works but is slow."
         )
 
-    def rank_map(self, max_rows: int = 64) -> str:
-        """A table of node, rank and (p, d, t) per rank (with c: context parallelism), with the group sizes; rank 0
-        prints it at start."""
-        cp = f" x cp {self.cp}" if self.cp > 1 else ""
-        grid = f"dp {self.dp}{cp} x tp {self.tp} x pp {self.pp}"
-        grid = f"{self.islands} islands x ({grid})" if self.islands > 1 else grid
-        lines = [
-            f"lit3d layout: {self.world_size} ranks = {grid}, "
-            f"{self.num_nodes} node(s) x {self.devices_per_node} device(s)",
-            f"groups: tensor-parallel of {self.tp} (consecutive ranks), "
-            + (f"context-parallel ring of {self.cp} (stride {self.tp}), " if self.cp > 1 else "")
-            + f"data-parallel of {self.dp} (stride {self.tp * self.cp}), pipeline of {self.pp} "
-            f"(stride {self.tp * self.cp * self.dp})",
-        ]
-        if self.cp > 1:
-            lines.append(
-                f"each context-parallel rank c holds sequence chunks c and {2 * self.cp - 1}-c of {2 * self.cp}; "
-                f"weights are synced over the {self.replicas} dp x cp replicas"
-            )
-        if self.ep > 1:
-            lines.append(
-                f"expert-parallel of {self.ep} (consecutive data-parallel ranks, stride {self.tp * self.cp}) split "
-                f"each MoE layer's experts; {self.dp // self.ep} such group(s) hold the same experts"
-            )
-        if self.islands > 1:
-            lines.append(
-                f"islands: {self.islands} of {self.island_size} consecutive ranks each, synced only at DiLoCo's outer "
-                f"step (ranks {self.island_size} apart: same p, d, t); the global batch is split over all "
-                f"{self.data_replicas} replicas"
-            )
-        crossing = self.tp_groups_across_nodes()
-        if crossing:
-            lines.append(f"WARNING: {len(crossing)} tensor-parallel group(s) span nodes, e.g. ranks {crossing[0]}")
-        lines.append(
-            "node  rank  "
-            + ("island  " if self.islands > 1 else "")
-            + ("(p, d, c, t)" if self.cp > 1 else "(p, d, t)")
-            + ("  ep group, experts" if self.ep > 1 else "")
-        )
-        for rank in range(min(self.world_size, max_rows)):
-            p, d, c, t = self.coordinate(rank)
-            flag = "  <- TP group spans nodes" if any(rank in g for g in crossing) else ""
-            experts = f"  {d // self.ep}, part {d % self.ep + 1}/{self.ep}" if self.ep > 1 else ""
-            where = f"({p}, {d}, {c}, {t})" if self.cp > 1 else f"({p}, {d}, {t})"
-            island = f"{self.island(rank):>6}  " if self.islands > 1 else ""
-            lines.append(f"{self.node(rank):>4}  {rank:>4}  {island}{where}{experts}{flag}")
-        if self.world_size > max_rows:
-            lines.append(f"... {self.world_size - max_rows} more ranks, same pattern")
-        return "\n".join(lines)
-
-
-def layout_lines(layout: Layout, parallelism: Any, microbatches: int, lit3d_splits: bool) -> list[str]:
-    """What rank 0 logs at the start: the rank map, what ``tensor_parallel_size="auto"`` became and by which
-    convention (``lit3d_splits``: whether lit3d splits the module, or the module parallelises itself), and with a
-    pipeline the schedule (``parallelism``: the run's `lit3d.parallel.Parallelism`)."""
-    lines = [layout.rank_map()]
-    if parallelism.tensor_parallel_size == "auto":
-        convention = (
-            "lit3d splits this module, with tensor parallelism when asked"
-            if lit3d_splits
-            else "the devices of a node, as Lightning's ModelParallelStrategy, for a module that parallelises itself"
-        )
-        lines.append(f"tensor_parallel_size='auto' is {layout.tp}: {convention}")
-        if parallelism.sequence_parallel and layout.tp == 1:
-            lines.append("sequence_parallel=True does nothing here: tensor_parallel_size is 1")
-    if layout.pp > 1:
-        p = parallelism
-        lines.append(describe_schedule(p.pipeline_schedule, layout.pp, microbatches, p.chunks_per_rank))
-    return lines
-
 
 def resolve_layout(
     world_size: int,
@@ -228,6 +174,7 @@ def resolve_layout(
     expert_parallel_size: int = 1,
     context_parallel_size: int = 1,
     islands: int = 1,
+    data_parallel_shard_size: int | None = None,
 ) -> Layout:
     """Sizes checked against the world; ``data_parallel_size="auto"`` takes what TP, CP and PP leave; expert
     parallelism borrows its ranks from data parallelism, and DiLoCo's ``islands`` split the data-parallel replicas
@@ -250,6 +197,7 @@ def resolve_layout(
             "parallelism splits the experts over groups of data-parallel ranks"
         )
     check_islands(islands, dp, expert_parallel_size, cp)
+    shard = check_shard_groups(data_parallel_shard_size, dp // islands)
     return Layout(
         dp=dp // islands,
         tp=tp,
@@ -258,7 +206,30 @@ def resolve_layout(
         ep=expert_parallel_size,
         cp=cp,
         islands=islands,
+        dp_shard=shard,
     )
+
+
+def check_shard_groups(shard: int | None, dp: int | str, zero_stage: int | None = None) -> int | None:
+    """HSDP's shard groups of ``shard`` data-parallel ranks must split the ``dp`` replicas (of an island) evenly, and
+    are ZeRO's; the layout's ``dp_shard`` (None where one group holds them all: plain ZeRO)."""
+    if shard is not None and zero_stage == 0:
+        raise ValueError(
+            f"data_parallel_shard_size={shard} with zero_stage=0: nothing is sharded; HSDP's shard groups are "
+            "ZeRO's (zero_stage 1, 2 or 3)"
+        )
+    if shard == 1:
+        raise ValueError(
+            "data_parallel_shard_size=1 shards nothing: every rank would hold whole replicas; use zero_stage=0 (DDP)"
+        )
+    if shard is None or dp == "auto" or shard == dp:
+        return None
+    if dp % shard:
+        raise ValueError(
+            f"data_parallel_shard_size={shard} does not divide data_parallel_size={dp}: ZeRO shards over groups of "
+            "that many consecutive data-parallel ranks, and the groups replicate one another"
+        )
+    return shard
 
 
 def check_islands(islands: int, data_parallel_size: int, expert_parallel_size: int = 1, cp: int = 1) -> None:
@@ -279,6 +250,8 @@ def check_sizes(**sizes: Any) -> None:
     """Each ``*_size`` is a positive int (``data_parallel_size`` and ``tensor_parallel_size`` may be "auto")."""
     for name, value in sizes.items():
         if name in ("data_parallel_size", "tensor_parallel_size") and value == "auto":
+            continue
+        if name == "data_parallel_shard_size" and value is None:
             continue
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive integer")

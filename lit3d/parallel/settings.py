@@ -18,6 +18,7 @@ from lit3d.parallel.layout import (
     check_choices,
     check_islands,
     check_pipeline_arguments,
+    check_shard_groups,
     check_sizes,
     pipeline_microbatches,
     resolve_layout,
@@ -44,6 +45,12 @@ class Parallelism:
         "auto",
         """Replicas of the model, each fed its share
         of the global batch; ``"auto"`` uses every rank that tensor and pipeline parallelism leave.""",
+    )
+    data_parallel_shard_size: int | None = _setting(
+        None,
+        """HSDP: ZeRO (stages 1-3) shards over groups of this many consecutive data-parallel ranks, and the groups
+        are replicas that all-reduce the shards' gradients once per step, so the per-layer gathers stay on the fast
+        links and one reduction crosses the slow ones. ``None``: one group of all of them.""",
     )
     tensor_parallel_size: int | Literal["auto"] = _setting(
         "auto",
@@ -233,6 +240,8 @@ class Parallelism:
         check_choices(self.zero_stage, self.pipeline_schedule)
         self._check_sized(self.pipeline_parallel_size, self.data_parallel_size)
         check_recompute(self.activation_checkpointing)
+        dp = self.data_parallel_size  # (of an island: the shard groups split an island's replicas)
+        check_shard_groups(self.data_parallel_shard_size, dp if dp == "auto" else dp // self.islands, self.zero_stage)
         if self.offload not in (False, True) or (self.offload and self.zero_stage != 3):
             raise ValueError(
                 f"offload={self.offload!r} with zero_stage={self.zero_stage}: offloading to the CPU needs zero_stage=3 "
@@ -284,6 +293,7 @@ class Parallelism:
             "pipeline_parallel_size": self.pipeline_parallel_size,
             "expert_parallel_size": self.expert_parallel_size,
             "context_parallel_size": self.context_parallel_size,
+            "data_parallel_shard_size": self.data_parallel_shard_size,
         }
 
     def resolve(self, world_size: int, devices_per_node: int, lit3d_splits: bool = True) -> Layout:
@@ -321,6 +331,7 @@ class Parallelism:
             expert_parallel_size=layout.ep,
             context_parallel_size=layout.cp,
             islands=layout.islands,
+            data_parallel_shard_size=layout.dp_shard,
         )
 
     def warnings(self) -> list[str]:

@@ -14,6 +14,8 @@ zero_stage  parameters                gradients                    optimizer    
 ==========  ========================  ===========================  ==============  ==========================
 
 ``R`` is the replicas: the ranks that hold the same weights (``dp × cp``); over one replica nothing is sharded. With
+HSDP's shard groups (``data_parallel_shard_size``), ``R`` is a group's ranks, and the ``groups`` replicate one another:
+after a group's reduce-scatter they all-reduce the shards' gradients, once per step. With
 gradient accumulation, ZeRO-2/3 reduce-scatter at every micro-step and sum the shards, unless
 ``accumulate_unsharded`` (one reduction at the last micro-step, the gradients held whole in between); ZeRO-0 and 1
 send nothing before the last.
@@ -34,11 +36,12 @@ class ZeroPolicy:
     stage: int
     replicas: int = 1
     accumulate_unsharded: bool = False
+    groups: int = 1  # HSDP: shard groups that replicate one another
 
     @classmethod
     def of(cls, parallelism: Any, layout: Any) -> ZeroPolicy:
         """The policy of a `lit3d.parallel.Parallelism` on a `lit3d.parallel.layout.Layout`."""
-        return cls(parallelism.zero_stage, layout.replicas, parallelism.accumulate_unsharded)
+        return cls(parallelism.zero_stage, layout.shard_ranks, parallelism.accumulate_unsharded, layout.dp_replicate)
 
     @property
     def slices_optimizer(self) -> bool:
@@ -69,6 +72,11 @@ class ZeroPolicy:
     def reduces_every_micro_step(self) -> bool:
         """Whether each micro-step of an accumulation window reduce-scatters its gradients (summed as shards)."""
         return self.shards_parameters and not self.accumulate_unsharded
+
+    @property
+    def hybrid(self) -> bool:
+        """HSDP: ZeRO over each of several shard groups, which all-reduce their shards' gradients."""
+        return self.groups > 1
 
     @property
     def all_reduces(self) -> bool:

@@ -170,9 +170,14 @@ def step_time(case: Case, traffic: dict[str, float], seconds: dict[str, float]) 
     idle = pipelined * bubble / (1 - bubble)
     zero = ZeroPolicy.of(settings, layout)
     gathered = _gathered_share(zero, precision)
-    exposed["dp"], hidden["dp"] = _data_parallel(
-        seconds["dp"], zero, training, busiest, microbatches, gathered, cluster
-    )
+    for axis in ("dp", "dp_shard"):  # (dp_shard: HSDP's shard groups)
+        if axis in seconds:
+            exposed[axis], hidden[axis] = _data_parallel(
+                seconds[axis], zero, training, busiest, microbatches, gathered, cluster
+            )
+    if "dp_replicate" in seconds:  # HSDP: the groups' all-reduce of the gradients, overlapping backward as DDP's
+        dp_replicate = _data_parallel(seconds["dp_replicate"], ZeroPolicy(0), training, busiest, 1, 0.0, cluster)
+        exposed["dp_replicate"], hidden["dp_replicate"] = dp_replicate
     if "island" in seconds:  # NOTE: the outer step waits for its all-reduce, amortised over its inner steps
         exposed["island"] = seconds["island"]
     optimizer = _optimizer(config, layout, settings, rank, device, virtual, placement, training.lora)

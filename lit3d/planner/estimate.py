@@ -121,9 +121,12 @@ def link_speeds(cluster: Cluster, layout: Layout) -> dict[str, float]:
     tp, cp, dp, per_node = layout.tp, layout.cp, layout.dp, cluster.gpus_per_node
     spans = {"tp": tp, "cp": tp * cp, "dp": tp * cp * dp, "pp": layout.island_size, "ep": tp * cp * layout.ep}
     inner = {"tp": 1, "cp": tp, "dp": tp * cp, "pp": per_node, "ep": tp * cp}  # ranks between two of the group's
+    if layout.dp_replicate > 1:  # HSDP: a shard group of consecutive replicas, and the groups' replicas of each rank
+        spans.update(dp_shard=tp * layout.shard_ranks, dp_replicate=tp * cp * dp)
+        inner.update(dp_shard=tp, dp_replicate=tp * layout.shard_ranks)
     links = {}
     for axis, span in spans.items():
-        members = max(1, per_node // inner[axis]) if axis in ("dp", "cp") else 1  # rings; EP, PP: point to point
+        members = max(1, per_node // inner[axis]) if axis.startswith(("dp", "cp")) else 1  # rings; EP, PP: p2p
         network = min(cluster.intra_node_gbps, cluster.inter_node_gbps * members)
         links[axis] = cluster.intra_node_gbps if span <= per_node else network
     links["tp"] = cluster.intra_node_gbps if per_node % tp == 0 else cluster.inter_node_gbps

@@ -28,7 +28,8 @@ DEFAULT_SCHEDULE = "1f1b"  # the page's pipelines, unless the plan is given anot
 def page_data(model: GPTConfig | str, cluster: Cluster | None = None, **given: Any) -> dict[str, Any]:
     """Every layout of ``model`` the page's controls reach on ``cluster`` (d, t, p, and ep, cp where the model has
     them; each ZeRO stage), each planned as `lit3d plan` plans it, with why it cannot run or does not fit; and the
-    ranking of those that fit. ``given``: as `Request.given` (the sizes and ZeRO stage are the controls')."""
+    ranking of those that fit. ``given``: as `Request.given` (the sizes and ZeRO stage are the controls'; HSDP's
+    ``data_parallel_shard_size`` applies where it splits the replicas of a ZeRO-1-3 layout, whose ``shard`` it is)."""
     config, cluster = GPTConfig.load(model), cluster or Cluster()
     given = {"pipeline_schedule": DEFAULT_SCHEDULE, **given}
     for name in (
@@ -40,6 +41,7 @@ def page_data(model: GPTConfig | str, cluster: Cluster | None = None, **given: A
         "zero_stage",
     ):
         given.pop(name, None)
+    shard = given.pop("data_parallel_shard_size", None)  # HSDP's groups, on every layout whose replicas they split
     training = Request.given(config, cluster, **given).training
     axes = _axis_values(config, cluster, training)
     rows: dict[tuple[int, ...], int] = {}  # distinct memory rows (a long pipeline's middle stages repeat)
@@ -53,6 +55,7 @@ def page_data(model: GPTConfig | str, cluster: Cluster | None = None, **given: A
                 expert_parallel_size=ep,
                 context_parallel_size=cp,
                 zero_stage=zero,
+                data_parallel_shard_size=shard if shard and zero and d % shard == 0 and shard < d else None,
             )
             layouts[layout_key(d, t, p, ep, cp, zero)] = _layout_entry(config, cluster, given, sizes, rows)
     return {
@@ -127,6 +130,7 @@ def _layout_entry(
         "microbatches": p.num_microbatches,
         "memory": p.memory_per_gpu["total"],
         "stages": stages,
+        **({"shard": sizes["data_parallel_shard_size"]} if sizes["data_parallel_shard_size"] else {}),
         "comm": {
             axis: [c["bytes"], c["seconds"], c["link_gbps"]]
             for axis, c in p.communication_per_step.items()

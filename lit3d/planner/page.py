@@ -53,7 +53,9 @@ function where(c) {  // a GPU's coordinates; e: its share of each MoE layer's ex
   return 't' + c.t + ' p' + c.p + (S.cp > 1 ? ' c' + c.c : '') + ' d' + c.d + (S.ep > 1 ? ' e' + c.d % S.ep : ''); }
 function sameGroup(axis, a, b) {
   if (axis === 'tp') return a.d === b.d && a.c === b.c && a.p === b.p;
-  if (axis === 'dp') return a.t === b.t && a.c === b.c && a.p === b.p;
+  const shard = (D.layouts[key()] || {}).shard;  // HSDP: the dp group shown is the rank's shard group
+  if (axis === 'dp') return a.t === b.t && a.c === b.c && a.p === b.p &&
+    (!shard || Math.floor(a.d / shard) === Math.floor(b.d / shard));
   if (axis === 'pp') return a.t === b.t && a.c === b.c && a.d === b.d;
   if (axis === 'cp') return a.t === b.t && a.d === b.d && a.p === b.p;
   return a.t === b.t && a.c === b.c && a.p === b.p && Math.floor(a.d / S.ep) === Math.floor(b.d / S.ep);
@@ -101,6 +103,9 @@ function panel(e, c) {
   if (S.ep > 1) h += '<br>expert group ' + Math.floor(c.d / S.ep) + ': ' + S.ep + ' GPUs (d ' +
     Math.floor(c.d / S.ep) * S.ep + '-' + (Math.floor(c.d / S.ep) * S.ep + S.ep - 1) + '), each holding 1/' + S.ep +
     ' of every MoE layer\'s experts';
+  if (e.shard) h += '<br>HSDP shard group ' + Math.floor(c.d / e.shard) + ' of ' + S.d / e.shard + ': ZeRO over ' +
+    e.shard + ' data-parallel ranks (d ' + Math.floor(c.d / e.shard) * e.shard + '-' +
+    (Math.floor(c.d / e.shard) * e.shard + e.shard - 1) + '); the groups all-reduce their shards once per step';
   if (!e.stages) { p.innerHTML = h; const why = document.createElement('p'); why.textContent = e.error;
     p.appendChild(why); return; }
   const row = D.rows[e.stages[c.p]];

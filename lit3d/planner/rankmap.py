@@ -176,6 +176,11 @@ class RankMap:
                 f"e = share of each MoE layer's experts: expert-parallel groups of {layout.ep} consecutive d (ranks "
                 f"{layout.tp * layout.cp} apart); the {layout.dp // layout.ep} groups hold the same experts"
             )
+        if layout.dp_replicate > 1:
+            lines.append(
+                f"HSDP: ZeRO shards over groups of {layout.shard_size} consecutive d (d // {layout.shard_size} names "
+                f"the group); the {layout.dp_replicate} groups all-reduce their shards once per step"
+            )
         if layout.cp > 1:
             lines.append(
                 f"c = place in the context-parallel ring (ranks {layout.tp} apart; each holds sequence chunks "

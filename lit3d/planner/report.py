@@ -74,8 +74,11 @@ def format_plan(config: GPTConfig, cluster: Cluster, candidate: Candidate) -> st
         f"   of {usable:.1f} usable ({cluster.gpu_memory_gb:g} GB less {training.headroom:.0%} headroom): {verdict}"
     )
     lines.append(f"communication per step, per {cluster.device}:")
+    width = max(len(axis) for axis in plan.communication_per_step)  # (HSDP's dp_replicate)
     for axis, comm in plan.communication_per_step.items():
-        lines.append(f"  {axis:<4}{size(comm['bytes']):>12}  {comm['seconds']:>8.3f} s  on {comm['link_gbps']:g} GB/s")
+        lines.append(
+            f"  {axis:<{width}}{size(comm['bytes']):>12}  {comm['seconds']:>8.3f} s  on {comm['link_gbps']:g} GB/s"
+        )
     if layout.pp > 1:
         lines.append(
             f"pipeline bubble: {plan.pipeline_bubble:.1%} ({candidate.parallelism.pipeline_schedule}, p={layout.pp}, "
@@ -141,21 +144,51 @@ def format_search(
     if candidates[0].layout.islands > 1:
         lines.append(f"each of {candidates[0].layout.islands} islands runs the layout (dp: replicas per island)")
     lines.append(
-        f"{'#':>2}  {'dp':>5} {'cp':>3} {'tp':>3} {'pp':>3} {'ep':>3} {'zero':>4} {'ac':>3} {'m':>4} {'schedule':>16} "
+        f"{'#':>2}  {'dp':>7} {'cp':>3} {'tp':>3} {'pp':>3} {'ep':>3} {'zero':>4} {'ac':>3} {'m':>4} {'schedule':>16} "
         f"{'memory GB':>9} {'step s':>8} {'MFU':>6}"
     )
     for i, c in enumerate(candidates[:top], 1):
         lines.append(
-            f"{i:>2}  {c.layout.dp:>5} {c.layout.cp:>3} {c.layout.tp:>3} {c.layout.pp:>3} {c.layout.ep:>3} "
+            f"{i:>2}  {_replicas(c.layout):>7} {c.layout.cp:>3} {c.layout.tp:>3} {c.layout.pp:>3} {c.layout.ep:>3} "
             f"{c.parallelism.zero_stage:>4} "
             f"{'yes' if c.parallelism.activation_checkpointing else 'no':>3} {c.plan.num_microbatches:>4} "
             f"{_schedule(c):>16} {c.plan.memory_per_gpu['total'] / GB:>9.1f} {c.plan.step_time_s:>8.3f} "
             f"{c.plan.mfu:>6.1%}"
         )
         lines.append(f"    why: {why(c, cluster)}")
+    lines += hsdp_lines(candidates)
     command = command or f"lit3d fit ... --trainer.strategy=Parallel3DStrategy {run_flags(candidates[0], given)}"
     lines.append(f"run the best with: {command}")
     return "\n".join(lines)
+
+
+def _replicas(layout: Layout) -> str:
+    """The table's ``dp``: the replicas, or with HSDP's shard groups ``groups x shard``."""
+    return f"{layout.dp_replicate}x{layout.shard_size}" if layout.dp_replicate > 1 else str(layout.dp)
+
+
+def hsdp_lines(candidates: list[Candidate]) -> list[str]:
+    """Whether HSDP's shard groups win over ZeRO across every replica, and why: the fastest of each, their step
+    time, data-parallel seconds on which links, and memory."""
+    sharded = [c for c in candidates if c.parallelism.zero_stage > 0 and c.layout.replicas > 1]
+    grouped = next((c for c in sharded if c.layout.dp_replicate > 1), None)
+    whole = next((c for c in sharded if c.layout.dp_replicate == 1 and c.layout.dp >= 2), None)
+    if grouped is None or whole is None:
+        return []
+    comm, plain = grouped.plan.communication_per_step, whole.plan.communication_per_step["dp"]
+    shard, across = comm["dp_shard"], comm["dp_replicate"]
+    wins = grouped.plan.step_time_s < whole.plan.step_time_s
+    layout, memory = grouped.layout, (grouped.plan.memory_per_gpu["total"], whole.plan.memory_per_gpu["total"])
+    return [
+        f"HSDP {'wins' if wins else 'does not win'} here: ZeRO-{grouped.parallelism.zero_stage} in "
+        f"{layout.dp_replicate} shard groups of {layout.shard_size} ({settings(grouped)}) takes "
+        f"{grouped.plan.step_time_s:.3f} s/step against {whole.plan.step_time_s:.3f} s for one group of "
+        f"{whole.layout.replicas} ({settings(whole)})",
+        f"    why: the groups' gathers and reduce-scatters move {size(shard['bytes'])} in {shard['seconds']:.2f} s on "
+        f"{shard['link_gbps']:g} GB/s and only their all-reduce, {size(across['bytes'])} in {across['seconds']:.2f} "
+        f"s, crosses {across['link_gbps']:g} GB/s, against {size(plain['bytes'])} in {plain['seconds']:.2f} s on "
+        f"{plain['link_gbps']:g} GB/s; shards over fewer ranks hold {size(memory[0])} against {size(memory[1])}",
+    ]
 
 
 def format_miss(cluster: Cluster, candidate: Candidate) -> list[str]:
@@ -179,7 +212,9 @@ def run_flags(candidate: Candidate, given: frozenset[str] = frozenset()) -> str:
     the schedule, DiLoCo's islands), and the settings ``given`` that differ from the strategy's defaults."""
     layout, run = candidate.layout, candidate.parallelism
     flags = [f"--trainer.strategy.{name}={getattr(run, name)}" for name in CHOSEN]
-    written = {*CHOSEN, *UNWRITTEN, "islands", "activation_checkpointing"}
+    written = {*CHOSEN, *UNWRITTEN, "islands", "activation_checkpointing", "data_parallel_shard_size"}
+    if layout.dp_shard:
+        flags.append(f"--trainer.strategy.data_parallel_shard_size={layout.dp_shard}")
     for name, ranks in (("expert_parallel_size", layout.ep), ("context_parallel_size", layout.cp)):
         written.add(name)
         if ranks > 1:

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from lit3d.models.config import GPTConfig
-from lit3d.parallel.layout import ZERO_STAGES, Layout, check_islands, check_sizes
+from lit3d.parallel.layout import ZERO_STAGES, Layout, check_islands, check_shard_groups, check_sizes
 from lit3d.parallel.settings import Parallelism
 from lit3d.planner.estimate import PLANNING_DEFAULTS, Cluster, Training, estimate
 from lit3d.planner.islands import format_islands, versus_synchronous
@@ -240,9 +240,8 @@ def _one_layout(request: Request, config: GPTConfig) -> Report:
     check_islands(islands, dp, ep, cp)
     if dp % ep:
         raise ValueError(f"expert_parallel_size={ep} does not divide data_parallel_size={dp}")
-    layout = Layout(
-        dp=dp // islands, tp=tp, pp=pp, devices_per_node=cluster.gpus_per_node, ep=ep, cp=cp, islands=islands
-    )
+    shard = check_shard_groups(settings.data_parallel_shard_size, dp // islands)
+    layout = Layout(dp // islands, tp, pp, cluster.gpus_per_node, ep, cp, islands, shard)
     training, settings = _micro_batches(request, dp), settings.at(layout)
     schedule_fixed = "pipeline_schedule" in request.fixed
     # NOTE: GPipe runs any micro-batch count on one chunk: the layout check leaves the schedules to `choose_schedule`.

@@ -188,26 +188,50 @@ def search(
         if layout.world_size != cluster.gpus or layout_problem(config, cluster, layout, training, any_schedule):
             dropped["invalid"] += 1
             continue
-        for zero in zero_stages if layout.replicas > 1 else zero_stages[:1]:
-            for ac in checkpointing:
-                option = estimated(config, cluster, layout, training, settings, zero, ac, pipeline_schedules)
-                if option is None:  # no schedule runs the micro-batches there are (or the settings cannot compose)
-                    dropped["invalid"] += 1
-                elif option.plan.fits:
-                    fitting.append(option)
-                else:
-                    dropped["out_of_memory"] += 1
-                    if misses is not None:
-                        misses.append(option)
+        for zero, grouped, ac in _options(layout, settings.data_parallel_shard_size, zero_stages, checkpointing):
+            option = estimated(config, cluster, grouped, training, settings, zero, ac, pipeline_schedules)
+            if option is None:  # no schedule runs the micro-batches there are (or the settings cannot compose)
+                dropped["invalid"] += 1
+            elif option.plan.fits:
+                fitting.append(option)
+            else:
+                dropped["out_of_memory"] += 1
+                if misses is not None:
+                    misses.append(option)
     # Fastest first; among equals, the least data-parallel traffic, then the least memory.
     fitting.sort(
         key=lambda c: (
             round(c.plan.step_time_s, 6),
-            c.plan.communication_per_step["dp"]["bytes"],
+            data_parallel_bytes(c.plan),
             c.plan.memory_per_gpu["total"],
         )
     )
     return fitting, dropped
+
+
+def _options(
+    layout: Layout, shard: int | None, zero_stages: tuple[int, ...], checkpointing: tuple
+) -> list[tuple[int, Layout, bool | str]]:
+    """(ZeRO stage, the layout with its HSDP shard groups, recompute) to estimate: ZeRO only with replicas; shard
+    groups of the size given, else one group of every replica and, where they split them, groups of a node's ranks,
+    two nodes', four nodes', ..."""
+    options = []
+    for zero in zero_stages if layout.replicas > 1 else zero_stages[:1]:
+        for grouped in shard_groups(layout, shard) if zero > 0 else [layout]:
+            options += [(zero, grouped, ac) for ac in checkpointing]
+    return options
+
+
+def shard_groups(layout: Layout, shard: int | None) -> list[Layout]:
+    """``layout`` with the HSDP shard groups the search tries (see `_options`); none that do not split its replicas."""
+    node = layout.devices_per_node // (layout.tp * layout.cp)
+    sizes = [shard] if shard else [None, *(node * 2**k for k in range(8) if node * 2**k < layout.dp)]
+    return [replace(layout, dp_shard=n) for n in sizes if n is None or (1 < n < layout.dp and layout.dp % n == 0)]
+
+
+def data_parallel_bytes(plan: Plan) -> float:
+    """Bytes a GPU sends per step to keep the replicas in sync: ``dp``, or HSDP's ``dp_shard`` and ``dp_replicate``."""
+    return sum(axis["bytes"] for name, axis in plan.communication_per_step.items() if name.startswith("dp"))
 
 
 def _layouts(
@@ -296,11 +320,7 @@ def why(candidate: Candidate, cluster: Cluster) -> str:
             f"moves {_gb(cp['bytes'] / GB)} GB/GPU in {cp['seconds']:.2f} s, {cp['hidden_s']:.2f} s hidden by attention"
         )
     if layout.replicas > 1:
-        dp = plan.communication_per_step["dp"]
-        replicas = f"DP{layout.dp}" + (f" x CP{layout.cp}" if layout.cp > 1 else "")
-        parts.append(
-            f"{replicas} ZeRO-{settings.zero_stage} moves {_gb(dp['bytes'] / GB)} GB/GPU in {dp['seconds']:.2f} s"
-        )
+        parts.append(_replicas_why(plan, layout, settings))
     if settings.accumulate_unsharded:
         parts.append("gradients unsharded across the micro-steps (one reduce-scatter per step)")
     if settings.activation_checkpointing:
@@ -308,6 +328,22 @@ def why(candidate: Candidate, cluster: Cluster) -> str:
         parts.append(f"recomputes activations ({policy})")
     parts.append(f"time: {largest_costs(plan.time_breakdown, plan.step_time_s)}")
     return "; ".join(parts)
+
+
+def _replicas_why(plan: Plan, layout: Layout, settings: Parallelism) -> str:
+    """What keeping the replicas in sync costs; with HSDP's shard groups, within a group and across them."""
+    comm = plan.communication_per_step
+    replicas = f"DP{layout.dp}" + (f" x CP{layout.cp}" if layout.cp > 1 else "")
+    if "dp" in comm:
+        dp = comm["dp"]
+        return f"{replicas} ZeRO-{settings.zero_stage} moves {_gb(dp['bytes'] / GB)} GB/GPU in {dp['seconds']:.2f} s"
+    shard, across = comm["dp_shard"], comm["dp_replicate"]
+    return (
+        f"{replicas} ZeRO-{settings.zero_stage} in {layout.dp_replicate} shard groups of {layout.shard_size} (HSDP): "
+        f"{_gb(shard['bytes'] / GB)} GB/GPU within a group over {shard['link_gbps']:.0f} GB/s in "
+        f"{shard['seconds']:.2f} s, {_gb(across['bytes'] / GB)} GB/GPU across groups over "
+        f"{across['link_gbps']:.0f} GB/s in {across['seconds']:.2f} s"
+    )
 
 
 def _gb(value: float) -> str:

@@ -178,9 +178,9 @@ def local_numel(tensor: Tensor, tp: int, shard: int = 1, shard_dim: int = 0, ep:
 
 
 def replicas(tensor: Tensor, layout: Any) -> int:
-    """Ranks that hold the same copy of ``tensor`` and shard it under ZeRO: the ``dp × cp`` replicas, or for an
-    expert the DP ranks over expert-parallel groups."""
-    return layout.replicas // layout.ep if tensor.expert else layout.replicas
+    """Ranks that hold the same copy of ``tensor`` and shard it under ZeRO: the ``dp × cp`` replicas (HSDP: those of
+    a shard group), or for an expert the DP ranks over expert-parallel groups."""
+    return layout.replicas // layout.ep if tensor.expert else layout.shard_ranks
 
 
 def stepped_numel(tensors: list[Tensor], layout: Any, zero: ZeroPolicy) -> int:

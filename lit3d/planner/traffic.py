@@ -29,7 +29,7 @@ def communication_bytes(case: Case) -> dict[str, float]:
     """
     config, layout, training, settings = case.config, case.layout, case.training, case.settings
     precision = case.precision
-    pp, replicas, zero = layout.pp, layout.replicas, case.zero
+    pp, replicas, zero = layout.pp, layout.shard_ranks, case.zero
     virtual, microbatches, schedules, sp, _ = _step_shape(layout, training, settings)
     act_bytes = training.micro_batch_size * training.seq_len // layout.cp * config.d_model * precision.activations
     traffic = {
@@ -50,8 +50,11 @@ def communication_bytes(case: Case) -> dict[str, float]:
         sent = _dp_traffic(zero, replicas, stage.in_blocks, stage.root, *shape, stage.trained, fp8)
         if fp8 and replicas > 1:  # their scales, computed after each step from the amaxes: one fp32 all-reduce
             sent += 2 * (replicas - 1) / replicas * stage.float8_tensors * 4
-        sent += _dp_traffic(zero, replicas // layout.ep, stage.experts, 0, *shape, stage.trained_experts)
+        sent += _dp_traffic(zero, layout.replicas // layout.ep, stage.experts, 0, *shape, stage.trained_experts)
         traffic["dp"] = max(traffic["dp"], sent)
+        if zero.hybrid:
+            groups = _replicate_traffic(zero, layout, stage.trained, shape[1], pp, precision)
+            traffic["dp_replicate"] = max(traffic.get("dp_replicate", 0.0), groups)
         a2a = _all_to_all_bytes(config, layout, training, settings, precision)
         traffic["ep"] = max(traffic["ep"], moe * microbatches * a2a)
         kv_ring = blocks * _ring_bytes(config, layout, training, settings, precision)
@@ -59,6 +62,8 @@ def communication_bytes(case: Case) -> dict[str, float]:
         traffic["cp"] = max(traffic["cp"], microbatches * cp_bytes)
     if pp > 1:
         traffic["pp"] = _pipeline_sends(pp, virtual, placement) * microbatches * act_bytes / (layout.tp if sp else 1)
+    if zero.hybrid:  # ZeRO's own traffic stays in each shard group
+        traffic["dp_shard"] = traffic.pop("dp")
     if layout.islands > 1:  # per step on average: one outer step every sync_every steps
         traffic["island"] = island_bytes_per_sync(config, layout, settings, training.lora) / settings.sync_every
     return traffic
@@ -147,6 +152,17 @@ def _all_to_all_bytes(
     row_bytes = config.d_model * precision.activations
     forwards = 2 if settings.activation_checkpointing in (True, "full") else 1
     return forwards * (config.n_expert * 8 * share + 2 * rows * row_bytes) + 2 * rows * row_bytes
+
+
+def _replicate_traffic(
+    zero: ZeroPolicy, layout: Layout, trained: int, schedules: int, pp: int, precision: Precision
+) -> float:
+    """HSDP: bytes a GPU sends per step to all-reduce its shard of the ``trained`` elements (MoE experts apart) with
+    the other shard groups: once per step (FSDP2 skips it on the micro-steps before the last: `gradient_sync_off`),
+    but at the end of each pipeline schedule at ZeRO-2/3 (PyTorch's ``PipelineStage`` syncs there)."""
+    groups = zero.groups
+    reductions = schedules if pp > 1 and zero.shards_parameters else 1
+    return reductions * 2 * (groups - 1) / groups * trained / layout.shard_ranks * precision.reduce_bytes
 
 
 def gradient_reductions(zero: ZeroPolicy, pp: int, microbatches: int, schedules: int) -> int:
@@ -260,7 +276,7 @@ def collectives(case: Case) -> dict[str, tuple[float, float]]:
     all-reduce over n ranks is 2 (n-1) hops, an all-gather or reduce-scatter n-1, a point-to-point send 1): the
     latency side of an α-β model, counted as `communication_bytes` counts the bytes."""
     config, layout, training, settings = case.config, case.layout, case.training, case.settings
-    tp, pp, dp = layout.tp, layout.pp, layout.replicas
+    tp, pp, dp = layout.tp, layout.pp, layout.shard_ranks
     virtual, microbatches, schedules, sp, per_block = _step_shape(layout, training, settings)
     counts = {"tp": (0.0, 0.0), "pp": (0.0, 0.0), "dp": (0.0, 0.0), "ep": (0.0, 0.0), "cp": (0.0, 0.0)}
     cp, zero = layout.cp, case.zero
@@ -277,24 +293,39 @@ def collectives(case: Case) -> dict[str, tuple[float, float]]:
             n = ((blocks * per_block + first + last) + 3 * last) * microbatches
             counts["tp"] = max(counts["tp"], (n * (2 if sp else 1), n * 2 * (tp - 1)))
         if dp > 1:
-            units, steps = blocks + 1, schedules if pp > 1 else 1
-            reduces = gradient_reductions(zero, pp, microbatches, steps)
-            if zero.all_reduces:
-                n, hops = units * steps, 2 * (dp - 1)
-            elif zero.slices_optimizer:  # one reduce-scatter and one all-gather per bucket
-                n, hops = 2 * -(-stage.total // BUCKET_ELEMENTS), dp - 1
-            elif not zero.reshards_after_forward:
-                n, hops = units * (steps + reduces), dp - 1
-            else:
-                gathers = (microbatches // steps + 1, 1) if pp > 1 else (2 * microbatches, microbatches)
-                n, hops = (gathers[0] * blocks + gathers[1]) * steps + units * reduces, dp - 1
-            counts["dp"] = max(counts["dp"], (n, n * hops))
+            for axis, count in _dp_collectives(zero, stage, schedules if pp > 1 else 1, microbatches, pp).items():
+                counts[axis] = max(counts.get(axis, (0.0, 0.0)), count)
+    if zero.hybrid:
+        counts["dp_shard"] = counts.pop("dp")
     if pp > 1:
         sends = _pipeline_sends(pp, virtual, placement) * microbatches
         counts["pp"] = (sends, sends)
     if layout.islands > 1:  # one all-reduce per fragment per outer step, over a ring of the islands
         n = settings.outer_fragments / settings.sync_every
         counts["island"] = (n, n * 2 * (layout.islands - 1))
+    return counts
+
+
+def _dp_collectives(
+    zero: ZeroPolicy, stage: StageSums, steps: int, microbatches: int, pp: int
+) -> dict[str, tuple[float, float]]:
+    """(collectives, ring hops) of one pipeline rank's data-parallel sync per step, over its shard group (``dp``),
+    and with HSDP's shard groups, their all-reduce across the groups (``dp_replicate``)."""
+    units, dp, blocks = stage.blocks + 1, zero.replicas, stage.blocks
+    reduces = gradient_reductions(zero, pp, microbatches, steps)
+    if zero.all_reduces:
+        n, hops = units * steps, 2 * (dp - 1)
+    elif zero.slices_optimizer:  # one reduce-scatter and one all-gather per bucket
+        n, hops = 2 * -(-stage.total // BUCKET_ELEMENTS), dp - 1
+    elif not zero.reshards_after_forward:
+        n, hops = units * (steps + reduces), dp - 1
+    else:
+        gathers = (microbatches // steps + 1, 1) if pp > 1 else (2 * microbatches, microbatches)
+        n, hops = (gathers[0] * blocks + gathers[1]) * steps + units * reduces, dp - 1
+    counts = {"dp": (n, n * hops)}
+    if zero.hybrid:  # an all-reduce per bucket (ZeRO-1), or per unit and pipeline schedule (FSDP2)
+        n = n / 2 if zero.slices_optimizer else units * steps
+        counts["dp_replicate"] = (n, n * 2 * (zero.groups - 1))
     return counts
 
 
