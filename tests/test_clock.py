@@ -75,10 +75,11 @@ def test_the_breakdown_sums_to_the_step_and_no_mfu_exceeds_what_its_compute_allo
 
 
 def test_the_search_ranks_by_the_clock_and_why_names_the_largest_costs():
-    from lit3d.planner.search import why
+    from lit3d.planner.search import unpaid_groups, why
 
     report = plan(Request.given("llama-70b", Cluster(nodes=8), seq_len=4096, global_batch_size=512, top=5))
-    times = [c.plan.step_time_s for c in report.candidates]
+    unpaid = unpaid_groups(report.candidates)  # HSDP's groups that save too little rank after their one-group run
+    times = [c.plan.step_time_s for c in report.candidates if id(c) not in unpaid]
     assert times == sorted(times)
     best = report.candidates[0]
     largest = next(iter(time_shares(best.plan.time_breakdown, best.plan.step_time_s)))

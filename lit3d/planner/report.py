@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import fields, replace
 
 from lit3d.models.config import GPTConfig
 from lit3d.parallel.layout import Layout
@@ -10,7 +10,7 @@ from lit3d.parallel.settings import Parallelism, defaults
 from lit3d.planner.clock import largest_costs
 from lit3d.planner.estimate import GB, Cluster, Plan
 from lit3d.planner.pipeline import label, same_schedule, schedule_flags, why_schedule
-from lit3d.planner.search import Candidate, tokens_per_second, why
+from lit3d.planner.search import GROUPS_PAY, Candidate, tokens_per_second, unpaid_groups, why
 from lit3d.planner.units import plural, size
 
 
@@ -147,7 +147,8 @@ def format_search(
         f"{'#':>2}  {'dp':>7} {'cp':>3} {'tp':>3} {'pp':>3} {'ep':>3} {'zero':>4} {'ac':>3} {'m':>4} {'schedule':>16} "
         f"{'memory GB':>9} {'step s':>8} {'MFU':>6}"
     )
-    for i, c in enumerate(candidates[:top], 1):
+    unpaid = unpaid_groups(candidates)  # (`hsdp_lines` says why they are not shown)
+    for i, c in enumerate([c for c in candidates if id(c) not in unpaid][:top], 1):
         lines.append(
             f"{i:>2}  {_replicas(c.layout):>7} {c.layout.cp:>3} {c.layout.tp:>3} {c.layout.pp:>3} {c.layout.ep:>3} "
             f"{c.parallelism.zero_stage:>4} "
@@ -168,26 +169,33 @@ def _replicas(layout: Layout) -> str:
 
 
 def hsdp_lines(candidates: list[Candidate]) -> list[str]:
-    """Whether HSDP's shard groups win over ZeRO across every replica, and why: the fastest of each, their step
-    time, data-parallel seconds on which links, and memory."""
-    sharded = [c for c in candidates if c.parallelism.zero_stage > 0 and c.layout.replicas > 1]
-    grouped = next((c for c in sharded if c.layout.dp_replicate > 1), None)
-    whole = next((c for c in sharded if c.layout.dp_replicate == 1 and c.layout.dp >= 2), None)
-    if grouped is None or whole is None:
+    """Whether HSDP's shard groups pay here, and why: the fastest layout with groups against the same run over one
+    group of every replica, their step times, where each sends its data-parallel bytes, and their memory."""
+    grouped = next((c for c in candidates if c.layout.dp_shard is not None), None)
+    if grouped is None:
+        return []
+    layout, run = grouped.layout, grouped.parallelism
+    same = (replace(layout, dp_shard=None), run.zero_stage, run.activation_checkpointing)
+    runs = [(c.layout, c.parallelism.zero_stage, c.parallelism.activation_checkpointing) for c in candidates]
+    whole = candidates[runs.index(same)] if same in runs else None
+    if whole is None:
         return []
     comm, plain = grouped.plan.communication_per_step, whole.plan.communication_per_step["dp"]
     shard, across = comm["dp_shard"], comm["dp_replicate"]
-    wins = grouped.plan.step_time_s < whole.plan.step_time_s
-    layout, memory = grouped.layout, (grouped.plan.memory_per_gpu["total"], whole.plan.memory_per_gpu["total"])
+    wins = candidates.index(grouped) < candidates.index(whole)  # (the search ranks groups first where they pay)
+    gain = 1 - grouped.plan.step_time_s / whole.plan.step_time_s
+    nodes = -(-layout.shard_size * layout.tp * layout.cp // layout.devices_per_node)
     return [
-        f"HSDP {'wins' if wins else 'does not win'} here: ZeRO-{grouped.parallelism.zero_stage} in "
-        f"{layout.dp_replicate} shard groups of {layout.shard_size} ({settings(grouped)}) takes "
-        f"{grouped.plan.step_time_s:.3f} s/step against {whole.plan.step_time_s:.3f} s for one group of "
-        f"{whole.layout.replicas} ({settings(whole)})",
-        f"    why: the groups' gathers and reduce-scatters move {size(shard['bytes'])} in {shard['seconds']:.2f} s on "
-        f"{shard['link_gbps']:g} GB/s and only their all-reduce, {size(across['bytes'])} in {across['seconds']:.2f} "
-        f"s, crosses {across['link_gbps']:g} GB/s, against {size(plain['bytes'])} in {plain['seconds']:.2f} s on "
-        f"{plain['link_gbps']:g} GB/s; shards over fewer ranks hold {size(memory[0])} against {size(memory[1])}",
+        f"HSDP {'wins' if wins else 'does not pay'} here: ZeRO-{run.zero_stage} in {layout.dp_replicate} shard groups "
+        f"of {layout.shard_size} takes {grouped.plan.step_time_s:.3f} s/step, {abs(gain):.1%} "
+        f"{'less' if gain >= 0 else 'more'} than "
+        f"{whole.plan.step_time_s:.3f} s over one group of {layout.replicas} ({settings(whole)}); groups are chosen "
+        f"where they save {GROUPS_PAY:.0%} or more",
+        f"    why: a group spans {nodes} node{'s' if nodes > 1 else ''}: its gathers and reduce-scatters move "
+        f"{size(shard['bytes'])} in {shard['seconds']:.2f} s on {shard['link_gbps']:g} GB/s and the all-reduce across "
+        f"groups {size(across['bytes'])} in {across['seconds']:.2f} s on {across['link_gbps']:g} GB/s, against "
+        f"{size(plain['bytes'])} in {plain['seconds']:.2f} s on {plain['link_gbps']:g} GB/s over one group; a GPU "
+        f"holds {size(grouped.plan.memory_per_gpu['total'])} against {size(whole.plan.memory_per_gpu['total'])}",
     ]
 
 

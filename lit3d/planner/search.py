@@ -198,15 +198,44 @@ def search(
                 dropped["out_of_memory"] += 1
                 if misses is not None:
                     misses.append(option)
-    # Fastest first; among equals, the least data-parallel traffic, then the least memory.
+    # Fastest first (HSDP's groups where they pay); among equals, the least data-parallel traffic, then memory.
+    ranked = ranking_times(fitting)
     fitting.sort(
         key=lambda c: (
-            round(c.plan.step_time_s, 6),
+            round(ranked[id(c)], 6),
+            c.layout.dp_shard is not None,
             data_parallel_bytes(c.plan),
             c.plan.memory_per_gpu["total"],
         )
     )
     return fitting, dropped
+
+
+# HSDP's shard groups hold more than one group of every replica: chosen only when they are this much faster.
+GROUPS_PAY = 0.01
+
+
+def unpaid_groups(candidates: list[Candidate]) -> dict[int, float]:
+    """The layouts with HSDP's shard groups that are not `GROUPS_PAY` faster than the same run over one group (by id),
+    with that run's step time."""
+
+    def same_run(c: Candidate) -> tuple:
+        return replace(c.layout, dp_shard=None), c.parallelism.zero_stage, c.parallelism.activation_checkpointing
+
+    whole = {same_run(c): c.plan.step_time_s for c in candidates if c.layout.dp_shard is None}
+    unpaid = {}
+    for c in candidates:
+        base = whole.get(same_run(c)) if c.layout.dp_shard is not None else None
+        if base is not None and c.plan.step_time_s >= (1 - GROUPS_PAY) * base:
+            unpaid[id(c)] = base
+    return unpaid
+
+
+def ranking_times(candidates: list[Candidate]) -> dict[int, float]:
+    """The step time each candidate ranks by (by id): its own, but a layout with shard groups that do not pay ranks as
+    the same run over one group (right after it: `unpaid_groups`)."""
+    unpaid = unpaid_groups(candidates)
+    return {id(c): max(c.plan.step_time_s, unpaid.get(id(c), 0.0)) for c in candidates}
 
 
 def _options(
