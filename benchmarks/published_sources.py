@@ -197,14 +197,17 @@ DGXC_RUNS = [
 
 MAXTEXT_SOURCE = "NVIDIA/dgxc-benchmarking maxtext/README_70b.md (JAX MaxText)"
 MAXTEXT_ASSUMED = (
-    "ZeRO-3 over all GPUs (the README's shard groups of 128 beyond 128 GPUs, with replicas between them, are planned "
-    "as one group); full recompute (MaxText's default remat policy; not stated); XLA-fused elementwise work (norm and "
+    "ZeRO-3 in the README's shard groups (all GPUs up to 256; HSDP's groups of 128, replicas between them, beyond); "
+    "full recompute (MaxText's default remat policy; not stated); XLA-fused elementwise work (norm and "
     "SwiGLU outputs recomputed in backward); cuDNN attention; FP8 as per-tensor scales with casts fused"
 )
 
 
 def _maxtext(gpus: int, total: float, fp8: bool = False) -> Run:
-    settings = layout(gpus, zero=3, activation_checkpointing=True, **({"float8": "tensorwise"} if fp8 else {}))
+    groups = {"data_parallel_shard_size": 128} if gpus > 256 else {}  # (as the README's table states)
+    settings = layout(
+        gpus, zero=3, activation_checkpointing=True, **groups, **({"float8": "tensorwise"} if fp8 else {})
+    )
     return Run(f"Llama 2 70B, FSDP{gpus}" + (", FP8" if fp8 else ""), MAXTEXT_SOURCE, LLAMA2["70b"], gpus, settings,
                loop(4096, 2 * gpus, 2, MAXTEXT_STACK), per_gpu(total, gpus), group=MAXTEXT,
                assumed=MAXTEXT_ASSUMED)  # fmt: skip
