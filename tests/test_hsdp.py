@@ -114,3 +114,11 @@ def test_the_page_shows_each_ranks_shard_group_where_the_groups_split_the_replic
     assert grouped["shard"] == 4 and {"dp_shard", "dp_replicate"} <= set(grouped["comm"])
     assert "shard" not in ddp and "dp" in ddp["comm"]  # ZeRO-0 shards nothing: one all-reduce over every replica
     assert "Math.floor(a.d / shard) === Math.floor(b.d / shard)" in SCRIPT and "HSDP shard group" in SCRIPT
+
+
+def test_plan_refuses_groups_that_split_no_layouts_replicas(capsys):
+    from lit3d.cli import main
+
+    with pytest.raises(SystemExit) as error:
+        main(["plan", "--model", "llama-8b", "--nodes", "2", "--data_parallel_shard_size", "3"])
+    assert "data_parallel_shard_size=3 does not divide the 16 GPUs" in str(error.value.code)

@@ -177,6 +177,7 @@ def search(
     counts the replicas of one island). A pipelined layout runs the fastest of ``pipeline_schedules`` (``(schedule,
     chunks per rank)``; default: every one of `lit3d.planner.pipeline.CANDIDATES`) that fits. ``misses``, if given,
     collects the layouts dropped for memory."""
+    _check_shard_groups(settings.data_parallel_shard_size, cluster.gpus // settings.islands)
     dropped = {"invalid": 0, "out_of_memory": 0}
     # NOTE: GPipe runs any micro-batch count on one chunk: the layout check leaves the schedules to `choose_schedule`.
     any_schedule = replace(settings, pipeline_schedule="gpipe", virtual_pipeline_size=None)
@@ -236,6 +237,15 @@ def ranking_times(candidates: list[Candidate]) -> dict[int, float]:
     the same run over one group (right after it: `unpaid_groups`)."""
     unpaid = unpaid_groups(candidates)
     return {id(c): max(c.plan.step_time_s, unpaid.get(id(c), 0.0)) for c in candidates}
+
+
+def _check_shard_groups(shard: int | None, gpus: int) -> None:
+    """HSDP's groups given must split some layout's replicas: they divide the GPUs (dp x tp x pp x cp = an island's)."""
+    if shard and gpus % shard:
+        raise ValueError(
+            f"data_parallel_shard_size={shard} does not divide the {gpus} GPUs: no layout's replicas split into groups "
+            "of that many"
+        )
 
 
 def _options(
