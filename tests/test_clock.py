@@ -75,7 +75,8 @@ def test_the_breakdown_sums_to_the_step_and_no_mfu_exceeds_what_its_compute_allo
 
 
 def test_the_search_ranks_by_the_clock_and_why_names_the_largest_costs():
-    from lit3d.planner.search import unpaid_groups, why
+    from lit3d.planner.hsdp import unpaid_groups
+    from lit3d.planner.search import why
 
     report = plan(Request.given("llama-70b", Cluster(nodes=8), seq_len=4096, global_batch_size=512, top=5))
     unpaid = unpaid_groups(report.candidates)  # HSDP's groups that save too little rank after their one-group run

@@ -10,7 +10,7 @@ from lit3d.models.config import GPTConfig
 from lit3d.parallel.layout import Layout
 from lit3d.parallel.settings import Parallelism
 from lit3d.planner import GB, Cluster, RankMap, Training, estimate, layout_problem, search, verify
-from lit3d.planner.search import ranking_times
+from lit3d.planner.hsdp import ranking_times
 
 GPT3 = GPTConfig.from_name("gpt3-175b")
 MEGATRON_GPT3 = Layout(dp=8, tp=8, pp=16, devices_per_node=8)  # 1,024 GPUs on 128 nodes

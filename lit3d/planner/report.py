@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import fields, replace
+from dataclasses import fields
 
 from lit3d.models.config import GPTConfig
 from lit3d.parallel.layout import Layout
 from lit3d.parallel.settings import Parallelism, defaults
 from lit3d.planner.clock import largest_costs
 from lit3d.planner.estimate import GB, Cluster, Plan
+from lit3d.planner.hsdp import GROUPS_PAY, one_group_run, unpaid_groups
 from lit3d.planner.pipeline import label, same_schedule, schedule_flags, why_schedule
-from lit3d.planner.search import GROUPS_PAY, Candidate, tokens_per_second, unpaid_groups, why
+from lit3d.planner.search import Candidate, tokens_per_second, why
 from lit3d.planner.units import plural, size
 
 
@@ -175,9 +176,8 @@ def hsdp_lines(candidates: list[Candidate]) -> list[str]:
     if grouped is None:
         return []
     layout, run = grouped.layout, grouped.parallelism
-    same = (replace(layout, dp_shard=None), run.zero_stage, run.activation_checkpointing)
-    runs = [(c.layout, c.parallelism.zero_stage, c.parallelism.activation_checkpointing) for c in candidates]
-    whole = candidates[runs.index(same)] if same in runs else None
+    same = one_group_run(grouped)
+    whole = next((c for c in candidates if c.layout.dp_shard is None and one_group_run(c) == same), None)
     if whole is None:
         return []
     comm, plain = grouped.plan.communication_per_step, whole.plan.communication_per_step["dp"]

@@ -31,6 +31,7 @@ from lit3d.parallel.zero import ZeroPolicy
 from lit3d.planner.calibration import STATIC_POWER_SHARE
 from lit3d.planner.clock import largest_costs
 from lit3d.planner.estimate import GB, PLANNING_DEFAULTS, PRECISIONS, Cluster, Plan, Training, estimate
+from lit3d.planner.hsdp import check_groups_split_gpus, data_parallel_bytes, ranking_times, shard_groups
 from lit3d.planner.pipeline import CANDIDATES, choose_schedule, why_schedule
 
 LONG_SEQUENCE = 16384  # tokens from which the search tries context parallelism
@@ -177,7 +178,7 @@ def search(
     counts the replicas of one island). A pipelined layout runs the fastest of ``pipeline_schedules`` (``(schedule,
     chunks per rank)``; default: every one of `lit3d.planner.pipeline.CANDIDATES`) that fits. ``misses``, if given,
     collects the layouts dropped for memory."""
-    _check_shard_groups(settings.data_parallel_shard_size, cluster.gpus // settings.islands)
+    check_groups_split_gpus(settings.data_parallel_shard_size, cluster.gpus // settings.islands)
     dropped = {"invalid": 0, "out_of_memory": 0}
     # NOTE: GPipe runs any micro-batch count on one chunk: the layout check leaves the schedules to `choose_schedule`.
     any_schedule = replace(settings, pipeline_schedule="gpipe", virtual_pipeline_size=None)
@@ -212,42 +213,6 @@ def search(
     return fitting, dropped
 
 
-# HSDP's shard groups hold more than one group of every replica: chosen only when they are this much faster.
-GROUPS_PAY = 0.01
-
-
-def unpaid_groups(candidates: list[Candidate]) -> dict[int, float]:
-    """The layouts with HSDP's shard groups that are not `GROUPS_PAY` faster than the same run over one group (by id),
-    with that run's step time."""
-
-    def same_run(c: Candidate) -> tuple:
-        return replace(c.layout, dp_shard=None), c.parallelism.zero_stage, c.parallelism.activation_checkpointing
-
-    whole = {same_run(c): c.plan.step_time_s for c in candidates if c.layout.dp_shard is None}
-    unpaid = {}
-    for c in candidates:
-        base = whole.get(same_run(c)) if c.layout.dp_shard is not None else None
-        if base is not None and c.plan.step_time_s >= (1 - GROUPS_PAY) * base:
-            unpaid[id(c)] = base
-    return unpaid
-
-
-def ranking_times(candidates: list[Candidate]) -> dict[int, float]:
-    """The step time each candidate ranks by (by id): its own, but a layout with shard groups that do not pay ranks as
-    the same run over one group (right after it: `unpaid_groups`)."""
-    unpaid = unpaid_groups(candidates)
-    return {id(c): max(c.plan.step_time_s, unpaid.get(id(c), 0.0)) for c in candidates}
-
-
-def _check_shard_groups(shard: int | None, gpus: int) -> None:
-    """HSDP's groups given must split some layout's replicas: they divide the GPUs (dp x tp x pp x cp = an island's)."""
-    if shard and gpus % shard:
-        raise ValueError(
-            f"data_parallel_shard_size={shard} does not divide the {gpus} GPUs: no layout's replicas split into groups "
-            "of that many"
-        )
-
-
 def _options(
     layout: Layout, shard: int | None, zero_stages: tuple[int, ...], checkpointing: tuple
 ) -> list[tuple[int, Layout, bool | str]]:
@@ -259,18 +224,6 @@ def _options(
         for grouped in shard_groups(layout, shard) if zero > 0 else [layout]:
             options += [(zero, grouped, ac) for ac in checkpointing]
     return options
-
-
-def shard_groups(layout: Layout, shard: int | None) -> list[Layout]:
-    """``layout`` with the HSDP shard groups the search tries (see `_options`); none that do not split its replicas."""
-    node = layout.devices_per_node // (layout.tp * layout.cp)
-    sizes = [shard] if shard else [None, *(node * 2**k for k in range(8) if node * 2**k < layout.dp)]
-    return [replace(layout, dp_shard=n) for n in sizes if n is None or (1 < n < layout.dp and layout.dp % n == 0)]
-
-
-def data_parallel_bytes(plan: Plan) -> float:
-    """Bytes a GPU sends per step to keep the replicas in sync: ``dp``, or HSDP's ``dp_shard`` and ``dp_replicate``."""
-    return sum(axis["bytes"] for name, axis in plan.communication_per_step.items() if name.startswith("dp"))
 
 
 def _layouts(
