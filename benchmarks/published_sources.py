@@ -219,23 +219,31 @@ MAXTEXT_RUNS = [
     _maxtext(64, 121250.69, fp8=True),
 ]  # fmt: skip
 
+# A GB200 GPU's link to its Grace CPU's memory, per direction: NVLink-C2C's 900 GB/s both ways (GB200 datasheet),
+# assumed shared by the superchip's two GPUs.
+GRACE_C2C = 225.0
+# Megatron-Bridge's performance configs (scripts/performance/configs/llama/llama3_workload_base_configs.py, 25.11:
+# LLAMA3_70B_PRETRAIN_CONFIG_GB200_FP8_CS) offload the activations of 40 of Llama 3 70B's 80 blocks to host memory.
+BRIDGE_70B_GB200_OFFLOADED = 40
 NEMO_DOCS = "NVIDIA NeMo 24.07 performance summary"
 BRIDGE_DOCS = "NVIDIA Megatron-Bridge 25.11 performance summary"
 NEMO_DOCS_ASSUMED = (
     "NeMo's defaults (Megatron-Core, Transformer Engine, cuDNN attention, TP overlap, the distributed optimizer, "
-    "gradients reduced in bf16); no "
-    "recompute (not stated); FP8 (delayed or current scaling) as per-tensor scales with casts fused; MoE routing "
-    "balanced (as the page states)"
+    "gradients reduced in bf16); no recompute (not stated; Bridge's configs of 25.11 set none for these runs); "
+    "Bridge's Llama 3 70B on GB200 offloads 40 blocks' activations to the Grace CPU's memory, as its config states; "
+    "FP8 (delayed or current scaling) as per-tensor scales with casts fused; MoE routing balanced (as the page states)"
 )
 
 
 def _nemo(name: str, source: str, model: GPTConfig, gpus: int, lay: dict, seq: int, batch: int, micro: int,
-          tokens: float, fp8: bool = True, gpu: str = "H100") -> Run:  # fmt: skip
+          tokens: float, fp8: bool = True, gpu: str = "H100", offloaded: int = 0) -> Run:  # fmt: skip
     settings = {**lay, "float8": "tensorwise"} if fp8 else lay
     version = "NeMo 24.07" if source == NEMO_DOCS else "Bridge 25.11"
+    software = replace(NEMO_FP8 if fp8 else NEMO, offloaded_layers=offloaded)
+    cluster = dict(gpu=GPUS[gpu], **({"host_link_gbps": GRACE_C2C} if gpu == "GB200" else {}))
     return Run(f"{name}, {gpus} {gpu}" + (", FP8" if fp8 else "") + f" ({version})", source, model, gpus, settings,
-               loop(seq, batch, micro, NEMO_FP8 if fp8 else NEMO), tokens, group=NVIDIA, assumed=NEMO_DOCS_ASSUMED,
-               cluster=dict(gpu=GPUS[gpu]))  # fmt: skip
+               loop(seq, batch, micro, software), tokens, group=NVIDIA, assumed=NEMO_DOCS_ASSUMED,
+               cluster=cluster)  # fmt: skip
 
 
 NEMO_RUNS = [
@@ -252,14 +260,16 @@ NEMO_RUNS = [
           2, 5275),
     _nemo("Llama 3.1 405B", BRIDGE_DOCS, LLAMA_405B, 128, layout(2, 4, 8, 8, cp=2), 8192, 64, 1, 661, gpu="B200"),
     _nemo("Llama 3 70B, FSDP64", BRIDGE_DOCS, GPTConfig.load("llama-70b"), 64, layout(64, zero=3), 8192, 256, 2, 4312,
-          gpu="GB200"),
+          gpu="GB200", offloaded=BRIDGE_70B_GB200_OFFLOADED),
 ]  # fmt: skip
 
 AUTOMODEL_RUN = Run(
     "Qwen3 30B-A3B, FSDP8 x EP8", "NVIDIA NeMo AutoModel docs/performance-summary.md",
     GPTConfig.load("qwen3-30b-a3b"), 8,
-    layout(8, ep=8, zero=3), loop(4096, 512, 4, AUTOMODEL_STACK), 12040, group=AUTOMODEL,
-    assumed="no recompute (not stated); Transformer Engine's norm and attention kernels on eager PyTorch; routing "
+    layout(8, ep=8, zero=3, activation_checkpointing=True), loop(4096, 512, 4, AUTOMODEL_STACK), 12040,
+    group=AUTOMODEL,
+    assumed="full recompute as its config states (examples/benchmark/configs/qwen3_moe_30b_te_deepep.yaml: "
+    "activation_checkpointing: true); Transformer Engine's norm and attention kernels on eager PyTorch; routing "
     "balanced (as the page states); DeepEP's all-to-all priced as NCCL's",
 )  # fmt: skip
 

@@ -65,7 +65,7 @@ def test_lit3d_plan_takes_the_card_as_pytorch_names_it(capsys):
         )
     )
     plan = json.loads(capsys.readouterr().out)
-    assert plan["cluster"]["gpu"]["name"] == "H100 NVL" and plan["cluster"]["gpu_memory_gb"] == 94.0
+    assert plan["cluster"]["gpu"]["name"] == "H100 NVL" and plan["cluster"]["gpu_memory_gb"] == 100.0
 
 
 def run_check(tmp_path: Path, *flags: str) -> tuple[subprocess.CompletedProcess, dict]:

@@ -47,7 +47,7 @@ def test_each_model_family_with_a_preset_has_a_cluster_config():
 
 @pytest.mark.parametrize("name", CLUSTER_CONFIGS)
 def test_each_cluster_config_runs_the_planner_s_best_layout_for_its_cluster(name):
-    """``configs/llama-70b.yaml`` (TP8, ZeRO-3, full recompute) planned at half the MFU of the planner's best on the
+    """``configs/llama-70b.yaml`` (TP8, ZeRO-3, full recompute) planned at three quarters of the MFU of the best on the
     cluster it names. Planned as written, each config is the search's best for its model, data and cluster."""
     path = str(ROOT / "configs" / f"{name}.yaml")
     run = planned("--config", path)

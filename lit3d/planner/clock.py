@@ -35,14 +35,12 @@ from lit3d.planner.calibration import (
     OPTIMIZER_OPS,
     STATIC_POWER_SHARE,
 )
+from lit3d.planner.host import offloaded_activations, offloaded_states
 from lit3d.planner.inputs import GB, Case, Cluster, Precision, Training, held_precision
 from lit3d.planner.tensors import (
     adapter_params,
     config_key,
     key_tensors,
-    local_numel,
-    rank_tensors,
-    replicas,
     stepped_numel,
 )
 from lit3d.planner.traffic import stages, tp_bytes_by_stage
@@ -182,8 +180,12 @@ def step_time(case: Case, traffic: dict[str, float], seconds: dict[str, float]) 
         exposed["island"] = seconds["island"]
     optimizer = _optimizer(config, layout, settings, rank, device, virtual, placement, training.lora)
     if settings.offload:  # the states in host memory: copies over the host link, the optimizer on the CPU
-        exposed["host"], optimizer = _offloaded(
+        exposed["host"], optimizer = offloaded_states(
             config, layout, settings, training, rank, virtual, placement, cluster, precision
+        )
+    if training.software.offloaded_layers:  # saved activations out to the host and back, beside the compute
+        exposed["host"] = exposed.get("host", 0.0) + offloaded_activations(
+            config, layout, training, settings, cluster, precision, compute
         )
     overhead = cluster.gpu.efficiency.step_overhead_ms * 1e-3
     breakdown = {
@@ -347,34 +349,6 @@ def _stepped(key: tuple, layout: Layout, virtual: int, rank: int, placement: str
     """(elements, tensors) rank ``rank``'s optimizer steps (cached: the search prices every schedule of a layout)."""
     tensors = key_tensors(key, layout.pp, virtual, rank, placement)
     return stepped_numel(tensors, layout, zero), sum(t.trains for t in tensors)
-
-
-def _offloaded(
-    config: GPTConfig,
-    layout: Layout,
-    settings: Parallelism,
-    training: Training,
-    rank: int,
-    virtual: int,
-    placement: str,
-    cluster: Cluster,
-    precision: Precision,
-) -> tuple[float, float]:
-    """(host transfers, CPU optimizer step) in seconds per step under ZeRO-3 with offload: every gather of a micro-
-    batch's forward and backward first copies the rank's shards to the device, the step's gradient reduction copies
-    its shards back, and AdamW steps in host memory; none of it overlapped (FSDP2 copies on the compute stream)."""
-    tensors = rank_tensors(config, layout.pp, virtual, rank, placement, training.lora, settings.pipeline_stage_layers)
-    shards = {
-        train: sum(
-            local_numel(t, layout.tp, replicas(t, layout), ep=layout.ep) for t in tensors if t.trains or not train
-        )
-        for train in (False, True)
-    }
-    microbatches = training.global_batch_size // (layout.data_replicas * training.micro_batch_size)
-    reductions = training.schedules_per_step(layout.pp)  # gradients sync once per step (or pipeline schedule)
-    copied = 2 * microbatches * shards[False] * precision.weights + reductions * shards[True] * precision.grads
-    stepped = stepped_numel(tensors, layout, ZeroPolicy.of(settings, layout))
-    return copied / (cluster.host_link_gbps * GB), stepped / (cluster.host_adamw_gparams * 1e9)
 
 
 def time_shares(breakdown: dict, step: float) -> dict[str, float]:

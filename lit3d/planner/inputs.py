@@ -70,7 +70,7 @@ MASTER_WEIGHTS = Precision(2, 4, 12, 2, gathered=2, reduced=4, stepped=4, frozen
 class Cluster:
     nodes: int = 1
     gpus_per_node: int = 8
-    gpu_memory_gb: float = 80.0
+    gpu_memory_gb: float = 85.0  # an H100's, as PyTorch reports it (`lit3d.planner.hardware`)
     intra_node_gbps: float = 450.0  # NVLink, GB/s per direction
     inter_node_gbps: float = 50.0  # InfiniBand share of one GPU, GB/s
     peak_tflops: float = 989.0  # dense bf16
@@ -165,6 +165,9 @@ class Software:
             backward.
         bf16_grads: Gradients accumulated, held and reduced in bf16 under bf16-mixed (Megatron-Core's default:
             ``grad_reduce_in_fp32`` off); lit3d sums and reduces them in fp32.
+        offloaded_layers: Blocks per pipeline rank whose saved activations are copied to host memory in forward and
+            back before their backward, beside the compute (Megatron-Core's ``cpu_offloading_num_layers``); the
+            device keeps one such block's in transit. lit3d keeps every block's on the device (0).
     """
 
     attention: str = "flash2"
@@ -177,6 +180,7 @@ class Software:
     fp8_cast_bytes: float | None = None
     saved_activations: str = "eager"
     bf16_grads: bool = False
+    offloaded_layers: int = 0
 
 
 @dataclass

@@ -72,7 +72,11 @@ def memory_by_stage(case: Case) -> Memory:
         memory, layers, holds_head, transient, params = dict(held[0]), *held[1:]
         params_per_rank = max(params_per_rank, params)
         in_flight = peak_in_flight(schedule, pp, schedule_m, virtual, stage_rank)
-        acts = layers * (per_token * tokens * in_flight + weight_copies)
+        acts = layers * weight_copies + _kept_activations(layers, training.software.offloaded_layers) * (
+            per_token * tokens * in_flight
+        )
+        if training.software.offloaded_layers and layers:  # one offloaded block's in transit, for one micro-batch
+            acts += per_token * tokens
         if stage_rank == 0 and lora is not None and not checkpointing:  # (the stage of block 0)
             acts -= first_block_savings(config, tp, sp, lora, tokens * in_flight, copies)
         if full_recompute:  # one block recomputed at a time, for one micro-batch
@@ -90,6 +94,11 @@ def memory_by_stage(case: Case) -> Memory:
         memory["buffers"], memory["total"] = peak_memory(memory, transient, grads_from_start, forward_share)
         by_stage.append(memory)
     return Memory(by_stage, params_per_rank, int(per_token * tokens + weight_copies))
+
+
+def _kept_activations(layers: int, offloaded: int) -> int:
+    """Blocks of a pipeline rank whose saved activations stay on the device (`Software.offloaded_layers`)."""
+    return layers - min(offloaded, layers)
 
 
 def state_bytes(tensors: list[Tensor], layout: Layout, zero: ZeroPolicy, precision: Precision) -> dict[str, int]:

@@ -71,6 +71,8 @@ def check_inputs(config: GPTConfig, cluster: Cluster, training: Training) -> Non
         share = getattr(software, name)
         if share is not None and not 0 <= share <= 1:
             raise ValueError(f"Software.{name}={share!r} must be a share between 0 and 1")
+    if not software.offloaded_layers >= 0:
+        raise ValueError(f"Software.offloaded_layers={software.offloaded_layers!r} must be 0 or more blocks")
     bandwidth, latency = cluster.inter_island_gbps, cluster.inter_island_latency_ms
     if not bandwidth > 0 or not latency >= 0:
         raise ValueError(
