@@ -254,7 +254,7 @@ LORA_LAYOUTS = {
         ("lora_pp2_interleaved", 2, pp(2, "interleaved_1f1b")),
         ("lora_dp2_pp2_zero1_full_recompute_accumulate2", 4, {"zero_stage": 1, "activation_checkpointing": "full",
                                                                **pp(2)}),
-        ("lora_dp2_tp2_pp2_zero3", 8, {"tensor_parallel_size": 2, "zero_stage": 3, **pp(2)}),
+        ("lora_dp2_tp2_zero3", 4, {"tensor_parallel_size": 2, "zero_stage": 3}),
     ]
 }  # fmt: skip
 # An MoE model with adapters on its attention and on each expert, the experts (and their adapters) split over EP.

@@ -47,7 +47,7 @@ def _layouts() -> dict[str, tuple[int, dict]]:
         "fp8_pp2": (2, {**TENSORWISE, **pp2}),
         "fp8_cp2": (2, {**TENSORWISE, "context_parallel_size": 2}),
         "fp8_rowwise_tp2_sequence_parallel": (2, {**ROWWISE, **tp2_sp}),
-        "fp8_dp2_tp2_pp2": (8, {**TENSORWISE, "tensor_parallel_size": 2, **pp2}),
+        "fp8_tp2_pp2": (4, {**TENSORWISE, "tensor_parallel_size": 2, **pp2}),  # (DP's FP8: the dp2 layouts above)
         "bf16_dp2_zero3": (2, {"zero_stage": 3}),  # the bytes FP8 all-gather halves
     }
     jobs = {name: (world, {**FP8_JOB, "strategy": strategy, "callbacks": [Float8Probe()]})

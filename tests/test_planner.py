@@ -438,3 +438,21 @@ def test_the_estimate_of_a_run_is_the_plan_of_its_settings_and_reads_nothing_els
         )
     )
     assert planned.communication_per_step["dp"]["bytes"] < in_fp32.communication_per_step["dp"]["bytes"]
+
+
+def test_pipeline_ranks_of_the_same_shapes_are_counted_once_and_as_each_alone():
+    """The search counts a rank's states from its shapes (`stage_shapes`): the middle stages of a pipeline share one
+    count, and every rank's equals the count of its own tensors with their own block numbers."""
+    from lit3d.parallel.zero import ZeroPolicy
+    from lit3d.planner.inputs import PRECISIONS
+    from lit3d.planner.memory import _shapes_state, _stage_state
+    from lit3d.planner.tensors import StageShapes, config_key, key_tensors, stage_shapes
+
+    key, layout = config_key(GPTConfig.from_name("llama-8b")), Layout(dp=2, tp=2, pp=4, devices_per_node=8)
+    shapes = [stage_shapes(key, 4, 2, rank, "loop") for rank in range(4)]
+    assert shapes[1] is shapes[2] and shapes[0] is not shapes[1]  # (rank 0 holds the embedding, rank 3 the head)
+    precision, zero = PRECISIONS["bf16-mixed"], ZeroPolicy(2, 2)
+    for rank in range(4):
+        alone = StageShapes(tuple(key_tensors(key, 4, 2, rank, "loop")))  # its own names and block numbers
+        held = _stage_state(key, layout, 2, rank, "loop", zero, precision, True)
+        assert held == _shapes_state(alone, layout, zero, precision, True, False)

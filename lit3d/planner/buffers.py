@@ -88,13 +88,12 @@ def zero1_bucket_rows(tensors: list[Tensor], layout: Any) -> list[int]:
 
 
 def _fsdp(tensors: list[Tensor], layout: Any, zero: ZeroPolicy, precision: Any, summed: bool, step: int) -> Transient:
-    def whole(group: list[Tensor]) -> int:
-        return sum(local_numel(t, layout.tp, ep=layout.ep) for t in group)
-
     def sizes(group: list[Tensor]) -> tuple[int, int, int]:  # the largest block, the root, everything
-        blocks = {t.block for t in group if t.block is not None}
-        block = max((whole([t for t in group if t.block == b]) for b in blocks), default=0)
-        return block, whole([t for t in group if t.block is None]), whole(group)
+        by_block: dict[int | None, int] = {}
+        for t in group:
+            by_block[t.block] = by_block.get(t.block, 0) + local_numel(t, layout.tp, ep=layout.ep)
+        root = by_block.pop(None, 0)
+        return max(by_block.values(), default=0), root, root + sum(by_block.values())
 
     block, root, every = sizes(tensors)  # gathered: every weight, frozen or not
     block_grads, root_grads, every_grad = sizes([t for t in tensors if t.trains])  # what has gradients

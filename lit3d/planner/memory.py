@@ -14,7 +14,16 @@ from lit3d.parallel.layout import Layout
 from lit3d.parallel.schedules import SCHEDULES, last_stage_in_flight, peak_in_flight
 from lit3d.parallel.zero import ZeroPolicy
 from lit3d.planner.buffers import Transient, peak_memory, transient_bytes
-from lit3d.planner.tensors import Tensor, config_key, key_tensors, local_numel, replicas, stepped_numel
+from lit3d.planner.tensors import (
+    StageShapes,
+    Tensor,
+    config_key,
+    key_tensors,
+    local_numel,
+    replicas,
+    stage_shapes,
+    stepped_numel,
+)
 
 if TYPE_CHECKING:
     from lit3d.planner.inputs import Case, Precision
@@ -263,8 +272,18 @@ def _stage_state(
     (`lit3d.planner.buffers`; ``summed``: gradients summed over micro-steps or a pipeline's micro-batches), and its
     parameters' elements. With ``offload`` the states are in host memory (``host``) and the device holds none.
 
-    NOTE: cached, as the planner weighs every schedule for each layout and these sums over the tensors dominate."""
-    tensors = key_tensors(key, layout.pp, virtual, stage_rank, placement)
+    NOTE: cached twice, as the planner weighs every schedule for each layout and these sums over the tensors dominate:
+    by rank here, and by the rank's shapes (`stage_shapes`), which most ranks of a pipeline share."""
+    shapes = stage_shapes(key, layout.pp, virtual, stage_rank, placement)
+    return _shapes_state(shapes, layout, zero, precision, summed, offload)
+
+
+@lru_cache(maxsize=4096)
+def _shapes_state(
+    shapes: StageShapes, layout: Layout, zero: ZeroPolicy, precision: Precision, summed: bool, offload: bool
+) -> tuple[tuple[tuple[str, int], ...], int, bool, Transient, int]:
+    """`_stage_state` of a rank holding ``shapes``."""
+    tensors = list(shapes.tensors)
     state = state_bytes(tensors, layout, zero, precision)
     params = sum(
         local_numel(t, layout.tp, replicas(t, layout) if zero.sharded_over_replicas else 1, ep=layout.ep)

@@ -9,7 +9,7 @@ its stage from the strategy's own partition (`lit3d.parallel.stages`); no torch 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fnmatch import fnmatchcase
 from functools import lru_cache
 from typing import Any
@@ -162,6 +162,39 @@ def _rank_tensors(
         if keep:
             kept.append(tensor)
     return tuple(kept)
+
+
+@dataclass(frozen=True, eq=False)
+class StageShapes:
+    """The parameters of a pipeline rank with its blocks numbered from 0: ranks whose blocks have the same shapes (most
+    of a pipeline's) share one, so what is counted from them is counted once (`lit3d.planner.memory`). Compared by
+    identity: `stage_shapes` makes one per distinct list."""
+
+    tensors: tuple[Tensor, ...]
+
+
+# NOTE: the distinct lists `stage_shapes` has seen, so that equal lists are one object (hashed and compared at once);
+# emptied when it holds `INTERNED_MOST` (a list made again is then a new object: counted again, never miscounted).
+_INTERNED: dict[tuple[Tensor, ...], StageShapes] = {}
+INTERNED_MOST = 4096
+
+
+@lru_cache(maxsize=1024)
+def stage_shapes(key: tuple, pp: int, virtual: int, stage_rank: int, placement: str = "loop") -> StageShapes:
+    """`key_tensors` of pipeline rank ``stage_rank``, its blocks renumbered in order (`StageShapes`)."""
+    tensors = _rank_tensors(key, pp, virtual, stage_rank, placement)
+    order = {block: i for i, block in enumerate(dict.fromkeys(t.block for t in tensors if t.block is not None))}
+
+    def renumbered(t: Tensor) -> Tensor:
+        if t.block is None:
+            return t
+        _, block, rest = t.name.split(".", 2)
+        return replace(t, name=f"blocks.{order[int(block)]}.{rest}", block=order[t.block])
+
+    shapes = tuple(renumbered(t) for t in tensors)
+    if len(_INTERNED) >= INTERNED_MOST:
+        _INTERNED.clear()
+    return _INTERNED.setdefault(shapes, StageShapes(shapes))
 
 
 def local_numel(tensor: Tensor, tp: int, shard: int = 1, shard_dim: int = 0, ep: int = 1) -> int:

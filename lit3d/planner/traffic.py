@@ -200,8 +200,12 @@ def stages(
 ) -> list[StageSums]:
     """Each pipeline rank's `StageSums` (cached: the search weighs every schedule of every layout with them);
     ``layers``: `pipeline_stage_layers`."""
-    key = config_key(config, lora, layers)
-    return [_stage_sums(key, pp, virtual, placement, stage_rank, tp, ep) for stage_rank in range(pp)]
+    return list(_all_stage_sums(config_key(config, lora, layers), pp, virtual, placement, tp, ep))
+
+
+@lru_cache(maxsize=1024)
+def _all_stage_sums(key: tuple, pp: int, virtual: int, placement: str, tp: int, ep: int) -> tuple[StageSums, ...]:
+    return tuple(_stage_sums(key, pp, virtual, placement, stage_rank, tp, ep) for stage_rank in range(pp))
 
 
 class StageSums(NamedTuple):
