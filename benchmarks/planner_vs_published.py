@@ -67,10 +67,6 @@ MEMORY_GAPS = {
         "(the planner counts the linears' saved inputs in bf16; Transformer Engine keeps FP8 copies) beside the 178 GB "
         "the 10 % headroom leaves"
     ),
-    "Qwen3 30B-A3B, FSDP8 x EP8": (
-        "with its config's full recompute, above the 76.5 GB the 10 % headroom leaves of the card's 85.0 GB (the "
-        "planner keeps the loss's 16,384 x 151,936 logits in fp32 as lit3d does; AutoModel's loss keeps them in bf16)"
-    ),
 }
 
 

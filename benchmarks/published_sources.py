@@ -52,8 +52,9 @@ IBM_SELECTIVE = Software(attention="flash2", recomputed_matmuls=0.5)
 # Meta's Llama 3 stack: attention kernel and fusion not stated; assumed FlashAttention-2 and elementwise work fused as a
 # compiler fuses it (norm and SwiGLU outputs recomputed in backward: the least a block keeps without recompute).
 META_STACK = Software(attention="flash2", fused=True, saved_activations="compiled")
-# NeMo AutoModel: Transformer Engine's RMSNorm, linear and attention kernels on eager PyTorch FSDP2.
-AUTOMODEL_STACK = Software(attention="cudnn")
+# NeMo AutoModel: Transformer Engine's RMSNorm, linear and attention kernels on eager PyTorch FSDP2; its benchmark's
+# loss on the bf16 logits (MaskedCrossEntropy, `fp32_upcast: false`).
+AUTOMODEL_STACK = Software(attention="cudnn", loss_bytes=2)
 
 
 def dense(layers: int, hidden: int, heads: int, vocab: int, kv: int | None = None, ff: int | None = None, **more):

@@ -168,6 +168,8 @@ class Software:
         offloaded_layers: Blocks per pipeline rank whose saved activations are copied to host memory in forward and
             back before their backward, beside the compute (Megatron-Core's ``cpu_offloading_num_layers``); the
             device keeps one such block's in transit. lit3d keeps every block's on the device (0).
+        loss_bytes: Bytes per element of the log-probabilities the loss keeps for backward: lit3d computes its loss
+            in fp32 (4); a loss on bf16 logits keeps them in bf16 (2: NeMo AutoModel's ``fp32_upcast: false``).
     """
 
     attention: str = "flash2"
@@ -181,6 +183,7 @@ class Software:
     saved_activations: str = "eager"
     bf16_grads: bool = False
     offloaded_layers: int = 0
+    loss_bytes: int = 4
 
 
 @dataclass

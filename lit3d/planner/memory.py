@@ -55,8 +55,8 @@ def memory_by_stage(case: Case) -> Memory:
     tokens = training.micro_batch_size * training.seq_len // layout.cp  # a rank's, per micro-batch
     a, checkpointing, zero = precision.activations, settings.activation_checkpointing, case.zero
     lora = training.lora
-    saves = training.software.saved_activations
-    recomputed = training.software.recomputed_matmuls
+    software = training.software
+    saves, recomputed = software.saved_activations, software.recomputed_matmuls
     per_token = activation_bytes_per_token(config, tp, sp, checkpointing, a, lora, saves, recomputed)
     full_recompute = checkpointing in (True, "full")
     # Mixed precision with fp32 parameters in forward: autocast's bf16 weight copies, one per block per step (under
@@ -81,18 +81,14 @@ def memory_by_stage(case: Case) -> Memory:
         memory, layers, holds_head, transient, params = dict(held[0]), *held[1:]
         params_per_rank = max(params_per_rank, params)
         in_flight = peak_in_flight(schedule, pp, schedule_m, virtual, stage_rank)
-        acts = layers * weight_copies + _kept_activations(layers, training.software.offloaded_layers) * (
-            per_token * tokens * in_flight
-        )
-        if training.software.offloaded_layers and layers:  # one offloaded block's in transit, for one micro-batch
-            acts += per_token * tokens
+        acts = layers * weight_copies + _blocks_kept(layers, software.offloaded_layers, per_token * tokens, in_flight)
         if stage_rank == 0 and lora is not None and not checkpointing:  # (the stage of block 0)
             acts -= first_block_savings(config, tp, sp, lora, tokens * in_flight, copies)
         if full_recompute:  # one block recomputed at a time, for one micro-batch
             acts += activation_bytes_per_token(config, tp, sp, False, a, lora, saves) * tokens
         if holds_head:
             losses = in_flight if pp == 1 else last_stage_in_flight(schedule, pp, schedule_m)
-            acts += output_layer_bytes(config, tp, sp, tokens * losses, a, frozen=lora is not None)
+            acts += output_layer_bytes(config, tp, sp, tokens * losses, a, lora is not None, software.loss_bytes)
             if lora is not None and copies:  # the frozen head's bf16 copy, for its input's gradient
                 acts += 2 * config.padded_vocab_size * config.d_model / tp
         memory["activations"] = int(acts)
@@ -105,9 +101,11 @@ def memory_by_stage(case: Case) -> Memory:
     return Memory(by_stage, params_per_rank, int(per_token * tokens + weight_copies))
 
 
-def _kept_activations(layers: int, offloaded: int) -> int:
-    """Blocks of a pipeline rank whose saved activations stay on the device (`Software.offloaded_layers`)."""
-    return layers - min(offloaded, layers)
+def _blocks_kept(layers: int, offloaded: int, per_block: float, in_flight: int) -> float:
+    """What a pipeline rank's ``layers`` blocks keep for backward, ``per_block`` each per micro-batch, ``in_flight``
+    micro-batches: the ``offloaded`` blocks' (`Software.offloaded_layers`) in host memory but one block's in transit."""
+    gone = min(offloaded, layers)
+    return (layers - gone) * per_block * in_flight + (per_block if gone else 0)
 
 
 def state_bytes(tensors: list[Tensor], layout: Layout, zero: ZeroPolicy, precision: Precision) -> dict[str, int]:
@@ -231,14 +229,21 @@ def autocast_weight_bytes(
 
 
 def output_layer_bytes(
-    config: GPTConfig, tp: int, sequence_parallel: bool, tokens: int, activations: int, frozen: bool = False
+    config: GPTConfig,
+    tp: int,
+    sequence_parallel: bool,
+    tokens: int,
+    activations: int,
+    frozen: bool = False,
+    loss_bytes: int = 4,
 ) -> float:
     """What the final norm and the loss keep for backward: the norm's fp32 tensors as in a block and its output in
-    the compute dtype (the head's input), and the fp32 log-probabilities of the (vocabulary-split) logits. A
-    ``frozen`` norm and head (LoRA) keep neither the normalised input nor the head's input."""
+    the compute dtype (the head's input), and the log-probabilities of the (vocabulary-split) logits, in fp32 unless
+    ``loss_bytes`` says otherwise (`Software.loss_bytes`). A ``frozen`` norm and head (LoRA) keep neither the
+    normalised input nor the head's input."""
     h = config.d_model
     norm = 4 * (h + 1) if frozen else 4 * (2 * h + 1) + activations * h
-    return tokens * (norm / (tp if sequence_parallel else 1) + config.padded_vocab_size / tp * 4)
+    return tokens * (norm / (tp if sequence_parallel else 1) + config.padded_vocab_size / tp * loss_bytes)
 
 
 def params_cast_by_fsdp(layout: Layout, zero: ZeroPolicy, precision: Precision) -> bool:
