@@ -35,9 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.published_runs import CALIBRATION, HELD_OUT, Run
 from benchmarks.published_sources import OTHER_SOURCES
-from lit3d.planner import Cluster, Plan, Request, plan
+from lit3d.planner import Cluster, Plan, Request, Training, plan
 from lit3d.planner.calibration import HOPPER
-from lit3d.planner.hardware import GPUS
+from lit3d.planner.hardware import GPU, GPUS
 
 RUNS = [*CALIBRATION, *HELD_OUT, *OTHER_SOURCES]
 # The kinds the breakdown has, printed largest first.
@@ -73,7 +73,8 @@ MEMORY_GAPS = {
 def predict(run: Run, constants: dict[str, float] | None = None) -> Plan:
     """The planner's plan of ``run`` as published, with Hopper's fitted ``constants`` replaced (`FITTED`)."""
     settings = dict(run.cluster)
-    cluster = Cluster.of(settings.pop("gpu", GPUS["H100"]), max(1, run.gpus // 8), min(8, run.gpus), **settings)
+    settings.pop("gpu", None)
+    cluster = Cluster.of(_gpu(run), max(1, run.gpus // 8), min(8, run.gpus), **settings)
     if constants and cluster.gpu.efficiency is HOPPER:
         cluster = replace(cluster, gpu=replace(cluster.gpu, efficiency=replace(HOPPER, **constants)))
     given = {"precision": "bf16-mixed", **run.layout, **run.loop}
@@ -103,8 +104,13 @@ def _grid_row(run: Run) -> tuple[list[float], list[float]]:
     return [ratio(run, p) for p in plans], [p.step_time_s for p in plans]
 
 
+def _gpu(run: Run) -> GPU:
+    """The card ``run`` ran on (an H100 where its source's cluster names none)."""
+    return run.cluster.get("gpu", GPUS["H100"])
+
+
 def _fitted_device(run: Run):
-    return run.cluster.get("gpu", GPUS["H100"]).efficiency
+    return _gpu(run).efficiency
 
 
 # How much each run weighs in a fit, by the number of runs of its group: every group the same (the default), every
@@ -208,7 +214,7 @@ def memory(runs: list[Run]) -> None:
     for run in runs:
         predicted = predict(run)
         peak = predicted.memory_per_gpu["total"] / 1e9
-        card = run.cluster.get("gpu", GPUS["H100"]).memory_gb
+        card = _gpu(run).memory_gb
         within_card += peak <= card
         if not predicted.fits:
             why = MEMORY_GAPS.get(run.name, "not known why")
@@ -217,7 +223,8 @@ def memory(runs: list[Run]) -> None:
             print(f"memory: {run.name}: planned {peak:.1f} GB, published {run.memory_gb:.0f} GB "
                   f"(planned / published {peak / run.memory_gb:.2f})")  # fmt: skip
     print(
-        f"memory: {len(runs) - len(misses)} of {len(runs)} runs plan as fitting their card (10 % of it kept free); "
+        f"memory: {len(runs) - len(misses)} of {len(runs)} runs plan as fitting their card "
+        f"({Training().headroom * 100:g} % of it kept free); "
         f"{within_card} of {len(runs)} within its whole memory" + ("; not fitting:" if misses else "")
     )
     print("\n".join(misses))

@@ -205,6 +205,7 @@ def stages(
 
 @lru_cache(maxsize=1024)
 def _all_stage_sums(key: tuple, pp: int, virtual: int, placement: str, tp: int, ep: int) -> tuple[StageSums, ...]:
+    """`stages` of a `config_key` (cached whole: looked up once per plan, not once per rank)."""
     return tuple(_stage_sums(key, pp, virtual, placement, stage_rank, tp, ep) for stage_rank in range(pp))
 
 
@@ -229,7 +230,6 @@ class StageSums(NamedTuple):
     float8_tensors: int
 
 
-@lru_cache(maxsize=8192)
 def _stage_sums(key: tuple, pp: int, virtual: int, placement: str, stage_rank: int, tp: int, ep: int) -> StageSums:
     tensors = key_tensors(key, pp, virtual, stage_rank, placement)
     stage_ids = chunk_stage_ids(stage_rank, pp, virtual, placement) if pp > 1 else [0]
