@@ -31,7 +31,9 @@ OLD_MEGATRON = Software(
 )
 # Megatron-LM of 2023 (ByteDance's baseline) as the above, with gradients held and reduced in bf16 (its default).
 MEGATRON_LM_2023 = replace(OLD_MEGATRON, bf16_grads=True)
-# NeMo (Megatron-Core with Transformer Engine): as Megatron-Core; FP8 casts fused into the kernels before each GEMM.
+# NeMo (Megatron-Core with Transformer Engine): as Megatron-Core; FP8 casts fused into the kernels before each GEMM,
+# and each FP8 linear keeps its input's FP8 cast for backward (Transformer Engine's Linear and LayerNormLinear save the
+# quantized input: its ln_out in FP8).
 NEMO = MEGATRON_STACK
 NEMO_FP8 = Software(
     attention="cudnn",
@@ -42,6 +44,7 @@ NEMO_FP8 = Software(
     fp8_cast_bytes=1.0,
     saved_activations="fused",
     bf16_grads=True,
+    fp8_saved_inputs=True,
 )
 # MaxText on XLA: XLA fuses elementwise work; cuDNN's fused attention (NVIDIA's JAX container); FP8 casts fused.
 MAXTEXT_STACK = Software(attention="cudnn", fused=True, fp8_cast_bytes=1.0, saved_activations="compiled")
@@ -232,7 +235,9 @@ NEMO_DOCS_ASSUMED = (
     "NeMo's defaults (Megatron-Core, Transformer Engine, cuDNN attention, TP overlap, the distributed optimizer, "
     "gradients reduced in bf16); no recompute (not stated; Bridge's configs of 25.11 set none for these runs); "
     "Bridge's Llama 3 70B on GB200 offloads 40 blocks' activations to the Grace CPU's memory, as its config states; "
-    "FP8 (delayed or current scaling) as per-tensor scales with casts fused; MoE routing balanced (as the page states)"
+    "Bridge's loss is Transformer Engine's cross entropy, as its recipes set; FP8 (delayed or current scaling) as "
+    "per-tensor scales with casts fused, each FP8 linear keeping its input's FP8 cast; MoE routing balanced (as the "
+    "page states)"
 )
 
 
@@ -240,7 +245,10 @@ def _nemo(name: str, source: str, model: GPTConfig, gpus: int, lay: dict, seq: i
           tokens: float, fp8: bool = True, gpu: str = "H100", offloaded: int = 0) -> Run:  # fmt: skip
     settings = {**lay, "float8": "tensorwise"} if fp8 else lay
     version = "NeMo 24.07" if source == NEMO_DOCS else "Bridge 25.11"
-    software = replace(NEMO_FP8 if fp8 else NEMO, offloaded_layers=offloaded)
+    # Bridge's performance recipes compute the loss with Transformer Engine's cross entropy (`cross_entropy_fusion_impl
+    # = "te"`), which writes its gradient into the bf16 logits; NeMo 24.07's (Megatron-Core's) keeps an fp32 softmax.
+    loss_bytes = 4 if source == NEMO_DOCS else 2
+    software = replace(NEMO_FP8 if fp8 else NEMO, offloaded_layers=offloaded, loss_bytes=loss_bytes)
     cluster = dict(gpu=GPUS[gpu], **({"host_link_gbps": GRACE_C2C} if gpu == "GB200" else {}))
     return Run(f"{name}, {gpus} {gpu}" + (", FP8" if fp8 else "") + f" ({version})", source, model, gpus, settings,
                loop(seq, batch, micro, software), tokens, group=NVIDIA, assumed=NEMO_DOCS_ASSUMED,

@@ -163,6 +163,19 @@ def test_a_loss_on_bf16_logits_keeps_its_log_probabilities_in_half_the_bytes():
         plan(Request(GPTConfig.load("tiny"), Cluster(), Training(software=Software(loss_bytes=1))))
 
 
+def test_fp8_linears_that_keep_their_inputs_fp8_casts_keep_a_byte_less_of_each():
+    """`Software.fp8_saved_inputs` (Transformer Engine's FP8 linears): the norms' and the SwiGLU's outputs are kept in
+    one byte instead of bf16's two, beside a one-byte cast of the attention output; without FP8 nothing changes."""
+    kept_in_bf16 = _one(float8="tensorwise")
+    kept_in_fp8 = _one(float8="tensorwise", software=Software(fp8_saved_inputs=True))
+    config = GPTConfig.load("llama-8b")
+    per_token = 2 * config.d_model + config.d_ff - config.d_model  # a byte less of three outputs, a byte more of one
+    saved = kept_in_bf16.memory_per_gpu["activations"] - kept_in_fp8.memory_per_gpu["activations"]
+    assert saved == pytest.approx(config.n_layer * 2 * 8192 * per_token, rel=1e-6)  # every block, 2 x 8,192 tokens
+    assert kept_in_fp8.step_time_s == kept_in_bf16.step_time_s
+    assert _one(software=Software(fp8_saved_inputs=True)).memory_per_gpu == _one().memory_per_gpu
+
+
 def test_the_attention_kernel_is_priced_at_its_own_efficiency():
     flash2, flash3 = _one(), _one(software=Software(attention="flash3"))
     assert flash3.step_time_s < flash2.step_time_s

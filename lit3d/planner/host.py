@@ -57,6 +57,7 @@ def offloaded_activations(
     per_token = activation_bytes_per_token(
         config, layout.tp, sp, settings.activation_checkpointing, precision.activations, training.lora,
         software.saved_activations, software.recomputed_matmuls,
+        software.fp8_saved_inputs and settings.float8 is not None,
     )  # fmt: skip
     tokens = training.micro_batch_size * training.seq_len // layout.cp
     microbatches = training.global_batch_size // (layout.data_replicas * training.micro_batch_size)

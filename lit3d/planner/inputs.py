@@ -169,7 +169,12 @@ class Software:
             back before their backward, beside the compute (Megatron-Core's ``cpu_offloading_num_layers``); the
             device keeps one such block's in transit. lit3d keeps every block's on the device (0).
         loss_bytes: Bytes per element of the log-probabilities the loss keeps for backward: lit3d computes its loss
-            in fp32 (4); a loss on bf16 logits keeps them in bf16 (2: NeMo AutoModel's ``fp32_upcast: false``).
+            in fp32 (4); a loss on bf16 logits keeps them in bf16 (2: NeMo AutoModel's ``fp32_upcast: false``, and
+            Transformer Engine's cross entropy, which writes its gradient into the logits).
+        fp8_saved_inputs: Under ``float8``, each FP8 linear keeps its input's FP8 cast for backward (Transformer
+            Engine): the norms' and the SwiGLU's outputs in one byte each instead of the compute dtype's, and a cast
+            of the attention output beside it. lit3d's FP8 (torchao) keeps the inputs as they came (False). Counted
+            for blocks without recompute or adapters; others as without it.
     """
 
     attention: str = "flash2"
@@ -184,6 +189,7 @@ class Software:
     bf16_grads: bool = False
     offloaded_layers: int = 0
     loss_bytes: int = 4
+    fp8_saved_inputs: bool = False
 
 
 @dataclass

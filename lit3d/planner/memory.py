@@ -57,7 +57,8 @@ def memory_by_stage(case: Case) -> Memory:
     lora = training.lora
     software = training.software
     saves, recomputed = software.saved_activations, software.recomputed_matmuls
-    per_token = activation_bytes_per_token(config, tp, sp, checkpointing, a, lora, saves, recomputed)
+    fp8_inputs = software.fp8_saved_inputs and settings.float8 is not None
+    per_token = activation_bytes_per_token(config, tp, sp, checkpointing, a, lora, saves, recomputed, fp8_inputs)
     full_recompute = checkpointing in (True, "full")
     # Mixed precision with fp32 parameters in forward: autocast's bf16 weight copies, one per block per step (under
     # LoRA the frozen weights may be fp32 where the adapters are not: ZeRO-1's master weights).
@@ -85,7 +86,7 @@ def memory_by_stage(case: Case) -> Memory:
         if stage_rank == 0 and lora is not None and not checkpointing:  # (the stage of block 0)
             acts -= first_block_savings(config, tp, sp, lora, tokens * in_flight, copies)
         if full_recompute:  # one block recomputed at a time, for one micro-batch
-            acts += activation_bytes_per_token(config, tp, sp, False, a, lora, saves) * tokens
+            acts += activation_bytes_per_token(config, tp, sp, False, a, lora, saves, fp8_inputs=fp8_inputs) * tokens
         if holds_head:
             losses = in_flight if pp == 1 else last_stage_in_flight(schedule, pp, schedule_m)
             acts += output_layer_bytes(config, tp, sp, tokens * losses, a, lora is not None, software.loss_bytes)
@@ -140,13 +141,15 @@ def activation_bytes_per_token(
     lora: LoRA | None = None,
     saves: str = "eager",
     recomputed: float | None = None,
+    fp8_inputs: bool = False,
 ) -> float:
     """Bytes one block keeps for backward, per token: what autograd saves (tests/test_activation_memory.py counts
     it with saved-tensor hooks). ``activations``: bytes per element of the compute dtype (2 in bf16). The norms
     compute in fp32 and attention's log-sum-exp is fp32 in any precision. With ``lora``: `lora_bytes_per_token`.
     ``saves``: ``fused`` or ``compiled`` norm and SwiGLU kernels (`lit3d.planner.inputs.Software.saved_activations`);
     ``recomputed``: under selective recompute, the share of matmuls a per-op policy runs again
-    (`Software.recomputed_matmuls`)."""
+    (`Software.recomputed_matmuls`); ``fp8_inputs``: FP8 linears that keep their inputs' FP8 casts
+    (`Software.fp8_saved_inputs`), counted without recompute or adapters."""
     h, f, kv, a = config.d_model, config.d_ff, config.n_kv_head * config.head_dim, activations
     if lora is not None and not checkpointing:
         return lora_bytes_per_token(config, tp, sequence_parallel, activations, lora)
@@ -175,6 +178,10 @@ def activation_bytes_per_token(
             mlp += a * f
         else:
             linear_inputs = 0
+    if fp8_inputs:  # one byte per element for the norms' outputs and the SwiGLU's (also where a compiler would not
+        # keep them); the attention output's cast beside the output attention keeps anyway
+        linear_inputs, attention = 2 * h, attention + h
+        mlp += f if saves == "compiled" else (1 - a) * f
     return (norms + linear_inputs) / split + (attention + mlp) / tp
 
 
