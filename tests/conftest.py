@@ -12,7 +12,7 @@ os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
 
 def pytest_collection_modifyitems(config, items):
-    # NOTE: `layout_runs` spawns every layout once for the session (about 5 minutes on 2 cores); the first test that
+    # NOTE: `layout_runs` spawns every layout once for the session (about 10 minutes on 2 cores); the first test that
     # asks for it pays for that, so tests that use it get a longer limit than the suite's 300 s.
     for item in items:
         if "layout_runs" in getattr(item, "fixturenames", ()):
@@ -23,6 +23,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist (``-n 2``): each file's tests on one worker, so its module-scoped fixtures are made once, and every
+    file that reads `layout_runs` on the same worker, so its spawn runs once."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    tests = Path(__file__).parent
+    shared = {f"{tests.name}/{p.name}" for p in tests.glob("test_*.py") if "layout_runs" in p.read_text()}
+
+    class FileScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "layout_runs" if path in shared else path
+
+    return FileScheduling(config, log)
 
 
 # A run in this process (Lightning under Parallel3DStrategy, in a test or a shared fixture) sets these and keeps its
@@ -174,8 +190,6 @@ MOE_LAYOUTS = {
         ("moe_dp4_ep2_shard2_zero1", 4, {"expert_parallel_size": 2, "data_parallel_shard_size": 2}),
         ("moe_pp2", 2, {"pipeline_parallel_size": 2}),
         ("moe_ep2_pp2", 4, {"expert_parallel_size": 2, "pipeline_parallel_size": 2}),
-        ("moe_dp2_ep2_tp2_pp2_sequence_parallel", 8, {"expert_parallel_size": 2, "tensor_parallel_size": 2,
-                                                       "pipeline_parallel_size": 2, "sequence_parallel": True}),
         ("moe_ep2_tp2_sequence_parallel", 4, {"expert_parallel_size": 2, "tensor_parallel_size": 2,
                                                "sequence_parallel": True}),
     ]
@@ -202,7 +216,6 @@ CP_LAYOUTS = {
         ("cp2_pp2", 4, {"context_parallel_size": 2, **pp(2)}),
         ("cp2_full_recompute", 2, {"context_parallel_size": 2, "activation_checkpointing": "full"}),
         ("cp2_selective_recompute", 2, {"context_parallel_size": 2, "activation_checkpointing": "selective"}),
-        ("dp2_cp2_tp2_zero1", 8, {"context_parallel_size": 2, "tensor_parallel_size": 2, "zero_stage": 1}),
     ]
 }  # fmt: skip
 LONG_MOE = {**LONG, "model": {"config": dict(SMALL_MOE, max_seq_len=256)}}

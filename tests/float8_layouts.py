@@ -1,4 +1,5 @@
-"""FP8 training (``float8``) in every layout, each compared with the single-process FP8 run of the same model: widths
+"""FP8 training (``float8``) on each axis (ZeRO-1 under recompute, ZeRO-3 gathering in FP8, TP with SP, both scale
+recipes, PP, CP), each compared with the single-process FP8 run of the same model: widths
 in multiples of 16 on every TP rank (FP8 matmuls need them), bf16-mixed, `FP8_STEPS` steps at a learning rate that
 does not spike (an FP8 run's rounding would move a spike's step, not the curve), saved at `FP8_SAVED`."""
 
@@ -47,7 +48,6 @@ def _layouts() -> dict[str, tuple[int, dict]]:
         "fp8_pp2": (2, {**TENSORWISE, **pp2}),
         "fp8_cp2": (2, {**TENSORWISE, "context_parallel_size": 2}),
         "fp8_rowwise_tp2_sequence_parallel": (2, {**ROWWISE, **tp2_sp}),
-        "fp8_tp2_pp2": (4, {**TENSORWISE, "tensor_parallel_size": 2, **pp2}),  # (DP's FP8: the dp2 layouts above)
         "bf16_dp2_zero3": (2, {"zero_stage": 3}),  # the bytes FP8 all-gather halves
     }
     jobs = {name: (world, {**FP8_JOB, "strategy": strategy, "callbacks": [Float8Probe()]})

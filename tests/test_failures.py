@@ -58,7 +58,7 @@ def start_long_run(tmp_path):
     while not any("lit3d layout" in line for line in lines):  # every rank has joined the process group
         assert proc.poll() is None and time.time() < deadline, "".join(lines)[-3000:]
         time.sleep(0.5)
-    time.sleep(5)  # well into training
+    time.sleep(2)  # into training
     return proc, lines
 
 
