@@ -27,7 +27,11 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_xdist_make_scheduler(config, log):
     """pytest-xdist (``-n 2``): each file's tests on one worker, so its module-scoped fixtures are made once, and every
-    file that reads `layout_runs` on the same worker, so its spawn runs once."""
+    file that reads `layout_runs` on the same worker, so its spawn runs once.
+
+    NOTE: not ``--dist loadgroup`` with ``xdist_group`` marks: under pytest 9.2 (which reads a node's id from ``_id``)
+    xdist's rewrite of ``_nodeid`` groups nothing. `_split_scope` is the method xdist's own `LoadFileScheduling`
+    overrides."""
     from xdist.scheduler import LoadScopeScheduling
 
     tests = Path(__file__).parent
