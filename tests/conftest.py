@@ -12,11 +12,12 @@ os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
 
 def pytest_collection_modifyitems(config, items):
-    # NOTE: `layout_runs` spawns every layout once for the session (about 10 minutes on 2 cores); the first test that
-    # asks for it pays for that, so tests that use it get a longer limit than the suite's 300 s.
+    # NOTE: `layout_runs` spawns every layout once for the session (10-12 minutes on 2 cores beside the other xdist
+    # worker); the first test that asks for it pays for that, so tests that use it get a longer limit than the
+    # suite's 300 s.
     for item in items:
         if "layout_runs" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.timeout(900))
+            item.add_marker(pytest.mark.timeout(1800))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device; its CPU counterpart runs instead")
