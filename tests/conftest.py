@@ -1,12 +1,27 @@
 import os
 from pathlib import Path
 
-import lightning as L
 import pytest
 import torch
+from layouts import (
+    CHAT,
+    CP_LAYOUTS,
+    DOCUMENTS,
+    LAYOUTS,
+    LONG,
+    LONG_MOE,
+    LORA,
+    LORA_LAYOUTS,
+    LORA_LONG,
+    LORA_MOE,
+    MOE_LAYOUTS,
+    PACKED_LAYOUTS,
+    SMALL_GPT,
+    SMALL_MOE,
+    merge,
+)
 
 from lit3d import GPTConfig
-from lit3d.callbacks import CommReport
 
 os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
@@ -79,233 +94,7 @@ def text_folder(tmp_path: Path) -> Path:
     return folder
 
 
-# ---------------------------------------------------------------- multi-rank runs, shared by the strategy tests
-
-# Grouped-query heads, and a vocabulary of 257 (padded to 320) that no TP size divides; 4 blocks for 4 stages.
-SMALL_GPT = dict(n_layer=4, n_head=4, n_kv_head=2, d_model=32, d_ff=64, vocab_size=257, max_seq_len=32)
-
-
-def pp(size: int, schedule: str = "1f1b", **more) -> dict:
-    return {"pipeline_parallel_size": size, "pipeline_schedule": schedule, **more}
-
-
-# name -> (world size, job overrides); every job trains 8 fp32 steps with gradient clipping active and
-# validates after steps 4 and 8. Those in COMM_MEASURED also measure the bytes each axis sends in step 5.
-LAYOUTS: dict[str, tuple[int, dict]] = {
-    "dp2_zero0": (2, {"strategy": {"zero_stage": 0}}),
-    "dp2_zero1": (2, {"strategy": {"zero_stage": 1}}),
-    "dp2_zero2": (2, {"strategy": {"zero_stage": 2}}),
-    "dp2_zero3": (2, {"strategy": {"zero_stage": 3}}),
-    "tp2": (2, {"strategy": {"tensor_parallel_size": 2}}),
-    "tp2_sequence_parallel": (2, {"strategy": {"tensor_parallel_size": 2, "sequence_parallel": True}}),
-    "tp2_selective_recompute": (2, {"strategy": {"tensor_parallel_size": 2, "activation_checkpointing": "selective"}}),
-    "dp2_zero3_full_recompute": (2, {"strategy": {"zero_stage": 3, "activation_checkpointing": "full"}}),
-    "dp2_zero0_accumulate2": (2, {"strategy": {"zero_stage": 0}, "trainer": {"accumulate_grad_batches": 2}}),
-    "dp2_zero1_accumulate2": (2, {"strategy": {"zero_stage": 1}, "trainer": {"accumulate_grad_batches": 2}}),
-    "dp2_zero2_accumulate2": (2, {"strategy": {"zero_stage": 2}, "trainer": {"accumulate_grad_batches": 2}}),
-    "dp2_zero3_accumulate2": (2, {"strategy": {"zero_stage": 3}, "trainer": {"accumulate_grad_batches": 2}}),
-    "dp2_zero3_accumulate2_unsharded": (
-        2,
-        {"strategy": {"zero_stage": 3, "accumulate_unsharded": True}, "trainer": {"accumulate_grad_batches": 2}},
-    ),
-    "dp2_zero0_unseeded": (2, {"strategy": {"zero_stage": 0}, "unseeded": True, "trainer": {"max_steps": 2}}),
-    **{
-        f"dp2_zero{z}_accumulate2_comms": (
-            2,
-            {
-                "strategy": {"zero_stage": z},
-                "count_comms": True,
-                "trainer": {"accumulate_grad_batches": 2, "max_steps": 2},
-            },
-        )
-        for z in (0, 1)
-    },
-    **{
-        f"dp2_zero{z}_bf16-true": (
-            2,
-            {"strategy": {"zero_stage": z}, "trainer": {"precision": "bf16-true", "max_steps": 4}},
-        )
-        for z in range(4)
-    },
-    **{  # 12 steps, compared with the single-process bf16-mixed run; CommReport measures step 5
-        f"{name}_bf16-mixed{suffix}": (
-            world,
-            {
-                "strategy": strategy,
-                "trainer": {"precision": "bf16-mixed", "max_steps": 12, "val_check_interval": 6},
-                "callbacks": [CommReport(step=5)],
-            },
-        )
-        for name, suffix, world, strategy in [
-            *((f"dp2_zero{z}", "", 2, {"zero_stage": z}) for z in range(4)),
-            ("dp2_zero3", "_reduce_bf16", 2, {"zero_stage": 3, "mixed_precision_reduce": "bfloat16"}),
-            ("dp2_zero0", "_reduce_bf16", 2, {"zero_stage": 0, "mixed_precision_reduce": "bfloat16"}),
-            ("tp2_sequence_parallel", "", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
-            ("pp2_1f1b", "", 2, pp(2)),
-            ("dp2_tp2_zero3", "", 4, {"tensor_parallel_size": 2, "zero_stage": 3}),
-        ]
-    },
-    "pp2_gpipe": (2, {"strategy": pp(2, "gpipe")}),
-    "pp2_1f1b": (2, {"strategy": pp(2)}),
-    "pp2_interleaved_1f1b": (2, {"strategy": pp(2, "interleaved_1f1b", virtual_pipeline_size=2)}),
-    "pp2_zero_bubble": (2, {"strategy": pp(2, "zero_bubble", virtual_pipeline_size=2)}),
-    # The V-shaped schedules (two chunks per rank, stages r and 2p-1-r): alone, under full recompute, and on all
-    # three axes with ZeRO and selective recompute.
-    "pp2_zbv": (2, {"strategy": pp(2, "zbv")}),
-    "pp2_dualpipev_full_recompute": (2, {"strategy": pp(2, "dualpipev", activation_checkpointing="full")}),
-    "pp2_1f1b_accumulate2": (2, {"strategy": pp(2), "trainer": {"accumulate_grad_batches": 2}}),
-    "pp2_1f1b_loss_scaled": (2, {"strategy": pp(2), "loss_scale": 1024.0}),
-    "dp2_pp2_zero1_accumulate2": (4, {"strategy": pp(2, zero_stage=1), "trainer": {"accumulate_grad_batches": 2}}),
-    "pp4_1f1b": (4, {"strategy": pp(4)}),
-    "dp2_pp2_zero3": (4, {"strategy": pp(2, zero_stage=3)}),
-    "tp2_pp2_sequence_parallel": (4, {"strategy": pp(2, tensor_parallel_size=2, sequence_parallel=True)}),
-    "dp2_tp2_pp2_zero1": (
-        8,
-        {"strategy": pp(2, tensor_parallel_size=2, zero_stage=1), "checkpoint_every": 8, "test_after_fit": True},
-    ),
-    "dp2_pp2_zbv_zero1": (4, {"strategy": pp(2, "zbv", zero_stage=1)}),
-    "dp2_pp2_dualpipev_zero2_selective_recompute": (
-        4,
-        {"strategy": pp(2, "dualpipev", zero_stage=2, activation_checkpointing="selective")},
-    ),
-    "dp2_tp2_zero1": (4, {"strategy": {"tensor_parallel_size": 2, "zero_stage": 1}}),
-    "dp2_tp2_zero3": (4, {"strategy": {"tensor_parallel_size": 2, "zero_stage": 3}}),
-    "dp2_zero1_plan_profile": (2, {"strategy": {"zero_stage": 1, "plan_profile": "CPU_PROFILE"}}),
-    "dp2_tp2_plain_loader": (
-        4,
-        {"strategy": {"tensor_parallel_size": 2}, "plain_loader": True, "trainer": {"max_steps": 2}},
-    ),
-}
-
-
-# Mixture of Experts: 4 experts, 2 per token, after one dense block; compared with its own single-process run.
-SMALL_MOE = dict(SMALL_GPT, n_expert=4, n_expert_per_token=2, d_ff_expert=48, first_dense_layers=1)
-MOE_LAYOUTS = {
-    name: (world, {"model": {"config": SMALL_MOE}, "strategy": strategy})
-    for name, world, strategy in [
-        ("moe_ep2", 2, {"expert_parallel_size": 2}),
-        ("moe_tp2_sequence_parallel", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
-        ("moe_ep2_selective_recompute", 2, {"expert_parallel_size": 2, "activation_checkpointing": "selective"}),
-        ("moe_ep2_compile", 2, {"expert_parallel_size": 2, "compile": True}),
-        ("moe_dp4_ep2", 4, {"expert_parallel_size": 2}),
-        ("moe_ep2_zero3", 2, {"expert_parallel_size": 2, "zero_stage": 3}),
-        ("moe_dp4_ep2_zero3", 4, {"expert_parallel_size": 2, "zero_stage": 3}),
-        ("moe_dp4_ep2_zero0", 4, {"expert_parallel_size": 2, "zero_stage": 0}),
-        # HSDP: dense shards in groups of 2 (summed across them), experts over the ranks that hold them
-        ("moe_dp4_ep2_shard2_zero1", 4, {"expert_parallel_size": 2, "data_parallel_shard_size": 2}),
-        ("moe_pp2", 2, {"pipeline_parallel_size": 2}),
-        ("moe_ep2_pp2", 4, {"expert_parallel_size": 2, "pipeline_parallel_size": 2}),
-        ("moe_ep2_tp2_sequence_parallel", 4, {"expert_parallel_size": 2, "tensor_parallel_size": 2,
-                                               "sequence_parallel": True}),
-    ]
-}  # fmt: skip
-# Every token to every expert: an even load, so the all-to-alls send exactly what the planner counts.
-MOE_LAYOUTS["moe_dp2_ep2_tp2_sequence_parallel_comms"] = (4, {
-    "model": {"config": dict(SMALL_MOE, n_expert_per_token=SMALL_MOE["n_expert"])},
-    "strategy": {"expert_parallel_size": 2, "tensor_parallel_size": 2, "sequence_parallel": True},
-    "callbacks": [CommReport(step=5)], "trainer": {"max_steps": 6},
-})  # fmt: skip
-
-
-# Context parallelism: sequences of 256 tokens (2 x cp chunks each), compared with their own single-process run;
-# every layout also measures its bytes per axis in step 5.
-LONG = {"model": {"config": dict(SMALL_GPT, max_seq_len=256)}, "data": {"seq_len": 256, "global_batch_size": 4}}
-CP_LAYOUTS = {
-    name: (world, {**LONG, "strategy": strategy, "callbacks": [CommReport(step=5)]})
-    for name, world, strategy in [
-        ("cp2", 2, {"context_parallel_size": 2}),
-        ("cp4", 4, {"context_parallel_size": 4}),
-        ("cp2_tp2_sequence_parallel", 4, {"context_parallel_size": 2, "tensor_parallel_size": 2,
-                                          "sequence_parallel": True}),
-        ("dp2_cp2_zero3", 4, {"context_parallel_size": 2, "zero_stage": 3}),
-        ("cp2_pp2", 4, {"context_parallel_size": 2, **pp(2)}),
-        ("cp2_full_recompute", 2, {"context_parallel_size": 2, "activation_checkpointing": "full"}),
-        ("cp2_selective_recompute", 2, {"context_parallel_size": 2, "activation_checkpointing": "selective"}),
-    ]
-}  # fmt: skip
-LONG_MOE = {**LONG, "model": {"config": dict(SMALL_MOE, max_seq_len=256)}}
-CP_LAYOUTS.update({
-    name: (world, {**LONG_MOE, "strategy": strategy, "callbacks": [CommReport(step=5)]})
-    for name, world, strategy in [
-        ("moe_cp2", 2, {"context_parallel_size": 2}),
-        ("moe_dp2_ep2_cp2", 4, {"context_parallel_size": 2, "expert_parallel_size": 2}),
-    ]
-})  # fmt: skip
-
-
-class OffloadProbe(L.Callback):
-    """Records the offload policy of every FSDP2 unit and where the optimizer keeps its states after a step."""
-
-    def __init__(self) -> None:
-        self.policies, self.state_devices = [], []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        from torch.distributed.fsdp import FSDPModule
-
-        units = [m for m in pl_module.modules() if isinstance(m, FSDPModule)]
-        self.policies = sorted({type(m._get_fsdp_state()._fsdp_param_group.offload_policy).__name__ for m in units
-                                if m._get_fsdp_state()._fsdp_param_group is not None})  # fmt: skip
-        states = trainer.optimizers[0].state.values()
-        self.state_devices = sorted({str(t.device) for s in states for t in s.values() if torch.is_tensor(t)})
-
-    def results(self) -> dict:
-        return {"offload_policies": self.policies, "optimizer_state_devices": self.state_devices}
-
-
-# LoRA on every linear of the blocks, every other weight frozen, with dropout on the adapters' inputs (its masks are the
-# same in every layout: `lit3d.models.lora_dropout`), compared with its own single-process run.
-LORA = {
-    "model": {"lora": {"rank": 4, "alpha": 8.0, "dropout": 0.1, "targets": ["q", "k", "v", "o", "gate", "up", "down"]}}
-}
-LORA_LAYOUTS = {
-    name: (world, {**LORA, "strategy": strategy})
-    for name, world, strategy in [
-        ("lora_dp2_zero0", 2, {"zero_stage": 0}),
-        ("lora_dp2_zero1", 2, {"zero_stage": 1}),
-        ("lora_dp2_zero2", 2, {"zero_stage": 2}),
-        ("lora_dp2_zero3", 2, {"zero_stage": 3}),
-        ("lora_tp2", 2, {"tensor_parallel_size": 2}),
-        ("lora_tp2_sequence_parallel", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
-        ("lora_pp2_resumed_from_tp2", 2, pp(2)),
-        ("lora_pp2", 2, pp(2)),
-        ("lora_pp2_zbv", 2, pp(2, "zbv")),
-        ("lora_pp2_interleaved", 2, pp(2, "interleaved_1f1b")),
-        ("lora_dp2_pp2_zero1_full_recompute_accumulate2", 4, {"zero_stage": 1, "activation_checkpointing": "full",
-                                                               **pp(2)}),
-        ("lora_dp2_tp2_zero3", 4, {"tensor_parallel_size": 2, "zero_stage": 3}),
-    ]
-}  # fmt: skip
-# An MoE model with adapters on its attention and on each expert, the experts (and their adapters) split over EP.
-LORA_MOE = {
-    "model": {
-        "config": SMALL_MOE,
-        "lora": {"rank": 4, "alpha": 8.0, "dropout": 0.1, "targets": ["q", "v", "gate", "down"]},
-    }
-}
-LORA_LAYOUTS["lora_moe_ep2"] = (2, {**LORA_MOE, "strategy": {"expert_parallel_size": 2}})
-# Context parallelism: the adapters on sequences of 256 tokens, split over 2 ranks.
-LORA_LONG = {**LONG, "model": {**LONG["model"], **LORA["model"]}}
-LORA_LAYOUTS["lora_cp2"] = (2, {**LORA_LONG, "strategy": {"context_parallel_size": 2}})
-LORA_LAYOUTS["lora_dp2_zero3_offload"] = (2, {**LORA, "strategy": {"zero_stage": 3, "offload": True},
-                                             "callbacks": [OffloadProbe()]})  # fmt: skip
-LORA_LAYOUTS["lora_dp2_pp2_zero1_full_recompute_accumulate2"][1]["trainer"] = {"accumulate_grad_batches": 2}
-LORA_LAYOUTS["lora_tp2"][1]["checkpoint_every"] = 4
-LORA_LAYOUTS["lora_pp2_resumed_from_tp2"][1]["ckpt_path"] = "job:lora_tp2/ckpts/step=4.ckpt"
-
-
-# Chat data (answers of 1 to 200 tokens, prompts masked) packed into 256-token rows, and short documents packed with
-# document masking: each compared with its own single-process run.
-CHAT_GPT = dict(SMALL_GPT, vocab_size=320, max_seq_len=256)
-CHAT = {"data_class": "chat", "model": {"config": CHAT_GPT}, "trainer": {"max_steps": 6, "val_check_interval": 3}}
-DOCUMENTS = {**LONG, "data": {**LONG["data"], "document_masking": True}}
-PACKED_LAYOUTS = {
-    "chat_dp2": (2, {**CHAT, "strategy": {}}),
-    "chat_pp2_4_microbatches": (2, {**CHAT, "strategy": pp(2, num_microbatches=4)}),
-    "chat_cp2": (2, {**CHAT, "strategy": {"context_parallel_size": 2}}),
-    "chat_tp2_sequence_parallel": (2, {**CHAT, "strategy": {"tensor_parallel_size": 2, "sequence_parallel": True}}),
-    "documents_cp2": (2, {**DOCUMENTS, "strategy": {"context_parallel_size": 2}}),
-    "documents_pp2": (2, {**DOCUMENTS, "strategy": pp(2, num_microbatches=2)}),
-}
+# ---------------------------------------------------------------- multi-rank runs (`layouts`), shared by the tests
 
 
 @pytest.fixture(scope="session")
@@ -502,40 +291,6 @@ def layout_runs(base_job, packed_data, cpu_profile, tmp_path_factory) -> dict[st
         }
         results.update(run_jobs(world, jobs, tmp_path_factory.mktemp(f"world{world}")))
     return results
-
-
-COMM_MEASURED = [
-    "dp2_zero0",
-    "dp2_zero1",
-    "dp2_zero2",
-    "dp2_zero3",
-    "dp2_zero2_accumulate2",
-    "dp2_zero3_accumulate2",
-    "dp2_zero3_accumulate2_unsharded",
-    "dp2_zero3_full_recompute",
-    "tp2",
-    "tp2_sequence_parallel",
-    "tp2_selective_recompute",
-    "pp2_interleaved_1f1b",
-    "pp4_1f1b",
-    "pp2_1f1b_accumulate2",
-    "dp2_pp2_zero3",
-    "dp2_pp2_zero1_accumulate2",
-    "tp2_pp2_sequence_parallel",
-    "dp2_tp2_pp2_zero1",
-    "dp2_tp2_zero3",
-]
-for _name in COMM_MEASURED:
-    LAYOUTS[_name][1]["callbacks"] = [CommReport(step=5)]
-for _name in ["dp2_zero0", "dp2_zero3", "tp2", "pp2_1f1b", "dp2_tp2_pp2_zero1"]:
-    LAYOUTS[_name][1]["validate_after_fit"] = True
-
-
-def merge(base: dict, overrides: dict) -> dict:
-    out = dict(base)
-    for key, value in overrides.items():
-        out[key] = {**base[key], **value} if isinstance(value, dict) and isinstance(base.get(key), dict) else value
-    return out
 
 
 def dp2_then_resumed_on_one_process(job: dict, out: Path) -> dict[str, dict]:

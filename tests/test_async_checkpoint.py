@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import merge
+from layouts import merge
 
 from lit3d.strategies.async_checkpoint import BackgroundSaves
 from lit3d.strategies.checkpoint_folder import PARTIAL_SUFFIX, read_weights

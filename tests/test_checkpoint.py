@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SMALL_GPT, merge, pp
+from layouts import SMALL_GPT, merge, pp
 from lightning.pytorch.callbacks import Callback
 from spawned import run_jobs
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from conftest import SMALL_GPT
+from layouts import SMALL_GPT
 
 from benchmarks.combinations import Draw, compare, draw, job_of, reference_of, refusal, train, write_corpus
 from benchmarks.rank_group import run_group

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import CP_LAYOUTS, LONG, SMALL_GPT, merge
+from layouts import CP_LAYOUTS, LONG, SMALL_GPT, merge
 
 from lit3d import GPTConfig
 from lit3d.models import documents

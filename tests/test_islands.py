@@ -4,7 +4,7 @@ the planner counts them), a loss near synchronous DP's, and checkpoints that res
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import merge
+from layouts import merge
 from lightning.pytorch.callbacks import Callback
 from spawned import run_jobs
 

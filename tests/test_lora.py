@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import LORA_LAYOUTS
 from helpers import tiny_llama
+from layouts import LORA_LAYOUTS
 
 from lit3d import GPT, GPTConfig, LoRA
 

@@ -4,7 +4,7 @@ import logging
 
 import lightning as L
 import pytest
-from conftest import merge
+from layouts import merge
 from spawned import run_job
 
 from lit3d.models.gpt import WarmupCosine

@@ -20,7 +20,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from conftest import merge
+from layouts import merge
 
 from lit3d import GPTConfig, LoRA
 from lit3d.parallel.layout import Layout

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import MOE_LAYOUTS, SMALL_MOE
+from layouts import MOE_LAYOUTS, SMALL_MOE
 
 from lit3d import GPTConfig
 from lit3d.models.moe import MoE, balance_loss, grouped_mm
@@ -137,7 +137,7 @@ def test_moe_layout_matches_the_single_process_curve_and_balance(layout, layout_
 @pytest.fixture(scope="module")
 def moe_saved(base_job, tmp_path_factory) -> dict:
     """The MoE model at EP2 checkpointing after step 4, resumed from there at TP2 (no EP) and on one process."""
-    from conftest import merge
+    from layouts import merge
     from spawned import run_jobs
 
     base = merge(base_job, {"model": {"config": SMALL_MOE}, "trainer": {"limit_val_batches": 0}})

@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import CHAT_GPT, PACKED_LAYOUTS
 from helpers import chat_file, chat_tokenizer, logged, tiny_llama
+from layouts import CHAT_GPT, PACKED_LAYOUTS
 
 from lit3d import GPT, GPTConfig
 from lit3d.data import ChatDataModule, TextDataModule

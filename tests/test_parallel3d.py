@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from conftest import COMM_MEASURED, LAYOUTS, SMALL_GPT
+from layouts import COMM_MEASURED, LAYOUTS, SMALL_GPT
 
 from lit3d import GPTConfig
 

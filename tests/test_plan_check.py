@@ -8,7 +8,7 @@ from dataclasses import asdict
 
 import pytest
 import torch
-from conftest import CP_LAYOUTS, LAYOUTS, LORA_LAYOUTS, MOE_LAYOUTS
+from layouts import CP_LAYOUTS, LAYOUTS, LORA_LAYOUTS, MOE_LAYOUTS
 
 from lit3d.planner.hardware import cpu_share
 from lit3d.strategies.plan_check import plan_check_line, run_cluster

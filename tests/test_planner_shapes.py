@@ -4,8 +4,8 @@ here."""
 
 import pytest
 import torch
-from conftest import SMALL_GPT, SMALL_MOE
 from family_layouts import FAMILY_CONFIGS
+from layouts import SMALL_GPT, SMALL_MOE
 
 from lit3d.models.config import PRESETS, GPTConfig
 from lit3d.models.transformer import Transformer

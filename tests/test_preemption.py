@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import merge
+from layouts import merge
 from lightning.pytorch.callbacks import ModelCheckpoint
 from spawned import free_port, run_job
 

@@ -78,7 +78,8 @@ def test_a_prepared_folder_mixes_with_other_sources_by_weight(prepared, tmp_path
 @pytest.fixture(scope="module")
 def resumed_from_shards(base_job, corpus, tmp_path_factory) -> dict:
     """Training from prepared shards at DP2, checkpointed after step 4 (mid-epoch), and resumed on one process."""
-    from conftest import dp2_then_resumed_on_one_process, merge
+    from conftest import dp2_then_resumed_on_one_process
+    from layouts import merge
 
     out = tmp_path_factory.mktemp("prepared_runs")
     main(["prepare", "--data_path", str(corpus), "--output", str(out / "shards"), "--num_proc", "1"])

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import merge, pp, reference
+from conftest import reference
+from layouts import merge, pp
 from lightning.pytorch.callbacks import Callback
 
 from lit3d.strategies import Parallel3DStrategy

@@ -105,7 +105,8 @@ def test_a_streaming_run_trains_and_records_its_position(jsonl_corpus, tmp_path)
 @pytest.fixture(scope="module")
 def resumed_from_a_stream(base_job, corpus, tmp_path_factory) -> dict:
     """A streaming run at DP2, checkpointed after step 4 (mid-epoch), and resumed on one process."""
-    from conftest import dp2_then_resumed_on_one_process, merge
+    from conftest import dp2_then_resumed_on_one_process
+    from layouts import merge
 
     out = tmp_path_factory.mktemp("streaming_runs")
     return dp2_then_resumed_on_one_process(merge(base_job, {"data": {"streaming": True}}), out)

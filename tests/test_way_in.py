@@ -9,15 +9,15 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from conftest import SMALL_GPT
 from helpers import logged, tiny_llama
+from layouts import SMALL_GPT
 
 from lit3d import GPT, GPTConfig
 from lit3d.data import TextDataModule
 from lit3d.strategies.checkpoint_folder import ShardedCheckpointReader
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYOUT = "dp2_tp2_pp2_zero1"  # saves its step-8 checkpoint (tests/conftest.py)
+LAYOUT = "dp2_tp2_pp2_zero1"  # saves its step-8 checkpoint (tests/layouts.py)
 
 
 def lit3d(*args: str, cwd: Path, timeout: int = 240) -> subprocess.CompletedProcess:

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import COMM_MEASURED, CP_LAYOUTS, LAYOUTS, LONG, LORA, LORA_LAYOUTS, MOE_LAYOUTS, SMALL_MOE, merge, pp
 from float8_layouts import FLOAT8_LAYOUTS, FP8_JOB, NO_ROWWISE, ROWWISE, ROWWISE_HERE, TENSORWISE
+from layouts import COMM_MEASURED, CP_LAYOUTS, LAYOUTS, LONG, LORA, LORA_LAYOUTS, MOE_LAYOUTS, SMALL_MOE, merge, pp
 from spawned import run_jobs
 from test_cli import fit_losses
 
