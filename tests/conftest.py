@@ -7,6 +7,7 @@ from layouts import (
     CHAT,
     CP_LAYOUTS,
     DOCUMENTS,
+    HALF,
     LAYOUTS,
     LONG,
     LONG_MOE,
@@ -18,6 +19,7 @@ from layouts import (
     PACKED_LAYOUTS,
     SMALL_GPT,
     SMALL_MOE,
+    STEPS,
     merge,
 )
 
@@ -164,7 +166,7 @@ def base_job(corpus) -> dict:
     return dict(
         model=dict(config=SMALL_GPT, learning_rate=1e-2, warmup_steps=2),
         data=dict(data_path=str(corpus), seq_len=16, global_batch_size=8, val_fraction=0.1),
-        trainer=dict(max_steps=8, gradient_clip_val=0.5, limit_val_batches=2, val_check_interval=4),
+        trainer=dict(max_steps=STEPS, gradient_clip_val=0.5, limit_val_batches=2, val_check_interval=HALF),
     )
 
 
@@ -184,8 +186,7 @@ def reference_run(base_job, tmp_path_factory) -> dict:
 @pytest.fixture(scope="session")
 def reference_bf16_run(base_job, tmp_path_factory) -> dict:
     """The single-process bf16-mixed run the bf16-mixed layouts are compared with."""
-    trainer = {"precision": "bf16-mixed", "max_steps": 12, "val_check_interval": 6}
-    return reference(base_job, {"trainer": trainer}, tmp_path_factory.mktemp("reference_bf16"))
+    return reference(base_job, {"trainer": {"precision": "bf16-mixed"}}, tmp_path_factory.mktemp("reference_bf16"))
 
 
 @pytest.fixture(scope="session")
@@ -305,11 +306,11 @@ def layout_runs(base_job, packed_data, cpu_profile, tmp_path_factory) -> dict[st
 
 
 def dp2_then_resumed_on_one_process(job: dict, out: Path) -> dict[str, dict]:
-    """``job`` at DP2 checkpointed after step 4 (``"dp2"``), and resumed from that checkpoint on one process
+    """``job`` at DP2 checkpointed after step `HALF` (``"dp2"``), and resumed from that checkpoint on one process
     (``"resume_single"``): for runs that must continue exactly on another data-parallel size."""
     from spawned import run_jobs
 
-    step4 = str(out / "dp2" / "ckpts" / "step=4.ckpt")
-    results = run_jobs(2, {"dp2": merge(job, {"strategy": {}, "checkpoint_every": 4})}, out)
-    results.update(run_jobs(1, {"resume_single": merge(job, {"strategy": {}, "ckpt_path": step4})}, out))
+    saved = str(out / "dp2" / "ckpts" / f"step={HALF}.ckpt")
+    results = run_jobs(2, {"dp2": merge(job, {"strategy": {}, "checkpoint_every": HALF})}, out)
+    results.update(run_jobs(1, {"resume_single": merge(job, {"strategy": {}, "ckpt_path": saved})}, out))
     return results

@@ -14,8 +14,18 @@ def pp(size: int, schedule: str = "1f1b", **more) -> dict:
     return {"pipeline_parallel_size": size, "pipeline_schedule": schedule, **more}
 
 
-# name -> (world size, job overrides); every job trains 8 fp32 steps with gradient clipping active and
-# validates after steps 4 and 8. Those in COMM_MEASURED also measure the bytes each axis sends in step 5.
+# Every job (`conftest.base_job`) trains STEPS steps with gradient clipping active and validates after steps HALF and
+# STEPS; a job that another resumes saves at step HALF; those that measure the bytes each axis sends (`CommReport`)
+# measure step COMMS_STEP, after the first steps' one-off collectives.
+STEPS = 4
+HALF = STEPS // 2
+COMMS_STEP = HALF + 1
+# Two micro-steps per step, validating after the same optimizer steps as the others (Lightning's interval counts
+# micro-batches): otherwise a validation would come before every step, and ZeRO-2 would start each one with the
+# parameters its forward left gathered, which no step of a run that validates less often does.
+ACCUMULATE2 = {"accumulate_grad_batches": 2, "val_check_interval": 2 * HALF}
+
+# name -> (world size, job overrides), fp32 unless a job says otherwise. Those in COMM_MEASURED measure their bytes.
 LAYOUTS: dict[str, tuple[int, dict]] = {
     "dp2_zero0": (2, {"strategy": {"zero_stage": 0}}),
     "dp2_zero1": (2, {"strategy": {"zero_stage": 1}}),
@@ -25,13 +35,13 @@ LAYOUTS: dict[str, tuple[int, dict]] = {
     "tp2_sequence_parallel": (2, {"strategy": {"tensor_parallel_size": 2, "sequence_parallel": True}}),
     "tp2_selective_recompute": (2, {"strategy": {"tensor_parallel_size": 2, "activation_checkpointing": "selective"}}),
     "dp2_zero3_full_recompute": (2, {"strategy": {"zero_stage": 3, "activation_checkpointing": "full"}}),
-    "dp2_zero0_accumulate2": (2, {"strategy": {"zero_stage": 0}, "trainer": {"accumulate_grad_batches": 2}}),
-    "dp2_zero1_accumulate2": (2, {"strategy": {"zero_stage": 1}, "trainer": {"accumulate_grad_batches": 2}}),
-    "dp2_zero2_accumulate2": (2, {"strategy": {"zero_stage": 2}, "trainer": {"accumulate_grad_batches": 2}}),
-    "dp2_zero3_accumulate2": (2, {"strategy": {"zero_stage": 3}, "trainer": {"accumulate_grad_batches": 2}}),
+    "dp2_zero0_accumulate2": (2, {"strategy": {"zero_stage": 0}, "trainer": ACCUMULATE2}),
+    "dp2_zero1_accumulate2": (2, {"strategy": {"zero_stage": 1}, "trainer": ACCUMULATE2}),
+    "dp2_zero2_accumulate2": (2, {"strategy": {"zero_stage": 2}, "trainer": ACCUMULATE2}),
+    "dp2_zero3_accumulate2": (2, {"strategy": {"zero_stage": 3}, "trainer": ACCUMULATE2}),
     "dp2_zero3_accumulate2_unsharded": (
         2,
-        {"strategy": {"zero_stage": 3, "accumulate_unsharded": True}, "trainer": {"accumulate_grad_batches": 2}},
+        {"strategy": {"zero_stage": 3, "accumulate_unsharded": True}, "trainer": ACCUMULATE2},
     ),
     "dp2_zero0_unseeded": (2, {"strategy": {"zero_stage": 0}, "unseeded": True, "trainer": {"max_steps": 2}}),
     **{
@@ -40,7 +50,7 @@ LAYOUTS: dict[str, tuple[int, dict]] = {
             {
                 "strategy": {"zero_stage": z},
                 "count_comms": True,
-                "trainer": {"accumulate_grad_batches": 2, "max_steps": 2},
+                "trainer": {**ACCUMULATE2, "max_steps": 2},
             },
         )
         for z in (0, 1)
@@ -48,18 +58,14 @@ LAYOUTS: dict[str, tuple[int, dict]] = {
     **{
         f"dp2_zero{z}_bf16-true": (
             2,
-            {"strategy": {"zero_stage": z}, "trainer": {"precision": "bf16-true", "max_steps": 4}},
+            {"strategy": {"zero_stage": z}, "trainer": {"precision": "bf16-true"}},
         )
         for z in range(4)
     },
-    **{  # 12 steps, compared with the single-process bf16-mixed run; CommReport measures step 5
+    **{  # compared with the single-process bf16-mixed run
         f"{name}_bf16-mixed{suffix}": (
             world,
-            {
-                "strategy": strategy,
-                "trainer": {"precision": "bf16-mixed", "max_steps": 12, "val_check_interval": 6},
-                "callbacks": [CommReport(step=5)],
-            },
+            {"strategy": strategy, "trainer": {"precision": "bf16-mixed"}, "callbacks": [CommReport(step=COMMS_STEP)]},
         )
         for name, suffix, world, strategy in [
             *((f"dp2_zero{z}", "", 2, {"zero_stage": z}) for z in range(4)),
@@ -78,15 +84,15 @@ LAYOUTS: dict[str, tuple[int, dict]] = {
     # three axes with ZeRO and selective recompute.
     "pp2_zbv": (2, {"strategy": pp(2, "zbv")}),
     "pp2_dualpipev_full_recompute": (2, {"strategy": pp(2, "dualpipev", activation_checkpointing="full")}),
-    "pp2_1f1b_accumulate2": (2, {"strategy": pp(2), "trainer": {"accumulate_grad_batches": 2}}),
+    "pp2_1f1b_accumulate2": (2, {"strategy": pp(2), "trainer": ACCUMULATE2}),
     "pp2_1f1b_loss_scaled": (2, {"strategy": pp(2), "loss_scale": 1024.0}),
-    "dp2_pp2_zero1_accumulate2": (4, {"strategy": pp(2, zero_stage=1), "trainer": {"accumulate_grad_batches": 2}}),
+    "dp2_pp2_zero1_accumulate2": (4, {"strategy": pp(2, zero_stage=1), "trainer": ACCUMULATE2}),
     "pp4_1f1b": (4, {"strategy": pp(4)}),
     "dp2_pp2_zero3": (4, {"strategy": pp(2, zero_stage=3)}),
     "tp2_pp2_sequence_parallel": (4, {"strategy": pp(2, tensor_parallel_size=2, sequence_parallel=True)}),
     "dp2_tp2_pp2_zero1": (
         8,
-        {"strategy": pp(2, tensor_parallel_size=2, zero_stage=1), "checkpoint_every": 8, "test_after_fit": True},
+        {"strategy": pp(2, tensor_parallel_size=2, zero_stage=1), "checkpoint_every": STEPS, "test_after_fit": True},
     ),
     "dp2_pp2_zbv_zero1": (4, {"strategy": pp(2, "zbv", zero_stage=1)}),
     "dp2_pp2_dualpipev_zero2_selective_recompute": (
@@ -128,15 +134,15 @@ MOE_LAYOUTS = {
 MOE_LAYOUTS["moe_dp2_ep2_tp2_sequence_parallel_comms"] = (4, {
     "model": {"config": dict(SMALL_MOE, n_expert_per_token=SMALL_MOE["n_expert"])},
     "strategy": {"expert_parallel_size": 2, "tensor_parallel_size": 2, "sequence_parallel": True},
-    "callbacks": [CommReport(step=5)], "trainer": {"max_steps": 6},
+    "callbacks": [CommReport(step=COMMS_STEP)],
 })  # fmt: skip
 
 
 # Context parallelism: sequences of 256 tokens (2 x cp chunks each), compared with their own single-process run;
-# every layout also measures its bytes per axis in step 5.
+# every layout also measures its bytes per axis.
 LONG = {"model": {"config": dict(SMALL_GPT, max_seq_len=256)}, "data": {"seq_len": 256, "global_batch_size": 4}}
 CP_LAYOUTS = {
-    name: (world, {**LONG, "strategy": strategy, "callbacks": [CommReport(step=5)]})
+    name: (world, {**LONG, "strategy": strategy, "callbacks": [CommReport(step=COMMS_STEP)]})
     for name, world, strategy in [
         ("cp2", 2, {"context_parallel_size": 2}),
         ("cp4", 4, {"context_parallel_size": 4}),
@@ -150,7 +156,7 @@ CP_LAYOUTS = {
 }  # fmt: skip
 LONG_MOE = {**LONG, "model": {"config": dict(SMALL_MOE, max_seq_len=256)}}
 CP_LAYOUTS.update({
-    name: (world, {**LONG_MOE, "strategy": strategy, "callbacks": [CommReport(step=5)]})
+    name: (world, {**LONG_MOE, "strategy": strategy, "callbacks": [CommReport(step=COMMS_STEP)]})
     for name, world, strategy in [
         ("moe_cp2", 2, {"context_parallel_size": 2}),
         ("moe_dp2_ep2_cp2", 4, {"context_parallel_size": 2, "expert_parallel_size": 2}),
@@ -213,15 +219,15 @@ LORA_LONG = {**LONG, "model": {**LONG["model"], **LORA["model"]}}
 LORA_LAYOUTS["lora_cp2"] = (2, {**LORA_LONG, "strategy": {"context_parallel_size": 2}})
 LORA_LAYOUTS["lora_dp2_zero3_offload"] = (2, {**LORA, "strategy": {"zero_stage": 3, "offload": True},
                                              "callbacks": [OffloadProbe()]})  # fmt: skip
-LORA_LAYOUTS["lora_dp2_pp2_zero1_full_recompute_accumulate2"][1]["trainer"] = {"accumulate_grad_batches": 2}
-LORA_LAYOUTS["lora_tp2"][1]["checkpoint_every"] = 4
-LORA_LAYOUTS["lora_pp2_resumed_from_tp2"][1]["ckpt_path"] = "job:lora_tp2/ckpts/step=4.ckpt"
+LORA_LAYOUTS["lora_dp2_pp2_zero1_full_recompute_accumulate2"][1]["trainer"] = ACCUMULATE2
+LORA_LAYOUTS["lora_tp2"][1]["checkpoint_every"] = HALF
+LORA_LAYOUTS["lora_pp2_resumed_from_tp2"][1]["ckpt_path"] = f"job:lora_tp2/ckpts/step={HALF}.ckpt"
 
 
 # Chat data (answers of 1 to 200 tokens, prompts masked) packed into 256-token rows, and short documents packed with
 # document masking: each compared with its own single-process run.
 CHAT_GPT = dict(SMALL_GPT, vocab_size=320, max_seq_len=256)
-CHAT = {"data_class": "chat", "model": {"config": CHAT_GPT}, "trainer": {"max_steps": 6, "val_check_interval": 3}}
+CHAT = {"data_class": "chat", "model": {"config": CHAT_GPT}}
 DOCUMENTS = {**LONG, "data": {**LONG["data"], "document_masking": True}}
 PACKED_LAYOUTS = {
     "chat_dp2": (2, {**CHAT, "strategy": {}}),
@@ -255,7 +261,7 @@ COMM_MEASURED = [
     "dp2_tp2_zero3",
 ]
 for _name in COMM_MEASURED:
-    LAYOUTS[_name][1]["callbacks"] = [CommReport(step=5)]
+    LAYOUTS[_name][1]["callbacks"] = [CommReport(step=COMMS_STEP)]
 for _name in ["dp2_zero0", "dp2_zero3", "tp2", "pp2_1f1b", "dp2_tp2_pp2_zero1"]:
     LAYOUTS[_name][1]["validate_after_fit"] = True
 

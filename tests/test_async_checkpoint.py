@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from layouts import merge
+from layouts import HALF, STEPS, merge
 
 from lit3d.strategies.async_checkpoint import BackgroundSaves
 from lit3d.strategies.checkpoint_folder import PARTIAL_SUFFIX, read_weights
@@ -18,27 +18,29 @@ from lit3d.strategies.safe_io import check_readable
 
 @pytest.fixture(scope="module")
 def async_saved(base_job, tmp_path_factory) -> dict:
-    """DP2 ZeRO-1 saving in the background after steps 4 and 8, resumed from step 4 at TP2 (also in the
-    background)."""
+    """DP2 ZeRO-1 saving in the background after steps `HALF` and `STEPS`, resumed from step `HALF` at TP2 (also in
+    the background)."""
     from spawned import run_jobs
 
     out = tmp_path_factory.mktemp("async_checkpoints")
     base = merge(base_job, {"trainer": {"limit_val_batches": 0}})
-    step4 = str(out / "dp2" / "ckpts" / "step=4.ckpt")
-    results = run_jobs(2, {"dp2": merge(base, {"strategy": {"async_checkpoint": True}, "checkpoint_every": 4})}, out)
-    resumed = {"strategy": {"async_checkpoint": True, "tensor_parallel_size": 2}, "ckpt_path": step4}
+    saved = str(out / "dp2" / "ckpts" / f"step={HALF}.ckpt")
+    job = {"strategy": {"async_checkpoint": True}, "checkpoint_every": HALF}
+    results = run_jobs(2, {"dp2": merge(base, job)}, out)
+    resumed = {"strategy": {"async_checkpoint": True, "tensor_parallel_size": 2}, "ckpt_path": saved}
     results.update(run_jobs(2, {"resume_tp2": merge(base, resumed)}, out))
     return {**results, "folder": out / "dp2" / "ckpts"}
 
 
 def test_background_saves_are_complete_at_the_end_and_resume_in_another_layout(async_saved):
     folder = async_saved["folder"]
-    assert sorted(p.name for p in folder.iterdir()) == ["step=4.ckpt", "step=8.ckpt"]  # no .partial left
-    for name in ("step=4.ckpt", "step=8.ckpt"):
+    names = [f"step={HALF}.ckpt", f"step={STEPS}.ckpt"]
+    assert sorted(p.name for p in folder.iterdir()) == names  # no .partial left
+    for name in names:
         check_readable(folder / name)  # the end of training waited for the last one
     uninterrupted, resumed = async_saved["dp2"]["losses"], async_saved["resume_tp2"]["losses"]
-    assert len(uninterrupted) == 8 and len(resumed) == 4
-    assert max(abs(a - b) for a, b in zip(resumed, uninterrupted[4:])) <= 1e-5
+    assert len(uninterrupted) == STEPS and len(resumed) == STEPS - HALF
+    assert max(abs(a - b) for a, b in zip(resumed, uninterrupted[HALF:])) <= 1e-5
 
 
 def test_a_failed_background_write_is_raised_at_the_next_save_naming_the_folder(tmp_path):

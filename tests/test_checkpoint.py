@@ -17,7 +17,7 @@ STEPS = 8  # the uninterrupted run; checkpoints after step 4 and step 8
 @pytest.fixture(scope="module")
 def saved(base_job, tmp_path_factory) -> dict:
     """A DP2 x PP2 (ZeRO-1) run that checkpoints every 4 steps, then resumes from step 4 in other layouts."""
-    base = merge(base_job, {"trainer": {"limit_val_batches": 0}})
+    base = merge(base_job, {"trainer": {"limit_val_batches": 0, "max_steps": STEPS}})
     out = tmp_path_factory.mktemp("checkpoints")
     step4 = str(out / "dp2_pp2" / "ckpts" / "step=4.ckpt")
     world4 = {

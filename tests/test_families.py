@@ -4,6 +4,7 @@ transformers: their features computed as transformers computes them."""
 import pytest
 import torch
 from family_layouts import FAMILY_CONFIGS, FAMILY_LAYOUTS
+from layouts import HALF, STEPS
 
 from lit3d import GPT, GPTConfig
 from lit3d.models.rotary import Rope
@@ -144,7 +145,7 @@ def test_each_family_trains_like_one_process_in_its_layouts(layout, layout_runs,
     head norms and Qwen3-MoE's router: each layout's losses within 1e-5 of its own single process (fp32)."""
     family = max((name for name in FAMILY_CONFIGS if layout.startswith(f"{name}_")), key=len)  # qwen3_moe, not qwen3
     run, reference = layout_runs[layout], family_references[family]
-    assert len(reference["losses"]) == len(run["losses"]) == 8
+    assert len(reference["losses"]) == len(run["losses"]) == STEPS
     assert reference["losses"][-1] < reference["losses"][0] - 0.5  # it learns
     for key in ("losses", "val_loss"):
         assert len(run[key]) == len(reference[key]) > 0, key
@@ -155,8 +156,8 @@ def test_qwen2s_zero1_sliced_biases_resume_in_another_layout(layout_runs, family
     """The optimizer states of biases that ZeRO-1 sliced within each TP rank's part are saved in their global places:
     DP2×TP2 at ZeRO-1, resumed at TP2×PP2, goes on along the single-process curve."""
     resumed, reference = layout_runs["qwen2_tp2_pp2_resumed_from_dp2_tp2_zero1"]["losses"], family_references["qwen2"]
-    assert len(resumed) == 4
-    assert max(abs(a - b) for a, b in zip(resumed, reference["losses"][4:])) <= 1e-5
+    assert len(resumed) == STEPS - HALF
+    assert max(abs(a - b) for a, b in zip(resumed, reference["losses"][HALF:])) <= 1e-5
 
 
 def _llama3_tokenizer(folder):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import tiny_llama
-from layouts import LORA_LAYOUTS
+from layouts import HALF, LORA_LAYOUTS, STEPS
 
 from lit3d import GPT, GPTConfig, LoRA
 
@@ -140,8 +140,9 @@ def test_lora_trains_like_one_process_in_every_layout(layout, layout_runs, reque
     kind = "moe_" if "moe" in layout else "long_" if "cp" in layout else ""
     reference = request.getfixturevalue(f"reference_lora_{kind}run")
     run = layout_runs[layout]
-    assert len(reference["losses"]) == len(run["losses"]) == 8
-    assert reference["losses"][-1] < reference["losses"][0] - 0.1  # the adapters learn
+    assert len(reference["losses"]) == len(run["losses"]) == STEPS
+    # the adapters learn (from B = 0, slowly: by more than 0.01 over these steps), 1000 times the tolerance below
+    assert reference["losses"][-1] < reference["losses"][0] - 0.01
     for key in ("losses",) if "accumulate" in layout else ("losses", "val_loss"):
         assert len(run[key]) == len(reference[key]) > 0, key
         assert max(abs(a - b) for a, b in zip(run[key], reference[key])) <= 1e-5, key
@@ -297,5 +298,5 @@ def test_exporting_the_adapter_of_a_run_without_one_is_refused(llama_folder, tmp
 
 def test_a_lora_checkpoint_saved_at_tp2_resumes_at_pp2_on_the_same_curve(layout_runs, reference_lora_run):
     resumed, reference = layout_runs["lora_pp2_resumed_from_tp2"]["losses"], reference_lora_run["losses"]
-    assert len(resumed) == 4
-    assert max(abs(a - b) for a, b in zip(resumed, reference[4:])) <= 1e-5
+    assert len(resumed) == STEPS - HALF
+    assert max(abs(a - b) for a, b in zip(resumed, reference[HALF:])) <= 1e-5

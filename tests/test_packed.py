@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import chat_file, chat_tokenizer, logged, tiny_llama
-from layouts import CHAT_GPT, PACKED_LAYOUTS
+from layouts import CHAT_GPT, PACKED_LAYOUTS, STEPS
 
 from lit3d import GPT, GPTConfig
 from lit3d.data import ChatDataModule, TextDataModule
@@ -103,7 +103,7 @@ def test_the_loss_is_the_mean_over_the_global_batchs_answer_tokens_not_a_mean_of
 @pytest.mark.parametrize("layout", [name for name in PACKED_LAYOUTS if name.startswith("chat")])
 def test_chat_layouts_train_like_one_process(layout, layout_runs, reference_chat_run):
     run, reference = layout_runs[layout], reference_chat_run
-    assert len(run["losses"]) == len(reference["losses"]) == 6
+    assert len(run["losses"]) == len(reference["losses"]) == STEPS
     np.testing.assert_allclose(run["losses"], reference["losses"], rtol=0, atol=1e-5)
     np.testing.assert_allclose(run["val_loss"], reference["val_loss"], rtol=0, atol=1e-5)
 
@@ -111,7 +111,7 @@ def test_chat_layouts_train_like_one_process(layout, layout_runs, reference_chat
 @pytest.mark.parametrize("layout", [name for name in PACKED_LAYOUTS if name.startswith("documents")])
 def test_document_masked_layouts_train_like_one_process(layout, layout_runs, reference_documents_run):
     run, reference = layout_runs[layout], reference_documents_run
-    assert len(run["losses"]) == len(reference["losses"]) == 8
+    assert len(run["losses"]) == len(reference["losses"]) == STEPS
     np.testing.assert_allclose(run["losses"], reference["losses"], rtol=0, atol=1e-5)
 
 

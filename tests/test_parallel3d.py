@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from layouts import COMM_MEASURED, LAYOUTS, SMALL_GPT
+from layouts import COMM_MEASURED, LAYOUTS, SMALL_GPT, STEPS
 
 from lit3d import GPTConfig
 
@@ -25,8 +25,8 @@ def relative_difference(losses, reference):
 @pytest.mark.parametrize("layout", FP32_LAYOUTS)
 def test_layout_matches_the_single_process_loss_curve(layout, layout_runs, reference_run):
     losses, reference = layout_runs[layout]["losses"], reference_run["losses"]
-    assert len(reference) == 8 and len(losses) == 8
-    assert reference[-1] < reference[0] - 1.0  # it is learning, so the curves are worth comparing
+    assert len(reference) == STEPS and len(losses) == STEPS
+    assert reference[-1] < reference[0] - 0.5  # it is learning, so the curves are worth comparing
     assert relative_difference(losses, reference) <= 1e-5
 
 
@@ -41,8 +41,8 @@ def test_layout_matches_the_single_process_val_loss(layout, layout_runs, referen
 @pytest.mark.parametrize("layout", [n for n in LAYOUTS if "bf16-true" in n])
 def test_bf16_true_trains_at_every_zero_stage(layout, layout_runs, reference_run):
     losses = layout_runs[layout]["losses"]
-    assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
-    assert relative_difference(losses, reference_run["losses"][:4]) < 0.05
+    assert len(losses) == STEPS and all(math.isfinite(x) for x in losses)
+    assert relative_difference(losses, reference_run["losses"]) < 0.05
 
 
 BF16_MIXED = [n for n in LAYOUTS if "bf16-mixed" in n]
@@ -51,7 +51,7 @@ BF16_MIXED = [n for n in LAYOUTS if "bf16-mixed" in n]
 @pytest.mark.parametrize("layout", BF16_MIXED)
 def test_bf16_mixed_follows_the_single_process_bf16_mixed_curve(layout, layout_runs, reference_bf16_run):
     losses, reference = layout_runs[layout]["losses"], reference_bf16_run["losses"]
-    assert len(losses) == len(reference) == 12 and reference[-1] < reference[0] - 1.0
+    assert len(losses) == len(reference) == STEPS and reference[-1] < reference[0] - 0.5
     assert relative_difference(losses, reference) <= 1e-2
 
 
@@ -142,7 +142,7 @@ def test_ranks_seeded_apart_still_start_from_the_same_weights(layout_runs):
 def test_train_loss_is_logged_once_per_step_with_the_global_mean(layout_runs, reference_run):
     # One row per optimizer step, and the value is the whole global batch's mean: it equals the reference.
     run = layout_runs["dp2_zero3_accumulate2"]
-    assert len(run["losses"]) == 8
+    assert len(run["losses"]) == STEPS
     assert relative_difference(run["losses"], reference_run["losses"]) <= 1e-5
 
 

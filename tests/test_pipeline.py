@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from layouts import STEPS
 
 from lit3d import GPTConfig
 from lit3d.models.transformer import Transformer
@@ -245,5 +246,5 @@ def test_each_step_logs_the_measured_bubble_next_to_the_theory(layout, theory, l
     # Per-replica batch 8: m = 4 for pp2, 8 for pp4 and for two chunks per rank. ZBV at F = B = W idles only to fill
     # its V: (p-1) F / 2 against m (F + B + W) of work.
     run = layout_runs[layout]
-    assert run["pp_bubble_theory"] == pytest.approx([theory] * 8)
-    assert len(run["pp_bubble"]) == 8 and all(0.0 <= b < 1.0 for b in run["pp_bubble"])
+    assert run["pp_bubble_theory"] == pytest.approx([theory] * STEPS)
+    assert len(run["pp_bubble"]) == STEPS and all(0.0 <= b < 1.0 for b in run["pp_bubble"])

@@ -5,6 +5,7 @@ import json
 import numpy as np
 import pytest
 from helpers import fit, logged
+from layouts import HALF, STEPS
 
 from lit3d import GPT
 from lit3d.cli import main
@@ -77,7 +78,7 @@ def test_a_prepared_folder_mixes_with_other_sources_by_weight(prepared, tmp_path
 
 @pytest.fixture(scope="module")
 def resumed_from_shards(base_job, corpus, tmp_path_factory) -> dict:
-    """Training from prepared shards at DP2, checkpointed after step 4 (mid-epoch), and resumed on one process."""
+    """Training from prepared shards at DP2, checkpointed after step `HALF` (mid-epoch), and resumed on one process."""
     from conftest import dp2_then_resumed_on_one_process
     from layouts import merge
 
@@ -89,5 +90,5 @@ def resumed_from_shards(base_job, corpus, tmp_path_factory) -> dict:
 
 def test_a_run_from_prepared_shards_resumes_mid_epoch_on_another_dp_size(resumed_from_shards):
     uninterrupted, resumed = resumed_from_shards["dp2"]["losses"], resumed_from_shards["resume_single"]["losses"]
-    assert len(uninterrupted) == 8 and len(resumed) == 4 and uninterrupted[-1] < uninterrupted[0]
-    assert max(abs(a - b) / abs(b) for a, b in zip(resumed, uninterrupted[4:])) <= 1e-5
+    assert len(uninterrupted) == STEPS and len(resumed) == STEPS - HALF and uninterrupted[-1] < uninterrupted[0]
+    assert max(abs(a - b) / abs(b) for a, b in zip(resumed, uninterrupted[HALF:])) <= 1e-5

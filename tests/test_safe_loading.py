@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from layouts import STEPS
 
 from lit3d import GPT
 from lit3d.strategies.checkpoint_folder import ShardedCheckpointReader, check_ckpt_path, load, read_weights
@@ -37,7 +38,7 @@ class CreatesMarker:
 
 @pytest.fixture(scope="module")
 def good(layout_runs) -> Path:
-    return Path(layout_runs["dp2_tp2_pp2_zero1"]["job_dir"]) / "ckpts" / "step=8.ckpt"
+    return Path(layout_runs["dp2_tp2_pp2_zero1"]["job_dir"]) / "ckpts" / f"step={STEPS}.ckpt"
 
 
 @pytest.fixture(params=["meta.pt", ".metadata"])

@@ -42,7 +42,7 @@ def files(base_job, tmp_path_factory) -> dict:
     own, which one process resumes in turn."""
     from spawned import run_jobs
 
-    base = merge(base_job, {"trainer": {"limit_val_batches": 0}})
+    base = merge(base_job, {"trainer": {"limit_val_batches": 0, "max_steps": 8}})
     out = tmp_path_factory.mktemp("single_file")
     one = reference(base, {"checkpoint_every": 4}, out / "one_process")
     single, one_file = {"save_distributed_checkpoint": False}, str(out / "one_process" / FILE)

@@ -7,6 +7,7 @@ from collections import Counter
 import numpy as np
 import pytest
 from helpers import fit, logged
+from layouts import HALF, STEPS
 
 from lit3d import GPT
 from lit3d.data import TextDataModule, streaming
@@ -104,7 +105,7 @@ def test_a_streaming_run_trains_and_records_its_position(jsonl_corpus, tmp_path)
 
 @pytest.fixture(scope="module")
 def resumed_from_a_stream(base_job, corpus, tmp_path_factory) -> dict:
-    """A streaming run at DP2, checkpointed after step 4 (mid-epoch), and resumed on one process."""
+    """A streaming run at DP2, checkpointed after step `HALF` (mid-epoch), and resumed on one process."""
     from conftest import dp2_then_resumed_on_one_process
     from layouts import merge
 
@@ -114,8 +115,8 @@ def resumed_from_a_stream(base_job, corpus, tmp_path_factory) -> dict:
 
 def test_a_streaming_run_resumes_mid_epoch_on_another_dp_size(resumed_from_a_stream):
     uninterrupted, resumed = resumed_from_a_stream["dp2"]["losses"], resumed_from_a_stream["resume_single"]["losses"]
-    assert len(uninterrupted) == 8 and len(resumed) == 4 and uninterrupted[-1] < uninterrupted[0]
-    assert max(abs(a - b) / abs(b) for a, b in zip(resumed, uninterrupted[4:])) <= 1e-5
+    assert len(uninterrupted) == STEPS and len(resumed) == STEPS - HALF and uninterrupted[-1] < uninterrupted[0]
+    assert max(abs(a - b) / abs(b) for a, b in zip(resumed, uninterrupted[HALF:])) <= 1e-5
 
 
 def test_a_restored_position_is_saved_again_until_training_moves_it(jsonl_corpus):

@@ -4,6 +4,7 @@ by name before any process starts."""
 
 import pytest
 import torch
+from layouts import HALF, STEPS
 from uneven_layouts import SHARE_LAYOUTS, UNEVEN_GPT, UNEVEN_LAYOUTS
 
 from lit3d import GPTConfig
@@ -14,7 +15,7 @@ from lit3d.parallel.stages import check_stage_layers, stage_runs
 @pytest.mark.parametrize("layout", UNEVEN_LAYOUTS)
 def test_uneven_stages_train_like_one_process(layout, layout_runs, reference_uneven_run):
     run, reference = layout_runs[layout], reference_uneven_run
-    assert len(run["losses"]) == len(reference["losses"]) == 8 and reference["losses"][-1] < reference["losses"][0]
+    assert len(run["losses"]) == len(reference["losses"]) == STEPS and reference["losses"][-1] < reference["losses"][0]
     for key in ("losses", "val_loss"):
         assert len(run[key]) == len(reference[key]) > 0, key
         assert max(abs(a - b) for a, b in zip(run[key], reference[key])) <= 1e-5, (key, run[key], reference[key])
@@ -93,8 +94,8 @@ def test_uneven_data_parallel_shares_train_like_one_process(layout, layout_runs,
 
 def test_a_run_with_uneven_shares_resumes_with_even_ones_on_the_same_curve(layout_runs, reference_run):
     resumed = layout_runs["dp2_even_resumed_from_shares"]["losses"]
-    assert len(resumed) == 4
-    assert max(abs(a - b) for a, b in zip(resumed, reference_run["losses"][4:])) <= 1e-5
+    assert len(resumed) == STEPS - HALF
+    assert max(abs(a - b) for a, b in zip(resumed, reference_run["losses"][HALF:])) <= 1e-5
 
 
 @pytest.mark.parametrize(

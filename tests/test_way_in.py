@@ -10,14 +10,14 @@ import lightning as L
 import pytest
 import torch
 from helpers import logged, tiny_llama
-from layouts import SMALL_GPT
+from layouts import SMALL_GPT, STEPS
 
 from lit3d import GPT, GPTConfig
 from lit3d.data import TextDataModule
 from lit3d.strategies.checkpoint_folder import ShardedCheckpointReader
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYOUT = "dp2_tp2_pp2_zero1"  # saves its step-8 checkpoint (tests/layouts.py)
+LAYOUT = "dp2_tp2_pp2_zero1"  # saves a checkpoint at its last step (tests/layouts.py)
 
 
 def lit3d(*args: str, cwd: Path, timeout: int = 240) -> subprocess.CompletedProcess:
@@ -27,7 +27,7 @@ def lit3d(*args: str, cwd: Path, timeout: int = 240) -> subprocess.CompletedProc
 
 @pytest.fixture(scope="module")
 def checkpoint(layout_runs) -> Path:
-    return Path(layout_runs[LAYOUT]["job_dir"]) / "ckpts" / "step=8.ckpt"
+    return Path(layout_runs[LAYOUT]["job_dir"]) / "ckpts" / f"step={STEPS}.ckpt"
 
 
 def one_process(**options) -> L.Trainer:
@@ -39,7 +39,7 @@ def test_a_3d_checkpoint_validates_on_one_process_with_the_8_rank_val_loss(check
     """Written by DP2 x TP2 x PP2; read whole under `auto`, by `load_from_checkpoint` and as a converted file."""
     from lit3d.cli import main
 
-    expected = layout_runs[LAYOUT]["val_loss"][-1]  # validated after step 8, the checkpoint's step
+    expected = layout_runs[LAYOUT]["val_loss"][-1]  # validated after the last step, the checkpoint's step
     data = TextDataModule(**base_job["data"])
     trainer = one_process(plugins=[ShardedCheckpointReader()])
     by_trainer = trainer.validate(GPT(GPTConfig(**SMALL_GPT)), data, ckpt_path=str(checkpoint), verbose=False)

@@ -4,6 +4,8 @@ two per rank), and DP2 x PP2 at ZeRO-1 and ZeRO-3; and stages that hold the embe
 block, as Llama 3 405B's first and last did: PP2 with 0+6, and interleaved PP2 with four chunks each, eight stages
 for six blocks (the ends alone, cut so by default)."""
 
+from layouts import HALF
+
 UNEVEN_GPT = dict(n_layer=6, n_head=4, n_kv_head=2, d_model=32, d_ff=64, vocab_size=257, max_seq_len=32)
 
 
@@ -28,7 +30,7 @@ UNEVEN_LAYOUTS = _layouts()
 
 
 # Uneven data parallelism (``data_parallel_shares``: samples of each global batch of 8 per replica), compared with the
-# plain single-process run; one saved at step 4 resumes with even replicas.
+# plain single-process run; one saved at step `HALF` resumes with even replicas.
 SHARE_LAYOUTS = {
     name: (world, {"strategy": strategy})
     for name, world, strategy in [
@@ -39,5 +41,5 @@ SHARE_LAYOUTS = {
         ("dp2_tp2_shares_6_2_zero3", 4, {"tensor_parallel_size": 2, "zero_stage": 3, "data_parallel_shares": [6, 2]}),
     ]
 }  # fmt: skip
-SHARE_LAYOUTS["dp2_shares_6_2_zero1"][1]["checkpoint_every"] = 4
-SHARE_LAYOUTS["dp2_even_resumed_from_shares"][1]["ckpt_path"] = "job:dp2_shares_6_2_zero1/ckpts/step=4.ckpt"
+SHARE_LAYOUTS["dp2_shares_6_2_zero1"][1]["checkpoint_every"] = HALF
+SHARE_LAYOUTS["dp2_even_resumed_from_shares"][1]["ckpt_path"] = f"job:dp2_shares_6_2_zero1/ckpts/step={HALF}.ckpt"
