@@ -22,7 +22,7 @@ HALF = STEPS // 2
 COMMS_STEP = HALF + 1
 # Two micro-steps per step, validating after the same optimizer steps as the others (Lightning's interval counts
 # micro-batches): otherwise a validation would come before every step, and ZeRO-2 would start each one with the
-# parameters its forward left gathered, which no step of a run that validates less often does.
+# parameters validation's forward left gathered, so `CommReport` would find no step with its all-gather.
 ACCUMULATE2 = {"accumulate_grad_batches": 2, "val_check_interval": 2 * HALF}
 
 # name -> (world size, job overrides), fp32 unless a job says otherwise. Those in COMM_MEASURED measure their bytes.
