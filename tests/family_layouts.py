@@ -3,7 +3,7 @@ biases (the only tensors TP splits along their one dim, so ZeRO-1 slices each ra
 ZeRO-3, and resumed from ZeRO-1 at TP2×PP2. Llama 3.2's tied head cannot be pipelined (refused by name), so it
 trains at DP2 ZeRO-3 instead of PP2. Mistral's blocks are Llama's: the plain layouts of `LAYOUTS` are its."""
 
-from layouts import HALF
+from layouts import HALF, saved_at_half
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 8192}  # fmt: skip
@@ -31,7 +31,7 @@ def _layouts() -> dict[str, tuple[int, dict]]:
     qwen2 = {"model": {"config": FAMILY_CONFIGS["qwen2"]}}
     layouts["qwen2_dp2_tp2_zero1"] = (4, {**qwen2, "strategy": {**tp2, "zero_stage": 1}, "checkpoint_every": HALF})
     layouts["qwen2_dp2_tp2_zero3"] = (4, {**qwen2, "strategy": {**tp2, "zero_stage": 3}})
-    resumed = {**qwen2, "strategy": {**tp2, **pp2}, "ckpt_path": f"job:qwen2_dp2_tp2_zero1/ckpts/step={HALF}.ckpt"}
+    resumed = {**qwen2, "strategy": {**tp2, **pp2}, "ckpt_path": saved_at_half("qwen2_dp2_tp2_zero1")}
     layouts["qwen2_tp2_pp2_resumed_from_dp2_tp2_zero1"] = (4, resumed)
     return layouts
 

@@ -4,7 +4,7 @@ ZeRO-1, DP4 x PP2 at ZeRO-3 and DP4 x CP2 at ZeRO-1 (a group: 2 x 2 ranks); each
 single-process run, with the bytes of one step measured per axis. The DP4 ZeRO-3 run saves at step `HALF` and DP2 x TP2
 (ZeRO-1, no groups) resumes it."""
 
-from layouts import ACCUMULATE2, COMMS_STEP, HALF
+from layouts import ACCUMULATE2, COMMS_STEP, HALF, saved_at_half
 
 from lit3d.callbacks import CommReport
 
@@ -24,8 +24,7 @@ def _layouts() -> dict[str, tuple[int, dict]]:
             for name, (world, strategy) in layouts.items()}  # fmt: skip
     jobs["dp4_shard2_zero2_accumulate2"][1]["trainer"] = ACCUMULATE2
     jobs["dp4_shard2_zero3"][1]["checkpoint_every"] = HALF
-    saved = f"job:dp4_shard2_zero3/ckpts/step={HALF}.ckpt"
-    jobs["dp2_tp2_zero1_resumed_from_dp4_shard2_zero3"][1]["ckpt_path"] = saved
+    jobs["dp2_tp2_zero1_resumed_from_dp4_shard2_zero3"][1]["ckpt_path"] = saved_at_half("dp4_shard2_zero3")
     return jobs
 
 

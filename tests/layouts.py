@@ -25,6 +25,13 @@ COMMS_STEP = HALF + 1
 # parameters validation's forward left gathered, so `CommReport` would find no step with its all-gather.
 ACCUMULATE2 = {"accumulate_grad_batches": 2, "val_check_interval": 2 * HALF}
 
+
+def saved_at_half(job: str) -> str:
+    """The ``ckpt_path`` of the checkpoint ``job`` saves at step `HALF` (``"checkpoint_every": HALF``) for a job of the
+    same spawn to resume (`spawned.run_job` reads ``job:``)."""
+    return f"job:{job}/ckpts/step={HALF}.ckpt"
+
+
 # name -> (world size, job overrides), fp32 unless a job says otherwise. Those in COMM_MEASURED measure their bytes.
 LAYOUTS: dict[str, tuple[int, dict]] = {
     "dp2_zero0": (2, {"strategy": {"zero_stage": 0}}),
@@ -221,7 +228,7 @@ LORA_LAYOUTS["lora_dp2_zero3_offload"] = (2, {**LORA, "strategy": {"zero_stage":
                                              "callbacks": [OffloadProbe()]})  # fmt: skip
 LORA_LAYOUTS["lora_dp2_pp2_zero1_full_recompute_accumulate2"][1]["trainer"] = ACCUMULATE2
 LORA_LAYOUTS["lora_tp2"][1]["checkpoint_every"] = HALF
-LORA_LAYOUTS["lora_pp2_resumed_from_tp2"][1]["ckpt_path"] = f"job:lora_tp2/ckpts/step={HALF}.ckpt"
+LORA_LAYOUTS["lora_pp2_resumed_from_tp2"][1]["ckpt_path"] = saved_at_half("lora_tp2")
 
 
 # Chat data (answers of 1 to 200 tokens, prompts masked) packed into 256-token rows, and short documents packed with

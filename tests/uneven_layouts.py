@@ -4,7 +4,7 @@ two per rank), and DP2 x PP2 at ZeRO-1 and ZeRO-3; and stages that hold the embe
 block, as Llama 3 405B's first and last did: PP2 with 0+6, and interleaved PP2 with four chunks each, eight stages
 for six blocks (the ends alone, cut so by default)."""
 
-from layouts import HALF
+from layouts import HALF, saved_at_half
 
 UNEVEN_GPT = dict(n_layer=6, n_head=4, n_kv_head=2, d_model=32, d_ff=64, vocab_size=257, max_seq_len=32)
 
@@ -42,4 +42,4 @@ SHARE_LAYOUTS = {
     ]
 }  # fmt: skip
 SHARE_LAYOUTS["dp2_shares_6_2_zero1"][1]["checkpoint_every"] = HALF
-SHARE_LAYOUTS["dp2_even_resumed_from_shares"][1]["ckpt_path"] = f"job:dp2_shares_6_2_zero1/ckpts/step={HALF}.ckpt"
+SHARE_LAYOUTS["dp2_even_resumed_from_shares"][1]["ckpt_path"] = saved_at_half("dp2_shares_6_2_zero1")
