@@ -54,23 +54,12 @@ OVERHEADS_MS = [10.0 * i for i in range(21)]
 
 # The runs that trained but do not plan as fitting their card with 10 % of it kept free, and why (what the planner or
 # the source leaves open).
-NEMOTRON_GAP = (
-    "above the card's 85.0 GB: at DP2 the weights, bf16 gradients and the distributed optimizer's fp32 states take "
-    "58 GB and the first interleaved rank keeps 103 blocks' activations (27.6 GB); dgxc's config recomputes the core "
-    "attention only (Megatron's selective recompute), which would spare attention's log-sum-exp, about 20 MB here; "
-    "NVIDIA's later dgxc README starts this model at 256 H100s"
-)
 TIGHT = "within the card's memory, not the 10 % of it the planner keeps free"
 MEMORY_GAPS = {
-    "Nemotron-4 340B, 128 H100": NEMOTRON_GAP,
-    "Nemotron-4 340B, 128 H100, FP8": (
-        f"{TIGHT}: its FP8 linears keep their inputs' FP8 casts; dgxc's run also holds its weights in FP8 "
-        "(`fp8_params`), 5.8 GB less, which the planner does not count"
-    ),
-    "Nemotron-4 340B, 128 H100, FP8 (NeMo 24.07)": f"{TIGHT}, as dgxc's FP8 run",
     "Llama 3 70B, FSDP64, 64 GB200, FP8 (Bridge 25.11)": (
         f"{TIGHT}: with 40 of its 80 blocks offloaded as its config states, the other 40 keep 3.9 GB each for "
-        "2 x 8,192 tokens"
+        "2 x 8,192 tokens; the planner also keeps the embedding and the head gathered through the step with their "
+        "gradients (8.4 GB), as lit3d's FSDP2 root does, where Megatron-FSDP gathers each where it is used"
     ),
 }
 

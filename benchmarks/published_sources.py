@@ -176,15 +176,20 @@ DGXC = "NVIDIA/dgxc-benchmarking READMEs (NeMo 24.09)"
 DGXC_ASSUMED = (
     "NeMo's defaults (Megatron-Core, Transformer Engine, cuDNN attention, TP overlap, the distributed optimizer "
     "overlapped); no recompute (not stated); FP8 as per-tensor scales with casts fused; Nemotron-4's squared-ReLU MLP "
-    "of 4h as a SwiGLU of 8h/3"
+    "of 4h as a SwiGLU of 8h/3; Nemotron-4 340B's optimizer state in bf16, as its config states (below)"
 )
+# NeMo 24.07 and 24.09 step Nemotron-4 340B with Apex's DistributedFusedAdam holding its state in bf16 (`optim.name:
+# distributed_fused_adam`, `dtype: bf16` in NeMo-Framework-Launcher's conf/training/nemotron/nemotron_340b.yaml at
+# both tags, and in dgxc's nemotron4-340b-synth.yaml, which its launch script trains); their other models' configs keep
+# it in fp32, as NeMo 24.12 switched this one to Megatron-Core's distributed optimizer, which does.
+BF16_OPTIMIZER_STATE = (NEMOTRON_340B,)
 
 
 def _dgxc(name: str, model: GPTConfig, gpus: int, lay: dict, seq: int, batch: int, total: float, fp8=False) -> Run:
     settings = {**lay, "float8": "tensorwise"} if fp8 else lay
+    software = replace(NEMO_FP8 if fp8 else NEMO, bf16_optimizer=model in BF16_OPTIMIZER_STATE)
     return Run(f"{name}, {gpus:,} H100" + (", FP8" if fp8 else ""), DGXC, model, gpus, settings,
-               loop(seq, batch, 1, NEMO_FP8 if fp8 else NEMO), per_gpu(total, gpus), group=NVIDIA,
-               assumed=DGXC_ASSUMED)  # fmt: skip
+               loop(seq, batch, 1, software), per_gpu(total, gpus), group=NVIDIA, assumed=DGXC_ASSUMED)  # fmt: skip
 
 
 LLAMA31_70B, LLAMA_405B = GPTConfig.load("llama3.1-70b"), GPTConfig.load("llama-405b")
@@ -237,7 +242,7 @@ NEMO_DOCS_ASSUMED = (
     "Bridge's Llama 3 70B on GB200 offloads 40 blocks' activations to the Grace CPU's memory, as its config states; "
     "Bridge's loss is Transformer Engine's cross entropy, as its recipes set; FP8 (delayed or current scaling) as "
     "per-tensor scales with casts fused, each FP8 linear keeping its input's FP8 cast; MoE routing balanced (as the "
-    "page states)"
+    "page states); NeMo 24.07's Nemotron-4 340B with its optimizer state in bf16, as its config states"
 )
 
 
@@ -248,7 +253,12 @@ def _nemo(name: str, source: str, model: GPTConfig, gpus: int, lay: dict, seq: i
     # Bridge's performance recipes compute the loss with Transformer Engine's cross entropy (`cross_entropy_fusion_impl
     # = "te"`), which writes its gradient into the bf16 logits; NeMo 24.07's (Megatron-Core's) keeps an fp32 softmax.
     loss_bytes = 4 if source == NEMO_DOCS else 2
-    software = replace(NEMO_FP8 if fp8 else NEMO, offloaded_layers=offloaded, loss_bytes=loss_bytes)
+    software = replace(
+        NEMO_FP8 if fp8 else NEMO,
+        offloaded_layers=offloaded,
+        loss_bytes=loss_bytes,
+        bf16_optimizer=source == NEMO_DOCS and model in BF16_OPTIMIZER_STATE,
+    )
     cluster = dict(gpu=GPUS[gpu], **({"host_link_gbps": GRACE_C2C} if gpu == "GB200" else {}))
     return Run(f"{name}, {gpus} {gpu}" + (", FP8" if fp8 else "") + f" ({version})", source, model, gpus, settings,
                loop(seq, batch, micro, software), tokens, group=NVIDIA, assumed=NEMO_DOCS_ASSUMED,

@@ -37,7 +37,7 @@ def test_every_published_run_plans_and_every_one_that_trained_fits_but_the_gaps_
     assert set(MEMORY_GAPS) <= set(plans)
     misses = {name for name, p in plans.items() if not p.fits}
     assert misses <= set(MEMORY_GAPS), misses - set(MEMORY_GAPS)
-    assert len(misses) <= 4
+    assert len(misses) <= 1
 
 
 def test_llama3_405b_as_meta_ran_it_plans_within_an_h100():
@@ -174,6 +174,19 @@ def test_fp8_linears_that_keep_their_inputs_fp8_casts_keep_a_byte_less_of_each()
     assert saved == pytest.approx(config.n_layer * 2 * 8192 * per_token, rel=1e-6)  # every block, 2 x 8,192 tokens
     assert kept_in_fp8.step_time_s == kept_in_bf16.step_time_s
     assert _one(software=Software(fp8_saved_inputs=True)).memory_per_gpu == _one().memory_per_gpu
+
+
+def test_optimizer_state_held_in_bf16_takes_half_the_bytes_and_changes_nothing_else():
+    """`Software.bf16_optimizer` (Apex's DistributedFusedAdam with ``dtype: bf16``, NeMo's Nemotron-4 340B): under
+    bf16-mixed, ZeRO-1's copy of the weights and both moments in bf16, half their fp32 bytes; the weights, gradients,
+    activations and step time as before; in fp32 nothing changes."""
+    zero1 = dict(zero_stage=1, precision="bf16-mixed")
+    fp32, bf16 = _one(**zero1), _one(**zero1, software=Software(bf16_optimizer=True))
+    held = lambda p: {k: v for k, v in p.memory_per_gpu.items() if k not in ("optimizer", "total")}
+    assert bf16.memory_per_gpu["optimizer"] == pytest.approx(fp32.memory_per_gpu["optimizer"] / 2, rel=1e-6)
+    assert held(bf16) == held(fp32) and bf16.step_time_s == fp32.step_time_s
+    plain = dict(zero_stage=1, precision="32-true")
+    assert _one(**plain, software=Software(bf16_optimizer=True)).memory_per_gpu == _one(**plain).memory_per_gpu
 
 
 def test_the_attention_kernel_is_priced_at_its_own_efficiency():

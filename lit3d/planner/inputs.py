@@ -165,6 +165,9 @@ class Software:
             backward.
         bf16_grads: Gradients accumulated, held and reduced in bf16 under bf16-mixed (Megatron-Core's default:
             ``grad_reduce_in_fp32`` off); lit3d sums and reduces them in fp32.
+        bf16_optimizer: The optimizer's state held in bf16 under bf16-mixed: both of Adam's moments and, where master
+            weights are kept, their copy, half the bytes of fp32 state (Apex's ``DistributedFusedAdam`` with
+            ``dtype: bf16``, as NeMo 24.07-24.09's Nemotron-4 340B config sets it); lit3d keeps them in fp32.
         offloaded_layers: Blocks per pipeline rank whose saved activations are copied to host memory in forward and
             back before their backward, beside the compute (Megatron-Core's ``cpu_offloading_num_layers``); the
             device keeps one such block's in transit. lit3d keeps every block's on the device (0).
@@ -187,6 +190,7 @@ class Software:
     fp8_cast_bytes: float | None = None
     saved_activations: str = "eager"
     bf16_grads: bool = False
+    bf16_optimizer: bool = False
     offloaded_layers: int = 0
     loss_bytes: int = 4
     fp8_saved_inputs: bool = False
@@ -264,6 +268,8 @@ def held_precision(training: Training, settings: Parallelism, layout: Layout) ->
         precision = replace(precision, reduced=2)
     if is_bf16_mixed(training.precision) and training.software.bf16_grads:  # (another stack's: `Software`)
         precision = replace(precision, grads=2, reduced=2)
+    if is_bf16_mixed(training.precision) and training.software.bf16_optimizer:
+        precision = replace(precision, optimizer=precision.optimizer // 2)
     return precision
 
 
