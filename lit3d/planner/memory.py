@@ -254,11 +254,12 @@ def output_layer_bytes(
 
 
 def params_cast_by_fsdp(layout: Layout, zero: ZeroPolicy, precision: Precision) -> bool:
-    """Whether FSDP2 hands the blocks bf16 parameters (its mixed precision policy): ZeRO-2/3, and ZeRO-0 unless
-    it is DDP (`lit3d.strategies.precision.uses_ddp`)."""
+    """Whether FSDP2 holds the parameters and hands the blocks their compute dtype (its mixed precision policy):
+    ZeRO-2/3, and ZeRO-0 unless it is DDP (`lit3d.strategies.precision.uses_ddp`: data parallel alone, the gradients
+    reduced in the dtype they are held in; bf16-mixed asking for a bf16 reduction is FSDP2's ``replicate``)."""
     if layout.replicas == 1 or zero.slices_optimizer:
         return False
-    return zero.shards_parameters or layout.tp > 1 or layout.pp > 1 or precision.reduce_bytes < 4
+    return zero.shards_parameters or layout.tp > 1 or layout.pp > 1 or precision.reduce_bytes < precision.grads
 
 
 @lru_cache(maxsize=64)
