@@ -41,7 +41,8 @@ TITAN_ASYNC_TP = Software(attention="flash2", fused=True, tp_overlap=ASYNC_TP, r
 TITAN_TP = Software(attention="flash2", fused=True, recomputed_matmuls=0.5)
 # Megatron-Core (r0.8): Transformer Engine's fused kernels and cuDNN attention (assumed: not stated), TP communication
 # overlap, the distributed optimizer with gradient reduction and weight gathers overlapped, activations laid out
-# sequence first, gradients held and reduced in bf16 (``grad_reduce_in_fp32`` off, its default).
+# sequence first, gradients held and reduced in bf16 (``grad_reduce_in_fp32`` off, its default), its
+# vocabulary-parallel loss writing its gradient into the fp32 softmax it kept (then a bf16 cast for the head).
 MEGATRON_STACK = Software(
     attention="cudnn",
     fused=True,
@@ -50,6 +51,7 @@ MEGATRON_STACK = Software(
     sequence_first=True,
     saved_activations="fused",
     bf16_grads=True,
+    loss_grad_bytes=2,
 )
 MEGATRON_ASSUMED = (
     "DGX H100s at 700 W, bf16 (MFU against the bf16 peak), gradients held and reduced in bf16 (Megatron's default), "

@@ -25,9 +25,15 @@ NVIDIA, MAXTEXT, AUTOMODEL, IBM, MTNLG = "NVIDIA Megatron/NeMo", "NVIDIA JAX", "
 
 # Megatron-LM and DeepSpeed before 2023 (BLOOM, GPT-NeoX, MT-NLG, ByteDance's Megatron-LM baseline): attention as two
 # batched GEMMs around a fused softmax (no FlashAttention), fused bias-GeLU and layer norm kernels, activations
-# sequence first, no TP overlap, and the gradient reduction after the last backward (not overlapped).
+# sequence first, no TP overlap, and the gradient reduction after the last backward (not overlapped); its
+# vocabulary-parallel loss writes its gradient into the fp32 softmax it kept (`loss_grad_bytes`: the bf16 cast).
 OLD_MEGATRON = Software(
-    attention="unfused", fused=True, sequence_first=True, overlap_grad_reduce=False, saved_activations="fused"
+    attention="unfused",
+    fused=True,
+    sequence_first=True,
+    overlap_grad_reduce=False,
+    saved_activations="fused",
+    loss_grad_bytes=2,
 )
 # Megatron-LM of 2023 (ByteDance's baseline) as the above, with gradients held and reduced in bf16 (its default).
 MEGATRON_LM_2023 = replace(OLD_MEGATRON, bf16_grads=True)
@@ -45,9 +51,13 @@ NEMO_FP8 = Software(
     saved_activations="fused",
     bf16_grads=True,
     fp8_saved_inputs=True,
+    loss_grad_bytes=2,
 )
-# MaxText on XLA: XLA fuses elementwise work; cuDNN's fused attention (NVIDIA's JAX container); FP8 casts fused.
-MAXTEXT_STACK = Software(attention="cudnn", fused=True, fp8_cast_bytes=1.0, saved_activations="compiled")
+# MaxText on XLA: XLA fuses elementwise work (the loss's gradient made once, in bf16); cuDNN's fused attention
+# (NVIDIA's JAX container); FP8 casts fused.
+MAXTEXT_STACK = Software(
+    attention="cudnn", fused=True, fp8_cast_bytes=1.0, saved_activations="compiled", loss_grad_bytes=2
+)
 # IBM's fms-fsdp: eager PyTorch FSDP with SDPA's FlashAttention-2; fms's selective checkpointing recomputes every
 # second block (half the forward's matmuls).
 IBM_STACK = Software(attention="flash2")
@@ -251,12 +261,14 @@ def _nemo(name: str, source: str, model: GPTConfig, gpus: int, lay: dict, seq: i
     settings = {**lay, "float8": "tensorwise"} if fp8 else lay
     version = "NeMo 24.07" if source == NEMO_DOCS else "Bridge 25.11"
     # Bridge's performance recipes compute the loss with Transformer Engine's cross entropy (`cross_entropy_fusion_impl
-    # = "te"`), which writes its gradient into the bf16 logits; NeMo 24.07's (Megatron-Core's) keeps an fp32 softmax.
+    # = "te"`), which writes its gradient into the bf16 logits; NeMo 24.07's (Megatron-Core's) keeps an fp32 softmax,
+    # writes its gradient there and casts it to bf16 for the head.
     loss_bytes = 4 if source == NEMO_DOCS else 2
     software = replace(
         NEMO_FP8 if fp8 else NEMO,
         offloaded_layers=offloaded,
         loss_bytes=loss_bytes,
+        loss_grad_bytes=2 if source == NEMO_DOCS else 0,
         bf16_optimizer=source == NEMO_DOCS and model in BF16_OPTIMIZER_STATE,
     )
     cluster = dict(gpu=GPUS[gpu], **({"host_link_gbps": GRACE_C2C} if gpu == "GB200" else {}))

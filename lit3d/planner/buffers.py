@@ -40,6 +40,7 @@ class Transient:
     end: int
     step: int
     forward: int = 0
+    gathered: int = 0  # (ZeRO-2/3) the parameters gathered when backward begins, before any gradient
 
 
 def transient_bytes(
@@ -110,22 +111,29 @@ def _fsdp(tensors: list[Tensor], layout: Any, zero: ZeroPolicy, precision: Any, 
     # output (prefetched), and the root.
     forward = (root + 3 * block) * gather if zero.reshards_after_forward else 0
     if summed:  # every unsharded gradient summed in the reduce dtype, beside the first block's new ones
-        return Transient(gathered + every_grad * reduce + block_grads * gather, end, step, forward)
-    return Transient(gathered + root_grads * gather + scatter, end, step, forward)
+        return Transient(gathered + every_grad * reduce + block_grads * gather, end, step, forward, gathered)
+    return Transient(gathered + root_grads * gather + scatter, end, step, forward, gathered)
 
 
 def peak_memory(
-    memory: dict[str, int], transient: Transient, grads_from_start: int, forward_share: float = 1.0
+    memory: dict[str, int],
+    transient: Transient,
+    grads_from_start: int,
+    forward_share: float = 1.0,
+    loss_grads: float = 0,
 ) -> tuple[int, int]:
-    """``(buffers, total)`` at the step's peak, the most of forward's last gather, backward's start, its end and the
-    optimizer step. ``grads_from_start``: how many whole copies of the gradients exist before backward starts (DDP's
-    buckets, sums of micro-steps that the parameters hold); ``forward_share``: the share of the activations kept
-    by the time forward gathers its last block."""
+    """``(buffers, total)`` at the step's peak, the most of forward's last gather, the loss's backward, backward's
+    start, its end and the optimizer step. ``grads_from_start``: how many whole copies of the gradients exist before
+    backward starts (DDP's buckets, sums of micro-steps that the parameters hold); ``forward_share``: the share of
+    the activations kept by the time forward gathers its last block; ``loss_grads``: what the loss's backward makes
+    beside every activation (`lit3d.planner.inputs.Software.loss_grad_bytes`), before any parameter's gradient."""
     states = memory["params"] + memory["optimizer"]
     grads = memory["grads"]
     before_backward = states + grads * grads_from_start
+    at_loss = transient.gathered + loss_grads
     moments = [
         (transient.forward, before_backward + memory["activations"] * forward_share + transient.forward),
+        (at_loss, before_backward + memory["activations"] + at_loss),
         (transient.start, before_backward + memory["activations"] + transient.start),
         (transient.end, states + grads + transient.end),
         (transient.step, states + grads + transient.step),

@@ -174,6 +174,12 @@ class Software:
         loss_bytes: Bytes per element of the log-probabilities the loss keeps for backward: lit3d computes its loss
             in fp32 (4); a loss on bf16 logits keeps them in bf16 (2: NeMo AutoModel's ``fp32_upcast: false``, and
             Transformer Engine's cross entropy, which writes its gradient into the logits).
+        loss_grad_bytes: Bytes per element of the logits that the loss's backward makes beside what it kept, before
+            any parameter's gradient; None: PyTorch's cross entropy (lit3d's, torchtitan's), whose backward makes the
+            gradient of the log-probabilities and then that of the logits beside the log-probabilities it kept:
+            twice ``loss_bytes``. Megatron-Core's vocabulary-parallel cross entropy writes its gradient into the fp32
+            softmax it kept and casts it to bf16 for the head (2); Transformer Engine's writes it into the bf16 logits
+            (0).
         fp8_saved_inputs: Under ``float8``, each FP8 linear keeps its input's FP8 cast for backward (Transformer
             Engine): the norms' and the SwiGLU's outputs in one byte each instead of the compute dtype's, and a cast
             of the attention output beside it. lit3d's FP8 (torchao) keeps the inputs as they came (False). Counted
@@ -193,7 +199,13 @@ class Software:
     bf16_optimizer: bool = False
     offloaded_layers: int = 0
     loss_bytes: int = 4
+    loss_grad_bytes: int | None = None
     fp8_saved_inputs: bool = False
+
+    @property
+    def loss_gradient_bytes(self) -> int:
+        """`loss_grad_bytes`, or PyTorch's cross entropy's where it is None."""
+        return 2 * self.loss_bytes if self.loss_grad_bytes is None else self.loss_grad_bytes
 
 
 @dataclass

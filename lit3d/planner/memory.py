@@ -85,8 +85,12 @@ def memory_by_stage(case: Case) -> Memory:
         acts = layers * weight_copies + _blocks_kept(layers, software.offloaded_layers, per_token * tokens, in_flight)
         if stage_rank == 0 and lora is not None and not checkpointing:  # (the stage of block 0)
             acts -= first_block_savings(config, tp, sp, lora, tokens * in_flight, copies)
-        if full_recompute:  # one block recomputed at a time, for one micro-batch
-            acts += activation_bytes_per_token(config, tp, sp, False, a, lora, saves, fp8_inputs=fp8_inputs) * tokens
+        recomputed = 0.0  # one block recomputed at a time in backward, for one micro-batch
+        if full_recompute:
+            recomputed = (
+                activation_bytes_per_token(config, tp, sp, False, a, lora, saves, fp8_inputs=fp8_inputs) * tokens
+            )
+            acts += recomputed
         if holds_head:
             losses = in_flight if pp == 1 else last_stage_in_flight(schedule, pp, schedule_m)
             acts += output_layer_bytes(config, tp, sp, tokens * losses, a, lora is not None, software.loss_bytes)
@@ -97,7 +101,12 @@ def memory_by_stage(case: Case) -> Memory:
             # norm with every activation alive, and its backward's fp32 temporaries are the step's peak
             transient = replace(transient, start=transient.start + 4 * 4 * config.d_model * tokens / (tp if sp else 1))
         forward_share = (layers - 1) / layers if layers else 1.0
-        memory["buffers"], memory["total"] = peak_memory(memory, transient, grads_from_start, forward_share)
+        # the loss's backward (`Software.loss_grad_bytes`): every activation alive but the block backward recomputes
+        # later, no parameter's gradient yet
+        loss_grads = (
+            tokens * config.padded_vocab_size / tp * software.loss_gradient_bytes - recomputed if holds_head else 0
+        )
+        memory["buffers"], memory["total"] = peak_memory(memory, transient, grads_from_start, forward_share, loss_grads)
         by_stage.append(memory)
     return Memory(by_stage, params_per_rank, int(per_token * tokens + weight_copies))
 

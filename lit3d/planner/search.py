@@ -75,6 +75,8 @@ def check_inputs(config: GPTConfig, cluster: Cluster, training: Training) -> Non
         raise ValueError(f"Software.offloaded_layers={software.offloaded_layers!r} must be 0 or more blocks")
     if software.loss_bytes not in (2, 4):
         raise ValueError(f"Software.loss_bytes={software.loss_bytes!r} must be 2 (bf16) or 4 (fp32)")
+    if not software.loss_gradient_bytes >= 0:
+        raise ValueError(f"Software.loss_grad_bytes={software.loss_grad_bytes!r} must be 0 or more bytes")
     bandwidth, latency = cluster.inter_island_gbps, cluster.inter_island_latency_ms
     if not bandwidth > 0 or not latency >= 0:
         raise ValueError(
