@@ -59,13 +59,9 @@ def memory_by_stage(case: Case) -> Memory:
     saves, recomputed = software.saved_activations, software.recomputed_matmuls
     fp8_inputs = software.fp8_saved_inputs and settings.float8 is not None
     per_token = activation_bytes_per_token(config, tp, sp, checkpointing, a, lora, saves, recomputed, fp8_inputs)
-    full_recompute = checkpointing in (True, "full")
-    # Mixed precision with fp32 parameters in forward: autocast's bf16 weight copies, one per block per step (under
-    # LoRA the frozen weights may be fp32 where the adapters are not: ZeRO-1's master weights).
-    cast = not checkpointing and not params_cast_by_fsdp(layout, zero, precision)
-    copies = cast and (precision.frozen_bytes if lora else precision.weights) > a
-    adapter_copies = cast and lora is not None and precision.weights > a
-    weight_copies = autocast_weight_bytes(config, tp, lora, copies, adapter_copies)
+    whole_block = activation_bytes_per_token(config, tp, sp, False, a, lora, saves, fp8_inputs=fp8_inputs) * tokens
+    recomputed_block = whole_block if checkpointing in (True, "full") else 0.0  # one at a time, in backward
+    copies, weight_copies = _weight_copies(case)
     summed = microbatches > 1  # gradients summed over micro-steps (accumulation) or a pipeline's micro-batches
     # ZeRO-2/3's accumulation without a pipeline: reduce-scattered at every micro-step, summed as shards
     as_shards = summed and pp == 1 and layout.replicas > 1 and zero.reduces_every_micro_step
@@ -85,12 +81,7 @@ def memory_by_stage(case: Case) -> Memory:
         acts = layers * weight_copies + _blocks_kept(layers, software.offloaded_layers, per_token * tokens, in_flight)
         if stage_rank == 0 and lora is not None and not checkpointing:  # (the stage of block 0)
             acts -= first_block_savings(config, tp, sp, lora, tokens * in_flight, copies)
-        recomputed = 0.0  # one block recomputed at a time in backward, for one micro-batch
-        if full_recompute:
-            recomputed = (
-                activation_bytes_per_token(config, tp, sp, False, a, lora, saves, fp8_inputs=fp8_inputs) * tokens
-            )
-            acts += recomputed
+        acts += recomputed_block
         if holds_head:
             losses = in_flight if pp == 1 else last_stage_in_flight(schedule, pp, schedule_m)
             acts += output_layer_bytes(config, tp, sp, tokens * losses, a, lora is not None, software.loss_bytes)
@@ -103,12 +94,22 @@ def memory_by_stage(case: Case) -> Memory:
         forward_share = (layers - 1) / layers if layers else 1.0
         # the loss's backward (`Software.loss_grad_bytes`): every activation alive but the block backward recomputes
         # later, no parameter's gradient yet
-        loss_grads = (
-            tokens * config.padded_vocab_size / tp * software.loss_gradient_bytes - recomputed if holds_head else 0
-        )
+        loss_grads = tokens * config.padded_vocab_size / tp * software.loss_gradient_bytes - recomputed_block
+        loss_grads = loss_grads if holds_head else 0
         memory["buffers"], memory["total"] = peak_memory(memory, transient, grads_from_start, forward_share, loss_grads)
         by_stage.append(memory)
     return Memory(by_stage, params_per_rank, int(per_token * tokens + weight_copies))
+
+
+def _weight_copies(case: Case) -> tuple[bool, int]:
+    """Mixed precision with fp32 parameters in forward: whether autocast copies a block's weights to bf16 (under LoRA
+    the frozen weights may be fp32 where the adapters are not: ZeRO-1's master weights), and the bytes of one block's
+    copies, saved for backward, one per block per step."""
+    config, layout, precision, lora = case.config, case.layout, case.precision, case.training.lora
+    cast = not case.settings.activation_checkpointing and not params_cast_by_fsdp(layout, case.zero, precision)
+    copies = cast and (precision.frozen_bytes if lora else precision.weights) > precision.activations
+    adapter_copies = cast and lora is not None and precision.weights > precision.activations
+    return copies, autocast_weight_bytes(config, layout.tp, lora, copies, adapter_copies)
 
 
 def _blocks_kept(layers: int, offloaded: int, per_block: float, in_flight: int) -> float:
