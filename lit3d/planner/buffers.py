@@ -1,6 +1,8 @@
 """What a rank holds for part of a training step only, beyond its weights, gradients, optimizer states and
-activations, and when: the peak of a step is the most of three moments.
+activations, and when: the peak of a step is the most of these moments (`peak_memory`).
 
+- the loss's backward: every activation, beside the gradients already whole and the parameters gathered, with what
+  the loss makes (`lit3d.planner.inputs.Software.loss_grad_bytes`) before any parameter has a gradient;
 - backward's start: every activation, beside the gradients already whole (DDP's buckets; the sums of earlier
   micro-steps where the parameters hold them) and the buffers of the first blocks backward reaches;
 - backward's end: every gradient, beside the buffers of the last blocks;
