@@ -59,8 +59,13 @@ def memory_by_stage(case: Case) -> Memory:
     saves, recomputed = software.saved_activations, software.recomputed_matmuls
     fp8_inputs = software.fp8_saved_inputs and settings.float8 is not None
     per_token = activation_bytes_per_token(config, tp, sp, checkpointing, a, lora, saves, recomputed, fp8_inputs)
-    whole_block = activation_bytes_per_token(config, tp, sp, False, a, lora, saves, fp8_inputs=fp8_inputs) * tokens
-    recomputed_block = whole_block if checkpointing in (True, "full") else 0.0  # one at a time, in backward
+    recomputed_block = 0.0  # full recompute: one block rebuilt at a time in backward, for one micro-batch
+    if checkpointing in (True, "full"):
+        recomputed_block = activation_bytes_per_token(config, tp, sp, False, a, lora, saves, fp8_inputs=fp8_inputs)
+        recomputed_block *= tokens
+    # the loss's backward (`Software.loss_grad_bytes`) on the stage of the head: every activation alive but the block
+    # backward rebuilds later, no parameter's gradient yet
+    loss_moment = tokens * config.padded_vocab_size / tp * software.loss_gradient_bytes - recomputed_block
     copies, weight_copies = _weight_copies(case)
     summed = microbatches > 1  # gradients summed over micro-steps (accumulation) or a pipeline's micro-batches
     # ZeRO-2/3's accumulation without a pipeline: reduce-scattered at every micro-step, summed as shards
@@ -92,10 +97,7 @@ def memory_by_stage(case: Case) -> Memory:
             # norm with every activation alive, and its backward's fp32 temporaries are the step's peak
             transient = replace(transient, start=transient.start + 4 * 4 * config.d_model * tokens / (tp if sp else 1))
         forward_share = (layers - 1) / layers if layers else 1.0
-        # the loss's backward (`Software.loss_grad_bytes`): every activation alive but the block backward recomputes
-        # later, no parameter's gradient yet
-        loss_grads = tokens * config.padded_vocab_size / tp * software.loss_gradient_bytes - recomputed_block
-        loss_grads = loss_grads if holds_head else 0
+        loss_grads = loss_moment if holds_head else 0
         memory["buffers"], memory["total"] = peak_memory(memory, transient, grads_from_start, forward_share, loss_grads)
         by_stage.append(memory)
     return Memory(by_stage, params_per_rank, int(per_token * tokens + weight_copies))
