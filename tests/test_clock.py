@@ -40,6 +40,24 @@ def test_every_published_run_plans_and_every_one_that_trained_fits_but_the_gaps_
     assert len(misses) <= 2
 
 
+def test_the_numbers_memory_gaps_gives_are_the_plans():
+    """The reasons `MEMORY_GAPS` prints are written by hand: their numbers must be the plan's and the model's."""
+    runs = {run.name: run for run in RUNS}
+    qwen = runs["Qwen3 30B-A3B, FSDP8 x EP8"]
+    planned, tokens = predict(qwen).memory_per_gpu, qwen.loop["micro_batch_size"] * qwen.loop["seq_len"]
+    assert round(sum(planned[k] for k in ("params", "grads", "optimizer")) / 1e9) == 61
+    software = qwen.loop["software"]
+    loss = tokens * qwen.model.padded_vocab_size * software.loss_gradient_bytes
+    in_place = replace(qwen, loop={**qwen.loop, "software": replace(software, loss_grad_bytes=0)})
+    assert round(loss / 1e9, 1) == 10.0 and predict(in_place).fits and not predict(qwen).fits  # (the loss is why)
+    assert "61 GB" in MEMORY_GAPS[qwen.name] and "10.0 GB" in MEMORY_GAPS[qwen.name]
+    llama = runs["Llama 3 70B, FSDP64, 64 GB200, FP8 (Bridge 25.11)"]
+    block = predict(llama).activation_bytes_per_layer
+    root = 2 * llama.model.padded_vocab_size * llama.model.d_model  # the embedding and the head
+    assert round(block / 1e9, 1) == 3.9 and round(root * (2 + 2) / 1e9, 1) == 8.4  # gathered and their gradients
+    assert "3.9 GB" in MEMORY_GAPS[llama.name] and "8.4 GB" in MEMORY_GAPS[llama.name]
+
+
 def test_llama3_405b_as_meta_ran_it_plans_within_an_h100():
     """DP128 x TP8 x PP16 with 8 virtual stages (Meta's cut), 16 micro-batches of 8,192 tokens, no recompute: every
     micro-batch's activations are held on every chunk at once (the warm-up covers the whole schedule when there are
