@@ -61,10 +61,6 @@ MEMORY_GAPS = {
         "2 x 8,192 tokens; the planner also keeps the embedding and the head gathered through the step with their "
         "gradients (8.4 GB), as lit3d's FSDP2 root does, where Megatron-FSDP gathers each where it is used"
     ),
-    "Qwen3 30B-A3B, FSDP8 x EP8": (
-        f"{TIGHT}: beside 61 GB of fp32 states on 8 ranks, its loss on the bf16 logits of 4 x 4,096 tokens and "
-        "151,936 words makes 10.0 GB of gradients in backward, as PyTorch's cross entropy does"
-    ),
 }
 
 

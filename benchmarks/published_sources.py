@@ -66,8 +66,10 @@ IBM_SELECTIVE = Software(attention="flash2", recomputed_matmuls=0.5)
 # compiler fuses it (norm and SwiGLU outputs recomputed in backward: the least a block keeps without recompute).
 META_STACK = Software(attention="flash2", fused=True, saved_activations="compiled")
 # NeMo AutoModel: Transformer Engine's RMSNorm, linear and attention kernels on eager PyTorch FSDP2; its benchmark's
-# loss on the bf16 logits (MaskedCrossEntropy, `fp32_upcast: false`).
-AUTOMODEL_STACK = Software(attention="cudnn", loss_bytes=2)
+# loss on the bf16 logits (MaskedCrossEntropy, `fp32_upcast: false`). Its Qwen3 MoE is built in bf16
+# (`Qwen3MoeForCausalLM.initialize_weights(dtype=torch.bfloat16)`), so torch.optim.Adam keeps bf16 moments: the run
+# plans as bf16-true, its gradients reduced in fp32 (its MoE parallelizer's `reduce_dtype=torch.float32`).
+AUTOMODEL_STACK = Software(attention="cudnn", loss_bytes=2, fp32_reduce=True)
 
 
 def dense(layers: int, hidden: int, heads: int, vocab: int, kv: int | None = None, ff: int | None = None, **more):
@@ -297,10 +299,12 @@ NEMO_RUNS = [
 AUTOMODEL_RUN = Run(
     "Qwen3 30B-A3B, FSDP8 x EP8", "NVIDIA NeMo AutoModel docs/performance-summary.md",
     GPTConfig.load("qwen3-30b-a3b"), 8,
-    layout(8, ep=8, zero=3, activation_checkpointing=True), loop(4096, 512, 4, AUTOMODEL_STACK), 12040,
+    layout(8, ep=8, zero=3, activation_checkpointing=True),
+    loop(4096, 512, 4, AUTOMODEL_STACK, precision="bf16-true"), 12040,
     group=AUTOMODEL,
     assumed="full recompute as its config states (examples/benchmark/configs/qwen3_moe_30b_te_deepep.yaml: "
-    "activation_checkpointing: true); Transformer Engine's norm and attention kernels on eager PyTorch; routing "
+    "activation_checkpointing: true); weights, gradients and Adam's moments in bf16, gradients reduced in fp32, as "
+    "its code builds and wraps the model; Transformer Engine's norm and attention kernels on eager PyTorch; routing "
     "balanced (as the page states); DeepEP's all-to-all priced as NCCL's",
 )  # fmt: skip
 

@@ -168,6 +168,9 @@ class Software:
         bf16_optimizer: The optimizer's state held in bf16 under bf16-mixed: both of Adam's moments and, where master
             weights are kept, their copy, half the bytes of fp32 state (Apex's ``DistributedFusedAdam`` with
             ``dtype: bf16``, as NeMo 24.07-24.09's Nemotron-4 340B config sets it); lit3d keeps them in fp32.
+        fp32_reduce: Gradients reduced in fp32 under bf16-true, then held in bf16: FSDP2's
+            ``MixedPrecisionPolicy(reduce_dtype=torch.float32)`` on a model built in bf16 (NeMo AutoModel's); lit3d's
+            bf16-true reduces them in bf16.
         offloaded_layers: Blocks per pipeline rank whose saved activations are copied to host memory in forward and
             back before their backward, beside the compute (Megatron-Core's ``cpu_offloading_num_layers``); the
             device keeps one such block's in transit. lit3d keeps every block's on the device (0).
@@ -197,6 +200,7 @@ class Software:
     saved_activations: str = "eager"
     bf16_grads: bool = False
     bf16_optimizer: bool = False
+    fp32_reduce: bool = False
     offloaded_layers: int = 0
     loss_bytes: int = 4
     loss_grad_bytes: int | None = None
@@ -282,6 +286,8 @@ def held_precision(training: Training, settings: Parallelism, layout: Layout) ->
         precision = replace(precision, grads=2, reduced=2)
     if is_bf16_mixed(training.precision) and training.software.bf16_optimizer:
         precision = replace(precision, optimizer=precision.optimizer // 2)
+    if training.precision == "bf16-true" and training.software.fp32_reduce:
+        precision = replace(precision, reduced=4)
     return precision
 
 
