@@ -58,8 +58,8 @@ TIGHT = "within the card's memory, not the 10 % of it the planner keeps free"
 MEMORY_GAPS = {
     "Llama 3 70B, FSDP64, 64 GB200, FP8 (Bridge 25.11)": (
         f"{TIGHT}: with 40 of its 80 blocks offloaded as its config states, the other 40 keep 3.9 GB each for "
-        "2 x 8,192 tokens; the planner also keeps the embedding and the head gathered through the step with their "
-        "gradients (8.4 GB), as lit3d's FSDP2 root does, where Megatron-FSDP gathers each where it is used"
+        "2 x 8,192 tokens; the embedding and the head stay gathered through the step with their gradients (8.4 GB), "
+        "as lit3d's FSDP2 root keeps them and as Megatron-FSDP keeps the modules outside its units (the blocks)"
     ),
 }
 
