@@ -43,7 +43,8 @@ class GPTWithoutLossFn(GPT):
 
 
 class RecordPlacement(L.Callback):
-    """Writes, per rank, where it runs: its node (from the launcher's environment) and its tensor-parallel group."""
+    """Writes, per rank, where it runs: its node (from the launcher's environment), its tensor-parallel group and its
+    pipeline stage."""
 
     def on_train_start(self, trainer, pl_module):
         import json
@@ -55,6 +56,7 @@ class RecordPlacement(L.Callback):
             "rank": trainer.global_rank,
             "node": trainer.node_rank,
             "tp_group": dist.get_process_group_ranks(mesh["tensor_parallel"].get_group()),
+            "stage": trainer.strategy.layout.coordinate(trainer.global_rank).p,
         }
         Path(f"placement_rank{trainer.global_rank}.json").write_text(json.dumps(record))
 

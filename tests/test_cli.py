@@ -49,21 +49,6 @@ def test_fit_under_ddp_gives_the_single_process_losses(tmp_path, single_process_
     torch.testing.assert_close(ddp, single_process_losses, rtol=1e-5, atol=0)
 
 
-def test_fit_under_dp2_tp2_pp2_on_8_processes_gives_the_single_process_losses(tmp_path, single_process_losses):
-    """The README's 3D command: data x tensor x pipeline parallel, 2 x 2 x 2 (the strategy by its class path). The
-    model summary counts the whole model (Lightning's counted rank 0's pipeline stage), and rank 0's share beside it.
-    (TP2 x DP2 from the command line: the two-node torchrun test below.)"""
-    losses, printed = fit_losses(
-        tmp_path,
-        "--trainer.devices=8",
-        "--trainer.strategy=lit3d.strategies.Parallel3DStrategy",
-        "--trainer.strategy.tensor_parallel_size=2",
-        "--trainer.strategy.pipeline_parallel_size=2",
-    )
-    torch.testing.assert_close(losses, single_process_losses, rtol=1e-5, atol=0)
-    assert "Total params: 853 K" in printed and "of the model's 853 K parameters" in printed, printed[-3000:]
-
-
 def test_3d_auto_with_a_memory_limit_picks_a_split_layout_logs_it_and_trains_like_one_process(
     tmp_path, single_process_losses
 ):
@@ -253,9 +238,11 @@ def test_help_lists_every_command(early_exits):
         assert f"\n  {command} " in early_exits["help"]["stdout"], command
 
 
-def test_two_node_torchrun_on_loopback_keeps_tp_inside_a_node(tmp_path, single_process_losses):
-    """Two `torchrun --nnodes 2` invocations on 127.0.0.1 (2 ranks each), TP2 x DP2: each TP group lives on one
-    "node", and the loss curve is the single-process one."""
+def test_two_node_torchrun_on_loopback_keeps_tp_inside_a_node_and_pipelines_across(tmp_path, single_process_losses):
+    """The README's 3D layout, data x tensor x pipeline parallel 2 x 2 x 2 (the strategy by its class path), launched
+    as two `torchrun --nnodes 2` invocations on 127.0.0.1 (4 ranks each): each TP group lives on one "node", each node
+    holds one pipeline stage, and the loss curve is the single-process one. The model summary counts the whole model
+    (Lightning's counted rank 0's pipeline stage), and rank 0's share beside it."""
     import json
     import socket
 
@@ -270,7 +257,7 @@ def test_two_node_torchrun_on_loopback_keeps_tp_inside_a_node(tmp_path, single_p
                 "-m",
                 "torch.distributed.run",
                 "--nnodes=2",
-                "--nproc_per_node=2",
+                "--nproc_per_node=4",
                 f"--node_rank={node}",
                 "--master_addr=127.0.0.1",
                 f"--master_port={port}",
@@ -280,9 +267,10 @@ def test_two_node_torchrun_on_loopback_keeps_tp_inside_a_node(tmp_path, single_p
                 TINY,
                 *QUICK,
                 "--trainer.num_nodes=2",
-                "--trainer.devices=2",
-                "--trainer.strategy=Parallel3DStrategy",
+                "--trainer.devices=4",
+                "--trainer.strategy=lit3d.strategies.Parallel3DStrategy",
                 "--trainer.strategy.tensor_parallel_size=2",
+                "--trainer.strategy.pipeline_parallel_size=2",
                 "--trainer.callbacks+=helpers.RecordPlacement",
             ],
             cwd=tmp_path,
@@ -293,13 +281,15 @@ def test_two_node_torchrun_on_loopback_keeps_tp_inside_a_node(tmp_path, single_p
         )
         for node in (0, 1)
     ]
-    outputs = [p.communicate(timeout=240)[0] for p in nodes]
+    outputs = [p.communicate(timeout=300)[0] for p in nodes]
     assert [p.returncode for p in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
-    placements = [json.loads((tmp_path / f"placement_rank{r}.json").read_text()) for r in range(4)]
-    assert [p["node"] for p in placements] == [0, 0, 1, 1]
+    placements = [json.loads((tmp_path / f"placement_rank{r}.json").read_text()) for r in range(8)]
+    assert [p["node"] for p in placements] == [0] * 4 + [1] * 4
+    assert [p["stage"] for p in placements] == [p["node"] for p in placements]  # one pipeline stage a node
     for p in placements:
         assert {placements[r]["node"] for r in p["tp_group"]} == {p["node"]}  # the TP group is on its own node
-    assert "2 node(s) x 2 device(s)" in outputs[0]  # the rank map printed at start shows the nodes
+    assert "2 node(s) x 4 device(s)" in outputs[0]  # the rank map printed at start shows the nodes
+    assert "Total params: 853 K" in outputs[0] and "of the model's 853 K parameters" in outputs[0], outputs[0][-3000:]
     losses = torch.tensor(logged(tmp_path / "runs" / "tiny" / "version_0", "train_loss"))
     torch.testing.assert_close(losses, single_process_losses, rtol=1e-5, atol=0)
 
