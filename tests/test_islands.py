@@ -12,6 +12,8 @@ from lit3d.callbacks import CommReport
 from lit3d.parallel.rank_map import rank_map
 
 EXACT = {"outer_lr": 1.0, "outer_momentum": 0.0}  # one round = the islands' average
+AVERAGED = 6  # steps of the every-step-averaged runs (each step an outer step)
+SAVED = 8  # steps of the run saved after step 6 (H=4) and of its resumed copy
 
 
 class OuterSteps(Callback):
@@ -55,27 +57,31 @@ def islands(k: int, h: int, **more) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(base_job, tmp_path_factory) -> dict:
-    """Jobs on 4 ranks in one spawn: synchronous DP4, one island of DP4, and 2 islands x DP2."""
+    """Jobs on 4 ranks in one spawn: synchronous DP4, one island of DP4, and 2 islands x DP2; 16 steps where the
+    curve is compared or must fall, fewer where each step is checked (`AVERAGED`) or a resume (`SAVED`)."""
     out = tmp_path_factory.mktemp("islands")
     base = merge(base_job, {"trainer": {"max_steps": 16, "val_check_interval": 8}})
+    averaged, saved = (merge(base, {"trainer": {"max_steps": steps}}) for steps in (AVERAGED, SAVED))
     bytes_over = lambda steps: {"callbacks": [CommReport(step=4, steps=steps, verbose=False)]}
     step6 = str(out / "save" / "ckpts" / "step=6.ckpt")
     jobs = {
         "sync_dp4": merge(base, {"strategy": {"zero_stage": 1}, **bytes_over(8)}),
         "one_island_h3": merge(base, islands(1, 3, **EXACT)),
-        "average_h1": merge(base, {**islands(2, 1, **EXACT), "callbacks": [OuterSteps()]}),
+        "average_h1": merge(averaged, {**islands(2, 1, **EXACT), "callbacks": [OuterSteps()]}),
         # the same check where each rank holds FSDP2 shards, a pipeline stage, tensor-parallel shards
-        "average_h1_zero3": merge(base, {**islands(2, 1, **EXACT, zero_stage=3), "callbacks": [OuterSteps()]}),
+        "average_h1_zero3": merge(averaged, {**islands(2, 1, **EXACT, zero_stage=3), "callbacks": [OuterSteps()]}),
         "average_h1_pp2": merge(
-            base, {**islands(2, 1, **EXACT, pipeline_parallel_size=2), "callbacks": [OuterSteps()]}
+            averaged, {**islands(2, 1, **EXACT, pipeline_parallel_size=2), "callbacks": [OuterSteps()]}
         ),
-        "average_h1_tp2": merge(base, {**islands(2, 1, **EXACT, tensor_parallel_size=2), "callbacks": [OuterSteps()]}),
+        "average_h1_tp2": merge(
+            averaged, {**islands(2, 1, **EXACT, tensor_parallel_size=2), "callbacks": [OuterSteps()]}
+        ),
         "streaming_bf16": merge(
             base, {**islands(2, 4, outer_fragments=2, outer_reduce_dtype="bfloat16"), **bytes_over(4)}
         ),
         "diloco_h8": merge(base, {**islands(2, 8), **bytes_over(8)}),
-        "save": merge(base, {**islands(2, 4), "checkpoint_every": 6}),
-        "resume": merge(base, {**islands(2, 4), "ckpt_path": step6}),
+        "save": merge(saved, {**islands(2, 4), "checkpoint_every": 6}),
+        "resume": merge(saved, {**islands(2, 4), "ckpt_path": step6}),
     }
     return run_jobs(4, jobs, out)
 
@@ -108,7 +114,7 @@ def test_synchronous_dp4_and_one_island_follow_the_single_process_curve(runs, ba
 @pytest.mark.parametrize("job", ["average_h1", "average_h1_zero3", "average_h1_pp2", "average_h1_tp2"])
 def test_every_step_averaged_islands_hold_the_mean_of_their_inner_steps(runs, job):
     records = runs[job]["outer_steps"]
-    assert [r["inner_step"] for r in records] == list(range(1, 17))
+    assert [r["inner_step"] for r in records] == list(range(1, AVERAGED + 1))
     print(f"\nH=1: max from the mean {max(r['from_mean'] for r in records):.2e}, "
           f"between islands {max(r['between_islands'] for r in records):.2e}")  # fmt: skip
     for r in records:
@@ -147,9 +153,10 @@ def test_diloco_loss_stays_near_synchronous_data_parallelism(runs):
 
 
 def test_resuming_in_the_middle_of_an_outer_step_continues_the_curve_exactly(runs):
-    # saved after inner step 6 of 16 with H=4: two steps into the second outer round, islands apart
+    # saved after inner step 6 of 8 with H=4: two steps into the second outer round, islands apart; the resumed run
+    # ends that round with the outer step
     saved, resumed = runs["save"]["losses"], runs["resume"]["losses"]
-    assert len(saved) == 16 and resumed == saved[6:]
+    assert len(saved) == SAVED and resumed == saved[6:]
     assert [r["param_sum"] for r in runs["resume"]["ranks"]] == [r["param_sum"] for r in runs["save"]["ranks"]]
 
 
