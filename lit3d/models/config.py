@@ -192,7 +192,7 @@ class GPTConfig:
     def to_dict(self) -> dict[str, Any]:
         """The settable fields (derived ones are left out): ``GPTConfig(**config.to_dict()) == config``.
         ``head_dim`` is kept only when it was set apart from ``d_model / n_head``."""
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        fields = {name: getattr(self, name) for name in _SETTABLE}  # (the planner's search calls this often)
         fields["head_dim"] = self._explicit_head_dim
         return fields
 
@@ -244,6 +244,8 @@ class GPTConfig:
         """The attention scores and their weighted sum, forward and backward: 12 · n_layer · heads · seq_len."""
         return 12 * self.n_layer * self.n_head * self.head_dim * seq_len
 
+
+_SETTABLE = tuple(f.name for f in dataclasses.fields(GPTConfig) if f.init)  # `GPTConfig.to_dict`'s fields
 
 # Rotary scalings lit3d computes (`lit3d.models.rotary`), and the parameters each needs besides ``rope_type``.
 ROPE_SCALINGS = {

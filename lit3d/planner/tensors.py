@@ -129,9 +129,11 @@ def config_key(
 ) -> tuple[tuple[str, Any], ...]:
     """A hashable stand-in for a (mutable, so unhashable) config, its adapters and its stages' blocks, for the
     caches."""
-    fields = {name: tuple(sorted(v.items())) if isinstance(v, dict) else v for name, v in config.to_dict().items()}
+    fields = tuple(
+        (name, tuple(sorted(v.items())) if isinstance(v, dict) else v) for name, v in config.to_dict().items()
+    )
     extra = ((("~lora", lora),) if lora is not None else ()) + ((("~layers", tuple(layers)),) if layers else ())
-    return tuple(sorted(fields.items())) + extra
+    return fields + extra  # (in the dataclass's field order)
 
 
 def config_of(key: tuple[tuple[str, Any], ...]) -> GPTConfig:
