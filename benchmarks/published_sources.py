@@ -261,18 +261,17 @@ NEMO_DOCS_ASSUMED = (
 def _nemo(name: str, source: str, model: GPTConfig, gpus: int, lay: dict, seq: int, batch: int, micro: int,
           tokens: float, fp8: bool = True, gpu: str = "H100", offloaded: int = 0) -> Run:  # fmt: skip
     settings = {**lay, "float8": "tensorwise"} if fp8 else lay
-    version = "NeMo 24.07" if source == NEMO_DOCS else "Bridge 25.11"
-    # Bridge's performance recipes compute the loss with Transformer Engine's cross entropy (`cross_entropy_fusion_impl
-    # = "te"`), which writes its gradient into the bf16 logits; NeMo 24.07's (Megatron-Core's) keeps an fp32 softmax,
-    # writes its gradient there and casts it to bf16 for the head.
-    loss_bytes = 4 if source == NEMO_DOCS else 2
+    bridge = source == BRIDGE_DOCS
+    version = "Bridge 25.11" if bridge else "NeMo 24.07"
     software = replace(
         NEMO_FP8 if fp8 else NEMO,
         offloaded_layers=offloaded,
-        loss_bytes=loss_bytes,
-        loss_grad_bytes=2 if source == NEMO_DOCS else 0,
-        bf16_optimizer=source == NEMO_DOCS and model in BF16_OPTIMIZER_STATE,
+        bf16_optimizer=not bridge and model in BF16_OPTIMIZER_STATE,
     )
+    if bridge:  # its performance recipes compute the loss with Transformer Engine's cross entropy
+        # (`cross_entropy_fusion_impl = "te"`), which keeps the bf16 logits and writes its gradient into them; NeMo
+        # 24.07's is Megatron-Core's, as the stacks above
+        software = replace(software, loss_bytes=2, loss_grad_bytes=0)
     cluster = dict(gpu=GPUS[gpu], **({"host_link_gbps": GRACE_C2C} if gpu == "GB200" else {}))
     return Run(f"{name}, {gpus} {gpu}" + (", FP8" if fp8 else "") + f" ({version})", source, model, gpus, settings,
                loop(seq, batch, micro, software), tokens, group=NVIDIA, assumed=NEMO_DOCS_ASSUMED,
