@@ -22,7 +22,6 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from lit3d.models.config import GPTConfig
-from lit3d.models.lora_settings import LoRA
 from lit3d.parallel.layout import Layout
 from lit3d.parallel.schedules import SCHEDULES, Costs, bubble_theory
 from lit3d.parallel.settings import Parallelism
@@ -39,7 +38,6 @@ from lit3d.planner.host import offloaded_activations, offloaded_states
 from lit3d.planner.inputs import GB, Case, Cluster, Precision, Training, held_precision
 from lit3d.planner.tensors import (
     adapter_params,
-    config_key,
     key_tensors,
     stepped_numel,
 )
@@ -149,10 +147,10 @@ def step_time(case: Case, traffic: dict[str, float], seconds: dict[str, float]) 
     fused, sp = _fused_and_sp(training, settings, layout)
     virtual = settings.chunks_per_rank if pp > 1 else 1
     placement = SCHEDULES[settings.pipeline_schedule].placement
-    times = _micro_batch_by_stage(config, layout, training, settings, cluster, precision.activations, sp, fused)
+    times = _micro_batch_by_stage(case, precision.activations, sp, fused)
     rank = max(range(pp), key=lambda r: times[r]["compute"] + times[r]["memory_bound"])
     if cluster.stage_gpus is not None:  # a fleet: each stage sends its own TP traffic over its own NVLink
-        rank, seconds = _busiest_in_fleet(config, layout, training, settings, precision, cluster, times, seconds)
+        rank, seconds = _busiest_in_fleet(case, times, seconds)
     busiest = times[rank]
     device = Device.of(cluster.stage(rank), precision.activations)  # (a fleet's stages run on their own GPUs)
     compute, memory = busiest["compute"] * microbatches, busiest["memory_bound"] * microbatches
@@ -178,7 +176,7 @@ def step_time(case: Case, traffic: dict[str, float], seconds: dict[str, float]) 
         exposed["dp_replicate"], hidden["dp_replicate"] = dp_replicate
     if "island" in seconds:  # NOTE: the outer step waits for its all-reduce, amortised over its inner steps
         exposed["island"] = seconds["island"]
-    optimizer = _optimizer(config, layout, settings, rank, device, virtual, placement, training.lora)
+    optimizer = _optimizer(case.key, layout, settings, rank, device, virtual, placement)
     if settings.offload:  # the states in host memory: copies over the host link, the optimizer on the CPU
         exposed["host"], optimizer = offloaded_states(
             config, layout, settings, training, rank, virtual, placement, cluster, precision
@@ -200,20 +198,12 @@ def step_time(case: Case, traffic: dict[str, float], seconds: dict[str, float]) 
     return StepTime(step, bubble, schedule_m, _model_flops(config, training), hidden, breakdown, seconds)
 
 
-def _busiest_in_fleet(
-    config: GPTConfig,
-    layout: Layout,
-    training: Training,
-    settings: Parallelism,
-    precision: Precision,
-    cluster: Cluster,
-    times: list[dict],
-    seconds: dict[str, float],
-) -> tuple[int, dict[str, float]]:
+def _busiest_in_fleet(case: Case, times: list[dict], seconds: dict[str, float]) -> tuple[int, dict[str, float]]:
     """The pipeline rank of a fleet whose micro-batches and TP traffic take longest, and ``seconds`` with its TP time:
     ``seconds["tp"]`` is the most TP traffic's over the slowest NVLink; each stage's is its own bytes over its own
     (TP stays inside a node on a fleet), with the same latency."""
-    sent = tp_bytes_by_stage(config, layout, training, settings, precision)
+    layout, training, cluster = case.layout, case.training, case.cluster
+    sent = tp_bytes_by_stage(case)
     microbatches = training.global_batch_size // (layout.data_replicas * training.micro_batch_size)
     latency = seconds["tp"] - max(sent) / _tp_link(cluster)
     tp = [n / _tp_link(cluster.stage(r)) + latency if n else 0.0 for r, n in enumerate(sent)]
@@ -226,23 +216,13 @@ def _tp_link(cluster: Cluster) -> float:
     return cluster.intra_node_gbps * cluster.gpu.efficiency.link * GB
 
 
-def _micro_batch_by_stage(
-    config: GPTConfig,
-    layout: Layout,
-    training: Training,
-    settings: Parallelism,
-    cluster: Cluster,
-    element: int,
-    sp: bool,
-    fused: bool,
-) -> list[dict]:
+def _micro_batch_by_stage(case: Case, element: int, sp: bool, fused: bool) -> list[dict]:
     """The times of one micro-batch on each pipeline rank, each on its own device (a fleet's `Cluster.stage_gpus`)."""
+    config, cluster, layout, training, settings = case.config, case.cluster, case.layout, case.training, case.settings
     virtual = settings.chunks_per_rank if layout.pp > 1 else 1
     placement = SCHEDULES[settings.pipeline_schedule].placement
     recompute, fp8 = recompute_of(settings, training), settings.float8 is not None
-    held = stages(
-        config, layout.pp, virtual, placement, layout.tp, layout.ep, training.lora, settings.pipeline_stage_layers
-    )
+    held = stages(case.key, layout.pp, virtual, placement, layout.tp, layout.ep)
     times: dict[tuple, dict] = {}  # NOTE: a long pipeline's middle stages hold alike: each is priced once
     for rank, stage in enumerate(held):
         gpu = cluster.stage_gpus[rank] if cluster.stage_gpus else None
@@ -258,7 +238,7 @@ def stage_times(
     """Seconds of one micro-batch's forward and backward on each pipeline rank (compute and memory-bound work)."""
     element = held_precision(training, settings, layout).activations
     fused, sp = _fused_and_sp(training, settings, layout)
-    times = _micro_batch_by_stage(config, layout, training, settings, cluster, element, sp, fused)
+    times = _micro_batch_by_stage(Case(config, cluster, layout, training, settings), element, sp, fused)
     return [t["compute"] + t["memory_bound"] for t in times]
 
 
@@ -329,17 +309,10 @@ def _data_parallel(
 
 
 def _optimizer(
-    config: GPTConfig,
-    layout: Layout,
-    settings: Parallelism,
-    rank: int,
-    device: Device,
-    virtual: int,
-    placement: str,
-    lora: LoRA | None = None,
+    key: tuple, layout: Layout, settings: Parallelism, rank: int, device: Device, virtual: int, placement: str
 ) -> float:
-    """AdamW's step over what the rank's optimizer steps, and clipping's norm: memory-bound."""
-    key = config_key(config, lora, settings.pipeline_stage_layers)
+    """AdamW's step over what the rank's optimizer steps (of the model a `config_key` stands for), and clipping's
+    norm: memory-bound."""
     numel, stepped = _stepped(key, layout, virtual, rank, placement, ZeroPolicy.of(settings, layout))
     return numel * OPTIMIZER_BYTES / device.bandwidth + device.kernels(stepped * OPTIMIZER_OPS)
 

@@ -13,6 +13,7 @@ from lit3d.parallel.precision import is_bf16_mixed
 from lit3d.parallel.settings import Parallelism
 from lit3d.parallel.zero import ZeroPolicy
 from lit3d.planner.hardware import GPU, GPUS
+from lit3d.planner.tensors import config_key
 
 GB = 1e9
 
@@ -310,3 +311,9 @@ class Case:
     @cached_property
     def zero(self) -> ZeroPolicy:
         return ZeroPolicy.of(self.settings, self.layout)
+
+    @cached_property
+    def key(self) -> tuple:
+        """The model's `config_key` with its adapters and its stages' blocks, built once: what it holds, sends and
+        steps is cached by it."""
+        return config_key(self.config, self.training.lora, self.settings.pipeline_stage_layers)

@@ -17,7 +17,6 @@ from lit3d.planner.buffers import Transient, peak_memory, transient_bytes
 from lit3d.planner.tensors import (
     StageShapes,
     Tensor,
-    config_key,
     key_tensors,
     local_numel,
     replicas,
@@ -76,7 +75,7 @@ def memory_by_stage(case: Case) -> Memory:
     ddp = layout.replicas > 1 and zero.all_reduces and not params_cast_by_fsdp(layout, zero, precision)
     grads_from_start = int(ddp) + int(summed and (zero.all_reduces or layout.replicas == 1)) + int(as_shards)
     placement = SCHEDULES[schedule].placement  # which chunks each pipeline rank holds
-    by_stage, params_per_rank, key = [], 0, config_key(config, lora, settings.pipeline_stage_layers)
+    by_stage, params_per_rank, key = [], 0, case.key
     for stage_rank in range(pp):
         unsharded_sums = summed and not as_shards
         held = _stage_state(key, layout, virtual, stage_rank, placement, zero, precision, unsharded_sums, offload)

@@ -33,16 +33,14 @@ def communication_bytes(case: Case) -> dict[str, float]:
     virtual, microbatches, schedules, sp, _ = _step_shape(layout, training, settings)
     act_bytes = training.micro_batch_size * training.seq_len // layout.cp * config.d_model * precision.activations
     traffic = {
-        "tp": max(tp_bytes_by_stage(config, layout, training, settings, precision)),
+        "tp": max(tp_bytes_by_stage(case)),
         "pp": 0.0,
         "dp": 0.0,
         "ep": 0.0,
         "cp": 0.0,
     }
     placement = SCHEDULES[settings.pipeline_schedule].placement
-    for stage in stages(
-        config, pp, virtual, placement, layout.tp, layout.ep, training.lora, settings.pipeline_stage_layers
-    ):
+    for stage in stages(case.key, pp, virtual, placement, layout.tp, layout.ep):
         moe, blocks = stage.moe, stage.blocks
         reduces = gradient_reductions(zero, pp, microbatches, schedules)
         shape = (microbatches // schedules, schedules, pp > 1, precision, reduces)
@@ -69,17 +67,17 @@ def communication_bytes(case: Case) -> dict[str, float]:
     return traffic
 
 
-def tp_bytes_by_stage(
-    config: GPTConfig, layout: Layout, training: Training, settings: Parallelism, precision: Precision
-) -> list[float]:
+def tp_bytes_by_stage(case: Case) -> list[float]:
     """Bytes each pipeline rank sends to its tensor-parallel group per optimizer step."""
+    config, layout, training, settings = case.config, case.layout, case.training, case.settings
+    precision = case.precision
     tp, pp = layout.tp, layout.pp
     virtual, microbatches, schedules, sp, per_block = _step_shape(layout, training, settings)
     tokens = training.micro_batch_size * training.seq_len // layout.cp  # a rank's tokens per micro-batch
     act_bytes = tokens * config.d_model * precision.activations
     ring = 2 * (tp - 1) / tp  # all-reduce traffic per byte; SP's all-gather + reduce-scatter pair costs the same
     placement, sent = SCHEDULES[settings.pipeline_schedule].placement, []
-    for stage in stages(config, pp, virtual, placement, tp, layout.ep, training.lora, settings.pipeline_stage_layers):
+    for stage in stages(case.key, pp, virtual, placement, tp, layout.ep):
         tp_blocks = stage.blocks * per_block + stage.moe * _moe_tp_change(settings, sp)
         tp_bytes = (tp_blocks + stage.first + stage.last) * act_bytes  # embedding (fwd) and head (bwd): one each
         if stage.last:  # the vocabulary-parallel loss: 3 fp32 all-reduces per token (max, sum, target logit)
@@ -188,24 +186,10 @@ def _step_shape(layout: Layout, training: Training, settings: Parallelism) -> tu
     )
 
 
-def stages(
-    config: GPTConfig,
-    pp: int,
-    virtual: int,
-    placement: str,
-    tp: int,
-    ep: int,
-    lora: LoRA | None = None,
-    layers: tuple[int, ...] | None = None,
-) -> list[StageSums]:
-    """Each pipeline rank's `StageSums` (cached: the search weighs every schedule of every layout with them);
-    ``layers``: `pipeline_stage_layers`."""
-    return list(_all_stage_sums(config_key(config, lora, layers), pp, virtual, placement, tp, ep))
-
-
 @lru_cache(maxsize=1024)
-def _all_stage_sums(key: tuple, pp: int, virtual: int, placement: str, tp: int, ep: int) -> tuple[StageSums, ...]:
-    """`stages` of a `config_key` (cached whole: looked up once per plan, not once per rank)."""
+def stages(key: tuple, pp: int, virtual: int, placement: str, tp: int, ep: int) -> tuple[StageSums, ...]:
+    """Each pipeline rank's `StageSums` of the model a `config_key` stands for (cached whole: the search weighs every
+    schedule of every layout with them)."""
     return tuple(_stage_sums(key, pp, virtual, placement, stage_rank, tp, ep) for stage_rank in range(pp))
 
 
@@ -285,7 +269,8 @@ def collectives(case: Case) -> dict[str, tuple[float, float]]:
     counts = {"tp": (0.0, 0.0), "pp": (0.0, 0.0), "dp": (0.0, 0.0), "ep": (0.0, 0.0), "cp": (0.0, 0.0)}
     cp, zero = layout.cp, case.zero
     placement = SCHEDULES[settings.pipeline_schedule].placement
-    for stage in stages(config, pp, virtual, placement, tp, layout.ep, layers=settings.pipeline_stage_layers):
+    key = config_key(config, layers=settings.pipeline_stage_layers)  # (the model without its adapters)
+    for stage in stages(key, pp, virtual, placement, tp, layout.ep):
         first, last, blocks = stage.first, stage.last, stage.blocks
         if cp > 1:  # point-to-point hops per attention layer: forward (again under recompute), then backward
             hops = (cp - 1) * (2 if settings.activation_checkpointing else 1) + (cp - 1) + cp
