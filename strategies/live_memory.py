@@ -6,72 +6,116 @@ of a DDP step is ours to the byte): it cannot tell gloo's own copies from what t
 copies its whole input (measured: 4 MB for 1M fp32 elements; its all-reduce, all-gather and all-to-all copy nothing)
 where NCCL reads the caller's buffer, so a CPU rank holds more than a GPU rank would. Those copies are storages made
 while a collective of ``torch.distributed`` runs; they are measured apart (``collective_copies``) and left out of
-``peak``. Each storage's size is read at every operation rather than when it is made, because FSDP2 frees and
-refills its gathered parameters by resizing their storages (``resize_``, which no dispatch mode sees).
+``peak``.
+
+Sizes are kept as running totals: a storage's bytes are added when an operation first returns it, read again when a
+later operation returns or writes it, and taken off when it is freed. A storage an operation returns that was already
+one of its inputs existed before (a view of a parameter, say) and may be resized where no dispatch mode sees it:
+FSDP2 frees and refills its gathered parameters by resizing their storages (``resize_``). Those are read at every
+operation. (Reading every storage at every operation was most of what measuring a small model's step cost.)
 """
 
 from __future__ import annotations
 
 import sys
 import weakref
+from collections.abc import Iterator
+from typing import Any
 
 import lightning as L
 import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_flatten
 
 COLLECTIVES = "torch/distributed/distributed_c10d.py"
 
 
 class LiveTensors(TorchDispatchMode):
-    """Every storage that an operation returns inside the mode, and those given to `hold`, weakly referenced; after
-    each operation, the bytes of those still alive. ``peak``: the most held at once; ``collective_copies``: the
-    most that storages made inside a collective held at once (gloo's copies, left out of ``peak``)."""
+    """Every storage that an operation returns inside the mode, and those given to `hold`, weakly referenced, with
+    the bytes they held when last read; ``peak``: the most held at once; ``collective_copies``: the most that
+    storages made inside a collective held at once (gloo's copies, left out of ``peak``)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._live: dict[int, tuple[weakref.ref, bool]] = {}  # by id: the storage, whether a collective made it
+        # by id: the storage, whether a collective made it, and its bytes when last read
+        self._live: dict[int, tuple[weakref.ref, bool, int]] = {}
+        self._resizable: set[int] = set()  # those that existed before an operation returned them
+        self._held = {False: 0, True: 0}  # bytes now, by whether a collective made them
         self.peak = self.collective_copies = 0
 
     def hold(self, *tensors: torch.Tensor | None) -> None:
         """Tensors alive before the mode (parameters, gradients, optimizer states)."""
-        for tensor in tensors:
-            if tensor is not None:
-                self._add(tensor, copy=False)
+        for storage in (s for t in tensors if t is not None for s in storages(t)):
+            if id(storage) not in self._live:
+                self._add(storage, copy=False, resizable=False)
 
-    def _add(self, tensor: torch.Tensor, copy: bool) -> None:
-        for storage in storages(tensor):
-            key = id(storage)
-            if key not in self._live:
-                self._live[key] = (weakref.ref(storage, lambda _, key=key: self._live.pop(key, None)), copy)
+    def _add(self, storage: torch.UntypedStorage, copy: bool, resizable: bool) -> None:
+        key, size = id(storage), storage.nbytes()
+        ref = weakref.ref(storage, lambda _, key=key: self._forget(key))
+        self._live[key] = (ref, copy, size)
+        self._held[copy] += size
+        if resizable:
+            self._resizable.add(key)
+
+    def _read(self, key: int) -> None:
+        """The bytes of storage ``key`` (tracked) read again."""
+        ref, made_by_collective, before = self._live[key]
+        storage = ref()
+        size = storage.nbytes() if storage is not None else before
+        if size != before:
+            self._live[key] = (ref, made_by_collective, size)
+            self._held[made_by_collective] += size - before
+
+    def _forget(self, key: int) -> None:
+        _, made_by_collective, size = self._live.pop(key)
+        self._held[made_by_collective] -= size
+        self._resizable.discard(key)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(t is DTensor for t in types):
             return NotImplemented  # NOTE: DTensor runs its local operations, which come back here
         out = func(*args, **(kwargs or {}))
-        copy = _inside_collective()
-        for tensor in tree_flatten(out)[0]:
-            if isinstance(tensor, torch.Tensor):
-                self._add(tensor, copy)
-        held = copies = 0
-        for ref, made_by_collective in list(self._live.values()):
-            storage = ref()
-            if storage is not None:
-                if made_by_collective:
-                    copies += storage.nbytes()
-                else:
-                    held += storage.nbytes()
-        self.peak, self.collective_copies = max(self.peak, held), max(self.collective_copies, copies)
+        inputs = None
+        if func._schema.is_mutable:  # written in place (``out=``, ``resize_``): read again
+            inputs = {id(s) for t in _tensors((args, kwargs)) for s in storages(t)}
+            for key in inputs & self._live.keys():
+                self._read(key)
+        copy = None
+        for storage in (s for t in _tensors(out) for s in storages(t)):
+            key = id(storage)
+            if key in self._live:
+                self._read(key)
+                continue
+            if copy is None:
+                copy = _inside_collective()
+            if inputs is None:
+                inputs = {id(s) for t in _tensors((args, kwargs)) for s in storages(t)}
+            self._add(storage, copy, resizable=key in inputs)  # (an input's: it existed before)
+        for key in list(self._resizable):
+            self._read(key)
+        self.peak = max(self.peak, self._held[False])
+        self.collective_copies = max(self.collective_copies, self._held[True])
         return out
 
 
-def storages(tensor: torch.Tensor) -> set[torch.UntypedStorage]:
+def storages(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
     """The storages holding ``tensor``'s bytes: through a wrapper subclass (FP8's weights) to the tensors it wraps."""
     if is_traceable_wrapper_subclass(tensor):
         inner, _ = tensor.__tensor_flatten__()
-        return {storage for name in inner for storage in storages(getattr(tensor, name))}
-    return {tensor.untyped_storage()} if isinstance(tensor, torch.Tensor) else set()  # (not its mesh, say)
+        return [storage for name in inner for storage in storages(getattr(tensor, name))]
+    return [tensor.untyped_storage()] if isinstance(tensor, torch.Tensor) else []  # (not its mesh, say)
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in an operation's arguments or results (tensors, lists and tuples of them, keyword dicts)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
 
 
 def _inside_collective() -> bool:
