@@ -58,7 +58,10 @@ class LiveTensors(TorchDispatchMode):
             self._resizable.add(key)
 
     def _read(self, key: int) -> None:
-        """The bytes of storage ``key`` (tracked) read again."""
+        """The bytes of storage ``key`` read again; none if it was freed since the caller listed it (a garbage
+        collection during the operation's bookkeeping frees storages)."""
+        if key not in self._live:
+            return
         ref, made_by_collective, before = self._live[key]
         storage = ref()
         size = storage.nbytes() if storage is not None else before
