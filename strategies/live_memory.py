@@ -79,7 +79,8 @@ class LiveTensors(TorchDispatchMode):
             return NotImplemented  # NOTE: DTensor runs its local operations, which come back here
         out = func(*args, **(kwargs or {}))
         inputs = None
-        if func._schema.is_mutable:  # written in place (``out=``, ``resize_``): read again
+        schema = getattr(func, "_schema", None)  # (an operation without one is taken as writing its inputs)
+        if schema is None or schema.is_mutable:  # written in place (``out=``, ``resize_``): read again
             inputs = {id(s) for t in _tensors((args, kwargs)) for s in storages(t)}
             for key in inputs & self._live.keys():
                 self._read(key)
