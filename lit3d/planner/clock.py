@@ -176,7 +176,7 @@ def step_time(case: Case, traffic: dict[str, float], seconds: dict[str, float]) 
         exposed["dp_replicate"], hidden["dp_replicate"] = dp_replicate
     if "island" in seconds:  # NOTE: the outer step waits for its all-reduce, amortised over its inner steps
         exposed["island"] = seconds["island"]
-    optimizer = _optimizer(case.key, layout, settings, rank, device, virtual, placement)
+    optimizer = _optimizer(case, rank, device, virtual, placement)
     if settings.offload:  # the states in host memory: copies over the host link, the optimizer on the CPU
         exposed["host"], optimizer = offloaded_states(
             config, layout, settings, training, rank, virtual, placement, cluster, precision
@@ -308,12 +308,9 @@ def _data_parallel(
     return dp_seconds - hidden * (1 - cost), hidden
 
 
-def _optimizer(
-    key: tuple, layout: Layout, settings: Parallelism, rank: int, device: Device, virtual: int, placement: str
-) -> float:
-    """AdamW's step over what the rank's optimizer steps (of the model a `config_key` stands for), and clipping's
-    norm: memory-bound."""
-    numel, stepped = _stepped(key, layout, virtual, rank, placement, ZeroPolicy.of(settings, layout))
+def _optimizer(case: Case, rank: int, device: Device, virtual: int, placement: str) -> float:
+    """AdamW's step over what the rank's optimizer steps, and clipping's norm: memory-bound."""
+    numel, stepped = _stepped(case.key, case.layout, virtual, rank, placement, case.zero)
     return numel * OPTIMIZER_BYTES / device.bandwidth + device.kernels(stepped * OPTIMIZER_OPS)
 
 
