@@ -22,6 +22,7 @@ from lit3d.planner import RankMap
         ("--virtual_pipeline_size", "0", "virtual_pipeline_size=0"),
         ("--inter_island_bandwidth", "0", "inter_island_bandwidth=0.0"),
         ("--inter_island_latency", "-1", "inter_island_latency=-1.0"),
+        ("--headroom", "1", "headroom=1.0"),
     ],
 )
 def test_plan_refuses_zero_and_negative_numbers_naming_the_value(flag, value, named, capsys):
@@ -221,6 +222,20 @@ def test_lora_and_offload_are_planned_from_the_command_line(capsys):
         main([*args, "--lora_rank", "16", "--lora_targets", "[q,x]"])
     with pytest.raises(SystemExit, match=r"lora_targets=\['q'\] needs lora_rank"):
         main([*args, "--lora_targets", "[q]"])
+
+
+def test_headroom_is_the_share_of_the_card_a_layout_leaves_free(capsys):
+    """``--headroom``: a layout planned at 95 % of the card does not fit with the default 10 % kept free, and fits
+    with 2 %."""
+    args = ["plan", "--model", "llama-8b", "--tensor_parallel_size", "1", "--pipeline_parallel_size", "1",
+            "--global_batch_size", "64", "--seq_len", "4096"]  # fmt: skip
+    main([*args, "--json"])
+    peak = json.loads(capsys.readouterr().out)["memory_per_gpu"]["total"]
+    card = ["--gpu_memory", str(peak / 0.95 / 1e9)]
+    main([*args, *card])
+    assert "less 10% headroom): DOES NOT FIT" in capsys.readouterr().out
+    main([*args, *card, "--headroom", "0.02"])
+    assert "less 2% headroom): fits" in capsys.readouterr().out
 
 
 def test_packed_documents_count_only_the_attention_within_each(capsys):

@@ -240,6 +240,9 @@ TRAINING_FLAGS = {
                   "states)."),
     "lora_targets": (list[str], "The adapted linears by role (``q``, ``k``, ``v``, ``o``, ``gate``, ``up``, ``down``; "
                      "default ``q`` and ``v``, as `lit3d.LoRA`'s)."),
+    "headroom": (float, "Share of each GPU's memory a layout must leave free for the allocator's cache, the CUDA "
+                 "context and the communication buffers (default 0.1); below it for a stack known to run closer to "
+                 "the card."),
     "document_length": (int, "Tokens of packed documents kept apart (``document_masking``, chat data): the model "
                         "FLOPs and MFU count only the attention within each."),
 }  # fmt: skip

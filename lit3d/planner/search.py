@@ -93,6 +93,8 @@ def check_inputs(config: GPTConfig, cluster: Cluster, training: Training) -> Non
         check_sizes(document_length=training.document_length)
     if training.precision not in PRECISIONS:
         raise ValueError(f"precision={training.precision!r} is not one of {', '.join(PRECISIONS)}")
+    if not 0 <= training.headroom < 1:
+        raise ValueError(f"headroom={training.headroom!r} must be a share of GPU memory, at least 0 and below 1")
 
 
 def layout_problem(
