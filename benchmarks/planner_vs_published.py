@@ -72,7 +72,7 @@ def predict(run: Run, constants: dict[str, float] | None = None, headroom: float
     ``headroom`` of its card kept free."""
     settings = dict(run.cluster)
     settings.pop("gpu", None)
-    cluster = Cluster.of(_gpu(run), max(1, run.gpus // 8), min(8, run.gpus), **settings)
+    cluster = Cluster.of(run_gpu(run), max(1, run.gpus // 8), min(8, run.gpus), **settings)
     if constants and cluster.gpu.efficiency is HOPPER:
         cluster = replace(cluster, gpu=replace(cluster.gpu, efficiency=replace(HOPPER, **constants)))
     given = {"precision": "bf16-mixed", "headroom": headroom, **run.layout, **run.loop}
@@ -102,13 +102,13 @@ def _grid_row(run: Run) -> tuple[list[float], list[float]]:
     return [ratio(run, p) for p in plans], [p.step_time_s for p in plans]
 
 
-def _gpu(run: Run) -> GPU:
+def run_gpu(run: Run) -> GPU:
     """The card ``run`` ran on (an H100 where its source's cluster names none)."""
     return run.cluster.get("gpu", GPUS["H100"])
 
 
 def _fitted_device(run: Run):
-    return _gpu(run).efficiency
+    return run_gpu(run).efficiency
 
 
 # How much each run weighs in a fit, by the number of runs of its group: every group the same (the default), every
@@ -213,7 +213,7 @@ def memory(runs: list[Run]) -> None:
     for run in runs:
         predicted = predict(run)
         peak = predicted.memory_per_gpu["total"] / 1e9
-        card = _gpu(run).memory_gb
+        card = run_gpu(run).memory_gb
         if not predicted.fits:
             misses.append(f"  - {run.name}: {peak:.1f} GB of the card's {card:.1f}")
         elif peak > card * (1 - default):
