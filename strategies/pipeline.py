@@ -57,6 +57,8 @@ class Pipeline:
         split_backward: Whether the zero-bubble schedules run the weight gradient apart from the input gradient
             (``False`` under activation checkpointing: see `_stages`).
         accumulate: Lightning's micro-steps per optimizer step, asked at each step (the loss is divided by them).
+        first_micro_step: Whether this training step is the first of its optimizer step, asked at each step: the
+            gradients the parameters hold then are the last optimizer step's, which Lightning zeroes after it.
         grad_scaler: fp16's loss scaler, asked at each step (its scale multiplies the loss inside the schedule, whose
             backward is the only one; the precision plugin unscales the gradients before the optimizer step).
         balance_weight: What the MoE layers' balance term counts, as the loss does (an uneven replica's share:
@@ -79,6 +81,7 @@ class Pipeline:
         loss_parallel: bool,
         split_backward: bool = True,
         accumulate: Callable[[], int] = lambda: 1,
+        first_micro_step: Callable[[], bool] = lambda: True,
         grad_scaler: Callable[[], Any] = lambda: None,
         balance_weight: float = 1.0,
     ) -> None:
@@ -87,7 +90,7 @@ class Pipeline:
         self.pp_mesh, self.group = pp_mesh, pp_mesh.get_group()
         self.schedule_name, self.microbatches, self.device = schedule, microbatches, device
         self.loss_parallel = loss_parallel
-        self.accumulate, self.grad_scaler = accumulate, grad_scaler
+        self.accumulate, self.first_micro_step, self.grad_scaler = accumulate, first_micro_step, grad_scaler
         self.balance_weight = balance_weight
         self.holds_first, self.holds_last = 0 in stage_ids, num_stages - 1 in stage_ids
         last = stage_rank(num_stages - 1, pp_mesh.size(), SCHEDULES[schedule].placement)  # rank 0 under a V
@@ -169,6 +172,9 @@ class Pipeline:
         # NOTE: contiguous, since a stage checks its inputs' strides against those it traced (PyTorch 2.11/2.12), and
         # inputs sliced from longer blocks (``tokens[:, :-1]``) keep the longer rows' stride.
         args = (inputs.contiguous(),) if self.holds_first else ()
+        # NOTE: return_outputs=False: the losses are recorded by `_record_loss`, and the last stage would otherwise
+        # keep every micro-batch's logits (its outputs) until the step's end, where the schedule frees each one after
+        # its backward.
         target = targets if self.holds_last else None
         self.clock.start_step()
         with loss_parallel_scope() if self.loss_parallel else nullcontext():
@@ -176,10 +182,10 @@ class Pipeline:
                 scale = self._scale * (grad_scaler.get_scale() if grad_scaler is not None else 1.0)
                 scale *= self.balance_weight  # (an uneven replica's share, as its loss)
                 with self._gradients_set_aside(), balance_loss_weight(scale):  # MoE layers on every stage
-                    self.schedule.step(*args, target=target)
+                    self.schedule.step(*args, target=target, return_outputs=False)
             else:  # validation: forward only, and not in inference mode (the stages' buffers outlive this call)
                 with torch.inference_mode(False):
-                    self.schedule.eval(*args, target=target)
+                    self.schedule.eval(*args, target=target, return_outputs=False)
         self.clock.end_step()
         # NOTE: the first step also calls the loss on placeholder outputs to infer shapes: keep the last m.
         losses = self._losses[-self.microbatches :]
@@ -221,10 +227,12 @@ class Pipeline:
 
         NOTE: Lightning zeroes gradients between ``training_step`` and ``backward``; the schedule runs backward
         inside the training step, so its gradients wait aside and join the others when Lightning's backward
-        comes, exactly as if it had computed them then.
+        comes, exactly as if it had computed them then. On the first micro-step of an optimizer step the gradients
+        held are the last step's, which that zeroing drops: they are dropped now, so that the schedule does not run
+        beside a second copy of every gradient.
         """
         params = list({id(p): p for chunk in self.chunks for p in chunk.parameters()}.values())
-        earlier = [p.grad for p in params]
+        earlier = [None] * len(params) if self.first_micro_step() else [p.grad for p in params]
         for p in params:
             p.grad = None
         try:
