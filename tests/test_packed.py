@@ -133,6 +133,40 @@ def test_a_packed_row_gives_each_document_the_losses_it_has_alone():
     assert (whole - alone).abs().max() > 1e-2  # without the mask the documents would see each other
 
 
+def test_every_layer_keeps_one_shared_mask_for_backward_and_attends_as_with_the_boolean_one():
+    """SDPA makes an additive bias of a boolean mask at every call, and each layer's backward kept its own
+    ``[batch, 1, seq, seq]`` copy; the documents' bias is made once per forward and every layer saves that one."""
+    from lit3d.models.attention import causal_attention
+
+    config = GPTConfig(n_layer=3, n_head=4, n_kv_head=2, d_model=32, d_ff=64, vocab_size=64, max_seq_len=64)
+    torch.manual_seed(0)
+    model = GPT(config)
+    model.configure_model()
+    positions = torch.cat([torch.arange(n) for n in (20, 44)])[None]
+    packed = documents.Documents.of(positions)
+    square = []  # the saved tensors shaped as a mask, each storage once
+
+    def pack(tensor):
+        if tensor.dim() == 4 and tensor.shape[-2:] == (64, 64) and tensor.untyped_storage() not in square:
+            square.append(tensor.untyped_storage())
+        return tensor
+
+    documents.use(packed)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model.model(torch.randint(0, 64, (1, 64)))
+    documents.use(None)
+    assert len(square) == 1 and square[0].nbytes() == 64 * 64 * 4
+    q, k, v = (torch.randn(1, 64, 4, 8) for _ in range(3))
+    k, v = k[:, :, :2], v[:, :, :2]
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.repeat_interleave(2, dim=2).transpose(1, 2),
+        v.repeat_interleave(2, dim=2).transpose(1, 2),
+        attn_mask=packed.causal_mask,
+    ).transpose(1, 2)
+    assert torch.equal(causal_attention(q, k, v, documents=packed), expected)
+
+
 def test_document_masking_packs_positions_that_restart_at_each_document(tmp_path):
     (tmp_path / "docs.jsonl").write_text("\n".join(json.dumps({"text": "x" * n}) for n in [3, 50, 7, 20] * 30))
     data = TextDataModule(str(tmp_path / "docs.jsonl"), seq_len=15, global_batch_size=2, document_masking=True)

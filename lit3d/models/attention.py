@@ -48,7 +48,7 @@ def causal_attention(
         groups = q.shape[2] // k.shape[2]
         k, v = (t.repeat_interleave(groups, dim=2) if groups > 1 else t for t in (k, v))
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=documents.causal_mask
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=documents.causal_bias(q.dtype)
         )
         return out.transpose(1, 2)
     backend = resolve_backend(backend, q.device, q.dtype)

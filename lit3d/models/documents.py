@@ -52,6 +52,20 @@ class Documents:
         """`attention_mask` of these tokens among themselves, made once for every layer of a forward."""
         return attention_mask(self.segments, self.segments, causal=True)
 
+    def causal_bias(self, dtype: torch.dtype) -> torch.Tensor:
+        """`causal_mask` as the additive bias SDPA makes of a boolean mask (0 where a token attends, -inf elsewhere),
+        in ``dtype``, made once for every layer of a forward. NOTE: given the boolean mask, SDPA makes this bias at
+        every call, and each layer's backward keeps its own copy: ``[batch, 1, seq, seq]`` per layer."""
+        if dtype not in self._biases:
+            mask = self.causal_mask
+            bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+            self._biases[dtype] = bias.masked_fill_(mask.logical_not(), float("-inf"))
+        return self._biases[dtype]
+
+    @functools.cached_property
+    def _biases(self) -> dict[torch.dtype, torch.Tensor]:
+        return {}
+
 
 _current: list[Documents | None] = [None]
 
