@@ -256,7 +256,7 @@ class MoE(nn.Module):
             out = self.experts(routed, computed.tolist(), keys)
         else:
             out = dispatch(routed, computed, self.experts, self.ep_group, keys)
-        combined = out.new_zeros(flat.shape[0] * self.k, width).index_copy(0, order, out).view(-1, self.k, width)
+        combined = _in_token_order(out, order, flat.shape[0] * self.k).view(-1, self.k, width)
         y = (combined * weights.unsqueeze(-1).to(combined.dtype)).sum(dim=1).view(batch, seq, width)
         if _LOSS_WEIGHT and torch.is_grad_enabled():
             y = _AddToObjective.apply(y, aux, _LOSS_WEIGHT[-1] * self.coef)
@@ -272,6 +272,16 @@ class MoE(nn.Module):
             return None
         tokens = dropout.token_keys(batch, seq, device).flatten()
         return lora_dropout.mix(tokens[order // self.k] ^ lora_dropout.mix(chosen.flatten()[order]))
+
+
+def _in_token_order(out: torch.Tensor, order: torch.Tensor, pairs: int) -> torch.Tensor:
+    """The rows of ``out`` (the pairs of ``order``, sorted by expert) back in (token, choice) order, ``pairs`` of
+    them: a pair an expert dropped (capacity) reads a zero row. NOTE: a gather, which keeps only its indices for
+    backward; ``index_copy`` into zeros kept its source too (every computed row, once more per MoE block)."""
+    rows = torch.cat((out, out.new_zeros(1, out.shape[1])))
+    where = torch.full((pairs,), out.shape[0], dtype=torch.long, device=out.device)
+    where[order] = torch.arange(out.shape[0], device=out.device)
+    return rows[where]
 
 
 def _within_capacity(
