@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_leaves
 
 from lit3d import GPTConfig, LoRA
 from lit3d.models.lora import freeze_all_but_adapters
-from lit3d.models.tp_plan import TENSOR_PARALLEL_PLAN
+from lit3d.models.tp_plan import tensor_parallel_plan
 from lit3d.models.transformer import Transformer, cross_entropy, rotary_tables
 from lit3d.parallel.layout import Layout
 from lit3d.parallel.settings import Parallelism
@@ -80,15 +80,15 @@ def _storage(tensor: torch.Tensor) -> int:
     return getattr(tensor, "_local_tensor", tensor).untyped_storage().data_ptr()
 
 
-def planned_block_bytes(tp: int, sequence_parallel: bool, checkpointing, precision: str) -> float:
+def planned_block_bytes(tp: int, sequence_parallel: bool, checkpointing, precision: str, config=CONFIG) -> float:
     bf16 = precision != "fp32"
-    per_token = activation_bytes_per_token(CONFIG, tp, sequence_parallel, checkpointing, 2 if bf16 else 4)
-    copies = autocast_weight_bytes(CONFIG, tp) if precision == "bf16-mixed-autocast" and not checkpointing else 0
+    per_token = activation_bytes_per_token(config, tp, sequence_parallel, checkpointing, 2 if bf16 else 4)
+    copies = autocast_weight_bytes(config, tp) if precision == "bf16-mixed-autocast" and not checkpointing else 0
     return per_token * BATCH * SEQ + copies
 
 
-def build(tp_mesh, sequence_parallel: bool, checkpointing, precision: str) -> Transformer:
-    net = Transformer(CONFIG)
+def build(tp_mesh, sequence_parallel: bool, checkpointing, precision: str, config=CONFIG) -> Transformer:
+    net = Transformer(config)
     tp = 1 if tp_mesh is None else 2
     layout = Layout(dp=1, tp=tp, pp=1, devices_per_node=tp)
     meshes = ParallelMeshes(layout, world=None, replicas={} if tp_mesh is None else {"tp": tp_mesh})
@@ -98,7 +98,7 @@ def build(tp_mesh, sequence_parallel: bool, checkpointing, precision: str) -> Tr
         sequence_parallel=sequence_parallel,
         activation_checkpointing=checkpointing,
     )
-    parallelize_network(net, TENSOR_PARALLEL_PLAN, settings, meshes, 0)
+    parallelize_network(net, tensor_parallel_plan(config), settings, meshes, 0)
     if precision == "bf16-mixed":
         net.to(torch.bfloat16)  # what FSDP2's mixed precision policy hands the blocks
     return net
@@ -163,6 +163,29 @@ def test_a_tensor_parallel_block_saves_what_the_planner_counts(
     x = block_input(SEQ // 2 if sequence_parallel else SEQ, precision)
     measured = saved_bytes(lambda: net.blocks["0"](x), precision, net)
     assert measured == pytest.approx(planned_block_bytes(2, sequence_parallel, checkpointing, precision), rel=0.01)
+
+
+# Two routed experts of four per token, then four of eight with a shared expert, widths unlike the dense d_ff.
+MOE_CONFIGS = {
+    "top2": CONFIG.replace(n_expert=4, n_expert_per_token=2, d_ff_expert=80),
+    "top4_shared": CONFIG.replace(n_expert=8, n_expert_per_token=4, d_ff_expert=40, n_shared_expert=1),
+}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("name", MOE_CONFIGS)
+def test_an_moe_block_saves_what_the_planner_counts(saved_bytes, tp2_mesh, name, tp, precision):
+    """The routed rows, the pairs' outputs and each pair's SwiGLU (k of them per token), the router's scores and
+    choices: on every TP rank (a replicated region, on the whole sequence under SP). The planner counted the dense
+    feed-forward's d_ff, divided by TP: 1.3-1.7x less than this block keeps on one rank."""
+    config, sequence_parallel = MOE_CONFIGS[name], tp > 1
+    net = build(tp2_mesh if tp > 1 else None, sequence_parallel, False, precision, config)
+    x = block_input(SEQ // tp, precision)
+    measured = saved_bytes(lambda: net.blocks["0"](x), precision, net)
+    balance = BATCH * config.n_expert * 4  # the balance loss's tokens per expert, per sequence
+    planned = planned_block_bytes(tp, sequence_parallel, False, precision, config)
+    assert measured - balance == pytest.approx(planned, rel=0.01)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])

@@ -193,7 +193,25 @@ def activation_bytes_per_token(
         # keep them); the attention output's cast beside the output attention keeps anyway
         linear_inputs, attention = 2 * h, attention + h
         mlp += f if saves == "compiled" else (1 - a) * f
+    if config.n_expert and saves != "fused" and not fp8_inputs:  # lit3d's MoE blocks, eager under compile too (their
+        # first dense ones counted as MoE ones): a replicated region under TP, on the whole sequence under SP too; the
+        # attention's norm output as a dense block's (`moe_bytes_per_token`). (Another stack's fused kernels: as dense)
+        return (norms + linear_inputs / 2) / split + a * h + attention / tp + moe_bytes_per_token(config, a)
     return (norms + linear_inputs) / split + (attention + mlp) / tp
+
+
+def moe_bytes_per_token(config: GPTConfig, a: int) -> float:
+    """What the feed-forward of an MoE block (`lit3d.models.moe.MoE`, eager: it is not compiled) keeps for backward
+    per token, on every TP rank (a replicated region: every rank routes the same tokens through the same experts;
+    under expert parallelism a rank computes the rows it receives, as many on balanced routing): the routed rows and
+    the pairs' outputs in token order (``k x d_model`` each), each pair's SwiGLU (``4 x k x d_ff_expert``: gate, up,
+    silu(gate) and their product), the router's fp32 scores, top-k indices and weights (fp32, and in the compute
+    dtype once renormalised), the two orders of the pairs (int64), and a shared expert's SwiGLU. (Its input, the
+    norm's output, is counted with the norms'.) tests/test_activation_memory.py holds it to what autograd saves."""
+    h, k, fe = config.d_model, config.n_expert_per_token, config.d_ff_expert
+    routed = a * (2 * k * h + 4 * k * fe)
+    router = 4 * config.n_expert + (8 + 4 + 8 + 8) * k + 4 + a * k
+    return routed + router + 4 * a * config.n_shared_expert * fe
 
 
 def lora_bytes_per_token(config: GPTConfig, tp: int, sequence_parallel: bool, a: int, lora: LoRA) -> float:
