@@ -25,9 +25,12 @@ CHECKED = [name for name, (_, job) in LAYOUT_JOBS.items() if _checked(job)]
 SPLITS = ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size", "expert_parallel_size")
 # What the suite measures (the plan counts what a GPU's allocator would hold, the run its live tensors over a step):
 # data parallelism at every ZeRO stage, which `tests/test_memory_plan.py` holds within 5 % on a wider model, within
-# a quarter here; the layouts that split the model (TP, PP, CP, EP) up to about twice the plan on these tiny fp32
-# models: the planner undercounts what they hold for a moment (their peaks are printed by the test).
-DATA_PARALLEL_BAND, SPLIT_BAND = (0.85, 1.25), (0.85, 2.2)
+# a quarter here; the layouts that split the model (TP, PP, CP, EP), measured at 0.88-1.27x, within 30 % on these
+# tiny fp32 models: what the plan leaves out (zero bubble's deferred weight-gradient inputs, ZeRO-1's buckets filling
+# beside a micro-batch's new gradients, MoE under selective recompute). They peaked at up to 2.08x before a pipeline's
+# last stage stopped keeping every micro-batch's logits, its stages the last step's gradients beside the new ones, and
+# before the plan counted an MoE block's routed rows and k SwiGLUs on every TP rank.
+DATA_PARALLEL_BAND, SPLIT_BAND = (0.85, 1.25), (0.85, 1.3)
 
 
 def splits_the_model(name: str) -> bool:
@@ -46,32 +49,6 @@ def test_every_layout_logs_its_peak_memory_against_the_plan_once(layout_runs):
     assert not outside, outside
     assert sum(not splits_the_model(name) for name in ratios) >= 20  # (the data-parallel band is not left empty)
     assert all(not layout_runs[name]["plan_check"]["step_time_ratio"] for name in CHECKED if "profile" not in name)
-
-
-# Pipelines of the small GPT on text data (no other axis, no adapters, no packed rows), measured at 0.98-1.27x: what
-# the plan leaves out (zero bubble's deferred weight-gradient inputs, ZeRO-1's buckets filling beside a micro-batch's
-# new gradients) within 30 % on these tiny models.
-PIPELINE_BAND = (0.85, 1.3)
-
-
-def plain_pipeline(name: str) -> bool:
-    job = LAYOUT_JOBS[name][1]
-    others = {"model", "data", "data_class"} & job.keys()
-    return job["strategy"].get("pipeline_parallel_size", 1) > 1 and not splits_the_model_otherwise(job) and not others
-
-
-def splits_the_model_otherwise(job: dict) -> bool:
-    return any(job["strategy"].get(axis, 1) > 1 for axis in SPLITS if axis != "pipeline_parallel_size")
-
-
-def test_a_pipeline_holds_what_its_plan_counts(layout_runs):
-    """The last stage kept every micro-batch's logits to the step's end (the schedule's outputs, which lit3d does not
-    use: `return_outputs=False` now), and every pipeline rank held the last step's gradients beside the new ones while
-    the schedule ran (dropped now where Lightning zeroes them after the training step): 1.3-1.6x the plan."""
-    ratios = {name: layout_runs[name]["plan_check"]["peak_memory_ratio"][0] for name in CHECKED if plain_pipeline(name)}
-    assert len(ratios) >= 10, ratios
-    outside = {name: r for name, r in ratios.items() if not PIPELINE_BAND[0] <= r <= PIPELINE_BAND[1]}
-    assert not outside, outside
 
 
 def test_a_run_with_a_calibrate_profile_logs_its_step_time_against_the_plan_priced_on_it(layout_runs):
