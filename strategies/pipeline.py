@@ -172,11 +172,11 @@ class Pipeline:
         # NOTE: contiguous, since a stage checks its inputs' strides against those it traced (PyTorch 2.11/2.12), and
         # inputs sliced from longer blocks (``tokens[:, :-1]``) keep the longer rows' stride.
         args = (inputs.contiguous(),) if self.holds_first else ()
+        target = targets if self.holds_last else None
+        self.clock.start_step()
         # NOTE: return_outputs=False: the losses are recorded by `_record_loss`, and the last stage would otherwise
         # keep every micro-batch's logits (its outputs) until the step's end, where the schedule frees each one after
         # its backward.
-        target = targets if self.holds_last else None
-        self.clock.start_step()
         with loss_parallel_scope() if self.loss_parallel else nullcontext():
             if torch.is_grad_enabled():
                 scale = self._scale * (grad_scaler.get_scale() if grad_scaler is not None else 1.0)
