@@ -109,6 +109,10 @@ class OuterLoop:
             weights.copy_(anchor)
         self.syncs += 1
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        """What the outer loop holds throughout training: the anchor and the momentum buffers."""
+        return [*self.anchor, *(self.optimizer.state[a]["momentum_buffer"] for a in self.optimizer.state)]
+
     def state_by_name(self) -> dict[str, Any]:
         """Anchor, momentum and the inner step count, keyed by parameter name and placed in the global tensors
         (sharing storage: loading into the returned dict in place loads the outer loop)."""

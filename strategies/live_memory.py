@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import lightning as L
@@ -139,10 +139,11 @@ def _inside_collective() -> bool:
 
 class PeakMemory(L.Callback):
     """`LiveTensors` over optimizer step ``step`` (all its micro-batches): from the first batch's start to the last
-    batch's end, with the parameters, gradients and optimizer states (ZeRO-1's master weights too) alive before it."""
+    batch's end, with the parameters, gradients and optimizer states (ZeRO-1's master weights too) alive before it,
+    and what ``held`` returns of the trainer's (a strategy's own state, alive before it too)."""
 
-    def __init__(self, step: int = 2) -> None:
-        self.step, self._mode, self.measured = step, None, {}
+    def __init__(self, step: int = 2, held: Callable[[L.Trainer], list[torch.Tensor]] = lambda trainer: []) -> None:
+        self.step, self._mode, self.measured, self.held = step, None, {}, held
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if trainer.global_step != self.step or self._mode is not None or self.measured:
@@ -152,6 +153,7 @@ class PeakMemory(L.Callback):
         states = [v for o in trainer.optimizers for state in o.state.values() for v in state.values()]
         parameters = [*pl_module.parameters(), *stepped]
         self._mode.hold(*parameters, *(p.grad for p in parameters), *(v for v in states if torch.is_tensor(v)))
+        self._mode.hold(*self.held(trainer))
         self._mode.__enter__()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:

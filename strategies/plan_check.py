@@ -76,14 +76,14 @@ class PlanCheck(L.Callback):
     def __init__(self, plan: Plan, planned_step: float | None, priced_on: str) -> None:
         self.planned_peak = max(stage["total"] for stage in plan.memory_by_stage)
         self.planned_step, self.priced_on = planned_step, priced_on
-        self.peak, self.first = PeakMemory(MEMORY_STEP), 0
+        self.peak, self.first = PeakMemory(MEMORY_STEP, outer_state), 0
         self.ratios: dict[str, float] = {}
         self._ends: list[float] = []
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._ends, self.ratios = [], {}
         self.first = trainer.global_step  # (a resumed fit starts later)
-        self.peak = PeakMemory(self.first + MEMORY_STEP)
+        self.peak = PeakMemory(self.first + MEMORY_STEP, outer_state)
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
@@ -118,6 +118,13 @@ class PlanCheck(L.Callback):
             for logger in trainer.loggers:
                 logger.log_metrics(self.ratios, step=trainer.global_step)
         rank_zero_info(plan_check_line(peak, self.planned_peak, step, self.planned_step, self.priced_on))
+
+
+def outer_state(trainer: L.Trainer) -> list[torch.Tensor]:
+    """DiLoCo's anchor and outer momentum, held throughout training beside the inner optimizer's states."""
+    steps = trainer.strategy.optimizer_steps
+    loop = steps.outer_loop if steps is not None else None
+    return loop.state_tensors() if loop is not None else []
 
 
 def plan_check_line(peak: float, planned_peak: float, step: float | None, planned_step: float | None, why: str) -> str:

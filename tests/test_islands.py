@@ -229,6 +229,27 @@ def test_the_planner_counts_the_outer_step_and_what_it_saves_against_synchronous
     assert islands["synchronous_bytes"] == pytest.approx(100 * 2 * islands["outer_sync_bytes"], rel=1e-6)  # fp32
 
 
+def test_the_planner_counts_the_anchor_and_its_momentum_and_the_run_holds_them(runs):
+    """The outer loop holds an fp32 anchor of what the inner optimizer steps, and a Nesterov momentum as large: 8
+    bytes per stepped element beside the inner optimizer's (4 without momentum). The plan check measures them with
+    the rest (its peak counts what the outer loop holds from the start), and DiLoCo's run peaks at its plan."""
+    from lit3d.planner import Cluster, Request, plan
+
+    def optimizer_bytes(**settings) -> int:
+        given = dict(tensor_parallel_size=8, pipeline_parallel_size=1, zero_stage=1, global_batch_size=64)
+        report = plan(Request.given("llama-8b", Cluster(nodes=4), seq_len=2048, **given, **settings))
+        return report.chosen.plan.memory_per_gpu["optimizer"]
+
+    synchronous = optimizer_bytes()  # (one island with an outer step every 8 steps: the same slices)
+    stepped = synchronous / 12  # ZeRO-1's fp32 master slices and AdamW's two moments (and a few step counts)
+    with_momentum = optimizer_bytes(sync_every=8)
+    plain = optimizer_bytes(sync_every=8, outer_momentum=0.0)
+    assert with_momentum - synchronous == pytest.approx(8 * stepped, rel=1e-4)
+    assert plain - synchronous == pytest.approx(4 * stepped, rel=1e-4)
+    ratio = runs["diloco_h8"]["plan_check"]["peak_memory_ratio"]
+    assert len(ratio) == 1 and ratio[0] == pytest.approx(1.0, abs=0.02), ratio
+
+
 def test_streaming_in_bf16_sends_half_the_bytes_in_fragments(runs):
     """Two fragments, each synced once per 4 steps at staggered steps (2 and 4), pseudo-gradients in bf16."""
     comm = runs["streaming_bf16"]["comm_bytes"]

@@ -81,6 +81,10 @@ def memory_by_stage(case: Case) -> Memory:
         held = _stage_state(key, layout, virtual, stage_rank, placement, zero, precision, unsharded_sums, offload)
         memory, layers, holds_head, transient, params = dict(held[0]), *held[1:]
         params_per_rank = max(params_per_rank, params)
+        if settings.runs_outer_loop:
+            outer, sync = _outer_loop(case, stage_rank, virtual, placement)
+            memory["optimizer"] += outer
+            transient = replace(transient, step=max(transient.step, sync))
         in_flight = peak_in_flight(schedule, pp, schedule_m, virtual, stage_rank)
         acts = layers * weight_copies + _blocks_kept(layers, software.offloaded_layers, per_token * tokens, in_flight)
         if stage_rank == 0 and lora is not None and not checkpointing:  # (the stage of block 0)
@@ -100,6 +104,16 @@ def memory_by_stage(case: Case) -> Memory:
         memory["buffers"], memory["total"] = peak_memory(memory, transient, grads_from_start, forward_share, loss_grads)
         by_stage.append(memory)
     return Memory(by_stage, params_per_rank, int(per_token * tokens + weight_copies))
+
+
+def _outer_loop(case: Case, stage_rank: int, virtual: int, placement: str) -> tuple[int, int]:
+    """DiLoCo's outer loop on a pipeline rank (`lit3d.strategies.islands.OuterLoop`), over what its inner optimizer
+    steps: the anchor and the Nesterov momentum it holds throughout (fp32), and what its outer step makes beside them
+    (each tensor's pseudo-gradient and their concatenation, fp32)."""
+    layout, settings = case.layout, case.settings
+    shapes = stage_shapes(case.key, layout.pp, virtual, stage_rank, placement)
+    stepped = stepped_numel(list(shapes.tensors), layout, case.zero)
+    return 4 * stepped * (1 + (settings.outer_momentum > 0)), 8 * stepped
 
 
 def _weight_copies(case: Case) -> tuple[bool, int]:
