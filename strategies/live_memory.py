@@ -142,8 +142,8 @@ class PeakMemory(L.Callback):
     batch's end, with the parameters, gradients and optimizer states (ZeRO-1's master weights too) alive before it,
     and what ``held`` returns of the trainer's (a strategy's own state, alive before it too)."""
 
-    def __init__(self, step: int = 2, held: Callable[[L.Trainer], list[torch.Tensor]] = lambda trainer: []) -> None:
-        self.step, self._mode, self.measured, self.held = step, None, {}, held
+    def __init__(self, step: int = 2, held: Callable[[L.Trainer], list[torch.Tensor]] | None = None) -> None:
+        self.step, self._mode, self.measured, self.held = step, None, {}, held  # (None: a job's callbacks pickle)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if trainer.global_step != self.step or self._mode is not None or self.measured:
@@ -153,7 +153,7 @@ class PeakMemory(L.Callback):
         states = [v for o in trainer.optimizers for state in o.state.values() for v in state.values()]
         parameters = [*pl_module.parameters(), *stepped]
         self._mode.hold(*parameters, *(p.grad for p in parameters), *(v for v in states if torch.is_tensor(v)))
-        self._mode.hold(*self.held(trainer))
+        self._mode.hold(*(self.held(trainer) if self.held is not None else []))
         self._mode.__enter__()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:

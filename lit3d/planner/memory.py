@@ -45,16 +45,14 @@ class Memory:
 def memory_by_stage(case: Case) -> Memory:
     """What each pipeline rank holds (rank 0 of its TP and DP groups) at the peak of a step."""
     config, layout, training, settings = case.config, case.layout, case.training, case.settings
-    precision = case.precision
-    tp, pp = layout.tp, layout.pp
+    precision, tp, pp = case.precision, layout.tp, layout.pp
     virtual = settings.chunks_per_rank if pp > 1 else 1
     microbatches = training.global_batch_size // (layout.data_replicas * training.micro_batch_size)
     schedule_m = microbatches // training.schedules_per_step(pp)  # micro-batches of one pipeline schedule
     sp, schedule = settings.sequence_parallel and tp > 1, settings.pipeline_schedule
     tokens = training.micro_batch_size * training.seq_len // layout.cp  # a rank's, per micro-batch
     a, checkpointing, zero = precision.activations, settings.activation_checkpointing, case.zero
-    lora = training.lora
-    software = training.software
+    lora, software = training.lora, training.software
     saves, recomputed = software.saved_activations, software.recomputed_matmuls
     fp8_inputs = software.fp8_saved_inputs and settings.float8 is not None
     per_token = activation_bytes_per_token(config, tp, sp, checkpointing, a, lora, saves, recomputed, fp8_inputs)
