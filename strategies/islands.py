@@ -111,7 +111,13 @@ class OuterLoop:
 
     def state_tensors(self) -> list[torch.Tensor]:
         """What the outer loop holds throughout training: the anchor and the momentum buffers."""
-        return [*self.anchor, *(self.optimizer.state[a]["momentum_buffer"] for a in self.optimizer.state)]
+        return [*self.anchor, *self._momentum_buffers()]
+
+    def _momentum_buffers(self) -> list[torch.Tensor]:
+        """The outer SGD's momentum buffer of each anchor (none without momentum)."""
+        if self.optimizer.defaults["momentum"] == 0:
+            return []
+        return [self.optimizer.state[a]["momentum_buffer"] for a in self.anchor]
 
     def state_by_name(self) -> dict[str, Any]:
         """Anchor, momentum and the inner step count, keyed by parameter name and placed in the global tensors
@@ -120,8 +126,7 @@ class OuterLoop:
             "anchor": {name: glob(a) for name, glob, a in zip(self.names, self.as_global, self.anchor)},
             "inner_steps": self.inner_steps,
         }
-        if self.optimizer.defaults["momentum"] > 0:
-            buffers = [self.optimizer.state[a]["momentum_buffer"] for a in self.anchor]
+        if buffers := self._momentum_buffers():
             state["momentum"] = {name: glob(b) for name, glob, b in zip(self.names, self.as_global, buffers)}
         return state
 

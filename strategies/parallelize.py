@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lit3d.models.loop import starts_optimizer_step
 from lit3d.models.moe import MoE
 from lit3d.models.runner import ContextShare, ReplicaShare, Runner, WholeNetwork
 from lit3d.parallel.schedules import SCHEDULES
@@ -109,7 +110,7 @@ def split_module(
             loss_parallel=layout.tp > 1,
             split_backward=not parallelism.activation_checkpointing,
             accumulate=lambda: module.trainer.accumulate_grad_batches,
-            first_micro_step=lambda: _first_micro_step(module.trainer),
+            first_micro_step=lambda: starts_optimizer_step(module.trainer),
             grad_scaler=lambda: getattr(precision_plugin, "scaler", None),
             balance_weight=weight,
         )
@@ -118,12 +119,6 @@ def split_module(
     if shares is not None:
         runner = ReplicaShare(runner, weight)
     return runner, pipeline
-
-
-def _first_micro_step(trainer: Any) -> bool:
-    """Whether the training step running is the first of its optimizer step: where Lightning zeroes the gradients
-    after it (``batch_idx % accumulate_grad_batches == 0``, as its automatic optimization decides)."""
-    return trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0
 
 
 def refuse_fsdp1(module: nn.Module) -> None:

@@ -13,3 +13,9 @@ def ends_optimizer_step(trainer: L.Trainer) -> bool:
     strategy that accumulates on its own.
     """
     return not trainer.fit_loop.epoch_loop._should_accumulate()
+
+
+def starts_optimizer_step(trainer: L.Trainer) -> bool:
+    """Whether the training batch now running is the first of its accumulation window: where Lightning's automatic
+    optimization zeroes the gradients after the training step (``batch_idx % accumulate_grad_batches == 0``)."""
+    return trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0
