@@ -49,6 +49,8 @@ def check_run(parallelism: Parallelism, layout: Layout, module: Any, trainer: An
     check_module_for_context_parallel(module, layout.cp, predicting)
     if config is not None and datamodule is not None and not predicting:  # (prediction feeds prompts, not blocks)
         check_model_fits_data(config, datamodule, module)  # the tokenizer: "auto" settles on the model's here
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING and hasattr(datamodule, "check_sizes"):
+            datamodule.check_sizes("fit", trainer.accumulate_grad_batches, validates=False)  # (the CLI: both)
     if layout.pp > 1 and hasattr(module, "tensor_parallel_plan"):  # one the strategy splits (`model` comes later)
         check_pipeline_protocol(module, layout.pp)
     batch = getattr(datamodule, "global_batch_size", None) if layout.pp > 1 else None

@@ -87,6 +87,30 @@ def test_a_chat_held_out_set_smaller_than_one_round_of_micro_batches_is_refused_
     assert not (tmp_path / "runs").exists()
 
 
+def test_too_few_training_rows_and_too_small_a_validation_set_are_refused_together(chat_model, tmp_path, monkeypatch):
+    """Issue 63, item 10: a chat file too small for its global batch AND its validation round gets one refusal naming
+    both, not one and then, once that is mended, the other."""
+    monkeypatch.chdir(tmp_path)
+    chats = chat_file(tmp_path / "chats.jsonl", 6, max_words=10)
+    line = refusal(
+        [
+            "fit",
+            "--model.class_path=lit3d.GPT",
+            f"--model.init_args.pretrained={chat_model}",
+            "--data.class_path=lit3d.data.ChatDataModule",
+            f"--data.init_args.data_path={chats}",
+            "--data.init_args.seq_len=64",
+            "--data.init_args.global_batch_size=8",
+            "--data.init_args.packing=false",
+            "--trainer.max_steps=2",
+        ]
+    )
+    assert line.count("\n") == 0 and line.startswith("lit3d fit: error: the 4 training examples of "), line
+    assert "fewer than global_batch_size=8; and the validation set of" in line, line
+    assert "global_batch_size=8 / accumulate_grad_batches=1 = 8" in line, line
+    assert not (tmp_path / "lightning_logs").exists()
+
+
 def test_a_malformed_json_line_is_refused_naming_its_file_and_line(chat_model, tmp_path):
     """Item 6: chat data, text data (the first lines are read before training), and a line past those (found where
     `datasets` fails on the file)."""

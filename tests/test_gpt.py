@@ -100,3 +100,33 @@ def test_model_and_data_must_agree(tmp_path, text_folder):
     small_vocab = GPT(GPTConfig(n_layer=1, n_head=2, d_model=16, d_ff=32, vocab_size=100))
     with pytest.raises(ValueError, match="the tokenizer has 256 ids but the model's vocab_size=100"):
         fit(small_vocab, TextDataModule(str(text_folder), seq_len=8, global_batch_size=2), tmp_path)
+
+
+def test_bad_optimizer_and_schedule_arguments_are_refused_when_the_model_is_built_in_one_line():
+    """Each bad value is named, all of them in one message, before ``torch.optim`` (or any rank) sees them."""
+    with pytest.raises(ValueError) as refused:
+        GPT("tiny", learning_rate=-1e-3, weight_decay=-0.1, betas=(0.9, 1.5), eps=-1.0, warmup_steps=10, decay_steps=5)
+    message = str(refused.value)
+    assert "\n" not in message
+    for named in ("learning_rate=-0.001", "weight_decay=-0.1", "betas=(0.9, 1.5)", "eps=-1.0", "decay_steps=5"):
+        assert named in message, message
+    with pytest.raises(ValueError, match=r"min_lr_ratio=2 must lie in \[0, 1\]"):
+        GPT("tiny", min_lr_ratio=2)
+    GPT("tiny", learning_rate=1e-3, warmup_steps=0, decay_steps=1)  # the edges that are fine
+
+
+def test_a_run_shorter_than_its_warm_up_is_told_so():
+    from lit3d.models.lr_schedule import horizon_warning
+
+    said = horizon_warning(warmup_steps=30, decay_steps=None, max_steps=10)
+    assert "max_steps=10 ends within warmup_steps=30" in said
+    assert horizon_warning(30, None, 40) is None and horizon_warning(30, 60, 10) is None
+    assert horizon_warning(30, None, -1) is None  # no max_steps: an epoch-bound run
+
+
+def test_a_changed_learning_rate_is_said_in_digits_that_tell_the_two_apart():
+    from lit3d.models.gpt import _differing
+
+    assert _differing(0.0025213, 0.0025198) == "0.002521, not 0.00252"  # 0.00252 both, at 3 digits
+    assert _differing(0.001, 0.002) == "0.001, not 0.002"
+    assert _differing(0.001, 0.001) == "0.001 (unchanged)"

@@ -101,3 +101,16 @@ def test_registered_as_3d():
 def test_an_unknown_reduce_dtype_is_refused_before_any_process_starts():
     with pytest.raises(ValueError, match="mixed_precision_reduce='fp8' is not one of 'float32', 'bfloat16'"):
         Parallel3DStrategy(mixed_precision_reduce="fp8")
+
+
+def test_the_rank_map_says_nothing_of_tensor_parallel_auto_for_a_module_lit3d_splits():
+    """'auto' is 1 for a module lit3d splits (tensor parallelism only when asked): no line for it on every
+    data-parallel run; a module that parallelises itself is told Lightning's convention."""
+    from lit3d.parallel.rank_map import layout_lines
+    from lit3d.parallel.settings import Parallelism
+
+    parallelism = Parallelism(tensor_parallel_size="auto")
+    layout = parallelism.resolve(world_size=2, devices_per_node=2)
+    assert not any("tensor_parallel_size='auto'" in line for line in layout_lines(layout, parallelism, 1, True))
+    told = [line for line in layout_lines(layout, parallelism, 1, False) if "tensor_parallel_size='auto'" in line]
+    assert len(told) == 1 and "ModelParallelStrategy" in told[0]

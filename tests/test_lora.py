@@ -286,6 +286,30 @@ def test_the_adapter_exports_as_a_peft_folder_and_the_merged_model_as_a_plain_on
         GPT(pretrained=str(llama_folder), adapter=str(tmp_path / "adapter"), lora=LoRA(rank=8))
 
 
+def test_an_adapter_trained_from_a_relative_folder_names_its_base_by_an_absolute_path(
+    llama_folder, tmp_path, monkeypatch
+):
+    """Issue 63, item 6: ``GPT(pretrained="model")`` (relative, as a CLI user types it) exports an adapter whose
+    ``base_model_name_or_path`` is the folder's absolute path, so ``AutoPeftModelForCausalLM`` loads it from anywhere
+    instead of asking a hub for ``model``."""
+    import json
+
+    from peft import AutoPeftModelForCausalLM
+
+    from lit3d.cli import main
+
+    monkeypatch.chdir(llama_folder.parent)
+    model, ckpt = _trained(Path(llama_folder.name), LoRA(rank=4, alpha=8, targets=("q", "v")), tmp_path / "lora.ckpt")
+    main(["export", "--ckpt_path", str(ckpt), "--output", str(tmp_path / "adapter"), "--adapter"])
+    base = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert base == str(llama_folder.resolve())
+    monkeypatch.chdir(tmp_path)  # elsewhere: the relative name would not be found
+    tokens = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        theirs = AutoPeftModelForCausalLM.from_pretrained(tmp_path / "adapter", torch_dtype=torch.float32)
+        assert torch.allclose(model(tokens), theirs(input_ids=tokens).logits, atol=1e-4)
+
+
 def test_exporting_the_adapter_of_a_run_without_one_is_refused(llama_folder, tmp_path):
     from lit3d.cli import main
 

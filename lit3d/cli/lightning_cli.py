@@ -161,8 +161,8 @@ class Lit3DCLI(LightningCLI):
             if isinstance(self.model, GPT) and self.datamodule is not None and self.subcommand != "predict":
                 check_model_fits_data(self.model.config, self.datamodule, self.model)
             validates = self.subcommand != "fit" or self.trainer.limit_val_batches != 0
-            if isinstance(self.datamodule, GlobalBatchData) and self.subcommand != "predict" and validates:
-                self.datamodule.check_held_out(self.subcommand, self.trainer.accumulate_grad_batches)
+            if isinstance(self.datamodule, GlobalBatchData) and self.subcommand != "predict":
+                self.datamodule.check_sizes(self.subcommand, self.trainer.accumulate_grad_batches, validates)
             check_ckpt_path(self.config[self.subcommand].get("ckpt_path"))
         except (ValueError, FileNotFoundError, UnsafeCheckpointError) as error:
             raise SystemExit(f"lit3d {self.subcommand}: error: {error}") from None

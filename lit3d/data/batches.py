@@ -135,20 +135,31 @@ class GlobalBatchData(L.LightningDataModule):
             )
         return self.global_batch_size // (replicas * accumulate)
 
-    def check_held_out(self, stage: str, accumulate: int = 1) -> None:
-        """Refuse, before any rank starts, a held-out set already split (a chat data set splits when it tokenizes)
-        that is smaller than one round of micro-batches, one per replica: ``global_batch_size / accumulate`` rows in
-        every layout. ``stage``: ``fit`` and ``validate`` read the validation set, ``test`` the test set."""
+    def check_sizes(self, stage: str, accumulate: int = 1, validates: bool = True) -> None:
+        """Refuse, before any rank starts, data too small for this run, every shortfall in one message (a user who
+        fixes one should not meet the next only then): a training split already made (a chat data set splits when it
+        tokenizes) smaller than one global batch, for ``fit``; and, where the run ``validates``, a held-out set smaller
+        than one round of micro-batches, one per replica (``global_batch_size / accumulate`` rows in every layout).
+        ``stage``: ``fit`` and ``validate`` read the validation set, ``test`` the test set."""
+        shortfalls = [self.training_shortfall()] if stage == "fit" else []
         held_out = self.test_set if stage == "test" else self.val_set
         per_round = self.global_batch_size // max(1, accumulate)
-        if held_out is not None and len(held_out) < per_round:
+        if validates and held_out is not None and len(held_out) < per_round:
             which = "test" if stage == "test" else "validation"
             of = f" of {self.data_path!r}" if isinstance(getattr(self, "data_path", None), str) else ""
-            raise ValueError(
+            shortfalls.append(
                 f"the {which} set{of} holds {len(held_out)} sequences, fewer than one micro-batch per replica: "
                 f"global_batch_size={self.global_batch_size} / accumulate_grad_batches={accumulate} = {per_round} in "
                 "every layout; hold out more (val_fraction, test_fraction) or lower global_batch_size"
             )
+        shortfalls = [s for s in shortfalls if s is not None]
+        if shortfalls:
+            raise ValueError("; and ".join(shortfalls))
+
+    def training_shortfall(self) -> str | None:
+        """Why the training split, where it is already made, cannot fill one global batch; None if it can (or is not
+        made yet: a text corpus splits in ``setup``, which says so itself)."""
+        return None
 
     def _replica(self) -> tuple[int, int]:
         """(number of data-parallel replicas, this replica's index), from the strategy: never the world size."""

@@ -97,15 +97,20 @@ class ChatDataModule(GlobalBatchData):
         width, pad = self.seq_len + 1, self.chat.pad_id
         self.val_set, test, train = (pack([examples[i] for i in part], width, pad) for part in split)
         self.test_set = test if n_test else None
-        self.train_set = train
-        if len(train) < self.global_batch_size:
-            raise ValueError(
-                f"the {len(order) - n_val - n_test} training examples of {self.data_path!r} fill {len(train)} rows of "
-                f"seq_len+1={width} tokens, fewer than global_batch_size={self.global_batch_size}"
-            )
+        self.train_set, self.train_examples = train, len(order) - n_val - n_test
+
+    def training_shortfall(self) -> str | None:
+        if self.train_set is None or len(self.train_set) >= self.global_batch_size:
+            return None
+        return (
+            f"the {self.train_examples} training examples of {self.data_path!r} fill {len(self.train_set)} rows of "
+            f"seq_len+1={self.seq_len + 1} tokens, fewer than global_batch_size={self.global_batch_size}"
+        )
 
     def setup(self, stage: str | None = None) -> None:
         self.resolve_tokenizer()
+        if stage in ("fit", None) and self.training_shortfall() is not None:
+            raise ValueError(self.training_shortfall())
 
     @property
     def vocab_size(self) -> int:

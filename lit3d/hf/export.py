@@ -37,7 +37,7 @@ def export_checkpoint(
     source, notes = source_folder(meta)
     lora = (meta.get("hyper_parameters") or {}).get("lora")
     if adapter:
-        base = str(source) if source is not None else None
+        base = str(source.resolve()) if source is not None else None  # a relative path would be read as a hub id
         if lora is None:
             raise ValueError(f"{str(ckpt_path)!r} was trained without LoRA adapters: export it without --adapter")
         folder = write_adapter(output, network_state, LoRA(**lora), base)

@@ -8,7 +8,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torchmetrics import MeanMetric
 
 from lit3d.callbacks import Throughput
@@ -19,7 +19,7 @@ from lit3d.models.config import GPTConfig, check_model_fits_data
 from lit3d.models.generation import Sampling, next_token
 from lit3d.models.loop import ends_optimizer_step
 from lit3d.models.lora import LoRA, freeze_all_but_adapters
-from lit3d.models.lr_schedule import WarmupCosine
+from lit3d.models.lr_schedule import WarmupCosine, horizon_warning, optimizer_refusal
 from lit3d.models.runner import Runner, WholeNetwork
 from lit3d.models.tp_plan import tensor_parallel_plan
 from lit3d.models.transformer import IGNORED, Transformer, cross_entropy
@@ -74,8 +74,9 @@ class GPT(L.LightningModule):
         super().__init__()
         if optimizer_impl not in ("auto", "foreach", "fused"):
             raise ValueError(f"optimizer_impl={optimizer_impl!r} is not one of 'auto', 'foreach', 'fused'")
-        if warmup_steps < 0 or not 0 <= min_lr_ratio <= 1:
-            raise ValueError(f"warmup_steps={warmup_steps} must be >= 0 and min_lr_ratio={min_lr_ratio} in [0, 1]")
+        refusal = optimizer_refusal(learning_rate, weight_decay, betas, eps, warmup_steps, decay_steps, min_lr_ratio)
+        if refusal is not None:
+            raise ValueError(refusal)
         self.pretrained = pretrained
         self.config = read_config(pretrained) if pretrained is not None else GPTConfig.load(config)
         self.sampling = sampling or Sampling()
@@ -310,6 +311,9 @@ class GPT(L.LightningModule):
     def on_train_start(self) -> None:
         """A resumed run's schedule follows this run's horizon (``decay_steps`` above), not the checkpoint's."""
         planned = WarmupCosine(self.warmup_steps, self._decay_steps(), self.min_lr_ratio)
+        short = horizon_warning(self.warmup_steps, self.decay_steps, self.trainer.max_steps)
+        if short is not None:
+            rank_zero_warn(short)
         for config in self.trainer.lr_scheduler_configs:
             self._follow_schedule(config.scheduler, planned)
 
@@ -334,7 +338,7 @@ class GPT(L.LightningModule):
         rank_zero_info(
             f"learning-rate schedule {how} from {old.decay_steps} to {planned.decay_steps} steps (this run's "
             f"{source}): from step {step} it follows "
-            f"{planned}, so the learning rate is {groups[0]['lr']:.3g}, not {old_lr:.3g}; "
+            f"{planned}, so the learning rate is {_differing(groups[0]['lr'], old_lr)}; "
             f"set decay_steps={old.decay_steps} to keep the checkpoint's schedule"
         )
 
@@ -383,3 +387,11 @@ def _trained_share(batch: Any) -> torch.Tensor | float:
         return 1.0
     scale = batch["loss_scale"][0]
     return torch.where(scale > 0, 1 / scale.clamp(min=1e-12), torch.zeros_like(scale))
+
+
+def _differing(new: float, old: float) -> str:
+    """``new, not old`` in as few digits as tell them apart (3 at least), or ``new`` alone where they are equal."""
+    if new == old:
+        return f"{new:.3g} (unchanged)"
+    digits = next((d for d in range(3, 17) if f"{new:.{d}g}" != f"{old:.{d}g}"), 17)
+    return f"{new:.{digits}g}, not {old:.{digits}g}"

@@ -21,3 +21,43 @@ class WarmupCosine:
             return (step + 1) / (self.warmup_steps + 1)
         progress = min(1.0, (step - self.warmup_steps) / max(1, self.decay_steps - self.warmup_steps))
         return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def optimizer_refusal(
+    learning_rate: float,
+    weight_decay: float,
+    betas: tuple[float, float],
+    eps: float,
+    warmup_steps: int,
+    decay_steps: int | None,
+    min_lr_ratio: float,
+) -> str | None:
+    """Every optimizer and schedule argument of `lit3d.GPT` out of range, in one line (None when all are fine), so a
+    bad value is refused when the model is built, before any rank starts, rather than by ``torch.optim`` in
+    ``configure_optimizers`` on every rank."""
+    wrong = [
+        f"learning_rate={learning_rate} must be > 0" if not learning_rate > 0 else "",
+        f"weight_decay={weight_decay} must be >= 0" if not weight_decay >= 0 else "",
+        f"betas={tuple(betas)} must be two numbers in [0, 1)"
+        if len(betas) != 2 or not all(0 <= b < 1 for b in betas)
+        else "",
+        f"eps={eps} must be >= 0" if not eps >= 0 else "",
+        f"warmup_steps={warmup_steps} must be >= 0" if warmup_steps < 0 else "",
+        f"decay_steps={decay_steps} must be above warmup_steps={warmup_steps}"
+        if decay_steps is not None and decay_steps <= warmup_steps
+        else "",
+        f"min_lr_ratio={min_lr_ratio} must lie in [0, 1]" if not 0 <= min_lr_ratio <= 1 else "",
+    ]
+    wrong = [w for w in wrong if w]
+    return "; ".join(wrong) if wrong else None
+
+
+def horizon_warning(warmup_steps: int, decay_steps: int | None, max_steps: int) -> str | None:
+    """A run that ends before its warm-up does (``max_steps`` <= ``warmup_steps``, no ``decay_steps``) never trains at
+    its learning rate: said once, not refused (a short smoke test of a long config is a fair thing to run)."""
+    if decay_steps is None and 0 < max_steps <= warmup_steps:
+        return (
+            f"max_steps={max_steps} ends within warmup_steps={warmup_steps}: the learning rate never reaches "
+            "learning_rate and the cosine decay never starts (lower --model.warmup_steps for a short run)"
+        )
+    return None

@@ -75,12 +75,13 @@ def layout_lines(layout: Layout, parallelism: Any, microbatches: int, lit3d_spli
     pipeline the schedule (``parallelism``: the run's `lit3d.parallel.Parallelism`)."""
     lines = [rank_map(layout)]
     if parallelism.tensor_parallel_size == "auto":
-        convention = (
-            "lit3d splits this module, with tensor parallelism when asked"
-            if lit3d_splits
-            else "the devices of a node, as Lightning's ModelParallelStrategy, for a module that parallelises itself"
-        )
-        lines.append(f"tensor_parallel_size='auto' is {layout.tp}: {convention}")
+        # NOTE: for a module lit3d splits, 'auto' is 1 unless asked: a line saying so on every data-parallel run
+        # tells nothing; a module that parallelises itself gets Lightning's convention, which is worth naming.
+        if not lit3d_splits:
+            lines.append(
+                f"tensor_parallel_size='auto' is {layout.tp}: the devices of a node, as Lightning's "
+                "ModelParallelStrategy, for a module that parallelises itself"
+            )
         if parallelism.sequence_parallel and layout.tp == 1:
             lines.append("sequence_parallel=True does nothing here: tensor_parallel_size is 1")
     if layout.pp > 1:
