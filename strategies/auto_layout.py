@@ -23,7 +23,7 @@ from lit3d.models.config import GPTConfig
 from lit3d.parallel.settings import Parallelism, defaults
 from lit3d.planner.calibrate import cluster_of
 from lit3d.planner.hardware import cpu_share, identify
-from lit3d.planner.inputs import GB, PRECISIONS, Cluster, Training
+from lit3d.planner.inputs import GB, PEAK_BAND, PRECISIONS, Cluster, Training
 from lit3d.planner.report import run_flags, settings
 from lit3d.planner.request import Request, planning_defaults
 from lit3d.planner.request import plan as plan_request
@@ -88,6 +88,8 @@ def choose(parallelism: Parallelism, module: Any, trainer: Any, datamodule: Any,
     if batch is None:
         raise ValueError("auto_layout=True needs the data's global_batch_size (a lit3d data module) to plan for")
     precision = str(trainer.precision) if trainer is not None else "32-true"
+    # NOTE: a layout is chosen only where its plan times the band measured peaks keep to fits the usable memory.
+    headroom = 1 - (1 - Training.headroom) / PEAK_BAND
     best, misses = None, []
     for micro in (m for m in range(1, batch + 1) if batch % m == 0):
         training = Training(
@@ -96,6 +98,7 @@ def choose(parallelism: Parallelism, module: Any, trainer: Any, datamodule: Any,
             global_batch_size=batch,
             precision=precision if precision in PRECISIONS else "32-true",
             lora=getattr(module, "lora", None),
+            headroom=headroom,
         )
         fixed = frozenset({*given, "micro_batch_size"})
         report = plan_request(Request(config, cluster, training, planning_defaults(**given), fixed, top=1))
@@ -106,12 +109,12 @@ def choose(parallelism: Parallelism, module: Any, trainer: Any, datamodule: Any,
     if best is None:
         raise ValueError(_nothing_fits(config, cluster, misses))
     kept = {name: getattr(parallelism, name) for name in NOT_PLANNED}
-    if best.layout.pp > 1:  # the schedule's micro-batches as planned
-        kept["num_microbatches"] = best.plan.num_microbatches
-    chosen = replace(best.parallelism, **kept)
+    chosen = replace(best.settings_to_run(), **kept)
     lines = [
         f"3d_auto chose: {settings(best)}",
         f"  why: {why(best, cluster)}",
+        f"  usable: {cluster.gpu_memory_gb * (1 - Training.headroom):.3g} GB a rank, planned within "
+        f"1/{PEAK_BAND} of it (runs peak up to {PEAK_BAND}x their plan)",
         f"  the same run, written out: {run_flags(best, frozenset(given))}",
     ]
     return chosen, _accumulation(best), lines
@@ -129,7 +132,7 @@ def _accumulation(candidate: Candidate) -> int:
 def _nothing_fits(config: GPTConfig, cluster: Cluster, misses: list[Candidate]) -> str:
     text = (
         f"auto_layout=True: no layout of {config.name} fits {cluster.gpus} ranks of {cluster.gpu_memory_gb:g} GB "
-        "(less headroom)"
+        f"(less headroom, and room for runs that peak up to {PEAK_BAND}x their plan)"
     )
     if misses:
         nearest = min(misses, key=lambda c: c.plan.memory_per_gpu["total"])

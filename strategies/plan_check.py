@@ -17,12 +17,12 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lit3d.models.loop import ends_optimizer_step
 from lit3d.planner.calibrate import cluster_of
 from lit3d.planner.hardware import identify
-from lit3d.planner.inputs import Cluster, Plan
+from lit3d.planner.inputs import GB, PEAK_BAND, Cluster, Plan, Training
 from lit3d.planner.run import RunningStrategy, plan_of_run
 from lit3d.strategies.live_memory import PeakMemory
 from lit3d.strategies.memory import memory_line
@@ -51,7 +51,20 @@ def planned_run(strategy: RunningStrategy) -> tuple[Plan | None, PlanCheck | Non
     plan = plan_of_run(strategy, cluster)
     if plan is None:
         return None, None
-    return plan, PlanCheck(plan, plan.step_time_s if cluster is not None else None, priced_on)
+    check = PlanCheck(plan, plan.step_time_s if cluster is not None else None, priced_on)
+    check.layout, check.usable = strategy.layout.grid, usable_memory(strategy)
+    return plan, check
+
+
+def usable_memory(strategy: RunningStrategy) -> float | None:
+    """The bytes a rank of this run may hold, less the planner's headroom: ``auto_memory_gb`` where given, else a GPU's
+    memory; None on CPU ranks without a limit."""
+    limit = strategy.parallelism.auto_memory_gb
+    if limit is not None:
+        limit *= GB
+    elif strategy.root_device.type == "cuda":
+        limit = torch.cuda.get_device_properties(strategy.root_device).total_memory
+    return None if limit is None else limit * (1 - Training.headroom)
 
 
 def run_cluster(device: torch.device, nodes: int, per_node: int, profile: str | None) -> tuple[Cluster | None, str]:
@@ -77,6 +90,7 @@ class PlanCheck(L.Callback):
         self.planned_peak = max(stage["total"] for stage in plan.memory_by_stage)
         self.planned_step, self.priced_on = planned_step, priced_on
         self.peak, self.first = PeakMemory(MEMORY_STEP, outer_state), 0
+        self.layout, self.usable = "this layout", None  # named in `overrun_warning` (set by `planned_run`)
         self.ratios: dict[str, float] = {}
         self._ends: list[float] = []
 
@@ -118,6 +132,9 @@ class PlanCheck(L.Callback):
             for logger in trainer.loggers:
                 logger.log_metrics(self.ratios, step=trainer.global_step)
         rank_zero_info(plan_check_line(peak, self.planned_peak, step, self.planned_step, self.priced_on))
+        overrun = overrun_warning(peak, self.planned_peak, self.usable, self.layout)
+        if overrun is not None:
+            rank_zero_warn(overrun)
 
 
 def outer_state(trainer: L.Trainer) -> list[torch.Tensor]:
@@ -137,4 +154,19 @@ def plan_check_line(peak: float, planned_peak: float, step: float | None, planne
         return line + f"; step time {step:.3f} s measured, not compared: {why}"
     return (
         line + f"; step time {step:.3f} s measured / {planned_step:.3f} s planned on {why} = {step / planned_step:.2f}x"
+    )
+
+
+def overrun_warning(peak: float, planned_peak: float, usable: float | None, layout: str) -> str | None:
+    """What rank 0 warns once when the measured peak passes the band the suite holds runs to (`PEAK_BAND` times the
+    plan) or the memory a rank may use; None when it keeps to both."""
+    ratio = peak / planned_peak
+    over = [f"{ratio:.2f}x its plan, above the {PEAK_BAND}x runs are held to"] if ratio > PEAK_BAND else []
+    if usable is not None and peak > usable:
+        over.append(f"{peak / GB:.3g} GB of the {usable / GB:.3g} GB a rank may use (less headroom)")
+    if not over:
+        return None
+    return (
+        f"{layout} peaked at {peak / GB:.3g} GB, " + " and ".join(over) + ": give the run more memory per rank, "
+        "or split the model further (--trainer.strategy.activation_checkpointing=true, a larger zero_stage, ...)"
     )

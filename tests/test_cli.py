@@ -66,6 +66,7 @@ def test_3d_auto_with_a_memory_limit_picks_a_split_layout_logs_it_and_trains_lik
     chose = next(line for line in printed.splitlines() if line.startswith("3d_auto chose: "))
     assert "tp 1 x pp 1" not in chose and "  why: " in printed and "the same run, written out: " in printed, chose
     assert "plan check: peak memory" in printed, printed[-3000:]
+    assert " peaked at " not in printed, printed[-3000:]  # within its plan's band and its memory (issue 63, item 4)
 
 
 def test_fit_with_ckpt_path_last_starts_fresh_then_resumes_where_the_run_stopped(tmp_path, single_process_losses):

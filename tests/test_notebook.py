@@ -1,4 +1,5 @@
-"""The prototype notebook runs headless from top to bottom: planner, rank map, 8 forked CPU ranks, loss plot."""
+"""The prototype notebook runs headless from top to bottom: planner, rank map, 4 forked CPU ranks, loss plot; the run
+is the one its plan describes."""
 
 from pathlib import Path
 
@@ -13,6 +14,7 @@ NOTEBOOK = Path(__file__).resolve().parents[1] / "examples" / "prototype.ipynb"
 
 def test_prototype_notebook_runs_without_error(tmp_path, monkeypatch):
     monkeypatch.setenv("LIT3D_NOTEBOOK_STEPS", "6")
+    monkeypatch.setenv("LIT3D_NOTEBOOK_PROCESSES", "4")
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     nbclient.NotebookClient(
         notebook, timeout=240, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
@@ -23,9 +25,16 @@ def test_prototype_notebook_runs_without_error(tmp_path, monkeypatch):
     assert any("image/png" in o.get("data", {}) for o in outputs)  # the loss curve
     text = "".join(o.get("text", "") for o in outputs)
     assert "layout(s) fit" in text and "train_loss" in text
-    assert "853.1K parameters) on 1 node(s) x 8 CPU processes" in text and "0.00 GB" not in text  # units by size
-    cpu_line = next(line for line in text.splitlines() if "x 8 CPU processes (" in line)
+    assert "853.1K parameters) on 1 node(s) x 4 CPU processes" in text and "0.00 GB" not in text  # units by size
+    cpu_line = next(line for line in text.splitlines() if "x 4 CPU processes (" in line)
     assert float(cpu_line.split(" TFLOP/s")[0].rsplit(" ", 1)[-1]) < 1  # a CPU's peak, not an H100's 989
+    # Issue 63, item 3: the plan printed beside the run is the run: its layout, ZeRO stage, schedule, micro-batches.
+    planned = next(line for line in text.splitlines() if line.startswith("planned: ")).removeprefix("planned: ")
+    ran = next(line for line in text.splitlines() if line.startswith("ran: ")).removeprefix("ran: ").strip()
+    grid, zero, precision, *rest = planned.split(", ")
+    schedule, microbatches = rest[-2], rest[-1].split(" micro-batch(es)")[0]
+    assert ran == f"{grid}, {zero}, {schedule}, {microbatches} micro-batch(es)", (planned, ran)
+    assert grid == "dp 1 x tp 2 x pp 2" and zero == "ZeRO-1", planned
     losses = logged(tmp_path / "runs" / "notebook" / "prototype", "train_loss")
     assert len(losses) == 6 and losses[-1] < losses[0]
 

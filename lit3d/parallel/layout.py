@@ -58,6 +58,14 @@ class Layout:
     dp_shard: int | None = None  # HSDP: ZeRO shards over groups of this many consecutive DP ranks (None: all dp)
 
     @property
+    def grid(self) -> str:
+        """The sizes as reports and logs name them: ``dp 2 x tp 2 x pp 2`` (``x cp`` with context parallelism, inside
+        ``N islands x (...)`` with DiLoCo's islands)."""
+        cp = f" x cp {self.cp}" if self.cp > 1 else ""
+        grid = f"dp {self.dp}{cp} x tp {self.tp} x pp {self.pp}"
+        return f"{self.islands} islands x ({grid})" if self.islands > 1 else grid
+
+    @property
     def world_size(self) -> int:
         return self.islands * self.island_size
 

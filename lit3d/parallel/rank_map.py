@@ -12,11 +12,8 @@ from lit3d.parallel.schedules import describe_schedule
 def rank_map(layout: Layout, max_rows: int = 64) -> str:
     """A table of node, rank and (p, d, t) per rank (with c: context parallelism), with the group sizes; rank 0
     prints it at start."""
-    cp = f" x cp {layout.cp}" if layout.cp > 1 else ""
-    grid = f"dp {layout.dp}{cp} x tp {layout.tp} x pp {layout.pp}"
-    grid = f"{layout.islands} islands x ({grid})" if layout.islands > 1 else grid
     lines = [
-        f"lit3d layout: {layout.world_size} ranks = {grid}, "
+        f"lit3d layout: {layout.world_size} ranks = {layout.grid}, "
         f"{layout.num_nodes} node(s) x {layout.devices_per_node} device(s)",
         f"groups: tensor-parallel of {layout.tp} (consecutive ranks), "
         + (f"context-parallel ring of {layout.cp} (stride {layout.tp}), " if layout.cp > 1 else "")

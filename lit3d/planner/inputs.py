@@ -16,6 +16,10 @@ from lit3d.planner.hardware import GPU, GPUS
 from lit3d.planner.tensors import config_key
 
 GB = 1e9
+# How far a run's measured peak may pass its plan: every layout of the suite peaks within 1.3x of it (the layouts that
+# split the model; plain data parallelism within 1.25x: tests/test_plan_check.py). `3d_auto` plans within the usable
+# memory divided by it, and a run that passes it (or its usable memory) is told so (`lit3d.strategies.plan_check`).
+PEAK_BAND = 1.3
 
 
 @dataclass(frozen=True)
@@ -256,6 +260,8 @@ class Plan:
     time_breakdown: dict[str, Any] = field(default_factory=dict)
     memory_by_stage: list[dict[str, int]] = field(default_factory=list)
     flops_per_step: float = 0.0  # model FLOPs of one optimizer step, all GPUs (recompute not counted)
+    # NOTE: the model's own count (`GPTConfig.num_params`), as transformers counts the folder: the embedding and head
+    # rows padded to `pad_vocab_multiple` are held (memory, `params_per_rank`) but are not the model's parameters.
     params_total: int = 0
     params_per_rank: int = 0  # parameters (elements) the most loaded rank holds, ZeRO-3 shards included
     params_active: int = 0  # parameters one token uses (MoE: k of the routed experts; a dense model: all)

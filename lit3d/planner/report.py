@@ -35,10 +35,11 @@ def describe(config: GPTConfig, cluster: Cluster) -> str:
 def settings(candidate: Candidate) -> str:
     """The layout line of a report: the grid and the settings that change what it holds and sends."""
     layout, training, run, plan = candidate.layout, candidate.training, candidate.parallelism, candidate.plan
-    cp = f" x cp {layout.cp}" if layout.cp > 1 else ""
-    grid = f"dp {layout.dp}{cp} x tp {layout.tp} x pp {layout.pp}"
-    grid = f"{layout.islands} islands x ({grid})" if layout.islands > 1 else grid
-    parts = [grid, f"ZeRO-{run.zero_stage}" + (" offloaded to the host" if run.offload else ""), training.precision]
+    parts = [
+        layout.grid,
+        f"ZeRO-{run.zero_stage}" + (" offloaded to the host" if run.offload else ""),
+        training.precision,
+    ]
     if training.lora is not None:
         parts.append(f"LoRA rank {training.lora.rank} on {', '.join(training.lora.targets)}, the rest frozen")
     if run.mixed_precision_reduce != "float32" and training.precision == "bf16-mixed":

@@ -48,6 +48,14 @@ class Candidate:
     parallelism: Parallelism
     plan: Plan
 
+    def settings_to_run(self) -> Parallelism:
+        """The strategy's settings that run this layout as planned (``Parallel3DStrategy.of(...)``): the planned ones,
+        a pipeline's micro-batches per schedule fixed to the plan's (else the strategy chooses its own from the
+        batch, and the run would not be the one planned)."""
+        if self.layout.pp == 1:
+            return self.parallelism
+        return replace(self.parallelism, num_microbatches=self.plan.num_microbatches)
+
 
 def check_inputs(config: GPTConfig, cluster: Cluster, training: Training) -> None:
     """Refuse numbers no layout could use, naming them (the settings check themselves: `Parallelism.check`)."""
