@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # NOTE: a Base
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from lit3d.outputs import is_checkpoint_file, refusal
 from lit3d.strategies.safe_io import (
     META_FILE,
     SafeEmptyLoadPlanner,
@@ -135,19 +136,20 @@ def is_own_folder(path: Path) -> bool:
 
 
 def replace_refusal(path: Path, single_file: bool) -> OSError | None:
-    """Why a save to ``path`` must not start, or None. A folder there (or at its ``.partial`` name, where a save
-    writes first) that lit3d did not write is never replaced: `IsADirectoryError` for a single file's path, as
-    Lightning's, else `FileExistsError`. A file there, or an own checkpoint folder, is replaced."""
-    for folder in (path, path.with_name(path.name + PARTIAL_SUFFIX)):
-        if folder.is_dir() and not is_own_folder(folder):
-            held = sorted(entry.name for entry in folder.iterdir())
-            kind = IsADirectoryError if single_file and folder == path else FileExistsError
-            return kind(
-                f"the checkpoint path {str(folder)!r} exists and is a directory lit3d did not write (it holds "
-                f"{', '.join(held[:3])}{', ...' if len(held) > 3 else ''}); lit3d replaces only its own checkpoints: "
-                "save to another path, or move that folder away"
-            )
-    return None
+    """Why a save to ``path`` must not start, or None: lit3d's one rule (`lit3d.outputs.refusal`) for a checkpoint
+    file or folder there, and for a folder at its ``.partial`` name (where a save writes first). Replaced: an own
+    checkpoint folder (`is_own_folder`) or checkpoint file (`is_checkpoint_file`), and an interrupted save's
+    ``.partial`` file; refused: anything else (a folder for a single file with `IsADirectoryError`, as Lightning's)."""
+    writes = None if single_file else ("*",)  # a folder is replaced whole
+    partial = path.with_name(path.name + PARTIAL_SUFFIX)
+    return refusal(path, "checkpoint", is_own_checkpoint, writes, flag=None) or refusal(
+        partial, "checkpoint", lambda found: found.is_file() or is_own_folder(found), ("*",), flag=None
+    )
+
+
+def is_own_checkpoint(path: Path) -> bool:
+    """Whether a save may replace ``path``: a checkpoint folder or file lit3d (or Lightning) wrote."""
+    return is_own_folder(path) if path.is_dir() else is_checkpoint_file(path)
 
 
 def as_plain_data(tree: Any) -> Any:

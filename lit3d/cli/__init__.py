@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 
 # and the settings that may be true (`lit3d.cli.commands.SWITCHES`)
-FLAGS = ("--json", "--verify", "--adapter", "--search", "--chat")
+FLAGS = ("--json", "--verify", "--adapter", "--search", "--chat", "--overwrite")
 USAGE = """usage: lit3d COMMAND [--help] [arguments]
        lit3d --version
 
@@ -94,7 +94,8 @@ def main(args: list[str] | None = None) -> None:
                 command_line(arguments)
             else:
                 CLI(command, args=arguments, as_positional=False, prog=f"lit3d {argv[0]}")
-        except (ValueError, FileNotFoundError, FileExistsError, UnsafeCheckpointError) as error:  # bad input: one line
+        except (ValueError, FileNotFoundError, FileExistsError, IsADirectoryError, UnsafeCheckpointError) as error:
+            # bad input (`lit3d.outputs`' refusals too): one line
             raise SystemExit(f"lit3d {argv[0]}: error: {error}") from None
         return
     if help_cache.is_help(argv):  # NOTE: answered from a cache when asked before: building it loads Lightning and torch

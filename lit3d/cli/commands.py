@@ -3,16 +3,17 @@
 
 from __future__ import annotations
 
-from json import dumps
+from json import dumps, loads
 from pathlib import Path
 
 from lit3d.cli.plan_command import SWITCHES, plan  # noqa: F401 (the CLI's `lit3d plan`, and its flags that stand alone)
 from lit3d.data.sources import check_source, load_documents
+from lit3d.outputs import check_output, is_checkpoint_file
 from lit3d.planner.calibrate import calibrate as measure
 from lit3d.quiet import lightning_info_silenced
 
 
-def export(ckpt_path: str, output: str, dtype: str = "float32", adapter: bool = False) -> None:
+def export(ckpt_path: str, output: str, dtype: str = "float32", adapter: bool = False, overwrite: bool = False) -> None:
     """Write a lit3d checkpoint (any layout) as a HuggingFace folder: Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE.
 
     The family is the model config's ``family`` (that of the folder it started from, for ``GPT(pretrained=...)``).
@@ -25,6 +26,8 @@ def export(ckpt_path: str, output: str, dtype: str = "float32", adapter: bool = 
         dtype: ``float32``, ``bfloat16`` or ``float16``.
         adapter: A LoRA run's adapters alone, as a PEFT folder (``adapter_config.json``, ``adapter_model.safetensors``)
             that ``peft.PeftModel.from_pretrained`` loads on the base model; without it they are merged into the export.
+        overwrite: Replace files of yours in ``output`` that an export writes (``config.json``, ...); without it they
+            are refused, before anything is read. An earlier export there is replaced, and other files are kept.
     """
     import torch
 
@@ -32,11 +35,11 @@ def export(ckpt_path: str, output: str, dtype: str = "float32", adapter: bool = 
 
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype={dtype!r} is not one of float32, bfloat16, float16")
-    folder, notes = export_checkpoint(ckpt_path, output, getattr(torch, dtype), adapter)
-    print("\n".join([f"wrote {folder}: {', '.join(sorted(p.name for p in folder.iterdir()))}", *notes]))
+    folder, files, notes = export_checkpoint(ckpt_path, output, getattr(torch, dtype), adapter, overwrite)
+    print("\n".join([f"wrote {folder}: {', '.join(files)}", *notes]))
 
 
-def calibrate(output: str = "cpu.json", processes: int = 1) -> None:
+def calibrate(output: str = "cpu.json", processes: int = 1, overwrite: bool = False) -> None:
     """Measure this machine as the planner's clock sees a device, for ``lit3d plan --gpu OUTPUT``: GEMMs, attention,
     elementwise bandwidth, the time per operator and per step, and gloo's all-reduce between ``processes`` processes
     sharing it (each with its share of the cores, as a rehearsal's ranks have). About ten seconds.
@@ -44,7 +47,9 @@ def calibrate(output: str = "cpu.json", processes: int = 1) -> None:
     Args:
         output: The profile to write (JSON).
         processes: Processes sharing the machine, as many as the rehearsal planned with it runs.
+        overwrite: Replace a file at ``output`` that is not a profile lit3d wrote (one it wrote is replaced anyway).
     """
+    check_output(output, "profile", is_profile, overwrite=overwrite)  # NOTE: before the measuring (seconds)
     profile = measure(processes)
     Path(output).write_text(dumps(profile, indent=2))
     gpu = profile["gpu"]
@@ -55,7 +60,16 @@ def calibrate(output: str = "cpu.json", processes: int = 1) -> None:
     )
 
 
-def convert(ckpt_path: str, output: str) -> None:
+def is_profile(path: Path) -> bool:
+    """Whether ``path`` is a profile that `calibrate` wrote (the keys of its JSON object), which it may replace."""
+    try:
+        data = loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and data.keys() == {"gpu", "collective_latency_us", "processes"}
+
+
+def convert(ckpt_path: str, output: str, overwrite: bool = False) -> None:
     """Write a lit3d checkpoint folder (any layout) as one Lightning checkpoint file.
 
     The file holds the whole weights, the loop state and the hyper-parameters, and loads on one process under any
@@ -65,11 +79,13 @@ def convert(ckpt_path: str, output: str) -> None:
     Args:
         ckpt_path: The checkpoint folder.
         output: The file to write.
+        overwrite: Replace a file at ``output`` that is not a checkpoint (a checkpoint file is replaced anyway).
     """
     import torch
 
     from lit3d.strategies.checkpoint_folder import read_weights
 
+    check_output(output, "checkpoint", is_checkpoint_file, overwrite=overwrite)  # before the checkpoint is read
     torch.save(read_weights(ckpt_path), output)
     print(f"wrote {output}")
 
@@ -138,6 +154,7 @@ def prepare(
     split: str = "train",
     num_proc: int = 2,
     shard_tokens: int = 2**27,
+    overwrite: bool = False,
 ) -> None:
     """Tokenize a corpus once, with several processes, into token shards that training reads memory-mapped
     (``TextDataModule(data_path=OUTPUT)``, with the same tokenizer).
@@ -151,16 +168,19 @@ def prepare(
         split: The split of an ``hf:`` dataset or a saved ``DatasetDict``.
         num_proc: Tokenizing processes.
         shard_tokens: Tokens per shard file.
+        overwrite: Replace what a folder at ``output`` holds (a corpus prepared before included); without it a folder
+            that is not empty is refused, before any tokenizing.
     """
     import time
 
-    from lit3d.data.prepared import throughput, write
+    from lit3d.data.prepared import prepared_output, throughput, write
     from lit3d.data.tokenizers import load_tokenizer
 
     if num_proc < 1 or shard_tokens < 1:
         raise ValueError(f"num_proc={num_proc} and shard_tokens={shard_tokens} must be positive")
     check_source(data_path)
+    prepared_output(output, overwrite)  # before the documents are read
     start = time.perf_counter()
     documents = load_documents(data_path, text_column, name, split)
-    index = write(documents, load_tokenizer(tokenizer), tokenizer, output, num_proc, shard_tokens)
+    index = write(documents, load_tokenizer(tokenizer), tokenizer, output, num_proc, shard_tokens, overwrite)
     print(throughput(index, documents.data.nbytes, time.perf_counter() - start, num_proc))

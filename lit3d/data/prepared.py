@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from lit3d.data.tokenizers import tokenize_documents
+from lit3d.outputs import check_output, make_folder
 
 INDEX = "index.json"
 FORMAT = "lit3d-tokens"
@@ -31,6 +32,14 @@ def is_prepared(path: str | Path) -> bool:
     return index.is_file() and json.loads(index.read_text()).get("format") == FORMAT
 
 
+def prepared_output(output: str | Path, overwrite: bool = False, make: bool = False) -> Path:
+    """The folder `write` writes, by lit3d's rule for outputs (`lit3d.outputs`): a new or empty one; one that holds
+    anything only with ``overwrite``, which (with ``make``) empties it. NOTE: a corpus prepared before is not replaced
+    unasked either: tokenizing one can take hours."""
+    rule = make_folder if make else check_output
+    return rule(output, "prepared corpus", lambda path: False, ("*",), overwrite)
+
+
 def write(
     documents: Any,
     tokenizer: Any,
@@ -38,16 +47,14 @@ def write(
     output: str | Path,
     num_proc: int = 2,
     shard_tokens: int = 2**27,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Tokenize ``documents`` (a `datasets.Dataset` with a ``text`` column) with ``num_proc`` processes and write
-    the shards and the index to ``output``; returns the index."""
+    the shards and the index to ``output`` (`prepared_output`); returns the index."""
     import datasets
     from tqdm.auto import tqdm
 
-    output = Path(output)
-    if output.exists() and any(output.iterdir()):
-        raise FileExistsError(f"output={str(output)!r} exists and is not empty; give a new folder")
-    output.mkdir(parents=True, exist_ok=True)
+    output = prepared_output(output, overwrite, make=True)
     dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
     features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32"))})
     tokens = documents.map(

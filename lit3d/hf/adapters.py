@@ -15,6 +15,7 @@ import torch
 
 from lit3d.models.config import GPTConfig
 from lit3d.models.lora import ADAPTERS, ROLES, LoRA
+from lit3d.outputs import MARK
 
 PEFT_PREFIX = "base_model.model.model.layers"
 _OURS = re.compile(r"blocks\.(\d+)\.(attn|mlp)\.(\w+)\.lora_(a|b)$")
@@ -79,7 +80,7 @@ def write_adapter(folder: str | Path, state: dict[str, torch.Tensor], lora: LoRA
             tensors[f"{PEFT_PREFIX}.{block}.{kind}.{module}.lora_{which.upper()}.weight"] = tensor.contiguous()
     if not tensors:
         raise ValueError("the checkpoint holds no LoRA adapters to export (trained without --model.lora)")
-    save_file(tensors, folder / "adapter_model.safetensors")
+    save_file(tensors, folder / "adapter_model.safetensors", metadata={"format": "pt", **MARK})  # `is_export_folder`
     (folder / "adapter_config.json").write_text(json.dumps(peft_config(lora, base), indent=2))
     return folder
 

@@ -10,21 +10,33 @@ from typing import Any
 
 import torch
 
-from lit3d.data.tokenizers import export_tokenizer, load_tokenizer
+from lit3d.data.tokenizers import TOKENIZER_FILES, export_tokenizer, load_tokenizer
 from lit3d.hf.adapters import merge_adapters, write_adapter
 from lit3d.hf.folders import write_folder
 from lit3d.hf.pretrained import is_hf_folder, read_checkpoint, read_meta
 from lit3d.models.lora import LoRA
+from lit3d.outputs import check_output, is_export_folder, make_folder, written
 
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+# What an export may put in its folder (`lit3d.outputs.make_folder`): a model's, or (``adapter``) a PEFT folder's.
+MODEL_FILES = ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json", *TOKENIZER_FILES)
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
 def export_checkpoint(
-    ckpt_path: str | Path, output: str | Path, dtype: torch.dtype = torch.float32, adapter: bool = False
-) -> tuple[Path, list[str]]:
-    """A lit3d checkpoint of any layout → a HuggingFace folder of its family (one process, no GPU needed), and one
-    line per thing generation needs on where it came from (token ids, generation config, tokenizer). A LoRA run's
-    adapters are merged into their linears, or with ``adapter`` written alone as a PEFT folder (`lit3d.hf.adapters`).
+    ckpt_path: str | Path,
+    output: str | Path,
+    dtype: torch.dtype = torch.float32,
+    adapter: bool = False,
+    overwrite: bool = False,
+) -> tuple[Path, list[str], list[str]]:
+    """A lit3d checkpoint of any layout → a HuggingFace folder of its family (one process, no GPU needed), the names
+    of the files written there, and one line per thing generation needs on where it came from (token ids, generation
+    config, tokenizer). A LoRA run's adapters are merged into their linears, or with ``adapter`` written alone as a
+    PEFT folder (`lit3d.hf.adapters`).
+
+    Into an existing folder: an earlier export's files are replaced; a user's files of the names an export writes are
+    refused before anything is read, unless ``overwrite`` (`lit3d.outputs`); other files are left beside.
 
     The sharded tensors are read whole with `torch.distributed.checkpoint` (`lit3d.hf.pretrained.read_checkpoint`),
     which reassembles the shards of every layout from their recorded global offsets. The BOS/EOS/pad ids and
@@ -33,6 +45,8 @@ def export_checkpoint(
     """
     import shutil
 
+    names = ADAPTER_FILES if adapter else MODEL_FILES
+    check_output(output, "HuggingFace export", is_export_folder, names, overwrite)  # before the checkpoint is read
     config, network_state, meta = read_checkpoint(ckpt_path)
     source, notes = source_folder(meta)
     lora = (meta.get("hyper_parameters") or {}).get("lora")
@@ -40,8 +54,10 @@ def export_checkpoint(
         base = str(source.resolve()) if source is not None else None  # a relative path would be read as a hub id
         if lora is None:
             raise ValueError(f"{str(ckpt_path)!r} was trained without LoRA adapters: export it without --adapter")
+        output = make_folder(output, "HuggingFace export", is_export_folder, names, overwrite)
         folder = write_adapter(output, network_state, LoRA(**lora), base)
-        return folder, [f"LoRA adapters (rank {lora['rank']}, {', '.join(lora['targets'])}) for the base {base!r}"]
+        note = f"LoRA adapters (rank {lora['rank']}, {', '.join(lora['targets'])}) for the base {base!r}"
+        return folder, written(folder, names), [note]
     if lora is not None:
         network_state = merge_adapters(network_state, LoRA(**lora))
         notes.append(f"LoRA adapters (rank {lora['rank']}) merged into their linears")
@@ -53,6 +69,7 @@ def export_checkpoint(
         token_ids = {key: hf[key] for key in TOKEN_IDS if key in hf}
     else:
         token_ids = _tokenizer_ids(tokenizer)
+    output = make_folder(output, "HuggingFace export", is_export_folder, names, overwrite)
     folder = write_folder(output, config, network_state, dtype, token_ids)
     ids = ", ".join(f"{key}={value}" for key, value in token_ids.items() if value is not None)
     origin = f"{str(source)!r}" if source is not None else f"the tokenizer {tokenizer!r}"
@@ -65,7 +82,7 @@ def export_checkpoint(
         shutil.copyfile(source / "generation_config.json", folder / "generation_config.json")
         notes.append(f"generation_config.json: copied from {str(source)!r}")
     notes.append(export_tokenizer(tokenizer, folder, config.max_seq_len))
-    return folder, notes
+    return folder, written(folder, names), notes
 
 
 def source_folder(meta: dict[str, Any]) -> tuple[Path | None, list[str]]:

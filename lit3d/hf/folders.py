@@ -20,6 +20,7 @@ from lit3d.hf.config import config_from_hf, read_config  # noqa: F401 (read from
 from lit3d.hf.experts import expert_name, moe_family, moe_to_hf, read_experts, write_experts
 from lit3d.models.config import FAMILIES, GPTConfig
 from lit3d.models.transformer import Transformer
+from lit3d.outputs import MARK
 
 # lit3d name (relative to the Transformer) -> HuggingFace name; {i} is the block index.
 NAMES = {
@@ -162,6 +163,6 @@ def write_folder(
             tensors |= write_experts(name, value.to(dtype), family)
             continue
         tensors[hf_name(name, family)] = value.to(dtype).contiguous()
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt", **MARK})  # `is_export_folder`
     (folder / "config.json").write_text(json.dumps(hf | (token_ids or {}), indent=2))
     return folder
