@@ -88,23 +88,26 @@ def test_presets_hold_the_published_parameter_counts(preset, published):
     assert GPTConfig.from_name(preset).num_params == published
 
 
-def _folder(kind: str, folder):
-    """A tiny folder of ``kind``, built with transformers: Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms, heads
-    wider than d_model / n_head), Qwen3-MoE (its router without renormalisation), Mistral; with BOS/EOS ids and a
-    generation config, which an export keeps."""
+def _folder(kind: str, folder, **overrides):
+    """A tiny folder of ``kind``, built with transformers: Llama, Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms,
+    heads wider than d_model / n_head), Qwen3-MoE (its router without renormalisation), Mistral, Mixtral; with BOS/EOS
+    ids and a generation config, which an export keeps. ``overrides``: config.json fields changed."""
     import transformers
 
     torch.manual_seed(0)
     common = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=256, max_position_embeddings=128, bos_token_id=1,
-                  eos_token_id=2)  # fmt: skip
+                  eos_token_id=2) | overrides  # fmt: skip
     qwen3 = dict(head_dim=16, rope_parameters={"rope_theta": 1e6})
     config = {
+        "llama": lambda: transformers.LlamaConfig(**common),
         "qwen2": lambda: transformers.Qwen2Config(**common),
         "qwen3": lambda: transformers.Qwen3Config(**common, **qwen3),
         "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**common, **qwen3, num_experts=4, num_experts_per_tok=2,
                                                          moe_intermediate_size=16, norm_topk_prob=False),
         "mistral": lambda: transformers.MistralConfig(**common, sliding_window=None),
+        "mixtral": lambda: transformers.MixtralConfig(**common, sliding_window=None, num_local_experts=4,
+                                                      num_experts_per_tok=2),
     }[kind]()  # fmt: skip
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # norms away from 1 and biases away from 0, so that a missed one shows
@@ -137,6 +140,25 @@ def test_a_family_imports_and_exports_with_transformers_logits(kind, tmp_path):
         assert GenerationConfig.from_pretrained(exported).temperature == 0.7
         again = AutoModelForCausalLM.from_pretrained(exported, torch_dtype=torch.float32)(input_ids=tokens).logits
     assert (again - ours).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "mixtral"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_planner_counts_a_familys_parameters_as_transformers_does(kind, tied, tmp_path, capsys):
+    """It counted 3,346,176 for a Qwen2 of 3,333,888: the embedding and head rows padded to a multiple of 64, which
+    the model holds but are not its parameters. A vocabulary of 250 pads 6 rows; a tied head is counted once."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from lit3d.cli import main
+
+    folder = _folder(kind, tmp_path / kind, vocab_size=250, tie_word_embeddings=tied)
+    counted = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(folder).parameters())
+    main(["plan", "--model", str(folder), "--gpus_per_node", "2", "--gpu", "CPU", "--seq_len", "64", "--json"])
+    assert json.loads(capsys.readouterr().out)["params_total"] == counted
+    main(["plan", "--model", str(folder), "--gpus_per_node", "2", "--gpu", "CPU", "--seq_len", "64"])
+    assert capsys.readouterr().out.startswith(f"lit3d plan: {kind} ({counted / 1e3:.1f}K parameters)")
 
 
 @pytest.mark.parametrize("layout", [name for name in FAMILY_LAYOUTS if "resumed" not in name])

@@ -158,6 +158,43 @@ def test_a_config_s_strategy_name_that_names_nothing_is_refused_alike(tmp_path, 
     assert line.startswith("lit3d fit: error: trainer.strategy='parallel3d' names no strategy: did you mean ")
 
 
+# ---------------------------------------------------------------- misspelt keys (issue 63, item 11)
+
+
+@pytest.mark.parametrize(
+    "given, meant",
+    [("--model.init_args.learning_rat=0.1", "--model.init_args.learning_rate"),
+     ("--model.learning_rat=0.1", "--model.learning_rate"),
+     ("--data.init_args.seq_lenn=32", "--data.init_args.seq_len"),
+     ("--model.init_args.config.n_layr=2", "--model.init_args.config.n_layer"),
+     ("--trainer.max_stepz=3", "--trainer.max_steps"),
+     ("--trainer.strategy.zero_stag=1", "--trainer.strategy.zero_stage")],
+)  # fmt: skip
+def test_a_misspelt_argument_is_refused_in_one_line_with_the_nearest_accepted_name(given, meant, capsys):
+    """Not the command's 45 lines of usage and jsonargparse's error for each type the section could be."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit", "--config", "tiny", "--trainer.strategy=3d", given])
+    said = capsys.readouterr().err
+    assert exit_.value.code == 2 and "usage:" not in said and "Union" not in said, said
+    typed = given.partition("=")[0]
+    assert said.splitlines()[-1] == f"lit3d fit: error: unknown argument {typed}: did you mean {meant}?"
+
+
+@pytest.mark.parametrize(
+    "yaml, line",
+    [("trainer:\n  max_stepz: 3\n", "unknown key trainer.max_stepz in the config: did you mean trainer.max_steps?"),
+     ("data:\n  init_args:\n    seq_lenn: 32\n",
+      "unknown key 'seq_lenn' of data (lit3d.data.TextDataModule) in the config: did you mean 'seq_len'?")],
+)  # fmt: skip
+def test_a_misspelt_config_key_is_refused_alike(yaml, line, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run.yaml").write_text(yaml)
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit", "--config", "tiny", "--config", "run.yaml"])
+    said = capsys.readouterr().err
+    assert exit_.value.code == 2 and "usage:" not in said and said.splitlines()[-1] == f"lit3d fit: error: {line}"
+
+
 # ---------------------------------------------------------------- 8: a lit3d folder under another strategy
 
 

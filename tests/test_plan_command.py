@@ -132,6 +132,16 @@ def test_settings_that_do_not_change_the_plan_are_accepted_and_passed_to_the_run
     assert f"--trainer.strategy.{flag[2:]}={value}" in capsys.readouterr().out
 
 
+def test_search_without_a_config_is_the_search_lit3d_plan_does_anyway(capsys):
+    """``--search`` was refused without ``--config`` ("search=True needs --config"), though a plan searches unless
+    the layout is given: it plans what the same command without it plans."""
+    args = ["plan", "--model", "tiny", "--gpus_per_node", "2", "--global_batch_size", "8", "--seq_len", "64", "--json"]
+    main(args)
+    searched = json.loads(capsys.readouterr().out)
+    main([*args, "--search"])
+    assert json.loads(capsys.readouterr().out) == searched and searched["alternatives"]
+
+
 def test_compile_is_planned_fused_and_passed_to_the_run(capsys):
     args = ["plan", "--model", "tiny", "--gpus_per_node", "2", "--global_batch_size", "8", "--seq_len", "64", "--json"]
     main(args)

@@ -7,7 +7,7 @@ import importlib
 import importlib.util
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from jsonargparse import Namespace
 from lightning.fabric.plugins import CheckpointIO
@@ -21,12 +21,13 @@ from lightning.pytorch.callbacks import (
     ProgressBar,
     RichProgressBar,
 )
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 import lit3d.strategies
 from lit3d.callbacks import ModelSummary as WholeModelSummary
 from lit3d.callbacks import PrintCompletions, RichProgress, Throughput
+from lit3d.cli.misspelt import unknown_key_refusal
 from lit3d.cli.strategy_names import check_strategy_names, strategy_name_refusal
 from lit3d.data.batches import GlobalBatchData
 from lit3d.models.config import check_model_fits_data
@@ -46,12 +47,28 @@ from lit3d.strategies.safe_io import UnsafeCheckpointError
 __all__ = ["Lit3DCLI", "Parallel3DStrategy", "resolve_lit3d_01_strategy_path"]
 
 
+class Lit3DArgumentParser(LightningArgumentParser):
+    """Lightning's parser; a misspelt key of the model, the data, the trainer or its strategy ends the command with
+    one line naming it and the nearest accepted one (`unknown_key_refusal`), exit status 2 as argparse's."""
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        if self.exit_on_error:  # (the parsers jsonargparse makes for a class's arguments raise, to try the next type)
+            parser = getattr(ex, "subcommand_parser", None) or self  # (a config's key: the command's own parser)
+            line = unknown_key_refusal(message, parser, getattr(self, "args", None) or [])
+            if line is not None:
+                self.exit(2, f"{parser.prog}: error: {line}\n")
+        super().error(message, ex)
+
+
 class Lit3DCLI(LightningCLI):
     """LightningCLI with lit3d's defaults: the tiny GPT on the embedded corpus, lit3d's Rich progress bar when
     interactive (and in place of Lightning's default Rich one), a model summary of the whole model in every layout,
     the `Throughput` callback (tokens/s, MFU) unless the config has one, `PrintCompletions` for ``predict``, and a
     checkpoint reader that also takes lit3d's sharded folders under any strategy; bad input ends the command with one
     line naming it."""
+
+    def __init__(self, *args: Any, parser_class: type = Lit3DArgumentParser, **kwargs: Any) -> None:
+        super().__init__(*args, parser_class=parser_class, **kwargs)
 
     def _add_subcommands(self, parser: Any, **kwargs: Any) -> None:
         """Lightning's; each command's usage line reads ``usage: lit3d fit ...``, as its errors do (jsonargparse names

@@ -15,6 +15,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from lit3d.models.config import PRESETS
 from lit3d.models.lora_settings import LoRA
+from lit3d.outputs import check_output
 from lit3d.parallel.settings import Parallelism
 from lit3d.planner import Cluster, RankMap, Request, format_report
 from lit3d.planner import plan as plan_request
@@ -52,6 +53,7 @@ def plan(
     map: str | None = None,
     fleet: str | None = None,
     html: str | None = None,
+    overwrite: bool = False,
     **settings: Any,
 ) -> None:
     """Plan a layout: memory per GPU, communication, pipeline bubble and step time, before renting a GPU.
@@ -111,11 +113,6 @@ def _with_config(arguments: dict[str, Any]) -> tuple[dict[str, Any], dict[str, A
     ``micro_batch_size`` is given."""
     settings, name, flagged_model = dict(arguments.pop("settings")), arguments["config"], arguments["model"]
     fit = read_fit_config(name) if name is not None else None
-    if arguments["search"] and fit is None:
-        raise ValueError(
-            "search=True needs --config (without one, lit3d plan searches unless tensor_parallel_size and "
-            "pipeline_parallel_size are given)"
-        )
     searching = fit is not None and (arguments["search"] or fit.searches)
     if fit is not None:
         run = fit.settings
@@ -160,7 +157,7 @@ def _plan_cluster(arguments: dict[str, Any], given: dict[str, Any], launch: Laun
     cluster = _cluster(*(arguments[name] for name in names))
     model, top, verify, precision = (arguments[name] for name in ("model", "top", "verify", "precision"))
     if arguments["html"]:
-        _write_page(arguments["html"], model, cluster, precision, given)
+        _write_page(arguments["html"], model, cluster, precision, given, arguments["overwrite"])
     request = Request.given(model, cluster, top=top, verify=verify, launch=launch, precision=precision, **given)
     report = plan_request(request)
     picture = arguments["map"]
@@ -170,13 +167,26 @@ def _plan_cluster(arguments: dict[str, Any], given: dict[str, Any], launch: Laun
         raise SystemExit("lit3d plan --verify: analytic and verified parameter counts differ")
 
 
-def _write_page(path: str, model: str, cluster: Cluster, precision: str, given: dict[str, Any]) -> None:
+def _write_page(
+    path: str, model: str, cluster: Cluster, precision: str, given: dict[str, Any], overwrite: bool
+) -> None:
+    check_output(path, "planner page", is_page, overwrite=overwrite)  # before the page is planned
     page = explore(model, cluster, precision=precision, **given)
     page.save(path)
     print(
         f"wrote {path}: {len(page.data['layouts'])} layouts, {Path(path).stat().st_size / 1e6:.2f} MB; open it in a "
         "browser (it needs no network)"
     )
+
+
+def is_page(path: Path) -> bool:
+    """Whether ``path`` is a planner page lit3d wrote, which ``--html`` may replace: its title, as
+    `lit3d.planner.page.render` writes it, in its first lines."""
+    try:
+        with open(path, encoding="utf-8") as file:
+            return "<title>lit3d plan: " in file.read(300)
+    except (OSError, ValueError):
+        return False
 
 
 def _given_numbers(
@@ -223,7 +233,7 @@ def _lora(rank: int | None, targets: list[str] | None) -> LoRA | None:
     return None if rank is None else LoRA(rank=rank, **({"targets": tuple(targets)} if targets else {}))
 
 
-# The run `lit3d plan` plans: the help of `plan`'s first arguments.
+# The help of `plan`'s arguments written in at its ``{run}`` (its docstring is long): the run it plans, ``--overwrite``.
 RUN_HELP = {
     "model": "A preset name ({presets}), a model YAML file, or a local HuggingFace folder or its ``config.json`` "
     "(default: ``llama-8b``, or the config's model).",
@@ -232,7 +242,9 @@ RUN_HELP = {
     "``devices``, ``precision`` and ``accumulate_grad_batches``, and the strategy's settings. The flags given "
     "override it.",
     "search": "With ``--config``: search the cluster for the config's model and data (its micro-batch size and the "
-    "settings a search does not choose kept) instead of planning the config's layout.",
+    "settings a search does not choose kept) instead of planning the config's layout. Without one, what ``lit3d "
+    "plan`` does anyway unless ``tensor_parallel_size`` and ``pipeline_parallel_size`` are given.",
+    "overwrite": "Replace a file at ``--html`` that is not a page lit3d wrote (one it wrote is replaced anyway).",
 }
 # What `lit3d plan` plans of the training beyond its loop's numbers: name -> (type, help), flags as the settings are.
 TRAINING_FLAGS = {

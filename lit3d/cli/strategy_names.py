@@ -1,5 +1,5 @@
 """The strategy names ``--trainer.strategy`` takes, and the refusal of one that names nothing: which names lit3d
-registers, Lightning's own, and the closest to what was typed.
+registers, Lightning's own, and the closest to what was typed (`lit3d.cli.misspelt.nearest`).
 
 NOTE: Lightning refuses an unknown name late (after the model summary's setup, in lower case, listing four of its own
 names and none of lit3d's), and jsonargparse refuses one given with ``--trainer.strategy.*`` arguments by printing its
@@ -8,10 +8,9 @@ parser's state; both come here first.
 
 from __future__ import annotations
 
-import difflib
-
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
+from lit3d.cli.misspelt import nearest
 from lit3d.strategies import Parallel3DStrategy  # NOTE: importing it registers lit3d's names
 
 SHOWN_AS = {"parallel3dstrategy": "Parallel3DStrategy"}  # Lightning keeps names in lower case
@@ -38,10 +37,7 @@ def strategy_name_refusal(name: str) -> str | None:
     if "." in name or name.lower() in registered or name in _strategy_class_names():
         return None
     ours, theirs = registered_names()
-    by_lower = {known.lower(): known for known in [*ours, *theirs]}
-    starting = [known for lower, known in by_lower.items() if lower.startswith(name.lower()) and name]
-    close = difflib.get_close_matches(name.lower(), by_lower, n=1, cutoff=0.6)
-    guess = starting[0] if starting else (by_lower[close[0]] if close else None)
+    guess = nearest(name, [*ours, *theirs])
     return (
         f"trainer.strategy={name!r} names no strategy"
         + (f": did you mean {guess!r}?" if guess else ".")

@@ -35,9 +35,7 @@ from lit3d.planner.memory import (  # noqa: F401 (the per-token counts are also 
     autocast_weight_bytes,
     memory_by_stage,
     output_layer_bytes,
-    params_total,
 )
-from lit3d.planner.tensors import config_key
 from lit3d.planner.traffic import collectives, communication_bytes
 
 
@@ -84,7 +82,7 @@ def estimate(
         ),
         num_microbatches=time.microbatches,
         flops_per_step=float(time.model_flops),
-        params_total=params_total(config_key(config)),
+        params_total=config.num_params,
         params_per_rank=memory.params_per_rank,
         params_active=config.active_params,
         activation_bytes_per_layer=memory.activation_bytes_per_layer,

@@ -17,7 +17,6 @@ from lit3d.planner.buffers import Transient, peak_memory, transient_bytes
 from lit3d.planner.tensors import (
     StageShapes,
     Tensor,
-    key_tensors,
     local_numel,
     replicas,
     stage_shapes,
@@ -301,12 +300,6 @@ def params_cast_by_fsdp(layout: Layout, zero: ZeroPolicy, precision: Precision) 
     if layout.replicas == 1 or zero.slices_optimizer:
         return False
     return zero.shards_parameters or layout.tp > 1 or layout.pp > 1 or precision.reduce_bytes < precision.grads
-
-
-@lru_cache(maxsize=64)
-def params_total(key: tuple) -> int:
-    """Elements of the whole model, adapters included (cached: the search weighs every schedule of every layout)."""
-    return sum(local_numel(t, 1) for t in key_tensors(key, 1, 1, 0))
 
 
 @lru_cache(maxsize=4096)
