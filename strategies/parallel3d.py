@@ -160,6 +160,8 @@ class Parallel3DStrategy(ModelParallelStrategy):
         try:
             if self.cluster_environment is not None:  # under torchrun / SLURM: devices x num_nodes = launched ranks
                 self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+            if self.meshes is not None:  # an earlier stage's (`teardown`): this stage's module may differ
+                self._layout, self.meshes = None, None
             module = self.lightning_module
             trainer = trainer or getattr(module, "_trainer", None)
             datamodule = datamodule or getattr(trainer, "datamodule", None)
@@ -391,7 +393,7 @@ class Parallel3DStrategy(ModelParallelStrategy):
         self.checkpoints.abandon()  # a save still in flight when the fit ended by an error
         self.rank_life.stop()
         super().teardown()
-        self._layout, self.meshes = None, None  # the next stage or fit resolves them anew (its module may differ)
+        # NOTE: the layout and meshes stay until the next stage (`check_configuration`): a save after `fit` needs them.
 
     def _beat(self, doing: str) -> None:
         if self.rank_life.watchdog is not None:

@@ -6,6 +6,8 @@ at the end of every optimizer step the ranks combine their notes (an all-reduce 
 started at one step's end and read at the next, so no step waits for it). The first step at which any rank has
 one is the step every rank stops after. Then:
 
+- the loggers get that step's metrics and write out what they hold (a CSVLogger's ``metrics.csv``), so the last
+  step shown is the last step logged;
 - every rank saves a checkpoint into the run's checkpoint folder (``preempted-step=N.ckpt`` beside the
   `ModelCheckpoint` ones), where ``--ckpt_path last`` finds it, and waits until it is written, also a background
   save already under way (a signal during a save waits for the save);
@@ -106,6 +108,7 @@ class StopOnSignal(Callback):
         name = signal.Signals(self.stop_signal).name
         if trainer.is_global_zero:
             log.warning(f"{name}: every rank stops after step {trainer.global_step}; saving {str(path)!r}")
+        _flush_loggers(trainer)
         trainer.save_checkpoint(path)
         checkpoints = getattr(trainer.strategy, "checkpoints", None)  # Parallel3DStrategy's, maybe in the background
         if checkpoints is not None:
@@ -136,6 +139,19 @@ class StopOnSignal(Callback):
         if self._pending is not None and wait:
             self._pending[0].wait()
         self._pending = None
+
+
+def _flush_loggers(trainer: L.Trainer) -> None:
+    """This step's metrics to the loggers, and every logger's records written out (a CSVLogger's ``metrics.csv``).
+
+    NOTE: Lightning hands a step's metrics to the loggers only after ``on_train_batch_end``, which the preemption exit
+    never returns from; like Lightning at a step where training stops, the last step is logged whatever
+    ``log_every_n_steps`` (unless logging is off)."""
+    connector = trainer._logger_connector
+    if trainer.log_every_n_steps > 0:
+        connector.log_metrics(connector.metrics["log"])
+    for logger in trainer.loggers:
+        logger.save()
 
 
 def _checkpoint_folder(trainer: L.Trainer) -> Path:

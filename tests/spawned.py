@@ -11,10 +11,11 @@ collectives per training batch); ``checkpoint_every`` (save ``ckpts/step=N.ckpt`
 the exception each rank raises instead of failing), ``callbacks`` (more callbacks, picklable), ``loss_scale`` (fp32
 compute with fp16's loss scaling at this fixed scale: gradients must come out unscaled), ``unseeded`` (no
 ``seed_everything``: each rank seeds itself apart) and ``validate_after_fit`` and ``test_after_fit`` (then
-``trainer.validate`` / ``test`` in the same processes); ``user_module`` (kwargs of
-`user_modules.ParallelisesItself`, trained on `user_modules.RegressionData` instead of the GPT) and
-``lightning_strategy`` (``strategy`` holds `ModelParallelStrategy`'s arguments instead); ``data_class``: ``"chat"`` for
-`ChatDataModule` (``data`` its arguments).
+``trainer.validate`` / ``test`` in the same processes); ``save_after_fit`` (then, as a script's last lines,
+``trainer.save_checkpoint`` to ``after_fit.ckpt``, and each rank's keys of ``lightning_module_state_dict()``);
+``user_module`` (kwargs of `user_modules.ParallelisesItself`, trained on `user_modules.RegressionData` instead of the
+GPT) and ``lightning_strategy`` (``strategy`` holds `ModelParallelStrategy`'s arguments instead); ``data_class``:
+``"chat"`` for `ChatDataModule` (``data`` its arguments).
 """
 
 import json
@@ -203,6 +204,9 @@ def _run_job(job: dict, job_dir: Path, devices: int) -> dict:
         result["plan_check"] = {
             name: logged(log_dir, f"plan/{name}") for name in ("peak_memory_ratio", "step_time_ratio")
         }
+    if job.get("save_after_fit"):
+        trainer.save_checkpoint(job_dir / "after_fit.ckpt")
+        result["state_keys_after_fit"] = list(trainer.strategy.lightning_module_state_dict())
     if job.get("validate_after_fit"):
         result["validate_after_fit"] = trainer.validate(model, data, verbose=False)[0]["val_loss"]
     if job.get("test_after_fit"):

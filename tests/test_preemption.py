@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import logged
 from layouts import merge
 from lightning.pytorch.callbacks import ModelCheckpoint
 from spawned import free_port, run_job
@@ -70,7 +71,8 @@ def test_a_preempted_run_resumes_its_curve_with_any_model_checkpoint_and_either_
     setting, base_job, uninterrupted, tmp_path
 ):
     """One process, single-file checkpoints: SIGTERM in step 2, the run saves, exits 143 and restores the signal
-    handlers; lit3d's "last" and Lightning's are the preemption checkpoint, and resuming continues the curve."""
+    handlers; its metrics.csv holds every step it ran, the last too; lit3d's "last" and Lightning's are the preemption
+    checkpoint, and resuming continues the curve."""
     ckpts = tmp_path / "ckpts"
     job = merge(base_job, ONE_PROCESS)
     handler = signal.getsignal(signal.SIGTERM)
@@ -78,6 +80,7 @@ def test_a_preempted_run_resumes_its_curve_with_any_model_checkpoint_and_either_
     with pytest.raises(SystemExit) as stopped:
         run_job({**job, "callbacks": stopping}, tmp_path / "preempted")
     assert stopped.value.code == 128 + signal.SIGTERM and signal.getsignal(signal.SIGTERM) is handler
+    assert logged(tmp_path / "preempted" / "log" / "version_0", "train_loss") == uninterrupted[:STOPPED_AT]
     preempted = (ckpts / f"preempted-step={STOPPED_AT}.ckpt").resolve()
     assert newest_complete_checkpoint([ckpts]).resolve() == preempted  # lit3d's "last"
 
@@ -89,8 +92,9 @@ def test_a_preempted_run_resumes_its_curve_with_any_model_checkpoint_and_either_
 
 def test_two_ranks_preempted_with_save_last_resume_their_curve_from_the_checkpoint_folder(base_job, tmp_path):
     """DP2 under `Parallel3DStrategy` (checkpoint folders), ``ModelCheckpoint(save_last=True,
-    every_n_train_steps=1000)``: rank 1 is sent SIGTERM, both ranks stop after an agreed step, exit 143, and
-    Lightning's "last" (and lit3d's) resume from the preemption checkpoint, continuing the uninterrupted curve."""
+    every_n_train_steps=1000)``: rank 1 is sent SIGTERM, both ranks stop after an agreed step, exit 143 with every
+    step they ran in metrics.csv (the last too), and Lightning's "last" (and lit3d's) resume from the preemption
+    checkpoint, continuing the uninterrupted curve."""
     job = merge(base_job, {"strategy": {}, "trainer": {"max_steps": 7, "enable_checkpointing": True}})
     mp.spawn(_preempt_resume_and_run_uninterrupted, args=(2, free_port(), job, str(tmp_path)), nprocs=2)
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
@@ -98,6 +102,7 @@ def test_two_ranks_preempted_with_save_last_resume_their_curve_from_the_checkpoi
     run = ranks[0]
     preempted = str((tmp_path / "ckpts" / f"preempted-step={run['step']}.ckpt").resolve())
     assert run["lit3d_last"] == run["resumed_from"] == preempted
+    assert logged(tmp_path / "a" / "log" / "version_0", "train_loss") == run["uninterrupted"][: run["step"]]
     assert len(run["resumed"]) == 7 - run["step"] and run["resumed"] == run["uninterrupted"][run["step"] :]
 
 

@@ -7,6 +7,7 @@ did not write (issue 46, items 1 and 8 to 12: each test checks what Lightning's 
 - ``save_distributed_checkpoint=False`` writes the whole state, optimizer states numbered as one process numbers them,
   which a plain one-process run resumes (`test_load_full_state_checkpoint_into_regular_model`);
 - ``lightning_module_state_dict()`` is then the whole state on rank 0 and empty elsewhere (`test_strategy_state_dict`);
+- after ``fit`` returns, a script's last ``trainer.save_checkpoint`` writes the final model in either mode (issue 63);
 - ``meta.pt`` of a sharded save loads with ``torch.load``'s default (`test_save_load_sharded_state_dict`);
 - a folder lit3d did not write is never replaced (`test_save_checkpoint_path_exists`), also before any setup.
 """
@@ -50,13 +51,23 @@ def files(base_job, tmp_path_factory) -> dict:
         "from_file_dp2_pp2": merge(base, {"strategy": pp(2), "ckpt_path": one_file, "checkpoint_every": 4}),
         "from_file_dp2_tp2_zero3": merge(
             base,
-            {"strategy": {"tensor_parallel_size": 2, "zero_stage": 3}, "ckpt_path": one_file},
+            {
+                "strategy": {"tensor_parallel_size": 2, "zero_stage": 3},
+                "ckpt_path": one_file,
+                "checkpoint_every": 4,
+                "save_after_fit": True,
+            },
         ),
         "file_dp2_pp2": merge(
             base, {"strategy": pp(2, **single), "checkpoint_every": 4, "callbacks": [StateDictProbe()]}
         ),
         "file_dp2_tp2_zero1": merge(
-            base, {"strategy": {"tensor_parallel_size": 2, "zero_stage": 1, **single}, "checkpoint_every": 4}
+            base,
+            {
+                "strategy": {"tensor_parallel_size": 2, "zero_stage": 1, **single},
+                "checkpoint_every": 4,
+                "save_after_fit": True,
+            },
         ),
     }
     results = run_jobs(4, jobs, out)
@@ -98,6 +109,26 @@ def test_the_whole_state_dict_is_on_rank_zero_only(files):
     assert ranks[0]["state_keys"] == list(theirs["state_dict"])
     assert ranks[0]["optimizer_keys"] == ["state", "param_groups"]
     assert all(rank["state_keys"] == rank["optimizer_keys"] == [] for rank in ranks[1:])
+
+
+@pytest.mark.parametrize("layout", ["file_dp2_tp2_zero1", "from_file_dp2_tp2_zero3"])
+def test_the_final_model_saves_after_fit_returns_in_either_mode(files, layout):
+    """DP2 x TP2, one file or a folder: once ``fit`` has returned, ``lightning_module_state_dict()`` is the whole state
+    on rank 0 (one file) or every rank's shards (a folder), by the one-process names, and ``trainer.save_checkpoint``
+    writes what the fit's last checkpoint (step 8) holds."""
+    from lit3d.strategies.checkpoint_folder import read_weights
+
+    folder, ranks = files["out"] / layout, files[layout]["ranks"]
+    names = list(torch.load(files["out"] / "one_process" / FILE)["state_dict"])
+    if layout == "file_dp2_tp2_zero1":
+        assert [rank["state_keys_after_fit"] for rank in ranks] == [names, [], [], []]
+        after_fit, last = torch.load(folder / "after_fit.ckpt"), torch.load(folder / "ckpts" / "step=8.ckpt")
+        torch.testing.assert_close(after_fit["optimizer_states"], last["optimizer_states"], rtol=0, atol=0)
+    else:
+        assert [rank["state_keys_after_fit"] for rank in ranks] == [names] * 4
+        after_fit, last = read_weights(folder / "after_fit.ckpt"), read_weights(folder / "ckpts" / "step=8.ckpt")
+    assert after_fit["global_step"] == 8 and sorted(after_fit["state_dict"]) == sorted(names)
+    torch.testing.assert_close(after_fit["state_dict"], last["state_dict"], rtol=0, atol=0)
 
 
 def test_a_sharded_checkpoints_meta_file_loads_with_torch_loads_default(files):

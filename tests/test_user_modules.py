@@ -172,6 +172,32 @@ def test_two_fits_in_this_process_leave_nothing_behind_but_the_process_group(tmp
     assert losses[0] == losses[1]  # two runs alike
 
 
+def test_the_final_model_saves_after_fit_returns_in_either_mode(tmp_path, own_process_group):
+    """A script's last lines (Lightning's `test_strategy_state_dict` and
+    `test_model_parallel_single_file_checkpoint_with_compile` on one device): once ``fit`` has returned,
+    ``lightning_module_state_dict()`` has the module's names and ``trainer.save_checkpoint`` writes the trained
+    weights, as one file or as a folder."""
+    import lightning as L
+    from user_modules import ParallelisesItself, RegressionData
+
+    from lit3d.strategies import Parallel3DStrategy
+    from lit3d.strategies.checkpoint_folder import read_weights
+
+    for distributed in (False, True):
+        model, strategy = ParallelisesItself(), Parallel3DStrategy(save_distributed_checkpoint=distributed)
+        trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            default_root_dir=tmp_path)  # fmt: skip
+        trainer.fit(model, RegressionData())
+        trained = {name: tensor.full_tensor() for name, tensor in model.state_dict().items()}  # DTensors (meshes of 1)
+        assert list(trainer.strategy.lightning_module_state_dict()) == list(trained), distributed
+        path = tmp_path / f"final-{'folder' if distributed else 'file'}.ckpt"
+        trainer.save_checkpoint(path)
+        saved = read_weights(path) if distributed else torch.load(path)
+        assert path.is_dir() == distributed and saved["global_step"] == 2
+        torch.testing.assert_close(saved["state_dict"], trained, rtol=0, atol=0)
+
+
 def test_sizes_that_do_not_fit_the_ranks_are_a_runtime_error_as_under_lightning(tmp_path, own_process_group):
     """ModelParallelStrategy raises a RuntimeError for mesh sizes (in its ranks); lit3d refuses before any rank starts,
     with an error that is a RuntimeError too (and a ValueError)."""
