@@ -1,9 +1,13 @@
-"""Where lit3d 0.3's modules went in 0.4 (folders by job), so that what names the old places still works: a user's
-``import lit3d.gpt``, a YAML ``class_path: lit3d.gpt.GPT``, and a checkpoint that pickled a ``lit3d.lora_settings.LoRA``
-(Lightning's own strategies save hyper-parameters so).
+"""lit3d 0.3's names at their 0.4 places, until lit3d `REMOVED_IN` removes them: a user's ``from lit3d.gpt import GPT``
+or ``from lit3d.hf import read_folder``, a YAML ``class_path: lit3d.gpt.GPT``, a checkpoint that pickled a
+``lit3d.lora_settings.LoRA`` (Lightning saves hyper-parameters so). Each old name warns once, with a DeprecationWarning
+that names its new path and the version that removes it.
 
-NOTE: Python has no alias for a module path; this finder answers an old name with the module at the new place (the
-same module object, so classes stay identical and ``isinstance`` holds). `lit3d.data` kept its name as a package.
+NOTE: Lightning's ``_graveyard`` way, in one table and one function (`old_name`). An old module (``lit3d.gpt``) is
+made an empty module whose ``__getattr__`` (PEP 562) answers each name with the object at its new place, so
+importing it loads nothing until a name is used (``lit3d --help`` and ``lit3d plan`` stay free of torch) and the
+answer is the object itself: classes stay identical, ``isinstance`` holds, pickles load. A 0.3 module that is a package
+now (``lit3d.hf``, ``lit3d.data``) answers its lost names from its own ``__getattr__`` through `old_name`.
 """
 
 from __future__ import annotations
@@ -12,11 +16,19 @@ import importlib
 import importlib.abc
 import importlib.util
 import sys
+import warnings
 from types import ModuleType
+from typing import Any
 
+REMOVED_IN = "0.6.0"  # two minor versions after 0.4, which moved them
+
+# lit3d 0.3's modules and their successors, which hold every name of theirs that `MOVED_NAMES` does not place
 MOVED = {
-    "lit3d.strategies.checkpoint": "lit3d.strategies.checkpoint_folder",
+    "lit3d.strategies.checkpoint": "lit3d.checkpoint.folder",
     "lit3d.strategies.checkpointing": "lit3d.strategies.checkpoints",
+    "lit3d.strategies.safe_io": "lit3d.checkpoint.safe_io",  # (0.4.0's, as the next two)
+    "lit3d.strategies.checkpoint_folder": "lit3d.checkpoint.folder",
+    "lit3d.hf.export": "lit3d.cli.export",
     "lit3d.config": "lit3d.models.config",
     "lit3d.presets": "lit3d.models.presets",
     "lit3d.model": "lit3d.models.transformer",
@@ -44,10 +56,9 @@ MOVED = {
     "lit3d.chat_template": "lit3d.data.chat_template",
     "lit3d.tokenizers": "lit3d.data.tokenizers",
     "lit3d.prompts": "lit3d.data.prompts",
-    "lit3d.hf": "lit3d.hf.folders",
     "lit3d.hf_config": "lit3d.hf.config",
     "lit3d.hf_experts": "lit3d.hf.experts",
-    "lit3d.hf_export": "lit3d.hf.export",
+    "lit3d.hf_export": "lit3d.cli.export",
     "lit3d.adapters": "lit3d.hf.adapters",
     "lit3d.pretrained": "lit3d.hf.pretrained",
     "lit3d.commands": "lit3d.cli.commands",
@@ -61,23 +72,49 @@ MOVED = {
     "lit3d.checkpoint_errors": "lit3d.errors",
 }
 
+# lit3d 0.3's names that did not follow their module: those of the modules that are packages now, and a few more
+MOVED_NAMES = {
+    **{
+        f"lit3d.hf.{name}": f"lit3d.hf.folders.{name}"
+        for name in ("NAMES", "hf_name", "hf_family", "config_to_hf", "read_folder", "to_lit3d_names", "write_folder")
+    },
+    **{f"lit3d.data.{name}": f"lit3d.data.text.{name}" for name in ("default_corpus", "default_corpus_files")},
+    "lit3d.data.mixture_weights": "lit3d.data.text.mixture_weights",
+    "lit3d.model.MLP": "lit3d.models.mlp.MLP",
+    "lit3d.strategies.checkpoint.META_FILE": "lit3d.checkpoint.safe_io.META_FILE",
+    "lit3d.strategies.checkpoint.check_readable": "lit3d.checkpoint.safe_io.check_readable",
+    "lit3d.strategies.checkpoint.check_sizes_are_stored": "lit3d.checkpoint.safe_io.check_sizes_are_stored",
+}
+
+
+def old_name(module: str, name: str) -> Any:
+    """``module.name`` as lit3d 0.3 had it, from its new place, with a DeprecationWarning the first time (the answer
+    is kept in the old module); an AttributeError for a name 0.3 did not have there."""
+    new = MOVED_NAMES.get(f"{module}.{name}")
+    if new is None and module in MOVED and not name.startswith("__"):
+        new = f"{MOVED[module]}.{name}"
+    home, _, attribute = (new or "").rpartition(".")
+    if new is None or not hasattr(importlib.import_module(home), attribute):
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    # NOTE: stacklevel 3 passes this function and the ``__getattr__`` that called it: the warning names the line that
+    # used the old name, and Python shows it by default when that line is in ``__main__`` (a user's script)
+    warnings.warn(
+        f"{module}.{name} is deprecated: use {new} (lit3d {REMOVED_IN} removes the old name)", DeprecationWarning, 3
+    )
+    value = getattr(sys.modules[home], attribute)
+    setattr(sys.modules[module], name, value)
+    return value
+
 
 class MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds an old name of `MOVED` and loads it as its new module."""
-
-    def __init__(self) -> None:
-        self.specs: dict[str, importlib.machinery.ModuleSpec] = {}
+    """Finds an old module of `MOVED` and makes it an empty module that answers its names through `old_name`."""
 
     def find_spec(self, name: str, path: object = None, target: object = None) -> importlib.machinery.ModuleSpec | None:
         return importlib.util.spec_from_loader(name, self) if name in MOVED else None
 
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
-        module = importlib.import_module(MOVED[spec.name])
-        self.specs[spec.name] = module.__spec__
-        return module
-
     def exec_module(self, module: ModuleType) -> None:
-        module.__spec__ = self.specs.pop(module.__spec__.name)  # its own again (importlib gave it the old name's)
+        module.__doc__ = f"lit3d 0.3's {module.__name__}: now {MOVED[module.__name__]}, until lit3d {REMOVED_IN}."
+        module.__getattr__ = lambda name: old_name(module.__name__, name)
 
 
 def install() -> None:

@@ -1,7 +1,7 @@
 """Sharded saves written in the background (`Parallel3DStrategy(async_checkpoint=True)`), with DCP's `async_save`.
 
 Training waits only while DCP stages this rank's shards into host memory (a copy: the parameters go on changing);
-a thread then writes them. The guarantees of the synchronous save (`lit3d.strategies.checkpoint_folder.save`) hold:
+a thread then writes them. The guarantees of the synchronous save (`lit3d.checkpoint.folder.save`) hold:
 
 - the folder appears complete or not at all: shards go to ``<folder>.partial``, and rank 0 writes the rest of the
   checkpoint, checks the folder and renames it into place only once DCP has gathered every rank's writes (its
@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from lit3d.strategies.checkpoint_folder import PARTIAL_SUFFIX, prepare_partial, publish
-from lit3d.strategies.safe_io import META_FILE, check_readable
+from lit3d.checkpoint.folder import PARTIAL_SUFFIX, prepare_partial, publish
+from lit3d.checkpoint.safe_io import META_FILE, check_readable
 
 
 class BackgroundSaves:

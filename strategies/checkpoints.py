@@ -1,5 +1,5 @@
 """How `Parallel3DStrategy` saves and loads: `Checkpoints`, this rank's part of the run's checkpoints, in the format of
-`lit3d.strategies.checkpoint_folder` (a folder of shards), or with ``save_distributed_checkpoint=False`` Lightning's one
+`lit3d.checkpoint.folder` (a folder of shards), or with ``save_distributed_checkpoint=False`` Lightning's one
 file (`lit3d.strategies.full_state`); single files of other strategies load too."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch.nn as nn
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lit3d.strategies.checkpoint_folder import (
+from lit3d.checkpoint.folder import (
     PARTIAL_SUFFIX,
     as_plain_data,
     init_optimizer_state,
@@ -27,9 +27,9 @@ from lit3d.strategies.checkpoint_folder import (
     restore_param_groups,
     save,
 )
+from lit3d.checkpoint.safe_io import check_readable, load_meta
 from lit3d.strategies.float8 import plain_tensors
 from lit3d.strategies.full_state import WholeOrder, copy_whole, load_positional, positional, whole_on_rank_zero
-from lit3d.strategies.safe_io import check_readable, load_meta
 
 
 def remove(path: Path) -> None:

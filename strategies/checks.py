@@ -10,6 +10,7 @@ from typing import Any
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lit3d.data.batches import GlobalBatchData
 from lit3d.models.config import GPTConfig, check_model_fits_data
 from lit3d.parallel.context import check_context_parallel
 from lit3d.parallel.layout import Layout, check_model_fits_layout, check_model_fits_pipeline
@@ -102,10 +103,6 @@ def _check_shares(parallelism: Parallelism, layout: Layout, datamodule: Any, ste
     shares = parallelism.data_parallel_shares
     if shares is None:
         return
-
-    # NOTE: imported here: lit3d.data reads pretrained folders through lit3d.strategies, whose package runs this module
-    from lit3d.data.batches import GlobalBatchData
-
     if datamodule is not None and not isinstance(datamodule, GlobalBatchData):
         raise ValueError(
             f"data_parallel_shares={list(shares)} needs a lit3d data module (TextDataModule, Chat"

@@ -79,7 +79,7 @@ def numbering(groups: list[list[str]], layout: Layout, order: tuple[str, ...]) -
 
 
 def positional(by_name: dict[str, Any], layout: Layout, rank: int, order: tuple[str, ...]) -> dict[str, Any]:
-    """Collective: an optimizer's state by parameter name (`lit3d.strategies.checkpoint_folder.optimizer_state_by_name`,
+    """Collective: an optimizer's state by parameter name (`lit3d.checkpoint.folder.optimizer_state_by_name`,
     shards placed globally) as one process's ``optimizer.state_dict()``, on rank 0; an empty dict elsewhere."""
     names = numbering([group["params"] for group in by_name["param_groups"]], layout, order)
     numbers = {name: i for i, name in enumerate(name for group in names for name in group)}

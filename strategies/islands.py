@@ -33,8 +33,8 @@ if TYPE_CHECKING:
     from lit3d.parallel.settings import Parallelism
     from lit3d.strategies.meshes import ParallelMeshes
 
+from lit3d.checkpoint.folder import parameter_names
 from lit3d.parallel.outer import OUTER_REDUCE_DTYPE_NAMES
-from lit3d.strategies.checkpoint_folder import parameter_names
 
 OUTER_REDUCE_DTYPES = dict(zip(OUTER_REDUCE_DTYPE_NAMES, (torch.float32, torch.bfloat16)))
 

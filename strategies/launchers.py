@@ -26,7 +26,7 @@ from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcess
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lit3d.strategies.checkpoint_folder import check_ckpt_path
+from lit3d.checkpoint.folder import check_ckpt_path
 
 
 class CheckedStrategy(Protocol):

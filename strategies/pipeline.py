@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lit3d.models import documents, lora_dropout
+from lit3d.models.batch_context import NO_CONTEXT, BatchContext
 from lit3d.models.moe import balance_loss_weight
 from lit3d.models.transformer import loss_parallel_scope
 from lit3d.parallel.schedules import SCHEDULES, Costs, bubble_theory
@@ -101,12 +101,10 @@ class Pipeline:
         self._scale = 1.0
         self._grad_scaler: Any = None
         self._pending: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-        self.schedule = self._schedule(
-            self._stages(self.clock, microbatches), schedule, microbatches, self._record_loss
-        )
+        self.schedule = self._schedule(self._stages(self.clock), schedule, microbatches, self._record_loss)
         self._inference: dict[tuple, Any] = {}
 
-    def _stages(self, clock: StageClock | None, microbatches: int) -> list[Any]:
+    def _stages(self, clock: StageClock | None) -> list[Any]:
         # NOTE: PyTorch's checkpoint recomputes a block once per backward call, and its contexts serve one
         # recomputation: a weight gradient run apart from its input gradient would recompute again and fail. Under
         # activation checkpointing a zero-bubble schedule therefore runs each whole backward in its input-gradient
@@ -122,7 +120,6 @@ class Pipeline:
                 group=self.group,
                 dw_builder=whole,
                 clock=clock,
-                microbatches=microbatches,
             )
             for chunk, s in zip(self.chunks, self.stage_ids)
         ]
@@ -152,10 +149,16 @@ class Pipeline:
         return self.microbatches
 
     def loss(
-        self, network: nn.Module | None, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable
+        self,
+        network: nn.Module | None,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        loss_fn: Callable,
+        context: BatchContext = NO_CONTEXT,
     ) -> torch.Tensor:
         """Forward (and, with gradients enabled, backward) of one batch through the whole pipeline (``network``:
-        the module's, of which this rank runs its chunks).
+        the module's, of which this rank runs its chunks). Each stage call is handed its micro-batch's rows of
+        ``context`` (`lit3d.models.batch_context`).
 
         Returns the mean loss over the micro-batches on every rank of the pipeline. Gradients accumulate as if
         ``loss / accumulate`` had been back-propagated through the unsplit model, multiplied by the loss scale of
@@ -173,6 +176,10 @@ class Pipeline:
         # inputs sliced from longer blocks (``tokens[:, :-1]``) keep the longer rows' stride.
         args = (inputs.contiguous(),) if self.holds_first else ()
         target = targets if self.holds_last else None
+        # NOTE: a keyword argument, which the schedule splits into micro-batches as it splits the inputs (each tensor
+        # by rows) and hands every stage, first or not, for each micro-batch it runs (and its shape inference, the
+        # first's); a block recomputed in backward runs with the arguments of its forward.
+        kwargs = context.keywords()
         self.clock.start_step()
         # NOTE: return_outputs=False: the losses are recorded by `_record_loss`, and the last stage would otherwise
         # keep every micro-batch's logits (its outputs) until the step's end, where the schedule frees each one after
@@ -182,10 +189,10 @@ class Pipeline:
                 scale = self._scale * (grad_scaler.get_scale() if grad_scaler is not None else 1.0)
                 scale *= self.balance_weight  # (an uneven replica's share, as its loss)
                 with self._gradients_set_aside(), balance_loss_weight(scale):  # MoE layers on every stage
-                    self.schedule.step(*args, target=target, return_outputs=False)
+                    self.schedule.step(*args, target=target, return_outputs=False, **kwargs)
             else:  # validation: forward only, and not in inference mode (the stages' buffers outlive this call)
                 with torch.inference_mode(False):
-                    self.schedule.eval(*args, target=target, return_outputs=False)
+                    self.schedule.eval(*args, target=target, return_outputs=False, **kwargs)
         self.clock.end_step()
         # NOTE: the first step also calls the loss on placeholder outputs to infer shapes: keep the last m.
         losses = self._losses[-self.microbatches :]
@@ -268,7 +275,7 @@ class Pipeline:
             key = tuple(inputs.shape)
             if key not in self._inference:
                 name = SCHEDULES[self.schedule_name].forward_only or self.schedule_name
-                self._inference[key] = self._schedule(self._stages(None, 1), name, 1, None)
+                self._inference[key] = self._schedule(self._stages(None), name, 1, None)
             output = self._inference[key].eval(*((inputs,) if self.holds_first else ()))
             if self.holds_last:
                 output = output.full_tensor() if hasattr(output, "full_tensor") else output
@@ -295,10 +302,9 @@ def _stage_class() -> type:
         from one to the other directly; PyTorch 2.13 does so in ``eval()`` too (validation, sampling), where there is
         no backward, and fails. Nothing is handed over then."""
 
-        def __init__(self, *args: Any, clock: StageClock | None = None, microbatches: int = 1, **kwargs: Any) -> None:
+        def __init__(self, *args: Any, clock: StageClock | None = None, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.clock = clock  # times each call when given (`StageClock`)
-            self.microbatches = microbatches  # micro-batches per step: which rows of packed documents a call runs
 
         def forward_one_chunk(self, chunk_id: int, *args: Any, **kwargs: Any) -> Any:
             return self._timed("F", chunk_id, super().forward_one_chunk, *args, **kwargs)
@@ -309,17 +315,10 @@ def _stage_class() -> type:
         def backward_weight_one_chunk(self, chunk_id: int, *args: Any, **kwargs: Any) -> Any:
             return self._timed("W", chunk_id, super().backward_weight_one_chunk, *args, **kwargs)
 
-        def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
-            """Shape inference runs one micro-batch's rows: the documents of the first."""
-            with documents.micro_batch(0, self.microbatches), lora_dropout.micro_batch(0, self.microbatches):
-                return super()._forward_metadata_inference(*args, **kwargs)
-
         def _timed(self, kind: str, chunk_id: int, run: Callable, *args: Any, **kwargs: Any) -> Any:
-            count = self.microbatches  # packed rows: this micro-batch's documents; LoRA's dropout: its rows' masks
-            with documents.micro_batch(chunk_id, count), lora_dropout.micro_batch(chunk_id, count):
-                if self.clock is None:
-                    return run(chunk_id, *args, **kwargs)
-                return self.clock.timed(self.stage_index, kind, chunk_id, run, *args, **kwargs)
+            if self.clock is None:
+                return run(chunk_id, *args, **kwargs)
+            return self.clock.timed(self.stage_index, kind, chunk_id, run, *args, **kwargs)
 
         def get_local_bwd_output(self, mb_index: int) -> tuple:
             return super().get_local_bwd_output(mb_index) if self.has_backward else ()

@@ -5,33 +5,22 @@
 only the cheap elementwise work (norms, rotary, SiLU, products). Most of the memory those take, for a few
 percent of compute, and no collective is run twice.
 
-Either way the recomputed forward sees what the forward saw: the context a block reads besides its inputs (packed
-documents, LoRA dropout's rows; `FORWARD_CONTEXT`) is taken when the forward runs and put back around the
-recomputation. NOTE: it is set per batch and cut per micro-batch by callers the recomputation runs without: a
-pipeline's backward (and PyTorch's shape inference of it, which back-propagates through micro-batch 0's forward
-outside any stage call) would otherwise see the whole batch's.
+Either way the recomputed forward sees what the forward saw: it runs with the forward's arguments, the batch's context
+among them (packed documents, LoRA dropout's rows: `lit3d.models.batch_context`).
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable
 from functools import cache, partial
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from lit3d.models import documents, lora_dropout
 from lit3d.parallel.layout import Layout
 from lit3d.parallel.settings import check_recompute
-
-# What a block's forward reads besides its inputs, as ``(get, set)``: its recomputation gets the forward's values.
-FORWARD_CONTEXT: tuple[tuple[Callable[[], Any], Callable[[Any], None]], ...] = (
-    (documents.held, documents.use),
-    (lora_dropout.current, lora_dropout.use),
-)
 
 
 def _saved_ops() -> set:
@@ -77,13 +66,13 @@ def apply_activation_checkpointing(blocks: list[nn.Module], activation_checkpoin
     check_recompute(activation_checkpointing)
     for block in blocks:
         if activation_checkpointing in (True, "full"):
-            context_fn = _as_at_forward(None)
+            options = {}
         elif activation_checkpointing == "selective":
             policy = partial(_keep_matmuls_and_collectives, _saved_ops())
-            context_fn = _as_at_forward(partial(create_selective_checkpoint_contexts, policy))
+            options = {"context_fn": partial(create_selective_checkpoint_contexts, policy)}
         else:
             continue
-        region = _Region(context_fn)
+        region = _Region(options)
         block.register_forward_pre_hook(region.enter, with_kwargs=True)
         block.register_forward_hook(region.exit, prepend=True, always_call=True)
 
@@ -91,14 +80,15 @@ def apply_activation_checkpointing(blocks: list[nn.Module], activation_checkpoin
 class _Region:
     """The checkpointed region of one block's forward, opened by its pre-hook and closed by its hook."""
 
-    def __init__(self, context_fn: Callable[[], tuple]) -> None:
-        self.context_fn, self.run = context_fn, None
+    def __init__(self, options: dict[str, Any]) -> None:
+        self.options, self.run = options, None
 
     def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         from torch.utils.checkpoint import _checkpoint_without_reentrant_generator as checkpointed
 
-        # PyTorch's own region (composable `checkpoint`'s), given its arguments before the inputs by position
-        given = {"preserve_rng_state": True, "context_fn": self.context_fn}
+        # PyTorch's own region (composable `checkpoint`'s), given its arguments before the inputs by position; the
+        # recomputation runs ``module.forward`` with this call's ``args`` and ``kwargs``
+        given = {"preserve_rng_state": True, **self.options}
         options = [given.get(name, default) for name, default in _options(checkpointed)]
         self.run = checkpointed(module.forward, *options, *args, **kwargs)
         next(self.run)
@@ -128,27 +118,3 @@ def check_recompute_composes(activation_checkpointing: bool | str, zero_stage: i
             f"{edp} ranks), whose hooks PyTorch's selective recompute cannot run again; use "
             "activation_checkpointing='full', or zero_stage=1, 2 or 3"
         )
-
-
-def _as_at_forward(context_fn: Callable[[], tuple] | None) -> Callable[[], tuple]:
-    """A checkpoint's ``context_fn`` (called at each forward; ``context_fn``'s contexts inside): the recomputation
-    runs with the `FORWARD_CONTEXT` of that forward."""
-
-    def contexts() -> tuple[AbstractContextManager, AbstractContextManager]:
-        forward, recompute = context_fn() if context_fn is not None else (nullcontext(), nullcontext())
-        return forward, _restored([get() for get, _ in FORWARD_CONTEXT], recompute)
-
-    return contexts
-
-
-@contextmanager
-def _restored(seen: list[Any], inner: AbstractContextManager) -> Iterator[None]:
-    before = [get() for get, _ in FORWARD_CONTEXT]
-    for (_, put), value in zip(FORWARD_CONTEXT, seen):
-        put(value)
-    try:
-        with inner:
-            yield
-    finally:
-        for (_, put), value in zip(FORWARD_CONTEXT, before):
-            put(value)

@@ -18,8 +18,8 @@ from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lit3d.strategies.checkpoint_folder import PARTIAL_SUFFIX, is_sharded_checkpoint
-from lit3d.strategies.safe_io import META_FILE, check_readable
+from lit3d.checkpoint.folder import PARTIAL_SUFFIX, is_sharded_checkpoint
+from lit3d.checkpoint.safe_io import META_FILE, check_readable
 
 
 def newest_complete_checkpoint(folders: list[Path]) -> Path | None:

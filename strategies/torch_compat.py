@@ -10,7 +10,7 @@ entry                    PyTorch          what it bridges
 `all_gather_single`      2.13+            2.11/2.12: ``all_gather_into_tensor`` (2.13 renamed it)
 `reduce_scatter_single`  2.13+            2.11/2.12: ``reduce_scatter_tensor`` (2.13 renamed it)
 `ddp_no_buffer_sync`     2.13+            2.11/2.12: ``broadcast_buffers=False`` (2.13: ``forward_sync_buffers``)
-`pipeline_stage`         all              2.11/2.12: shape inference's name, and the warm-up of a V's fold
+`pipeline_stage`         all              2.11/2.12: the warm-up of a V's fold
 `rowwise_float8_on_cpu`  2.13+            2.11/2.12: the CPU FP8 matmul takes one scale per tensor (GPUs: both)
 =======================  ===============  ==============================================================
 
@@ -55,25 +55,14 @@ def ddp_no_buffer_sync() -> dict[str, bool]:
 
 @cache
 def pipeline_stage() -> type:
-    """PyTorch's `PipelineStage` as 2.13 has it (imported late: the module takes seconds to import).
-
-    - Shape inference is ``_forward_metadata_inference``, which lit3d's stage wraps; 2.11 and 2.12 call it
-      ``_shape_inference`` (with the same first two arguments).
-    - The first step's warm-up of the links to the neighbouring stages leaves out a neighbour on this very rank (the
-      fold of a V-shaped schedule, whose two stages hand over in memory): 2.11 and 2.12 send to themselves there,
-      which gloo refuses ("Pair is not connected"). (2.13 warms up a `PipelineStage` another way.)
+    """PyTorch's `PipelineStage` as 2.13 has it (imported late: the module takes seconds to import): the first step's
+    warm-up of the links to the neighbouring stages leaves out a neighbour on this very rank (the fold of a V-shaped
+    schedule, whose two stages hand over in memory): 2.11 and 2.12 send to themselves there, which gloo refuses ("Pair
+    is not connected"). (2.13 warms up a `PipelineStage` another way.)
     """
     from torch.distributed.pipelining import PipelineStage
 
     class Stage(PipelineStage):
-        if not hasattr(PipelineStage, "_forward_metadata_inference"):
-
-            def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
-                return PipelineStage._shape_inference(self, *args, **kwargs)
-
-            def _shape_inference(self, *args: Any, **kwargs: Any) -> Any:
-                return self._forward_metadata_inference(*args, **kwargs)
-
         def _get_init_p2p_neighbors_ops(self) -> list:
             return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
 

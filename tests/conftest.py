@@ -24,7 +24,6 @@ from layouts import (
 )
 
 from lit3d import GPTConfig
-from lit3d.models import documents, lora_dropout
 
 os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
@@ -75,16 +74,6 @@ def no_launch_environment():
     for key in LAUNCH_ENVIRONMENT:
         os.environ.pop(key, None)
     yield
-
-
-@pytest.fixture(autouse=True)
-def no_batch_state_left():
-    """What a step sets for the forwards of its batch (its packed documents, LoRA dropout's samples) is cleared after
-    each test: `GPT.loss` and tests that call the network directly leave it set, and the next test in this process
-    (the xdist worker's) may run a forward of another shape."""
-    yield
-    documents.use(None)
-    lora_dropout.use(None)
 
 
 @pytest.fixture

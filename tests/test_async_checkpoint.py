@@ -11,9 +11,9 @@ import pytest
 import torch
 from layouts import HALF, STEPS, merge
 
+from lit3d.checkpoint.folder import PARTIAL_SUFFIX, read_weights
+from lit3d.checkpoint.safe_io import check_readable
 from lit3d.strategies.async_checkpoint import BackgroundSaves
-from lit3d.strategies.checkpoint_folder import PARTIAL_SUFFIX, read_weights
-from lit3d.strategies.safe_io import check_readable
 
 
 @pytest.fixture(scope="module")

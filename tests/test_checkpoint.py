@@ -66,15 +66,15 @@ class SaveTwiceDyingOnTheSecond(Callback):
 
     def on_train_batch_end(self, trainer, *args) -> None:
         if trainer.global_step == 6:
-            import lit3d.strategies.checkpoint_folder
+            import lit3d.checkpoint.folder
 
-            original = lit3d.strategies.checkpoint_folder.dcp.save
+            original = lit3d.checkpoint.folder.dcp.save
 
             def save_then_die(*a, **k):
                 original(*a, **k)  # this rank's shards are written ...
                 os._exit(1)  # ... and the process is gone before the checkpoint is complete
 
-            lit3d.strategies.checkpoint_folder.dcp.save = save_then_die
+            lit3d.checkpoint.folder.dcp.save = save_then_die
         if trainer.global_step in (4, 6):
             trainer.save_checkpoint(self.path)
 

@@ -12,7 +12,8 @@ from layouts import SMALL_GPT
 from benchmarks.combinations import Draw, compare, draw, job_of, reference_of, refusal, train, write_corpus
 from benchmarks.rank_group import run_group
 from lit3d import GPT, GPTConfig
-from lit3d.models import documents
+from lit3d.models.batch_context import BatchContext
+from lit3d.models.documents import Documents
 from lit3d.strategies.recompute import apply_activation_checkpointing
 
 MODEL = dict(SMALL_GPT, max_seq_len=64)
@@ -102,8 +103,8 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("recompute", ["full", "selective"])
 def test_a_recomputed_block_sees_the_documents_its_forward_saw(recompute):
     """Backward runs after the caller has moved on (a pipeline's next micro-batch, or PyTorch's shape inference of a
-    stage, which back-propagates through micro-batch 0 with the whole batch's documents set): the recomputation still
-    sees its forward's documents, and the gradients are those of a block that kept its activations."""
+    stage, which back-propagates through micro-batch 0): the recomputation runs with its forward's arguments, the
+    batch's context among them, and the gradients are those of a block that kept its activations."""
     config = GPTConfig(n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=64, vocab_size=64, max_seq_len=16)
     torch.manual_seed(0)
     tokens = torch.randint(0, 64, (2, 16))
@@ -115,13 +116,9 @@ def test_a_recomputed_block_sees_the_documents_its_forward_saw(recompute):
         model.configure_model()
         if checkpointed:
             apply_activation_checkpointing(list(model.model.blocks.values()), recompute)
-        documents.use(documents.Documents.of(positions))
-        logits = model.model(tokens)
-        documents.use(documents.Documents.of(torch.arange(16).repeat(4, 1)))  # the whole batch's, as the caller's
-        try:
-            logits.square().mean().backward()
-        finally:
-            documents.use(None)
+        logits = model.model(tokens, context=BatchContext(Documents.of(positions)))
+        model.model(tokens[:1])  # the caller moves on: another forward, of other rows and no documents
+        logits.square().mean().backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=1e-6)
 

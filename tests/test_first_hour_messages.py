@@ -217,7 +217,7 @@ def test_resuming_a_lit3d_folder_under_another_strategy_says_it_is_one_and_how_t
 ):
     """Item 8: not Lightning's "checkpoint contains only the model ... save_weights_only"; the command line refuses it
     before any rank starts."""
-    from lit3d.strategies.checkpoint_folder import ShardedCheckpointReader
+    from lit3d.checkpoint.folder import ShardedCheckpointReader
 
     data = TextDataModule(str(text_folder), seq_len=16, global_batch_size=4)
     trainer = L.Trainer(max_steps=3, plugins=[ShardedCheckpointReader()], enable_checkpointing=False, **QUIET)

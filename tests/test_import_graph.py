@@ -51,6 +51,9 @@ HEAVY = {
     "jsonargparse",
     "numpy",
     "huggingface_hub",
+    # NOTE: a part of torch that takes as long to import as the rest: GPT and the HuggingFace folders go without it,
+    # and read a lit3d checkpoint (`lit3d.checkpoint`) only when one is opened.
+    "torch.distributed.checkpoint",
 }
 
 
@@ -70,7 +73,7 @@ def heavy_libraries(module: str, known: dict[str, Path], seen: dict[str, set[str
     if module not in seen:
         seen[module] = set()
         parents = [".".join(module.split(".")[:n]) for n in range(1, module.count(".") + 1)]
-        found = {name.split(".")[0] for name in module_level(known[module])} & HEAVY
+        found = {heavy for name in module_level(known[module]) for heavy in HEAVY if f"{name}.".startswith(f"{heavy}.")}
         for name in [*parents, *module_level(known[module])]:
             found |= heavy_libraries(name, known, seen) if name in known else set()
         seen[module] = found
@@ -132,6 +135,8 @@ def test_what_a_module_loads_is_read_from_the_code():
     known, seen = modules(), {}
     assert {"torch", "lightning"} <= heavy_libraries("lit3d.models.gpt", known, seen)
     assert heavy_libraries("lit3d.parallel.settings", known, seen) == set()  # the pure description of a run
+    assert "torch.distributed.checkpoint" in heavy_libraries("lit3d.checkpoint.folder", known, seen)
+    assert "torch.distributed.checkpoint" not in heavy_libraries("lit3d.models.gpt", known, seen)
 
 
 def test_a_planted_loop_is_found():

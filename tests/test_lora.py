@@ -151,35 +151,32 @@ def test_lora_trains_like_one_process_in_every_layout(layout, layout_runs, reque
 def test_dropout_masks_follow_each_elements_place_in_the_run_not_the_layout():
     """What a rank holds of a batch (every R-th row, a micro-batch, a CP rank's chunks, a slice of the features) is
     dropped as one process drops those elements; each adapter has masks of its own, and ``p`` of the elements drop."""
-    from lit3d.models import lora_dropout
+    from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
+
+    from lit3d.models.batch_context import BatchContext
     from lit3d.models.lora_dropout import LayoutFreeDropout, Samples, keep_mask
     from lit3d.models.ring_attention import ContextParallel
 
     dropout = LayoutFreeDropout(0.25).train()
     dropout.name = "blocks.0.attn.q_proj.dropout"
     x = torch.ones(4, 8, 6)
-    try:
-        lora_dropout.use(Samples(first=40, stride=1, count=4, seed=7))  # one process: the global batch's 4 rows
-        whole = dropout(x)
-        assert torch.equal(whole.unique(), torch.tensor([0.0, 1 / 0.75]))  # scaled as torch.nn.Dropout scales
-        with lora_dropout.micro_batch(1, 2):  # a pipeline's second micro-batch
-            assert torch.equal(dropout(x[2:]), whole[2:])
-        lora_dropout.use(Samples(first=41, stride=2, count=2, seed=7))  # data-parallel replica 1 of 2
-        assert torch.equal(dropout(x[1::2]), whole[1::2])
-        lora_dropout.use(Samples(first=40, stride=1, count=4, seed=7))
-        dropout.context_parallel = ContextParallel(None, 2, 1)  # CP rank 1 of 2 holds chunks 1 and 2 of 4
-        assert torch.equal(dropout(x[:, 2:6]), whole[:, 2:6])
-        keys = dropout.token_keys(4, 4, x.device)
-        features = torch.arange(6)
-        assert torch.equal(keep_mask(keys, features[3:], 0.25), keep_mask(keys, features, 0.25)[..., 3:])  # TP
-        other = LayoutFreeDropout(0.25).train()
-        other.name = "blocks.0.attn.v_proj.dropout"
-        assert not torch.equal(other(x[:, 2:6]), whole[:, 2:6])
-        lora_dropout.use(Samples(first=0, stride=1, count=64, seed=7))
-        dropout.context_parallel = None
-        assert (dropout(torch.ones(64, 32, 64)) == 0).float().mean().item() == pytest.approx(0.25, abs=0.01)
-    finally:
-        lora_dropout.use(None)
+    samples = Samples.strided(first=40, stride=1, count=4, seed=7)  # one process: the global batch's 4 rows
+    whole = dropout(x, samples)
+    assert torch.equal(whole.unique(), torch.tensor([0.0, 1 / 0.75]))  # scaled as torch.nn.Dropout scales
+    _, micro_batches = split_args_kwargs_into_chunks((), BatchContext(samples=samples).keywords(), 2)
+    assert torch.equal(dropout(x[2:], micro_batches[1]["context"].samples), whole[2:])  # a pipeline's second
+    assert torch.equal(dropout(x[1::2], Samples.strided(41, 2, 2, seed=7)), whole[1::2])  # data-parallel replica 1 of 2
+    dropout.context_parallel = ContextParallel(None, 2, 1)  # CP rank 1 of 2 holds chunks 1 and 2 of 4
+    assert torch.equal(dropout(x[:, 2:6], samples), whole[:, 2:6])
+    keys = dropout.token_keys(samples, 4, 4, x.device)
+    features = torch.arange(6)
+    assert torch.equal(keep_mask(keys, features[3:], 0.25), keep_mask(keys, features, 0.25)[..., 3:])  # TP
+    other = LayoutFreeDropout(0.25).train()
+    other.name = "blocks.0.attn.v_proj.dropout"
+    assert not torch.equal(other(x[:, 2:6], samples), whole[:, 2:6])
+    dropout.context_parallel = None
+    many = dropout(torch.ones(64, 32, 64), Samples.strided(0, 1, 64, seed=7))
+    assert (many == 0).float().mean().item() == pytest.approx(0.25, abs=0.01)
 
 
 @pytest.mark.parametrize("shares", [None, (6, 2)])
@@ -203,7 +200,7 @@ def test_each_replica_keys_its_rows_by_the_samples_the_sampler_deals_it(shares):
         )
         for micro_step, samples in enumerate(dealt):
             keyed = training_samples(trainer, batch_idx=10 * accumulate + micro_step, rows=len(samples))
-            assert torch.equal(keyed.ids(torch.device("cpu")), step * batch + samples), (replica, micro_step)
+            assert torch.equal(keyed.ids, step * batch + samples), (replica, micro_step)
 
 
 def test_the_fused_mask_gpus_compile_is_the_eager_one():

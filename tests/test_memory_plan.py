@@ -201,7 +201,7 @@ def test_every_stage_trains_as_ddp_does(runs):
 
 
 def test_zero1_checkpoints_hold_the_fp32_master_weights_and_resume_exactly(runs):
-    from lit3d.strategies.checkpoint_folder import read_weights
+    from lit3d.checkpoint.folder import read_weights
 
     assert runs["zero1_resumed"]["losses"] == runs["zero1"]["losses"][2:]  # bit-identical
     weights = read_weights(runs["step2"])["state_dict"]

@@ -12,12 +12,12 @@ import torch
 from helpers import CHATML, byte_level_bpe, chat_file, chat_tokenizer, tiny_llama
 
 from lit3d import GPT, GPTConfig
+from lit3d.checkpoint.folder import ShardedCheckpointReader
 from lit3d.cli import main, make_cli
 from lit3d.data import ChatDataModule, TextDataModule
 from lit3d.hf.adapters import read_adapter
 from lit3d.models.generation import Sampling
 from lit3d.strategies import Parallel3DStrategy
-from lit3d.strategies.checkpoint_folder import ShardedCheckpointReader
 from lit3d.strategies.checks import ConfigurationError
 
 transformers = pytest.importorskip("transformers")

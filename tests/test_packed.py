@@ -13,6 +13,7 @@ from lit3d import GPT, GPTConfig
 from lit3d.data import ChatDataModule, TextDataModule
 from lit3d.data.chat_template import ChatTemplate
 from lit3d.models import documents
+from lit3d.models.batch_context import BatchContext
 from lit3d.models.transformer import IGNORED
 
 
@@ -85,8 +86,7 @@ def test_the_loss_is_the_mean_over_the_global_batchs_answer_tokens_not_a_mean_of
     per_token = []
     for share in shares:
         inputs, targets = model.inputs_and_targets(share)
-        documents.use(documents.Documents.of(share["positions"][:, :-1]))
-        logits = model.model(inputs)
+        logits = model.model(inputs, context=BatchContext(documents.Documents.of(share["positions"][:, :-1])))
         losses = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORED,
                                                    reduction="none")  # fmt: skip
         per_token.append(losses[targets.flatten() != IGNORED])
@@ -124,9 +124,7 @@ def test_a_packed_row_gives_each_document_the_losses_it_has_alone():
     tokens = torch.randint(0, 64, (sum(lengths),))
     positions = torch.cat([torch.arange(n) for n in lengths])
     with torch.no_grad():
-        documents.use(documents.Documents.of(positions[None]))
-        packed = model.model(tokens[None])[0]
-        documents.use(None)
+        packed = model.model(tokens[None], context=BatchContext(documents.Documents.of(positions[None])))[0]
         alone = torch.cat([model.model(part[None])[0] for part in tokens.split(lengths)])
         whole = model.model(tokens[None])[0]
     assert (packed - alone).abs().max() < 1e-5
@@ -151,10 +149,8 @@ def test_every_layer_keeps_one_shared_mask_for_backward_and_attends_as_with_the_
             square.append(tensor.untyped_storage())
         return tensor
 
-    documents.use(packed)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        model.model(torch.randint(0, 64, (1, 64)))
-    documents.use(None)
+        model.model(torch.randint(0, 64, (1, 64)), context=BatchContext(packed))
     assert len(square) == 1 and square[0].nbytes() == 64 * 64 * 4
     q, k, v = (torch.randn(1, 64, 4, 8) for _ in range(3))
     k, v = k[:, :, :2], v[:, :, :2]

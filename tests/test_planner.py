@@ -109,9 +109,11 @@ def test_llama_405b_fits_on_16384_h100s_and_70b_does_not_fit_on_one():
 def test_verify_counts_match_the_analytic_ones_exactly(name, layout, zero_stage, virtual, schedule):
     import time
 
+    from lit3d.strategies.split_count import held_params
+
     start = time.perf_counter()
     settings = Parallelism(zero_stage=zero_stage, virtual_pipeline_size=virtual, pipeline_schedule=schedule).at(layout)
-    counts = verify(GPTConfig.from_name(name), layout, settings)
+    counts = verify(GPTConfig.from_name(name), layout, settings, held_params)
     assert len(counts) == layout.pp
     assert [c.verified for c in counts] == [c.analytic for c in counts]
     assert all(c.verified > 0 for c in counts)

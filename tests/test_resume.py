@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from lit3d.strategies.checkpoint_folder import save
+from lit3d.checkpoint.folder import save
 from lit3d.strategies.resume import newest_complete_checkpoint
 
 

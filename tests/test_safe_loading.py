@@ -14,8 +14,8 @@ import torch
 from layouts import STEPS
 
 from lit3d import GPT
-from lit3d.strategies.checkpoint_folder import ShardedCheckpointReader, check_ckpt_path, load, read_weights
-from lit3d.strategies.safe_io import (
+from lit3d.checkpoint.folder import ShardedCheckpointReader, check_ckpt_path, load, read_weights
+from lit3d.checkpoint.safe_io import (
     META_FILE,
     SafeFileSystemReader,
     SafeLoadPlanner,
@@ -139,7 +139,7 @@ def test_an_index_claiming_absurd_sizes_is_refused_before_allocating(good, tmp_p
 
 
 def test_every_checkpoint_reader_goes_through_the_safe_ones():
-    """The loading calls that can run code appear only in `lit3d.strategies.safe_io`, or pass its readers."""
+    """The loading calls that can run code appear only in `lit3d.checkpoint.safe_io`, or pass its readers."""
     sources = sorted((ROOT / "lit3d").rglob("*.py")) + sorted((ROOT / "strategies").rglob("*.py"))
     unsafe = {
         r"\btorch\.load\(": "torch.load outside safe_io.load_meta",
@@ -164,7 +164,7 @@ def test_every_checkpoint_reader_goes_through_the_safe_ones():
 @pytest.fixture
 def tiny_folder(tmp_path) -> Path:
     """A one-process lit3d checkpoint folder of two numbers (``.metadata``, one shard, ``meta.pt``)."""
-    from lit3d.strategies.checkpoint_folder import save
+    from lit3d.checkpoint.folder import save
 
     folder = tmp_path / "tiny.ckpt"
     with pytest.warns(UserWarning, match="single process"):
@@ -183,8 +183,8 @@ BROKEN = {
 @pytest.mark.parametrize("kind", BROKEN)
 def test_a_corrupt_meta_file_is_called_corrupt_not_a_security_refusal(tiny_folder, kind, tmp_path):
     """A broken ``meta.pt`` was refused as if it held code, with advice to load it with ``weights_only=False``."""
+    from lit3d.checkpoint.safe_io import CorruptCheckpointError, load_meta
     from lit3d.cli import main
-    from lit3d.strategies.safe_io import CorruptCheckpointError, load_meta
 
     meta = tiny_folder / META_FILE
     meta.write_bytes(BROKEN[kind](meta.read_bytes()))
@@ -201,7 +201,7 @@ def test_a_corrupt_meta_file_is_called_corrupt_not_a_security_refusal(tiny_folde
 
 
 def test_a_meta_file_that_holds_code_is_still_refused_as_unsafe(tmp_path):
-    from lit3d.strategies.safe_io import load_meta
+    from lit3d.checkpoint.safe_io import load_meta
 
     marker, path = tmp_path / "MARKER", tmp_path / "meta.pt"
     torch.save({"hyper_parameters": {"x": CreatesMarker(marker)}}, path)
@@ -211,7 +211,7 @@ def test_a_meta_file_that_holds_code_is_still_refused_as_unsafe(tmp_path):
 
 
 def test_a_corrupt_dcp_index_is_called_corrupt(tiny_folder):
-    from lit3d.strategies.safe_io import CorruptCheckpointError
+    from lit3d.checkpoint.safe_io import CorruptCheckpointError
 
     index = tiny_folder / ".metadata"
     index.write_bytes(index.read_bytes()[:40])

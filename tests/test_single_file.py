@@ -116,7 +116,7 @@ def test_the_final_model_saves_after_fit_returns_in_either_mode(files, layout):
     """DP2 x TP2, one file or a folder: once ``fit`` has returned, ``lightning_module_state_dict()`` is the whole state
     on rank 0 (one file) or every rank's shards (a folder), by the one-process names, and ``trainer.save_checkpoint``
     writes what the fit's last checkpoint (step 8) holds."""
-    from lit3d.strategies.checkpoint_folder import read_weights
+    from lit3d.checkpoint.folder import read_weights
 
     folder, ranks = files["out"] / layout, files[layout]["ranks"]
     names = list(torch.load(files["out"] / "one_process" / FILE)["state_dict"])

@@ -42,12 +42,14 @@ def test_each_rank_keeps_the_blocks_its_stages_are_given(layers, schedule, held)
 
 def test_the_planner_holds_each_stage_as_given_and_the_parallelised_model_agrees():
     from lit3d.planner import Cluster, Request, plan
+    from lit3d.strategies.split_count import held_params
 
     cluster = Cluster(nodes=1, gpus_per_node=2)
     counts = {}
     for layers in ([1, 5], [5, 1]):
         request = Request.given(GPTConfig(**UNEVEN_GPT), cluster, tensor_parallel_size=1, pipeline_parallel_size=2,
-                                pipeline_stage_layers=layers, seq_len=32, global_batch_size=8, verify=True)  # fmt: skip
+                                pipeline_stage_layers=layers, seq_len=32, global_batch_size=8,
+                                verify=held_params)  # fmt: skip
         report = plan(request)
         assert report.verified and all(count.matches for count in report.verified), report.verified
         counts[tuple(layers)] = [count.analytic for count in report.verified]
@@ -131,10 +133,11 @@ def test_llama3_405b_plans_and_is_parallelised_at_pp16_with_8_virtual_stages():
     """The real model split on the fake process group (``--verify``) holds what the planner counts on every stage;
     the first holds the embedding alone, the last the head alone."""
     from lit3d.planner import Cluster, Request, plan
+    from lit3d.strategies.split_count import held_params
 
     request = Request.given("llama-405b", Cluster(nodes=16), tensor_parallel_size=8, pipeline_parallel_size=16,
                             virtual_pipeline_size=8, pipeline_schedule="interleaved_1f1b", seq_len=8192,
-                            global_batch_size=16, verify=True)  # fmt: skip
+                            global_batch_size=16, verify=held_params)  # fmt: skip
     report = plan(request)
     assert report.verified and all(count.matches for count in report.verified), report.verified
     assert report.chosen.layout.pp == 16 and report.chosen.parallelism.chunks_per_rank == 8

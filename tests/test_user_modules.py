@@ -180,8 +180,8 @@ def test_the_final_model_saves_after_fit_returns_in_either_mode(tmp_path, own_pr
     import lightning as L
     from user_modules import ParallelisesItself, RegressionData
 
+    from lit3d.checkpoint.folder import read_weights
     from lit3d.strategies import Parallel3DStrategy
-    from lit3d.strategies.checkpoint_folder import read_weights
 
     for distributed in (False, True):
         model, strategy = ParallelisesItself(), Parallel3DStrategy(save_distributed_checkpoint=distributed)

@@ -13,8 +13,8 @@ from helpers import logged, tiny_llama
 from layouts import SMALL_GPT, STEPS
 
 from lit3d import GPT, GPTConfig
+from lit3d.checkpoint.folder import ShardedCheckpointReader
 from lit3d.data import TextDataModule
-from lit3d.strategies.checkpoint_folder import ShardedCheckpointReader
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUT = "dp2_tp2_pp2_zero1"  # saves a checkpoint at its last step (tests/layouts.py)

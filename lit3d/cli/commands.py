@@ -31,7 +31,7 @@ def export(ckpt_path: str, output: str, dtype: str = "float32", adapter: bool = 
     """
     import torch
 
-    from lit3d.hf.export import export_checkpoint
+    from lit3d.cli.export import export_checkpoint
 
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype={dtype!r} is not one of float32, bfloat16, float16")
@@ -83,7 +83,7 @@ def convert(ckpt_path: str, output: str, overwrite: bool = False) -> None:
     """
     import torch
 
-    from lit3d.strategies.checkpoint_folder import read_weights
+    from lit3d.checkpoint.folder import read_weights
 
     check_output(output, "checkpoint", is_checkpoint_file, overwrite=overwrite)  # before the checkpoint is read
     torch.save(read_weights(ckpt_path), output)

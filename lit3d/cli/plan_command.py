@@ -26,6 +26,7 @@ from lit3d.planner.fleet_report import format_fleet, plan_fleet
 from lit3d.planner.hardware import GPUS, identify
 from lit3d.planner.launch import Launch, model_flag
 from lit3d.planner.request import DILOCO_SYNC_EVERY, SEARCHED
+from lit3d.planner.verify import Split
 from lit3d.shipped import shipped_configs
 
 
@@ -158,13 +159,21 @@ def _plan_cluster(arguments: dict[str, Any], given: dict[str, Any], launch: Laun
     model, top, verify, precision = (arguments[name] for name in ("model", "top", "verify", "precision"))
     if arguments["html"]:
         _write_page(arguments["html"], model, cluster, precision, given, arguments["overwrite"])
-    request = Request.given(model, cluster, top=top, verify=verify, launch=launch, precision=precision, **given)
+    split = _strategy_split() if verify else None
+    request = Request.given(model, cluster, top=top, verify=split, launch=launch, precision=precision, **given)
     report = plan_request(request)
     picture = arguments["map"]
     drawn = f"\nrank map: {RankMap.side_by_side(report.rank_maps()).save(picture)}" if picture and report.chosen else ""
     print(dumps(report.to_dict(), indent=2) if arguments["json"] else format_report(report) + drawn)
     if not report.verified_exactly:
         raise SystemExit("lit3d plan --verify: analytic and verified parameter counts differ")
+
+
+def _strategy_split() -> Split:
+    """What ``--verify`` checks the plan against: the strategy's own split, counted (torch and Lightning load here)."""
+    from lit3d.strategies.split_count import held_params
+
+    return held_params
 
 
 def _write_page(

@@ -3,7 +3,7 @@ safetensors, local folders only (no hub).
 
 The layouts match one to one (lit3d uses HuggingFace's rotate-half rotary convention), so weights are renamed,
 never permuted; lit3d's vocabulary padding rows are added on import and dropped on export. The MoE families'
-routers and experts are named and stacked in `lit3d.hf.experts`; a checkpoint goes out through `lit3d.hf.export`.
+routers and experts are named and stacked in `lit3d.hf.experts`; a checkpoint goes out through `lit3d.cli.export`.
 A folder's ``config.json`` is read by `lit3d.hf.config` (no torch: ``lit3d plan`` reads it).
 """
 

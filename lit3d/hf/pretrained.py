@@ -1,6 +1,9 @@
 """Weights to start from: a local HuggingFace Llama folder, or a lit3d checkpoint (a sharded folder written in any
 layout, or the single file `lit3d convert` writes). One reading path for `GPT(pretrained=...)`,
-`GPT.load_from_checkpoint`, `lit3d generate` and `lit3d export`."""
+`GPT.load_from_checkpoint`, `lit3d generate` and `lit3d export`.
+
+NOTE: `lit3d.checkpoint` is imported where a lit3d checkpoint is read: it loads `torch.distributed.checkpoint`, which
+``import lit3d; lit3d.GPT`` (and a start from a HuggingFace folder) does without."""
 
 from __future__ import annotations
 
@@ -14,8 +17,6 @@ from lit3d.hf import folders as hf
 from lit3d.hf.adapters import merge_adapters
 from lit3d.models.config import GPTConfig
 from lit3d.models.lora import LoRA
-from lit3d.strategies.checkpoint_folder import is_sharded_checkpoint, read_weights
-from lit3d.strategies.safe_io import META_FILE, check_readable, load_meta
 
 
 def is_hf_folder(path: str | Path) -> bool:
@@ -24,6 +25,8 @@ def is_hf_folder(path: str | Path) -> bool:
 
 def read_checkpoint(path: str | Path) -> tuple[GPTConfig, dict[str, torch.Tensor], dict[str, Any]]:
     """(config, the network's whole tensors by name relative to ``GPT.model``, everything else Lightning saved)."""
+    from lit3d.checkpoint.folder import is_sharded_checkpoint, read_weights
+    from lit3d.checkpoint.safe_io import load_meta
 
     path = Path(path)
     if not path.exists():
@@ -46,6 +49,8 @@ def _config_of(meta: dict[str, Any], path: str | Path) -> GPTConfig:
 def read_meta(path: str | Path) -> dict[str, Any]:
     """What Lightning saved in a lit3d checkpoint besides the weights (hyper-parameters, loops, ...): a folder's
     ``meta.pt``, or a whole single file."""
+    from lit3d.checkpoint.folder import is_sharded_checkpoint
+    from lit3d.checkpoint.safe_io import META_FILE, check_readable, load_meta
 
     if is_sharded_checkpoint(path):
         check_readable(Path(path))
@@ -60,6 +65,8 @@ def read_config(path: str | Path) -> GPTConfig:
 
     if is_hf_folder(path):
         return hf.read_config(path)
+    from lit3d.checkpoint.folder import is_sharded_checkpoint
+
     if not (is_sharded_checkpoint(path) or Path(path).is_file()):
         raise FileNotFoundError(
             f"{str(path)!r} is neither a HuggingFace model folder (config.json is missing) nor a lit3d checkpoint"

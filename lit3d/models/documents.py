@@ -4,24 +4,27 @@ A packed row comes with each token's position inside its own document (``positio
 position is 0. Attention then never crosses a document boundary and rotary positions restart per document, so a
 packed row computes what its documents would compute one by one.
 
-What the attention of the next forward sees is this rank's `Documents`, set per batch by the module (`use`), cut to
-this rank's tokens by context parallelism (`lit3d.models.runner.ContextShare`) and to one micro-batch's rows by a
-pipeline stage (`micro_batch`). A block recomputed in backward sees again what its forward saw (`held`, restored by
-`lit3d.strategies.recompute`), wherever the backward runs.
-
-NOTE: held here, per process, instead of passed as an argument: a pipeline stage receives only the previous stage's
-hidden state, and a block recomputed in backward (activation checkpointing) runs again without its caller.
+A batch's documents reach the attention in its `lit3d.models.batch_context.BatchContext`, which a pipeline splits by
+rows and context parallelism cuts to a rank's tokens (`lit3d.models.runner.ContextShare`).
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+
+class Masks:
+    """The masks of one set of documents, made at first use and shared by every layer of a forward.
+
+    NOTE: a plain object: FSDP2 casts each block's inputs by rebuilding the dataclasses (and dicts) among them, and
+    hands this on as it is, so every block's copy of the documents keeps one mask (and one bias per dtype)."""
+
+    def __init__(self) -> None:
+        self.causal: torch.Tensor | None = None
+        self.biases: dict[torch.dtype, torch.Tensor] = {}
 
 
 @dataclass(frozen=True)
@@ -33,77 +36,40 @@ class Documents:
         segments: ``[batch, seq]``: which document of its row each token belongs to (numbered from 1).
         whole_segments: ``[batch, whole_seq]``: ``segments`` of the whole rows, before context parallelism cut them
             (the ring attention reads the segments of the blocks other ranks hold from it).
+        masks: Their masks, made once for every layer of a forward (`causal_mask`, `causal_bias`).
     """
 
     positions: torch.Tensor
     segments: torch.Tensor
     whole_segments: torch.Tensor
+    masks: Masks = field(default_factory=Masks, compare=False, repr=False)
 
     @classmethod
     def of(cls, positions: torch.Tensor) -> Documents:
         segments = torch.cumsum(positions == 0, dim=-1)
         return cls(positions, segments, segments)
 
-    def rows(self, start: int, stop: int) -> Documents:
-        return Documents(self.positions[start:stop], self.segments[start:stop], self.whole_segments[start:stop])
-
-    @functools.cached_property
+    # NOTE: eager under `compile` (here and in `causal_bias`): a layer that makes the mask and one that finds it made
+    # then run the same graph, as a block recomputed in backward must (it finds made what its forward made).
+    @property
+    @torch.compiler.disable
     def causal_mask(self) -> torch.Tensor:
         """`attention_mask` of these tokens among themselves, made once for every layer of a forward."""
-        return attention_mask(self.segments, self.segments, causal=True)
+        if self.masks.causal is None:
+            self.masks.causal = attention_mask(self.segments, self.segments, causal=True)
+        return self.masks.causal
 
+    @torch.compiler.disable
     def causal_bias(self, dtype: torch.dtype) -> torch.Tensor:
         """`causal_mask` as the additive bias SDPA makes of a boolean mask (0 where a token attends, -inf elsewhere),
         in ``dtype``, made once for every layer of a forward. NOTE: given the boolean mask, SDPA makes this bias at
         every call, and each layer's backward keeps its own copy: ``[batch, 1, seq, seq]`` per layer."""
-        if dtype not in self._biases:
+        biases = self.masks.biases
+        if dtype not in biases:
             mask = self.causal_mask
             bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
-            self._biases[dtype] = bias.masked_fill_(mask.logical_not(), float("-inf"))
-        return self._biases[dtype]
-
-    @functools.cached_property
-    def _biases(self) -> dict[torch.dtype, torch.Tensor]:
-        return {}
-
-
-_current: list[Documents | None] = [None]
-
-
-def use(documents: Documents | None) -> None:
-    """The documents of the batch the next forward runs (``None``: every row is one sequence)."""
-    _current[0] = documents
-
-
-def held() -> Documents | None:
-    """The documents set for the next forward, unchecked: what a block's recomputation in backward must see again
-    (`lit3d.strategies.recompute`)."""
-    return _current[0]
-
-
-def current(batch: int, seq: int) -> Documents | None:
-    """The documents of the ``[batch, seq]`` tokens a forward is computing, if the rows are packed."""
-    documents = _current[0]
-    if documents is not None and tuple(documents.positions.shape) != (batch, seq):
-        raise RuntimeError(
-            f"packed documents of shape {tuple(documents.positions.shape)} set for a forward over {batch}x{seq} tokens"
-        )
-    return documents
-
-
-@contextmanager
-def micro_batch(index: int, count: int) -> Iterator[None]:
-    """Within it, the documents are micro-batch ``index`` of ``count`` (a pipeline stage's share of the rows)."""
-    whole = _current[0]
-    if whole is None:
-        yield
-        return
-    rows = whole.positions.shape[0] // count
-    _current[0] = whole.rows(index * rows, (index + 1) * rows)
-    try:
-        yield
-    finally:
-        _current[0] = whole
+            biases[dtype] = bias.masked_fill_(mask.logical_not(), float("-inf"))
+        return biases[dtype]
 
 
 def attention_mask(query_segments: torch.Tensor, key_segments: torch.Tensor, causal: bool) -> torch.Tensor:

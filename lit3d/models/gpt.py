@@ -14,11 +14,13 @@ from torchmetrics import MeanMetric
 from lit3d.callbacks import Throughput
 from lit3d.hf.adapters import adapter_settings, read_adapter
 from lit3d.hf.pretrained import read_config, read_meta, read_tensors
-from lit3d.models import documents, lora_dropout
+from lit3d.models.batch_context import BatchContext
 from lit3d.models.config import GPTConfig, check_model_fits_data
+from lit3d.models.documents import Documents
 from lit3d.models.generation import Sampling, next_token
 from lit3d.models.loop import ends_optimizer_step
 from lit3d.models.lora import LoRA, freeze_all_but_adapters
+from lit3d.models.lora_dropout import Samples, training_samples
 from lit3d.models.lr_schedule import WarmupCosine, horizon_warning, optimizer_refusal
 from lit3d.models.runner import Runner, WholeNetwork
 from lit3d.models.tp_plan import tensor_parallel_plan
@@ -169,8 +171,6 @@ class GPT(L.LightningModule):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token ids ``[batch, seq]`` → logits ``[batch, seq, vocab_size]``: whole, on every rank, in any layout."""
         self._build_on(tokens.device)
-        documents.use(None)
-        lora_dropout.use(None)
         logits = self.runner.forward(self.model, tokens)
         if hasattr(logits, "full_tensor"):  # vocabulary-sharded DTensor
             logits = logits.full_tensor()
@@ -196,7 +196,7 @@ class GPT(L.LightningModule):
         trained targets times ``scale / targets.numel()`` (see `loss`)."""
         return cross_entropy(logits, targets, scale)
 
-    def loss(self, batch: Any) -> torch.Tensor:
+    def loss(self, batch: Any, samples: Samples | None = None) -> torch.Tensor:
         """Mean next-token cross-entropy of a batch of ``seq_len + 1`` blocks.
 
         A batch with a ``loss_mask`` (chat data: the answers' tokens) also has a ``loss_scale``: the targets of its
@@ -205,22 +205,25 @@ class GPT(L.LightningModule):
         that scale over its own target count; the layout averages equal pieces, so the step's loss is the mean over
         every trained token of the global batch, in any layout.
 
-        Packed rows (``positions``, `lit3d.models.documents`) keep their documents apart in attention.
+        Packed rows (``positions``, `lit3d.models.documents`) keep their documents apart in attention; a training
+        step's ``samples`` key LoRA's dropout masks (`lit3d.models.lora_dropout`). Both reach the network in one
+        `lit3d.models.batch_context.BatchContext`, which the runner hands on with the inputs.
         """
         inputs, targets = self.inputs_and_targets(batch)
         self._build_on(inputs.device)
         packed = isinstance(batch, dict) and "positions" in batch
-        documents.use(documents.Documents.of(batch["positions"][:, :-1]) if packed else None)
+        context = BatchContext(Documents.of(batch["positions"][:, :-1]) if packed else None, samples)
         loss_fn = self.loss_fn
         if isinstance(batch, dict) and "loss_scale" in batch:  # (a tensor: no wait for the device)
             loss_fn = functools.partial(self.loss_fn, scale=batch["loss_scale"][0])
-        return self.runner.loss(self.model, inputs, targets, loss_fn)
+        return self.runner.loss(self.model, inputs, targets, loss_fn, context)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        samples = None
         if self.lora is not None and self.lora.dropout:  # its masks drawn from each sample's place in the run
-            rows = len(self.inputs_and_targets(batch)[0])
-            lora_dropout.use(lora_dropout.training_samples(self.trainer, batch_idx, rows))
-        loss = self.loss(batch)
+            inputs = self.inputs_and_targets(batch)[0]
+            samples = training_samples(self.trainer, batch_idx, len(inputs), inputs.device)
+        loss = self.loss(batch, samples)
         self._loss_sum = self._loss_sum + loss.detach()
         self._loss_count += 1
         moe = self.model.moe_layers()  # a pipeline stage may hold none, but still joins the balance's reduce

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lit3d.models.batch_context import NO_CONTEXT, BatchContext
 from lit3d.models.lora_dropout import LayoutFreeDropout
 from lit3d.models.lora_settings import ADAPTERS, ROLES, LoRA  # noqa: F401 (read from here too)
 
@@ -33,10 +34,19 @@ class LoRALinear(nn.Linear):
         self.scaling = lora.scaling
         self.dropout = LayoutFreeDropout(lora.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dropped = self.dropout(x) if self.dropout.p > 0 else x
+    def forward(self, x: torch.Tensor, context: BatchContext = NO_CONTEXT) -> torch.Tensor:
+        dropped = self.dropout(x, context.samples) if self.dropout.p > 0 else x
         adapted = F.linear(F.linear(dropped, self.lora_a), self.lora_b)
         return F.linear(x, self.weight, self.bias) + self.scaling * adapted
+
+
+def project(layer: nn.Module, x: torch.Tensor, context: BatchContext) -> torch.Tensor:
+    """``layer(x)`` for a linear that `linear` built; a LoRA linear is also handed the batch's ``context`` (its
+    dropout's rows).
+
+    NOTE: by keyword, which tensor parallelism's input hook on a linear passes on (it keeps one positional argument);
+    and to LoRA linears only: a plain one may be torchao's FP8 linear, which takes its input alone."""
+    return layer(x, context=context) if isinstance(layer, LoRALinear) else layer(x)
 
 
 def linear(in_features: int, out_features: int, lora: LoRA | None, name: str, bias: bool = False) -> nn.Linear:

@@ -12,10 +12,10 @@ by a hash of integers (counter-based, as Philox is, and exact on every device) o
 so each rank draws exactly its elements' share of one process's masks, whatever it holds, and a forward recomputed in
 backward draws them again. What a rank holds:
 
-- rows: set per training batch by the module (`use`, from `training_samples`: the sampler deals replica ``r`` of
-  ``R`` the samples ``r, r + R, ...`` of each global batch, micro-step after micro-step), cut to a pipeline
-  micro-batch's rows by the stage that runs it (`micro_batch`), and put back as the forward saw them around a block's
-  recomputation in backward (`lit3d.strategies.recompute`);
+- rows: the training batch's samples (`Samples`, from `training_samples`: the sampler deals replica ``r`` of ``R`` the
+  samples ``r, r + R, ...`` of each global batch, micro-step after micro-step), handed to the forward in the batch's
+  `lit3d.models.batch_context.BatchContext`, which a pipeline splits into its micro-batches' rows, and with which a
+  block recomputed in backward runs again;
 - tokens: the whole sequence, or under context parallelism the true positions of this rank's chunks (the module's
   ``context_parallel``, set as on attention);
 - features: a DTensor's shard offsets (a row-parallel adapter's input is a slice of its features; a column-parallel
@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import functools
 import zlib
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,52 +47,24 @@ SLICE = 1 << 22  # int64 elements of scratch per slice of rows
 
 @dataclass(frozen=True)
 class Samples:
-    """The rows this rank computes: row i is sample ``first + i * stride`` of the run, numbered optimizer step by step
-    (step s's global batch holds samples ``s x global batch`` on); ``seed`` is the run's."""
+    """The rows this rank computes: row i is sample ``ids[i]`` of the run, numbered optimizer step by step (step s's
+    global batch holds samples ``s x global batch`` on); ``seed`` is the run's. A tensor of ids, so that a share of the
+    rows (a pipeline's micro-batch) is a slice of it."""
 
-    first: int
-    stride: int
-    count: int
+    ids: torch.Tensor
     seed: int
 
-    def rows(self, start: int, stop: int) -> Samples:
-        return Samples(self.first + start * self.stride, self.stride, stop - start, self.seed)
-
-    def ids(self, device: torch.device) -> torch.Tensor:
-        return self.first + self.stride * torch.arange(self.count, device=device)
-
-
-_current: list[Samples | None] = [None]
+    @classmethod
+    def strided(cls, first: int, stride: int, count: int, seed: int, device: torch.device | None = None) -> Samples:
+        """The samples ``first, first + stride, ...``, ``count`` of them."""
+        return cls(first + stride * torch.arange(count, device=device), seed)
 
 
-def use(samples: Samples | None) -> None:
-    """The rows of the batch the next training forward (and its backward) runs; ``None``: not a training batch."""
-    _current[0] = samples
-
-
-def current() -> Samples | None:
-    return _current[0]
-
-
-@contextmanager
-def micro_batch(index: int, count: int) -> Iterator[None]:
-    """Within it, the rows are micro-batch ``index`` of ``count`` (a pipeline stage's share of the batch)."""
-    whole = _current[0]
-    if whole is None:
-        yield
-        return
-    rows = whole.count // count
-    _current[0] = whole.rows(index * rows, (index + 1) * rows)
-    try:
-        yield
-    finally:
-        _current[0] = whole
-
-
-def training_samples(trainer: Any, batch_idx: int, rows: int) -> Samples:
-    """Where this replica's ``rows`` of training batch ``batch_idx`` sit in the run: the samplers of lit3d's data deal
-    replica ``r`` of ``R`` every R-th sample of each global batch from ``r`` (`lit3d.data.sampler.GlobalBatchSampler`),
-    or with ``data_parallel_shares`` its own run of them, micro-step after micro-step of the accumulation window."""
+def training_samples(trainer: Any, batch_idx: int, rows: int, device: torch.device | None = None) -> Samples:
+    """Where this replica's ``rows`` of training batch ``batch_idx`` sit in the run (their ids on ``device``): the
+    samplers of lit3d's data deal replica ``r`` of ``R`` every R-th sample of each global batch from ``r``
+    (`lit3d.data.sampler.GlobalBatchSampler`), or with ``data_parallel_shares`` its own run of them, micro-step after
+    micro-step of the accumulation window."""
     dealt = trainer.distributed_sampler_kwargs or {}
     replicas, replica = dealt.get("num_replicas", 1), dealt.get("rank", 0)
     accumulate = trainer.accumulate_grad_batches
@@ -104,7 +74,7 @@ def training_samples(trainer: Any, batch_idx: int, rows: int) -> Samples:
         global_batch, first, stride = sum(shares), sum(shares[:replica]) + micro_step * rows, 1
     else:
         global_batch, first, stride = replicas * rows * accumulate, replica + micro_step * rows * replicas, replicas
-    return Samples(trainer.global_step * global_batch + first, stride, rows, torch.initial_seed())
+    return Samples.strided(trainer.global_step * global_batch + first, stride, rows, torch.initial_seed(), device)
 
 
 def mix(h: Any) -> Any:
@@ -166,13 +136,14 @@ class LayoutFreeDropout(nn.Module):
 
     # NOTE: eager under `compile`: the rows change every step (a compiled graph would be guarded on them).
     @torch.compiler.disable
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, samples: Samples | None = None) -> torch.Tensor:
+        """Dropout on ``x``, its mask keyed by the rows' ``samples`` (a training batch's; without: plain dropout)."""
         if not self.active():
             return x
-        if current() is None:
+        if samples is None:
             return F.dropout(x, self.p, training=True)
         held, offsets = _held(x)
-        keys = self.token_keys(x.shape[0], x.shape[1], x.device, offsets[:2], held[:2])
+        keys = self.token_keys(samples, x.shape[0], x.shape[1], x.device, offsets[:2], held[:2])
         features = offsets[2] + torch.arange(held[2], device=x.device)
         keep = keep_mask(keys, features, self.p)
         if _is_dtensor(x):  # its shard's mask, placed as it is
@@ -184,6 +155,7 @@ class LayoutFreeDropout(nn.Module):
 
     def token_keys(
         self,
+        samples: Samples,
         batch: int,
         seq: int,
         device: torch.device,
@@ -191,13 +163,11 @@ class LayoutFreeDropout(nn.Module):
         held: tuple[int, int] | None = None,
     ) -> torch.Tensor:
         """``[rows, tokens]`` keys of the tokens this rank holds of a ``[batch, seq]`` forward (``held`` of them from
-        ``offset``; default all), for this adapter."""
-        samples = current()
-        if samples is None or samples.count != batch:
-            count = None if samples is None else samples.count
-            raise RuntimeError(f"LoRA dropout was set up for a training batch of {count} rows; a forward runs {batch}")
+        ``offset``; default all) of the rows ``samples``, for this adapter."""
+        if len(samples.ids) != batch:
+            raise RuntimeError(f"LoRA dropout was given the samples of {len(samples.ids)} rows; a forward runs {batch}")
         rows, tokens = held or (batch, seq)
-        ids = samples.ids(device)[offset[0] : offset[0] + rows]
+        ids = samples.ids.to(device)[offset[0] : offset[0] + rows]
         name = _name_key(self.name, samples.seed)
         row_keys = mix(mix(name ^ (ids & _BITS)) ^ (ids >> 32))
         cp = self.context_parallel

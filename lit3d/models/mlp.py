@@ -6,8 +6,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lit3d.models.batch_context import NO_CONTEXT, BatchContext
 from lit3d.models.config import GPTConfig
-from lit3d.models.lora import LoRA, linear
+from lit3d.models.lora import LoRA, linear, project
 
 
 class MLP(nn.Module):
@@ -19,5 +20,6 @@ class MLP(nn.Module):
         self.up_proj = linear(config.d_model, config.d_ff, lora, "mlp.up_proj")
         self.down_proj = linear(config.d_ff, config.d_model, lora, "mlp.down_proj")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, context: BatchContext = NO_CONTEXT) -> torch.Tensor:
+        hidden = F.silu(project(self.gate_proj, x, context)) * project(self.up_proj, x, context)
+        return project(self.down_proj, hidden, context)

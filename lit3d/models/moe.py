@@ -24,8 +24,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lit3d.models import lora_dropout
+from lit3d.models.batch_context import NO_CONTEXT, BatchContext
 from lit3d.models.config import GPTConfig
-from lit3d.models.lora_dropout import LayoutFreeDropout
+from lit3d.models.lora_dropout import LayoutFreeDropout, Samples
 from lit3d.models.lora_settings import LoRA
 from lit3d.models.mlp import MLP
 
@@ -235,7 +236,7 @@ class MoE(nn.Module):
     # NOTE: left to eager under `compile`: dropless routing reads its split sizes on the host (data-dependent
     # shapes), and the rest of the block (attention, norms) is where compiling pays.
     @torch.compiler.disable
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, context: BatchContext = NO_CONTEXT) -> torch.Tensor:
         batch, seq, width = x.shape
         flat = x.reshape(-1, width)
         chosen, weights, scores = self.router(flat)
@@ -251,7 +252,7 @@ class MoE(nn.Module):
         if self.capacity_factor is not None:  # each expert keeps its first `capacity` pairs, in token order
             order, computed = _within_capacity(order, tokens_per_expert, self.capacity_factor)
         routed = flat[order // self.k]
-        keys = self._dropout_keys(batch, seq, order, chosen, x.device)
+        keys = self._dropout_keys(context.samples, batch, seq, order, chosen, x.device)
         if self.ep_group is None:
             out = self.experts(routed, computed.tolist(), keys)
         else:
@@ -263,14 +264,20 @@ class MoE(nn.Module):
         return y if self.shared is None else y + self.shared(x)
 
     def _dropout_keys(
-        self, batch: int, seq: int, order: torch.Tensor, chosen: torch.Tensor, device: torch.device
+        self,
+        samples: Samples | None,
+        batch: int,
+        seq: int,
+        order: torch.Tensor,
+        chosen: torch.Tensor,
+        device: torch.device,
     ) -> torch.Tensor | None:
-        """The dropout keys of the routed rows (`lit3d.models.lora_dropout`): each row's token's, mixed with its
-        expert's index; ``None`` without dropout or outside a training step."""
+        """The dropout keys of the routed rows (`lit3d.models.lora_dropout`) of the rows ``samples``: each row's
+        token's, mixed with its expert's index; ``None`` without dropout or outside a training step."""
         dropout = self.experts.dropout
-        if not (dropout.active() and self.experts.adapted and lora_dropout.current() is not None):
+        if not (dropout.active() and self.experts.adapted and samples is not None):
             return None
-        tokens = dropout.token_keys(batch, seq, device).flatten()
+        tokens = dropout.token_keys(samples, batch, seq, device).flatten()
         return lora_dropout.mix(tokens[order // self.k] ^ lora_dropout.mix(chosen.flatten()[order]))
 
 

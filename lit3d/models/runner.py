@@ -16,17 +16,23 @@ holds only part of the network or of each sequence, `Parallel3DStrategy` gives t
 it, once, before the first step: a pipeline schedule (`lit3d.strategies.pipeline.Pipeline`: the loss runs forward and
 backward of every micro-batch, its ``loss_fn`` on the last stage) and, with context parallelism, `ContextShare` around
 it (this rank's chunks of every sequence). The module never asks which axes run; it asks its runner.
+
+A runner's loss also takes what the network reads of the batch besides the inputs, ``context``
+(`lit3d.models.batch_context`: `lit3d.GPT`'s packed documents and LoRA dropout's rows), and hands the network the part
+of it that goes with the inputs it runs, as ``model(inputs, context=...)`` (not at all when it holds nothing).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, Protocol
 
 import torch
 import torch.nn as nn
 
-from lit3d.models import documents
+from lit3d.models.batch_context import NO_CONTEXT, BatchContext
+from lit3d.models.documents import Documents
 from lit3d.models.ring_attention import shard_sequence
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -43,20 +49,24 @@ class Runner(Protocol):
     # uneven global batch (`ReplicaShare`), else 1.
     balance_weight: float
 
-    def loss(self, network: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn) -> torch.Tensor: ...
+    def loss(
+        self, network: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn, context: BatchContext = NO_CONTEXT
+    ) -> torch.Tensor: ...
 
     def forward(self, network: nn.Module, inputs: Any) -> Any: ...
 
 
 class WholeNetwork:
-    """The whole network on this rank: ``loss_fn(network(inputs), targets)``."""
+    """The whole network on this rank: ``loss_fn(network(inputs, context=context), targets)``."""
 
     adds_balance_loss = False
     forwards_per_loss = 1
     balance_weight = 1.0
 
-    def loss(self, network: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn) -> torch.Tensor:
-        return loss_fn(network(inputs), targets)
+    def loss(
+        self, network: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn, context: BatchContext = NO_CONTEXT
+    ) -> torch.Tensor:
+        return loss_fn(network(inputs, **context.keywords()), targets)
 
     def forward(self, network: nn.Module, inputs: Any) -> Any:
         return network(inputs)
@@ -73,13 +83,15 @@ class ContextShare:
         self.adds_balance_loss, self.forwards_per_loss = inner.adds_balance_loss, inner.forwards_per_loss
         self.balance_weight = inner.balance_weight
 
-    def loss(self, network: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn) -> torch.Tensor:
-        whole = documents.current(*targets.shape)
+    def loss(
+        self, network: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn, context: BatchContext = NO_CONTEXT
+    ) -> torch.Tensor:
+        whole = context.documents_for(*targets.shape)
         inputs, targets = shard_sequence(inputs, self.size, self.rank), shard_sequence(targets, self.size, self.rank)
         if whole is not None:  # packed rows: this rank's tokens' positions and documents, and every rank's documents
             share = (shard_sequence(t, self.size, self.rank) for t in (whole.positions, whole.segments))
-            documents.use(documents.Documents(*share, whole_segments=whole.segments))
-        return self.inner.loss(network, inputs, targets, loss_fn)
+            context = replace(context, documents=Documents(*share, whole_segments=whole.segments))
+        return self.inner.loss(network, inputs, targets, loss_fn, context)
 
     def forward(self, network: nn.Module, inputs: Any) -> Any:
         raise RuntimeError(
@@ -103,14 +115,16 @@ class ReplicaShare:
         self.adds_balance_loss, self.forwards_per_loss = inner.adds_balance_loss, inner.forwards_per_loss
         self.balance_weight = weight
 
-    def loss(self, network: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn) -> torch.Tensor:
+    def loss(
+        self, network: nn.Module, inputs: Any, targets: Any, loss_fn: LossFn, context: BatchContext = NO_CONTEXT
+    ) -> torch.Tensor:
         if not torch.is_grad_enabled():
-            return self.inner.loss(network, inputs, targets, loss_fn)
+            return self.inner.loss(network, inputs, targets, loss_fn, context)
 
         def weighted(*args: Any, **kwargs: Any) -> torch.Tensor:
             return loss_fn(*args, **kwargs) * self.weight
 
-        return self.inner.loss(network, inputs, targets, weighted)
+        return self.inner.loss(network, inputs, targets, weighted, context)
 
     def forward(self, network: nn.Module, inputs: Any) -> Any:
         return self.inner.forward(network, inputs)

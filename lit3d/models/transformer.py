@@ -26,10 +26,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lit3d.models import documents
 from lit3d.models.attention import causal_attention
+from lit3d.models.batch_context import NO_CONTEXT, BatchContext
 from lit3d.models.config import GPTConfig
-from lit3d.models.lora import LoRA, init_adapter, linear
+from lit3d.models.lora import LoRA, init_adapter, linear, project
 from lit3d.models.lora_dropout import name_dropouts
 from lit3d.models.mlp import MLP
 from lit3d.models.moe import MoE
@@ -55,16 +55,16 @@ class Attention(nn.Module):
         self.context_parallel: ContextParallel | None = None
         self.rope = Rope.of(config.rope_theta, config.rope_scaling)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, context: BatchContext = NO_CONTEXT) -> torch.Tensor:
         batch, seq, _ = x.shape
         hd, cp = self.config.head_dim, self.context_parallel
         # NOTE: -1 heads: under tensor parallelism each rank holds only its share of the heads.
-        q = self.q_proj(x).view(batch, seq, -1, hd)
-        k = self.k_proj(x).view(batch, seq, -1, hd)
-        v = self.v_proj(x).view(batch, seq, -1, hd)
+        q = project(self.q_proj, x, context).view(batch, seq, -1, hd)
+        k = project(self.k_proj, x, context).view(batch, seq, -1, hd)
+        v = project(self.v_proj, x, context).view(batch, seq, -1, hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        docs = documents.current(batch, seq)
+        docs = context.documents_for(batch, seq)
         if docs is not None:  # packed rows: each token rotated by its position within its document
             tables = rotary_tables(self.config.max_seq_len, hd, self.rope, x.device, q.dtype)
             cos, sin = (t[docs.positions] for t in tables)
@@ -77,7 +77,7 @@ class Attention(nn.Module):
             y = causal_attention(q, k, v, self.config.attention, docs)
         else:
             y = ring_attention(q, k, v, cp, docs)
-        return self.o_proj(y.reshape(batch, seq, -1))
+        return project(self.o_proj, y.reshape(batch, seq, -1), context)
 
 
 class Block(nn.Module):
@@ -91,9 +91,10 @@ class Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.mlp = MoE(config, index, lora) if config.is_moe_layer(index) else MLP(config, lora)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(compute_dtype(self.attn_norm(x)))
-        return x + self.mlp(compute_dtype(self.mlp_norm(x)))
+    def forward(self, x: torch.Tensor, context: BatchContext = NO_CONTEXT) -> torch.Tensor:
+        # NOTE: the context by keyword: tensor parallelism's input hooks on attn and mlp take one positional argument.
+        x = x + self.attn(compute_dtype(self.attn_norm(x)), context=context)
+        return x + self.mlp(compute_dtype(self.mlp_norm(x)), context=context)
 
 
 def compute_dtype(x: torch.Tensor) -> torch.Tensor:
@@ -109,7 +110,8 @@ class Transformer(nn.Module):
     """Token ids ``[batch, seq]`` → logits ``[batch, seq, padded_vocab_size]`` (padded columns masked to -inf).
 
     On a pipeline stage without the embedding the input is the hidden state ``[batch, seq, d_model]``, and
-    without the head the output is the hidden state.
+    without the head the output is the hidden state. ``context``: what the forward reads of its batch besides the
+    tokens (`lit3d.models.batch_context`: packed documents, LoRA dropout's rows).
     """
 
     def __init__(self, config: GPTConfig, lora: LoRA | None = None) -> None:
@@ -126,11 +128,11 @@ class Transformer(nn.Module):
         # `reset_parameters` copies each rank's shard of them and lets them go.
         self.init_source: dict[str, torch.Tensor] | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, context: BatchContext = NO_CONTEXT) -> torch.Tensor:
         if self.embed is not None:
             x = compute_dtype(self.embed(x))  # bf16-mixed: the residual stream in bf16 whatever holds the weights
         for block in self.blocks.values():
-            x = block(x)
+            x = block(x, context=context)
         if self.norm is not None:
             x = compute_dtype(self.norm(x))
         if self.head is not None:

@@ -23,7 +23,7 @@ from lit3d.planner.pipeline import candidates, choose_schedule
 from lit3d.planner.rankmap import RankMap
 from lit3d.planner.report import format_plan, format_search, format_verify, run_flags
 from lit3d.planner.search import Candidate, check_inputs, layout_problem, search
-from lit3d.planner.verify import StageCount, verify
+from lit3d.planner.verify import Split, StageCount, verify
 
 # The sizes a search keeps when they are fixed, and chooses otherwise (with, per layout, the ZeRO stage, recompute, the
 # pipeline schedule and its chunks per rank: `SEARCHED`).
@@ -52,8 +52,9 @@ class Request:
             derived from a fixed ``num_microbatches``). With ``tensor_parallel_size`` and ``pipeline_parallel_size``
             fixed, the plan is that layout; otherwise a search.
         top: How many layouts a search reports (JSON: the best and ``top - 1`` alternatives).
-        verify: Parallelise the real model on the meta device for the chosen layout and compare its per-rank
-            parameter counts with the planner's (imports torch and the strategy).
+        verify: The strategy's split, counted (`lit3d.strategies.split_count.held_params`, which imports torch and
+            the strategy): with it, the real model is parallelised on the meta device for the chosen layout and its
+            per-rank parameter counts are set beside the planner's (`lit3d.planner.verify`).
         launch: How the ``lit3d fit`` command that runs the plan names its config and model (`fit_command`).
     """
 
@@ -63,7 +64,7 @@ class Request:
     parallelism: Parallelism = PLANNING_DEFAULTS
     fixed: frozenset[str] = frozenset()
     top: int = 5
-    verify: bool = False
+    verify: Split | None = None
     launch: Launch = Launch()
 
     @classmethod
@@ -73,7 +74,7 @@ class Request:
         cluster: Cluster | None = None,
         *,
         top: int = 5,
-        verify: bool = False,
+        verify: Split | None = None,
         launch: Launch | None = None,
         **given: Any,
     ) -> Request:
@@ -216,13 +217,18 @@ def plan(request: Request) -> Report:
         )
     if settings.islands > 1 and cluster.gpus % settings.islands:
         raise ValueError(f"islands={settings.islands} does not divide the {cluster.gpus} GPUs of the cluster")
+    if request.verify and not callable(request.verify):  # (``verify=True`` until 0.4)
+        raise TypeError(
+            f"verify={request.verify!r}: give the strategy's split to check against, "
+            "verify=lit3d.strategies.split_count.held_params (the planner does not import the strategy)"
+        )
     check_sizes(top=request.top)
     report = _one_layout(request, config) if request.fixes_layout else _search(request, config)
     chosen = report.chosen
     if chosen and chosen.layout.islands > 1:
         report.islands = versus_synchronous(config, cluster, chosen)
-    if request.verify and chosen:  # (imports torch and the strategy)
-        report.verified = verify(config, chosen.layout, chosen.parallelism)
+    if request.verify and chosen:
+        report.verified = verify(config, chosen.layout, chosen.parallelism, request.verify)
     return report
 
 

@@ -1,27 +1,29 @@
-"""`lit3d plan --verify`: the real parallelisation of the real model, on the meta device, in a fake world.
+"""`lit3d plan --verify`: the planner's per-rank parameter counts beside the strategy's real split of the real model
+(on the meta device, in a fake world: `lit3d.strategies.split_count`), one rank of each pipeline stage.
 
-For each pipeline stage, one rank of that stage (data-parallel and tensor-parallel coordinate 0) joins a fake
-process group of the full world size (PyTorch's testing backend: collectives return at once, nothing is
-sent), builds the model on the meta device and runs the strategy's own `parallelize_network` on it. The
-parameter elements it then holds locally are the exact per-rank counts, set next to the planner's analytic
-ones. No memory is allocated, so a thousand simulated ranks take seconds.
+NOTE: the planner sits below the strategy, which asks it for plans (``3d_auto``, ``plan/*`` ratios), so it takes the
+split from its caller (`Split`) and never imports the strategy; ``lit3d plan --verify`` hands it
+`lit3d.strategies.split_count.held_params`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from lit3d.models.config import GPTConfig
-from lit3d.models.tp_plan import tensor_parallel_plan
 from lit3d.parallel.layout import Layout
 from lit3d.parallel.schedules import SCHEDULES
 from lit3d.parallel.settings import Parallelism
 from lit3d.parallel.zero import ZeroPolicy
 from lit3d.planner.tensors import local_numel, rank_tensors, replicas
 
-if TYPE_CHECKING:
-    import torch
+
+class Split(Protocol):
+    """The strategy's real split, counted: the parameter elements ``rank`` holds after it
+    (`lit3d.strategies.split_count.held_params`)."""
+
+    def __call__(self, config: GPTConfig, layout: Layout, settings: Parallelism, rank: int) -> int: ...
 
 
 @dataclass
@@ -45,36 +47,12 @@ def analytic_params(config: GPTConfig, layout: Layout, stage: int, settings: Par
     return sum(local_numel(t, layout.tp, replicas(t, layout) if sharded else 1, ep=layout.ep) for t in tensors)
 
 
-def verify(config: GPTConfig, layout: Layout, settings: Parallelism) -> list[StageCount]:
-    """Per pipeline stage: the parameter elements rank (p, d=0, t=0) holds after the real parallelisation of
-    ``config`` on ``layout`` with ``settings`` (its sizes are ``layout``'s)."""
-    # NOTE: torch only here: `lit3d plan` imports the planner, and only `--verify` needs the real model.
-    import torch
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from lit3d.models.transformer import Transformer
-    from lit3d.strategies.meshes import ParallelMeshes
-    from lit3d.strategies.parallelize import parallelize_network
-
-    if dist.is_initialized():
-        raise RuntimeError("verify() starts its own fake process group; call it outside a distributed job")
+def verify(config: GPTConfig, layout: Layout, settings: Parallelism, split: Split) -> list[StageCount]:
+    """Per pipeline stage: the parameter elements rank (p, d=0, t=0) holds after ``split``, the strategy's real
+    parallelisation of ``config`` on ``layout`` with ``settings``, beside the planner's count."""
     counts = []
     for stage in range(layout.pp):
         rank = layout.rank(p=stage)
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
-        try:
-            meshes = ParallelMeshes.build(layout, "cpu")
-            with torch.device("meta"):
-                network = Transformer(config)
-            parallelize_network(network, tensor_parallel_plan(config), settings, meshes, rank)
-            held = sum(_local(p).numel() for p in network.parameters())
-        finally:
-            dist.destroy_process_group()
         analytic = analytic_params(config, layout, stage, settings)
-        counts.append(StageCount(stage, rank, held, analytic))
+        counts.append(StageCount(stage, rank, split(config, layout, settings, rank), analytic))
     return counts
-
-
-def _local(param: torch.Tensor) -> torch.Tensor:
-    return param.to_local() if hasattr(param, "to_local") else param

@@ -1,6 +1,9 @@
 """A lit3d checkpoint of any layout out as a HuggingFace folder: the weights (`lit3d.hf.folders.write_folder`), what
 generation needs from where they came from (token ids, ``generation_config.json``), and the run's tokenizer; or a
-LoRA run's adapters alone, as a PEFT folder."""
+LoRA run's adapters alone, as a PEFT folder.
+
+NOTE: `lit3d export`'s work sits with the command: it puts `lit3d.hf`'s weights beside `lit3d.data`'s tokenizer, and
+`lit3d.hf` sits below the data, which reads a model folder's tokenizer (`lit3d.hf.pretrained.tokenizer_of`)."""
 
 from __future__ import annotations
 

@@ -30,8 +30,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # NOTE: a Base
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from lit3d.outputs import is_checkpoint_file, refusal
-from lit3d.strategies.safe_io import (
+from lit3d.checkpoint.safe_io import (
     META_FILE,
     SafeEmptyLoadPlanner,
     SafeFileSystemReader,
@@ -40,6 +39,7 @@ from lit3d.strategies.safe_io import (
     check_readable,
     load_meta,
 )
+from lit3d.outputs import is_checkpoint_file, refusal
 
 PARTIAL_SUFFIX = ".partial"
 
@@ -243,7 +243,7 @@ def read_weights(path: str | Path) -> dict[str, Any]:
 class ShardedCheckpointReader(TorchCheckpointIO):
     """Lightning's checkpoint IO that also reads lit3d's sharded folders, for any other strategy (``auto``, ``ddp``):
     a folder's weights load whole on every process (see `read_weights`). Files and folders are read as data only
-    (`lit3d.strategies.safe_io`). The CLI adds it; in Python pass ``Trainer(plugins=[ShardedCheckpointReader()])``."""
+    (`lit3d.checkpoint.safe_io`). The CLI adds it; in Python pass ``Trainer(plugins=[ShardedCheckpointReader()])``."""
 
     @override
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:

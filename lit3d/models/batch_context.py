@@ -1,0 +1,69 @@
+"""What a forward reads of its batch besides the tokens: one value, handed from the batch down to where it is read.
+
+`lit3d.GPT.loss` makes it per batch: the packed rows' documents (`lit3d.models.documents`: attention keeps them apart)
+and, in a training step with LoRA dropout, the samples its masks are drawn from (`lit3d.models.lora_dropout`). The
+network takes it as an argument, ``network(tokens, context=...)``, and hands it to each block, whose attention reads
+the documents and whose adapters the samples. Where a rank computes a part of the batch, its part of the context goes
+with it:
+
+- context parallelism cuts the documents to this rank's tokens with the inputs (`lit3d.models.runner.ContextShare`);
+- a pipeline schedule splits the context into micro-batches as it splits the inputs, and hands each stage call its
+  micro-batch's (`lit3d.strategies.pipeline`);
+- activation checkpointing recomputes a block with the arguments its forward had, the context among them.
+
+A new per-batch input (an attention mask, multi-token-prediction targets) is a field here, set where the batch is read
+and read where it is needed; a tensor indexed by rows (dim 0) goes to each micro-batch's rows with the others.
+
+NOTE: passed down, as torchtitan passes its ``extra_inputs``, rather than held per process: a value set aside for the
+next forward must be cut again by every caller that computes a part of it (each micro-batch of a pipeline) and put back
+around every call that runs without its caller (a block recomputed in backward). It is passed by keyword through
+modules tensor parallelism styles: their input hooks keep the first positional argument only, and pass keyword ones on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.utils._pytree import register_dataclass, tree_leaves
+
+from lit3d.models.documents import Documents
+from lit3d.models.lora_dropout import Samples
+
+
+@dataclass(frozen=True)
+class BatchContext:
+    """What a forward reads of its batch besides the tokens (see the module's docstring).
+
+    Attributes:
+        documents: The packed documents of the rows (``None``: every row is one sequence).
+        samples: The rows' samples, which LoRA's dropout draws its masks from (``None``: not a training batch).
+    """
+
+    documents: Documents | None = None
+    samples: Samples | None = None
+
+    def documents_for(self, batch: int, seq: int) -> Documents | None:
+        """The documents of the ``[batch, seq]`` tokens a forward computes, if its rows are packed."""
+        documents = self.documents
+        if documents is not None and tuple(documents.positions.shape) != (batch, seq):
+            raise RuntimeError(
+                f"packed documents of shape {tuple(documents.positions.shape)} handed to a forward over {batch}x{seq} "
+                "tokens"
+            )
+        return documents
+
+    def keywords(self) -> dict[str, BatchContext]:
+        """The keyword argument that hands this context to a network, ``{"context": self}``, or none when it holds
+        nothing: a module's own network run by lit3d's runners need not take one, and a pipeline schedule splits a
+        keyword argument by what it holds."""
+        return {"context": self} if tree_leaves(self) else {}
+
+
+NO_CONTEXT = BatchContext()  # a forward over the tokens alone (frozen: one value every such forward shares)
+
+# NOTE: PyTorch pytrees, so that a pipeline schedule splits a context into micro-batches as it splits the inputs
+# (`torch.distributed.pipelining.microbatch.split_args_kwargs_into_chunks`: each tensor by rows, along dim 0; the seed
+# as it is), and each micro-batch's documents make their masks anew for their rows.
+register_dataclass(BatchContext)
+register_dataclass(Documents, field_names=["positions", "segments", "whole_segments"], drop_field_names=["masks"])
+register_dataclass(Samples)
