@@ -98,9 +98,7 @@ def old_name(module: str, name: str) -> Any:
         raise AttributeError(f"module {module!r} has no attribute {name!r}")
     # NOTE: stacklevel 3 passes this function and the ``__getattr__`` that called it: the warning names the line that
     # used the old name, and Python shows it by default when that line is in ``__main__`` (a user's script)
-    warnings.warn(
-        f"{module}.{name} is deprecated: use {new} (lit3d {REMOVED_IN} removes the old name)", DeprecationWarning, 3
-    )
+    warnings.warn(f"{module}.{name} is deprecated: use {new} (removed in version {REMOVED_IN})", DeprecationWarning, 3)
     value = getattr(sys.modules[home], attribute)
     setattr(sys.modules[module], name, value)
     return value
@@ -113,7 +111,7 @@ class MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return importlib.util.spec_from_loader(name, self) if name in MOVED else None
 
     def exec_module(self, module: ModuleType) -> None:
-        module.__doc__ = f"lit3d 0.3's {module.__name__}: now {MOVED[module.__name__]}, until lit3d {REMOVED_IN}."
+        module.__doc__ = f"lit3d 0.3's {module.__name__}: now {MOVED[module.__name__]}, until version {REMOVED_IN}."
         module.__getattr__ = lambda name: old_name(module.__name__, name)
 
 

@@ -11,6 +11,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lit3d.data.batches import GlobalBatchData
+from lit3d.errors import ConfigurationError  # noqa: F401 (its 0.4.0 home: `from lit3d.strategies.checks import ...`)
 from lit3d.models.config import GPTConfig, check_model_fits_data
 from lit3d.parallel.context import check_context_parallel
 from lit3d.parallel.layout import Layout, check_model_fits_layout, check_model_fits_pipeline
@@ -23,13 +24,6 @@ from lit3d.strategies.float8 import small_gemms_warning
 from lit3d.strategies.pipeline import check_pipeline_protocol
 from lit3d.strategies.recompute import check_recompute_composes
 from lit3d.strategies.torch_compat import rowwise_float8_on_cpu
-
-
-class ConfigurationError(ValueError, RuntimeError):
-    """A configuration refused before any process group exists: in the launching process before any rank starts, or
-    first thing in each rank that torchrun or SLURM started. A `ValueError`, and a `RuntimeError` as Lightning's
-    `ModelParallelStrategy` raises for mesh sizes, so either ``except`` catches it. Nothing has run, so nothing
-    failed: the ``lit3d`` command prints it as one line, and the watchdog does not report it as a failed rank."""
 
 
 def check_run(parallelism: Parallelism, layout: Layout, module: Any, trainer: Any, datamodule: Any) -> int:

@@ -25,6 +25,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lit3d.errors import ConfigurationError
 from lit3d.models.transformer import loss_parallel_scope
 from lit3d.parallel.arguments import argument_docs
 from lit3d.parallel.layout import Layout
@@ -34,7 +35,7 @@ from lit3d.parallel.zero import ZeroPolicy
 from lit3d.planner.inputs import Plan
 from lit3d.strategies.auto_layout import auto_settings
 from lit3d.strategies.checkpoints import Checkpoints, RankState, remove
-from lit3d.strategies.checks import ConfigurationError, check_run
+from lit3d.strategies.checks import check_run
 from lit3d.strategies.full_state import WholeOrder
 from lit3d.strategies.launchers import CheckingLauncher, ForkLauncher, agree_on_seed
 from lit3d.strategies.meshes import ParallelMeshes
@@ -392,8 +393,7 @@ class Parallel3DStrategy(ModelParallelStrategy):
     def teardown(self) -> None:
         self.checkpoints.abandon()  # a save still in flight when the fit ended by an error
         self.rank_life.stop()
-        super().teardown()
-        # NOTE: the layout and meshes stay until the next stage (`check_configuration`): a save after `fit` needs them.
+        super().teardown()  # NOTE: the layout and meshes stay until the next stage's check: a save after fit needs them
 
     def _beat(self, doing: str) -> None:
         if self.rank_life.watchdog is not None:

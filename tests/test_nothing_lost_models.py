@@ -15,10 +15,10 @@ from lit3d import GPT, GPTConfig
 from lit3d.checkpoint.folder import ShardedCheckpointReader
 from lit3d.cli import main, make_cli
 from lit3d.data import ChatDataModule, TextDataModule
+from lit3d.errors import ConfigurationError
 from lit3d.hf.adapters import read_adapter
 from lit3d.models.generation import Sampling
 from lit3d.strategies import Parallel3DStrategy
-from lit3d.strategies.checks import ConfigurationError
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

@@ -130,7 +130,7 @@ def test_every_0_3_import_the_docs_showed_works_and_warns_once_naming_the_new_pa
     for old, new in OLD.items():
         used = report["names"][old]  # the warnings of the first use and of the second, or the error
         once = isinstance(used, list) and len(used[0]) == 1 and used[1] == []
-        if not (once and all(text in used[0][0] for text in (old, f"use {new}", f"lit3d {REMOVED_IN} removes"))):
+        if not (once and all(text in used[0][0] for text in (old, f"use {new}", f"removed in version {REMOVED_IN}"))):
             wrong[old] = used
     assert wrong == {}
 

@@ -37,11 +37,11 @@ from lit3d.checkpoint.safe_io import UnsafeCheckpointError
 from lit3d.cli.misspelt import unknown_key_refusal
 from lit3d.cli.strategy_names import check_strategy_names, strategy_name_refusal
 from lit3d.data.batches import GlobalBatchData
+from lit3d.errors import ConfigurationError
 from lit3d.models.config import check_model_fits_data
 from lit3d.models.gpt import GPT
 from lit3d.shipped import find_config, shipped_configs
 from lit3d.strategies import Parallel3DStrategy  # NOTE: naming it registers "3d" (see lit3d.strategies)
-from lit3d.strategies.checks import ConfigurationError
 from lit3d.strategies.resume import checkpoint_folders, newest_complete_checkpoint
 
 __all__ = ["Lit3DCLI", "Parallel3DStrategy", "resolve_lit3d_01_strategy_path"]
