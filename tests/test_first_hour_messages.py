@@ -58,6 +58,21 @@ def chat_model(tmp_path_factory) -> Path:
 # ---------------------------------------------------------------- 5, 6: bad data, refused before anything starts
 
 
+def chat_fit(model: Path, chats: Path, *more: str) -> list[str]:
+    """``lit3d fit``'s arguments: two steps of ``model`` on the chat file ``chats`` (sequences of 64, batch 8)."""
+    return [
+        "fit",
+        "--model.class_path=lit3d.GPT",
+        f"--model.init_args.pretrained={model}",
+        "--data.class_path=lit3d.data.ChatDataModule",
+        f"--data.init_args.data_path={chats}",
+        "--data.init_args.seq_len=64",
+        "--data.init_args.global_batch_size=8",
+        "--trainer.max_steps=2",
+        *more,
+    ]
+
+
 def test_a_chat_held_out_set_smaller_than_one_round_of_micro_batches_is_refused_before_any_rank_starts(
     chat_model, tmp_path, monkeypatch
 ):
@@ -66,19 +81,7 @@ def test_a_chat_held_out_set_smaller_than_one_round_of_micro_batches_is_refused_
     nothing is written under ``runs/``."""
     monkeypatch.chdir(tmp_path)
     chats = chat_file(tmp_path / "chats.jsonl", 40, max_words=10)
-    line = refusal(
-        [
-            "fit",
-            "--model.class_path=lit3d.GPT",
-            f"--model.init_args.pretrained={chat_model}",
-            "--data.class_path=lit3d.data.ChatDataModule",
-            f"--data.init_args.data_path={chats}",
-            "--data.init_args.seq_len=64",
-            "--data.init_args.global_batch_size=8",
-            "--trainer.default_root_dir=runs",
-            "--trainer.max_steps=2",
-        ]
-    )
+    line = refusal(chat_fit(chat_model, chats, "--trainer.default_root_dir=runs"))
     held = re.match(
         rf"lit3d fit: error: the validation set of {re.escape(repr(str(chats)))} holds (\d+) sequences, ", line
     )
@@ -92,19 +95,7 @@ def test_too_few_training_rows_and_too_small_a_validation_set_are_refused_togeth
     both, not one and then, once that is mended, the other."""
     monkeypatch.chdir(tmp_path)
     chats = chat_file(tmp_path / "chats.jsonl", 6, max_words=10)
-    line = refusal(
-        [
-            "fit",
-            "--model.class_path=lit3d.GPT",
-            f"--model.init_args.pretrained={chat_model}",
-            "--data.class_path=lit3d.data.ChatDataModule",
-            f"--data.init_args.data_path={chats}",
-            "--data.init_args.seq_len=64",
-            "--data.init_args.global_batch_size=8",
-            "--data.init_args.packing=false",
-            "--trainer.max_steps=2",
-        ]
-    )
+    line = refusal(chat_fit(chat_model, chats, "--data.init_args.packing=false"))
     assert line.count("\n") == 0 and line.startswith("lit3d fit: error: the 4 training examples of "), line
     assert "fewer than global_batch_size=8; and the validation set of" in line, line
     assert "global_batch_size=8 / accumulate_grad_batches=1 = 8" in line, line
