@@ -51,9 +51,8 @@ def planned_run(strategy: RunningStrategy) -> tuple[Plan | None, PlanCheck | Non
     plan = plan_of_run(strategy, cluster)
     if plan is None:
         return None, None
-    check = PlanCheck(plan, plan.step_time_s if cluster is not None else None, priced_on)
-    check.layout, check.usable = strategy.layout.grid, usable_memory(strategy)
-    return plan, check
+    planned_step = plan.step_time_s if cluster is not None else None
+    return plan, PlanCheck(plan, planned_step, priced_on, strategy.layout.grid, usable_memory(strategy))
 
 
 def usable_memory(strategy: RunningStrategy) -> float | None:
@@ -84,13 +83,15 @@ class PlanCheck(L.Callback):
     """Measures the peak memory of the fit's step `MEMORY_STEP` (on GPUs: from it on), times the `TIMED_STEPS`
     optimizer steps after it, and logs both against ``plan`` (``planned_step``: the plan's step time where it was
     priced on this device, else None, ``priced_on`` saying why) once: at the last timed step, or at the fit's last
-    step if it comes first."""
+    step if it comes first. A peak past the band or the ``usable`` bytes is warned, naming ``layout``."""
 
-    def __init__(self, plan: Plan, planned_step: float | None, priced_on: str) -> None:
+    def __init__(
+        self, plan: Plan, planned_step: float | None, priced_on: str, layout: str, usable: float | None
+    ) -> None:
         self.planned_peak = max(stage["total"] for stage in plan.memory_by_stage)
         self.planned_step, self.priced_on = planned_step, priced_on
         self.peak, self.first = PeakMemory(MEMORY_STEP, outer_state), 0
-        self.layout, self.usable = "this layout", None  # named in `overrun_warning` (set by `planned_run`)
+        self.layout, self.usable = layout, usable
         self.ratios: dict[str, float] = {}
         self._ends: list[float] = []
 
