@@ -5,7 +5,7 @@
 
 One process (a gloo group of one, as a rank of any layout saves its shards): the model's weights and optimizer
 states are saved alternately with `lit3d.checkpoint.folder.save` (training waits for the whole write) and
-with `lit3d.strategies.async_checkpoint.BackgroundSaves` (training waits while the shards are copied to host memory;
+with `lit3d.checkpoint.background.BackgroundSaves` (training waits while the shards are copied to host memory;
 the write goes on in a thread, and is waited for before the next round, outside the timing). Each is timed in
 interleaved rounds; the medians and their ratio are printed.
 """
@@ -28,9 +28,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lit3d import GPTConfig  # noqa: E402
+from lit3d.checkpoint.background import BackgroundSaves  # noqa: E402
 from lit3d.checkpoint.folder import init_optimizer_state, save  # noqa: E402
 from lit3d.models.transformer import Transformer  # noqa: E402
-from lit3d.strategies.async_checkpoint import BackgroundSaves  # noqa: E402
 
 
 def main() -> None:

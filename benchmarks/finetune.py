@@ -14,9 +14,9 @@ the run's own estimate); the median step time over interleaved rounds (A B C, B 
 the steps after a warm-up) and its ratio against full fine-tuning measured in the same run.
 
 Peak memory on GPUs is the allocator's peak; on CPU ranks it is the most bytes of live tensors over one step
-(`lit3d.strategies.live_memory`: what a GPU's allocator would hand out). On a CPU machine the host is the device:
-offload moves nothing, so its measured peak is the planner's device peak plus its host memory, and its step time shows
-only FSDP2's extra copies.
+(`lit3d.strategies.telemetry.live_memory`: what a GPU's allocator would hand out). On a CPU machine the host is the
+device: offload moves nothing, so its measured peak is the planner's device peak plus its host memory, and its step time
+shows only FSDP2's extra copies.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def _worker(rank: int, port: int, schedule: list, args: dict, threads: int, tmp:
     from lit3d import GPT, GPTConfig, LoRA
     from lit3d.data import TextDataModule
     from lit3d.strategies import Parallel3DStrategy
-    from lit3d.strategies.live_memory import PeakMemory
+    from lit3d.strategies.telemetry.live_memory import PeakMemory
 
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     gpu, d_model = torch.cuda.is_available(), args["d_model"]

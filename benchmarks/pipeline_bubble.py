@@ -8,7 +8,7 @@ Each stage is a synthetic block whose forward, input gradient and weight gradien
 is the sum of an input path, whose backward is the input gradient, and a weight path fed a detached input, whose
 backward is the weight gradient, so a zero-bubble schedule can run them apart as on a real layer. The blocks sleep
 rather than compute: p processes on a small machine then do not compete for cores, and what is measured is the
-schedule itself, run by lit3d's `lit3d.strategies.pipeline.Pipeline` on `torch.distributed.pipelining` (gloo).
+schedule itself, run by lit3d's `lit3d.strategies.pipelining.step.Pipeline` on `torch.distributed.pipelining` (gloo).
 
 Per configuration the table shows the measured bubble (the mean over ranks of the share of the step a rank does not
 compute; median of ``--steps``), the theory of `lit3d.parallel.schedules` (the papers' formulas), and a replay of
@@ -157,8 +157,8 @@ def _worker(rank, p, port, microbatches, schedules, costs, steps, timeline_dir, 
     from benchmarks.pipeline_replay import measured, nominal, order_of, replay
     from lit3d.parallel.schedules import SCHEDULES, bubble_theory, microbatch_problem, peak_in_flight
     from lit3d.parallel.stages import chunk_stage_ids
-    from lit3d.strategies.pipeline import Pipeline
-    from lit3d.strategies.timeline import plot_timeline
+    from lit3d.strategies.pipelining.step import Pipeline
+    from lit3d.strategies.pipelining.timeline import plot_timeline
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

@@ -6,7 +6,7 @@ import time
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lit3d.strategies.memory import memory_by_component
+from lit3d.strategies.telemetry.held_memory import memory_by_component
 
 
 class StepTimer(Callback):

@@ -54,7 +54,7 @@ sys.path.insert(0, str(ROOT))
 
 from lit3d import GPT  # noqa: E402
 from lit3d.models.transformer import loss_parallel_scope  # noqa: E402
-from lit3d.strategies.tensor_parallel import apply_tensor_parallel  # noqa: E402
+from lit3d.strategies.split.tensor_parallel import apply_tensor_parallel  # noqa: E402
 
 # name -> (processes, strategy: a Lightning name, ("mp", dp, tp) for ModelParallelStrategy or Parallel3DStrategy
 # kwargs, baselines: the first one measured in the run is used)

@@ -186,8 +186,8 @@ _AXIS_NAMES = {"tensor_parallel": "tp", "data_parallel": "dp"}  # ModelParallelS
 class CommReport(Callback):
     """Bytes sent per mesh axis during one optimizer step, measured, next to the planner's estimate.
 
-    The step runs under `lit3d.strategies.comm.CommBytes` (PyTorch's `CommDebugMode`, weighing each collective by what
-    a ring makes a rank send). Each axis reports its busiest rank, as the planner does (``plan.
+    The step runs under `lit3d.strategies.telemetry.comm.CommBytes` (PyTorch's `CommDebugMode`, weighing each collective
+    by what a ring makes a rank send). Each axis reports its busiest rank, as the planner does (``plan.
     communication_per_step``, available under `Parallel3DStrategy` with a lit3d GPT). Rank 0 prints the table;
     ``comm/<axis>_mb`` goes to the logger. Strategies without a device mesh (``ddp``, ``fsdp``) are plain data
     parallel: their traffic is reported as ``dp``. Under DiLoCo the outer steps' traffic between islands is the
@@ -216,7 +216,7 @@ class CommReport(Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx) -> None:
         if trainer.global_step == self.step and self._mode is None and self.measured is None:
-            from lit3d.strategies.comm import CommBytes
+            from lit3d.strategies.telemetry.comm import CommBytes
 
             self._mode = CommBytes().__enter__()
 

@@ -20,15 +20,52 @@ import warnings
 from types import ModuleType
 from typing import Any
 
-REMOVED_IN = "0.6.0"  # two minor versions after 0.4, which moved them
+REMOVED_IN = "0.6.0"  # 0.3's names: two minor versions after 0.4, which moved them
+REMOVED_IN_LATER = "0.7.0"  # 0.4.0's paths that moved after it (`MOVED_SINCE_0_4`): two minor versions after 0.5
 
-# lit3d 0.3's modules and their successors, which hold every name of theirs that `MOVED_NAMES` does not place
-MOVED = {
-    "lit3d.strategies.checkpoint": "lit3d.checkpoint.folder",
-    "lit3d.strategies.checkpointing": "lit3d.strategies.checkpoints",
-    "lit3d.strategies.safe_io": "lit3d.checkpoint.safe_io",  # (0.4.0's, as the next two)
+# lit3d 0.4.0's modules that moved after it: what saves and loads checkpoints joined `lit3d.checkpoint`, `lit3d export`
+# the command line, and the strategy's own modules were grouped by job (split/, pipelining/, optim/, runtime/,
+# telemetry/)
+MOVED_SINCE_0_4 = {
+    "lit3d.strategies.safe_io": "lit3d.checkpoint.safe_io",
     "lit3d.strategies.checkpoint_folder": "lit3d.checkpoint.folder",
     "lit3d.hf.export": "lit3d.cli.export",
+    "lit3d.strategies.split_count": "lit3d.strategies.split.count",
+    "lit3d.strategies.tensor_parallel": "lit3d.strategies.split.tensor_parallel",
+    "lit3d.strategies.context_parallel": "lit3d.strategies.split.context_parallel",
+    "lit3d.strategies.recompute": "lit3d.strategies.split.recompute",
+    "lit3d.strategies.float8": "lit3d.strategies.split.float8",
+    "lit3d.strategies.zero": "lit3d.strategies.split.data_parallel",
+    "lit3d.strategies.pipeline": "lit3d.strategies.pipelining.step",
+    "lit3d.strategies.stages": "lit3d.strategies.pipelining.chunks",
+    "lit3d.strategies.timeline": "lit3d.strategies.pipelining.timeline",
+    "lit3d.strategies.optimizers": "lit3d.strategies.optim.steps",
+    "lit3d.strategies.zero1": "lit3d.strategies.optim.zero1",
+    "lit3d.strategies.zero1_buckets": "lit3d.strategies.optim.zero1_buckets",
+    "lit3d.strategies.zero1_params": "lit3d.strategies.optim.zero1_params",
+    "lit3d.strategies.precision": "lit3d.strategies.optim.dtypes",
+    "lit3d.strategies.islands": "lit3d.strategies.optim.diloco",
+    "lit3d.strategies.grad_norm": "lit3d.strategies.optim.grad_norm",
+    "lit3d.strategies.launchers": "lit3d.strategies.runtime.launchers",
+    "lit3d.strategies.watchdog": "lit3d.strategies.runtime.watchdog",
+    "lit3d.strategies.preemption": "lit3d.strategies.runtime.preemption",
+    "lit3d.strategies.rank_life": "lit3d.strategies.runtime.rank_life",
+    "lit3d.strategies.comm": "lit3d.strategies.telemetry.comm",
+    "lit3d.strategies.memory": "lit3d.strategies.telemetry.held_memory",
+    "lit3d.strategies.live_memory": "lit3d.strategies.telemetry.live_memory",
+    "lit3d.strategies.plan_check": "lit3d.strategies.telemetry.plan_check",
+    "lit3d.strategies.checkpoints": "lit3d.checkpoint.save_load",
+    "lit3d.strategies.async_checkpoint": "lit3d.checkpoint.background",
+    "lit3d.strategies.full_state": "lit3d.checkpoint.whole_file",
+    "lit3d.strategies.resume": "lit3d.checkpoint.resume",
+}
+
+# Every old module (0.3's, and 0.4.0's above) and its successor, which holds every name of its that `MOVED_NAMES` does
+# not place
+MOVED = {
+    **MOVED_SINCE_0_4,
+    "lit3d.strategies.checkpoint": "lit3d.checkpoint.folder",
+    "lit3d.strategies.checkpointing": "lit3d.checkpoint.save_load",
     "lit3d.config": "lit3d.models.config",
     "lit3d.presets": "lit3d.models.presets",
     "lit3d.model": "lit3d.models.transformer",
@@ -81,6 +118,8 @@ MOVED_NAMES = {
     **{f"lit3d.data.{name}": f"lit3d.data.text.{name}" for name in ("default_corpus", "default_corpus_files")},
     "lit3d.data.mixture_weights": "lit3d.data.text.mixture_weights",
     "lit3d.model.MLP": "lit3d.models.mlp.MLP",
+    "lit3d.strategies.float8.plain_tensors": "lit3d.checkpoint.plain.plain_tensors",
+    "lit3d.strategies.float8.unwrapped": "lit3d.checkpoint.plain.unwrapped",
     "lit3d.strategies.checkpoint.META_FILE": "lit3d.checkpoint.safe_io.META_FILE",
     "lit3d.strategies.checkpoint.check_readable": "lit3d.checkpoint.safe_io.check_readable",
     "lit3d.strategies.checkpoint.check_sizes_are_stored": "lit3d.checkpoint.safe_io.check_sizes_are_stored",
@@ -98,10 +137,16 @@ def old_name(module: str, name: str) -> Any:
         raise AttributeError(f"module {module!r} has no attribute {name!r}")
     # NOTE: stacklevel 3 passes this function and the ``__getattr__`` that called it: the warning names the line that
     # used the old name, and Python shows it by default when that line is in ``__main__`` (a user's script)
-    warnings.warn(f"{module}.{name} is deprecated: use {new} (removed in version {REMOVED_IN})", DeprecationWarning, 3)
+    gone = removed_in(module)
+    warnings.warn(f"{module}.{name} is deprecated: use {new} (removed in version {gone})", DeprecationWarning, 3)
     value = getattr(sys.modules[home], attribute)
     setattr(sys.modules[module], name, value)
     return value
+
+
+def removed_in(module: str) -> str:
+    """The version that removes the old module ``module`` (and its names)."""
+    return REMOVED_IN_LATER if module in MOVED_SINCE_0_4 else REMOVED_IN
 
 
 class MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -111,7 +156,9 @@ class MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return importlib.util.spec_from_loader(name, self) if name in MOVED else None
 
     def exec_module(self, module: ModuleType) -> None:
-        module.__doc__ = f"lit3d 0.3's {module.__name__}: now {MOVED[module.__name__]}, until version {REMOVED_IN}."
+        module.__doc__ = (
+            f"lit3d's old {module.__name__}: now {MOVED[module.__name__]}, until version {removed_in(module.__name__)}."
+        )
         module.__getattr__ = lambda name: old_name(module.__name__, name)
 
 

@@ -1,6 +1,6 @@
 """The checks of a run that need more than its settings: the layout against the launched ranks and the model, the
 module against lit3d's protocol. `Parallel3DStrategy.check_configuration` runs them in the launching process before
-any rank starts (`lit3d.strategies.launchers`), and again in each rank. (The settings' own rules are
+any rank starts (`lit3d.strategies.runtime.launchers`), and again in each rank. (The settings' own rules are
 `lit3d.parallel.Parallelism.check`, run when the strategy is built.)"""
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from lit3d.parallel.precision import check_float8
 from lit3d.parallel.settings import Parallelism
 from lit3d.parallel.shares import check_shares_fit
 from lit3d.parallel.stages import check_stage_layers
-from lit3d.strategies.context_parallel import check_module_for_context_parallel
-from lit3d.strategies.float8 import small_gemms_warning
-from lit3d.strategies.pipeline import check_pipeline_protocol
-from lit3d.strategies.recompute import check_recompute_composes
+from lit3d.strategies.pipelining.step import check_pipeline_protocol
+from lit3d.strategies.split.context_parallel import check_module_for_context_parallel
+from lit3d.strategies.split.float8 import small_gemms_warning
+from lit3d.strategies.split.recompute import check_recompute_composes
 from lit3d.strategies.torch_compat import rowwise_float8_on_cpu
 
 

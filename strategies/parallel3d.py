@@ -25,6 +25,8 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lit3d.checkpoint.save_load import Checkpoints, RankState, remove
+from lit3d.checkpoint.whole_file import WholeOrder
 from lit3d.errors import ConfigurationError
 from lit3d.models.transformer import loss_parallel_scope
 from lit3d.parallel.arguments import argument_docs
@@ -34,21 +36,19 @@ from lit3d.parallel.settings import Parallelism
 from lit3d.parallel.zero import ZeroPolicy
 from lit3d.planner.inputs import Plan
 from lit3d.strategies.auto_layout import auto_settings
-from lit3d.strategies.checkpoints import Checkpoints, RankState, remove
 from lit3d.strategies.checks import check_run
-from lit3d.strategies.full_state import WholeOrder
-from lit3d.strategies.launchers import CheckingLauncher, ForkLauncher, agree_on_seed
 from lit3d.strategies.meshes import ParallelMeshes
-from lit3d.strategies.optimizers import OptimizerSteps
+from lit3d.strategies.optim.dtypes import clipping_split_model, describe
+from lit3d.strategies.optim.steps import OptimizerSteps
 from lit3d.strategies.parallelize import follows_plan, not_splittable, refuse_fsdp1, split_module
-from lit3d.strategies.pipeline import Pipeline
-from lit3d.strategies.plan_check import start_plan
-from lit3d.strategies.precision import clipping_split_model, describe
-from lit3d.strategies.preemption import StopOnSignal
-from lit3d.strategies.rank_life import RankLife
-from lit3d.strategies.tensor_parallel import lay_out_grads_like_params
-from lit3d.strategies.watchdog import batch_kind, report_failure
-from lit3d.strategies.zero import SyncedByModule, accumulation_sync
+from lit3d.strategies.pipelining.step import Pipeline
+from lit3d.strategies.runtime.launchers import CheckingLauncher, ForkLauncher, agree_on_seed
+from lit3d.strategies.runtime.preemption import StopOnSignal
+from lit3d.strategies.runtime.rank_life import RankLife
+from lit3d.strategies.runtime.watchdog import batch_kind, report_failure
+from lit3d.strategies.split.data_parallel import SyncedByModule, accumulation_sync
+from lit3d.strategies.split.tensor_parallel import lay_out_grads_like_params
+from lit3d.strategies.telemetry.plan_check import start_plan
 
 
 class Parallel3DStrategy(ModelParallelStrategy):

@@ -23,15 +23,15 @@ from lit3d.parallel.schedules import SCHEDULES
 from lit3d.parallel.settings import Parallelism
 from lit3d.parallel.shares import share_weight
 from lit3d.parallel.zero import ZeroPolicy
-from lit3d.strategies.context_parallel import apply_context_parallel
-from lit3d.strategies.float8 import apply_float8
 from lit3d.strategies.meshes import ParallelMeshes
-from lit3d.strategies.pipeline import Pipeline
-from lit3d.strategies.precision import ddp_runs, mixed_precision_policy
-from lit3d.strategies.recompute import apply_activation_checkpointing
-from lit3d.strategies.stages import split_into_stages
-from lit3d.strategies.tensor_parallel import apply_tensor_parallel, check_plan, keep_sequence_shards
-from lit3d.strategies.zero import apply_data_parallel
+from lit3d.strategies.optim.dtypes import ddp_runs, mixed_precision_policy
+from lit3d.strategies.pipelining.chunks import split_into_stages
+from lit3d.strategies.pipelining.step import Pipeline
+from lit3d.strategies.split.context_parallel import apply_context_parallel
+from lit3d.strategies.split.data_parallel import apply_data_parallel
+from lit3d.strategies.split.float8 import apply_float8
+from lit3d.strategies.split.recompute import apply_activation_checkpointing
+from lit3d.strategies.split.tensor_parallel import apply_tensor_parallel, check_plan, keep_sequence_shards
 
 
 def apply_expert_parallel(network: nn.Module, ep_mesh: DeviceMesh, group: object | None = None) -> None:
@@ -161,7 +161,7 @@ def parallelize_network(
     the meta device, as `lit3d plan --verify` keeps it).
 
     Returns this rank's pipeline chunks (views of ``network``; ``[network]`` without pipeline parallelism) and
-    their stage indices. ``mp_policy``: FSDP2's mixed precision (`lit3d.strategies.precision`); ``ddp``: whether
+    their stage indices. ``mp_policy``: FSDP2's mixed precision (`lit3d.strategies.optim.dtypes`); ``ddp``: whether
     ZeRO-0 may be PyTorch's DDP (default: when the network is data parallel only).
     """
     layout, mesh, expert_mesh = meshes.layout, meshes.sharding, meshes.experts

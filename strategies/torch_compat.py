@@ -15,7 +15,7 @@ entry                    PyTorch          what it bridges
 =======================  ===============  ==============================================================
 
 Not an API difference, so not here: 2.11 and 2.12 refuse a pipeline stage's input whose strides differ from the
-traced ones, so the pipeline hands its stages contiguous inputs (`lit3d.strategies.pipeline`).
+traced ones, so the pipeline hands its stages contiguous inputs (`lit3d.strategies.pipelining.step`).
 """
 
 from __future__ import annotations

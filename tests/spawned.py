@@ -41,8 +41,8 @@ from lit3d import GPT, GPTConfig
 from lit3d.callbacks import CommReport
 from lit3d.data import ChatDataModule, TextDataModule
 from lit3d.strategies import Parallel3DStrategy
-from lit3d.strategies.memory import memory_by_component
-from lit3d.strategies.precision import SplitModelMixedPrecision
+from lit3d.strategies.optim.dtypes import SplitModelMixedPrecision
+from lit3d.strategies.telemetry.held_memory import memory_by_component
 
 # NOTE: ranks are forked from a server process that has imported torch, Lightning and lit3d once for the session
 # (and has started no thread), instead of each spawned rank importing them again: about 5 s of one core per rank.

@@ -11,9 +11,9 @@ import pytest
 import torch
 from layouts import HALF, STEPS, merge
 
+from lit3d.checkpoint.background import BackgroundSaves
 from lit3d.checkpoint.folder import PARTIAL_SUFFIX, read_weights
 from lit3d.checkpoint.safe_io import check_readable
-from lit3d.strategies.async_checkpoint import BackgroundSaves
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,7 @@ import sys, time
 from pathlib import Path
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
-from lit3d.strategies.async_checkpoint import BackgroundSaves
+from lit3d.checkpoint.background import BackgroundSaves
 
 folder, saves = Path(sys.argv[1]), BackgroundSaves()
 saves.start(folder / "step=1.ckpt", {"state_dict": {"w": torch.full((1000,), 1.0)}}, {"step": 1}, True)

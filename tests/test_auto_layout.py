@@ -56,7 +56,7 @@ def test_the_layout_chosen_leaves_room_for_the_band_measured_peaks_keep_to():
 
 
 def test_a_peak_past_the_band_or_the_usable_memory_is_warned_naming_the_layout_and_the_ratio():
-    from lit3d.strategies.plan_check import overrun_warning
+    from lit3d.strategies.telemetry.plan_check import overrun_warning
 
     said = overrun_warning(peak=5.5e6, planned_peak=4.27e6, usable=5.4e6, layout="dp 1 x tp 2 x pp 2")
     assert "dp 1 x tp 2 x pp 2 peaked at 0.0055 GB" in said and "of the 0.0054 GB a rank may use" in said, said

@@ -14,7 +14,7 @@ from benchmarks.rank_group import run_group
 from lit3d import GPT, GPTConfig
 from lit3d.models.batch_context import BatchContext
 from lit3d.models.documents import Documents
-from lit3d.strategies.recompute import apply_activation_checkpointing
+from lit3d.strategies.split.recompute import apply_activation_checkpointing
 
 MODEL = dict(SMALL_GPT, max_seq_len=64)
 STEPS = 3

@@ -180,7 +180,7 @@ def test_bad_context_parallel_settings_are_refused_naming_the_values():
         resolve_layout(8, 8, "auto", 1, 1, 1, 3)
     from lit3d import GPT
     from lit3d.strategies import Parallel3DStrategy
-    from lit3d.strategies.context_parallel import check_module_for_context_parallel
+    from lit3d.strategies.split.context_parallel import check_module_for_context_parallel
 
     with pytest.raises(ValueError, match=r"context_parallel_size=0 must be a positive integer"):
         Parallel3DStrategy(context_parallel_size=0)

@@ -183,7 +183,7 @@ def test_sigterm_saves_exits_to_be_requeued_and_last_resumes_the_curve(tmp_path,
 def test_a_second_signal_ends_the_process_at_once():
     script = (
         "import signal\n"
-        "from lit3d.strategies.preemption import StopOnSignal\n"
+        "from lit3d.strategies.runtime.preemption import StopOnSignal\n"
         "stop = StopOnSignal()\n"
         "stop._note(signal.SIGUSR1, None)  # the first: noted, training would stop after an agreed step\n"
         "print('noted', flush=True)\n"
@@ -196,7 +196,7 @@ def test_a_second_signal_ends_the_process_at_once():
 
 
 def test_the_watchdog_reports_a_stall_once_naming_the_rank_and_where_it_is():
-    from lit3d.strategies.watchdog import Watchdog
+    from lit3d.strategies.runtime.watchdog import Watchdog
 
     watchdog = Watchdog(rank=3, timeout_s=0.0)
     reports: list = []
@@ -218,7 +218,7 @@ def test_the_watchdog_reports_a_stall_once_naming_the_rank_and_where_it_is():
 
 
 def test_a_fit_outside_the_main_thread_keeps_the_process_signal_handlers():
-    from lit3d.strategies.preemption import StopOnSignal
+    from lit3d.strategies.runtime.preemption import StopOnSignal
 
     stop, errors = StopOnSignal(), []
     before = signal.getsignal(signal.SIGTERM)

@@ -70,7 +70,7 @@ def test_the_blocks_linears_run_in_fp8_and_the_embedding_head_router_and_experts
     from torchao.float8.float8_linear import Float8Linear
 
     from lit3d.models.transformer import Transformer
-    from lit3d.strategies.float8 import apply_float8
+    from lit3d.strategies.split.float8 import apply_float8
 
     config = GPTConfig(
         **{**FP8_GPT, "n_layer": 4}, n_expert=4, n_expert_per_token=2, d_ff_expert=64, first_dense_layers=1
@@ -150,7 +150,7 @@ def test_the_command_line_refuses_fp8_in_fp32_before_any_process_starts():
 def test_fp8_on_the_gpu_runs_the_fast_kernels_and_follows_bf16():
     """On CUDA (H100 and later), the same layer runs torch._scaled_mm's FP8 kernels; its loss follows bf16's."""
     from lit3d.models.transformer import Transformer
-    from lit3d.strategies.float8 import apply_float8
+    from lit3d.strategies.split.float8 import apply_float8
 
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 matmuls need compute capability 8.9 or later")

@@ -17,7 +17,7 @@ LAYERS = (
     # module by its name when an old name is used, with importlib: `lit3d.hf` and `lit3d.data` answer old names).
     ("lit3d.errors", "lit3d.outputs", "lit3d.quiet", "lit3d.shipped", "lit3d.moved"),
     ("lit3d.parallel",),  # the pure description of a run (no torch)
-    ("lit3d.checkpoint",),  # the folder of shards, read safely: the strategy writes it, the layers above read it
+    ("lit3d.checkpoint",),  # every read and write of a checkpoint: the strategy saves through it, the layers above read
     ("lit3d.models",),  # the network, its config and presets, LoRA, the runner protocol (not `GPT`: see below)
     ("lit3d.hf",),  # HuggingFace folders and PEFT adapters to and from the model; the weights a model starts from
     ("lit3d.data",),  # the data modules (the tokenizer of a model's pretrained folder: lit3d.hf)
@@ -86,3 +86,15 @@ def test_importing_gpt_loads_no_distributed_checkpoint():
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=240)
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_no_module_of_the_strategy_shares_a_file_name_with_another_of_lit3d():
+    """``zero.py`` beside ``parallel/zero.py``, ``precision.py`` beside ``parallel/precision.py``: a name that repeats
+    says the same job lives in two places. The strategy's folders (split/, pipelining/, optim/, runtime/, telemetry/)
+    name theirs by what each does in the strategy."""
+    stems: dict[str, list[str]] = {}
+    for module, path in modules().items():
+        if path.name != "__init__.py":
+            stems.setdefault(module.rpartition(".")[2], []).append(module)
+    repeated = {stem: names for stem, names in stems.items() if len(names) > 1}
+    assert {stem: names for stem, names in repeated.items() if any(".strategies." in n for n in names)} == {}

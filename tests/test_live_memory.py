@@ -1,8 +1,9 @@
-"""`LiveTensors`' running totals (lit3d.strategies.live_memory): what every layout's plan check reads on CPU ranks."""
+"""`LiveTensors`' running totals (lit3d.strategies.telemetry.live_memory): what every layout's plan check reads on CPU
+ranks."""
 
 import torch
 
-from lit3d.strategies.live_memory import LiveTensors
+from lit3d.strategies.telemetry.live_memory import LiveTensors
 
 
 def held_now(mode: LiveTensors) -> int:

@@ -4,10 +4,10 @@ LoRA at DP2 (ZeRO-1, ZeRO-3, ZeRO-3 offloaded) and TP2.
 The plan is the search's own `estimate` of the layout (what `lit3d plan` prints and picks by), not the run's. The run
 measures its parameters, gradients and optimizer states at the last optimizer step (`memory_by_component`), the bytes
 autograd saves in each forward (saved-tensor hooks: the activations, with autocast's bf16 copies of fp32 weights), and
-the most bytes of live tensors each rank holds over a whole step (`lit3d.strategies.live_memory.PeakMemory`: what a
-GPU's allocator would hand out), against the plan's total. A model wide enough for its weights and optimizer states to
-dominate, as in a real run; AdamW as PyTorch runs it on GPUs by default (``foreach``: a temporary the size of what
-it steps).
+the most bytes of live tensors each rank holds over a whole step (`lit3d.strategies.telemetry.live_memory.PeakMemory`:
+what a GPU's allocator would hand out), against the plan's total. A model wide enough for its weights and optimizer
+states to dominate, as in a real run; AdamW as PyTorch runs it on GPUs by default (``foreach``: a temporary the size of
+what it steps).
 
 ZeRO-0 here is DDP (fp32 parameters, autocast's bf16 copies saved for backward), ZeRO-1 Megatron's distributed
 optimizer (bf16 parameters, fp32 master weights in the optimizer's slices), ZeRO-3 FSDP2 (fp32 shards gathered in
@@ -26,7 +26,7 @@ from lit3d import GPTConfig, LoRA
 from lit3d.parallel.layout import Layout
 from lit3d.parallel.settings import Parallelism
 from lit3d.planner import Cluster, Training, estimate
-from lit3d.strategies.live_memory import PeakMemory
+from lit3d.strategies.telemetry.live_memory import PeakMemory
 
 CONFIG = dict(n_layer=2, n_head=6, n_kv_head=2, d_model=384, d_ff=1024, vocab_size=257, max_seq_len=32)
 SEQ, BATCH = 16, 8  # 4 sequences per replica: one micro-batch of 64 tokens
@@ -265,7 +265,7 @@ def test_the_plan_takes_zero0_for_ddp_exactly_where_the_strategy_runs_ddp(precis
     from lit3d.parallel.zero import ZeroPolicy
     from lit3d.planner.inputs import held_precision
     from lit3d.planner.memory import params_cast_by_fsdp
-    from lit3d.strategies.precision import ddp_runs
+    from lit3d.strategies.optim.dtypes import ddp_runs
 
     settings = Parallelism(zero_stage=0, mixed_precision_reduce=reduce)
     training = Training(seq_len=SEQ, micro_batch_size=BATCH // 2, global_batch_size=BATCH, precision=precision)

@@ -122,7 +122,7 @@ def test_rotary_tables_are_computed_once_not_per_block_and_step(monkeypatch):
 
 
 def test_the_stage_clock_records_nothing_unless_enabled():
-    from lit3d.strategies.pipeline import StageClock
+    from lit3d.strategies.pipelining.step import StageClock
 
     clock = StageClock(torch.device("cpu"))
     for enabled in (False, True):

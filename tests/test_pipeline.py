@@ -13,7 +13,7 @@ from lit3d.parallel.layout import check_model_fits_pipeline, default_microbatche
 from lit3d.parallel.schedules import SCHEDULES, Costs, bubble_theory, describe_schedule, idle_time, peak_in_flight
 from lit3d.parallel.stages import chunk_stage_ids, partition, stage_rank
 from lit3d.strategies import Parallel3DStrategy
-from lit3d.strategies.stages import block_costs, split_into_stages
+from lit3d.strategies.pipelining.chunks import block_costs, split_into_stages
 
 
 def test_partition_balances_cost_with_embedding_and_head_counted():

@@ -1,6 +1,6 @@
-"""Every run checks its plan (`lit3d.strategies.plan_check`): each `Parallel3DStrategy` fit of a lit3d GPT logs its
-largest rank's peak memory against the planner's as ``plan/peak_memory_ratio``, and, where its step is priced on the
-device it runs on (a `lit3d calibrate` profile on CPU ranks, the card on a GPU), its step time as
+"""Every run checks its plan (`lit3d.strategies.telemetry.plan_check`): each `Parallel3DStrategy` fit of a lit3d GPT
+logs its largest rank's peak memory against the planner's as ``plan/peak_memory_ratio``, and, where its step is priced
+on the device it runs on (a `lit3d calibrate` profile on CPU ranks, the card on a GPU), its step time as
 ``plan/step_time_ratio``; without a profile the log says why the step time is not compared."""
 
 import json
@@ -12,7 +12,7 @@ from layouts import CP_LAYOUTS, LAYOUTS, LORA_LAYOUTS, MOE_LAYOUTS, STEPS
 
 from lit3d.planner.hardware import cpu_share
 from lit3d.planner.inputs import PEAK_BAND
-from lit3d.strategies.plan_check import plan_check_line, run_cluster
+from lit3d.strategies.telemetry.plan_check import plan_check_line, run_cluster
 
 # Layouts of the suite's runs that train `STEPS` steps without an expected error: each logs its check once.
 LAYOUT_JOBS = {**LAYOUTS, **MOE_LAYOUTS, **CP_LAYOUTS, **LORA_LAYOUTS}

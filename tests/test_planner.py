@@ -109,7 +109,7 @@ def test_llama_405b_fits_on_16384_h100s_and_70b_does_not_fit_on_one():
 def test_verify_counts_match_the_analytic_ones_exactly(name, layout, zero_stage, virtual, schedule):
     import time
 
-    from lit3d.strategies.split_count import held_params
+    from lit3d.strategies.split.count import held_params
 
     start = time.perf_counter()
     settings = Parallelism(zero_stage=zero_stage, virtual_pipeline_size=virtual, pipeline_schedule=schedule).at(layout)
@@ -327,7 +327,7 @@ def test_each_preset_config_parses_and_its_layout_fits_in_80_gb(name):
 
 def test_the_rank0_log_says_what_dtype_each_axis_communicates_in():
     from lit3d.parallel.zero import ZeroPolicy
-    from lit3d.strategies.precision import describe_dtypes
+    from lit3d.strategies.optim.dtypes import describe_dtypes
 
     assert "every axis communicates in fp32" in describe_dtypes("32-true", ZeroPolicy(1, 2), False, "float32")
     line = describe_dtypes("bf16-mixed", ZeroPolicy(3, 2), False, "float32")

@@ -10,7 +10,7 @@ from layouts import SMALL_GPT, SMALL_MOE
 from lit3d.models.config import PRESETS, GPTConfig
 from lit3d.models.transformer import Transformer
 from lit3d.planner.shapes import block_costs, parameter_shapes
-from lit3d.strategies.stages import block_costs as measured_block_costs
+from lit3d.strategies.pipelining.chunks import block_costs as measured_block_costs
 
 SMALL = {
     "small_gpt": SMALL_GPT,  # a vocabulary of 257, padded to 320

@@ -17,8 +17,8 @@ from layouts import merge
 from lightning.pytorch.callbacks import ModelCheckpoint
 from spawned import free_port, run_job
 
-from lit3d.strategies.preemption import StopOnSignal
-from lit3d.strategies.resume import newest_complete_checkpoint
+from lit3d.checkpoint.resume import newest_complete_checkpoint
+from lit3d.strategies.runtime.preemption import StopOnSignal
 
 SIGNALLED_IN = 2  # the step (0-based) during which SIGTERM arrives; one process stops after it, at global step 3
 STOPPED_AT = SIGNALLED_IN + 1

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lit3d.checkpoint.folder import save
-from lit3d.strategies.resume import newest_complete_checkpoint
+from lit3d.checkpoint.resume import newest_complete_checkpoint
 
 
 def test_the_newest_complete_checkpoint_is_chosen_and_a_corrupt_one_is_named_and_skipped(tmp_path):
@@ -46,7 +46,7 @@ def test_last_finds_the_checkpoints_of_the_loggers_earlier_versions(tmp_path):
     import lightning as L
     from lightning.pytorch.loggers import CSVLogger
 
-    from lit3d.strategies.resume import checkpoint_folders
+    from lit3d.checkpoint.resume import checkpoint_folders
 
     old = tmp_path / "runs" / "tiny" / "version_0" / "checkpoints"
     save(old / "epoch=0-step=40.ckpt", {"state_dict": {"w": torch.ones(4)}}, {}, True)

@@ -186,7 +186,7 @@ def test_loading_before_setup_names_the_checkpoint(tmp_path):
 
 
 def test_an_old_checkpoints_remove_keeps_a_folder_lit3d_did_not_write(tmp_path):
-    from lit3d.strategies.checkpoints import remove
+    from lit3d.checkpoint.save_load import remove
 
     folder = tmp_path / "step=1.ckpt"
     folder.mkdir()

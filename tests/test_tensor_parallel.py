@@ -10,7 +10,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from lit3d import GPTConfig
 from lit3d.models.tp_plan import TENSOR_PARALLEL_PLAN
 from lit3d.models.transformer import Block
-from lit3d.strategies.tensor_parallel import apply_tensor_parallel
+from lit3d.strategies.split.tensor_parallel import apply_tensor_parallel
 
 
 @pytest.fixture

@@ -30,7 +30,7 @@ def test_uneven_stages_train_like_one_process(layout, layout_runs, reference_une
 def test_each_rank_keeps_the_blocks_its_stages_are_given(layers, schedule, held):
     from lit3d.models.transformer import Transformer
     from lit3d.parallel.schedules import SCHEDULES
-    from lit3d.strategies.stages import split_into_stages
+    from lit3d.strategies.pipelining.chunks import split_into_stages
 
     for rank in range(2):
         with torch.device("meta"):
@@ -42,7 +42,7 @@ def test_each_rank_keeps_the_blocks_its_stages_are_given(layers, schedule, held)
 
 def test_the_planner_holds_each_stage_as_given_and_the_parallelised_model_agrees():
     from lit3d.planner import Cluster, Request, plan
-    from lit3d.strategies.split_count import held_params
+    from lit3d.strategies.split.count import held_params
 
     cluster = Cluster(nodes=1, gpus_per_node=2)
     counts = {}
@@ -133,7 +133,7 @@ def test_llama3_405b_plans_and_is_parallelised_at_pp16_with_8_virtual_stages():
     """The real model split on the fake process group (``--verify``) holds what the planner counts on every stage;
     the first holds the embedding alone, the last the head alone."""
     from lit3d.planner import Cluster, Request, plan
-    from lit3d.strategies.split_count import held_params
+    from lit3d.strategies.split.count import held_params
 
     request = Request.given("llama-405b", Cluster(nodes=16), tensor_parallel_size=8, pipeline_parallel_size=16,
                             virtual_pipeline_size=8, pipeline_schedule="interleaved_1f1b", seq_len=8192,

@@ -33,6 +33,7 @@ from lit3d.checkpoint.folder import (
     is_sharded_checkpoint,
     resume_refusal,
 )
+from lit3d.checkpoint.resume import checkpoint_folders, newest_complete_checkpoint
 from lit3d.checkpoint.safe_io import UnsafeCheckpointError
 from lit3d.cli.misspelt import unknown_key_refusal
 from lit3d.cli.strategy_names import check_strategy_names, strategy_name_refusal
@@ -42,7 +43,6 @@ from lit3d.models.config import check_model_fits_data
 from lit3d.models.gpt import GPT
 from lit3d.shipped import find_config, shipped_configs
 from lit3d.strategies import Parallel3DStrategy  # NOTE: naming it registers "3d" (see lit3d.strategies)
-from lit3d.strategies.resume import checkpoint_folders, newest_complete_checkpoint
 
 __all__ = ["Lit3DCLI", "Parallel3DStrategy", "resolve_lit3d_01_strategy_path"]
 
@@ -188,7 +188,7 @@ class Lit3DCLI(LightningCLI):
 
     def _prepare_subcommand_kwargs(self, subcommand: str) -> dict[str, Any]:
         """Lightning's; ``fit --ckpt_path last`` is the newest complete checkpoint in the run's checkpoint folders, its
-        earlier versions' included (`lit3d.strategies.resume`), or a fresh start: the same command resumes a requeued
+        earlier versions' included (`lit3d.checkpoint.resume`), or a fresh start: the same command resumes a requeued
         job. A lit3d checkpoint folder that another strategy would resume, without its optimizer, is refused here."""
         kwargs = super()._prepare_subcommand_kwargs(subcommand)
         if subcommand == "fit" and kwargs.get("ckpt_path") == "last":

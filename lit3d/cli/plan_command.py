@@ -171,7 +171,7 @@ def _plan_cluster(arguments: dict[str, Any], given: dict[str, Any], launch: Laun
 
 def _strategy_split() -> Split:
     """What ``--verify`` checks the plan against: the strategy's own split, counted (torch and Lightning load here)."""
-    from lit3d.strategies.split_count import held_params
+    from lit3d.strategies.split.count import held_params
 
     return held_params
 

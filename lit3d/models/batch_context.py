@@ -8,7 +8,7 @@ with it:
 
 - context parallelism cuts the documents to this rank's tokens with the inputs (`lit3d.models.runner.ContextShare`);
 - a pipeline schedule splits the context into micro-batches as it splits the inputs, and hands each stage call its
-  micro-batch's (`lit3d.strategies.pipeline`);
+  micro-batch's (`lit3d.strategies.pipelining.step`);
 - activation checkpointing recomputes a block with the arguments its forward had, the context among them.
 
 A new per-batch input (an attention mask, multi-token-prediction targets) is a field here, set where the batch is read

@@ -13,9 +13,9 @@ A module the strategy splits (like `lit3d.GPT`) makes its loss in three parts,
 
 The module starts with `WholeNetwork` (the plain calls), which is what runs under any other strategy. When this rank
 holds only part of the network or of each sequence, `Parallel3DStrategy` gives the module another runner when it splits
-it, once, before the first step: a pipeline schedule (`lit3d.strategies.pipeline.Pipeline`: the loss runs forward and
-backward of every micro-batch, its ``loss_fn`` on the last stage) and, with context parallelism, `ContextShare` around
-it (this rank's chunks of every sequence). The module never asks which axes run; it asks its runner.
+it, once, before the first step: a pipeline schedule (`lit3d.strategies.pipelining.step.Pipeline`: the loss runs forward
+and backward of every micro-batch, its ``loss_fn`` on the last stage) and, with context parallelism, `ContextShare`
+around it (this rank's chunks of every sequence). The module never asks which axes run; it asks its runner.
 
 A runner's loss also takes what the network reads of the batch besides the inputs, ``context``
 (`lit3d.models.batch_context`: `lit3d.GPT`'s packed documents and LoRA dropout's rows), and hands the network the part

@@ -1,7 +1,7 @@
 """The decoder's tensor-parallel plan, as data: which module (by name pattern) plays which role.
 
-The strategy turns each role into a DTensor parallel style (`lit3d.strategies.tensor_parallel`); the planner counts
-each tensor's shards with the same plan (`lit3d.planner.tensors`), so this module imports no torch.
+The strategy turns each role into a DTensor parallel style (`lit3d.strategies.split.tensor_parallel`); the planner
+counts each tensor's shards with the same plan (`lit3d.planner.tensors`), so this module imports no torch.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 - `lit3d.parallel.layout`: the rank grid (sizes, each rank's coordinate, groups, the rank map) and the checks of
   sizes against a world and a model;
 - `lit3d.parallel.schedules`: what each pipeline schedule runs and its theory (bubble, activations in flight);
-- `lit3d.parallel.stages`: the depth cut into pipeline chunks (the chunk modules are `lit3d.strategies.stages`);
+- `lit3d.parallel.stages`: the depth cut into pipeline chunks (the chunk modules are
+  `lit3d.strategies.pipelining.chunks`);
 - `lit3d.parallel.sharding`: what tensor parallelism's roles split, and ZeRO-1's bucket size;
 - `lit3d.parallel.precision`: which dtypes a run holds and reduces in;
 - `lit3d.parallel.context`: context parallelism's sequence split and ring bytes;

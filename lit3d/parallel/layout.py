@@ -11,9 +11,9 @@ CP ranks hold the same weights and see different tokens of the same sequences: f
 they are data-parallel replicas, and gradients are averaged and ZeRO shards over the ``dp × cp`` replicas (the
 ``replicas`` of a layout; `lit3d.strategies.meshes.ParallelMeshes`), as torchtitan does.
 
-With DiLoCo's ``islands`` (`lit3d.strategies.islands`), the ranks split into that many islands of consecutive ranks,
-each a whole ``dp × cp × tp × pp`` layout (``dp`` counts an island's replicas, which sync every step), and the island
-is the outermost digit: ``global_rank = t + c·T + d·T·C + p·T·C·D + i·T·C·D·P``. The global batch is split over
+With DiLoCo's ``islands`` (`lit3d.strategies.optim.diloco`), the ranks split into that many islands of consecutive
+ranks, each a whole ``dp × cp × tp × pp`` layout (``dp`` counts an island's replicas, which sync every step), and the
+island is the outermost digit: ``global_rank = t + c·T + d·T·C + p·T·C·D + i·T·C·D·P``. The global batch is split over
 all ``islands × dp`` replicas (`Layout.data_replicas`).
 """
 

@@ -1,4 +1,4 @@
-"""DiLoCo's outer-loop settings (`lit3d.strategies.islands` runs the loop): what no run could use, named."""
+"""DiLoCo's outer-loop settings (`lit3d.strategies.optim.diloco` runs the loop): what no run could use, named."""
 
 from __future__ import annotations
 

@@ -34,13 +34,13 @@ def is_bf16_mixed(precision: str) -> bool:
     return str(precision) == "bf16-mixed"
 
 
-FLOAT8_PRECISIONS = ("bf16-mixed", "bf16-true")  # FP8 matmuls inside a bf16 run (`lit3d.strategies.float8`)
+FLOAT8_PRECISIONS = ("bf16-mixed", "bf16-true")  # FP8 matmuls inside a bf16 run (`lit3d.strategies.split.float8`)
 FLOAT8_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def is_float8_linear(module: str) -> bool:
     """Whether the module named ``module`` (relative to the network) is a block linear that FP8 runs: not the
-    embedding, the head, an MoE router or its experts (`lit3d.strategies.float8` says why)."""
+    embedding, the head, an MoE router or its experts (`lit3d.strategies.split.float8` says why)."""
     if not module.startswith("blocks.") or ".router." in module or ".experts" in module:
         return False
     return module.rsplit(".", 1)[-1] in FLOAT8_LINEARS

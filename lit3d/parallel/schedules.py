@@ -59,8 +59,8 @@ class Costs:
     @classmethod
     def of(cls, activation_checkpointing: bool | str) -> Costs:
         """Matmul costs of a block as lit3d runs it. Under activation checkpointing the backward runs whole (PyTorch
-        recomputes once per backward call, so no weight gradient runs apart: `lit3d.strategies.pipeline`), and full
-        recompute adds a forward to it."""
+        recomputes once per backward call, so no weight gradient runs apart: `lit3d.strategies.pipelining.step`), and
+        full recompute adds a forward to it."""
         if not activation_checkpointing:
             return cls(1.0, 1.0, 1.0)
         return cls(1.0, 3.0 if activation_checkpointing in (True, "full") else 2.0, 0.0)

@@ -30,7 +30,10 @@ from lit3d.parallel.schedules import check_composes, chunks_per_rank
 from lit3d.parallel.shares import check_shares
 from lit3d.parallel.stages import check_stage_layers
 
-RECOMPUTE_MODES = ("full", "selective")  # `activation_checkpointing`'s named choices (`lit3d.strategies.recompute`)
+RECOMPUTE_MODES = (
+    "full",
+    "selective",
+)  # `activation_checkpointing`'s named choices (`lit3d.strategies.split.recompute`)
 
 
 def _setting(default: Any, help: str) -> Any:

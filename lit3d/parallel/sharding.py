@@ -1,6 +1,6 @@
 """What the sharding axes split: the dim of a weight each tensor-parallel role splits, and the size of ZeRO-1's
-collectives. The strategy applies these (`lit3d.strategies.tensor_parallel`, `lit3d.strategies.zero1_buckets`)
-and the planner counts with them."""
+collectives. The strategy applies these (`lit3d.strategies.split.tensor_parallel`,
+`lit3d.strategies.optim.zero1_buckets`) and the planner counts with them."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ stage one layer less"), the first and the last chunk may hold no block: the embe
 Cut by cost, that is how one or two chunks more than blocks are cut (`stage_runs`).
 
 No torch here: the planner cuts with these rules from the model's shapes alone. The chunk modules themselves (views
-of an ``nn.Module`` network) are `lit3d.strategies.stages`.
+of an ``nn.Module`` network) are `lit3d.strategies.pipelining.chunks`.
 """
 
 from __future__ import annotations

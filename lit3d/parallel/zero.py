@@ -1,6 +1,7 @@
 """What a ZeRO stage means, in one place: `ZeroPolicy`, asked by the strategy (what FSDP2 wraps, when it reshards,
-what the micro-steps of an accumulation window send: `lit3d.strategies.zero`), the optimizer steps (ZeRO-1's slices:
-`lit3d.strategies.optimizers`), the precision plugins (master weights) and the planner's memory and traffic.
+what the micro-steps of an accumulation window send: `lit3d.strategies.split.data_parallel`), the optimizer steps
+(ZeRO-1's slices: `lit3d.strategies.optim.steps`), the precision plugins (master weights) and the planner's memory and
+traffic.
 
 ==========  ========================  ===========================  ==============  ==========================
 zero_stage  parameters                gradients                    optimizer       built from
@@ -85,5 +86,5 @@ class ZeroPolicy:
 
     def keeps_master_weights(self, precision: str) -> bool:
         """Whether the model's parameters are bf16 and the optimizer steps fp32 master copies of this rank's slices:
-        ZeRO-1 under bf16-mixed with replicas (`lit3d.strategies.zero1.LocalShardOptimizer`)."""
+        ZeRO-1 under bf16-mixed with replicas (`lit3d.strategies.optim.zero1.LocalShardOptimizer`)."""
         return is_bf16_mixed(precision) and self.slices_optimizer

@@ -9,9 +9,9 @@ activations, and when: the peak of a step is the most of these moments (`peak_me
 - the optimizer step: every gradient, beside AdamW's temporaries (PyTorch's default on GPUs, ``foreach``, makes
   one tensor the size of the parameters it steps; ``fused`` makes none).
 
-The buffers by ZeRO stage, as lit3d runs them (measured with `lit3d.strategies.live_memory` on CPU ranks):
+The buffers by ZeRO stage, as lit3d runs them (measured with `lit3d.strategies.telemetry.live_memory` on CPU ranks):
 
-- ZeRO-1 (`lit3d.strategies.zero1_buckets.Bucket`): each bucket's gradient rows in the optimizer's dtype, the only
+- ZeRO-1 (`lit3d.strategies.optim.zero1_buckets.Bucket`): each bucket's gradient rows in the optimizer's dtype, the only
   whole gradient; one bucket filling and one in flight, or every bucket while micro-steps or a pipeline's
   micro-batches sum into them; cast to the reduce dtype on the wire if it differs.
 - ZeRO-2/3 (FSDP2): parameters gathered in the gather dtype (ZeRO-3: the block computing, the next one's gather and

@@ -18,7 +18,8 @@ from lit3d.planner.tensors import config_key
 GB = 1e9
 # How far a run's measured peak may pass its plan: every layout of the suite peaks within 1.3x of it (the layouts that
 # split the model; plain data parallelism within 1.25x: tests/test_plan_check.py). `3d_auto` plans within the usable
-# memory divided by it, and a run that passes it (or its usable memory) is told so (`lit3d.strategies.plan_check`).
+# memory divided by it, and a run that passes it (or its usable memory) is told so
+# (`lit3d.strategies.telemetry.plan_check`).
 PEAK_BAND = 1.3
 
 
@@ -59,8 +60,8 @@ class Precision:
 PRECISIONS = {
     "32-true": Precision(4, 4, 8, 4),  # fp32 everything; AdamW's two moments
     "bf16-true": Precision(2, 2, 4, 2),
-    # fp32 parameters computed in bf16 (`lit3d.strategies.precision`): FSDP2's shards gathered in bf16, DDP's replicas
-    # cast by autocast (its bf16 copies are activations: `autocast_weight_bytes`); gradients reduced in fp32.
+    # fp32 parameters computed in bf16 (`lit3d.strategies.optim.dtypes`): FSDP2's shards gathered in bf16, DDP's
+    # replicas cast by autocast (its bf16 copies are activations: `autocast_weight_bytes`); gradients reduced in fp32.
     "bf16-mixed": Precision(4, 4, 8, 2, gathered=2, reduced=4),
     "16-mixed": Precision(4, 4, 8, 2),
 }

@@ -104,7 +104,7 @@ def memory_by_stage(case: Case) -> Memory:
 
 
 def _outer_loop(case: Case, stage_rank: int, virtual: int, placement: str) -> tuple[int, int]:
-    """DiLoCo's outer loop on a pipeline rank (`lit3d.strategies.islands.OuterLoop`), over what its inner optimizer
+    """DiLoCo's outer loop on a pipeline rank (`lit3d.strategies.optim.diloco.OuterLoop`), over what its inner optimizer
     steps: the anchor and the Nesterov momentum it holds throughout (fp32), and what its outer step makes beside them
     (each tensor's pseudo-gradient and their concatenation, fp32)."""
     layout, settings = case.layout, case.settings
@@ -177,7 +177,8 @@ def activation_bytes_per_token(
         return lora_bytes_per_token(config, tp, sequence_parallel, activations, lora)
     split = tp if sequence_parallel else 1
     lse = 4 * config.n_head / tp
-    if checkpointing == "selective":  # what `lit3d.strategies.recompute` keeps: matmul, attention, collective outputs
+    # what `lit3d.strategies.split.recompute` keeps under "selective": matmul, attention, collective outputs
+    if checkpointing == "selective":
         sharded = 2 * h + 2 * kv + 2 * f  # q, k, v, the attention output, gate and up
         rowwise = 2 * h  # o_proj and down_proj outputs, before their reduction
         reduced = 2 * h / split if tp > 1 else 0  # the all-reduce (SP: reduce-scatter) outputs
@@ -295,7 +296,7 @@ def output_layer_bytes(
 
 def params_cast_by_fsdp(layout: Layout, zero: ZeroPolicy, precision: Precision) -> bool:
     """Whether FSDP2 holds the parameters and hands the blocks their compute dtype (its mixed precision policy):
-    ZeRO-2/3, and ZeRO-0 unless it is DDP (`lit3d.strategies.precision.uses_ddp`: data parallel alone, the gradients
+    ZeRO-2/3, and ZeRO-0 unless it is DDP (`lit3d.strategies.optim.dtypes.uses_ddp`: data parallel alone, the gradients
     reduced in the dtype they are held in; bf16-mixed asking for a bf16 reduction is FSDP2's ``replicate``)."""
     if layout.replicas == 1 or zero.slices_optimizer:
         return False

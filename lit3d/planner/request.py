@@ -52,7 +52,7 @@ class Request:
             derived from a fixed ``num_microbatches``). With ``tensor_parallel_size`` and ``pipeline_parallel_size``
             fixed, the plan is that layout; otherwise a search.
         top: How many layouts a search reports (JSON: the best and ``top - 1`` alternatives).
-        verify: The strategy's split, counted (`lit3d.strategies.split_count.held_params`, which imports torch and
+        verify: The strategy's split, counted (`lit3d.strategies.split.count.held_params`, which imports torch and
             the strategy): with it, the real model is parallelised on the meta device for the chosen layout and its
             per-rank parameter counts are set beside the planner's (`lit3d.planner.verify`).
         launch: How the ``lit3d fit`` command that runs the plan names its config and model (`fit_command`).
@@ -220,7 +220,7 @@ def plan(request: Request) -> Report:
     if request.verify and not callable(request.verify):  # (``verify=True`` until 0.4)
         raise TypeError(
             f"verify={request.verify!r}: give the strategy's split to check against, "
-            "verify=lit3d.strategies.split_count.held_params (the planner does not import the strategy)"
+            "verify=lit3d.strategies.split.count.held_params (the planner does not import the strategy)"
         )
     check_sizes(top=request.top)
     report = _one_layout(request, config) if request.fixes_layout else _search(request, config)

@@ -1,9 +1,9 @@
 """The model's parameter shapes from its `GPTConfig` alone, without torch: what the planner counts with.
 
 `parameter_shapes` is, name for name and in the same order, ``Transformer(config).named_parameters()``
-(`lit3d.models.transformer`, `lit3d.models.moe`), and `block_costs` what `lit3d.strategies.stages.block_costs` measures
-on that module (the pipeline cut's costs). Building the real model, even on the meta device, needs torch and costs
-seconds that ``lit3d plan`` should not pay.
+(`lit3d.models.transformer`, `lit3d.models.moe`), and `block_costs` what
+`lit3d.strategies.pipelining.chunks.block_costs` measures on that module (the pipeline cut's costs). Building the real
+model, even on the meta device, needs torch and costs seconds that ``lit3d plan`` should not pay.
 
 NOTE: this is a second description of the model's shapes. tests/test_planner_shapes.py compares both functions with
 the meta model for every preset and the tests' small models, so a change to the model that is not made here fails

@@ -24,8 +24,8 @@ if TYPE_CHECKING:
 def communication_bytes(case: Case) -> dict[str, float]:
     """Bytes the busiest GPU of each axis sends per optimizer step, counted as a ring sends them: an all-reduce
     2 (n-1)/n of its tensor, an all-gather or reduce-scatter (n-1)/n of the full tensor, a point-to-point send
-    all of it. `lit3d.strategies.comm.CommBytes` measures the same way (`lit3d.callbacks.CommReport` puts both side by
-    side). Left out: scalars (the logged loss, the gradient norm).
+    all of it. `lit3d.strategies.telemetry.comm.CommBytes` measures the same way (`lit3d.callbacks.CommReport` puts both
+    side by side). Left out: scalars (the logged loss, the gradient norm).
     """
     config, layout, training, settings = case.config, case.layout, case.training, case.settings
     precision = case.precision
@@ -93,7 +93,7 @@ def tp_bytes_by_stage(case: Case) -> list[float]:
 def island_bytes_per_sync(config: GPTConfig, layout: Layout, settings: Parallelism, lora: LoRA | None = None) -> float:
     """Bytes the busiest rank sends to the other islands at one DiLoCo outer step (all its fragments): the
     all-reduce over the islands of the pseudo-gradient of what its optimizer steps (`stepped_numel`: its ZeRO-1
-    slices, ZeRO-2/3 shards or TP shards), in ``settings.outer_reduce_dtype`` (`lit3d.strategies.islands`)."""
+    slices, ZeRO-2/3 shards or TP shards), in ``settings.outer_reduce_dtype`` (`lit3d.strategies.optim.diloco`)."""
     if layout.islands == 1:
         return 0.0
     virtual = settings.chunks_per_rank if layout.pp > 1 else 1

@@ -1,9 +1,9 @@
 """`lit3d plan --verify`: the planner's per-rank parameter counts beside the strategy's real split of the real model
-(on the meta device, in a fake world: `lit3d.strategies.split_count`), one rank of each pipeline stage.
+(on the meta device, in a fake world: `lit3d.strategies.split.count`), one rank of each pipeline stage.
 
 NOTE: the planner sits below the strategy, which asks it for plans (``3d_auto``, ``plan/*`` ratios), so it takes the
 split from its caller (`Split`) and never imports the strategy; ``lit3d plan --verify`` hands it
-`lit3d.strategies.split_count.held_params`.
+`lit3d.strategies.split.count.held_params`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from lit3d.planner.tensors import local_numel, rank_tensors, replicas
 
 class Split(Protocol):
     """The strategy's real split, counted: the parameter elements ``rank`` holds after it
-    (`lit3d.strategies.split_count.held_params`)."""
+    (`lit3d.strategies.split.count.held_params`)."""
 
     def __call__(self, config: GPTConfig, layout: Layout, settings: Parallelism, rank: int) -> int: ...
 

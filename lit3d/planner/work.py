@@ -76,7 +76,7 @@ def stage_work(
 ) -> Work:
     """What one rank of ``layout`` computes per micro-batch on ``stage`` (its blocks, MoE ones among them, the
     embedding on the first stage, the output layer and loss on the last); ``sp``: sequence parallelism is on; ``fp8``:
-    the blocks' linears run in FP8 (not the router, the experts or the head: `lit3d.strategies.float8`)."""
+    the blocks' linears run in FP8 (not the router, the experts or the head: `lit3d.strategies.split.float8`)."""
     blocks, moe = stage.blocks, stage.moe
     tp, tokens = layout.tp, training.micro_batch_size * training.seq_len / layout.cp
     d, q, kv = config.d_model, config.n_head * config.head_dim / tp, config.n_kv_head * config.head_dim / tp

@@ -1,5 +1,5 @@
 """ZeRO-1's buckets: the gradients of many parameters reduce-scattered, and their updated slices all-gathered, by one
-collective each (`lit3d.strategies.zero1.LocalShardOptimizer` moves its slices with them)."""
+collective each (`lit3d.strategies.optim.zero1.LocalShardOptimizer` moves its slices with them)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any
 import torch
 
 from lit3d.parallel.sharding import BUCKET_ELEMENTS
+from lit3d.strategies.optim.zero1_params import SlicedParam
 from lit3d.strategies.torch_compat import all_gather_single, reduce_scatter_single
-from lit3d.strategies.zero1_params import SlicedParam
 
 
 def buckets(entries: list[SlicedParam]) -> list[Bucket]:

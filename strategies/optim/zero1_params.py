@@ -1,6 +1,6 @@
 """What ZeRO-1 knows of one parameter: the plain view its optimizer steps, the slice of it each data-parallel rank
-owns, and the gradient set aside for it between backwards (`lit3d.strategies.zero1.LocalShardOptimizer` keeps one per
-parameter; `lit3d.strategies.zero1_buckets` moves many in one collective)."""
+owns, and the gradient set aside for it between backwards (`lit3d.strategies.optim.zero1.LocalShardOptimizer` keeps one
+per parameter; `lit3d.strategies.optim.zero1_buckets` moves many in one collective)."""
 
 from __future__ import annotations
 

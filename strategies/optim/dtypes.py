@@ -134,7 +134,7 @@ def clipping_split_model(plugin: Precision | None, clip: ClipByNorm) -> Precisio
         raise TypeError(
             f"Parallel3DStrategy clips gradients by the norm of the whole split model, which the precision plugin "
             f"{type(plugin).__name__} cannot: use a precision setting ('32-true', 'bf16-mixed', 'bf16-true'), or "
-            "subclass lit3d.strategies.precision.SplitModelPrecision, SplitModelMixedPrecision or "
+            "subclass lit3d.strategies.optim.dtypes.SplitModelPrecision, SplitModelMixedPrecision or "
             "SplitModelHalfPrecision"
         )
     converted.clip = clip

@@ -1,6 +1,6 @@
 """How `Parallel3DStrategy` saves and loads: `Checkpoints`, this rank's part of the run's checkpoints, in the format of
 `lit3d.checkpoint.folder` (a folder of shards), or with ``save_distributed_checkpoint=False`` Lightning's one
-file (`lit3d.strategies.full_state`); single files of other strategies load too."""
+file (`lit3d.checkpoint.whole_file`); single files of other strategies load too."""
 
 from __future__ import annotations
 
@@ -27,9 +27,9 @@ from lit3d.checkpoint.folder import (
     restore_param_groups,
     save,
 )
+from lit3d.checkpoint.plain import plain_tensors
 from lit3d.checkpoint.safe_io import check_readable, load_meta
-from lit3d.strategies.float8 import plain_tensors
-from lit3d.strategies.full_state import WholeOrder, copy_whole, load_positional, positional, whole_on_rank_zero
+from lit3d.checkpoint.whole_file import WholeOrder, copy_whole, load_positional, positional, whole_on_rank_zero
 
 
 def remove(path: Path) -> None:
@@ -97,8 +97,8 @@ class RankState:
 class Checkpoints:
     """This rank's part of the run's checkpoints: every rank writes and reads its own shards, under parameter names,
     with the functions above; with ``asynchronous`` the writes go on in the background
-    (`lit3d.strategies.async_checkpoint`), one in flight at most. With ``distributed=False``, one file of the whole
-    state, Lightning's format (`lit3d.strategies.full_state`), written by rank 0."""
+    (`lit3d.checkpoint.background`), one in flight at most. With ``distributed=False``, one file of the whole
+    state, Lightning's format (`lit3d.checkpoint.whole_file`), written by rank 0."""
 
     def __init__(self, asynchronous: bool = False, distributed: bool = True) -> None:
         self.asynchronous, self.distributed = asynchronous, distributed
@@ -147,7 +147,7 @@ class Checkpoints:
             save(path, tensors, as_plain_data(checkpoint), is_global_zero)
             return
         if self._background is None:
-            from lit3d.strategies.async_checkpoint import BackgroundSaves
+            from lit3d.checkpoint.background import BackgroundSaves
 
             self._background = BackgroundSaves()
         self._background.start(path, tensors, as_plain_data(checkpoint), is_global_zero)
@@ -209,7 +209,7 @@ class Checkpoints:
     ) -> dict[str, Any]:
         """Fill the module's shards and the ``optimizers``' states from a single-file checkpoint (lit3d's, or one
         ``ddp``, ``auto`` or ``ModelParallelStrategy`` wrote), whole on every rank; return everything else it holds.
-        Collective under a pipeline (the optimizers' numbering, `lit3d.strategies.full_state`)."""
+        Collective under a pipeline (the optimizers' numbering, `lit3d.checkpoint.whole_file`)."""
         self.wait()
         checkpoint = load_meta(path)
         saved = checkpoint.pop("state_dict", None)

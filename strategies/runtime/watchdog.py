@@ -4,7 +4,7 @@ How each way a rank can die ends the job (every rank gone, a non-zero exit), and
 
 - **killed** (SIGKILL, the Linux OOM killer): its peers' next collective fails at once on gloo (the connection
   closes); the launcher ends the others (Lightning's observer SIGKILLs them within its 5 s poll; ranks started by
-  `lit3d.strategies.launchers` exit within 1 s of rank 0; torchrun and ``srun --kill-on-bad-exit`` do the same).
+  `lit3d.strategies.runtime.launchers` exit within 1 s of rank 0; torchrun and ``srun --kill-on-bad-exit`` do the same).
 - **an exception in one rank** (out of memory included: ``torch.OutOfMemoryError`` on GPUs, "can't allocate
   memory" on CPU): the same, and `describe_failure` logs the rank, the step and the exception first.
 - **a hung collective** (a rank that never arrives): its peers wait ``timeout`` (the strategy's argument), then

@@ -18,8 +18,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from lit3d.strategies.zero1_buckets import buckets
-from lit3d.strategies.zero1_params import SlicedParam
+from lit3d.strategies.optim.zero1_buckets import buckets
+from lit3d.strategies.optim.zero1_params import SlicedParam
 
 ELEMENTWISE_OPTIMIZERS = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
 

@@ -1,4 +1,5 @@
-"""Pipeline parallelism: this rank's stages (see `lit3d.strategies.stages`) run by `torch.distributed.pipelining`.
+"""Pipeline parallelism: this rank's stages (see `lit3d.strategies.pipelining.chunks`) run by
+`torch.distributed.pipelining`.
 
 One training step runs the schedule's forward and backward over ``num_microbatches`` micro-batches, with the
 module's own loss function computed on the last stage; the loss is broadcast to every rank of the pipeline, so
@@ -24,7 +25,7 @@ from lit3d.models.moe import balance_loss_weight
 from lit3d.models.transformer import loss_parallel_scope
 from lit3d.parallel.schedules import SCHEDULES, Costs, bubble_theory
 from lit3d.parallel.stages import stage_rank
-from lit3d.strategies.timeline import PipelineTimeline
+from lit3d.strategies.pipelining.timeline import PipelineTimeline
 from lit3d.strategies.torch_compat import all_gather_single, pipeline_stage
 
 # What a module split by the strategy provides so that its loss can run as a schedule: `loss(batch)` is

@@ -2,9 +2,9 @@
 clipping call it).
 
 An optimizer whose parameters are ZeRO-1 slices or tensor-parallel shards steps on its local shards
-(`lit3d.strategies.zero1.LocalShardOptimizer`): with ZeRO-1 the gradients are reduce-scattered before the step
+(`lit3d.strategies.optim.zero1.LocalShardOptimizer`): with ZeRO-1 the gradients are reduce-scattered before the step
 (under bf16-mixed onto fp32 master weights) and the updated slices all-gathered after it. Gradient clipping uses the
-norm over every shard and stage. DiLoCo's outer step follows the inner one (`lit3d.strategies.islands`).
+norm over every shard and stage. DiLoCo's outer step follows the inner one (`lit3d.strategies.optim.diloco`).
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import torch.nn as nn
 
 from lit3d.parallel.settings import Parallelism
 from lit3d.parallel.zero import ZeroPolicy
-from lit3d.strategies.float8 import precompute_scales
-from lit3d.strategies.grad_norm import clip_grad_norm_
-from lit3d.strategies.islands import OuterLoop, build_outer_loop
 from lit3d.strategies.meshes import ParallelMeshes
-from lit3d.strategies.precision import reduce_dtype
-from lit3d.strategies.zero1 import ELEMENTWISE_OPTIMIZERS, LocalShardOptimizer
+from lit3d.strategies.optim.diloco import OuterLoop, build_outer_loop
+from lit3d.strategies.optim.dtypes import reduce_dtype
+from lit3d.strategies.optim.grad_norm import clip_grad_norm_
+from lit3d.strategies.optim.zero1 import ELEMENTWISE_OPTIMIZERS, LocalShardOptimizer
+from lit3d.strategies.split.float8 import precompute_scales
 
 
 class OptimizerSteps:

@@ -1,6 +1,7 @@
 """`RankLife`: the threads a rank starts for a fit and stops at its teardown, so that none outlives it.
 
-- the watch on the launcher (`lit3d.strategies.launchers.LauncherWatch`): a rank our launcher started exits if the
+- the watch on the launcher (`lit3d.strategies.runtime.launchers.LauncherWatch`): a rank our launcher started exits if
+  the
   launcher dies;
 - the `Watchdog` of a multi-rank run: a rank that stops making progress says where it waits;
 
@@ -16,8 +17,8 @@ from __future__ import annotations
 import atexit
 import functools
 
-from lit3d.strategies.launchers import LauncherWatch
-from lit3d.strategies.watchdog import Watchdog
+from lit3d.strategies.runtime.launchers import LauncherWatch
+from lit3d.strategies.runtime.watchdog import Watchdog
 
 
 class RankLife:

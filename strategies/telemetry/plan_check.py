@@ -6,7 +6,8 @@ The step is priced on the device the run has: the GPU PyTorch reports (`lit3d.pl
 ranks the profile ``lit3d calibrate`` wrote (``Parallel3DStrategy(plan_profile=...)``); without either the step time
 is not compared, and the log says why. The peak memory is the device allocator's on GPUs
 (``torch.cuda.max_memory_allocated`` over the measured steps) and on CPU ranks the most bytes of live tensors over
-one step (`lit3d.strategies.live_memory.LiveTensors`: what a GPU's allocator would hand out), the largest over ranks.
+one step (`lit3d.strategies.telemetry.live_memory.LiveTensors`: what a GPU's allocator would hand out), the largest over
+ranks.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from lit3d.planner.calibrate import cluster_of
 from lit3d.planner.hardware import identify
 from lit3d.planner.inputs import GB, PEAK_BAND, Cluster, Plan, Training
 from lit3d.planner.run import RunningStrategy, plan_of_run
-from lit3d.strategies.live_memory import PeakMemory
-from lit3d.strategies.memory import memory_line
+from lit3d.strategies.telemetry.held_memory import memory_line
+from lit3d.strategies.telemetry.live_memory import PeakMemory
 
 MEMORY_STEP = 1  # the fit's optimizer step (from 0) whose peak is measured on CPU: after the first, states exist
 TIMED_STEPS = 3  # optimizer steps timed after it

@@ -9,12 +9,12 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from lit3d.strategies.float8 import unwrapped
+from lit3d.checkpoint.plain import unwrapped
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's plain tensor: a DTensor's shard, and inside a wrapper subclass (FP8 all-gather's weights,
-    `lit3d.strategies.float8`) the tensor it wraps."""
+    `lit3d.strategies.split.float8`) the tensor it wraps."""
     return unwrapped(tensor.to_local() if isinstance(tensor, DTensor) else tensor)
 
 
