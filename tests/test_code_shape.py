@@ -62,6 +62,48 @@ def test_no_method_is_replaced_at_run_time():
     assert not found, "\n".join(found)
 
 
+def module_state(source: str) -> list[str]:
+    """What ``source`` keeps per process: a ``global`` statement, or a module-level name bound to an empty list,
+    dict or set (a table filled while the program runs)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Global):
+            found.append(f"{node.lineno}: global {', '.join(node.names)}")
+    for node in ast.parse(source).body:
+        value = node.value if isinstance(node, ast.Assign | ast.AnnAssign) else None
+        shown = isinstance(value, ast.List | ast.Dict | ast.Set)
+        empty = shown and not getattr(value, "elts", getattr(value, "keys", 1))
+        called = isinstance(value, ast.Call) and getattr(value.func, "id", "") in ("list", "dict", "set")
+        made = called and not value.args and not value.keywords
+        if empty or made:
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+# Memos: values keyed by everything they are computed from, which no run can make stale (and each says so in a NOTE)
+MEMOS = {"lit3d/models/rotary.py": ["_ROTARY_TABLES"], "lit3d/planner/tensors.py": ["_INTERNED"]}
+
+
+def test_no_module_keeps_state_of_the_run():
+    """Per-batch and per-run values are passed (`lit3d.models.batch_context`) or held by an object, never by a module:
+    a module's state outlives the run and is shared by every model and trainer of the process."""
+    found = {}
+    for path in SOURCES:
+        name = str(path.relative_to(ROOT))
+        state = [s for s in module_state(path.read_text()) if s.split(": ")[1].split(":")[0] not in MEMOS.get(name, [])]
+        if state:
+            found[name] = state
+    assert not found, found
+
+
+def test_module_state_is_found():  # the check above can fail
+    assert module_state("_depth = 0\ndef f():\n    global _depth\n") == ["3: global _depth"]
+    assert module_state("_WEIGHT: list[float] = []\nCACHE = dict()\nTABLE = {'a': 1}\n") == [
+        "1: _WEIGHT: list[float] = []",
+        "2: CACHE = dict()",
+    ]
+
+
 def test_the_pattern_finds_a_replaced_method():  # the check above can fail
     assert REPLACED.search("module.model.forward = self.forward")
     assert REPLACED.search("self.precision_plugin.clip_grad_by_norm = self._clip")

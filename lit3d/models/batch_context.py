@@ -11,6 +11,9 @@ with it:
   micro-batch's (`lit3d.strategies.pipelining.step`);
 - activation checkpointing recomputes a block with the arguments its forward had, the context among them.
 
+A pipeline's training step also sets ``objective_weight``, so that each stage's MoE layers add their balance loss to
+the objective through backward (`lit3d.models.moe.MoE`).
+
 A new per-batch input (an attention mask, multi-token-prediction targets) is a field here, set where the batch is read
 and read where it is needed; a tensor indexed by rows (dim 0) goes to each micro-batch's rows with the others.
 
@@ -37,10 +40,14 @@ class BatchContext:
     Attributes:
         documents: The packed documents of the rows (``None``: every row is one sequence).
         samples: The rows' samples, which LoRA's dropout draws its masks from (``None``: not a training batch).
+        objective_weight: What each MoE layer's balance loss is weighed by as it joins the training objective through
+            backward, where the caller cannot add it to the loss: a pipeline, whose loss only the last stage sees (the
+            weight of one micro-batch's loss). ``None``: the caller adds the balance loss to the loss it returns.
     """
 
     documents: Documents | None = None
     samples: Samples | None = None
+    objective_weight: float | None = None
 
     def documents_for(self, batch: int, seq: int) -> Documents | None:
         """The documents of the ``[batch, seq]`` tokens a forward computes, if its rows are packed."""

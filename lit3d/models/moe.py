@@ -15,8 +15,6 @@ balance loss's gradient to backward itself (`balance_loss_weight`), as Megatron-
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -180,22 +178,6 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
-_LOSS_WEIGHT: list[float] = []
-
-
-@contextmanager
-def balance_loss_weight(weight: float) -> Iterator[None]:
-    """Inside, every MoE forward adds ``weight × aux_loss_coef × its balance loss`` to the training objective
-    through backward (the gradient of that term joins its output's), instead of leaving the term to the caller:
-    for a pipeline, whose loss only the last stage sees (``weight``: what the loss of one micro-batch is weighed
-    by)."""
-    _LOSS_WEIGHT.append(weight)
-    try:
-        yield
-    finally:
-        _LOSS_WEIGHT.pop()
-
-
 class _AddToObjective(torch.autograd.Function):
     """The identity on ``output``; in backward, ``weight`` becomes the gradient of ``term``, as if ``weight × term``
     had been added to the loss."""
@@ -259,8 +241,8 @@ class MoE(nn.Module):
             out = dispatch(routed, computed, self.experts, self.ep_group, keys)
         combined = _in_token_order(out, order, flat.shape[0] * self.k).view(-1, self.k, width)
         y = (combined * weights.unsqueeze(-1).to(combined.dtype)).sum(dim=1).view(batch, seq, width)
-        if _LOSS_WEIGHT and torch.is_grad_enabled():
-            y = _AddToObjective.apply(y, aux, _LOSS_WEIGHT[-1] * self.coef)
+        if context.objective_weight is not None and torch.is_grad_enabled():  # a pipeline stage: through backward
+            y = _AddToObjective.apply(y, aux, context.objective_weight * self.coef)
         return y if self.shared is None else y + self.shared(x)
 
     def _dropout_keys(

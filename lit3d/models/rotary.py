@@ -78,6 +78,8 @@ def rotary_tables(
     return tables[0][:seq_len], tables[1][:seq_len]
 
 
+# NOTE: a memo, keyed by everything its tables are computed from (sizes, scaling, device, dtype, a CP rank's place): no
+# run can make an entry stale, and a table is made once per process instead of at every forward.
 _ROTARY_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.nn as nn
@@ -238,28 +238,20 @@ def _copy_full(target: torch.Tensor, full: torch.Tensor) -> None:
     target.copy_(full)
 
 
-_loss_parallel_depth = 0
-
-
 @contextmanager
 def loss_parallel_scope() -> Iterator[None]:
-    """DTensor's `loss_parallel`, but safe to nest (a pipeline schedule computes the loss inside its step)."""
-    global _loss_parallel_depth
-    if _loss_parallel_depth:
-        _loss_parallel_depth += 1
-        try:
-            yield
-        finally:
-            _loss_parallel_depth -= 1
-        return
-    from torch.distributed.tensor.parallel import loss_parallel
+    """DTensor's `loss_parallel`, entered only where it is not on already: a pipeline schedule computes the loss inside
+    its step, and an inner `loss_parallel` would turn the outer one off as it left.
 
-    with loss_parallel():
-        _loss_parallel_depth = 1
-        try:
-            yield
-        finally:
-            _loss_parallel_depth = 0
+    NOTE: whether it is on is DTensor's own state (its table of custom operator handlers, which `loss_parallel` fills
+    and empties: PyTorch 2.11 to 2.13), so lit3d keeps no copy of it."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+    from torch.distributed.tensor.parallel.loss import customized_loss_ops
+
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    with nullcontext() if all(op in handlers for op in customized_loss_ops) else loss_parallel():
+        yield
 
 
 IGNORED = -100  # a target no loss is taken on (a prompt token, padding)

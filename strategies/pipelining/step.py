@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 from functools import cache
 from typing import Any
 
@@ -21,7 +22,6 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lit3d.models.batch_context import NO_CONTEXT, BatchContext
-from lit3d.models.moe import balance_loss_weight
 from lit3d.models.transformer import loss_parallel_scope
 from lit3d.parallel.schedules import SCHEDULES, Costs, bubble_theory
 from lit3d.parallel.stages import stage_rank
@@ -68,7 +68,7 @@ class Pipeline:
     It is a module's runner (`lit3d.models.runner`): the module's ``loss`` and ``forward`` call `loss` and `forward`.
     """
 
-    adds_balance_loss = True  # the MoE layers of every stage add their term in backward (`balance_loss_weight`)
+    adds_balance_loss = True  # every stage's MoE layers add their term in backward (the context's objective_weight)
 
     def __init__(
         self,
@@ -180,7 +180,6 @@ class Pipeline:
         # NOTE: a keyword argument, which the schedule splits into micro-batches as it splits the inputs (each tensor
         # by rows) and hands every stage, first or not, for each micro-batch it runs (and its shape inference, the
         # first's); a block recomputed in backward runs with the arguments of its forward.
-        kwargs = context.keywords()
         self.clock.start_step()
         # NOTE: return_outputs=False: the losses are recorded by `_record_loss`, and the last stage would otherwise
         # keep every micro-batch's logits (its outputs) until the step's end, where the schedule frees each one after
@@ -189,11 +188,12 @@ class Pipeline:
             if torch.is_grad_enabled():
                 scale = self._scale * (grad_scaler.get_scale() if grad_scaler is not None else 1.0)
                 scale *= self.balance_weight  # (an uneven replica's share, as its loss)
-                with self._gradients_set_aside(), balance_loss_weight(scale):  # MoE layers on every stage
+                kwargs = replace(context, objective_weight=scale).keywords()  # MoE layers on every stage
+                with self._gradients_set_aside():
                     self.schedule.step(*args, target=target, return_outputs=False, **kwargs)
             else:  # validation: forward only, and not in inference mode (the stages' buffers outlive this call)
                 with torch.inference_mode(False):
-                    self.schedule.eval(*args, target=target, return_outputs=False, **kwargs)
+                    self.schedule.eval(*args, target=target, return_outputs=False, **context.keywords())
         self.clock.end_step()
         # NOTE: the first step also calls the loss on placeholder outputs to infer shapes: keep the last m.
         losses = self._losses[-self.microbatches :]
