@@ -228,7 +228,7 @@ class GPT(L.LightningModule):
         self._loss_count += 1
         moe = self.model.moe_layers()  # a pipeline stage may hold none, but still joins the balance's reduce
         if moe and not self.runner.adds_balance_loss:
-            # (A pipeline's MoE layers add their term in backward: `lit3d.models.moe.balance_loss_weight`.)
+            # (A pipeline's MoE layers add their term in backward: `BatchContext.objective_weight`.)
             loss = loss + self._balance_loss(moe) * self.runner.balance_weight  # (weighted as the loss is)
         if ends_optimizer_step(self.trainer):
             self.log_train_loss(self._loss_sum / self._loss_count)

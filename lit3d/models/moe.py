@@ -9,7 +9,7 @@ tokens to the ranks of their experts and back with two all-to-alls (`dispatch`).
 The load-balancing loss is computed per sequence and averaged over sequences (DeepSeek-V3's sequence-wise form of
 the Switch loss): unlike a per-batch loss it is linear in the batch, so every data-parallel split of the batch
 trains the same model. Where the loss is computed on another rank (a pipeline's last stage), the layer hands its
-balance loss's gradient to backward itself (`balance_loss_weight`), as Megatron-Core's MoE layers do.
+balance loss's gradient to backward itself (the batch context's ``objective_weight``), as Megatron-Core's MoE layers do.
 """
 
 from __future__ import annotations
