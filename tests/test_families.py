@@ -68,7 +68,7 @@ def test_the_frequencies_of_each_band_of_llama3_scaling():
 @pytest.mark.parametrize(
     "scaling, message",
     [
-        ({"rope_type": "yarn", "factor": 4.0}, "rope_type 'yarn' is not one of linear, llama3"),
+        ({"rope_type": "dynamic", "factor": 4.0}, "rope_type 'dynamic' is not one of linear, llama3, yarn"),
         ({"rope_type": "llama3", "factor": 8.0}, "llama3 needs low_freq_factor, high_freq_factor, original_max"),
     ],
 )
@@ -227,7 +227,7 @@ def test_a_family_tokenizer_encodes_as_transformers_autotokenizer(family, tmp_pa
     "field, message",
     [({"model_type": "gemma2", "final_logit_softcapping": 30.0}, "model_type='gemma2'.*final_logit_softcapping"),
      ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0: Gemma's output logit soft-capping"),
-     ({"kv_lora_rank": 512}, "kv_lora_rank=512: DeepSeek's multi-head latent attention"),
+     ({"index_topk": 2048}, "index_topk=2048: DeepSeek-V3.2's sparse attention"),
      ({"model_type": "mistral", "sliding_window": 4096}, "sliding_window=4096 is not supported"),
      ({"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": True}, "sliding_window=4096"),
      ({"model_type": "qwen3_moe", "mlp_only_layers": [1], "num_experts": 4, "num_experts_per_tok": 2,

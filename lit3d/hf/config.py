@@ -1,5 +1,6 @@
-"""The ``config.json`` of a HuggingFace folder as a `GPTConfig`, for the families lit3d imports (`FAMILIES`): what
-``lit3d plan --model FOLDER`` reads, so it imports no torch (the weights go through `lit3d.hf.folders`)."""
+"""The ``config.json`` of a HuggingFace folder as a `GPTConfig`, for the families lit3d imports (`FAMILIES`;
+DeepSeek-V3's fields in `lit3d.hf.deepseek`): what ``lit3d plan --model FOLDER`` reads, so it imports no torch (the
+weights go through `lit3d.hf.folders`)."""
 
 from __future__ import annotations
 
@@ -7,28 +8,33 @@ import json
 from pathlib import Path
 from typing import Any
 
-from lit3d.models.config import FAMILIES, ROPE_SCALINGS, GPTConfig
+from lit3d.hf.deepseek import deepseek_from_hf
+from lit3d.models.config import FAMILIES, ROPE_OPTIONS, ROPE_SCALINGS, GPTConfig
 
 # What other families' folders hold that lit3d does not compute, by config.json field.
 NOT_COMPUTED = {
     "attn_logit_softcapping": "Gemma's attention logit soft-capping",
     "final_logit_softcapping": "Gemma's output logit soft-capping",
-    "kv_lora_rank": "DeepSeek's multi-head latent attention (MLA)",
+    "index_topk": "DeepSeek-V3.2's sparse attention (its indexer's top-k keys)",
+    "index_n_heads": "DeepSeek-V3.2's sparse attention (its indexer's heads)",
+    "index_head_dim": "DeepSeek-V3.2's sparse attention (its indexer's head width)",
     "partial_rotary_factor": "rotary embeddings on part of each head",
     "qk_layernorm": "LayerNorms on q and k",
 }
+# Families whose folders are another's: Kimi K2's config.json holds DeepSeek-V3's fields under its own model_type.
+SAME_AS = {"kimi_k2": "deepseek_v3"}
 
 
 def config_from_hf(hf: dict[str, Any]) -> GPTConfig:
     """A `GPTConfig` from the ``config.json`` of one of `FAMILIES`; refuses what lit3d's model does not compute,
     naming the field."""
-    model_type = hf.get("model_type", "llama")
+    model_type = SAME_AS.get(hf.get("model_type", "llama"), hf.get("model_type", "llama"))
     _refuse_uncomputed(hf, model_type)
     rope = hf.get("rope_parameters") or {}
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     moe = moe_from_hf(hf, model_type) if model_type in ("mixtral", "qwen3_moe") else {}
-    return GPTConfig(
+    fields = dict(
         name=hf.get("_name_or_path") or "hf",
         n_layer=hf["num_hidden_layers"],
         n_head=heads,
@@ -47,6 +53,7 @@ def config_from_hf(hf: dict[str, Any]) -> GPTConfig:
         family=model_type,
         **moe,
     )
+    return GPTConfig(**fields | (deepseek_from_hf(hf) if model_type == "deepseek_v3" else {}))
 
 
 def _refuse_uncomputed(hf: dict[str, Any], model_type: str) -> None:
@@ -58,6 +65,13 @@ def _refuse_uncomputed(hf: dict[str, Any], model_type: str) -> None:
     if uncomputed:
         field, what = next(iter(uncomputed.items()))
         raise ValueError(f"{field}={hf[field]}: {what} is not computed by lit3d")
+    quantized = hf.get("quantization_config")
+    if quantized:  # NOTE: refused before a weight is read: FP8 blocks read as plain tensors would be noise
+        blocks = quantized.get("weight_block_size")
+        what = f"weights block-quantized (weight_block_size={blocks})" if blocks else "quantized weights"
+        raise ValueError(
+            f"quantization_config={quantized}: {what} are not read by lit3d; dequantize the folder (to bf16) first"
+        )
     windowed = model_type not in ("qwen2", "qwen3", "qwen3_moe") or hf.get("use_sliding_window")  # Qwen: unused
     if hf.get("sliding_window") and windowed:
         raise ValueError(f"sliding_window={hf['sliding_window']} is not supported (lit3d attends to the whole context)")
@@ -76,7 +90,12 @@ def _rope_scaling(hf: dict[str, Any]) -> dict[str, Any] | None:
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return None
-    return {"rope_type": kind, **{k: scaling[k] for k in ROPE_SCALINGS.get(kind, ()) if k in scaling}}
+    if kind == "yarn":  # transformers' defaults: the pretrained context is the whole one, the factor their ratio
+        original = scaling.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
+        if scaling.get("factor") is None and original:
+            scaling["factor"] = hf["max_position_embeddings"] / original
+    names = ROPE_SCALINGS.get(kind, ()) + ROPE_OPTIONS.get(kind, ())
+    return {"rope_type": kind, **{k: scaling[k] for k in names if scaling.get(k) is not None}}
 
 
 def moe_from_hf(hf: dict[str, Any], model_type: str) -> dict[str, Any]:

@@ -1,5 +1,6 @@
-"""The Mixture-of-Experts families in HuggingFace folders: Mixtral's and Qwen3-MoE's routers and experts, and the
-``config.json`` fields that describe them.
+"""The Mixture-of-Experts families in HuggingFace folders: Mixtral's, Qwen3-MoE's and DeepSeek-V3's routers (with
+DeepSeek-V3's balancing bias) and experts, and the ``config.json`` fields that describe Mixtral's and Qwen3-MoE's
+(DeepSeek-V3's: `lit3d.hf.deepseek`).
 
 lit3d stacks each layer's experts into ``[expert, in, out]`` tensors (`lit3d.models.moe.Experts`). Published
 checkpoints keep one ``[out, in]`` matrix per expert (Mixtral's ``w1``/``w2``/``w3``, Qwen3-MoE's
@@ -19,27 +20,41 @@ import torch
 from lit3d.models.config import GPTConfig
 
 # Per family: the router's name and each expert's matrices ({i}: the block, {e}: the expert), by lit3d name.
-ROUTER = {"mixtral": "model.layers.{i}.block_sparse_moe.gate.weight", "qwen3_moe": "model.layers.{i}.mlp.gate.weight"}
+ROUTER = {
+    "mixtral": "model.layers.{i}.block_sparse_moe.gate.weight",
+    "qwen3_moe": "model.layers.{i}.mlp.gate.weight",
+    "deepseek_v3": "model.layers.{i}.mlp.gate.weight",
+}
+MLP_EXPERT = {
+    name: f"model.layers.{{i}}.mlp.experts.{{e}}.{name}.weight" for name in ("gate_proj", "up_proj", "down_proj")
+}
 EXPERT = {
     "mixtral": {"gate_proj": "model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight",
                 "down_proj": "model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight",
                 "up_proj": "model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight"},
-    "qwen3_moe": {name: f"model.layers.{{i}}.mlp.experts.{{e}}.{name}.weight"
-                  for name in ("gate_proj", "up_proj", "down_proj")},
+    "qwen3_moe": MLP_EXPERT,
+    "deepseek_v3": MLP_EXPERT,
 }  # fmt: skip
+# The sigmoid router's balancing bias (a buffer: `lit3d.models.moe.Router`), by family.
+ROUTER_BIAS = {"deepseek_v3": "model.layers.{i}.mlp.gate.e_score_correction_bias"}
 ROUTER_PARAM = re.compile(r"blocks\.(\d+)\.mlp\.router\.gate\.weight$")
+ROUTER_BIAS_BUFFER = re.compile(r"blocks\.(\d+)\.mlp\.router\.expert_bias$")
 EXPERT_PARAM = re.compile(r"blocks\.(\d+)\.mlp\.experts\.(gate_proj|up_proj|down_proj)$")
 
 
 def moe_family(config: GPTConfig) -> str:
-    """The MoE ``model_type`` a model exports as: Qwen3-MoE for a Qwen3-shaped one, else Mixtral."""
+    """The MoE ``model_type`` a model exports as: Qwen3-MoE for a Qwen3-shaped one, DeepSeek-V3 for one, else
+    Mixtral."""
+    if config.family == "deepseek_v3":
+        return "deepseek_v3"
     return "qwen3_moe" if config.family in ("qwen3", "qwen3_moe") else "mixtral"
 
 
 def moe_to_hf(config: GPTConfig) -> dict[str, Any]:
     """The MoE fields of the ``config.json`` of `moe_family`; refuses what that family cannot hold, naming it."""
     family = moe_family(config)
-    unlike = {"n_shared_expert": 0, "first_dense_layers": 0, "router": "softmax"}
+    unlike = {"n_shared_expert": 0, "first_dense_layers": 0, "router": "softmax", "n_group": 1}
+    unlike |= {"routed_scaling_factor": 1.0}
     if family == "mixtral":
         unlike |= {"d_ff_expert": config.d_ff, "norm_topk_prob": True}
     different = {k: getattr(config, k) for k, v in unlike.items() if getattr(config, k) != v}
@@ -60,6 +75,8 @@ def expert_name(name: str, family: str) -> str | None:
     """The HuggingFace name of a lit3d router or expert stack (``{e}`` left for the expert); None for another."""
     if match := ROUTER_PARAM.match(name):
         return ROUTER[family].format(i=match.group(1))
+    if (match := ROUTER_BIAS_BUFFER.match(name)) and family in ROUTER_BIAS:
+        return ROUTER_BIAS[family].format(i=match.group(1))
     if match := EXPERT_PARAM.match(name):
         return EXPERT[family][match.group(2)].format(i=match.group(1), e="{e}")
     return None
@@ -74,6 +91,8 @@ def read_experts(config: GPTConfig, tensors: dict[str, torch.Tensor]) -> dict[st
         router = tensors.get(ROUTER[family].format(i=i), tensors.get(f"{layer}.mlp.gate.weight"))
         if router is not None:
             out[f"blocks.{i}.mlp.router.gate.weight"] = router
+        if family in ROUTER_BIAS and ROUTER_BIAS[family].format(i=i) in tensors:
+            out[f"blocks.{i}.mlp.router.expert_bias"] = tensors[ROUTER_BIAS[family].format(i=i)]
         if f"{layer}.mlp.experts.gate_up_proj" in tensors:  # transformers 5: fused, [expert, out, in]
             gate, up = tensors[f"{layer}.mlp.experts.gate_up_proj"].chunk(2, dim=1)
             parts = {"gate_proj": gate, "up_proj": up, "down_proj": tensors[f"{layer}.mlp.experts.down_proj"]}

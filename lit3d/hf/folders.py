@@ -1,4 +1,4 @@
-"""HuggingFace Llama, Mistral, Qwen2, Qwen3, Mixtral and Qwen3-MoE folders in and out: ``config.json`` +
+"""HuggingFace Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE and DeepSeek-V3 folders in and out: ``config.json`` +
 safetensors, local folders only (no hub).
 
 The layouts match one to one (lit3d uses HuggingFace's rotate-half rotary convention), so weights are renamed,
@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from lit3d.hf.config import config_from_hf, read_config  # noqa: F401 (read from here too)
+from lit3d.hf.deepseek import deepseek_to_hf
 from lit3d.hf.experts import expert_name, moe_family, moe_to_hf, read_experts, write_experts
 from lit3d.models.config import FAMILIES, GPTConfig
 from lit3d.models.transformer import Transformer
@@ -35,10 +36,19 @@ NAMES = {
     "blocks.{i}.attn.v_proj.bias": "model.layers.{i}.self_attn.v_proj.bias",
     "blocks.{i}.attn.q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",  # Qwen3
     "blocks.{i}.attn.k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
+    "blocks.{i}.attn.q_a_proj.weight": "model.layers.{i}.self_attn.q_a_proj.weight",  # DeepSeek-V3's latent attention
+    "blocks.{i}.attn.q_a_layernorm.weight": "model.layers.{i}.self_attn.q_a_layernorm.weight",
+    "blocks.{i}.attn.q_b_proj.weight": "model.layers.{i}.self_attn.q_b_proj.weight",
+    "blocks.{i}.attn.kv_a_proj_with_mqa.weight": "model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight",
+    "blocks.{i}.attn.kv_a_layernorm.weight": "model.layers.{i}.self_attn.kv_a_layernorm.weight",
+    "blocks.{i}.attn.kv_b_proj.weight": "model.layers.{i}.self_attn.kv_b_proj.weight",
     "blocks.{i}.mlp_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
     "blocks.{i}.mlp.gate_proj.weight": "model.layers.{i}.mlp.gate_proj.weight",
     "blocks.{i}.mlp.up_proj.weight": "model.layers.{i}.mlp.up_proj.weight",
     "blocks.{i}.mlp.down_proj.weight": "model.layers.{i}.mlp.down_proj.weight",
+    "blocks.{i}.mlp.shared.gate_proj.weight": "model.layers.{i}.mlp.shared_experts.gate_proj.weight",  # DeepSeek-V3
+    "blocks.{i}.mlp.shared.up_proj.weight": "model.layers.{i}.mlp.shared_experts.up_proj.weight",
+    "blocks.{i}.mlp.shared.down_proj.weight": "model.layers.{i}.mlp.shared_experts.down_proj.weight",
     "norm.weight": "model.norm.weight",
     "head.weight": "lm_head.weight",
 }
@@ -67,6 +77,10 @@ def hf_family(config: GPTConfig) -> str:
 def config_to_hf(config: GPTConfig, dtype: torch.dtype) -> dict[str, Any]:
     """The ``config.json`` of `hf_family`; refuses a model that family cannot hold, naming the field."""
     family = hf_family(config)
+    if (config.kv_lora_rank is not None) != (family == "deepseek_v3"):
+        raise ValueError(
+            f"a {family} folder cannot hold kv_lora_rank={config.kv_lora_rank} (DeepSeek's latent attention)"
+        )
     if config.qk_norm != (family in ("qwen3", "qwen3_moe")):
         raise ValueError(f"a {family} folder cannot hold qk_norm={config.qk_norm} (Qwen3's per-head q/k norms)")
     if config.qkv_bias != (family == "qwen2"):
@@ -93,7 +107,7 @@ def config_to_hf(config: GPTConfig, dtype: torch.dtype) -> dict[str, Any]:
         "rope_scaling": config.rope_scaling,
         "sliding_window": None,
         "use_sliding_window": False,
-    } | (moe_to_hf(config) if config.n_expert else {})
+    } | (deepseek_to_hf(config) if family == "deepseek_v3" else moe_to_hf(config) if config.n_expert else {})
 
 
 def read_folder(folder: str | Path) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
@@ -122,7 +136,8 @@ def to_lit3d_names(config: GPTConfig, tensors: dict[str, torch.Tensor]) -> dict[
         network = Transformer(config)
     experts = read_experts(config, tensors) if config.n_expert else {}
     out, missing, wrong = {}, [], []
-    for name, param in network.named_parameters():  # a tied head shares the embedding: not listed again
+    biases = [(name, buffer) for name, buffer in network.named_buffers() if name.endswith("expert_bias")]
+    for name, param in [*network.named_parameters(), *biases]:  # a tied head shares the embedding: not listed again
         key = hf_name(name, moe_family(config)).replace(".{e}.", ".*.")
         value = experts.get(name, tensors.get(key))
         if value is None:
@@ -162,7 +177,8 @@ def write_folder(
         if ".mlp.experts." in name:  # one [out, in] matrix per expert, as published checkpoints hold them
             tensors |= write_experts(name, value.to(dtype), family)
             continue
-        tensors[hf_name(name, family)] = value.to(dtype).contiguous()
+        kept = torch.float32 if name.endswith("expert_bias") else dtype  # (DeepSeek-V3 keeps its bias in fp32)
+        tensors[hf_name(name, family)] = value.to(kept).contiguous()
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt", **MARK})  # `is_export_folder`
     (folder / "config.json").write_text(json.dumps(hf | (token_ids or {}), indent=2))
     return folder

@@ -1,7 +1,8 @@
 """Causal attention backends: PyTorch SDPA, the flash-attn package, and a plain reference.
 
 All take and return tensors laid out ``[batch, seq, heads, head_dim]``; keys and values may have fewer heads
-than queries (grouped-query attention).
+than queries (grouped-query attention), and values another head width than queries and keys (latent attention: the
+output has the values' width).
 """
 
 from __future__ import annotations
@@ -55,7 +56,14 @@ def causal_attention(
     if backend == "flash":
         from flash_attn import flash_attn_func
 
-        return flash_attn_func(q, k, v, causal=True)
+        width, qk = v.shape[-1], q.shape[-1]
+        if width == qk:
+            return flash_attn_func(q, k, v, causal=True)
+        # NOTE: flash-attn takes one head width for q, k and v; latent attention's values are narrower (DeepSeek-V3:
+        # 128 against 192). The narrower side is padded with zeros, which changes no score and no kept output column.
+        full = max(width, qk)
+        q, k, v = (F.pad(t, (0, full - t.shape[-1])) for t in (q, k, v))
+        return flash_attn_func(q, k, v, causal=True, softmax_scale=qk**-0.5)[..., :width]
     # SDPA wants [batch, heads, seq, head_dim].
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=q.shape[2] != k.shape[2]

@@ -19,6 +19,7 @@ FAMILIES = {
     "qwen3": "Qwen3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 
 
@@ -39,7 +40,9 @@ class GPTConfig:
         max_seq_len: Longest sequence the model is meant to see.
         rope_theta: Base of the rotary embedding frequencies.
         rope_scaling: HuggingFace's ``rope_scaling``: ``{"rope_type": "llama3", "factor", "low_freq_factor",
-            "high_freq_factor", "original_max_position_embeddings"}`` (Llama 3.1-3.3) or ``{"rope_type": "linear",
+            "high_freq_factor", "original_max_position_embeddings"}`` (Llama 3.1-3.3), ``{"rope_type": "yarn",
+            "factor", "original_max_position_embeddings"}`` with optional ``beta_fast``, ``beta_slow``, ``mscale``,
+            ``mscale_all_dim``, ``attention_factor``, ``truncate`` (DeepSeek-V3, Kimi K2) or ``{"rope_type": "linear",
             "factor"}``; ``None``: plain rotary embeddings (`lit3d.models.rotary`).
         norm_eps: Epsilon of the RMSNorms.
         tie_embeddings: Share the token embedding with the LM head.
@@ -53,7 +56,7 @@ class GPTConfig:
         qk_norm: An RMSNorm over each head of q and of k before rotary (Qwen3).
         qkv_bias: A bias on the q, k and v projections (Qwen2, Qwen2.5).
         family: The HuggingFace ``model_type`` an export writes (`FAMILIES`: ``llama``, ``mistral``, ``qwen2``,
-            ``qwen3``; ``mixtral`` or ``qwen3_moe`` for an MoE model).
+            ``qwen3``; ``mixtral`` or ``qwen3_moe`` for an MoE model; ``deepseek_v3`` for latent attention).
         n_expert: Routed experts per Mixture-of-Experts layer; 0 means a dense model (`lit3d.models.moe`).
         n_expert_per_token: Experts each token is routed to (top-k).
         n_shared_expert: Experts every token also goes through (DeepSeek, Qwen2-MoE), as one wider SwiGLU.
@@ -67,6 +70,21 @@ class GPTConfig:
         capacity_factor: ``None`` routes dropless (every token reaches its experts: the default, and what keeps
             results independent of the layout); a number caps each expert at that many times its even share of a
             micro-batch's (token, choice) pairs on a rank, dropping the rest (Switch Transformer, GShard).
+        kv_lora_rank: Width of the latent that keys and values are compressed to: multi-head latent attention (MLA,
+            DeepSeek-V2/V3: `lit3d.models.latent_attention`) instead of grouped-query attention; ``None``: no MLA.
+        q_lora_rank: Width of the queries' low-rank down-projection under MLA; ``None``: one plain ``q_proj``.
+        qk_rope_head_dim: Under MLA, the part of each query and key head that is rotated (the key's part is one
+            head shared by all).
+        qk_nope_head_dim: Under MLA, the part of each query and key head without rotary embeddings; a head of q and
+            k is ``qk_nope_head_dim + qk_rope_head_dim`` wide (``head_dim``).
+        v_head_dim: Under MLA, the width of each value head (and of each head of the attention's output).
+        rope_interleave: Under MLA, the rotated dims are laid out in interleaved pairs ``(x0, x1), (x2, x3), ...``
+            (DeepSeek's checkpoints) rather than in halves.
+        n_group: The sigmoid router's experts in this many groups; a token chooses among the experts of its
+            ``topk_group`` best groups only, each group scored by the sum of its two best biased scores
+            (DeepSeek-V3's group-limited routing); 1: no groups.
+        topk_group: How many groups a token's experts may come from.
+        routed_scaling_factor: The routed experts' weights are multiplied by this (DeepSeek-V3: 2.5).
     """
 
     name: str = "custom"
@@ -98,6 +116,15 @@ class GPTConfig:
     aux_loss_coef: float = 0.01
     router_bias_rate: float = 1e-3
     capacity_factor: float | None = None
+    kv_lora_rank: int | None = None
+    q_lora_rank: int | None = None
+    qk_rope_head_dim: int = 64
+    qk_nope_head_dim: int = 128
+    v_head_dim: int = 128
+    rope_interleave: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
     # Derived in __post_init__, never set by hand.
     padded_vocab_size: int = field(init=False)
 
@@ -118,7 +145,7 @@ class GPTConfig:
         ):
             if getattr(self, key) <= 0:
                 raise ValueError(f"GPTConfig.{key}={getattr(self, key)} must be positive")
-        if self.head_dim is None and self.d_model % self.n_head:
+        if self.head_dim is None and self.d_model % self.n_head and self.kv_lora_rank is None:
             raise ValueError(f"n_head={self.n_head} does not divide d_model={self.d_model}")
         if self.n_head % self.n_kv_head:
             raise ValueError(f"n_kv_head={self.n_kv_head} does not divide n_head={self.n_head}")
@@ -128,6 +155,7 @@ class GPTConfig:
         if self.attention not in ("auto", "sdpa", "flash"):
             raise ValueError(f"attention={self.attention!r} is not one of 'auto', 'sdpa', 'flash'")
         self._explicit_head_dim = self.head_dim
+        self._check_latent_attention()
         if self.head_dim is None:
             self.head_dim = self.d_model // self.n_head
         if self.head_dim <= 0 or self.head_dim % 2:
@@ -155,6 +183,54 @@ class GPTConfig:
             raise ValueError(f"router={self.router!r} is not one of 'softmax', 'sigmoid'")
         if self.capacity_factor is not None and self.capacity_factor <= 0:
             raise ValueError(f"capacity_factor={self.capacity_factor} must be positive (or None: dropless)")
+        self._check_groups()
+
+    def _check_groups(self) -> None:
+        """DeepSeek-V3's group-limited routing: groups of at least two experts (each scored by its best two), enough
+        experts in the eligible groups, and only for the sigmoid router."""
+        groups, chosen = self.n_group, self.topk_group
+        if self.routed_scaling_factor <= 0 or groups < 1 or not 1 <= chosen <= groups:
+            raise ValueError(
+                f"n_group={groups}, topk_group={chosen}, routed_scaling_factor={self.routed_scaling_factor}: "
+                "n_group and the scale must be positive and topk_group between 1 and n_group"
+            )
+        if groups == 1 or not self.n_expert:
+            return
+        per_group = self.n_expert // groups
+        if self.router != "sigmoid" or self.n_expert % groups or per_group < 2:
+            raise ValueError(
+                f"n_group={groups} with router={self.router!r}, n_expert={self.n_expert}: groups are for the sigmoid "
+                "router, and n_group must divide n_expert into groups of two experts or more"
+            )
+        if self.n_expert_per_token > chosen * per_group:
+            raise ValueError(
+                f"n_expert_per_token={self.n_expert_per_token} is more than the {chosen * per_group} experts of "
+                f"topk_group={chosen} groups of {per_group}"
+            )
+
+    def _check_latent_attention(self) -> None:
+        """Multi-head latent attention's widths, and the settings of grouped-query attention it does not take; its
+        q and k heads are ``qk_nope_head_dim + qk_rope_head_dim`` wide (``head_dim``)."""
+        if self.kv_lora_rank is None:
+            if self.q_lora_rank is not None or self.rope_interleave:
+                raise ValueError(
+                    f"q_lora_rank={self.q_lora_rank}, rope_interleave={self.rope_interleave} are settings of "
+                    "multi-head latent attention: set kv_lora_rank too"
+                )
+            return
+        names = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+        widths = {name: getattr(self, name) for name in names}
+        if any(width is not None and width <= 0 for width in widths.values()) or self.qk_rope_head_dim % 2:
+            raise ValueError(f"{widths}: latent attention's widths must be positive, qk_rope_head_dim even")
+        qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+        if self.n_kv_head != self.n_head or self.qk_norm or self.qkv_bias or self.head_dim not in (None, qk):
+            raise ValueError(
+                f"n_kv_head={self.n_kv_head}, qk_norm={self.qk_norm}, qkv_bias={self.qkv_bias}, "
+                f"head_dim={self.head_dim}: multi-head latent attention (kv_lora_rank={self.kv_lora_rank}) has "
+                f"n_kv_head = n_head={self.n_head}, no q/k norms or biases, and heads of {qk} "
+                "(qk_nope_head_dim + qk_rope_head_dim)"
+            )
+        self.head_dim = qk
 
     def is_moe_layer(self, index: int) -> bool:
         return self.n_expert > 0 and index >= self.first_dense_layers
@@ -219,14 +295,32 @@ class GPTConfig:
 
     def block_params(self, active: bool) -> int:
         """Parameters of all blocks; ``active``: only those one token uses (k of the routed experts)."""
-        attention = self.d_model * self.head_dim * (2 * self.n_head + 2 * self.n_kv_head) + 2 * self.d_model
-        attention += 2 * self.head_dim if self.qk_norm else 0  # Qwen3's per-head q and k norms
-        attention += self.head_dim * (self.n_head + 2 * self.n_kv_head) if self.qkv_bias else 0  # Qwen2's biases
+        attention = self.attention_params + 2 * self.d_model
         dense = 3 * self.d_model * self.d_ff
         expert = 3 * self.d_model * self.d_ff_expert
         routed = self.n_expert_per_token if active else self.n_expert
         moe = self.d_model * self.n_expert + (routed + self.n_shared_expert) * expert
         return self.n_layer * attention + (self.n_layer - self.moe_layers) * dense + self.moe_layers * moe
+
+    @property
+    def attention_params(self) -> int:
+        """Parameters of one block's attention (its norm left out)."""
+        d, hd, heads = self.d_model, self.head_dim, self.n_head
+        if self.kv_lora_rank is None:
+            attention = d * hd * (2 * heads + 2 * self.n_kv_head)
+            attention += 2 * hd if self.qk_norm else 0  # Qwen3's per-head q and k norms
+            return attention + (hd * (heads + 2 * self.n_kv_head) if self.qkv_bias else 0)  # Qwen2's biases
+        latent, q_rank = self.kv_lora_rank, self.q_lora_rank
+        queries = d * heads * hd if q_rank is None else q_rank * (d + 1 + heads * hd)
+        keys_values = d * (latent + self.qk_rope_head_dim) + latent * (
+            1 + heads * (self.qk_nope_head_dim + self.v_head_dim)
+        )
+        return queries + keys_values + heads * self.value_head_dim * d
+
+    @property
+    def value_head_dim(self) -> int:
+        """Width of a value head: ``v_head_dim`` under latent attention, else ``head_dim``."""
+        return self.head_dim if self.kv_lora_rank is None else self.v_head_dim
 
     @property
     def embedding_params(self) -> int:
@@ -241,8 +335,9 @@ class GPTConfig:
         return per_weight * matmul_params + 6 * (adapter_params or 0) + self.attention_flops_per_token(seq_len)
 
     def attention_flops_per_token(self, seq_len: int) -> int:
-        """The attention scores and their weighted sum, forward and backward: 12 · n_layer · heads · seq_len."""
-        return 12 * self.n_layer * self.n_head * self.head_dim * seq_len
+        """The attention scores and their weighted sum, forward and backward: 6 · n_layer · heads · (q/k head + value
+        head) · seq_len (12 · n_layer · heads · head_dim · seq_len where the heads are one width)."""
+        return 6 * self.n_layer * self.n_head * (self.head_dim + self.value_head_dim) * seq_len
 
 
 _SETTABLE = tuple(f.name for f in dataclasses.fields(GPTConfig) if f.init)  # `GPTConfig.to_dict`'s fields
@@ -251,7 +346,10 @@ _SETTABLE = tuple(f.name for f in dataclasses.fields(GPTConfig) if f.init)  # `G
 ROPE_SCALINGS = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
 }
+# The parameters a scaling may have besides those it needs (HuggingFace's defaults when absent).
+ROPE_OPTIONS = {"yarn": ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")}
 
 
 def check_rope_scaling(scaling: dict[str, Any] | None) -> None:

@@ -10,6 +10,10 @@ ROLES = {
     "k": ("attn.k_proj", "self_attn.k_proj"),
     "v": ("attn.v_proj", "self_attn.v_proj"),
     "o": ("attn.o_proj", "self_attn.o_proj"),
+    "q_a": ("attn.q_a_proj", "self_attn.q_a_proj"),  # multi-head latent attention's (`lit3d.models.latent_attention`)
+    "q_b": ("attn.q_b_proj", "self_attn.q_b_proj"),
+    "kv_a": ("attn.kv_a_proj_with_mqa", "self_attn.kv_a_proj_with_mqa"),
+    "kv_b": ("attn.kv_b_proj", "self_attn.kv_b_proj"),
     "gate": ("mlp.gate_proj", "mlp.gate_proj"),
     "up": ("mlp.up_proj", "mlp.up_proj"),
     "down": ("mlp.down_proj", "mlp.down_proj"),
@@ -26,7 +30,9 @@ class LoRA:
         alpha: Their scale is ``alpha / rank`` (PEFT's ``lora_alpha``).
         dropout: Dropout on the adapters' input while training; its masks are the same in every layout (drawn from
             each element's place in the run: `lit3d.models.lora_dropout`).
-        targets: The linears that get one, by role: ``q``, ``k``, ``v``, ``o``, ``gate``, ``up``, ``down``.
+        targets: The linears that get one, by role: ``q``, ``k``, ``v``, ``o``, ``gate``, ``up``, ``down``; under
+            multi-head latent attention ``q`` (without ``q_lora_rank``), ``q_a``, ``q_b``, ``kv_a``, ``kv_b`` and
+            ``o``.
     """
 
     rank: int = 8

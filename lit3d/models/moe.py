@@ -36,13 +36,16 @@ class Router(nn.Module):
     ``softmax`` (Mixtral, Qwen3-MoE): the top-k of the softmax, weights renormalised over the chosen. ``sigmoid``
     (DeepSeek-V3): the top-k of sigmoid scores plus ``expert_bias``, weights the chosen scores renormalised; the bias
     is not learnt but nudged after each step toward the under-loaded experts (`update_bias`), balancing the load
-    without an auxiliary loss. With ``norm_topk_prob`` False (some Qwen3-MoE configs) the weights are the chosen
-    scores as they are.
+    without an auxiliary loss. It is a buffer: saved with the weights, never seen by the optimizer. With ``n_group``
+    groups the top-k is taken in the best ``topk_group`` groups only (`eligible`). With ``norm_topk_prob`` False
+    (some Qwen3-MoE configs) the weights are the chosen scores as they are; they are then multiplied by
+    ``routed_scaling_factor`` (DeepSeek-V3).
     """
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.kind, self.k, self.renormalise = config.router, config.n_expert_per_token, config.norm_topk_prob
+        self.groups, self.group_k, self.scale = config.n_group, config.topk_group, config.routed_scaling_factor
         self.gate = nn.Linear(config.d_model, config.n_expert, bias=False)
         if self.kind == "sigmoid":
             self.register_buffer("expert_bias", torch.zeros(config.n_expert))
@@ -54,12 +57,22 @@ class Router(nn.Module):
             weights, chosen = scores.topk(self.k, dim=-1)
         else:
             scores = logits.sigmoid()
-            chosen = (scores + self.expert_bias).topk(self.k, dim=-1).indices
+            chosen = self.eligible(scores + self.expert_bias).topk(self.k, dim=-1).indices
             weights = scores.gather(-1, chosen)
             scores = scores / scores.sum(dim=-1, keepdim=True)
         if self.renormalise:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return chosen, weights, scores
+        return chosen, weights if self.scale == 1.0 else weights * self.scale, scores
+
+    def eligible(self, biased: torch.Tensor) -> torch.Tensor:
+        """DeepSeek-V3's group-limited routing: ``biased`` ``[n, n_expert]`` with -inf but in each token's
+        ``topk_group`` best of ``n_group`` groups of experts, a group scored by the sum of its two best."""
+        if self.groups == 1:
+            return biased
+        grouped = biased.view(biased.shape[0], self.groups, -1)
+        best = grouped.topk(2, dim=-1).values.sum(dim=-1).topk(self.group_k, dim=-1).indices
+        kept = torch.zeros(grouped.shape[:2], dtype=torch.bool, device=biased.device).scatter_(1, best, True)
+        return grouped.masked_fill(~kept.unsqueeze(-1), float("-inf")).view_as(biased)
 
     @torch.no_grad()
     def update_bias(self, tokens_per_expert: torch.Tensor, rate: float) -> None:

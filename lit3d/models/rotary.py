@@ -10,6 +10,11 @@ Scalings (``rope_scaling`` / ``rope_parameters`` of a HuggingFace config):
 - ``llama3`` (Llama 3.1-3.3): frequencies whose wavelength is longer than ``original_max_position_embeddings /
   low_freq_factor`` are divided by ``factor``, those shorter than ``original_max_position_embeddings /
   high_freq_factor`` are kept, and those between are blended linearly in ``original / wavelength``.
+- ``yarn`` (YaRN, Peng et al. 2023; DeepSeek-V3, Kimi K2): frequencies that turn fewer than ``beta_slow`` times over
+  ``original_max_position_embeddings`` are divided by ``factor``, those that turn more than ``beta_fast`` times are
+  kept, and those between are blended linearly in their dim; cos and sin are scaled by an attention factor
+  (``attention_factor``, else ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` when both are given, else
+  ``mscale(factor)``, with ``mscale(s, m) = 0.1 · m · ln s + 1``), as transformers computes them.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Any
 
 import torch
 
+from lit3d.models.documents import Documents
 from lit3d.models.ring_attention import ContextParallel, positions
 
 
@@ -44,7 +50,49 @@ class Rope:
             return frequencies / scaling["factor"]
         if kind == "llama3":
             return _llama3(frequencies, scaling)
+        if kind == "yarn":
+            return _yarn(frequencies, self.theta, head_dim, scaling)
         return frequencies
+
+    def attention_factor(self) -> float:
+        """What YaRN scales cos and sin by (1 for every other rotary embedding)."""
+        scaling = dict(self.scaling)
+        if scaling.get("rope_type") != "yarn":
+            return 1.0
+        if scaling.get("attention_factor") is not None:
+            return float(scaling["attention_factor"])
+        factor, mscale, mscale_all_dim = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+        return yarn_mscale(factor)
+
+    def softmax_correction(self) -> float:
+        """DeepSeek's attention multiplies its softmax scale by ``mscale(factor, mscale_all_dim)²`` under YaRN with
+        ``mscale_all_dim`` (the long-context temperature); 1 otherwise."""
+        scaling = dict(self.scaling)
+        if scaling.get("rope_type") != "yarn" or not scaling.get("mscale_all_dim"):
+            return 1.0
+        return yarn_mscale(scaling["factor"], scaling["mscale_all_dim"]) ** 2
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for positions stretched by ``factor``: ``0.1 · mscale · ln factor + 1``."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn(frequencies: torch.Tensor, theta: float, head_dim: int, scaling: dict[str, Any]) -> torch.Tensor:
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+
+    def dim_turning(turns: float) -> float:  # the dim whose frequency turns ``turns`` times over the original context
+        return head_dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_turning(scaling.get("beta_fast") or 32), dim_turning(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    dims = torch.arange(head_dim // 2, dtype=torch.float32, device=frequencies.device)
+    interpolated = ((dims - low) / (high - low if high != low else 0.001)).clamp(0, 1)  # 0: kept, 1: divided
+    return frequencies / factor * interpolated + frequencies * (1 - interpolated)
 
 
 def _llama3(frequencies: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -106,7 +154,31 @@ def _rotary_tables(seq_len: int, head_dim: int, rope: Rope, device: torch.device
         torch.arange(seq_len, device=device, dtype=torch.float32), rope.inverse_frequencies(head_dim, device)
     )
     angles = torch.cat((angles, angles), dim=-1)
-    return angles.cos(), angles.sin()
+    factor = rope.attention_factor()
+    if factor == 1.0:
+        return angles.cos(), angles.sin()
+    return angles.cos() * factor, angles.sin() * factor
+
+
+def position_tables(
+    rope: Rope,
+    head_dim: int,
+    x: torch.Tensor,
+    documents: Documents | None,
+    cp: ContextParallel | None,
+    max_seq_len: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin for the tokens of ``x`` ``[batch, seq, ...]``, in its dtype: with packed ``documents`` each token's
+    by its position within its document (``[batch, seq, head_dim]``), under context parallelism by its true position,
+    else by its place in the row (``[seq, head_dim]``)."""
+    seq = x.shape[1]
+    if documents is not None:
+        tables = rotary_tables(max_seq_len, head_dim, rope, x.device, x.dtype)
+        cos, sin = (t[documents.positions] for t in tables)
+        return cos, sin
+    if cp is None:
+        return rotary_tables(seq, head_dim, rope, x.device, x.dtype)
+    return context_parallel_rotary_tables(cp, seq, head_dim, rope, x.device, x.dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,8 @@ from lit3d.models.config import GPTConfig
 #   tp_region          a module that runs on the full sequence (its input is gathered under sequence parallel)
 #   norm               runs on sequence shards under sequence parallel, replicated otherwise
 #   head_norm          a norm over each head (Qwen3's q and k norms): on each rank's heads, its weight replicated
+#   replicated         a small module inside a region that every rank computes whole (latent attention's
+#                      down-projections and their norms): its weights replicated, its input the region's
 #   vocab_embedding    embedding rows split by vocabulary
 #   vocab_head         LM head split by vocabulary; its logits stay sharded for the parallel loss
 TENSOR_PARALLEL_PLAN: dict[str, str] = {
@@ -37,8 +39,12 @@ TENSOR_PARALLEL_PLAN: dict[str, str] = {
 def tensor_parallel_plan(config: GPTConfig) -> dict[str, str]:
     """`TENSOR_PARALLEL_PLAN` for ``config``: an MoE block's feed-forward is a ``replicated_region`` (every TP rank
     routes the same tokens through the same experts; expert parallelism is what splits the experts); Qwen3's q and k
-    norms are ``head_norm``s (each rank normalises its heads; their weights' gradients are summed over TP)."""
+    norms are ``head_norm``s (each rank normalises its heads; their weights' gradients are summed over TP); latent
+    attention's projections are `latent_attention_plan`'s."""
     base = dict(TENSOR_PARALLEL_PLAN)
+    if config.kv_lora_rank is not None:
+        base = {k: v for k, v in base.items() if k.split(".")[-1] not in ("q_proj", "k_proj", "v_proj")}
+        base.update(latent_attention_plan(config))
     if config.qk_norm:
         base.update({"blocks.*.attn.q_norm": "head_norm", "blocks.*.attn.k_norm": "head_norm"})
     if not config.n_expert:
@@ -51,3 +57,15 @@ def tensor_parallel_plan(config: GPTConfig) -> dict[str, str]:
         else:
             plan.update({k.replace("*", str(i)): TENSOR_PARALLEL_PLAN[k] for k in mlp})
     return plan
+
+
+def latent_attention_plan(config: GPTConfig) -> dict[str, str]:
+    """Multi-head latent attention (`lit3d.models.latent_attention`) under TP: the per-head up-projections
+    (``q_b_proj`` or ``q_proj``, ``kv_b_proj``) split by heads, ``o_proj`` by its input, the low-rank down-projections
+    and their norms whole on every rank (each rank's heads read all of the latent)."""
+    if config.q_lora_rank is None:
+        split, whole = ("q_proj", "kv_b_proj"), ("kv_a_proj_with_mqa", "kv_a_layernorm")
+    else:
+        split, whole = ("q_b_proj", "kv_b_proj"), ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm")
+    plan = {f"blocks.*.attn.{name}": "colwise" for name in split}
+    return plan | {f"blocks.*.attn.{name}": "replicated" for name in whole}

@@ -5,7 +5,8 @@ Layout (parameter names are the same in every parallel layout, which keeps check
 
     embed                       token embedding           (absent on pipeline stages that do not start the model)
     blocks.{0..N-1}.attn_norm   RMSNorm
-    blocks.{i}.attn.{q,k,v,o}_proj
+    blocks.{i}.attn.{q,k,v,o}_proj   (latent attention: q_proj or q_a_proj, q_a_layernorm, q_b_proj;
+                                 kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj; o_proj)
     blocks.{i}.mlp_norm         RMSNorm
     blocks.{i}.mlp.{gate,up,down}_proj
     norm                        final RMSNorm             (absent on stages that do not end the model)
@@ -29,12 +30,13 @@ import torch.nn.functional as F
 from lit3d.models.attention import causal_attention
 from lit3d.models.batch_context import NO_CONTEXT, BatchContext
 from lit3d.models.config import GPTConfig
+from lit3d.models.latent_attention import LatentAttention
 from lit3d.models.lora import LoRA, init_adapter, linear, project
 from lit3d.models.lora_dropout import name_dropouts
 from lit3d.models.mlp import MLP
 from lit3d.models.moe import MoE
 from lit3d.models.ring_attention import ContextParallel, ring_attention
-from lit3d.models.rotary import Rope, apply_rotary, context_parallel_rotary_tables, rotary_tables
+from lit3d.models.rotary import Rope, apply_rotary, position_tables, rotary_tables
 
 __all__ = ["Transformer", "apply_rotary", "rotary_tables"]  # (the rotary helpers are read from here too)
 
@@ -65,13 +67,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         docs = context.documents_for(batch, seq)
-        if docs is not None:  # packed rows: each token rotated by its position within its document
-            tables = rotary_tables(self.config.max_seq_len, hd, self.rope, x.device, q.dtype)
-            cos, sin = (t[docs.positions] for t in tables)
-        elif cp is None:
-            cos, sin = rotary_tables(seq, hd, self.rope, x.device, q.dtype)
-        else:  # each token rotated by its true position
-            cos, sin = context_parallel_rotary_tables(cp, seq, hd, self.rope, x.device, q.dtype)
+        cos, sin = position_tables(self.rope, hd, q, docs, cp, self.config.max_seq_len)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cp is None:
             y = causal_attention(q, k, v, self.config.attention, docs)
@@ -81,13 +77,14 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x)); the MLP is a Mixture of Experts
+    """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x)); the attention is multi-head latent attention
+    (`lit3d.models.latent_attention`) where ``config.kv_lora_rank`` is set, and the MLP a Mixture of Experts
     (`lit3d.models.moe.MoE`) in the blocks ``config.is_moe_layer`` names."""
 
     def __init__(self, config: GPTConfig, index: int = 0, lora: LoRA | None = None) -> None:
         super().__init__()
         self.attn_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
-        self.attn = Attention(config, lora)
+        self.attn = LatentAttention(config, lora) if config.kv_lora_rank else Attention(config, lora)
         self.mlp_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.mlp = MoE(config, index, lora) if config.is_moe_layer(index) else MLP(config, lora)
 
@@ -160,6 +157,7 @@ class Transformer(nn.Module):
 
         seed = torch.initial_seed() if seed is None else seed
         source = self.init_source if self.init_source is not None else {}
+        biases = {name: source.pop(name) for name in list(source) if name.endswith("expert_bias")}  # buffers
         for name, param in self.named_parameters():
             if name in source:
                 _copy_full(param, _padded(source[name], param.shape).to(param.device))
@@ -176,8 +174,10 @@ class Transformer(nn.Module):
         source.clear()  # NOTE: also for pipeline chunks, which share this network's attributes
         self.init_source = None
         for name, buffer in self.named_buffers():
-            if name.endswith("expert_bias"):  # the sigmoid router's balancing bias starts at zero
+            if name.endswith("expert_bias"):  # the sigmoid router's balancing bias: zero, or the pretrained one
                 buffer.zero_()
+                if name in biases:
+                    buffer.copy_(biases[name])
 
     def moe_layers(self) -> list[nn.Module]:
         """The Mixture-of-Experts feed-forwards of the blocks this network (or pipeline stage) holds."""

@@ -4,7 +4,17 @@ collectives. The strategy applies these (`lit3d.strategies.split.tensor_parallel
 
 from __future__ import annotations
 
-ROLES = ("colwise", "rowwise", "tp_region", "replicated_region", "norm", "head_norm", "vocab_embedding", "vocab_head")
+ROLES = (
+    "colwise",
+    "rowwise",
+    "tp_region",
+    "replicated_region",
+    "replicated",
+    "norm",
+    "head_norm",
+    "vocab_embedding",
+    "vocab_head",
+)
 # The dim of its weight each role splits over the TP ranks (an ``nn.Linear`` weight is [out, in], an embedding's
 # [vocab, d]); the roles not named here leave their weights whole. The planner counts shards with this.
 SHARDED_DIM = {"colwise": 0, "rowwise": 1, "vocab_embedding": 0, "vocab_head": 0}

@@ -50,6 +50,9 @@ def parallel_styles(sequence_parallel: bool) -> dict[str, ParallelStyle | None]:
             desired_output_layouts=(between,),
             use_local_output=True,
         ),
+        # A small module inside a region that every rank computes whole on the region's replicated input (latent
+        # attention's down-projections and norms): its weights replicated DTensors, so that it takes that input.
+        "replicated": ReplicateWeights(),
         "norm": NormOnShards() if sequence_parallel else None,
         # q and k as [batch, seq, heads, head_dim], split by heads (dim 2): the weight's gradient summed over TP.
         "head_norm": NormOnShards(sequence_dim=2, use_local_output=True),
@@ -69,6 +72,15 @@ class NormOnShards(SequenceParallel):
         for p_name, param in list(module.named_parameters()):
             replicated = DTensor.from_local(param, device_mesh, [Replicate()], run_check=False)
             module.register_parameter(p_name, nn.Parameter(replicated, requires_grad=param.requires_grad))
+
+
+class ReplicateWeights(ParallelStyle):
+    """Every parameter of the module as a replicated DTensor; its input and output are left as they come (inside a TP
+    region: replicated DTensors, whose gradients DTensor sums over TP where they are partial)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _distribute(module, device_mesh, self.src_data_rank, {})
+        return module
 
 
 class SplitColumns(ColwiseParallel):
