@@ -7,8 +7,8 @@ with FP8 linears (``tensorwise``, ``rowwise``), from the same seed and batches; 
 Each run is the command a user types (``lit3d fit --config configs/tiny.yaml --trainer.precision=bf16-mixed
 --trainer.strategy=Parallel3DStrategy --trainer.strategy.float8=rowwise``), on one process. Printed: each run's final
 loss (the mean of its last 10 logged steps, which smooths one batch's noise) and its difference from bf16's, and the
-seconds each took (on a CPU, FP8 matmuls are emulated by ``_scaled_mm``'s reference kernel: not a speed
-measurement; `benchmarks/strategies.py --float8` times them on a GPU).
+seconds each took (on a CPU, FP8 matmuls are torchao's emulation in fp32: not a speed measurement;
+`benchmarks/strategies.py --float8` times them on a GPU, `benchmarks/fp8_cpu.py` the CPU path).
 """
 
 from __future__ import annotations

@@ -149,8 +149,6 @@ def peers(section: Section) -> None:
 
 def fp8(section: Section) -> None:
     """FP8 against bf16, compiled as FP8 training runs: a wide model first (where FP8 pays), then the peers' one."""
-    from lit3d.strategies.torch_compat import rowwise_float8_on_cpu
-
     settings = section.settings
     if settings["accelerator"] == "gpu" and tuple(torch.cuda.get_device_capability()) < (8, 9):
         section.results["skipped"] = (
@@ -165,11 +163,6 @@ def fp8(section: Section) -> None:
         micro = found or min(largest_micro_batch(config, settings, compile=True), settings["fp8_micro_batch_cap"])
         for recipe in ([None] if shape == "wide" else []) + ["tensorwise", "rowwise"]:
             item = f"{shape} {recipe or 'bf16'}"
-            if recipe == "rowwise" and settings["accelerator"] == "cpu" and not rowwise_float8_on_cpu():
-                section.skip(
-                    item, f"PyTorch {torch.__version__}'s CPU FP8 matmul takes one scale per tensor (a GPU's: per row)"
-                )
-                continue
             train = partial(lightning_run, config, settings=settings, system="3d", compile=compile, float8=recipe)
             section.run(item, estimate, partial(with_smaller_batch, train, micro))
 

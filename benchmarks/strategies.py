@@ -77,11 +77,12 @@ CONFIGS = {
     "3d cp4": (4, {"zero_stage": 0, "context_parallel_size": 4}, ("3d 1x1x1",)),
     # FP8 only (--float8): the blocks' linears in FP8 against the same layout in bf16
     "3d 1x1x1 fp8": (1, {"zero_stage": 0, "float8": "tensorwise"}, ("3d 1x1x1",)),
+    "3d 1x1x1 fp8 rowwise": (1, {"zero_stage": 0, "float8": "rowwise"}, ("3d 1x1x1",)),
     "3d dp2 zero3 fp8": (2, {"zero_stage": 3, "float8": "tensorwise", "float8_all_gather": True}, ("3d dp2 zero3",)),
 }
 MOE_ONLY = {"3d dp2 ep2"}
 CONTEXT_ONLY = {"3d cp2", "3d cp4"}
-FLOAT8_ONLY = {"3d 1x1x1 fp8", "3d dp2 zero3 fp8"}
+FLOAT8_ONLY = {"3d 1x1x1 fp8", "3d 1x1x1 fp8 rowwise", "3d dp2 zero3 fp8"}
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ from lit3d.parallel.shares import check_shares_fit
 from lit3d.parallel.stages import check_stage_layers
 from lit3d.strategies.pipelining.step import check_pipeline_protocol
 from lit3d.strategies.split.context_parallel import check_module_for_context_parallel
-from lit3d.strategies.split.float8 import small_gemms_warning
+from lit3d.strategies.split.float8 import CPU_MATMUL, emulates, small_gemms_warning
 from lit3d.strategies.split.recompute import check_recompute_composes
 from lit3d.strategies.torch_compat import rowwise_float8_on_cpu
 
@@ -57,8 +57,9 @@ def check_run(parallelism: Parallelism, layout: Layout, module: Any, trainer: An
 
 def _check_float8(parallelism: Parallelism, layout: Layout, module: Any, trainer: Any, datamodule: Any) -> None:
     """FP8 (`check_float8`) on this run: its precision, model and LoRA; each rank's tokens per sequence in multiples of
-    16 (the weight gradient's matmul runs over them); and a GPU with FP8 tensor cores. Linears too small for FP8 to
-    pay are said on rank 0, naming the width (`small_gemms_warning`)."""
+    16 (the weight gradient's matmul runs over them); a GPU with FP8 tensor cores, or on CPU a known `CPU_MATMUL` (and
+    row-wise scales in PyTorch's CPU matmul if it is chosen). Linears too small for FP8 to pay are said on rank 0,
+    naming the width (`small_gemms_warning`)."""
     if not parallelism.float8:
         return
     config = getattr(module, "config", None)
@@ -80,12 +81,14 @@ def _check_float8(parallelism: Parallelism, layout: Layout, module: Any, trainer
                 f"float8={parallelism.float8!r} on {torch.cuda.get_device_name()}: FP8 matmuls need "
                 "compute capability 8.9 or later (Ada, Hopper, Blackwell)"
             )
-    if accelerator == "CPUAccelerator" and parallelism.float8 == "rowwise" and not rowwise_float8_on_cpu():
+    kernel = accelerator == "CPUAccelerator" and not emulates("cpu")  # (an unknown choice is refused here)
+    if kernel and parallelism.float8 == "rowwise" and not rowwise_float8_on_cpu():
         import torch
 
         raise ValueError(
-            f"float8='rowwise' on CPU with PyTorch {torch.__version__}: its CPU FP8 matmul takes one scale per tensor "
-            "(PyTorch 2.13 and later take one per row); use float8='tensorwise'"
+            f"float8='rowwise' on CPU with PyTorch {torch.__version__} and {CPU_MATMUL}=scaled_mm: its CPU FP8 "
+            "matmul takes one scale per tensor (PyTorch 2.13 and later take one per row); use float8='tensorwise', "
+            f"or unset {CPU_MATMUL} (torchao's emulation)"
         )
     warning = small_gemms_warning(parallelism.float8, config, layout.tp) if isinstance(config, GPTConfig) else None
     if warning is not None:

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.distributed.device_mesh import DeviceMesh
 
 from lit3d.models.loop import starts_optimizer_step
@@ -29,7 +30,7 @@ from lit3d.strategies.pipelining.chunks import split_into_stages
 from lit3d.strategies.pipelining.step import Pipeline
 from lit3d.strategies.split.context_parallel import apply_context_parallel
 from lit3d.strategies.split.data_parallel import apply_data_parallel
-from lit3d.strategies.split.float8 import apply_float8
+from lit3d.strategies.split.float8 import apply_float8, cpu_matmul_line, emulates
 from lit3d.strategies.split.recompute import apply_activation_checkpointing
 from lit3d.strategies.split.tensor_parallel import apply_tensor_parallel, check_plan, keep_sequence_shards
 
@@ -86,6 +87,8 @@ def split_module(
     network._lit3d_split = layout.world_size > 1  # 1x1x1 leaves it as it is
     plan = module.tensor_parallel_plan
     chunks, stage_ids = parallelize_network(network, plan, parallelism, meshes, rank, mp_policy=mp_policy, ddp=ddp)
+    if parallelism.float8 and device.type == "cpu":
+        rank_zero_info(cpu_matmul_line(parallelism.float8))
     if any(p.is_meta for p in network.parameters()):
         for chunk in chunks:  # NOTE: offloaded weights are made in host memory, where FSDP2 keeps them
             chunk.to_empty(device="cpu" if parallelism.offload else device)
@@ -141,6 +144,12 @@ def not_splittable(module: nn.Module) -> TypeError:
     )
 
 
+def prediction_depths(network: nn.Module) -> list[nn.Module]:
+    """The multi-token-prediction depths a lit3d network holds (``mtp``: `lit3d.models.mtp`); none in another."""
+    mtp = getattr(network, "mtp", None)
+    return list(mtp.values()) if isinstance(mtp, nn.ModuleDict) else []
+
+
 def follows_plan(module: nn.Module) -> bool:
     """Whether the strategy can split ``module`` itself: a ``model`` with ``blocks`` and a ``tensor_parallel_plan``."""
     network = getattr(module, "model", None)
@@ -176,7 +185,8 @@ def parallelize_network(
             network, p, layout.pp, parallelism.chunks_per_rank, placement, parallelism.pipeline_stage_layers
         )
     if parallelism.float8:  # a module swap that keeps the names TP's plan and FSDP2 go by
-        apply_float8(network, parallelism.float8, parallelism.float8_all_gather)
+        emulate = emulates(meshes.world.device_type)  # on CPU: torchao's emulation of the FP8 matmuls
+        apply_float8(network, parallelism.float8, parallelism.float8_all_gather, emulate)
     if layout.tp > 1:
         apply_tensor_parallel(network, plan, mesh["tp"], sequence_parallel)
         if sequence_parallel and not activation_checkpointing and not compile:  # (recompute keeps less anyway)
@@ -187,7 +197,8 @@ def parallelize_network(
         apply_expert_parallel(network, expert_mesh["ep"], meshes.ep_group)
     if layout.cp > 1:
         apply_context_parallel(network, meshes.cp_group, layout.cp, layout.cp_rank(rank))
-    blocks = list(network.blocks.values())
+    # (a lit3d network's multi-token-prediction depths hold a block each: recomputed and compiled as the others)
+    blocks = list(network.blocks.values()) + [depth.block for depth in prediction_depths(network)]
     if activation_checkpointing:
         apply_activation_checkpointing(blocks, activation_checkpointing)
     if compile:
@@ -196,7 +207,7 @@ def parallelize_network(
         for chunk in chunks:  # each pipeline chunk is a data-parallel root of its own
             apply_data_parallel(
                 chunk,
-                list(chunk.blocks.values()),
+                list(chunk.blocks.values()) + prediction_depths(chunk),  # (a unit per depth too)
                 meshes.zero_mesh,
                 ZeroPolicy.of(parallelism, layout),
                 mp_policy,

@@ -71,7 +71,8 @@ def pipeline_stage() -> type:
 
 @cache
 def rowwise_float8_on_cpu() -> bool:
-    """Whether PyTorch's CPU FP8 matmul (``torch._scaled_mm``) takes a scale per row, as ``float8="rowwise"`` needs:
+    """Whether PyTorch's CPU FP8 matmul (``torch._scaled_mm``) takes a scale per row, as ``float8="rowwise"`` needs
+    where a CPU run chooses it (``LIT3D_FLOAT8_CPU_MATMUL=scaled_mm``; torchao's default emulation needs no kernel):
     2.13 and later; 2.11 and 2.12 take one scale per tensor only (CUDA's takes both in every supported release)."""
     a = torch.ones(16, 16).to(torch.float8_e4m3fn)
     try:

@@ -4,11 +4,12 @@ stay in high precision, and what cannot run in FP8 is refused by name before any
 
 import pytest
 import torch
-from float8_layouts import FLOAT8_LAYOUTS, FP8_GPT, FP8_SAVED, FP8_STEPS, NO_ROWWISE, ROWWISE_HERE
+from float8_layouts import FLOAT8_LAYOUTS, FP8_GPT, FP8_SAVED, FP8_STEPS
 
 from lit3d import GPTConfig
 from lit3d.parallel.precision import check_float8
 from lit3d.parallel.settings import Parallelism
+from lit3d.strategies.torch_compat import rowwise_float8_on_cpu
 
 FP8_RUNS = [name for name in FLOAT8_LAYOUTS if name.startswith("fp8_")]
 
@@ -21,8 +22,6 @@ def relative(losses, reference):
 def test_each_layout_follows_the_single_process_fp8_run(layout, layout_runs, float8_references):
     """Within 1e-2 relative over every step (FP8's dynamic scales follow each layout's rounding), every rank's block
     linears in FP8: 7 per block it holds."""
-    if "rowwise" in layout and not ROWWISE_HERE:
-        pytest.skip(NO_ROWWISE)
     run = layout_runs[layout]
     reference = float8_references["rowwise" if "rowwise" in layout else "tensorwise"]["losses"]
     assert len(run["losses"]) == len(reference) == FP8_STEPS and reference[-1] < reference[0] - 1.0
@@ -81,6 +80,73 @@ def test_the_blocks_linears_run_in_fp8_and_the_embedding_head_router_and_experts
     assert "blocks.0.mlp.down_proj" in fp8 and "blocks.3.attn.k_proj" in fp8
     assert not {"embed", "head", "blocks.1.mlp.router.gate"} & fp8 and "blocks.1.mlp.experts" not in fp8
     assert "blocks.0.attn.q_proj.weight" in dict(network.named_parameters())  # the names checkpoints use
+
+
+def linear_step(recipe: str, emulate: bool) -> tuple[list[torch.Tensor], int]:
+    """One forward and backward of a small FP8 model's ``mlp.up_proj`` under bf16 autocast, on fixed inputs: its
+    output, input gradient and weight gradient, and how many ``torch._scaled_mm`` calls it made."""
+    from torch.profiler import profile
+
+    from lit3d.models.transformer import Transformer
+    from lit3d.strategies.split.float8 import apply_float8
+
+    network = Transformer(GPTConfig(**FP8_GPT))
+    network.reset_parameters(seed=0)
+    apply_float8(network, recipe, emulate=emulate)
+    linear = network.blocks["0"].mlp.up_proj
+    x = torch.randn(64, FP8_GPT["d_model"], generator=torch.Generator().manual_seed(1)).requires_grad_()
+    with profile() as profiled:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = linear(x)
+        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(2)).to(y.dtype))
+    calls = sum(event.name == "aten::_scaled_mm" for event in profiled.events())
+    return [y.float().detach(), x.grad, linear.weight.grad], calls
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_on_cpu_fp8_matmuls_are_emulated_and_pytorchs_scaled_mm_still_computes_the_same(recipe):
+    """The CPU default (torchao's emulation) calls no ``_scaled_mm``; PyTorch's CPU kernel, chosen, runs the 3 matmuls
+    of a step (output, input and weight gradients) on the same FP8 operands: the same numbers within 1e-2 of the
+    largest (measured on AVX2: rowwise the same bits, tensorwise 6.8e-4 where dividing by a scale rounds otherwise)."""
+    if recipe == "rowwise" and not rowwise_float8_on_cpu():
+        pytest.skip(f"PyTorch {torch.__version__}'s CPU FP8 matmul takes one scale per tensor")
+    emulated, calls = linear_step(recipe, emulate=True)
+    assert calls == 0
+    kernel, calls = linear_step(recipe, emulate=False)
+    assert calls == 3
+    for a, b in zip(emulated, kernel):
+        assert (a - b).abs().max() <= 1e-2 * b.abs().max()
+
+
+def test_the_cpu_matmul_path_is_chosen_by_its_variable_logged_and_refused_by_name(monkeypatch):
+    """``LIT3D_FLOAT8_CPU_MATMUL``: unset, torchao's emulation; ``scaled_mm``, PyTorch's kernel (and row-wise scales
+    refused where that kernel lacks them); another value refused naming it. Accelerators always run the kernel."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.accelerators import CPUAccelerator
+
+    from lit3d.parallel.layout import Layout
+    from lit3d.strategies import checks
+    from lit3d.strategies.split.float8 import CPU_MATMUL, cpu_matmul_line, emulates
+
+    def check(recipe: str = "rowwise") -> None:
+        trainer, layout = SimpleNamespace(accelerator=CPUAccelerator(), precision="bf16-mixed"), Layout(1, 1, 1, 1)
+        checks._check_float8(Parallelism(float8=recipe), layout, None, trainer, None)
+
+    monkeypatch.delenv(CPU_MATMUL, raising=False)
+    monkeypatch.setattr(checks, "rowwise_float8_on_cpu", lambda: False)  # as PyTorch 2.11 and 2.12
+    assert emulates("cpu") and not emulates("cuda")
+    assert cpu_matmul_line("rowwise").startswith("float8='rowwise' on CPU: FP8 casts and scales as on a GPU, matmuls "
+                                                 "emulated in fp32")  # fmt: skip
+    check()
+    monkeypatch.setenv(CPU_MATMUL, "scaled_mm")
+    assert not emulates("cpu") and "matmuls in PyTorch's CPU _scaled_mm" in cpu_matmul_line("rowwise")
+    check("tensorwise")
+    with pytest.raises(ValueError, match=r"float8='rowwise' on CPU with PyTorch .* and LIT3D_FLOAT8_CPU_MATMUL="):
+        check()
+    monkeypatch.setenv(CPU_MATMUL, "fast")
+    with pytest.raises(ValueError, match="LIT3D_FLOAT8_CPU_MATMUL='fast' is not one of 'emulated', 'scaled_mm'"):
+        check("tensorwise")
 
 
 @pytest.mark.parametrize(
