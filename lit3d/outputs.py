@@ -121,15 +121,21 @@ def is_export_folder(path: Path) -> bool:
     )
 
 
-def _safetensors_metadata(file: Path) -> dict:
-    """The ``__metadata__`` of a safetensors file's header (8 bytes of length, then JSON), {} if it has none."""
+def safetensors_header(file: Path) -> dict:
+    """A safetensors file's header (8 bytes of length, then JSON: each tensor's dtype, shape and offsets by name, and
+    ``__metadata__``), {} for a file that has none: read without torch."""
     try:
         with open(file, "rb") as opened:
             size = int.from_bytes(opened.read(8), "little")
             header = json.loads(opened.read(size)) if 0 < size <= 100_000_000 else {}
     except (OSError, ValueError):
         return {}
-    metadata = header.get("__metadata__") if isinstance(header, dict) else None
+    return header if isinstance(header, dict) else {}
+
+
+def _safetensors_metadata(file: Path) -> dict:
+    """The ``__metadata__`` of a safetensors file's header, {} if it has none."""
+    metadata = safetensors_header(file).get("__metadata__")
     return metadata if isinstance(metadata, dict) else {}
 
 

@@ -28,7 +28,7 @@ from typing_extensions import override
 from lit3d.checkpoint.save_load import Checkpoints, RankState, remove
 from lit3d.checkpoint.whole_file import WholeOrder
 from lit3d.errors import ConfigurationError
-from lit3d.models.transformer import loss_parallel_scope
+from lit3d.models.loss import loss_parallel_scope
 from lit3d.parallel.arguments import argument_docs
 from lit3d.parallel.layout import Layout
 from lit3d.parallel.rank_map import layout_lines

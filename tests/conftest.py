@@ -217,13 +217,10 @@ def reference_lora_moe_run(base_job, tmp_path_factory) -> dict:
 @pytest.fixture(scope="session")
 def family_references(base_job, tmp_path_factory) -> dict[str, dict]:
     """The single-process run of each family's tiny model (`FAMILY_CONFIGS`), which its layouts are compared with."""
-    from family_layouts import FAMILY_CONFIGS
+    from family_layouts import FAMILY_CONFIGS, family_job
 
     folder = tmp_path_factory.mktemp("reference_families")
-    return {
-        name: reference(base_job, {"model": {"config": config}}, folder / name)
-        for name, config in FAMILY_CONFIGS.items()
-    }
+    return {name: reference(base_job, family_job(name), folder / name) for name in FAMILY_CONFIGS}
 
 
 @pytest.fixture(scope="session")

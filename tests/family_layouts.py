@@ -1,12 +1,19 @@
 """Tiny models of each family lit3d imports (`lit3d.models.config.FAMILIES`), trained at TP2, PP2 and, for Qwen2's
 biases (the only tensors TP splits along their one dim, so ZeRO-1 slices each rank's part again), DP2×TP2 at ZeRO-1 and
 ZeRO-3, and resumed from ZeRO-1 at TP2×PP2. Llama 3.2's tied head cannot be pipelined (refused by name), so it
-trains at DP2 ZeRO-3 instead of PP2. Mistral's blocks are Llama's: the plain layouts of `LAYOUTS` are its."""
+trains at DP2 ZeRO-3 instead of PP2. DeepSeek-V3 (multi-token prediction on the last stage, the embeddings of its
+tokens ahead handed on from the first) also trains at DP2 ZeRO-3 with full recompute, CP2, EP2, PP2 with the V-shaped
+zero-bubble schedule, CP2×TP2 and DP2×TP2×PP2 with EP2, both with sequence parallelism, and resumed at TP2 with
+sequence parallelism from EP2. Mistral's blocks are Llama's: the plain layouts of `LAYOUTS` are its."""
 
+import lightning as L
 from layouts import HALF, saved_at_half
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 8192}  # fmt: skip
+# YaRN as DeepSeek-V3 stretches its context (4x here, with the softmax temperature of mscale_all_dim).
+DEEPSEEK_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "beta_fast": 32,
+                 "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.707}  # fmt: skip
 SMALL = dict(n_layer=4, n_head=4, n_kv_head=2, d_model=32, d_ff=64, vocab_size=257, max_seq_len=32)
 FAMILY_CONFIGS = {
     # Llama 3.2: llama3 rotary scaling, the head tied to the embedding (both split by vocabulary under TP)
@@ -15,25 +22,75 @@ FAMILY_CONFIGS = {
     "qwen3": dict(SMALL, head_dim=16, qk_norm=True, family="qwen3"),
     "qwen3_moe": dict(SMALL, head_dim=16, qk_norm=True, family="qwen3_moe", n_expert=4, n_expert_per_token=2,
                       d_ff_expert=16, norm_topk_prob=False),
+    # DeepSeek-V3: latent attention with low-rank queries, value heads narrower than the query and key heads and
+    # interleaved rotary under YaRN; 8 routed experts, 2 per token from the best of 2 groups, a shared expert, a dense
+    # first block, the sigmoid router's balancing bias moving every step, routed_scaling_factor; one MTP depth
+    "deepseek_v3": dict(SMALL, n_kv_head=4, family="deepseek_v3", kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+                        qk_nope_head_dim=8, v_head_dim=12, rope_interleave=True, rope_scaling=DEEPSEEK_YARN,
+                        n_expert=8, n_expert_per_token=2, n_group=2, topk_group=1, n_shared_expert=1, d_ff_expert=16,
+                        first_dense_layers=1, router="sigmoid", routed_scaling_factor=2.5,
+                        num_nextn_predict_layers=1),
 }  # fmt: skip
+
+
+class RouterBiases(L.Callback):
+    """Records, after the fit, the balancing bias of every sigmoid router this rank holds, by block."""
+
+    def __init__(self) -> None:
+        self.biases: dict[str, list[float]] = {}
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.biases = {str(layer.index): layer.router.expert_bias.tolist() for layer in pl_module.model.moe_layers()}
+
+    def results(self) -> dict:
+        return {"router_biases": self.biases}
+
+
+def family_job(family: str) -> dict:
+    """The job overrides of ``family``'s tiny model (its single-process run's too): DeepSeek-V3's record the router
+    biases (`RouterBiases`)."""
+    job = {"model": {"config": FAMILY_CONFIGS[family]}}
+    return {**job, "callbacks": [RouterBiases()]} if family == "deepseek_v3" else job
 
 
 def _layouts() -> dict[str, tuple[int, dict]]:
     tp2, pp2 = {"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2, "pipeline_schedule": "1f1b"}
     layouts = {}
     for family, config in FAMILY_CONFIGS.items():
-        model = {"model": {"config": config}}
-        layouts[f"{family}_tp2"] = (2, {**model, "strategy": tp2})
+        job = family_job(family)
+        layouts[f"{family}_tp2"] = (2, {**job, "strategy": tp2})
         if config.get("tie_embeddings"):  # a tied head is refused under PP (it lives on the embedding's stage)
-            layouts[f"{family}_dp2_zero3"] = (2, {**model, "strategy": {"zero_stage": 3}})
+            layouts[f"{family}_dp2_zero3"] = (2, {**job, "strategy": {"zero_stage": 3}})
         else:
-            layouts[f"{family}_pp2"] = (2, {**model, "strategy": pp2})
+            layouts[f"{family}_pp2"] = (2, {**job, "strategy": pp2})
     qwen2 = {"model": {"config": FAMILY_CONFIGS["qwen2"]}}
     layouts["qwen2_dp2_tp2_zero1"] = (4, {**qwen2, "strategy": {**tp2, "zero_stage": 1}, "checkpoint_every": HALF})
     layouts["qwen2_dp2_tp2_zero3"] = (4, {**qwen2, "strategy": {**tp2, "zero_stage": 3}})
     resumed = {**qwen2, "strategy": {**tp2, **pp2}, "ckpt_path": saved_at_half("qwen2_dp2_tp2_zero1")}
     layouts["qwen2_tp2_pp2_resumed_from_dp2_tp2_zero1"] = (4, resumed)
-    return layouts
+    return layouts | _deepseek_layouts()
+
+
+def _deepseek_layouts() -> dict[str, tuple[int, dict]]:
+    """DeepSeek-V3's besides TP2 and PP2: its weights sharded over DP ranks (and recomputed in backward), its
+    sequences (16 tokens) over CP ranks (latent attention in the ring, each depth's tokens ahead cut from the whole
+    rows), its experts over EP ranks, its stages in a V (the last stage, with the depths, on the first's rank), CP and
+    PP each with TP, SP and EP, and EP2's checkpoint of step `HALF` resumed at TP2 with SP."""
+    sp = {"tensor_parallel_size": 2, "sequence_parallel": True}
+    recomputed = {"zero_stage": 3, "activation_checkpointing": "full"}
+    resumed = {"strategy": sp, "ckpt_path": saved_at_half("deepseek_v3_ep2")}
+    pp2 = {"pipeline_parallel_size": 2, "pipeline_schedule": "1f1b"}
+    layouts = {
+        # (recomputed in backward, each MoE block must route as in forward: the biases move after backward)
+        "deepseek_v3_dp2_zero3_full_recompute": (2, {"strategy": recomputed}),
+        "deepseek_v3_cp2": (2, {"strategy": {"context_parallel_size": 2}}),
+        "deepseek_v3_ep2": (2, {"strategy": {"expert_parallel_size": 2}, "checkpoint_every": HALF}),
+        "deepseek_v3_tp2_sequence_parallel_resumed_from_ep2": (2, resumed),
+        "deepseek_v3_pp2_zbv": (2, {"strategy": {**pp2, "pipeline_schedule": "zbv"}}),
+        "deepseek_v3_cp2_tp2_sequence_parallel": (4, {"strategy": {**sp, "context_parallel_size": 2}}),
+        "deepseek_v3_dp2_tp2_pp2_ep2_sequence_parallel": (8, {"strategy": {**sp, **pp2, "expert_parallel_size": 2}}),
+    }
+    return {name: (world, {**family_job("deepseek_v3"), **job}) for name, (world, job) in layouts.items()}
 
 
 FAMILY_LAYOUTS = _layouts()

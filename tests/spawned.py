@@ -45,11 +45,14 @@ from lit3d.strategies.optim.dtypes import SplitModelMixedPrecision
 from lit3d.strategies.telemetry.held_memory import memory_by_component
 
 # NOTE: ranks are forked from a server process that has imported torch, Lightning and lit3d once for the session
-# (and has started no thread), instead of each spawned rank importing them again: about 5 s of one core per rank.
+# (and has started no thread), instead of each spawned rank importing them again: about 7 s of one core per rank, and
+# 1 s more for what each rank imports at its first job (HuggingFace datasets, the pipeline schedules, FSDP2, DCP).
 START_METHOD = "forkserver"
 multiprocessing.set_forkserver_preload(
-    ["torch", "lightning.pytorch", "lit3d.models.gpt", "lit3d.strategies", "lit3d.data.text", "lit3d.data.chat"]
-)
+    ["torch", "lightning.pytorch", "lit3d.models.gpt", "lit3d.strategies", "lit3d.data.text", "lit3d.data.chat",
+     "datasets", "torch.distributed.pipelining", "torch.distributed.fsdp", "torch.distributed.checkpoint",
+     "lit3d.strategies.parallel3d", "lit3d.checkpoint.save_load"]
+)  # fmt: skip
 
 
 def free_port() -> int:

@@ -208,7 +208,7 @@ def test_context_parallel_divides_a_blocks_activations_as_the_planner_says(saved
     """A CP rank's block keeps what the planner counts for its share of the tokens: 1/cp of the unsplit block.
     (Ring attention runs on one rank of a fake process group: real shapes, no real hops.)"""
     from lit3d.models.ring_attention import ContextParallel
-    from lit3d.models.transformer import context_parallel_rotary_tables
+    from lit3d.models.rotary import context_parallel_rotary_tables
     from lit3d.strategies.split.context_parallel import apply_context_parallel
 
     unsplit = build(None, False, False, precision)

@@ -31,12 +31,15 @@ def _ring_worker(rank: int, world: int, port: int, folder: str) -> None:
     torch.manual_seed(0)
     errors = {}
     pairs, _ = dist.new_subgroups(2)
-    for cp, group, heads, dtype in [(4, dist.group.WORLD, (4, 2), torch.float32), (2, pairs, (4, 1), torch.float32),
-                                    (4, dist.group.WORLD, (4, 4), torch.bfloat16)]:  # fmt: skip
+    # (the last: latent attention's value heads, narrower than its query and key heads)
+    for cp, group, heads, dtype, dv in [(4, dist.group.WORLD, (4, 2), torch.float32, 8),
+                                        (2, pairs, (4, 1), torch.float32, 8),
+                                        (4, dist.group.WORLD, (4, 4), torch.bfloat16, 8),
+                                        (4, dist.group.WORLD, (4, 4), torch.float32, 6)]:  # fmt: skip
         me = dist.get_rank(group)
         (hq, hkv), b, s, d = heads, 2, 8 * cp, 8
-        q, g = torch.randn(b, s, hq, d, dtype=dtype), torch.randn(b, s, hq, d, dtype=dtype)
-        k, v = torch.randn(b, s, hkv, d, dtype=dtype), torch.randn(b, s, hkv, d, dtype=dtype)
+        q, g = torch.randn(b, s, hq, d, dtype=dtype), torch.randn(b, s, hq, dv, dtype=dtype)
+        k, v = torch.randn(b, s, hkv, d, dtype=dtype), torch.randn(b, s, hkv, dv, dtype=dtype)
         whole = [t.clone().requires_grad_() for t in (q, k, v)]
         expected = torch.nn.functional.scaled_dot_product_attention(
             *(t.transpose(1, 2) for t in whole), is_causal=True, enable_gqa=hq != hkv
@@ -49,7 +52,7 @@ def _ring_worker(rank: int, world: int, port: int, folder: str) -> None:
                                                             (t.grad for t in whole))]:  # fmt: skip
             every = [torch.empty_like(got) for _ in range(cp)]
             dist.all_gather(every, got.detach().contiguous(), group=group)
-            errors[f"cp{cp} {dtype} {name}"] = (unshard_sequence(every).float() - want.float()).abs().max().item()
+            errors[f"cp{cp} {dtype} v{dv} {name}"] = (unshard_sequence(every).float() - want.float()).abs().max().item()
     errors.update(_packed_documents_errors(rank))
     torch.save(errors, f"{folder}/rank{rank}.pt")
     dist.destroy_process_group()
@@ -83,13 +86,13 @@ def _packed_documents_errors(rank: int) -> dict[str, float]:
 
 
 def test_ring_attention_equals_whole_sequence_attention_forward_and_backward(tmp_path):
-    """Grouped-query heads, CP 2 and 4, fp32 and bf16, and packed documents: the merged ring equals causal SDPA over
-    the whole sequence (with the documents' mask)."""
+    """Grouped-query heads, value heads narrower than the query heads (latent attention's), CP 2 and 4, fp32 and bf16,
+    and packed documents: the merged ring equals causal SDPA over the whole sequence (with the documents' mask)."""
     from spawned import START_METHOD, free_port
 
     mp.start_processes(_ring_worker, args=(4, free_port(), str(tmp_path)), nprocs=4, start_method=START_METHOD)
     errors = torch.load(tmp_path / "rank0.pt")
-    assert len(errors) == 16
+    assert len(errors) == 20
     for name, error in errors.items():
         assert error <= (3e-2 if "bfloat16" in name else 2e-6), (name, error)
 

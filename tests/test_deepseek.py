@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from lit3d import GPT, GPTConfig
 from lit3d.models.batch_context import BatchContext
@@ -45,16 +46,23 @@ def _deepseek(q_lora_rank: int | None, rope: dict):
 
 
 def _with_mtp_layer(folder) -> None:
-    """Add a multi-token-prediction layer to ``folder`` as DeepSeek-V3's checkpoints hold it (``model.layers.{N}``,
-    N the number of blocks), which transformers' model does not have either."""
+    """Add a multi-token-prediction layer to ``folder`` as DeepSeek-V3's checkpoints hold it (``model.layers.{N}``, N
+    the number of blocks: an MoE block's weights, here the last block's perturbed, with ``enorm``, ``hnorm``,
+    ``eh_proj``, ``shared_head.norm`` and copies of the embedding and the head), which transformers' model ignores."""
     from safetensors.torch import load_file, save_file
 
     config = json.loads((folder / "config.json").read_text())
     tensors = load_file(str(folder / "model.safetensors"))
-    mtp = f"model.layers.{config['num_hidden_layers']}"
-    tensors |= {f"{mtp}.eh_proj.weight": torch.randn(64, 128), f"{mtp}.enorm.weight": torch.ones(64),
-                f"{mtp}.self_attn.kv_b_proj.weight": torch.randn(224, 32)}  # fmt: skip
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    n, d, generator = config["num_hidden_layers"], config["hidden_size"], torch.Generator().manual_seed(5)
+    last, mtp = f"model.layers.{n - 1}.", f"model.layers.{n}."
+    layer = {name.replace(last, mtp): t * (1 + 0.2 * torch.randn(t.shape, generator=generator))
+             for name, t in tensors.items() if name.startswith(last)}  # fmt: skip
+    layer |= {f"{mtp}{name}.weight": 0.5 + torch.rand(d, generator=generator)
+              for name in ("enorm", "hnorm", "shared_head.norm")}  # fmt: skip
+    layer |= {f"{mtp}eh_proj.weight": 0.1 * torch.randn(d, 2 * d, generator=generator),
+              f"{mtp}embed_tokens.weight": tensors["model.embed_tokens.weight"].clone(),
+              f"{mtp}shared_head.head.weight": tensors["lm_head.weight"].clone()}  # fmt: skip
+    save_file(tensors | layer, str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(config | {"num_nextn_predict_layers": 1}))
 
 
@@ -70,7 +78,8 @@ def _exported(model: GPT, tmp_path) -> str:
 @pytest.mark.parametrize("q_lora_rank, rope", [(48, YARN), (None, PLAIN_YARN)], ids=["q_lora", "q_proj"])
 def test_a_deepseek_v3_folder_imports_and_exports_with_transformers_logits(q_lora_rank, rope, tmp_path):
     """Logits within 1e-4 of transformers' on 300 tokens, in and back out; the folder's multi-token-prediction layer
-    is left in it, and its balancing bias is the router's buffer."""
+    is imported (and left out of the export, which transformers' model does not read), and its balancing bias is the
+    router's buffer."""
     from transformers import AutoModelForCausalLM
 
     reference = _deepseek(q_lora_rank, rope)
@@ -86,7 +95,8 @@ def test_a_deepseek_v3_folder_imports_and_exports_with_transformers_logits(q_lor
     )
     assert (config.n_group, config.topk_group, config.routed_scaling_factor, config.router) == (2, 1, 2.5, "sigmoid")
     assert config.rope_interleave and config.rope_scaling == rope and config.first_dense_layers == 1
-    assert config.num_params == sum(p.numel() for p in reference.parameters())
+    assert config.num_params == sum(p.numel() for p in reference.parameters())  # (the published count: without MTP)
+    assert config.num_nextn_predict_layers == 1 and model.model.mtp["0"].eh_proj.weight.shape == (64, 128)
     bias = model.model.blocks["2"].mlp.router.expert_bias
     assert torch.equal(bias, reference.model.layers[2].mlp.gate.e_score_correction_bias)
     tokens = torch.randint(0, 256, (2, 300), generator=torch.Generator().manual_seed(1))
@@ -97,6 +107,8 @@ def test_a_deepseek_v3_folder_imports_and_exports_with_transformers_logits(q_lor
         exported = _exported(model, tmp_path)
         written = json.loads((tmp_path / "exported" / "config.json").read_text())
         assert (written["model_type"], written["num_nextn_predict_layers"]) == ("deepseek_v3", 0)
+        names = safe_open(f"{exported}/model.safetensors", "pt").keys()
+        assert not [name for name in names if name.startswith("model.layers.3.")]
         again = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32)(input_ids=tokens).logits
     assert (again - ours).abs().max() < 1e-4
 
@@ -229,3 +241,155 @@ def test_kimi_k2s_config_is_deepseek_v3s():
 def test_routing_and_latent_attention_settings_that_do_not_fit_are_refused_naming_them(fields, message):
     with pytest.raises(ValueError, match=message):
         GPTConfig(n_head=4, **fields)
+
+
+def test_a_multi_token_prediction_layer_computes_as_transformers_mtp_model(tmp_path):
+    """The folder's MTP layer, imported: depth 1 reads the decoder's final hidden state and the next token's embedding,
+    and its logits are transformers' `MtpModel`'s within 1e-4 on 40 tokens; its loss is their cross-entropy against
+    the token after next."""
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_layers import MtpModel
+
+    _deepseek(48, YARN).save_pretrained(tmp_path / "hf")
+    _with_mtp_layer(tmp_path / "hf")
+    main = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    # NOTE: transformers finds the MTP layer by the pattern DeepSeek-V3's model ignores (layer 61 of the full size)
+    main._keys_to_ignore_on_load_unexpected = [r"model\.layers\.3\..*"]
+    theirs = MtpModel.from_pretrained(main).eval()
+    model = GPT.from_pretrained(str(tmp_path / "hf"))
+    tokens, seq = torch.randint(0, 256, (2, 41), generator=torch.Generator().manual_seed(1)), 40
+    with torch.no_grad():
+        hidden = main.model(input_ids=tokens[:, :seq]).last_hidden_state
+        positions = torch.arange(seq)[None].expand(2, seq)
+        expected = theirs.shared_head(theirs.forward_layer(0, hidden, positions, None, input_ids=tokens[:, 1:]))
+        network, depth = model.model, model.model.mtp["0"]
+        x = network.embed(tokens[:, :seq])
+        for block in network.blocks.values():
+            x = block(x)
+        logits = network.head(depth(network.norm(x), network.embed(tokens[:, 1:])))[..., :256]
+    assert (logits - expected).abs().max() < 1e-4
+    model.train()
+    model.loss(tokens)
+    expected_loss = torch.nn.functional.cross_entropy(expected[:, :-1].flatten(0, 1), tokens[:, 2:].flatten())
+    assert depth.stats.item() == pytest.approx(expected_loss.item(), abs=1e-5)
+
+
+def test_a_folder_that_asks_for_multi_token_prediction_without_its_layers_has_none(tmp_path):
+    """transformers writes num_nextn_predict_layers=1 into every DeepSeek-V3 folder it saves, with no MTP layer."""
+    _deepseek(None, PLAIN_YARN).save_pretrained(tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    assert GPT(pretrained=str(tmp_path / "hf")).config.num_nextn_predict_layers == 0
+
+
+def test_each_depth_reads_the_token_k_ahead_and_predicts_the_one_after():
+    """Depth k at input i: the embedding of token i + k, the target token i + k + 1; none past the row's end, past the
+    input's document's end, or where the loss mask drops the target; each depth's scale its row over its targets."""
+    from lit3d.models.mtp import tokens_ahead
+    from lit3d.models.transformer import IGNORED
+
+    tokens = torch.arange(10, 19)[None]  # 9 tokens: 8 inputs and their next tokens
+    inputs, targets = tokens[:, :-1], tokens[:, 1:].clone()
+    ahead = tokens_ahead(inputs, targets, 2)
+    assert ahead.tokens[0, :, 0].tolist() == [11, 12, 13, 14, 15, 16, 17, 0]
+    assert ahead.tokens[0, :, 1].tolist() == [12, 13, 14, 15, 16, 17, 0, 0]
+    x = IGNORED
+    assert ahead.targets[0, :, 0].tolist() == [12, 13, 14, 15, 16, 17, 18, x]
+    assert ahead.targets[0, :, 1].tolist() == [13, 14, 15, 16, 17, 18, x, x]
+    assert ahead.scales.tolist() == [pytest.approx([8 / 7, 8 / 6])]
+    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3]])  # documents of 5 and 4 tokens
+    targets[0, 1] = IGNORED  # a loss mask's: token 12 is not trained
+    ahead = tokens_ahead(inputs, targets, 2, positions, loss_scale=torch.tensor(3.0))
+    assert ahead.targets[0, :, 0].tolist() == [x, 13, 14, x, x, 17, 18, x]
+    assert ahead.targets[0, :, 1].tolist() == [13, 14, x, x, x, 18, x, x]
+    assert ahead.scales.tolist() == [pytest.approx([3 * 8 / 7, 3 * 8 / 6])]
+
+
+def test_the_objective_adds_the_depths_loss_with_its_weight(tmp_path, text_folder):
+    """A training step's objective is the next-token loss (logged as train_loss) plus mtp_loss_weight times the mean
+    of the depths' losses (logged as train_mtp_loss), which trains the depths; evaluation computes the next token's
+    loss alone."""
+    import lightning as L
+    from helpers import fit, logged
+
+    from lit3d.data import TextDataModule
+
+    class Objectives(L.Callback):
+        def __init__(self) -> None:
+            self.seen = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            depths = [depth.stats.item() for depth in pl_module.model.mtp_depths()]
+            self.seen.append((outputs["loss"].item(), sum(depths) / len(depths)))
+
+    L.seed_everything(0)
+    model = GPT(GPTConfig(**MLA | {"vocab_size": 256}, num_nextn_predict_layers=2, mtp_loss_weight=0.5))
+    model.configure_model()
+    before = model.model.mtp["1"].eh_proj.weight.detach().clone()
+    tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0))
+    loss = model.loss(tokens)
+    assert [depth.depth for depth in model.model.mtp_depths()] == [1, 2]
+    with torch.no_grad():
+        assert model.loss(tokens) == loss.detach()  # (the next token's alone)
+    probe, data = Objectives(), TextDataModule(str(text_folder), seq_len=16, global_batch_size=2)
+    _, log_dir = fit(model, data, tmp_path, max_steps=3, callbacks=[probe])
+    losses, depths = logged(log_dir, "train_loss"), logged(log_dir, "train_mtp_loss")
+    assert len(losses) == len(depths) == 3
+    for (objective, depth), loss, logged_depth in zip(probe.seen, losses, depths):
+        assert depth == pytest.approx(logged_depth, abs=1e-6)
+        assert objective == pytest.approx(loss + 0.5 * depth, abs=1e-5)
+    assert not torch.equal(model.model.mtp["1"].eh_proj.weight, before)
+
+
+def test_multi_token_prediction_splits_its_blocks_as_the_decoders_under_tensor_parallelism():
+    """Each depth's block takes the decoder's rules for its kind (an MoE block in an MoE model), its norms run on
+    sequence shards, eh_proj whole; every pattern names modules of the network."""
+    from lit3d.models.tp_plan import tensor_parallel_plan
+    from lit3d.models.transformer import Transformer
+    from lit3d.strategies.split.tensor_parallel import check_plan
+
+    config = GPTConfig(**MLA, num_nextn_predict_layers=2, n_expert=4, first_dense_layers=1)
+    plan = {key: role for key, role in tensor_parallel_plan(config).items() if key.startswith("mtp.")}
+    assert plan["mtp.*.block.attn.kv_b_proj"] == "colwise" and plan["mtp.*.block.mlp"] == "replicated_region"
+    assert plan["mtp.*.eh_proj"] == "replicated_region" and plan["mtp.*.enorm"] == plan["mtp.*.norm"] == "norm"
+    with torch.device("meta"):
+        check_plan(Transformer(config), tensor_parallel_plan(config))
+
+
+def test_a_pipelines_stages_hand_the_embeddings_ahead_to_the_depths_on_the_last():
+    """The stage with the embedding returns the hidden state and the embeddings of the tokens ahead, which a middle
+    stage hands on and the last stage's depths read: the stages' logits and depth losses are the whole network's."""
+    from lit3d.models.batch_context import BatchContext
+    from lit3d.models.mtp import tokens_ahead
+    from lit3d.strategies.pipelining.chunks import stage_view
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**MLA | {"n_layer": 3}, num_nextn_predict_layers=2))
+    model.configure_model()
+    network, tokens = model.model, torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0))
+    context = BatchContext(ahead=tokens_ahead(tokens[:, :-1], tokens[:, 1:], 2))
+    whole = network(tokens[:, :-1], context=context)
+    losses = [depth.stats for depth in network.mtp_depths()]
+    first, middle, last = (stage_view(network, [str(i)], i == 0, i == 2) for i in range(3))
+    hidden, ahead = first(tokens[:, :-1], context=context)
+    assert ahead.shape == (2, 16, 2, 32)
+    logits = last(*middle(hidden, ahead, context=context), context=context)
+    assert torch.equal(logits, whole)
+    assert [depth.stats for depth in network.mtp_depths()] == losses
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [({"num_nextn_predict_layers": -1}, "num_nextn_predict_layers=-1 and mtp_loss_weight=0.3 must not be negative"),
+     ({"num_nextn_predict_layers": 1, "mtp_loss_weight": -0.1}, "mtp_loss_weight=-0.1 must not be negative")],
+)  # fmt: skip
+def test_multi_token_prediction_settings_out_of_range_are_refused_naming_them(fields, message):
+    with pytest.raises(ValueError, match=message):
+        GPTConfig(**fields)
+
+
+def test_rows_too_short_for_the_depths_are_refused_naming_both():
+    from lit3d.models.mtp import tokens_ahead
+
+    tokens = torch.arange(4)[None]
+    with pytest.raises(ValueError, match="num_nextn_predict_layers=3 needs rows of more than 3 tokens; got 3"):
+        tokens_ahead(tokens[:, :-1], tokens[:, 1:], 3)

@@ -164,7 +164,9 @@ def test_the_planner_counts_a_familys_parameters_as_transformers_does(kind, tied
 @pytest.mark.parametrize("layout", [name for name in FAMILY_LAYOUTS if "resumed" not in name])
 def test_each_family_trains_like_one_process_in_its_layouts(layout, layout_runs, family_references):
     """Llama 3.2's scaled rotary and tied vocabulary-parallel head, Qwen2's biases (TP-split, ZeRO-1-sliced), Qwen3's
-    head norms and Qwen3-MoE's router: each layout's losses within 1e-5 of its own single process (fp32)."""
+    head norms, Qwen3-MoE's router, DeepSeek-V3's latent attention, grouped sigmoid routing and multi-token
+    prediction: each layout's losses within 1e-5 of its own single process (fp32), and DeepSeek-V3's router biases,
+    moved by every step's load summed over the ranks, equal to its own."""
     family = max((name for name in FAMILY_CONFIGS if layout.startswith(f"{name}_")), key=len)  # qwen3_moe, not qwen3
     run, reference = layout_runs[layout], family_references[family]
     assert len(reference["losses"]) == len(run["losses"]) == STEPS
@@ -172,6 +174,19 @@ def test_each_family_trains_like_one_process_in_its_layouts(layout, layout_runs,
     for key in ("losses", "val_loss"):
         assert len(run[key]) == len(reference[key]) > 0, key
         assert max(abs(a - b) for a, b in zip(run[key], reference[key])) <= 1e-5, (key, run[key], reference[key])
+    _assert_same_router_biases(run, reference)
+
+
+def _assert_same_router_biases(run: dict, reference: dict) -> None:
+    """The router biases a run's ranks hold (`family_layouts.RouterBiases`) are the single process's, every block's
+    held somewhere, and moved from zero."""
+    expected = reference.get("router_biases")
+    if expected is None:
+        return
+    held = {block: bias for rank in run["ranks"] for block, bias in rank["router_biases"].items()}
+    assert held.keys() == expected.keys() and any(any(bias) for bias in expected.values())
+    for block, bias in expected.items():
+        assert max(abs(a - b) for a, b in zip(held[block], bias)) <= 1e-6, (block, held[block], bias)
 
 
 def test_qwen2s_zero1_sliced_biases_resume_in_another_layout(layout_runs, family_references):
@@ -180,6 +195,16 @@ def test_qwen2s_zero1_sliced_biases_resume_in_another_layout(layout_runs, family
     resumed, reference = layout_runs["qwen2_tp2_pp2_resumed_from_dp2_tp2_zero1"]["losses"], family_references["qwen2"]
     assert len(resumed) == STEPS - HALF
     assert max(abs(a - b) for a, b in zip(resumed, reference["losses"][HALF:])) <= 1e-5
+
+
+def test_deepseek_v3s_expert_parallel_checkpoint_resumes_with_sequence_parallelism(layout_runs, family_references):
+    """EP2's checkpoint (each rank's experts, the router biases, their optimizer states) resumed at TP2 with sequence
+    parallelism goes on along the single-process curve, and its router biases end as the single process's."""
+    resumed = layout_runs["deepseek_v3_tp2_sequence_parallel_resumed_from_ep2"]
+    reference = family_references["deepseek_v3"]
+    assert len(resumed["losses"]) == STEPS - HALF
+    assert max(abs(a - b) for a, b in zip(resumed["losses"], reference["losses"][HALF:])) <= 1e-5
+    _assert_same_router_biases(resumed, reference)
 
 
 def _llama3_tokenizer(folder):

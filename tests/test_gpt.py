@@ -125,8 +125,8 @@ def test_a_run_shorter_than_its_warm_up_is_told_so():
 
 
 def test_a_changed_learning_rate_is_said_in_digits_that_tell_the_two_apart():
-    from lit3d.models.gpt import _differing
+    from lit3d.models.lr_schedule import differing
 
-    assert _differing(0.0025213, 0.0025198) == "0.002521, not 0.00252"  # 0.00252 both, at 3 digits
-    assert _differing(0.001, 0.002) == "0.001, not 0.002"
-    assert _differing(0.001, 0.001) == "0.001 (unchanged)"
+    assert differing(0.0025213, 0.0025198) == "0.002521, not 0.00252"  # 0.00252 both, at 3 digits
+    assert differing(0.001, 0.002) == "0.001, not 0.002"
+    assert differing(0.001, 0.001) == "0.001 (unchanged)"

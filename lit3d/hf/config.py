@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from lit3d.hf.deepseek import deepseek_from_hf
+from lit3d.hf.deepseek import deepseek_from_hf, mtp_layers_in
 from lit3d.models.config import FAMILIES, ROPE_OPTIONS, ROPE_SCALINGS, GPTConfig
 
 # What other families' folders hold that lit3d does not compute, by config.json field.
@@ -123,10 +123,15 @@ def moe_from_hf(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
 
 def read_config(path: str | Path) -> GPTConfig:
     """The `GPTConfig` of a local HuggingFace folder's ``config.json`` (``path``: the folder or that file), named after
-    the folder unless the file names the model."""
+    the folder unless the file names the model; with the multi-token-prediction depths it asks for that the folder
+    holds (DeepSeek-V3's: `lit3d.hf.deepseek.mtp_layers_in`)."""
     path = Path(path)
     file = path if path.name == "config.json" else path / "config.json"
     if not file.is_file():
         raise FileNotFoundError(f"{str(path)!r} is not a HuggingFace model folder: config.json is missing")
     hf = json.loads(file.read_text())
-    return config_from_hf({**hf, "_name_or_path": hf.get("_name_or_path") or file.resolve().parent.name})
+    config = config_from_hf({**hf, "_name_or_path": hf.get("_name_or_path") or file.resolve().parent.name})
+    if not config.num_nextn_predict_layers:
+        return config
+    held = mtp_layers_in(file.resolve().parent, config.n_layer, config.num_nextn_predict_layers)
+    return config.replace(num_nextn_predict_layers=held)  # (the multi-token-prediction depths it holds)

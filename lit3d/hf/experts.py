@@ -84,9 +84,11 @@ def expert_name(name: str, family: str) -> str | None:
 
 def read_experts(config: GPTConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The routers and stacked experts, by lit3d name, from the per-expert matrices of a published checkpoint or
-    transformers 5's fused ones; what is missing is left out (the caller names it)."""
+    transformers 5's fused ones; what is missing is left out (the caller names it). Multi-token prediction's depths
+    are the layers after the model's (`lit3d.hf.deepseek`), by the names of blocks after its last."""
     family, out = moe_family(config), {}
-    for i in (i for i in range(config.n_layer) if config.is_moe_layer(i)):
+    layers = config.n_layer + config.num_nextn_predict_layers
+    for i in (i for i in range(layers) if config.is_moe_layer(i)):
         layer = f"model.layers.{i}"
         router = tensors.get(ROUTER[family].format(i=i), tensors.get(f"{layer}.mlp.gate.weight"))
         if router is not None:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from lit3d.hf.config import config_from_hf, read_config  # noqa: F401 (read from here too)
-from lit3d.hf.deepseek import deepseek_to_hf
+from lit3d.hf.deepseek import as_block_name, deepseek_to_hf, mtp_own_name
 from lit3d.hf.experts import expert_name, moe_family, moe_to_hf, read_experts, write_experts
 from lit3d.models.config import FAMILIES, GPTConfig
 from lit3d.models.transformer import Transformer
@@ -138,8 +138,9 @@ def to_lit3d_names(config: GPTConfig, tensors: dict[str, torch.Tensor]) -> dict[
     out, missing, wrong = {}, [], []
     biases = [(name, buffer) for name, buffer in network.named_buffers() if name.endswith("expert_bias")]
     for name, param in [*network.named_parameters(), *biases]:  # a tied head shares the embedding: not listed again
-        key = hf_name(name, moe_family(config)).replace(".{e}.", ".*.")
-        value = experts.get(name, tensors.get(key))
+        block = as_block_name(name, config.n_layer)  # (a multi-token-prediction depth's block: a layer after the rest)
+        key = mtp_own_name(name, config.n_layer) or hf_name(block, moe_family(config)).replace(".{e}.", ".*.")
+        value = experts.get(block, tensors.get(key))
         if value is None:
             missing.append(key)
             continue
@@ -170,7 +171,7 @@ def write_folder(
     family, hf = hf_family(config), config_to_hf(config, dtype)
     tensors = {}
     for name, value in network_state.items():
-        if name == "head.weight" and config.tie_embeddings:
+        if (name == "head.weight" and config.tie_embeddings) or name.startswith("mtp."):  # (see `deepseek_to_hf`)
             continue
         if name in ("embed.weight", "head.weight"):
             value = value[: config.vocab_size]  # drop lit3d's padding rows

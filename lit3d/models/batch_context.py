@@ -12,7 +12,9 @@ with it:
 - activation checkpointing recomputes a block with the arguments its forward had, the context among them.
 
 A pipeline's training step also sets ``objective_weight``, so that each stage's MoE layers add their balance loss to
-the objective through backward (`lit3d.models.moe.MoE`).
+the objective through backward (`lit3d.models.moe.MoE`). A batch of a model with multi-token prediction carries the
+tokens its depths read and predict (`TokensAhead`, made from the whole rows: `lit3d.models.mtp`), cut with the inputs
+wherever they are cut.
 
 A new per-batch input (an attention mask, multi-token-prediction targets) is a field here, set where the batch is read
 and read where it is needed; a tensor indexed by rows (dim 0) goes to each micro-batch's rows with the others.
@@ -27,10 +29,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch.utils._pytree import register_dataclass, tree_leaves
 
 from lit3d.models.documents import Documents
 from lit3d.models.lora_dropout import Samples
+
+
+@dataclass(frozen=True)
+class TokensAhead:
+    """What multi-token prediction reads of a batch (`lit3d.models.mtp`), for each input token and depth ``k``
+    (1 to ``num_nextn_predict_layers``), laid ``[batch, seq, depth]`` as the inputs are laid ``[batch, seq]``.
+
+    Attributes:
+        tokens: The token ``k`` places after the input, whose embedding depth ``k`` reads (0 past the row's end).
+        targets: The token ``k + 1`` places after it, which depth ``k`` predicts (``IGNORED`` where there is none).
+        scales: ``[batch, depth]``: what each depth's loss sum is multiplied by over its count of targets, the same
+            for every row (its rows' tokens over those that have a target at that depth), so that the pieces of a
+            batch (micro-batches, a context-parallel rank's share) average to the loss of the whole.
+    """
+
+    tokens: torch.Tensor
+    targets: torch.Tensor
+    scales: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -43,11 +64,13 @@ class BatchContext:
         objective_weight: What each MoE layer's balance loss is weighed by as it joins the training objective through
             backward, where the caller cannot add it to the loss: a pipeline, whose loss only the last stage sees (the
             weight of one micro-batch's loss). ``None``: the caller adds the balance loss to the loss it returns.
+        ahead: The tokens multi-token prediction reads and predicts (``None``: it does not run).
     """
 
     documents: Documents | None = None
     samples: Samples | None = None
     objective_weight: float | None = None
+    ahead: TokensAhead | None = None
 
     def documents_for(self, batch: int, seq: int) -> Documents | None:
         """The documents of the ``[batch, seq]`` tokens a forward computes, if its rows are packed."""
@@ -74,3 +97,4 @@ NO_CONTEXT = BatchContext()  # a forward over the tokens alone (frozen: one valu
 register_dataclass(BatchContext)
 register_dataclass(Documents, field_names=["positions", "segments", "whole_segments"], drop_field_names=["masks"])
 register_dataclass(Samples)
+register_dataclass(TokensAhead)

@@ -85,6 +85,9 @@ class GPTConfig:
             (DeepSeek-V3's group-limited routing); 1: no groups.
         topk_group: How many groups a token's experts may come from.
         routed_scaling_factor: The routed experts' weights are multiplied by this (DeepSeek-V3: 2.5).
+        num_nextn_predict_layers: Multi-token prediction's depths (DeepSeek-V3: 1; `lit3d.models.mtp`): depth k
+            predicts the token k + 1 places ahead, sharing the embedding and the head; 0: none.
+        mtp_loss_weight: What the mean of the depths' losses weighs in the training objective (DeepSeek-V3: 0.3).
     """
 
     name: str = "custom"
@@ -125,6 +128,8 @@ class GPTConfig:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    num_nextn_predict_layers: int = 0
+    mtp_loss_weight: float = 0.3
     # Derived in __post_init__, never set by hand.
     padded_vocab_size: int = field(init=False)
 
@@ -183,6 +188,11 @@ class GPTConfig:
             raise ValueError(f"router={self.router!r} is not one of 'softmax', 'sigmoid'")
         if self.capacity_factor is not None and self.capacity_factor <= 0:
             raise ValueError(f"capacity_factor={self.capacity_factor} must be positive (or None: dropless)")
+        if self.num_nextn_predict_layers < 0 or self.mtp_loss_weight < 0:
+            raise ValueError(
+                f"num_nextn_predict_layers={self.num_nextn_predict_layers} and mtp_loss_weight={self.mtp_loss_weight} "
+                "must not be negative"
+            )
         self._check_groups()
 
     def _check_groups(self) -> None:

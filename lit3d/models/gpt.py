@@ -21,15 +21,19 @@ from lit3d.models.generation import Sampling, next_token
 from lit3d.models.loop import ends_optimizer_step
 from lit3d.models.lora import LoRA, freeze_all_but_adapters
 from lit3d.models.lora_dropout import Samples, training_samples
-from lit3d.models.lr_schedule import WarmupCosine, horizon_warning, optimizer_refusal
+from lit3d.models.loss import IGNORED, cross_entropy
+from lit3d.models.lr_schedule import WarmupCosine, follow_schedule, horizon_warning, optimizer_refusal
+from lit3d.models.moe import balance_objective, step_balance
+from lit3d.models.mtp import multi_token_loss, step_loss, tokens_ahead
 from lit3d.models.runner import Runner, WholeNetwork
 from lit3d.models.tp_plan import tensor_parallel_plan
-from lit3d.models.transformer import IGNORED, Transformer, cross_entropy
+from lit3d.models.transformer import Transformer
 from lit3d.planner.tensors import adapter_params
 
 
 class GPT(L.LightningModule):
-    """A Llama-style GPT trained on next-token cross-entropy with AdamW and a warm-up + cosine schedule.
+    """A Llama-style GPT trained on next-token cross-entropy (and with ``num_nextn_predict_layers`` on multi-token
+    prediction's: `lit3d.models.mtp`) with AdamW and a warm-up + cosine schedule.
 
     Args:
         config: A preset name (``tiny``, ``llama3.1-8b``, ``qwen3-8b``, ...: `lit3d.models.config.PRESETS`), a
@@ -102,6 +106,7 @@ class GPT(L.LightningModule):
         self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
         self._loss_sum: torch.Tensor | float = 0.0
         self._loss_count = 0
+        self._router_loads: list[tuple[torch.nn.Module, torch.Tensor]] = []  # for the biases after backward
 
     @property
     def tensor_parallel_plan(self) -> dict[str, str]:
@@ -206,16 +211,23 @@ class GPT(L.LightningModule):
         every trained token of the global batch, in any layout.
 
         Packed rows (``positions``, `lit3d.models.documents`) keep their documents apart in attention; a training
-        step's ``samples`` key LoRA's dropout masks (`lit3d.models.lora_dropout`). Both reach the network in one
-        `lit3d.models.batch_context.BatchContext`, which the runner hands on with the inputs.
+        step's ``samples`` key LoRA's dropout masks (`lit3d.models.lora_dropout`); with multi-token prediction the
+        tokens ahead (`lit3d.models.mtp`) are made from the whole rows. They reach the network in one
+        `lit3d.models.batch_context.BatchContext`, which the runner hands on with the inputs. The loss returned is the
+        next token's; the depths' is added to the objective in `training_step`.
         """
         inputs, targets = self.inputs_and_targets(batch)
         self._build_on(inputs.device)
-        packed = isinstance(batch, dict) and "positions" in batch
-        context = BatchContext(Documents.of(batch["positions"][:, :-1]) if packed else None, samples)
-        loss_fn = self.loss_fn
-        if isinstance(batch, dict) and "loss_scale" in batch:  # (a tensor: no wait for the device)
-            loss_fn = functools.partial(self.loss_fn, scale=batch["loss_scale"][0])
+        positions = batch["positions"] if isinstance(batch, dict) and "positions" in batch else None
+        scale = batch["loss_scale"][0] if isinstance(batch, dict) and "loss_scale" in batch else None  # (a tensor)
+        # NOTE: the tokens ahead in evaluation too, where the depths do not run: a pipeline's stages hand on the same
+        # tensors (their embeddings) at every step.
+        ahead = None
+        if self.config.num_nextn_predict_layers:
+            ahead = tokens_ahead(inputs, targets, self.config.num_nextn_predict_layers, positions, scale)
+        documents = Documents.of(positions[:, :-1]) if positions is not None else None
+        context = BatchContext(documents, samples, ahead=ahead)
+        loss_fn = self.loss_fn if scale is None else functools.partial(self.loss_fn, scale=scale)
         return self.runner.loss(self.model, inputs, targets, loss_fn, context)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -227,47 +239,61 @@ class GPT(L.LightningModule):
         self._loss_sum = self._loss_sum + loss.detach()
         self._loss_count += 1
         moe = self.model.moe_layers()  # a pipeline stage may hold none, but still joins the balance's reduce
+        depths = self.model.mtp_depths()
         if moe and not self.runner.adds_balance_loss:
             # (A pipeline's MoE layers add their term in backward: `BatchContext.objective_weight`.)
-            loss = loss + self._balance_loss(moe) * self.runner.balance_weight  # (weighted as the loss is)
+            balance = balance_objective(moe, self.config.aux_loss_coef)
+            loss = loss + balance * self.runner.balance_weight  # (weighted as the loss is)
+        if depths and not self.runner.adds_balance_loss:  # (a pipeline's last stage adds it in backward too)
+            loss = loss + self.config.mtp_loss_weight * multi_token_loss(depths) * self.runner.balance_weight
         if ends_optimizer_step(self.trainer):
             self.log_train_loss(self._loss_sum / self._loss_count)
             # The balance is one collective: on the steps Lightning logs, and on every step a sigmoid router's
-            # bias follows it; the other steps only drop what their forwards kept.
+            # bias follows it; the other steps only drop what their forwards kept. So is the depths' loss.
             logs = self.trainer._logger_connector.should_update_logs
             if self.config.n_expert and (self.config.router == "sigmoid" or logs):
                 self._log_balance(moe, self._loss_count)
-            for layer in moe:
+            if self.config.num_nextn_predict_layers and logs:
+                self._log_multi_token(depths, self._loss_count)
+            for layer in [*moe, *depths]:
                 layer.history = []
             self._loss_sum, self._loss_count = 0.0, 0
         return loss
 
-    def _balance_loss(self, layers: list[torch.nn.Module]) -> torch.Tensor:
-        """The MoE layers' load-balancing term of this forward's objective."""
-        return self.config.aux_loss_coef * torch.stack([layer.stats[0] for layer in layers]).sum()
-
     def _log_balance(self, layers: list[torch.nn.Module], micro_steps: int) -> None:
         """Log ``moe/aux_loss`` (the balance loss summed over layers, the mean of the step's micro-batches and
         replicas) and ``moe/load_imbalance`` (each layer's busiest expert's tokens over the mean, averaged over
-        layers), and move the sigmoid routers' biases. One reduce over all ranks: each rank contributes the layers
-        it holds (a pipeline stage holds some), and each layer is divided by the ranks that hold it."""
-        n_layer, n_expert = self.config.n_layer, self.config.n_expert
+        layers), and keep each sigmoid router's load for its bias (`on_before_optimizer_step`). One reduce over all
+        ranks: each rank contributes the layers it holds (a pipeline stage holds some), and each layer is divided by
+        the ranks that hold it."""
+        rows = self.config.n_layer + self.config.num_nextn_predict_layers  # (multi-token prediction's blocks last)
         # The step's forwards (a pipeline's first step also runs a stage on placeholders to learn shapes).
         forwards = micro_steps * self.runner.forwards_per_loss
-        stats = torch.zeros(n_layer, 2 + n_expert, device=self.device)  # aux, held, tokens per expert
-        for layer in layers:
-            history, layer.history = layer.history[-forwards:], []
-            stats[layer.index, 0] = torch.stack([aux for aux, _ in history]).mean()
-            stats[layer.index, 1] = 1.0
-            stats[layer.index, 2:] = torch.stack([tokens for _, tokens in history]).sum(dim=0)
+        stats = step_balance(layers, rows, self.config.n_expert, forwards, self.device)
         stats = self.trainer.strategy.reduce(stats, reduce_op="sum")
         held = stats[:, 1] > 0
         aux, tokens = stats[held, 0] / stats[held, 1], stats[held, 2:]
         imbalance = (tokens.amax(dim=1) / tokens.mean(dim=1).clamp(min=1e-9)).mean()
         self.log("moe/aux_loss", aux.sum(), on_step=True, on_epoch=False, batch_size=1)
         self.log("moe/load_imbalance", imbalance, on_step=True, on_epoch=False, batch_size=1)
-        for layer in layers:  # any multiple of the global tokens per expert does
-            layer.router.update_bias(stats[layer.index, 2:], self.config.router_bias_rate)
+        self._router_loads = [(layer.router, stats[layer.index, 2:]) for layer in layers]
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        """The sigmoid routers' biases move by the step's loads now, after backward: a block that backward recomputes
+        (activation checkpointing) must route its tokens as its forward did. Any multiple of the global tokens per
+        expert does: the bias moves by the sign of each expert's load against the mean."""
+        for router, load in self._router_loads:
+            router.update_bias(load, self.config.router_bias_rate)
+        self._router_loads = []
+
+    def _log_multi_token(self, depths: list[torch.nn.Module], micro_steps: int) -> None:
+        """Log ``train_mtp_loss``: the depths' loss (`lit3d.models.mtp`), the mean of the step's forwards and of the
+        ranks that hold the depths (each computes an equal piece of the batch). One reduce over all ranks."""
+        held = torch.zeros(2, device=self.device)  # the loss, and whether this rank holds the depths
+        if depths:
+            held[0], held[1] = step_loss(depths, micro_steps * self.runner.forwards_per_loss), 1.0
+        held = self.trainer.strategy.reduce(held, reduce_op="sum")
+        self.log("train_mtp_loss", held[0] / held[1], on_step=True, on_epoch=False, batch_size=1)
 
     def log_train_loss(self, local_mean: torch.Tensor) -> None:
         """Log the global-batch mean loss (same value on every rank); stop on a non-finite loss."""
@@ -318,32 +344,10 @@ class GPT(L.LightningModule):
         if short is not None:
             rank_zero_warn(short)
         for config in self.trainer.lr_scheduler_configs:
-            self._follow_schedule(config.scheduler, planned)
-
-    def _follow_schedule(self, scheduler: Any, planned: WarmupCosine) -> None:
-        """Set a `WarmupCosine` schedule restored from a checkpoint to ``planned`` (what this run is configured
-        with), and the optimizer's learning rates to what ``planned`` gives the step about to run; say so."""
-        restored = [f for f in getattr(scheduler, "lr_lambdas", []) if isinstance(f, WarmupCosine)]
-        if all(vars(f) == vars(planned) for f in restored):
-            return  # a fresh run, or one resumed with the same horizon
-        # NOTE: LambdaLR's state holds its multiplier's fields (`LambdaLR.state_dict`), so a checkpoint brings back
-        # the horizon of the run that saved it; left so, a run continued further would sit at the old floor.
-        step, old, groups = scheduler.last_epoch, WarmupCosine(**vars(restored[0])), scheduler.optimizer.param_groups
-        old_lr = groups[0]["lr"]
-        for multiplier in restored:
-            vars(multiplier).update(vars(planned))
-        for group, base_lr, multiplier in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas):
-            group["lr"] = base_lr * multiplier(step)
-        scheduler._last_lr = [group["lr"] for group in groups]  # what `get_last_lr()` reports
-        longer, shorter = planned.decay_steps > old.decay_steps, planned.decay_steps < old.decay_steps
-        how = "stretched" if longer else "shortened" if shorter else "changed"
-        source = "decay_steps" if self.decay_steps is not None else "max_steps"
-        rank_zero_info(
-            f"learning-rate schedule {how} from {old.decay_steps} to {planned.decay_steps} steps (this run's "
-            f"{source}): from step {step} it follows "
-            f"{planned}, so the learning rate is {_differing(groups[0]['lr'], old_lr)}; "
-            f"set decay_steps={old.decay_steps} to keep the checkpoint's schedule"
-        )
+            source = "decay_steps" if self.decay_steps is not None else "max_steps"
+            said = follow_schedule(config.scheduler, planned, source)
+            if said is not None:
+                rank_zero_info(said)
 
     def _decay_steps(self) -> int:
         if self.decay_steps is not None:
@@ -390,11 +394,3 @@ def _trained_share(batch: Any) -> torch.Tensor | float:
         return 1.0
     scale = batch["loss_scale"][0]
     return torch.where(scale > 0, 1 / scale.clamp(min=1e-12), torch.zeros_like(scale))
-
-
-def _differing(new: float, old: float) -> str:
-    """``new, not old`` in as few digits as tell them apart (3 at least), or ``new`` alone where they are equal."""
-    if new == old:
-        return f"{new:.3g} (unchanged)"
-    digits = next((d for d in range(3, 17) if f"{new:.{d}g}" != f"{old:.{d}g}"), 17)
-    return f"{new:.{digits}g}, not {old:.{digits}g}"

@@ -11,7 +11,9 @@ laid out in interleaved pairs when ``rope_interleave`` (DeepSeek's checkpoints).
 ``1/√(qk head)`` is multiplied by `Rope.softmax_correction`.
 
 Under tensor parallelism (`lit3d.models.tp_plan`) ``q_b_proj`` (or ``q_proj``) and ``kv_b_proj`` split by heads
-and ``o_proj`` by its input; the down-projections and their norms are small and every rank computes them whole.
+and ``o_proj`` by its input; the down-projections and their norms are small and every rank computes them whole. Under
+context parallelism the queries and keys are rotated at their tokens' true positions and the ring attention
+(`lit3d.models.ring_attention`) passes each head's key and its narrower value around the ranks.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from lit3d.models.attention import causal_attention
 from lit3d.models.batch_context import NO_CONTEXT, BatchContext
 from lit3d.models.config import GPTConfig
 from lit3d.models.lora import LoRA, linear, project
-from lit3d.models.ring_attention import ContextParallel
+from lit3d.models.ring_attention import ContextParallel, ring_attention
 from lit3d.models.rotary import Rope, apply_rotary, position_tables
 
 # NOTE: transformers' DeepSeek-V3 normalises the two latents with its RMSNorm's default epsilon, whatever the
@@ -51,24 +53,23 @@ class LatentAttention(nn.Module):
         self.rope = Rope.of(config.rope_theta, config.rope_scaling)
         # NOTE: the YaRN correction of the softmax scale, folded into the queries: every kernel keeps its 1/√(qk head).
         self.query_scale = self.rope.softmax_correction()
-        self.context_parallel: ContextParallel | None = None  # (not computed yet: refused in `forward`)
+        # Under context parallelism, x holds this rank's share of each sequence (`lit3d.models.ring_attention`).
+        self.context_parallel: ContextParallel | None = None
 
     def forward(self, x: torch.Tensor, context: BatchContext = NO_CONTEXT) -> torch.Tensor:
-        config, (batch, seq, _) = self.config, x.shape
-        if self.context_parallel is not None:
-            raise NotImplementedError("context parallelism is not computed for multi-head latent attention yet")
+        config, (batch, seq, _), cp = self.config, x.shape, self.context_parallel
         nope, rope = config.qk_nope_head_dim, config.qk_rope_head_dim
         # NOTE: -1 heads: under tensor parallelism each rank holds only its share of the heads.
         q_nope, q_rope = self._queries(x, context).view(batch, seq, -1, nope + rope).split([nope, rope], dim=-1)
         k_nope, k_rope, v = self._keys_values(x, context)
         docs = context.documents_for(batch, seq)
-        cos, sin = position_tables(self.rope, rope, q_rope, docs, None, config.max_seq_len)
+        cos, sin = position_tables(self.rope, rope, q_rope, docs, cp, config.max_seq_len)  # (CP: true positions)
         q_rope, k_rope = (apply_rotary(self._halves(t), cos, sin) for t in (q_rope, k_rope))
         q = torch.cat((q_nope, q_rope), dim=-1)
         if self.query_scale != 1.0:
             q = q * self.query_scale
         k = torch.cat((k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)), dim=-1)
-        y = causal_attention(q, k, v, config.attention, docs)
+        y = causal_attention(q, k, v, config.attention, docs) if cp is None else ring_attention(q, k, v, cp, docs)
         return project(self.o_proj, y.reshape(batch, seq, -1), context)
 
     def _keys_values(self, x: torch.Tensor, context: BatchContext) -> tuple[torch.Tensor, ...]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 
 class WarmupCosine:
@@ -61,3 +62,37 @@ def horizon_warning(warmup_steps: int, decay_steps: int | None, max_steps: int) 
             "learning_rate and the cosine decay never starts (lower --model.warmup_steps for a short run)"
         )
     return None
+
+
+def follow_schedule(scheduler: Any, planned: WarmupCosine, source: str) -> str | None:
+    """Set a `WarmupCosine` schedule restored from a checkpoint to ``planned`` (what this run is configured with,
+    from its ``source``: ``decay_steps`` or ``max_steps``), and the optimizer's learning rates to what ``planned``
+    gives the step about to run; returns what to say about it (None when nothing changed)."""
+    restored = [f for f in getattr(scheduler, "lr_lambdas", []) if isinstance(f, WarmupCosine)]
+    if all(vars(f) == vars(planned) for f in restored):
+        return None  # a fresh run, or one resumed with the same horizon
+    # NOTE: LambdaLR's state holds its multiplier's fields (`LambdaLR.state_dict`), so a checkpoint brings back
+    # the horizon of the run that saved it; left so, a run continued further would sit at the old floor.
+    step, old, groups = scheduler.last_epoch, WarmupCosine(**vars(restored[0])), scheduler.optimizer.param_groups
+    old_lr = groups[0]["lr"]
+    for multiplier in restored:
+        vars(multiplier).update(vars(planned))
+    for group, base_lr, multiplier in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base_lr * multiplier(step)
+    scheduler._last_lr = [group["lr"] for group in groups]  # what `get_last_lr()` reports
+    longer, shorter = planned.decay_steps > old.decay_steps, planned.decay_steps < old.decay_steps
+    how = "stretched" if longer else "shortened" if shorter else "changed"
+    return (
+        f"learning-rate schedule {how} from {old.decay_steps} to {planned.decay_steps} steps (this run's "
+        f"{source}): from step {step} it follows "
+        f"{planned}, so the learning rate is {differing(groups[0]['lr'], old_lr)}; "
+        f"set decay_steps={old.decay_steps} to keep the checkpoint's schedule"
+    )
+
+
+def differing(new: float, old: float) -> str:
+    """``new, not old`` in as few digits as tell them apart (3 at least), or ``new`` alone where they are equal."""
+    if new == old:
+        return f"{new:.3g} (unchanged)"
+    digits = next((d for d in range(3, 17) if f"{new:.{d}g}" != f"{old:.{d}g}"), 17)
+    return f"{new:.{digits}g}, not {old:.{digits}g}"

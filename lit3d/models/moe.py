@@ -26,6 +26,7 @@ from lit3d.models.batch_context import NO_CONTEXT, BatchContext
 from lit3d.models.config import GPTConfig
 from lit3d.models.lora_dropout import LayoutFreeDropout, Samples
 from lit3d.models.lora_settings import LoRA
+from lit3d.models.loss import AddToObjective
 from lit3d.models.mlp import MLP
 
 
@@ -107,6 +108,25 @@ def balance_loss(
         seq_len = seq_len * cp.size
     share, mean_score = counts / (seq_len * k), score_sums / seq_len
     return n_expert * (share * mean_score).sum(dim=-1).mean()
+
+
+def balance_objective(layers: list[MoE], coef: float) -> torch.Tensor:
+    """The MoE layers' load-balancing term of their last forward's objective, ``coef`` times their losses' sum."""
+    return coef * torch.stack([layer.stats[0] for layer in layers]).sum()
+
+
+def step_balance(layers: list[MoE], rows: int, n_expert: int, forwards: int, device: torch.device) -> torch.Tensor:
+    """This rank's part of a step's balance, ``[rows, 2 + n_expert]`` by block index: each layer's balance loss (the
+    mean of its last ``forwards`` forwards), 1 (it is held here) and its tokens per expert (their sum); their
+    histories emptied. Summed over the ranks, a block's tokens per expert are a multiple of the step's: every rank
+    routes its own tokens (data, context and expert parallel ranks), or its tensor-parallel peers' again."""
+    stats = torch.zeros(rows, 2 + n_expert, device=device)  # (the same on every rank, whichever layers it holds)
+    for layer in layers:
+        history, layer.history = layer.history[-forwards:], []
+        stats[layer.index, 0] = torch.stack([aux for aux, _ in history]).mean()
+        stats[layer.index, 1] = 1.0
+        stats[layer.index, 2:] = torch.stack([tokens for _, tokens in history]).sum(dim=0)
+    return stats
 
 
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -191,22 +211,6 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
-class _AddToObjective(torch.autograd.Function):
-    """The identity on ``output``; in backward, ``weight`` becomes the gradient of ``term``, as if ``weight × term``
-    had been added to the loss."""
-
-    @staticmethod
-    def forward(ctx, output: torch.Tensor, term: torch.Tensor, weight: float) -> torch.Tensor:
-        ctx.weight = weight
-        ctx.save_for_backward(term)
-        return output.view_as(output)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
-        (term,) = ctx.saved_tensors
-        return grad, torch.full_like(term, ctx.weight), None
-
-
 class MoE(nn.Module):
     """The feed-forward of an MoE block: routed experts (plus ``n_shared_expert`` always-on ones, one SwiGLU of
     that many times the expert width). After a forward, ``stats`` holds the balance loss and the tokens per
@@ -255,7 +259,7 @@ class MoE(nn.Module):
         combined = _in_token_order(out, order, flat.shape[0] * self.k).view(-1, self.k, width)
         y = (combined * weights.unsqueeze(-1).to(combined.dtype)).sum(dim=1).view(batch, seq, width)
         if context.objective_weight is not None and torch.is_grad_enabled():  # a pipeline stage: through backward
-            y = _AddToObjective.apply(y, aux, context.objective_weight * self.coef)
+            y = AddToObjective.apply(y, aux, context.objective_weight * self.coef)
         return y if self.shared is None else y + self.shared(x)
 
     def _dropout_keys(

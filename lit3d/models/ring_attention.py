@@ -102,15 +102,16 @@ class _RingAttention(torch.autograd.Function):
         half = q.shape[2] // 2
         # NOTE: laid out [b, s, h, d] in memory, as the model reads it: the caller's reshape is then a view, and
         # the tensor saved here is the one the output projection saves.
-        b, h, s, d = q.shape
-        out = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device).transpose(1, 2)
+        (b, h, s, _), width = q.shape, v.shape[-1]
+        out = torch.zeros(b, s, h, width, dtype=torch.float32, device=q.device).transpose(1, 2)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
-        block = torch.stack((k, v)).contiguous()
+        block = torch.cat((k, v), dim=-1).contiguous()  # one tensor travels: each K head, then its V head
         for step in range(cp.size):
             incoming = ring.pass_on(block) if step + 1 < cp.size else None
             rows, keys, causal = _block(step, cp, half)
             mask = _document_mask(docs, step, cp, rows, keys, causal)
-            part_out, part_lse = _attend(q[:, :, rows], *_expand(block[:, :, :, keys], q.shape[1]), causal, mask)
+            kk, vv = _expand(block[:, :, keys], q.shape[1], width)
+            part_out, part_lse = _attend(q[:, :, rows], kk, vv, causal, mask)
             _merge(out[:, :, rows], lse[:, :, rows], part_out, part_lse)
             if incoming is not None:
                 block = incoming.wait()
@@ -125,25 +126,25 @@ class _RingAttention(torch.autograd.Function):
         cp, ring = ctx.cp, _Ring(ctx.cp)
         grad_out, half, groups = grad_out.contiguous(), q.shape[2] // 2, q.shape[1] // k.shape[1]
         grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        block, grads, arriving = torch.stack((k, v)).contiguous(), None, None
+        block, grads, arriving = torch.cat((k, v), dim=-1).contiguous(), None, None
         for step in range(cp.size):
             incoming = ring.pass_on(block) if step + 1 < cp.size else None
             rows, keys, causal = _block(step, cp, half)
-            kk, vv = _expand(block[:, :, :, keys], q.shape[1])
+            kk, vv = _expand(block[:, :, keys], q.shape[1], v.shape[-1])
             mask = _document_mask(ctx.docs, step, cp, rows, keys, causal)
             dq, dk, dv = _attend_backward(
                 grad_out[:, :, rows], q[:, :, rows], kk, vv, out[:, :, rows], lse[:, :, rows], causal, mask
             )
             grad_q[:, :, rows] += dq
-            part = torch.stack((_fold(dk, groups), _fold(dv, groups)))
+            part = torch.cat((_fold(dk, groups), _fold(dv, groups)), dim=-1)
             if keys != slice(None):  # only the visiting block's first chunk was met: the rest gets no gradient here
-                part = torch.cat((part, part.new_zeros(part.shape)), dim=3)
+                part = torch.cat((part, part.new_zeros(part.shape)), dim=2)
             grads = part if arriving is None else arriving.wait().add_(part)
             arriving = ring.pass_on(grads)  # on to the next rank; after the last step, home to its owner
             if incoming is not None:
                 block = incoming.wait()
-        grads = arriving.wait()
-        return grad_q.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None
+        grad_k, grad_v = arriving.wait().split([k.shape[-1], v.shape[-1]], dim=-1)
+        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None
 
 
 def _block(step: int, cp: ContextParallel, half: int) -> tuple[slice, slice, bool]:
@@ -157,9 +158,9 @@ def _block(step: int, cp: ContextParallel, half: int) -> tuple[slice, slice, boo
     return slice(half, None), everything, False  # a later rank: both its chunks precede only our late one
 
 
-def _expand(block: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of a block, their heads repeated for the query heads (grouped-query attention)."""
-    k, v = block[0], block[1]
+def _expand(block: torch.Tensor, heads: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V (``width`` wide) of a block, their heads repeated for the query heads (grouped-query attention)."""
+    k, v = block.split([block.shape[-1] - width, width], dim=-1)
     groups = heads // k.shape[1]
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
@@ -191,25 +192,40 @@ def _attend(
     """Attention output and log-sum-exp (fp32, ``[b, h, s]``)."""
     if mask is not None:
         return _attend_masked(q, k, v, mask)
-    q = q.contiguous()
+    q, width = q.contiguous(), v.shape[-1]
+    v = _widened(v, q.shape[-1])
     if q.device.type == "cuda":
         _check_cuda_dtype(q)
         out, lse, *_ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)
-        return out, lse
-    return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+    else:
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+    return out[..., :width], lse
 
 
 def _attend_backward(grad_out, q, k, v, out, lse, causal, mask=None):
     if mask is not None:
         return _attend_masked_backward(grad_out, q, k, v, out, lse, mask)
-    grad_out, q, out, lse = grad_out.contiguous(), q.contiguous(), out.contiguous(), lse.contiguous()
+    width, full = v.shape[-1], q.shape[-1]
+    grad_out, out, v = (_widened(t, full) for t in (grad_out.contiguous(), out, v))
+    q, out, lse = q.contiguous(), out.contiguous(), lse.contiguous()
     if q.device.type == "cuda":
         none, length = torch.empty(0, device=q.device), q.shape[2]
         seed = offset = torch.zeros((), dtype=torch.int64, device=q.device)
-        return aten._scaled_dot_product_flash_attention_backward(
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
             grad_out, q, k, v, out, lse, none, none, length, k.shape[2], 0.0, causal, seed, offset
-        )
-    return aten._scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out, lse, 0.0, causal)
+        )[:3]
+    else:
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out, lse, 0.0, causal)
+    return dq, dk, dv[..., :width]
+
+
+def _widened(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``x`` padded with zero columns to ``width`` (the fused kernels take one head width for q, k and v).
+
+    NOTE: latent attention's values are narrower than its queries and keys (DeepSeek-V3: 128 against 192). Zero value
+    columns change no score and no kept output column; in backward the output and its gradient get zero columns too,
+    so each row's ``sum(grad_out · out)`` is unchanged, and the value gradient's extra columns are dropped."""
+    return x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
 
 
 # NOTE: the fused kernels that return the log-sum-exp take no mask; a block of packed documents is computed in plain

@@ -41,7 +41,8 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 class Runner(Protocol):
     """What a runner offers a module (`WholeNetwork`, `ContextShare`, a pipeline)."""
 
-    # Whether `loss` already added the MoE layers' balance term (a pipeline adds it in backward, stage by stage).
+    # Whether `loss` already added the MoE layers' balance term and multi-token prediction's loss (a pipeline adds them
+    # in backward, stage by stage).
     adds_balance_loss: bool
     # Forward passes of the network per `loss` call (a pipeline's micro-batches).
     forwards_per_loss: int
@@ -74,9 +75,9 @@ class WholeNetwork:
 
 class ContextShare:
     """Context parallelism: this rank keeps its two of ``2 x size`` chunks of every sequence of the inputs and targets
-    (`lit3d.models.ring_attention.shard_sequence`), and of their packed documents, then runs ``inner`` on them. Each
-    rank's loss is the mean over its tokens and every rank holds as many, so the mean over ranks is the mean over all
-    tokens."""
+    (`lit3d.models.ring_attention.shard_sequence`), of their packed documents and of multi-token prediction's tokens
+    ahead, then runs ``inner`` on them. Each rank's loss is the mean over its tokens and every rank holds as many, so
+    the mean over ranks is the mean over all tokens."""
 
     def __init__(self, inner: Runner, size: int, rank: int) -> None:
         self.inner, self.size, self.rank = inner, size, rank
@@ -91,6 +92,10 @@ class ContextShare:
         if whole is not None:  # packed rows: this rank's tokens' positions and documents, and every rank's documents
             share = (shard_sequence(t, self.size, self.rank) for t in (whole.positions, whole.segments))
             context = replace(context, documents=Documents(*share, whole_segments=whole.segments))
+        ahead = context.ahead
+        if ahead is not None:  # made from the whole rows: cut as the inputs are (the scales are per row and depth)
+            tokens, predicted = (shard_sequence(t, self.size, self.rank) for t in (ahead.tokens, ahead.targets))
+            context = replace(context, ahead=replace(ahead, tokens=tokens, targets=predicted))
         return self.inner.loss(network, inputs, targets, loss_fn, context)
 
     def forward(self, network: nn.Module, inputs: Any) -> Any:

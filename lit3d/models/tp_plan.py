@@ -40,23 +40,35 @@ def tensor_parallel_plan(config: GPTConfig) -> dict[str, str]:
     """`TENSOR_PARALLEL_PLAN` for ``config``: an MoE block's feed-forward is a ``replicated_region`` (every TP rank
     routes the same tokens through the same experts; expert parallelism is what splits the experts); Qwen3's q and k
     norms are ``head_norm``s (each rank normalises its heads; their weights' gradients are summed over TP); latent
-    attention's projections are `latent_attention_plan`'s."""
+    attention's projections are `latent_attention_plan`'s, and multi-token prediction's depths `multi_token_plan`'s."""
     base = dict(TENSOR_PARALLEL_PLAN)
     if config.kv_lora_rank is not None:
         base = {k: v for k, v in base.items() if k.split(".")[-1] not in ("q_proj", "k_proj", "v_proj")}
         base.update(latent_attention_plan(config))
     if config.qk_norm:
         base.update({"blocks.*.attn.q_norm": "head_norm", "blocks.*.attn.k_norm": "head_norm"})
-    if not config.n_expert:
-        return base
-    mlp = [k for k in TENSOR_PARALLEL_PLAN if k == "blocks.*.mlp" or k.startswith("blocks.*.mlp.")]
-    plan = {k: v for k, v in base.items() if k not in mlp}
-    for i in range(config.n_layer):
-        if config.is_moe_layer(i):
-            plan[f"blocks.{i}.mlp"] = "replicated_region"
-        else:
-            plan.update({k.replace("*", str(i)): TENSOR_PARALLEL_PLAN[k] for k in mlp})
-    return plan
+    if config.n_expert:
+        mlp = [k for k in TENSOR_PARALLEL_PLAN if k == "blocks.*.mlp" or k.startswith("blocks.*.mlp.")]
+        plan = {k: v for k, v in base.items() if k not in mlp}
+        for i in range(config.n_layer):
+            if config.is_moe_layer(i):
+                plan[f"blocks.{i}.mlp"] = "replicated_region"
+            else:
+                plan.update({k.replace("*", str(i)): TENSOR_PARALLEL_PLAN[k] for k in mlp})
+        base = plan
+    return base | (multi_token_plan(config, base) if config.num_nextn_predict_layers else {})
+
+
+def multi_token_plan(config: GPTConfig, plan: dict[str, str]) -> dict[str, str]:
+    """Multi-token prediction's depths (`lit3d.models.mtp`) under TP: each depth's block split as the decoder's blocks
+    of its kind (MoE in an MoE model), its norms on sequence shards as the decoder's, and ``eh_proj`` whole on every
+    rank over the whole sequence (a ``replicated_region``: one small matmul per token)."""
+    block = {k.removeprefix("blocks.*."): v for k, v in plan.items() if k.startswith("blocks.*.")}
+    if config.n_expert:  # (the decoder's MoE rules name its blocks one by one; every depth is an MoE block)
+        block["mlp"] = "replicated_region"
+    rules = {f"mtp.*.block.{name}": role for name, role in block.items()}
+    rules |= {f"mtp.*.{name}": "norm" for name in ("enorm", "hnorm", "norm")}
+    return rules | {"mtp.*.eh_proj": "replicated_region"}
 
 
 def latent_attention_plan(config: GPTConfig) -> dict[str, str]:

@@ -11,6 +11,8 @@ Layout (parameter names are the same in every parallel layout, which keeps check
     blocks.{i}.mlp.{gate,up,down}_proj
     norm                        final RMSNorm             (absent on stages that do not end the model)
     head                        LM head                   (absent likewise; shares `embed.weight` when tied)
+    mtp.{k}.{enorm,hnorm,eh_proj,norm}, mtp.{k}.block.*
+                                multi-token prediction's depths (`lit3d.models.mtp`), if the model has them
 
 A pipeline stage keeps a subset of `blocks` (still keyed by their global index) and drops what it does not own;
 `forward` passes through whatever is absent.
@@ -20,87 +22,23 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from lit3d.models.attention import causal_attention
 from lit3d.models.batch_context import NO_CONTEXT, BatchContext
+from lit3d.models.block import Block, compute_dtype
 from lit3d.models.config import GPTConfig
-from lit3d.models.latent_attention import LatentAttention
-from lit3d.models.lora import LoRA, init_adapter, linear, project
+from lit3d.models.lora import LoRA, init_adapter
 from lit3d.models.lora_dropout import name_dropouts
-from lit3d.models.mlp import MLP
+from lit3d.models.loss import IGNORED, AddToObjective, cross_entropy, loss_parallel_scope
 from lit3d.models.moe import MoE
-from lit3d.models.ring_attention import ContextParallel, ring_attention
-from lit3d.models.rotary import Rope, apply_rotary, position_tables, rotary_tables
+from lit3d.models.mtp import MultiTokenPrediction
+from lit3d.models.rotary import apply_rotary, rotary_tables
 
-__all__ = ["Transformer", "apply_rotary", "rotary_tables"]  # (the rotary helpers are read from here too)
-
-
-class Attention(nn.Module):
-    def __init__(self, config: GPTConfig, lora: LoRA | None = None) -> None:
-        super().__init__()
-        self.config = config
-        hd, d, bias = config.head_dim, config.d_model, config.qkv_bias  # Qwen2: biased q, k and v
-        self.q_proj = linear(d, config.n_head * hd, lora, "attn.q_proj", bias)
-        self.k_proj = linear(d, config.n_kv_head * hd, lora, "attn.k_proj", bias)
-        self.v_proj = linear(d, config.n_kv_head * hd, lora, "attn.v_proj", bias)
-        self.o_proj = linear(config.n_head * hd, d, lora, "attn.o_proj")
-        # Qwen3: each head of q and of k normalised before rotary (under TP, a rank's heads: `lit3d.models.tp_plan`).
-        self.q_norm = nn.RMSNorm(hd, eps=config.norm_eps) if config.qk_norm else None
-        self.k_norm = nn.RMSNorm(hd, eps=config.norm_eps) if config.qk_norm else None
-        # Under context parallelism, x holds this rank's share of each sequence (`lit3d.models.ring_attention`).
-        self.context_parallel: ContextParallel | None = None
-        self.rope = Rope.of(config.rope_theta, config.rope_scaling)
-
-    def forward(self, x: torch.Tensor, context: BatchContext = NO_CONTEXT) -> torch.Tensor:
-        batch, seq, _ = x.shape
-        hd, cp = self.config.head_dim, self.context_parallel
-        # NOTE: -1 heads: under tensor parallelism each rank holds only its share of the heads.
-        q = project(self.q_proj, x, context).view(batch, seq, -1, hd)
-        k = project(self.k_proj, x, context).view(batch, seq, -1, hd)
-        v = project(self.v_proj, x, context).view(batch, seq, -1, hd)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        docs = context.documents_for(batch, seq)
-        cos, sin = position_tables(self.rope, hd, q, docs, cp, self.config.max_seq_len)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if cp is None:
-            y = causal_attention(q, k, v, self.config.attention, docs)
-        else:
-            y = ring_attention(q, k, v, cp, docs)
-        return project(self.o_proj, y.reshape(batch, seq, -1), context)
-
-
-class Block(nn.Module):
-    """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x)); the attention is multi-head latent attention
-    (`lit3d.models.latent_attention`) where ``config.kv_lora_rank`` is set, and the MLP a Mixture of Experts
-    (`lit3d.models.moe.MoE`) in the blocks ``config.is_moe_layer`` names."""
-
-    def __init__(self, config: GPTConfig, index: int = 0, lora: LoRA | None = None) -> None:
-        super().__init__()
-        self.attn_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
-        self.attn = LatentAttention(config, lora) if config.kv_lora_rank else Attention(config, lora)
-        self.mlp_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
-        self.mlp = MoE(config, index, lora) if config.is_moe_layer(index) else MLP(config, lora)
-
-    def forward(self, x: torch.Tensor, context: BatchContext = NO_CONTEXT) -> torch.Tensor:
-        # NOTE: the context by keyword: tensor parallelism's input hooks on attn and mlp take one positional argument.
-        x = x + self.attn(compute_dtype(self.attn_norm(x)), context=context)
-        return x + self.mlp(compute_dtype(self.mlp_norm(x)), context=context)
-
-
-def compute_dtype(x: torch.Tensor) -> torch.Tensor:
-    """``x`` in autocast's dtype where autocast is on (bf16-mixed): a norm's output, cast once before it enters the
-    linears, instead of once by each of them (autocast casts every linear's input anew and keeps each copy for
-    backward: three for q, k and v). Under sequence parallelism its gather then moves bf16 too."""
-    if torch.is_autocast_enabled(x.device.type):
-        return x.to(torch.get_autocast_dtype(x.device.type))
-    return x
+# (read from here too: the block, the loss and the rotary helpers)
+__all__ = ["IGNORED", "Block", "Transformer", "apply_rotary", "compute_dtype", "cross_entropy", "loss_parallel_scope",
+           "rotary_tables"]  # fmt: skip
 
 
 class Transformer(nn.Module):
@@ -120,21 +58,52 @@ class Transformer(nn.Module):
         self.head: nn.Linear | None = nn.Linear(config.d_model, config.padded_vocab_size, bias=False)
         if config.tie_embeddings:
             self.head.weight = self.embed.weight
+        depths = config.num_nextn_predict_layers  # (after the head: a pipeline's last stage holds them)
+        self.mtp: nn.ModuleDict | None = None
+        if depths:
+            self.mtp = nn.ModuleDict({str(k): MultiTokenPrediction(config, k + 1, lora) for k in range(depths)})
         name_dropouts(self)  # LoRA's dropout masks are keyed by their module's name, the same in every layout
         # Whole tensors by parameter name to start from instead of the seed (`GPT(pretrained=...)`); the next
         # `reset_parameters` copies each rank's shard of them and lets them go.
         self.init_source: dict[str, torch.Tensor] | None = None
 
-    def forward(self, x: torch.Tensor, context: BatchContext = NO_CONTEXT) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, ahead: torch.Tensor | None = None, context: BatchContext = NO_CONTEXT
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``ahead``: the embeddings of multi-token prediction's tokens ahead ``[batch, seq, depth, d_model]``
+        (`lit3d.models.mtp`), which the stage with the embedding makes from ``context`` and a pipeline's stages hand on
+        with the hidden state, as a second output and input, to the stage with the depths."""
         if self.embed is not None:
+            if self.config.num_nextn_predict_layers and context.ahead is not None:
+                ahead = compute_dtype(self.embed(context.ahead.tokens))
             x = compute_dtype(self.embed(x))  # bf16-mixed: the residual stream in bf16 whatever holds the weights
         for block in self.blocks.values():
             x = block(x, context=context)
         if self.norm is not None:
             x = compute_dtype(self.norm(x))
-        if self.head is not None:
-            x = mask_vocab_padding(self.head(x), self.config.vocab_size)
-        return x
+        if self.head is None:
+            return x if ahead is None else (x, ahead)
+        logits = mask_vocab_padding(self.head(x), self.config.vocab_size)
+        if self.mtp is not None and ahead is not None and torch.is_grad_enabled():  # (training: evaluation skips it)
+            logits = self._predict_ahead(x, ahead, logits, context)
+        return logits
+
+    def _predict_ahead(
+        self, hidden: torch.Tensor, ahead: torch.Tensor, logits: torch.Tensor, context: BatchContext
+    ) -> torch.Tensor:
+        """Multi-token prediction (`lit3d.models.mtp`) from the decoder's final hidden state and the embeddings of the
+        tokens ahead: each depth records its loss, which the caller adds to the objective, or (a pipeline's last stage:
+        the context's ``objective_weight``) which joins it through backward, by way of the returned logits."""
+        tokens, losses = context.ahead, []
+        for k, depth in enumerate(self.mtp.values()):
+            hidden = depth(hidden, ahead[:, :, k], context)
+            depth_logits = mask_vocab_padding(self.head(hidden), self.config.vocab_size)  # (the decoder's head)
+            losses.append(cross_entropy(depth_logits, tokens.targets[..., k], tokens.scales[0, k]))
+            depth.record(losses[-1])
+        if context.objective_weight is None:
+            return logits
+        weight = context.objective_weight * self.config.mtp_loss_weight / len(losses)  # (their mean's weight)
+        return AddToObjective.apply(logits, torch.stack(losses).sum(), weight)
 
     def tie_weights(self) -> None:
         """Share the embedding with the head (again: materialising from the meta device unties them)."""
@@ -180,8 +149,14 @@ class Transformer(nn.Module):
                     buffer.copy_(biases[name])
 
     def moe_layers(self) -> list[nn.Module]:
-        """The Mixture-of-Experts feed-forwards of the blocks this network (or pipeline stage) holds."""
-        return [block.mlp for block in self.blocks.values() if isinstance(block.mlp, MoE)]
+        """The Mixture-of-Experts feed-forwards of the blocks this network (or pipeline stage) holds, the
+        multi-token-prediction depths' included."""
+        blocks = [*self.blocks.values(), *(depth.block for depth in self.mtp_depths())]
+        return [block.mlp for block in blocks if isinstance(block.mlp, MoE)]
+
+    def mtp_depths(self) -> list[MultiTokenPrediction]:
+        """The multi-token-prediction depths this network (or pipeline stage) holds."""
+        return list(self.mtp.values()) if self.mtp is not None else []
 
     def _init_values(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
         if init_adapter(name, tensor, generator):
@@ -236,46 +211,3 @@ def _copy_full(target: torch.Tensor, full: torch.Tensor) -> None:
         # src_data_rank=None: every rank cuts its own shard from its own copy, no communication.
         full = distribute_tensor(full.to(target.dtype), target.device_mesh, target.placements, src_data_rank=None)
     target.copy_(full)
-
-
-@contextmanager
-def loss_parallel_scope() -> Iterator[None]:
-    """DTensor's `loss_parallel`, entered only where it is not on already: a pipeline schedule computes the loss inside
-    its step, and an inner `loss_parallel` would turn the outer one off as it left.
-
-    NOTE: whether it is on is DTensor's own state (its table of custom operator handlers, which `loss_parallel` fills
-    and empties: PyTorch 2.11 to 2.13), so lit3d keeps no copy of it."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel import loss_parallel
-    from torch.distributed.tensor.parallel.loss import customized_loss_ops
-
-    handlers = DTensor._op_dispatcher._custom_op_handlers
-    with nullcontext() if all(op in handlers for op in customized_loss_ops) else loss_parallel():
-        yield
-
-
-IGNORED = -100  # a target no loss is taken on (a prompt token, padding)
-
-
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Mean next-token cross-entropy in fp32; with ``scale``, the sum over the targets that are not ``IGNORED``
-    times ``scale / targets.numel()`` instead (`lit3d.GPT.loss` says why).
-
-    Logits sharded over the vocabulary (a DTensor from a vocabulary-parallel head) are reduced with
-    DTensor's parallel loss, which never gathers the full logits; the caller's backward must then run
-    under `loss_parallel_scope` too (the strategy does this).
-    """
-    count = targets.numel()
-    logits, targets = logits.flatten(0, 1).float(), targets.flatten()
-    reduction = "mean" if scale is None else "sum"
-    from torch.distributed.tensor import DTensor, Replicate
-
-    if isinstance(logits, DTensor):
-        # The targets go in as a DTensor too: backward saves them, and must not mix plain and distributed tensors.
-        targets = DTensor.from_local(targets, logits.device_mesh, [Replicate()] * logits.device_mesh.ndim)
-        with loss_parallel_scope():
-            loss = F.cross_entropy(logits, targets, ignore_index=IGNORED, reduction=reduction)
-        loss = loss.to_local()
-    else:
-        loss = F.cross_entropy(logits, targets, ignore_index=IGNORED, reduction=reduction)
-    return loss if scale is None else loss * (scale / count)

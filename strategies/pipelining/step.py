@@ -22,7 +22,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lit3d.models.batch_context import NO_CONTEXT, BatchContext
-from lit3d.models.transformer import loss_parallel_scope
+from lit3d.models.loss import loss_parallel_scope
 from lit3d.parallel.schedules import SCHEDULES, Costs, bubble_theory
 from lit3d.parallel.stages import stage_rank
 from lit3d.strategies.pipelining.timeline import PipelineTimeline

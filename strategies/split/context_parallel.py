@@ -19,20 +19,13 @@ from lit3d.models.ring_attention import ContextParallel
 
 def check_module_for_context_parallel(module: Any, cp: int, predicting: bool = False) -> None:
     """Refuse a module context parallelism cannot split: it needs lit3d's protocol (a ``tensor_parallel_plan``, and
-    ``inputs_and_targets`` to cut each rank's tokens from), and whole sequences on every rank to predict; the ring
-    attention does not compute multi-head latent attention yet."""
+    ``inputs_and_targets`` to cut each rank's tokens from), and whole sequences on every rank to predict."""
     if cp == 1:
         return
     if not (hasattr(module, "tensor_parallel_plan") and hasattr(module, "inputs_and_targets")):
         raise TypeError(
             f"context_parallel_size={cp} needs a module the strategy splits, with `inputs_and_targets(batch)` "
             f"(like lit3d.GPT); {type(module).__name__} parallelises itself: use context_parallel_size=1"
-        )
-    latent = getattr(getattr(module, "config", None), "kv_lora_rank", None)
-    if latent is not None:
-        raise ValueError(
-            f"context_parallel_size={cp}: the ring attention does not compute multi-head latent attention "
-            f"(kv_lora_rank={latent}) yet: use context_parallel_size=1"
         )
     if predicting:
         raise ValueError(

@@ -25,7 +25,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from lit3d.models.transformer import compute_dtype
+from lit3d.models.block import compute_dtype
 from lit3d.parallel.sharding import ROLES
 
 
