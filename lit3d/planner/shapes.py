@@ -51,7 +51,22 @@ def _parts(config: GPTConfig) -> list[tuple[str, list[tuple[str, Shape]]]]:
     vocab, d = config.padded_vocab_size, config.d_model
     blocks = [(f"blocks.{i}", _block(config, i)) for i in range(config.n_layer)]
     ends = [("norm", [("weight", (d,))]), ("head", [("weight", (vocab, d))])]
-    return [("embed", [("weight", (vocab, d))]), *blocks, *ends]
+    depths = [(f"mtp.{k}", _prediction_depth(config, k)) for k in range(config.num_nextn_predict_layers)]
+    return [("embed", [("weight", (vocab, d))]), *blocks, *ends, *depths]
+
+
+def _prediction_depth(config: GPTConfig, k: int) -> list[tuple[str, Shape]]:
+    """`lit3d.models.mtp.MultiTokenPrediction` ``k`` (from 0): its two norms, ``eh_proj``, a block numbered after the
+    decoder's (an MoE block in an MoE model) and its norm."""
+    d = config.d_model
+    block = [(f"block.{name}", shape) for name, shape in _block(config, config.n_layer + k)]
+    return [
+        ("enorm.weight", (d,)),
+        ("hnorm.weight", (d,)),
+        ("eh_proj.weight", (d, 2 * d)),
+        *block,
+        ("norm.weight", (d,)),
+    ]
 
 
 def _block(config: GPTConfig, index: int) -> list[tuple[str, Shape]]:
@@ -60,6 +75,9 @@ def _block(config: GPTConfig, index: int) -> list[tuple[str, Shape]]:
     attention = [("q_proj", (q_width, d)), ("k_proj", (kv_width, d)), ("v_proj", (kv_width, d))]
     attention.append(("o_proj", (d, q_width)))
     shapes = [("attn_norm.weight", (d,))]
+    if config.kv_lora_rank is not None:
+        shapes += [(f"attn.{name}", shape) for name, shape in _latent_attention(config)]
+        attention = []
     for name, shape in attention:  # (Qwen2's q, k and v biases after their weights, as nn.Linear registers them)
         biased = config.qkv_bias and name != "o_proj"
         shapes += [(f"attn.{name}.weight", shape)] + ([(f"attn.{name}.bias", shape[:1])] if biased else [])
@@ -75,6 +93,28 @@ def _block(config: GPTConfig, index: int) -> list[tuple[str, Shape]]:
     if config.n_shared_expert:
         shapes += [(f"mlp.shared.{name}", shape) for name, shape in _mlp(d, config.n_shared_expert * width)]
     return shapes
+
+
+def _latent_attention(config: GPTConfig) -> list[tuple[str, Shape]]:
+    """`lit3d.models.latent_attention.LatentAttention` (DeepSeek's MLA): queries through ``q_proj``, or the low-rank
+    ``q_a_proj`` → norm → ``q_b_proj``; keys and values from one latent (``kv_a_proj_with_mqa``, its norm,
+    ``kv_b_proj``); ``o_proj`` from the value heads."""
+    d, heads, rank, latent = config.d_model, config.n_head, config.q_lora_rank, config.kv_lora_rank
+    q_width = heads * config.head_dim
+    if rank is None:
+        shapes = [("q_proj.weight", (q_width, d))]
+    else:
+        shapes = [
+            ("q_a_proj.weight", (rank, d)),
+            ("q_a_layernorm.weight", (rank,)),
+            ("q_b_proj.weight", (q_width, rank)),
+        ]
+    return shapes + [
+        ("kv_a_proj_with_mqa.weight", (latent + config.qk_rope_head_dim, d)),
+        ("kv_a_layernorm.weight", (latent,)),
+        ("kv_b_proj.weight", (heads * (config.qk_nope_head_dim + config.v_head_dim), latent)),
+        ("o_proj.weight", (d, heads * config.v_head_dim)),
+    ]
 
 
 def _mlp(d: int, hidden: int) -> list[tuple[str, Shape]]:
