@@ -190,8 +190,8 @@ def test_huggingface_folders_lit3d_cannot_compute_are_refused(tmp_path):
         num_attention_heads=4,
         vocab_size=10,
     )
-    with pytest.raises(ValueError, match="rope_type 'yarn' is not one of linear, llama3"):
-        config_from_hf({**base, "rope_scaling": {"rope_type": "yarn", "factor": 8.0}})
+    with pytest.raises(ValueError, match="rope_type 'dynamic' is not one of linear, llama3, yarn"):
+        config_from_hf({**base, "rope_scaling": {"rope_type": "dynamic", "factor": 8.0}})
     with pytest.raises(ValueError, match="llama3 needs low_freq_factor"):
         config_from_hf({**base, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
     with pytest.raises(ValueError, match="attention_bias=True"):
