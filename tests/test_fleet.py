@@ -2,6 +2,9 @@
 by speed, each stage priced on its own GPU, the plan against its two baselines, its flags accepted by ``lit3d fit``,
 and bad fleets refused in one line. (docs/mixed-fleets.md runs the llama-70b example through tests/test_docs.py.)"""
 
+import functools
+import itertools
+import random
 from dataclasses import replace
 
 import pytest
@@ -58,6 +61,29 @@ def test_partition_with_speeds_gives_a_faster_chunk_more_blocks_and_equal_speeds
     costs = [1.0] * 12
     assert partition(costs, 0, 0, 2, [2.0, 1.0]) == [list(range(8)), list(range(8, 12))]
     assert partition(costs, 0.5, 0.5, 3, [1.0, 1.0, 1.0]) == partition(costs, 0.5, 0.5, 3)
+
+
+def test_partition_reaches_the_least_largest_chunk_of_every_cut():
+    """`partition` against every way of cutting (small random cases, ties common): consecutive non-empty chunks of
+    all the blocks, whose largest cost is the least of any cut."""
+    chooser = random.Random(0)
+    for _ in range(300):
+        n = chooser.randint(1, 9)
+        chunks = chooser.randint(1, n)
+        costs = [float(chooser.choice([1, 2, 3])) for _ in range(n)]
+        first, last = chooser.choice([0.0, 1.0, 4.0]), chooser.choice([0.0, 2.0])
+        speeds = [chooser.choice([1.0, 2.0]) for _ in range(chunks)]
+        largest = functools.partial(_largest_chunk, costs, first, last, speeds)
+        cuts = list(itertools.combinations(range(1, n), chunks - 1))
+        runs = partition(costs, first, last, chunks, speeds)
+        assert [b for run in runs for b in run] == list(range(n)) and all(runs), runs
+        assert largest(tuple(run[0] for run in runs[1:])) == min(map(largest, cuts)), (costs, first, last, speeds)
+
+
+def _largest_chunk(costs: list[float], first: float, last: float, speeds: list[float], starts: tuple) -> float:
+    runs = [sum(costs[i:j]) for i, j in itertools.pairwise([0, *starts, len(costs)])]
+    runs[0], runs[-1] = runs[0] + first, runs[-1] + last
+    return max(run / speed for run, speed in zip(runs, speeds))
 
 
 def test_water_fill_deals_micro_batches_by_speed_at_least_one_each():

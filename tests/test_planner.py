@@ -445,16 +445,102 @@ def test_the_estimate_of_a_run_is_the_plan_of_its_settings_and_reads_nothing_els
 def test_pipeline_ranks_of_the_same_shapes_are_counted_once_and_as_each_alone():
     """The search counts a rank's states from its shapes (`stage_shapes`): the middle stages of a pipeline share one
     count, and every rank's equals the count of its own tensors with their own block numbers."""
+    from dataclasses import asdict
+
     from lit3d.parallel.zero import ZeroPolicy
     from lit3d.planner.inputs import PRECISIONS
-    from lit3d.planner.memory import _shapes_state, _stage_state
-    from lit3d.planner.tensors import StageShapes, config_key, key_tensors, stage_shapes
+    from lit3d.planner.states import shapes_state
+    from lit3d.planner.tensors import StageShapes, config_key, key_tensors, rank_shapes
 
     key, layout = config_key(GPTConfig.from_name("llama-8b")), Layout(dp=2, tp=2, pp=4, devices_per_node=8)
-    shapes = [stage_shapes(key, 4, 2, rank, "loop") for rank in range(4)]
+    shapes = rank_shapes(key, 4, 2, "loop")
     assert shapes[1] is shapes[2] and shapes[0] is not shapes[1]  # (rank 0 holds the embedding, rank 3 the head)
-    precision, zero = PRECISIONS["bf16-mixed"], ZeroPolicy(2, 2)
-    for rank in range(4):
-        alone = StageShapes(tuple(key_tensors(key, 4, 2, rank, "loop")))  # its own names and block numbers
-        held = _stage_state(key, layout, 2, rank, "loop", zero, precision, True)
-        assert held == _shapes_state(alone, layout, zero, precision, True, False)
+    precision = PRECISIONS["bf16-mixed"]
+    for zero in (ZeroPolicy(0, 2), ZeroPolicy(1, 2), ZeroPolicy(2, 2), ZeroPolicy(3, 2)):
+        for rank in range(4):
+            alone = StageShapes(tuple(key_tensors(key, 4, 2, rank, "loop")))  # its own names and block numbers
+            held = shapes_state(shapes[rank], layout, zero, precision, True, False)
+            assert asdict(held) == asdict(shapes_state(alone, layout, zero, precision, True, False))
+
+
+def test_a_rank_s_groups_and_kinds_count_as_its_tensors_do():
+    """`StageShapes.sum` sums over a rank's repeating groups (the root, each kind of block once, times its count),
+    `StageShapes.counted` over its distinct tensors and `StageShapes.kinds` names each tensor's kind: all as the tensors
+    themselves count, for dense, MoE and LoRA models."""
+    from lit3d.models.lora_settings import LoRA
+    from lit3d.planner.tensors import config_key, rank_shapes
+
+    for name, lora, ep in (("llama-8b", None, 1), ("moe-tiny", None, 2), ("llama-8b", LoRA(rank=8), 1)):
+        key = config_key(GPTConfig.from_name(name), lora)
+        layout = Layout(dp=4, tp=2, pp=2, devices_per_node=8, ep=ep)
+        for shapes in {*rank_shapes(key, 2, 1, "loop"), *rank_shapes(key, 2, 2, "v")}:
+            _check_groups_and_kinds(shapes, layout)
+
+
+def _check_groups_and_kinds(shapes, layout):
+    from functools import partial
+
+    from lit3d.parallel.zero import ZeroPolicy
+    from lit3d.planner.tensors import local_numel, stepped_numel
+
+    tensors = list(shapes.tensors)
+    for zero in (ZeroPolicy(0, 4), ZeroPolicy(1, 4), ZeroPolicy(3, 4)):
+        assert shapes.sum(partial(stepped_numel, layout=layout, zero=zero)) == stepped_numel(tensors, layout, zero)
+    numel = lambda group: sum(local_numel(t, 2, 4, ep=layout.ep) for t in group)
+    assert shapes.sum(numel) == numel(tensors) == sum(n * numel([t]) for t, n in shapes.counted)
+    kinds, order = shapes.kinds
+    same = lambda t: (t.shape, t.tp_dim, t.expert, t.trains, t.name.rsplit(".", 2)[-2:])
+    assert [same(kinds[i]) for i in order] == [same(t) for t in tensors]
+
+
+def test_a_rank_s_shapes_are_its_tensors_with_its_blocks_numbered_from_0():
+    """`stage_shapes` (made once for every rank alike) holds what `key_tensors` lists for the rank, its blocks
+    renumbered in order: dense and MoE models (with dense first blocks), tied embeddings, adapters, given stages."""
+    from dataclasses import replace
+
+    from lit3d.models.lora_settings import LoRA
+    from lit3d.planner.tensors import config_key, key_tensors, stage_shapes
+
+    grids = ((2, 1, "loop"), (4, 1, "loop"), (2, 2, "loop"), (2, 2, "v"))
+    for name, lora, layers in (
+        ("llama-8b", None, None),
+        ("moe-tiny", None, None),
+        ("llama3.2-1b", LoRA(rank=8), None),
+        ("tiny", None, (1, 3)),
+    ):
+        key = config_key(GPTConfig.from_name(name), lora, layers)
+        for pp, virtual, placement in grids if layers is None else ((2, 1, "loop"),):
+            for rank in range(pp):
+                tensors = key_tensors(key, pp, virtual, rank, placement)
+                order = {b: i for i, b in enumerate(dict.fromkeys(t.block for t in tensors if t.block is not None))}
+                numbered = [
+                    t if t.block is None else replace(t, name=f"blocks.{order[t.block]}.{t.name.split('.', 2)[2]}",
+                                                      block=order[t.block])
+                    for t in tensors
+                ]  # fmt: skip
+                assert list(stage_shapes(key, pp, virtual, rank, placement).tensors) == numbered, (name, pp, rank)
+
+
+def test_gradients_unsharded_across_micro_steps_leave_a_rank_s_least_peak_as_the_shards():
+    """The search weighs ZeRO-2/3 with their gradients unsharded across the micro-steps only where the shards' states
+    and buffers alone fit (`Held.floors`): the unsharded run's are the same."""
+    from dataclasses import replace
+
+    from lit3d.models.lora_settings import LoRA
+    from lit3d.planner.inputs import PLANNING_DEFAULTS, Case
+    from lit3d.planner.memory import held_by_stage
+
+    runs = [
+        ("llama-8b", None, Layout(dp=8, tp=1, pp=1, devices_per_node=8), False),
+        ("llama-8b", None, Layout(dp=4, tp=2, pp=1, devices_per_node=8), True),
+        ("llama-8b", LoRA(rank=8), Layout(dp=8, tp=1, pp=1, devices_per_node=8), False),
+        ("moe-tiny", None, Layout(dp=4, tp=2, pp=1, devices_per_node=8, ep=2), False),
+    ]
+    for name, lora, layout, offload in runs:
+        config, training = GPTConfig.from_name(name), Training(seq_len=128, global_batch_size=64, lora=lora)
+        for zero in (2, 3) if not offload else (3,):
+            sharded = replace(PLANNING_DEFAULTS, zero_stage=zero, offload=offload).at(layout)
+            unsharded = replace(sharded, accumulate_unsharded=True)
+            cases = [Case(config, Cluster(), layout, training, run) for run in (sharded, unsharded)]
+            floors = [held_by_stage(case).floors for case in cases]
+            assert floors[0] == floors[1], (name, layout, zero)

@@ -43,14 +43,19 @@ def partition(
         best[0][j] = run_cost(0, j, 0)
     for k in range(1, chunks):
         # NOTE: `run_cost` written out, and no chunk k ending where too few blocks are left for the chunks after it:
-        # the planner cuts every model at every chunk count, and these loops were its slowest part.
+        # the planner cuts every model at every chunk count, and these loops were its slowest part. Chunk k's start
+        # ``i`` is tried from the last down: its own cost only grows as ``i`` falls (costs are not negative), so
+        # once it passes the best found, no earlier start can beat it; ties keep the earliest start.
         extra, speed = last_extra if k == chunks - 1 else 0, speeds[k]
         previous, row, starts = best[k - 1], best[k], cut[k]
         for j in range(k + 1, n - (chunks - 1 - k) + 1):
             end = prefix[j]
-            for i in range(k, j):
-                value = max(previous[i], (end - prefix[i] + extra) / speed)
-                if value < row[j]:
+            for i in range(j - 1, k - 1, -1):
+                own = (end - prefix[i] + extra) / speed
+                if own > row[j]:
+                    break
+                value = max(previous[i], own)
+                if value <= row[j]:
                     row[j], starts[j] = value, i
     bounds, j = [], n
     for k in range(chunks - 1, 0, -1):

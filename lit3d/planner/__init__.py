@@ -12,8 +12,8 @@ from lit3d.planner.fleet_report import FleetReport, format_fleet, plan_fleet
 from lit3d.planner.inputs import Software
 from lit3d.planner.rankmap import RankMap
 from lit3d.planner.report import format_plan, format_search
-from lit3d.planner.request import Report, Request, format_report, plan, planning_defaults
-from lit3d.planner.search import Candidate, check_inputs, layout_problem, search
+from lit3d.planner.request import Report, Request, check_inputs, format_report, plan, planning_defaults
+from lit3d.planner.search import Candidate, layout_problem, search
 from lit3d.planner.verify import verify
 
 __all__ = [

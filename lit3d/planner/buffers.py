@@ -30,7 +30,7 @@ from typing import Any
 
 from lit3d.parallel.sharding import BUCKET_ELEMENTS
 from lit3d.parallel.zero import ZeroPolicy
-from lit3d.planner.tensors import Tensor, local_numel, replicas, stepped_numel
+from lit3d.planner.tensors import StageShapes, local_numel, replicas
 
 
 @dataclass(frozen=True)
@@ -46,60 +46,71 @@ class Transient:
 
 
 def transient_bytes(
-    tensors: list[Tensor], layout: Any, zero: ZeroPolicy, precision: Any, summed: bool, offload: bool = False
+    shapes: StageShapes, layout: Any, zero: ZeroPolicy, precision: Any, summed: bool, offload: bool, matrices: int
 ) -> Transient:
-    """What a rank holding ``tensors`` keeps for a moment only; ``summed``: gradients are summed over micro-steps or a
+    """What a rank holding ``shapes`` keeps for a moment only; ``summed``: gradients are summed over micro-steps or a
     pipeline's micro-batches before they are reduced. ``precision``: `lit3d.planner.estimate.Precision`. With
-    ``offload`` (ZeRO-3, even on one replica) the gathers are on the device and AdamW's temporaries on the host."""
-    matrices = [t for t in tensors if len(t.shape) >= 2]  # AdamW's larger parameter group (the norms are the other)
-    step = 0 if offload else stepped_numel(matrices, layout, zero) * precision.stepped_bytes
+    ``offload`` (ZeRO-3, even on one replica) the gathers are on the device and AdamW's temporaries on the host.
+    ``matrices``: the elements of AdamW's larger parameter group its optimizer steps (`lit3d.planner.states`)."""
+    step = 0 if offload else matrices * precision.stepped_bytes
     if offload:
-        return _fsdp(tensors, layout, zero, precision, summed, step)
+        return _fsdp(shapes, layout, zero, precision, summed, step)
     if layout.replicas == 1 or zero.all_reduces:
         return Transient(0, 0, step)
     if zero.slices_optimizer:  # buckets of gradients: of what trains
-        return _zero1([t for t in tensors if t.trains], layout, precision, summed, step)
-    return _fsdp(tensors, layout, zero, precision, summed, step)
+        return _zero1(shapes, layout, precision, summed, step)
+    return _fsdp(shapes, layout, zero, precision, summed, step)
 
 
-def _zero1(tensors: list[Tensor], layout: Any, precision: Any, summed: bool, step: int) -> Transient:
-    rows = sorted(zero1_bucket_rows(tensors, layout), reverse=True) + [0]
+def _zero1(shapes: StageShapes, layout: Any, precision: Any, summed: bool, step: int) -> Transient:
+    rows = sorted(zero1_bucket_rows(shapes, layout), reverse=True) + [0]
     # the rows in the optimizer's dtype, or in the gradients' where a stack holds them narrower (`Software.bf16_grads`)
     kept, wire = min(precision.stepped_bytes, precision.grads), precision.reduce_bytes
     cast = rows[0] * wire if wire != kept else 0  # the largest bucket's rows, cast for the wire
     if summed:  # every bucket's rows from the first micro-step on, and the sums of what ZeRO-1 leaves unsliced
         whole = sum(rows) * kept
-        alone = [t for t in tensors if replicas(t, layout) == 1]  # experts with no replica: their own gradients
-        aside = sum(local_numel(t, layout.tp, ep=layout.ep) for t in alone) * precision.grads
+
+        alone = [(t, n) for t, n in shapes.counted if t.trains and replicas(t, layout) == 1]  # experts with no replica
+        aside = (
+            sum(n * local_numel(t, layout.tp, ep=layout.ep) for t, n in alone) * precision.grads
+        )  # (their own grads)
         return Transient(whole + aside, whole + cast, step)
     # one bucket in flight while the next one fills (`LocalShardOptimizer._launch_next`)
     return Transient(rows[0] * kept, rows[0] * kept + cast + rows[1] * wire, step)
 
 
-def zero1_bucket_rows(tensors: list[Tensor], layout: Any) -> list[int]:
-    """Elements of each ZeRO-1 bucket's rows on rank 0: every DP rank's slice of each tensor (padded to the largest),
-    packed in backward's order up to `BUCKET_ELEMENTS` per rank, experts apart (`zero1_buckets.buckets`)."""
-    packed: dict[bool, list[list[int]]] = {}
-    for t in reversed(tensors):
+def zero1_bucket_rows(shapes: StageShapes, layout: Any) -> list[int]:
+    """Elements of each ZeRO-1 bucket's rows on rank 0: every DP rank's slice of each tensor that trains (padded to
+    the largest), packed in backward's order up to `BUCKET_ELEMENTS` per rank, experts apart
+    (`zero1_buckets.buckets`)."""
+    kinds, order = shapes.kinds  # (each distinct tensor's slice worked out once)
+    parts = []
+    for t in kinds:
         ranks = replicas(t, layout)
-        part = local_numel(t, layout.tp, ranks, t.free_dim, layout.ep)
-        buckets = packed.setdefault(t.expert, [[ranks, 0]])
-        if buckets[-1][1] and buckets[-1][1] + part > BUCKET_ELEMENTS:
-            buckets.append([ranks, 0])
-        buckets[-1][1] += part
-    return [ranks * total for buckets in packed.values() for ranks, total in buckets if ranks > 1]
+        parts.append((ranks, local_numel(t, layout.tp, ranks, t.free_dim, layout.ep)))
+    rows = []
+    for expert in (False, True):
+        kept = [parts[k] for k in reversed(order) if kinds[k].trains and kinds[k].expert == expert]
+        bucket, total = kept[0][0] if kept else 1, 0  # (a bucket: the ranks of its first tensor, its elements)
+        for ranks, part in kept:
+            if total and total + part > BUCKET_ELEMENTS:
+                rows.append((bucket, total))
+                bucket, total = ranks, 0
+            total += part
+        rows += [(bucket, total)] if kept else []
+    return [ranks * total for ranks, total in rows if ranks > 1]
 
 
-def _fsdp(tensors: list[Tensor], layout: Any, zero: ZeroPolicy, precision: Any, summed: bool, step: int) -> Transient:
-    def sizes(group: list[Tensor]) -> tuple[int, int, int]:  # the largest block, the root, everything
-        by_block: dict[int | None, int] = {}
-        for t in group:
-            by_block[t.block] = by_block.get(t.block, 0) + local_numel(t, layout.tp, ep=layout.ep)
-        root = by_block.pop(None, 0)
-        return max(by_block.values(), default=0), root, root + sum(by_block.values())
+def _fsdp(shapes: StageShapes, layout: Any, zero: ZeroPolicy, precision: Any, summed: bool, step: int) -> Transient:
+    def sizes(trained: bool) -> tuple[int, int, int]:  # the largest block, the root, everything (of what trains)
+        (root, _), *blocks = [
+            (sum(local_numel(t, layout.tp, ep=layout.ep) for t in tensors if t.trains or not trained), count)
+            for tensors, count in shapes.groups
+        ]
+        return max((numel for numel, _ in blocks), default=0), root, root + sum(n * count for n, count in blocks)
 
-    block, root, every = sizes(tensors)  # gathered: every weight, frozen or not
-    block_grads, root_grads, every_grad = sizes([t for t in tensors if t.trains])  # what has gradients
+    block, root, every = sizes(False)  # gathered: every weight, frozen or not
+    block_grads, root_grads, every_grad = sizes(True)  # what has gradients
     gather, reduce = precision.gather_bytes, precision.reduce_bytes
     scatter = block_grads * reduce  # a block's reduce-scatter input
     if summed and layout.pp > 1:  # every parameter kept gathered beside a block's gather, every gradient unsharded,
@@ -133,12 +144,16 @@ def peak_memory(
     grads = memory["grads"]
     before_backward = states + grads * grads_from_start
     at_loss = transient.gathered + loss_grads
-    moments = [
-        (transient.forward, before_backward + memory["activations"] * forward_share + transient.forward),
-        (at_loss, before_backward + memory["activations"] + at_loss),
-        (transient.start, before_backward + memory["activations"] + transient.start),
+    activations = memory["activations"]
+    moments = (
+        (transient.forward, before_backward + activations * forward_share + transient.forward),
+        (at_loss, before_backward + activations + at_loss),
+        (transient.start, before_backward + activations + transient.start),
         (transient.end, states + grads + transient.end),
         (transient.step, states + grads + transient.step),
-    ]
-    buffers, total = max(moments, key=lambda moment: moment[1])
+    )
+    buffers, total = moments[0]
+    for moment in moments[1:]:  # (the first of the largest)
+        if moment[1] > total:
+            buffers, total = moment
     return int(buffers), int(total)

@@ -33,15 +33,13 @@ from lit3d.planner.calibration import (
     OPTIMIZER_BYTES,
     OPTIMIZER_OPS,
     STATIC_POWER_SHARE,
+    Efficiencies,
 )
 from lit3d.planner.host import offloaded_activations, offloaded_states
-from lit3d.planner.inputs import GB, Case, Cluster, Precision, Training, held_precision
-from lit3d.planner.tensors import (
-    adapter_params,
-    key_tensors,
-    stepped_numel,
-)
-from lit3d.planner.traffic import stages, tp_bytes_by_stage
+from lit3d.planner.inputs import GB, Case, Cluster, Precision, Software, Training
+from lit3d.planner.sums import StageSums, rank_sums
+from lit3d.planner.tensors import adapter_params, config_of, lora_of
+from lit3d.planner.traffic import tp_bytes_by_stage
 from lit3d.planner.work import Gemm, Work, stage_work
 
 
@@ -64,7 +62,7 @@ class Device:
 
     flops: float  # the dense peak at the clock the power cap allows, FLOP/s
     bandwidth: float  # memory bytes/s a streaming kernel reaches
-    cluster: Cluster
+    efficiency: Efficiencies  # its kernels' (`lit3d.planner.calibration`)
     element: int  # bytes of an activation
     fp8_flops: float = 0.0  # the FP8 peak likewise (the bf16 one where the device has no FP8 tensor cores)
     cast_bytes: float = FP8_CAST_BYTES  # moved per element of an FP8 operand to cast it (`Software.fp8_cast_bytes`)
@@ -75,10 +73,10 @@ class Device:
         flops = cluster.peak_tflops * 1e12 * power_clock(cluster.power_watts, cluster.gpu.tdp_watts)
         bandwidth = cluster.gpu.memory_bandwidth_gbps * 1e9 * efficiency.memory
         fp8 = flops * max(1.0, cluster.gpu.fp8_tflops / cluster.gpu.peak_tflops)  # (a given peak_tflops scales it)
-        return cls(flops, bandwidth, cluster, element, fp8)
+        return cls(flops, bandwidth, efficiency, element, fp8)
 
     def gemm(self, gemm: Gemm) -> float:
-        efficiency = self.cluster.gpu.efficiency
+        efficiency = self.efficiency
         share = efficiency.gemm * gemm.k / (gemm.k + efficiency.gemm_half_dim)
         operands = (gemm.m * gemm.k + gemm.k * gemm.n) * gemm.count
         if gemm.fp8:  # one-byte operands, each cast first by its own kernels (`FP8_CAST_BYTES`)
@@ -89,7 +87,7 @@ class Device:
         return max(gemm.flops / (self.flops * share), moved / self.bandwidth)
 
     def kernels(self, count: float) -> float:
-        return count * self.cluster.gpu.efficiency.kernel_overhead_us * 1e-6
+        return count * self.efficiency.kernel_overhead_us * 1e-6
 
 
 def power_clock(power_watts: float | None, tdp_watts: float) -> float:
@@ -101,15 +99,13 @@ def power_clock(power_watts: float | None, tdp_watts: float) -> float:
     return max(0.0, (power_watts - static) / (tdp_watts - static)) ** (1 / 3)
 
 
-def micro_batch_time(work: Work, device: Device, training: Training, recompute: tuple[float, bool]) -> dict:
+def micro_batch_time(work: Work, device: Device, software: Software, recompute: tuple[float, bool]) -> dict:
     """Seconds of one micro-batch's forward and backward on a rank: compute (GEMMs, attention) and memory-bound
-    work (elementwise, loss, embedding, kernel overheads); ``recompute``: the share of the blocks' forward
-    matmuls and attention run again, and whether their elementwise work is."""
-    if training.software.fp8_cast_bytes is not None:
-        device = replace(device, cast_bytes=training.software.fp8_cast_bytes)
-    forward_attention, backward_attention = device.cluster.gpu.efficiency.attention_efficiency(
-        training.software.attention
-    )
+    work (elementwise, loss, embedding, kernel overheads); ``software``: the run's kernels; ``recompute``: the share of
+    the blocks' forward matmuls and attention run again, and whether their elementwise work is."""
+    if software.fp8_cast_bytes is not None:
+        device = replace(device, cast_bytes=software.fp8_cast_bytes)
+    forward_attention, backward_attention = device.efficiency.attention_efficiency(software.attention)
     gemm_forward = sum(device.gemm(g) for g in work.block_gemms)
     gemm_backward = sum(device.gemm(b) for g in work.block_gemms for b in g.backward())
     attention_forward = work.attention_flops / (device.flops * forward_attention)
@@ -124,7 +120,7 @@ def micro_batch_time(work: Work, device: Device, training: Training, recompute: 
     memory += device.kernels(passes * work.block_kernels + work.other_kernels + gemm_kernels + 2 * work.blocks)
     if work.split:  # the host's work per tensor-parallel linear, forward and backward (DTensor's)
         linears = sum(g.count for g in (*work.block_gemms, *work.head_gemms))
-        memory += linears * device.cluster.gpu.efficiency.split_linear_us * 1e-6
+        memory += linears * device.efficiency.split_linear_us * 1e-6
     return {"compute": compute, "memory_bound": memory, "attention": attention_forward + attention_backward}
 
 
@@ -137,17 +133,17 @@ def recompute_of(settings: Parallelism, training: Training) -> tuple[float, bool
     return matmuls, bool(policy)
 
 
-def step_time(case: Case, traffic: dict[str, float], seconds: dict[str, float]) -> StepTime:
+def step_time(case: Case, traffic: dict[str, float], seconds: dict[str, float], work: RankWork) -> StepTime:
     """The step of ``case`` on its busiest rank: ``traffic`` the bytes each axis sends, ``seconds`` the time they
-    take."""
+    take, ``work`` what each pipeline rank computes (`rank_work`)."""
     config, cluster, layout, training, settings = case.config, case.cluster, case.layout, case.training, case.settings
     precision, pp = case.precision, layout.pp
     microbatches = training.global_batch_size // (layout.data_replicas * training.micro_batch_size)  # per replica
     schedule_m = microbatches // training.schedules_per_step(pp)  # micro-batches of one pipeline schedule
-    fused, sp = _fused_and_sp(training, settings, layout)
+    sp = settings.sequence_parallel and layout.tp > 1
     virtual = settings.chunks_per_rank if pp > 1 else 1
     placement = SCHEDULES[settings.pipeline_schedule].placement
-    times = _micro_batch_by_stage(case, precision.activations, sp, fused)
+    times = work.times
     rank = max(range(pp), key=lambda r: times[r]["compute"] + times[r]["memory_bound"])
     if cluster.stage_gpus is not None:  # a fleet: each stage sends its own TP traffic over its own NVLink
         rank, seconds = _busiest_in_fleet(case, times, seconds)
@@ -176,7 +172,7 @@ def step_time(case: Case, traffic: dict[str, float], seconds: dict[str, float]) 
         exposed["dp_replicate"], hidden["dp_replicate"] = dp_replicate
     if "island" in seconds:  # NOTE: the outer step waits for its all-reduce, amortised over its inner steps
         exposed["island"] = seconds["island"]
-    optimizer = _optimizer(case, rank, device, virtual, placement)
+    optimizer = _optimizer(*work.stepped[rank], device)
     if settings.offload:  # the states in host memory: copies over the host link, the optimizer on the CPU
         exposed["host"], optimizer = offloaded_states(
             config, layout, settings, training, rank, virtual, placement, cluster, precision
@@ -203,7 +199,7 @@ def _busiest_in_fleet(case: Case, times: list[dict], seconds: dict[str, float]) 
     ``seconds["tp"]`` is the most TP traffic's over the slowest NVLink; each stage's is its own bytes over its own
     (TP stays inside a node on a fleet), with the same latency."""
     layout, training, cluster = case.layout, case.training, case.cluster
-    sent = tp_bytes_by_stage(case)
+    sent = tp_bytes_by_stage(case, rank_sums(case))
     microbatches = training.global_batch_size // (layout.data_replicas * training.micro_batch_size)
     latency = seconds["tp"] - max(sent) / _tp_link(cluster)
     tp = [n / _tp_link(cluster.stage(r)) + latency if n else 0.0 for r, n in enumerate(sent)]
@@ -216,30 +212,60 @@ def _tp_link(cluster: Cluster) -> float:
     return cluster.intra_node_gbps * cluster.gpu.efficiency.link * GB
 
 
-def _micro_batch_by_stage(case: Case, element: int, sp: bool, fused: bool) -> list[dict]:
-    """The times of one micro-batch on each pipeline rank, each on its own device (a fleet's `Cluster.stage_gpus`)."""
-    config, cluster, layout, training, settings = case.config, case.cluster, case.layout, case.training, case.settings
-    virtual = settings.chunks_per_rank if layout.pp > 1 else 1
-    placement = SCHEDULES[settings.pipeline_schedule].placement
+@dataclass(frozen=True)
+class RankWork:
+    """What each pipeline rank computes whatever its micro-batches: one micro-batch's times (compute, memory-bound
+    work, attention: `micro_batch_times`), and the elements and tensors its optimizer steps."""
+
+    times: list[dict]
+    stepped: tuple[tuple[int, int], ...]
+
+
+def micro_batch_times(case: Case, sums: tuple[StageSums, ...]) -> list[dict]:
+    """The times of one micro-batch on each pipeline rank (``sums``: theirs, `rank_sums`), each on its own device (a
+    fleet's `Cluster.stage_gpus`)."""
+    cluster, layout, training, settings = case.cluster, case.layout, case.training, case.settings
+    element, (fused, sp) = case.precision.activations, _fused_and_sp(training, settings, layout)
     recompute, fp8 = recompute_of(settings, training), settings.float8 is not None
-    held = stages(case.key, layout.pp, virtual, placement, layout.tp, layout.ep)
+    batch = (training.micro_batch_size, training.seq_len)
     times: dict[tuple, dict] = {}  # NOTE: a long pipeline's middle stages hold alike: each is priced once
-    for rank, stage in enumerate(held):
+    for rank, stage in enumerate(sums):
         gpu = cluster.stage_gpus[rank] if cluster.stage_gpus else None
         if (stage, gpu) not in times:
-            work = stage_work(config, layout, training, sp, fused, stage, fp8)
-            times[stage, gpu] = micro_batch_time(work, Device.of(cluster.stage(rank), element), training, recompute)
-    return [times[stage, cluster.stage_gpus[rank] if cluster.stage_gpus else None] for rank, stage in enumerate(held)]
+            device = Device.of(cluster.stage(rank), element)
+            seconds = _stage_seconds(
+                case.key, layout, *batch, sp, fused, stage, fp8, device, training.software, recompute
+            )
+            times[stage, gpu] = dict(zip(("compute", "memory_bound", "attention"), seconds, strict=True))
+    return [times[stage, cluster.stage_gpus[rank] if cluster.stage_gpus else None] for rank, stage in enumerate(sums)]
+
+
+@lru_cache(maxsize=4096)
+def _stage_seconds(
+    key: tuple,
+    layout: Layout,
+    micro_batch_size: int,
+    seq_len: int,
+    sp: bool,
+    fused: bool,
+    stage: StageSums,
+    fp8: bool,
+    device: Device,
+    software: Software,
+    recompute: tuple[float, bool],
+) -> tuple[float, ...]:
+    """`micro_batch_time` of a rank of ``layout`` holding ``stage`` of the model a `config_key` stands for (cached: the
+    search prices the same ranks' work at every ZeRO stage)."""
+    work = stage_work(config_of(key), layout, micro_batch_size, seq_len, lora_of(key), sp, fused, stage, fp8)
+    return tuple(micro_batch_time(work, device, software, recompute).values())
 
 
 def stage_times(
     config: GPTConfig, cluster: Cluster, layout: Layout, training: Training, settings: Parallelism
 ) -> list[float]:
     """Seconds of one micro-batch's forward and backward on each pipeline rank (compute and memory-bound work)."""
-    element = held_precision(training, settings, layout).activations
-    fused, sp = _fused_and_sp(training, settings, layout)
-    times = _micro_batch_by_stage(Case(config, cluster, layout, training, settings), element, sp, fused)
-    return [t["compute"] + t["memory_bound"] for t in times]
+    case = Case(config, cluster, layout, training, settings)
+    return [t["compute"] + t["memory_bound"] for t in micro_batch_times(case, rank_sums(case))]
 
 
 def _fused_and_sp(training: Training, settings: Parallelism, layout: Layout) -> tuple[bool, bool]:
@@ -308,17 +334,10 @@ def _data_parallel(
     return dp_seconds - hidden * (1 - cost), hidden
 
 
-def _optimizer(case: Case, rank: int, device: Device, virtual: int, placement: str) -> float:
-    """AdamW's step over what the rank's optimizer steps, and clipping's norm: memory-bound."""
-    numel, stepped = _stepped(case.key, case.layout, virtual, rank, placement, case.zero)
-    return numel * OPTIMIZER_BYTES / device.bandwidth + device.kernels(stepped * OPTIMIZER_OPS)
-
-
-@lru_cache(maxsize=4096)
-def _stepped(key: tuple, layout: Layout, virtual: int, rank: int, placement: str, zero: ZeroPolicy) -> tuple[int, int]:
-    """(elements, tensors) rank ``rank``'s optimizer steps (cached: the search prices every schedule of a layout)."""
-    tensors = key_tensors(key, layout.pp, virtual, rank, placement)
-    return stepped_numel(tensors, layout, zero), sum(t.trains for t in tensors)
+def _optimizer(numel: int, tensors: int, device: Device) -> float:
+    """AdamW's step over what a rank's optimizer steps (``numel`` elements of ``tensors`` tensors), and clipping's
+    norm: memory-bound."""
+    return numel * OPTIMIZER_BYTES / device.bandwidth + device.kernels(tensors * OPTIMIZER_OPS)
 
 
 def time_shares(breakdown: dict, step: float) -> dict[str, float]:

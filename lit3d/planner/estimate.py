@@ -13,10 +13,13 @@ with what communication hides and what it exposes (`lit3d.planner.clock`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import cached_property
+
 from lit3d.models.config import GPTConfig
 from lit3d.parallel.layout import Layout
 from lit3d.parallel.settings import Parallelism
-from lit3d.planner.clock import step_time
+from lit3d.planner.clock import RankWork, StepTime, micro_batch_times, step_time
 from lit3d.planner.inputs import (  # noqa: F401 (read from here too)
     GB,
     MASTER_WEIGHTS,
@@ -30,12 +33,15 @@ from lit3d.planner.inputs import (  # noqa: F401 (read from here too)
     held_precision,
 )
 from lit3d.planner.memory import (  # noqa: F401 (the per-token counts are also read from here)
+    Held,
     Memory,
     activation_bytes_per_token,
     autocast_weight_bytes,
+    held_by_stage,
     memory_by_stage,
     output_layer_bytes,
 )
+from lit3d.planner.sums import StageSums, rank_sums
 from lit3d.planner.traffic import collectives, communication_bytes
 
 
@@ -50,13 +56,73 @@ def estimate(
 
     ``settings``: the run's; its sizes are ``layout``'s (those ``settings`` holds are not read)."""
     case = Case(config, cluster, layout, training, settings)  # passed whole from here down
-    memory, traffic = memory_by_stage(case), communication_bytes(case)
-    links = link_speeds(cluster, layout)
-    latency = latencies(cluster, links, collectives(case))
+    ranks = Ranks(case, case.chunks)
+    return price(case, ranks, memory_by_stage(case, ranks.held))
+
+
+@dataclass(frozen=True, eq=False)
+class Ranks:
+    """What the pipeline ranks of ``case`` hold and compute whatever its micro-batches, with ``chunks`` per rank placed
+    as given (`Case.chunks`; which blocks each rank holds), each part worked out when first asked: once for every
+    schedule of those chunks and every micro-batch count the planner weighs (`lit3d.planner.pipeline`), and only the
+    memory for a layout that does not fit."""
+
+    case: Case
+    chunks: tuple[int, str]
+
+    @cached_property
+    def held(self) -> Held:
+        """Weights, gradients, optimizer states, buffers (`lit3d.planner.memory`)."""
+        return held_by_stage(self.case, self.chunks)
+
+    @cached_property
+    def sums(self) -> tuple[StageSums, ...]:
+        """What each rank holds, summed (`lit3d.planner.sums`), each distinct one once."""
+        return tuple(dict.fromkeys(rank_sums(self.case, True, self.chunks)))
+
+    @cached_property
+    def bare(self) -> tuple[StageSums, ...]:
+        """`sums` of the model without its adapters (the collectives count those)."""
+        if self.case.training.lora is None:
+            return self.sums
+        return tuple(dict.fromkeys(rank_sums(self.case, False, self.chunks)))
+
+    @cached_property
+    def links(self) -> dict[str, float]:
+        """GB/s per GPU of the link each axis's traffic crosses (`link_speeds`)."""
+        return link_speeds(self.case.cluster, self.case.layout)
+
+    @cached_property
+    def params(self) -> tuple[int, int]:
+        """The model's parameters, and those one token uses (`GPTConfig.num_params`, `GPTConfig.active_params`)."""
+        return self.case.config.num_params, self.case.config.active_params
+
+    @cached_property
+    def work(self) -> RankWork:
+        """One micro-batch's times and the optimizer's step on each rank (`lit3d.planner.clock`)."""
+        times = micro_batch_times(self.case, rank_sums(self.case, True, self.chunks))
+        return RankWork(times, tuple(rank.stepped for rank in self.held.ranks))
+
+
+def timed(case: Case, ranks: Ranks) -> tuple[StepTime, dict[str, float], dict[str, float], dict[str, float]]:
+    """The step of ``case`` (`step_time`), the bytes each axis sends, their latency and their seconds, from what its
+    ranks hold and compute whatever its micro-batches (``ranks``: `Ranks` of it, or of it at another micro-batch
+    count)."""
+    cluster = case.cluster
+    traffic, links = communication_bytes(case, ranks.sums), ranks.links
+    latency = latencies(cluster, links, collectives(case, ranks.bare))
     reached = cluster.gpu.efficiency.link  # of a link's rated bandwidth, by ring collectives
     seconds = {axis: traffic[axis] / (links[axis] * reached * GB) + latency[axis] for axis in traffic}
-    time = step_time(case, traffic, seconds)
-    seconds = time.seconds or seconds  # (a fleet's TP: the busiest stage's own bytes over its own NVLink)
+    time = step_time(case, traffic, seconds, ranks.work)
+    return time, traffic, latency, time.seconds or seconds  # (a fleet's TP: each stage's bytes over its NVLink)
+
+
+def price(case: Case, ranks: Ranks, memory: Memory, timing: tuple | None = None) -> Plan:
+    """The `Plan` of ``case``, from what its ranks hold and compute whatever its micro-batches (``ranks``: as `timed`),
+    its ``memory`` (`memory_by_stage`) and its ``timing`` (`timed`, if worked out already)."""
+    layout, training, settings, links = case.layout, case.training, case.settings, ranks.links
+    time, traffic, latency, seconds = timing or timed(case, ranks)
+    cluster = case.cluster
     return Plan(
         layout=planned_layout(layout, settings),
         memory_per_gpu=memory.peak,
@@ -76,17 +142,35 @@ def estimate(
         tokens_per_s_per_gpu=training.global_batch_size * training.seq_len / (time.step * layout.world_size),
         time_breakdown=time.breakdown,
         mfu=time.model_flops / layout.world_size / (time.step * mean_peak(cluster, layout.pp) * 1e12),
-        fits=all(
-            stage["total"] <= cluster.stage(rank).gpu_memory_gb * GB * (1 - training.headroom)
-            for rank, stage in enumerate(memory.by_stage)
-        ),
+        fits=fits(memory.by_stage, cluster, training),
         num_microbatches=time.microbatches,
         flops_per_step=float(time.model_flops),
-        params_total=config.num_params,
+        params_total=ranks.params[0],
         params_per_rank=memory.params_per_rank,
-        params_active=config.active_params,
+        params_active=ranks.params[1],
         activation_bytes_per_layer=memory.activation_bytes_per_layer,
         pipeline_schedule=settings.pipeline_schedule if layout.pp > 1 else None,
+    )
+
+
+def fits(by_stage: list[dict[str, int]], cluster: Cluster, training: Training) -> bool:
+    """Whether every pipeline rank's peak (``by_stage``: `Memory.by_stage`) fits its GPU's memory,
+    ``training.headroom`` kept free."""
+    return _within([stage["total"] for stage in by_stage], cluster, training)
+
+
+def may_fit(held: Held, cluster: Cluster, training: Training) -> bool:
+    """Whether ``held`` may fit with some number of micro-batches in flight: no rank's least peak (`Held.floors`)
+    passes its GPU's memory (as `fits` counts it)."""
+    return _within(held.floors, cluster, training)
+
+
+def _within(totals: list[int], cluster: Cluster, training: Training) -> bool:
+    if cluster.stage_gpus is None:  # (every rank on the same GPU)
+        usable = cluster.gpu_memory_gb * GB * (1 - training.headroom)
+        return all(total <= usable for total in totals)
+    return all(
+        total <= cluster.stage(rank).gpu_memory_gb * GB * (1 - training.headroom) for rank, total in enumerate(totals)
     )
 
 

@@ -22,8 +22,7 @@ from lit3d.planner.fleet import (
 )
 from lit3d.planner.rankmap import RankMap
 from lit3d.planner.report import count, run_flags, settings
-from lit3d.planner.request import Request
-from lit3d.planner.search import check_inputs
+from lit3d.planner.request import Request, check_inputs
 
 KINDS = {
     "pipeline": "uneven pipeline stages",

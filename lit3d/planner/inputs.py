@@ -10,6 +10,7 @@ from typing import Any
 from lit3d.models.lora_settings import LoRA
 from lit3d.parallel.layout import Layout
 from lit3d.parallel.precision import is_bf16_mixed
+from lit3d.parallel.schedules import SCHEDULES
 from lit3d.parallel.settings import Parallelism
 from lit3d.parallel.zero import ZeroPolicy
 from lit3d.planner.hardware import GPU, GPUS
@@ -319,8 +320,35 @@ class Case:
     def zero(self) -> ZeroPolicy:
         return ZeroPolicy.of(self.settings, self.layout)
 
+    def scheduled(self, settings: Parallelism, accumulate: int) -> Case:
+        """This case run with ``settings`` (these but for the pipeline schedule: not checked) and ``accumulate``
+        schedules per step, keeping what it holds and sends, its ZeRO and its key where worked out: none depends on
+        the schedule or the micro-batches (each is kept only if the settings it reads are the same)."""
+        training = replace(self.training, accumulate_grad_batches=accumulate)
+        case = Case(self.config, self.cluster, self.layout, training, settings)
+        if _read(settings) == _read(self.settings):
+            case.__dict__.update({k: v for k, v in self.__dict__.items() if k in ("precision", "zero", "key")})
+        return case
+
+    @property
+    def chunks(self) -> tuple[int, str]:
+        """The model chunks each pipeline rank runs and their placement (`lit3d.parallel.schedules.SCHEDULES`): what
+        decides which blocks each rank holds."""
+        pp, settings = self.layout.pp, self.settings
+        return settings.chunks_per_rank if pp > 1 else 1, SCHEDULES[settings.pipeline_schedule].placement
+
     @cached_property
     def key(self) -> tuple:
         """The model's `config_key` with its adapters and its stages' blocks, built once: what it holds, sends and
         steps is cached by it."""
         return config_key(self.config, self.training.lora, self.settings.pipeline_stage_layers)
+
+
+def _read(settings: Parallelism) -> tuple:
+    """What a `Case`'s precision, ZeRO and key read of its settings."""
+    return (
+        settings.zero_stage,
+        settings.accumulate_unsharded,
+        settings.mixed_precision_reduce,
+        settings.pipeline_stage_layers,
+    )

@@ -4,24 +4,17 @@ buffers of a moment (`lit3d.planner.buffers`); the peak of a step is the most of
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from lit3d.models.config import GPTConfig
 from lit3d.models.lora_settings import LoRA
 from lit3d.parallel.layout import Layout
-from lit3d.parallel.schedules import SCHEDULES, last_stage_in_flight, peak_in_flight
+from lit3d.parallel.schedules import last_stage_in_flight, peak_in_flight
 from lit3d.parallel.zero import ZeroPolicy
-from lit3d.planner.buffers import Transient, peak_memory, transient_bytes
-from lit3d.planner.tensors import (
-    StageShapes,
-    Tensor,
-    local_numel,
-    replicas,
-    stage_shapes,
-    stepped_numel,
-)
+from lit3d.planner.buffers import peak_memory
+from lit3d.planner.states import RankState, rank_states
 
 if TYPE_CHECKING:
     from lit3d.planner.inputs import Case, Precision
@@ -41,76 +34,144 @@ class Memory:
         return max(self.by_stage, key=lambda m: m["total"])
 
 
-def memory_by_stage(case: Case) -> Memory:
-    """What each pipeline rank holds (rank 0 of its TP and DP groups) at the peak of a step."""
+@dataclass(frozen=True)
+class Held:
+    """What a layout's pipeline ranks hold whatever the micro-batches in flight, and what a micro-batch keeps for
+    backward (`held_by_stage`): the part of `memory_by_stage` that every micro-batch count of a schedule shares."""
+
+    case: Case  # what it was worked out for (of any schedule with these chunks, at any micro-batch count)
+    chunks: tuple[int, str]  # per rank, and their placement (`Case.chunks`)
+    ranks: tuple[RankState, ...]  # what each holds throughout (ranks alike share one)
+    tokens: int  # a rank's, per micro-batch
+    per_token: float  # what a block keeps for backward per token (`activation_bytes_per_token`)
+    recomputed_block: float  # full recompute: one block rebuilt at a time in backward, for one micro-batch
+    loss_moment: float  # what the loss's backward makes beside the activations, on the head's rank
+    head_start: float  # LoRA without recompute: what backward's start holds more on the head's rank
+    copies: bool  # autocast's bf16 copies of the weights (`_weight_copies`)
+    weight_copies: int
+    grads_from_start: int  # whole copies of the gradients before backward starts (`peak_memory`)
+    element: int  # bytes of an activation
+    # A rank's memory by its state, its micro-batches in flight, whether it is rank 0 and the losses it keeps (on the
+    # head's rank): worked out once for every schedule and micro-batch count weighed (`rows`)
+    seen: dict[tuple, dict[str, int]] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def floors(self) -> list[int]:
+        """Each rank's least peak, whatever its activations (`RankState.floor`)."""
+        return [rank.floor for rank in self.ranks]
+
+    def at(self, schedule: str, microbatches: int) -> Memory:
+        """`memory_by_stage` with ``microbatches`` per pipeline schedule of ``schedule`` (one of these chunks)."""
+        return self.memory(self.rows(*self.in_flight(schedule, microbatches)))
+
+    def in_flight(self, schedule: str, microbatches: int) -> tuple[tuple[float, ...], float]:
+        """The micro-batches whose activations each rank holds at its peak, and the losses the head's rank keeps, with
+        ``microbatches`` per pipeline schedule of ``schedule``."""
+        pp = len(self.ranks)
+        flights = in_flight_by_rank(schedule, pp, microbatches, self.chunks[0])
+        return flights, flights[0] if pp == 1 else last_stage_in_flight(schedule, pp, microbatches)
+
+    def rows(self, flights: tuple[float, ...], losses: float) -> list[dict[str, int]]:
+        """Each rank's memory with ``flights`` micro-batches in flight (and ``losses`` on the head's rank): rows shared
+        by every count that holds as much (`Held.memory` copies them)."""
+        rows = []
+        for stage_rank, (stage, in_flight) in enumerate(zip(self.ranks, flights)):
+            key = (stage, in_flight, stage_rank == 0, losses if stage.holds_head else 0)
+            if key not in self.seen:
+                self.seen[key] = _stage_memory(self, *key)
+            rows.append(self.seen[key])
+        return rows
+
+    def memory(self, rows: list[dict[str, int]]) -> Memory:
+        """The `Memory` of these ranks with ``rows`` (`rows`)."""
+        params_per_rank = max(0, *(stage.params for stage in self.ranks))
+        return Memory(
+            [dict(row) for row in rows], params_per_rank, int(self.per_token * self.tokens + self.weight_copies)
+        )
+
+
+def held_by_stage(case: Case, chunks: tuple[int, str] | None = None) -> Held:
+    """What each pipeline rank of ``case`` holds (rank 0 of its TP and DP groups) whatever its micro-batches in flight:
+    its chunks per rank and their placement decide it (``chunks``; default: its schedule's, `Case.chunks`), not their
+    number."""
     config, layout, training, settings = case.config, case.layout, case.training, case.settings
     precision, tp, pp = case.precision, layout.tp, layout.pp
-    virtual = settings.chunks_per_rank if pp > 1 else 1
     microbatches = training.global_batch_size // (layout.data_replicas * training.micro_batch_size)
-    schedule_m = microbatches // training.schedules_per_step(pp)  # micro-batches of one pipeline schedule
-    sp, schedule = settings.sequence_parallel and tp > 1, settings.pipeline_schedule
-    tokens = training.micro_batch_size * training.seq_len // layout.cp  # a rank's, per micro-batch
+    sp, tokens = settings.sequence_parallel and tp > 1, training.micro_batch_size * training.seq_len // layout.cp
     a, checkpointing, zero = precision.activations, settings.activation_checkpointing, case.zero
     lora, software = training.lora, training.software
-    saves, recomputed = software.saved_activations, software.recomputed_matmuls
     fp8_inputs = software.fp8_saved_inputs and settings.float8 is not None
-    per_token = activation_bytes_per_token(config, tp, sp, checkpointing, a, lora, saves, recomputed, fp8_inputs)
-    recomputed_block = 0.0  # full recompute: one block rebuilt at a time in backward, for one micro-batch
+    per_token = activation_bytes_per_token(
+        config, tp, sp, checkpointing, a, lora, software.saved_activations, software.recomputed_matmuls, fp8_inputs
+    )
+    recomputed_block = 0.0
     if checkpointing in (True, "full"):
-        recomputed_block = activation_bytes_per_token(config, tp, sp, False, a, lora, saves, fp8_inputs=fp8_inputs)
+        recomputed_block = activation_bytes_per_token(
+            config, tp, sp, False, a, lora, software.saved_activations, fp8_inputs=fp8_inputs
+        )
         recomputed_block *= tokens
     # the loss's backward (`Software.loss_grad_bytes`) on the stage of the head: every activation alive but the block
     # backward rebuilds later, no parameter's gradient yet
     loss_moment = tokens * config.padded_vocab_size / tp * software.loss_gradient_bytes - recomputed_block
-    copies, weight_copies = _weight_copies(case)
+    # frozen weights: backward reaches the final norm with every activation alive, and its backward's fp32
+    # temporaries are the step's peak
+    head_start = 4 * 4 * config.d_model * tokens / (tp if sp else 1) if lora is not None and not checkpointing else 0
     summed = microbatches > 1  # gradients summed over micro-steps (accumulation) or a pipeline's micro-batches
     # ZeRO-2/3's accumulation without a pipeline: reduce-scattered at every micro-step, summed as shards
     as_shards = summed and pp == 1 and layout.replicas > 1 and zero.reduces_every_micro_step
-    offload = settings.offload  # ZeRO-3's shards, gradients and optimizer states in host memory
     # Gradients before backward starts: DDP's buckets, the parameters' sums of earlier micro-steps, or both; the
     # shards of earlier micro-steps.
     ddp = layout.replicas > 1 and zero.all_reduces and not params_cast_by_fsdp(layout, zero, precision)
     grads_from_start = int(ddp) + int(summed and (zero.all_reduces or layout.replicas == 1)) + int(as_shards)
-    placement = SCHEDULES[schedule].placement  # which chunks each pipeline rank holds
-    by_stage, params_per_rank, key = [], 0, case.key
-    for stage_rank in range(pp):
-        unsharded_sums = summed and not as_shards
-        held = _stage_state(key, layout, virtual, stage_rank, placement, zero, precision, unsharded_sums, offload)
-        memory, layers, holds_head, transient, params = dict(held[0]), *held[1:]
-        params_per_rank = max(params_per_rank, params)
-        if settings.runs_outer_loop:
-            outer, sync = _outer_loop(case, stage_rank, virtual, placement)
-            memory["optimizer"] += outer
-            transient = replace(transient, step=max(transient.step, sync))
-        in_flight = peak_in_flight(schedule, pp, schedule_m, virtual, stage_rank)
-        acts = layers * weight_copies + _blocks_kept(layers, software.offloaded_layers, per_token * tokens, in_flight)
-        if stage_rank == 0 and lora is not None and not checkpointing:  # (the stage of block 0)
-            acts -= first_block_savings(config, tp, sp, lora, tokens * in_flight, copies)
-        acts += recomputed_block
-        if holds_head:
-            losses = in_flight if pp == 1 else last_stage_in_flight(schedule, pp, schedule_m)
-            acts += output_layer_bytes(config, tp, sp, tokens * losses, a, lora is not None, software.loss_bytes)
-            if lora is not None and copies:  # the frozen head's bf16 copy, for its input's gradient
-                acts += 2 * config.padded_vocab_size * config.d_model / tp
-        memory["activations"] = int(acts)
-        if holds_head and lora is not None and not checkpointing:  # frozen weights: backward reaches the final
-            # norm with every activation alive, and its backward's fp32 temporaries are the step's peak
-            transient = replace(transient, start=transient.start + 4 * 4 * config.d_model * tokens / (tp if sp else 1))
-        forward_share = (layers - 1) / layers if layers else 1.0
-        loss_grads = loss_moment if holds_head else 0
-        memory["buffers"], memory["total"] = peak_memory(memory, transient, grads_from_start, forward_share, loss_grads)
-        by_stage.append(memory)
-    return Memory(by_stage, params_per_rank, int(per_token * tokens + weight_copies))
+    outer, chunks = settings.outer_momentum if settings.runs_outer_loop else None, chunks or case.chunks
+    ranks = rank_states(case.key, layout, chunks, zero, precision, summed and not as_shards, settings.offload, outer)
+    copies, weight_copies = _weight_copies(case)
+    return Held(
+        case, chunks, ranks, tokens, per_token, recomputed_block, loss_moment, head_start, copies, weight_copies,
+        grads_from_start, a,
+    )  # fmt: skip
 
 
-def _outer_loop(case: Case, stage_rank: int, virtual: int, placement: str) -> tuple[int, int]:
-    """DiLoCo's outer loop on a pipeline rank (`lit3d.strategies.optim.diloco.OuterLoop`), over what its inner optimizer
-    steps: the anchor and the Nesterov momentum it holds throughout (fp32), and what its outer step makes beside them
-    (each tensor's pseudo-gradient and their concatenation, fp32)."""
-    layout, settings = case.layout, case.settings
-    shapes = stage_shapes(case.key, layout.pp, virtual, stage_rank, placement)
-    stepped = stepped_numel(list(shapes.tensors), layout, case.zero)
-    return 4 * stepped * (1 + (settings.outer_momentum > 0)), 8 * stepped
+def memory_by_stage(case: Case, held: Held | None = None) -> Memory:
+    """What each pipeline rank holds (rank 0 of its TP and DP groups) at the peak of a step; ``held``: what it holds
+    whatever its micro-batches in flight, `held_by_stage` of ``case`` (or of it at another micro-batch count, or of
+    another schedule of its chunks)."""
+    layout, training = case.layout, case.training
+    microbatches = training.global_batch_size // (layout.data_replicas * training.micro_batch_size)
+    schedule_m = microbatches // training.schedules_per_step(layout.pp)  # micro-batches of one pipeline schedule
+    return (held or held_by_stage(case)).at(case.settings.pipeline_schedule, schedule_m)
+
+
+def _stage_memory(held: Held, stage: RankState, in_flight: float, first: bool, losses: float) -> dict[str, int]:
+    """The memory of a rank in ``stage`` of ``held`` with ``in_flight`` micro-batches' activations (``first``: rank
+    0, that of block 0; ``losses``: the losses the head's rank keeps)."""
+    config, layout, training, settings = held.case.config, held.case.layout, held.case.training, held.case.settings
+    tp, sp, lora, software = layout.tp, settings.sequence_parallel and layout.tp > 1, training.lora, training.software
+    layers, tokens = stage.layers, held.tokens
+    kept = _blocks_kept(layers, software.offloaded_layers, held.per_token * tokens, in_flight)
+    acts = layers * held.weight_copies + kept
+    if first and lora is not None and not settings.activation_checkpointing:  # block 0 keeps less (LoRA)
+        acts -= first_block_savings(config, tp, sp, lora, tokens * in_flight, held.copies)
+    acts += held.recomputed_block
+    if stage.holds_head:
+        acts += output_layer_bytes(config, tp, sp, tokens * losses, held.element, lora is not None, software.loss_bytes)
+        if lora is not None and held.copies:  # the frozen head's bf16 copy, for its input's gradient
+            acts += 2 * config.padded_vocab_size * config.d_model / tp
+    memory, transient = {**stage.states, "activations": int(acts)}, stage.transient
+    if stage.holds_head and held.head_start:
+        transient = replace(transient, start=transient.start + held.head_start)
+    forward_share = (layers - 1) / layers if layers else 1.0
+    loss_grads = held.loss_moment if stage.holds_head else 0
+    memory["buffers"], memory["total"] = peak_memory(
+        memory, transient, held.grads_from_start, forward_share, loss_grads
+    )
+    return memory
+
+
+@lru_cache(maxsize=4096)
+def in_flight_by_rank(schedule: str, pp: int, microbatches: int, virtual: int) -> tuple[float, ...]:
+    """`peak_in_flight` of each pipeline rank (the search weighs the same schedules for many layouts)."""
+    return tuple(peak_in_flight(schedule, pp, microbatches, virtual, rank) for rank in range(pp))
 
 
 def _weight_copies(case: Case) -> tuple[bool, int]:
@@ -129,29 +190,6 @@ def _blocks_kept(layers: int, offloaded: int, per_block: float, in_flight: int) 
     micro-batches: the ``offloaded`` blocks' (`Software.offloaded_layers`) in host memory but one block's in transit."""
     gone = min(offloaded, layers)
     return (layers - gone) * per_block * in_flight + (per_block if gone else 0)
-
-
-def state_bytes(tensors: list[Tensor], layout: Layout, zero: ZeroPolicy, precision: Precision) -> dict[str, int]:
-    """Weights, gradients and optimizer state of one rank (rank 0 of its TP and DP groups); frozen weights (LoRA's
-    base) have neither gradients nor optimizer state."""
-    tp, ep = layout.tp, layout.ep
-
-    def held(group: list[Tensor]) -> int:  # after ZeRO-2/3's sharding
-        if zero.sharded_over_replicas:
-            return sum(local_numel(t, tp, replicas(t, layout), ep=ep) for t in group)
-        return sum(local_numel(t, tp, ep=ep) for t in group)
-
-    trained = [t for t in tensors if t.trains]
-    optimizer = stepped_numel(tensors, layout, zero)  # ZeRO-1 slices a dim TP (and EP) leave whole
-    step_counters = 4 * len(trained)  # AdamW keeps one fp32 step count per tensor
-    # ZeRO-1 keeps the DP average of its optimizer slice only (backward's whole gradients go at the reduce-scatter).
-    grads = optimizer if zero.slices_optimizer else held(trained)
-    frozen = [t for t in tensors if not t.trains]
-    return {
-        "params": held(trained) * precision.weights + held(frozen) * precision.frozen_bytes,
-        "grads": grads * precision.grads,
-        "optimizer": optimizer * precision.optimizer + step_counters,
-    }
 
 
 def activation_bytes_per_token(
@@ -301,45 +339,3 @@ def params_cast_by_fsdp(layout: Layout, zero: ZeroPolicy, precision: Precision) 
     if layout.replicas == 1 or zero.slices_optimizer:
         return False
     return zero.shards_parameters or layout.tp > 1 or layout.pp > 1 or precision.reduce_bytes < precision.grads
-
-
-@lru_cache(maxsize=4096)
-def _stage_state(
-    key: tuple,
-    layout: Layout,
-    virtual: int,
-    stage_rank: int,
-    placement: str,
-    zero: ZeroPolicy,
-    precision: Precision,
-    summed: bool,
-    offload: bool = False,
-) -> tuple[tuple[tuple[str, int], ...], int, bool, Transient, int]:
-    """What pipeline rank ``stage_rank`` holds whatever the schedule's micro-batches: its weights, gradients and
-    optimizer state, its number of blocks, whether it holds the head, what it holds for a moment only
-    (`lit3d.planner.buffers`; ``summed``: gradients summed over micro-steps or a pipeline's micro-batches), and its
-    parameters' elements. With ``offload`` the states are in host memory (``host``) and the device holds none.
-
-    NOTE: cached twice, as the planner weighs every schedule for each layout and these sums over the tensors dominate:
-    by rank here, and by the rank's shapes (`stage_shapes`), which most ranks of a pipeline share."""
-    shapes = stage_shapes(key, layout.pp, virtual, stage_rank, placement)
-    return _shapes_state(shapes, layout, zero, precision, summed, offload)
-
-
-@lru_cache(maxsize=4096)
-def _shapes_state(
-    shapes: StageShapes, layout: Layout, zero: ZeroPolicy, precision: Precision, summed: bool, offload: bool
-) -> tuple[tuple[tuple[str, int], ...], int, bool, Transient, int]:
-    """`_stage_state` of a rank holding ``shapes``."""
-    tensors = list(shapes.tensors)
-    state = state_bytes(tensors, layout, zero, precision)
-    params = sum(
-        local_numel(t, layout.tp, replicas(t, layout) if zero.sharded_over_replicas else 1, ep=layout.ep)
-        for t in tensors
-    )
-    transient = transient_bytes(tensors, layout, zero, precision, summed, offload)
-    if offload:
-        state = {"params": 0, "grads": 0, "optimizer": 0, "host": sum(state.values())}
-    layers = len({t.block for t in tensors if t.block is not None})
-    head = any(t.name.startswith("head") for t in tensors)
-    return tuple(state.items()), layers, head, transient, params

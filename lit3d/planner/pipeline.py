@@ -8,13 +8,28 @@ with them. The fastest that fits wins; each candidate's bubble, step time and ac
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 from lit3d.models.config import GPTConfig
 from lit3d.parallel.layout import Layout, check_model_fits_pipeline
-from lit3d.parallel.schedules import SCHEDULES, last_stage_in_flight, microbatch_problem, peak_in_flight
+from lit3d.parallel.schedules import SCHEDULES, check_composes, chunks_per_rank, microbatch_problem
 from lit3d.parallel.settings import Parallelism
-from lit3d.planner.estimate import GB, Cluster, Plan, Training, estimate
+from lit3d.planner.estimate import (
+    GB,
+    Case,
+    Cluster,
+    Memory,
+    Plan,
+    Ranks,
+    Training,
+    fits,
+    may_fit,
+    memory_by_stage,
+    price,
+    timed,
+)
+from lit3d.planner.memory import Held
 
 # (schedule, chunks per rank) the search tries: the interleaved and zero-bubble ones at two chunks (ZB-H1 at one).
 CANDIDATES = (
@@ -59,33 +74,148 @@ def choose_schedule(
     schedules: list[tuple[str, int]],
 ) -> tuple[Training, Parallelism, Plan] | None:
     """The fastest of ``schedules`` (with their micro-batch counts) for ``layout`` that fits (if none does, the
-    fastest), its plan carrying every candidate's bubble; None if none can run. ``settings.num_microbatches``, when
-    set, fixes the micro-batches per schedule."""
-    per_replica = training.global_batch_size // (layout.data_replicas * training.micro_batch_size)
-    tried = {}  # (schedule, chunks): the most micro-batches that fit, else the fewest tried
+    fastest), its plan carrying every candidate's bubble; None if none can run. ``settings``: at ``layout``'s sizes
+    (`Parallelism.at`); its ``num_microbatches``, when set, fixes the micro-batches per schedule."""
+    weighed = weigh_schedules(config, cluster, layout, training, settings, schedules)
+    return None if weighed is None else weighed.chosen()
+
+
+@dataclass(frozen=True)
+class Weighed:
+    """A layout's pipeline schedules weighed by their memory (`weigh_schedules`), each at the micro-batch count it
+    runs, with what its ranks hold whatever the count (`Ranks`); each schedule's settings checked, and the schedules
+    priced, when asked (`chosen`)."""
+
+    option: Case  # the layout with its settings but for the schedule
+    # (schedule, chunks per rank): its schedules per step, its memory (None where no count can fit, until priced), its
+    # ranks, whether it fits
+    weighed: dict[tuple[str, int], tuple[int, Memory | None, Ranks, bool]]
+    checked: dict[tuple[str, int], Parallelism | None] = field(default_factory=dict, compare=False, repr=False)
+
+    def settings(self, name: str, virtual: int) -> Parallelism | None:
+        """The settings that run schedule ``name`` with ``virtual`` chunks per rank; None if they cannot (a
+        `Parallelism` checks itself: the schedule composes with the ZeRO stage, runs these micro-batches)."""
+        if (name, virtual) not in self.checked:
+            try:
+                run = replace(self.option.settings, pipeline_schedule=name, virtual_pipeline_size=virtual)
+            except ValueError:
+                run = None
+            self.checked[name, virtual] = run
+        return self.checked[name, virtual]
+
+    @property
+    def runs(self) -> bool:
+        """Whether some schedule runs."""
+        return any(self.settings(*schedule) is not None for schedule in self.weighed)
+
+    @property
+    def fits(self) -> bool:
+        """Whether some schedule fits (and runs)."""
+        return any(fitting and self.settings(*key) is not None for key, (*_, fitting) in self.weighed.items())
+
+    def chosen(self) -> tuple[Training, Parallelism, Plan]:
+        """`choose_schedule`'s answer: every schedule timed, the fastest that fits (if none does, the fastest)
+        planned whole, its plan carrying every schedule's summary."""
+        tried = []
+        for (name, virtual), (accumulate, memory, ranks, _) in self.weighed.items():
+            settings = self.settings(name, virtual)
+            if settings is None:
+                continue
+            case = ranks.case.scheduled(settings, accumulate)
+            memory = memory_by_stage(case, ranks.held) if memory is None else memory
+            tried.append(
+                _Tried(case, ranks, memory, timed(case, ranks), fits(memory.by_stage, case.cluster, case.training))
+            )
+        fitting = [option for option in tried if option.fits] or tried
+        best = min(fitting, key=lambda c: (round(c.timing[0].step, 6), c.memory.peak["total"]))
+        plan = price(best.case, best.ranks, best.memory, best.timing)
+        plan.schedule_candidates = [_summary(option) for option in tried]
+        return best.case.training, best.case.settings, plan
+
+
+class _Tried(NamedTuple):
+    """A schedule weighed and timed (`Weighed.chosen`)."""
+
+    case: Case
+    ranks: Ranks
+    memory: Memory
+    timing: tuple  # `timed`'s
+    fits: bool
+
+
+def weigh_schedules(
+    config: GPTConfig,
+    cluster: Cluster,
+    layout: Layout,
+    training: Training,
+    settings: Parallelism,
+    schedules: list[tuple[str, int]],
+) -> Weighed | None:
+    """Each of ``schedules`` at the most micro-batches that fit (else the fewest tried), by its memory alone; None if
+    none can run. ``settings``: at ``layout``'s sizes (`Parallelism.at`). What the ranks hold and compute whatever
+    the count (`Ranks`) is worked out once per chunks per rank and their placement, which schedules share; a
+    schedule's settings are checked where it fits, or priced (`Weighed.settings`)."""
+    found, ranks = Weighed(Case(config, cluster, layout, training, settings), {}), {}  # ranks: by chunks, placement
     for name, virtual in schedules:
-        try:
+        try:  # (what the schedule's settings would refuse first: `Weighed.settings` checks them all)
             check_model_fits_pipeline(config, layout.pp, virtual)
-            # (a `Parallelism` checks itself: the schedule composes with the ZeRO stage, runs these micro-batches)
-            schedule = replace(settings, pipeline_schedule=name, virtual_pipeline_size=virtual).at(layout)
+            check_composes(name, layout.pp, settings.compile, settings.zero_stage)
+            chunks = (chunks_per_rank(name, virtual), SCHEDULES[name].placement)
         except ValueError:
             continue
-        held = None  # activations in flight of the last micro-batch count that did not fit
-        for accumulate in _accumulations(per_replica, settings.num_microbatches):
-            m = per_replica // accumulate
-            if microbatch_problem(layout.pp, name, m) or _in_flight(name, layout.pp, m, virtual) == held:
-                continue  # (fewer micro-batches that hold as much do not fit either)
-            held = _in_flight(name, layout.pp, m, virtual)
-            option = replace(training, accumulate_grad_batches=accumulate)
-            tried[name, virtual] = option, schedule, estimate(config, cluster, layout, option, schedule)
-            if tried[name, virtual][2].fits:  # fewer micro-batches would only idle more
-                break
+        if chunks not in ranks:
+            ranks[chunks] = Ranks(found.option, chunks)
+        try:
+            counted = _weigh(ranks[chunks], name, virtual, settings.num_microbatches)
+        except ValueError:  # (stages these settings cannot cut: a schedule they cannot run)
+            if found.settings(name, virtual) is None:
+                continue
+            raise
+        if counted is not None:
+            found.weighed[name, virtual] = *counted[:2], ranks[chunks], counted[2]
+    return found if found.runs else None
+
+
+def _weigh(ranks: Ranks, name: str, virtual: int, microbatches: int | None) -> tuple[int, Memory | None, bool] | None:
+    """Schedule ``name`` (``virtual`` chunks per rank) on the layout of ``ranks`` at the most micro-batches that fit,
+    else the fewest tried (``microbatches``: per schedule, if fixed): its schedules per step, its memory (None where
+    none can fit, left to be worked out when priced) and whether it fits; None if it runs no count."""
+    base, held = ranks.case, ranks.held
+    cluster, layout, training = base.cluster, base.layout, base.training
+    per_replica = training.global_batch_size // (layout.data_replicas * training.micro_batch_size)
+    tried, peak = [], None  # (schedules per step, in flight on each rank, losses kept); peak: the last one's
+    for accumulate in _accumulations(per_replica, microbatches):
+        m = per_replica // accumulate
+        if microbatch_problem(layout.pp, name, m):
+            continue
+        flights, losses = held.in_flight(name, m)
+        if (max(flights), losses) == peak:
+            continue  # (fewer micro-batches that hold as much do not fit either)
+        peak = max(flights), losses
+        tried.append((accumulate, flights, losses))
     if not tried:
         return None
-    fitting = [option for option in tried.values() if option[2].fits] or list(tried.values())
-    best = min(fitting, key=lambda c: (round(c[2].step_time_s, 6), c[2].memory_per_gpu["total"]))
-    best[2].schedule_candidates = [_summary(*option) for option in tried.values()]
-    return best
+    rows = None
+    if _may_fit(held, tried, cluster, training):
+        for accumulate, flights, losses in tried:
+            rows = held.rows(flights, losses)
+            if fits(rows, cluster, training):  # fewer micro-batches would only idle more
+                return accumulate, held.memory(rows), True
+    return tried[-1][0], None if rows is None else held.memory(rows), False
+
+
+def _may_fit(
+    held: Held, tried: list[tuple[int, tuple[float, ...], float]], cluster: Cluster, training: Training
+) -> bool:
+    """Whether any of the micro-batch counts ``tried`` may fit: no rank's states and buffers alone pass its memory
+    (`may_fit`), nor its memory with the fewest micro-batches in flight and losses of any count (a lower bound, as
+    activations grow with them: but for the first block's under LoRA, which keeps less with more)."""
+    if not may_fit(held, cluster, training):
+        return False
+    if held.case.training.lora is not None and not held.case.settings.activation_checkpointing:
+        return True
+    fewest = tuple(min(rank) for rank in zip(*(flights for _, flights, _ in tried)))
+    return fits(held.rows(fewest, min(losses for *_, losses in tried)), cluster, training)
 
 
 def _accumulations(per_replica: int, microbatches: int | None) -> list[int]:
@@ -101,21 +231,18 @@ def _accumulations(per_replica: int, microbatches: int | None) -> list[int]:
     return out
 
 
-def _in_flight(schedule: str, pp: int, m: int, virtual: int) -> tuple[float, int]:
-    peak = max(peak_in_flight(schedule, pp, m, virtual, rank) for rank in range(pp))
-    return peak, last_stage_in_flight(schedule, pp, m)
-
-
-def _summary(training: Training, settings: Parallelism, plan: Plan) -> dict:
+def _summary(tried: _Tried) -> dict:
+    """A schedule weighed for a plan (`Plan.schedule_candidates`)."""
+    case, time = tried.case, tried.timing[0]
     return {
-        "pipeline_schedule": settings.pipeline_schedule,
-        "virtual_pipeline_size": settings.chunks_per_rank,
-        "num_microbatches": plan.num_microbatches,
-        "accumulate_grad_batches": training.accumulate_grad_batches,
-        "bubble": plan.pipeline_bubble,
-        "step_time_s": plan.step_time_s,
-        "activations_bytes": plan.memory_per_gpu["activations"],
-        "fits": plan.fits,
+        "pipeline_schedule": case.settings.pipeline_schedule,
+        "virtual_pipeline_size": case.settings.chunks_per_rank,
+        "num_microbatches": time.microbatches,
+        "accumulate_grad_batches": case.training.accumulate_grad_batches,
+        "bubble": time.bubble,
+        "step_time_s": time.step,
+        "activations_bytes": tried.memory.peak["activations"],
+        "fits": tried.fits,
     }
 
 

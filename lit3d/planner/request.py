@@ -16,13 +16,15 @@ from typing import Any
 from lit3d.models.config import GPTConfig
 from lit3d.parallel.layout import ZERO_STAGES, Layout, check_islands, check_shard_groups, check_sizes
 from lit3d.parallel.settings import Parallelism
+from lit3d.planner.calibration import STATIC_POWER_SHARE
 from lit3d.planner.estimate import PLANNING_DEFAULTS, Cluster, Training, estimate
+from lit3d.planner.inputs import PRECISIONS
 from lit3d.planner.islands import format_islands, versus_synchronous
 from lit3d.planner.launch import Launch, fit_command
 from lit3d.planner.pipeline import candidates, choose_schedule
 from lit3d.planner.rankmap import RankMap
 from lit3d.planner.report import format_plan, format_search, format_verify, run_flags
-from lit3d.planner.search import Candidate, check_inputs, layout_problem, search
+from lit3d.planner.search import Candidate, layout_problem, search
 from lit3d.planner.verify import Split, StageCount, verify
 
 # The sizes a search keeps when they are fixed, and chooses otherwise (with, per layout, the ZeRO stage, recompute, the
@@ -230,6 +232,54 @@ def plan(request: Request) -> Report:
     if request.verify and chosen:
         report.verified = verify(config, chosen.layout, chosen.parallelism, request.verify)
     return report
+
+
+def check_inputs(config: GPTConfig, cluster: Cluster, training: Training) -> None:
+    """Refuse numbers no layout could use, naming them (the settings check themselves: `Parallelism.check`)."""
+    check_sizes(nodes=cluster.nodes, gpus_per_node=cluster.gpus_per_node)
+    for name, value in (
+        ("gpu_memory", cluster.gpu_memory_gb),
+        ("intra_node_bandwidth", cluster.intra_node_gbps),
+        ("inter_node_bandwidth", cluster.inter_node_gbps),
+        ("peak_tflops", cluster.peak_tflops),
+    ):
+        if not value > 0:
+            raise ValueError(f"{name}={value!r} must be positive")
+    power, idle = cluster.power_watts, STATIC_POWER_SHARE * cluster.gpu.tdp_watts
+    if power is not None and not power > idle:
+        raise ValueError(
+            f"power_watts={power!r} must be above the {cluster.gpu.name}'s idle power ({idle:g} W of its "
+            f"{cluster.gpu.tdp_watts:g} W)"
+        )
+    software = training.software
+    for name in ("tp_overlap", "recomputed_matmuls"):
+        share = getattr(software, name)
+        if share is not None and not 0 <= share <= 1:
+            raise ValueError(f"Software.{name}={share!r} must be a share between 0 and 1")
+    if not software.offloaded_layers >= 0:
+        raise ValueError(f"Software.offloaded_layers={software.offloaded_layers!r} must be 0 or more blocks")
+    if software.loss_bytes not in (2, 4):
+        raise ValueError(f"Software.loss_bytes={software.loss_bytes!r} must be 2 (bf16) or 4 (fp32)")
+    if not software.loss_gradient_bytes >= 0:
+        raise ValueError(f"Software.loss_grad_bytes={software.loss_grad_bytes!r} must be 0 or more bytes")
+    bandwidth, latency = cluster.inter_island_gbps, cluster.inter_island_latency_ms
+    if not bandwidth > 0 or not latency >= 0:
+        raise ValueError(
+            f"inter_island_bandwidth={bandwidth!r} must be positive and inter_island_latency={latency!r} at least 0"
+        )
+    check_sizes(
+        seq_len=training.seq_len,
+        micro_batch_size=training.micro_batch_size,
+        global_batch_size=training.global_batch_size,
+    )
+    if training.seq_len > config.max_seq_len:
+        raise ValueError(f"seq_len={training.seq_len} is above the model's max_seq_len={config.max_seq_len}")
+    if training.document_length is not None:
+        check_sizes(document_length=training.document_length)
+    if training.precision not in PRECISIONS:
+        raise ValueError(f"precision={training.precision!r} is not one of {', '.join(PRECISIONS)}")
+    if not 0 <= training.headroom < 1:
+        raise ValueError(f"headroom={training.headroom!r} must be a share of GPU memory, at least 0 and below 1")
 
 
 def _one_layout(request: Request, config: GPTConfig) -> Report:

@@ -12,6 +12,7 @@ are dropped; the rest are ranked by estimated step time, then by data-parallel t
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from lit3d.models.config import GPTConfig
@@ -21,18 +22,29 @@ from lit3d.parallel.layout import (
     Layout,
     check_model_fits_layout,
     check_model_fits_pipeline,
-    check_sizes,
 )
 from lit3d.parallel.precision import check_float8
 from lit3d.parallel.schedules import check_composes, microbatch_problem
 from lit3d.parallel.settings import Parallelism
 from lit3d.parallel.stages import check_stage_layers
 from lit3d.parallel.zero import ZeroPolicy
-from lit3d.planner.calibration import STATIC_POWER_SHARE
 from lit3d.planner.clock import largest_costs
-from lit3d.planner.estimate import GB, PLANNING_DEFAULTS, PRECISIONS, Cluster, Plan, Training, estimate
+from lit3d.planner.estimate import (
+    GB,
+    PLANNING_DEFAULTS,
+    Case,
+    Cluster,
+    Plan,
+    Ranks,
+    Training,
+    estimate,
+    fits,
+    may_fit,
+    memory_by_stage,
+    price,
+)
 from lit3d.planner.hsdp import check_groups_split_gpus, data_parallel_bytes, ranking_times, shard_groups
-from lit3d.planner.pipeline import CANDIDATES, choose_schedule, why_schedule
+from lit3d.planner.pipeline import CANDIDATES, weigh_schedules, why_schedule
 
 LONG_SEQUENCE = 16384  # tokens from which the search tries context parallelism
 MIN_CP_CHUNK = 2048  # tokens a CP rank keeps at least (shorter shares leave the ring's hops exposed)
@@ -55,54 +67,6 @@ class Candidate:
         if self.layout.pp == 1:
             return self.parallelism
         return replace(self.parallelism, num_microbatches=self.plan.num_microbatches)
-
-
-def check_inputs(config: GPTConfig, cluster: Cluster, training: Training) -> None:
-    """Refuse numbers no layout could use, naming them (the settings check themselves: `Parallelism.check`)."""
-    check_sizes(nodes=cluster.nodes, gpus_per_node=cluster.gpus_per_node)
-    for name, value in (
-        ("gpu_memory", cluster.gpu_memory_gb),
-        ("intra_node_bandwidth", cluster.intra_node_gbps),
-        ("inter_node_bandwidth", cluster.inter_node_gbps),
-        ("peak_tflops", cluster.peak_tflops),
-    ):
-        if not value > 0:
-            raise ValueError(f"{name}={value!r} must be positive")
-    power, idle = cluster.power_watts, STATIC_POWER_SHARE * cluster.gpu.tdp_watts
-    if power is not None and not power > idle:
-        raise ValueError(
-            f"power_watts={power!r} must be above the {cluster.gpu.name}'s idle power ({idle:g} W of its "
-            f"{cluster.gpu.tdp_watts:g} W)"
-        )
-    software = training.software
-    for name in ("tp_overlap", "recomputed_matmuls"):
-        share = getattr(software, name)
-        if share is not None and not 0 <= share <= 1:
-            raise ValueError(f"Software.{name}={share!r} must be a share between 0 and 1")
-    if not software.offloaded_layers >= 0:
-        raise ValueError(f"Software.offloaded_layers={software.offloaded_layers!r} must be 0 or more blocks")
-    if software.loss_bytes not in (2, 4):
-        raise ValueError(f"Software.loss_bytes={software.loss_bytes!r} must be 2 (bf16) or 4 (fp32)")
-    if not software.loss_gradient_bytes >= 0:
-        raise ValueError(f"Software.loss_grad_bytes={software.loss_grad_bytes!r} must be 0 or more bytes")
-    bandwidth, latency = cluster.inter_island_gbps, cluster.inter_island_latency_ms
-    if not bandwidth > 0 or not latency >= 0:
-        raise ValueError(
-            f"inter_island_bandwidth={bandwidth!r} must be positive and inter_island_latency={latency!r} at least 0"
-        )
-    check_sizes(
-        seq_len=training.seq_len,
-        micro_batch_size=training.micro_batch_size,
-        global_batch_size=training.global_batch_size,
-    )
-    if training.seq_len > config.max_seq_len:
-        raise ValueError(f"seq_len={training.seq_len} is above the model's max_seq_len={config.max_seq_len}")
-    if training.document_length is not None:
-        check_sizes(document_length=training.document_length)
-    if training.precision not in PRECISIONS:
-        raise ValueError(f"precision={training.precision!r} is not one of {', '.join(PRECISIONS)}")
-    if not 0 <= training.headroom < 1:
-        raise ValueError(f"headroom={training.headroom!r} must be a share of GPU memory, at least 0 and below 1")
 
 
 def layout_problem(
@@ -200,6 +164,7 @@ def search(
     any_schedule = replace(settings, pipeline_schedule="gpipe", virtual_pipeline_size=None)
     fixed = (tensor_parallel_size, pipeline_parallel_size, expert_parallel_size, context_parallel_size)
     fitting: list[Candidate] = []
+    unfit: list[Candidate | Callable[[], Candidate]] = []  # (planned only if no layout fits, for ``misses``)
     for layout in _layouts(config, cluster, training, settings.islands, *fixed):
         if data_parallel_size and data_parallel_size != layout.dp:
             continue
@@ -207,15 +172,16 @@ def search(
             dropped["invalid"] += 1
             continue
         for zero, grouped, ac in _options(layout, settings.data_parallel_shard_size, zero_stages, checkpointing):
-            option = estimated(config, cluster, grouped, training, settings, zero, ac, pipeline_schedules)
+            option = _weighed(config, cluster, grouped, training, settings, zero, ac, pipeline_schedules)
             if option is None:  # no schedule runs the micro-batches there are (or the settings cannot compose)
                 dropped["invalid"] += 1
-            elif option.plan.fits:
+            elif isinstance(option, Candidate) and option.plan.fits:
                 fitting.append(option)
             else:
                 dropped["out_of_memory"] += 1
-                if misses is not None:
-                    misses.append(option)
+                unfit.append(option)
+    if misses is not None and not fitting:
+        misses += [option if isinstance(option, Candidate) else option() for option in unfit]
     # Fastest first (HSDP's groups where they pay); among equals, the least data-parallel traffic, then memory.
     ranked = ranking_times(fitting)
     fitting.sort(
@@ -273,29 +239,65 @@ def estimated(
 ) -> Candidate | None:
     """``layout`` run with ``settings`` at this ZeRO stage and recompute (and, pipelined, its fastest schedule that
     fits); None if none can run."""
+    option = _weighed(config, cluster, layout, training, settings, zero_stage, checkpointing, schedules)
+    return option() if callable(option) else option
+
+
+def _weighed(
+    config: GPTConfig,
+    cluster: Cluster,
+    layout: Layout,
+    training: Training,
+    settings: Parallelism,
+    zero_stage: int,
+    checkpointing: bool | str,
+    schedules: list[tuple[str, int]] | None,
+) -> Candidate | Callable[[], Candidate] | None:
+    """`estimated`, planned only where it may fit: where its memory fits no schedule (nor the micro-steps' unsharded
+    gradients), the call that plans it (which the search makes only for ``misses``, when no layout fits)."""
     try:
         option = replace(settings, zero_stage=zero_stage, activation_checkpointing=checkpointing).at(layout)
     except ValueError:  # e.g. a schedule given that this ZeRO stage cannot run
         return None
-    if layout.pp == 1:
-        plan = estimate(config, cluster, layout, training, option)
-        return _accumulation(config, cluster, Candidate(layout, training, option, plan))
-    chosen = choose_schedule(config, cluster, layout, training, option, schedules or list(CANDIDATES))
-    return None if chosen is None else Candidate(layout, *chosen)
+    if layout.pp > 1:
+        weighed = weigh_schedules(config, cluster, layout, training, option, schedules or list(CANDIDATES))
+        if weighed is None:
+            return None
+        candidate = lambda: Candidate(layout, *weighed.chosen())
+        return candidate() if weighed.fits else candidate
+    case = Case(config, cluster, layout, training, option)
+    ranks = Ranks(case, case.chunks)
+    memory = memory_by_stage(case, ranks.held)
+    candidate = lambda: _accumulation(config, cluster, Candidate(layout, training, option, price(case, ranks, memory)))
+    if fits(memory.by_stage, cluster, training):
+        return candidate()
+    # The gradients unsharded across the micro-steps, where the shards do not fit: they may fit where the ranks'
+    # states and buffers alone do (`may_fit`: their least peak is the shards', which summing whole gradients leaves)
+    unsharded = _unsharded(layout, training, option) if may_fit(ranks.held, cluster, training) else None
+    alternative = memory_by_stage(Case(config, cluster, layout, training, unsharded)) if unsharded else None
+    return candidate() if alternative and fits(alternative.by_stage, cluster, training) else candidate
 
 
 def _accumulation(config: GPTConfig, cluster: Cluster, candidate: Candidate) -> Candidate:
     """ZeRO-2/3 with gradient accumulation: the candidate that keeps the gradients unsharded across the micro-steps
     (one reduce-scatter per step) where it fits and is faster, else the sharded one (one per micro-step)."""
-    layout, training, settings = candidate.layout, candidate.training, candidate.parallelism
-    micro_steps = training.global_batch_size // (layout.data_replicas * training.micro_batch_size)
-    if not ZeroPolicy.of(settings, layout).reduces_every_micro_step or layout.replicas == 1 or micro_steps == 1:
+    layout, training = candidate.layout, candidate.training
+    unsharded = _unsharded(layout, training, candidate.parallelism)
+    if unsharded is None:
         return candidate
-    unsharded = replace(settings, accumulate_unsharded=True)
     plan = estimate(config, cluster, layout, training, unsharded)
     if plan.fits and plan.step_time_s < candidate.plan.step_time_s:
         return Candidate(layout, training, unsharded, plan)
     return candidate
+
+
+def _unsharded(layout: Layout, training: Training, settings: Parallelism) -> Parallelism | None:
+    """``settings`` keeping ZeRO-2/3's gradients unsharded across the micro-steps, where it reduces them at each of
+    several (None elsewhere)."""
+    micro_steps = training.global_batch_size // (layout.data_replicas * training.micro_batch_size)
+    if not ZeroPolicy.of(settings, layout).reduces_every_micro_step or layout.replicas == 1 or micro_steps == 1:
+        return None
+    return replace(settings, accumulate_unsharded=True)
 
 
 def why(candidate: Candidate, cluster: Cluster) -> str:

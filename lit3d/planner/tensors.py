@@ -9,9 +9,10 @@ its stage from the strategy's own partition (`lit3d.parallel.stages`); no torch 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass
 from fnmatch import fnmatchcase
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any
 
 from lit3d.models.config import GPTConfig
@@ -149,21 +150,35 @@ def lora_of(key: tuple[tuple[str, Any], ...]) -> LoRA | None:
 def _rank_tensors(
     key: tuple[tuple[str, Any], ...], pp: int, virtual: int, stage_rank: int, placement: str
 ) -> tuple[Tensor, ...]:
-    config = config_of(key)
+    first, last, blocks = _rank_blocks(key, pp, virtual, stage_rank, placement)
+    kept = []
+    for block, tensors in _table_runs(key):
+        if block is None:
+            kept += [t for t in tensors if (first if t.name.startswith("embed") else last)]
+        elif block in blocks:
+            kept += tensors
+    return tuple(kept)
+
+
+def _rank_blocks(
+    key: tuple[tuple[str, Any], ...], pp: int, virtual: int, stage_rank: int, placement: str
+) -> tuple[bool, bool, set[int]]:
+    """Whether pipeline rank ``stage_rank`` holds the first stage and the last, and the blocks of its stages."""
     chunks = pp * virtual
     stage_ids = chunk_stage_ids(stage_rank, pp, virtual, placement) if pp > 1 else [0]
-    runs = stage_blocks(config, chunks, dict(key).get("~layers")) if pp > 1 else (tuple(range(config.n_layer)),)
-    blocks = {b for s in stage_ids for b in runs[s]}
-    first, last = 0 in stage_ids, chunks - 1 in stage_ids
-    kept = []
+    runs = _stage_blocks(key, chunks) if pp > 1 else (tuple(range(dict(key)["n_layer"])),)
+    return 0 in stage_ids, chunks - 1 in stage_ids, {b for s in stage_ids for b in runs[s]}
+
+
+@lru_cache(maxsize=16)
+def _table_runs(key: tuple[tuple[str, Any], ...]) -> tuple[tuple[int | None, tuple[Tensor, ...]], ...]:
+    """`parameter_table` in runs of tensors of the same block (None: the embedding, final norm, head), in order."""
+    runs: list[tuple[int | None, list[Tensor]]] = []
     for tensor in _parameter_table(key):
-        if tensor.block is not None:
-            keep = tensor.block in blocks
-        else:
-            keep = first if tensor.name.startswith("embed") else last
-        if keep:
-            kept.append(tensor)
-    return tuple(kept)
+        if not runs or runs[-1][0] != tensor.block:
+            runs.append((tensor.block, []))
+        runs[-1][1].append(tensor)
+    return tuple((block, tuple(tensors)) for block, tensors in runs)
 
 
 @dataclass(frozen=True, eq=False)
@@ -174,29 +189,103 @@ class StageShapes:
 
     tensors: tuple[Tensor, ...]
 
+    @cached_property
+    def groups(self) -> tuple[tuple[tuple[Tensor, ...], int], ...]:
+        """The tensors as groups that repeat, each with how many times: the root's (embedding, final norm, head; block
+        None) once, then the first block of each kind (the same names past ``blocks.N.``, shapes and splits) with the
+        number of blocks of that kind. A sum over the tensors is the sum over each group's, times its count."""
+        blocks: dict[int | None, list[Tensor]] = {}
+        for t in self.tensors:
+            blocks.setdefault(t.block, []).append(t)
+        root, kinds = tuple(blocks.pop(None, ())), {}
+        for tensors in blocks.values():
+            kind = tuple((t.name.split(".", 2)[2], t.shape, t.tp_dim, t.expert, t.trains) for t in tensors)
+            kinds.setdefault(kind, [tuple(tensors), 0])[1] += 1
+        return ((root, 1), *((tensors, count) for tensors, count in kinds.values()))
 
-# NOTE: the distinct lists `stage_shapes` has seen, so that equal lists are one object (hashed and compared at once);
-# emptied when it holds `INTERNED_MOST` (a list made again is then a new object: counted again, never miscounted).
-_INTERNED: dict[tuple[Tensor, ...], StageShapes] = {}
-INTERNED_MOST = 4096
+    @cached_property
+    def kinds(self) -> tuple[tuple[Tensor, ...], tuple[int, ...]]:
+        """The distinct tensors (as `groups` tells them apart: a block's by their names past ``blocks.N.``, shapes and
+        splits) and, for each tensor in order, the index of its own among them."""
+        index: dict[tuple, int] = {}
+        distinct, order = [], []
+        for t in self.tensors:
+            name = t.name if t.block is None else t.name.split(".", 2)[2]
+            kind = index.setdefault((t.block is None, name, t.shape, t.tp_dim, t.expert, t.trains), len(distinct))
+            if kind == len(distinct):
+                distinct.append(t)
+            order.append(kind)
+        return tuple(distinct), tuple(order)
+
+    @cached_property
+    def counted(self) -> tuple[tuple[Tensor, int], ...]:
+        """Each distinct tensor (`kinds`) with how many of its kind the rank holds."""
+        kinds, order = self.kinds
+        counts = [0] * len(kinds)
+        for kind in order:
+            counts[kind] += 1
+        return tuple(zip(kinds, counts, strict=True))
+
+    def sum(self, count: Callable[[list[Tensor]], int]) -> int:
+        """``count(tensors)`` of all the tensors, for a ``count`` that sums a number per tensor: over `groups`."""
+        return sum(count(list(tensors)) * times for tensors, times in self.groups)
+
+
+@lru_cache(maxsize=1024)
+def rank_shapes(key: tuple, pp: int, virtual: int, placement: str = "loop") -> tuple[StageShapes, ...]:
+    """`stage_shapes` of each pipeline rank (ranks alike share one)."""
+    return tuple(stage_shapes(key, pp, virtual, stage_rank, placement) for stage_rank in range(pp))
 
 
 @lru_cache(maxsize=1024)
 def stage_shapes(key: tuple, pp: int, virtual: int, stage_rank: int, placement: str = "loop") -> StageShapes:
     """`key_tensors` of pipeline rank ``stage_rank``, its blocks renumbered in order (`StageShapes`)."""
-    tensors = _rank_tensors(key, pp, virtual, stage_rank, placement)
-    order = {block: i for i, block in enumerate(dict.fromkeys(t.block for t in tensors if t.block is not None))}
+    first, last, blocks = _rank_blocks(key, pp, virtual, stage_rank, placement)
+    kinds = _block_kinds(key)
+    return _shapes(key, first, last, tuple(kinds[b] for b in sorted(blocks)))
 
-    def renumbered(t: Tensor) -> Tensor:
-        if t.block is None:
-            return t
-        _, block, rest = t.name.split(".", 2)
-        return replace(t, name=f"blocks.{order[int(block)]}.{rest}", block=order[t.block])
 
-    shapes = tuple(renumbered(t) for t in tensors)
-    if len(_INTERNED) >= INTERNED_MOST:
-        _INTERNED.clear()
-    return _INTERNED.setdefault(shapes, StageShapes(shapes))
+@lru_cache(maxsize=16)
+def _block_kinds(key: tuple[tuple[str, Any], ...]) -> dict[int, int]:
+    """Each block's kind: the first block whose tensors have the same names past ``blocks.N.``, shapes and splits."""
+    signatures = {
+        block: tuple((t.name.split(".", 2)[2], t.shape, t.tp_dim, t.expert, t.trains) for t in tensors)
+        for block, tensors in _table_blocks(key).items()
+    }
+    first: dict[tuple, int] = {}
+    for block, signature in signatures.items():
+        first.setdefault(signature, block)
+    return {block: first[signature] for block, signature in signatures.items()}
+
+
+@lru_cache(maxsize=16)
+def _table_blocks(key: tuple[tuple[str, Any], ...]) -> dict[int, tuple[Tensor, ...]]:
+    """`parameter_table`'s tensors of each block."""
+    blocks: dict[int, list[Tensor]] = {}
+    for block, tensors in _table_runs(key):
+        if block is not None:
+            blocks.setdefault(block, []).extend(tensors)
+    return {block: tuple(tensors) for block, tensors in blocks.items()}
+
+
+@lru_cache(maxsize=1024)
+def _shapes(key: tuple[tuple[str, Any], ...], first: bool, last: bool, kinds: tuple[int, ...]) -> StageShapes:
+    """The `StageShapes` of a rank that holds the first stage and the last or not, and blocks of ``kinds`` in order
+    (`_block_kinds`): one object for every rank alike. NOTE: the table lists the blocks' tensors together, the
+    embedding before them, the final norm and the head after them (`lit3d.planner.shapes.parameter_shapes`)."""
+    blocks, tensors, placed = _table_blocks(key), [], False
+    for block, run in _table_runs(key):
+        if block is None:
+            tensors += [t for t in run if (first if t.name.startswith("embed") else last)]
+        elif not placed:  # the rank's blocks, each as the first block of its kind, numbered from 0
+            tensors += [_renumbered(t, i) for i, kind in enumerate(kinds) for t in blocks[kind]]
+            placed = True
+    return StageShapes(tuple(tensors))
+
+
+def _renumbered(t: Tensor, block: int) -> Tensor:
+    """``t`` as the tensor of block ``block``."""
+    return Tensor(f"blocks.{block}.{t.name.split('.', 2)[2]}", t.shape, t.tp_dim, block, t.expert, t.trains)
 
 
 def local_numel(tensor: Tensor, tp: int, shard: int = 1, shard_dim: int = 0, ep: int = 1) -> int:
@@ -219,13 +308,16 @@ def replicas(tensor: Tensor, layout: Any) -> int:
 
 
 def stepped_numel(tensors: list[Tensor], layout: Any, zero: ZeroPolicy) -> int:
-    """Elements of ``tensors`` that rank 0's optimizer steps (those that train): ZeRO-1's slices (of a dim TP and EP
-    leave whole), ZeRO-2/3's shards, else its whole tensor-parallel shards. DiLoCo's anchor and outer step cover the
-    same."""
-    tp, ep, dp = layout.tp, layout.ep, layout.replicas
-    tensors = [t for t in tensors if t.trains]
-    if zero.all_reduces or dp == 1:
-        return sum(local_numel(t, tp, ep=ep) for t in tensors)
+    """Elements of ``tensors`` that rank 0's optimizer steps (those that train: `stepped_elements`). DiLoCo's anchor
+    and outer step cover the same."""
+    return sum(stepped_elements(t, layout, zero) for t in tensors if t.trains)
+
+
+def stepped_elements(tensor: Tensor, layout: Any, zero: ZeroPolicy) -> int:
+    """Elements of ``tensor`` (one that trains) that rank 0's optimizer steps: ZeRO-1's slice (of a dim TP and EP leave
+    whole), ZeRO-2/3's shard, else its whole tensor-parallel shard."""
+    if zero.all_reduces or layout.replicas == 1:
+        return local_numel(tensor, layout.tp, ep=layout.ep)
     if zero.slices_optimizer:
-        return sum(local_numel(t, tp, replicas(t, layout), t.free_dim, ep) for t in tensors)
-    return sum(local_numel(t, tp, replicas(t, layout), ep=ep) for t in tensors)
+        return local_numel(tensor, layout.tp, replicas(tensor, layout), tensor.free_dim, layout.ep)
+    return local_numel(tensor, layout.tp, replicas(tensor, layout), ep=layout.ep)

@@ -2,30 +2,30 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from lit3d.models.config import GPTConfig
 from lit3d.models.lora_settings import LoRA
 from lit3d.parallel.context import ring_bytes_per_layer
 from lit3d.parallel.layout import Layout
-from lit3d.parallel.precision import is_float8_linear
 from lit3d.parallel.schedules import SCHEDULES
 from lit3d.parallel.sharding import BUCKET_ELEMENTS
-from lit3d.parallel.stages import chunk_stage_ids
 from lit3d.parallel.zero import ZeroPolicy
-from lit3d.planner.tensors import config_key, key_tensors, local_numel, rank_tensors, stepped_numel
+from lit3d.planner.sums import StageSums
+from lit3d.planner.tensors import rank_tensors, stepped_numel
 
 if TYPE_CHECKING:
     from lit3d.parallel.settings import Parallelism
     from lit3d.planner.inputs import Case, Precision, Training
 
 
-def communication_bytes(case: Case) -> dict[str, float]:
+def communication_bytes(case: Case, sums: Sequence[StageSums]) -> dict[str, float]:
     """Bytes the busiest GPU of each axis sends per optimizer step, counted as a ring sends them: an all-reduce
     2 (n-1)/n of its tensor, an all-gather or reduce-scatter (n-1)/n of the full tensor, a point-to-point send
     all of it. `lit3d.strategies.telemetry.comm.CommBytes` measures the same way (`lit3d.callbacks.CommReport` puts both
-    side by side). Left out: scalars (the logged loss, the gradient norm).
+    side by side). Left out: scalars (the logged loss, the gradient norm). ``sums``: the pipeline ranks' `StageSums`
+    (`rank_sums`; ranks alike may be given once).
     """
     config, layout, training, settings = case.config, case.layout, case.training, case.settings
     precision = case.precision
@@ -33,17 +33,19 @@ def communication_bytes(case: Case) -> dict[str, float]:
     virtual, microbatches, schedules, sp, _ = _step_shape(layout, training, settings)
     act_bytes = training.micro_batch_size * training.seq_len // layout.cp * config.d_model * precision.activations
     traffic = {
-        "tp": max(tp_bytes_by_stage(case)),
+        "tp": max(tp_bytes_by_stage(case, sums)),
         "pp": 0.0,
         "dp": 0.0,
         "ep": 0.0,
         "cp": 0.0,
     }
-    placement = SCHEDULES[settings.pipeline_schedule].placement
-    for stage in stages(case.key, pp, virtual, placement, layout.tp, layout.ep):
+    reduces = gradient_reductions(zero, pp, microbatches, schedules)
+    shape = (microbatches // schedules, schedules, pp > 1, precision, reduces)
+    a2a = _all_to_all_bytes(config, layout, training, settings, precision)
+    ring = _ring_bytes(config, layout, training, settings, precision)  # per attention layer and micro-batch
+    balance = _balance_bytes(config, layout, training, settings)  # per MoE block and micro-batch
+    for stage in sums:
         moe, blocks = stage.moe, stage.blocks
-        reduces = gradient_reductions(zero, pp, microbatches, schedules)
-        shape = (microbatches // schedules, schedules, pp > 1, precision, reduces)
         fp8 = stage.float8 if settings.float8_all_gather else 0  # gathered in FP8: a byte less each than bf16
         sent = _dp_traffic(zero, replicas, stage.in_blocks, stage.root, *shape, stage.trained, fp8)
         if fp8 and replicas > 1:  # their scales, computed after each step from the amaxes: one fp32 all-reduce
@@ -53,11 +55,9 @@ def communication_bytes(case: Case) -> dict[str, float]:
         if zero.hybrid:
             groups = _replicate_traffic(zero, layout, stage.trained, shape[1], pp, precision)
             traffic["dp_replicate"] = max(traffic.get("dp_replicate", 0.0), groups)
-        a2a = _all_to_all_bytes(config, layout, training, settings, precision)
         traffic["ep"] = max(traffic["ep"], moe * microbatches * a2a)
-        kv_ring = blocks * _ring_bytes(config, layout, training, settings, precision)
-        cp_bytes = kv_ring + moe * _balance_bytes(config, layout, training, settings)
-        traffic["cp"] = max(traffic["cp"], microbatches * cp_bytes)
+        traffic["cp"] = max(traffic["cp"], microbatches * (blocks * ring + moe * balance))
+    placement = SCHEDULES[settings.pipeline_schedule].placement
     if pp > 1:
         traffic["pp"] = _pipeline_sends(pp, virtual, placement) * microbatches * act_bytes / (layout.tp if sp else 1)
     if zero.hybrid:  # ZeRO's own traffic stays in each shard group
@@ -67,8 +67,8 @@ def communication_bytes(case: Case) -> dict[str, float]:
     return traffic
 
 
-def tp_bytes_by_stage(case: Case) -> list[float]:
-    """Bytes each pipeline rank sends to its tensor-parallel group per optimizer step."""
+def tp_bytes_by_stage(case: Case, sums: Sequence[StageSums]) -> list[float]:
+    """Bytes each pipeline rank sends to its tensor-parallel group per optimizer step, of its ``sums``."""
     config, layout, training, settings = case.config, case.layout, case.training, case.settings
     precision = case.precision
     tp, pp = layout.tp, layout.pp
@@ -76,9 +76,9 @@ def tp_bytes_by_stage(case: Case) -> list[float]:
     tokens = training.micro_batch_size * training.seq_len // layout.cp  # a rank's tokens per micro-batch
     act_bytes = tokens * config.d_model * precision.activations
     ring = 2 * (tp - 1) / tp  # all-reduce traffic per byte; SP's all-gather + reduce-scatter pair costs the same
-    placement, sent = SCHEDULES[settings.pipeline_schedule].placement, []
-    for stage in stages(case.key, pp, virtual, placement, tp, layout.ep):
-        tp_blocks = stage.blocks * per_block + stage.moe * _moe_tp_change(settings, sp)
+    moe_change, sent = _moe_tp_change(settings, sp), []
+    for stage in sums:
+        tp_blocks = stage.blocks * per_block + stage.moe * moe_change
         tp_bytes = (tp_blocks + stage.first + stage.last) * act_bytes  # embedding (fwd) and head (bwd): one each
         if stage.last:  # the vocabulary-parallel loss: 3 fp32 all-reduces per token (max, sum, target logit)
             tp_bytes += 3 * tokens * 4
@@ -186,56 +186,6 @@ def _step_shape(layout: Layout, training: Training, settings: Parallelism) -> tu
     )
 
 
-@lru_cache(maxsize=1024)
-def stages(key: tuple, pp: int, virtual: int, placement: str, tp: int, ep: int) -> tuple[StageSums, ...]:
-    """Each pipeline rank's `StageSums` of the model a `config_key` stands for (cached whole: the search weighs every
-    schedule of every layout with them)."""
-    return tuple(_stage_sums(key, pp, virtual, placement, stage_rank, tp, ep) for stage_rank in range(pp))
-
-
-class StageSums(NamedTuple):
-    """What one pipeline rank holds, summed: elements of its norms, of the root (embedding, final norm, head), of
-    its blocks' dense weights, of its expert weights and of all (each as a TP rank holds it; experts also over EP),
-    its MoE blocks and blocks, and whether it holds the first and the last stage; of what trains (all but LoRA's
-    frozen weights), the dense elements (``trained``) and the expert ones; the block linears' weights (FP8's)."""
-
-    norms: int
-    root: int
-    in_blocks: int
-    experts: int
-    total: int
-    moe: int
-    blocks: int
-    first: bool
-    last: bool
-    trained: int
-    trained_experts: int
-    float8: int  # elements of the block linears' weights, which FP8 all-gather gathers in one byte each
-    float8_tensors: int
-
-
-def _stage_sums(key: tuple, pp: int, virtual: int, placement: str, stage_rank: int, tp: int, ep: int) -> StageSums:
-    tensors = key_tensors(key, pp, virtual, stage_rank, placement)
-    stage_ids = chunk_stage_ids(stage_rank, pp, virtual, placement) if pp > 1 else [0]
-    trained = [t for t in tensors if t.trains]
-    float8 = [t for t in tensors if t.name.endswith(".weight") and is_float8_linear(t.name.rsplit(".", 1)[0])]
-    return StageSums(
-        norms=sum(local_numel(t, tp) for t in trained if "norm" in t.name),  # (their gradients' all-reduce)
-        root=sum(local_numel(t, tp) for t in tensors if t.block is None),
-        in_blocks=sum(local_numel(t, tp) for t in tensors if t.block is not None and not t.expert),
-        experts=sum(local_numel(t, tp, ep=ep) for t in tensors if t.expert),
-        total=sum(local_numel(t, tp) for t in trained),  # (ZeRO-1's buckets)
-        moe=len({t.block for t in tensors if t.expert}),
-        blocks=len({t.block for t in tensors} - {None}),
-        first=0 in stage_ids,
-        last=pp * virtual - 1 in stage_ids,
-        trained=sum(local_numel(t, tp) for t in trained if not t.expert),
-        trained_experts=sum(local_numel(t, tp, ep=ep) for t in trained if t.expert),
-        float8=sum(local_numel(t, tp) for t in float8),
-        float8_tensors=len(float8),
-    )
-
-
 def _pipeline_sends(pp: int, virtual: int, placement: str = "loop") -> int:
     """Sends per micro-batch of the busiest pipeline rank: each chunk sends its output forward and its input's
     gradient backward; the first chunk has no input and the last no output, so the middle ranks send the most,
@@ -259,18 +209,18 @@ def _tp_collectives_per_block(settings: Parallelism, sp: bool) -> float:
     return 4 + (1.5 if sp else 1.0) * full + regather
 
 
-def collectives(case: Case) -> dict[str, tuple[float, float]]:
+def collectives(case: Case, sums: Sequence[StageSums]) -> dict[str, tuple[float, float]]:
     """Per axis, the collectives the busiest GPU waits on per optimizer step and their ring hops in all (a ring
     all-reduce over n ranks is 2 (n-1) hops, an all-gather or reduce-scatter n-1, a point-to-point send 1): the
-    latency side of an α-β model, counted as `communication_bytes` counts the bytes."""
-    config, layout, training, settings = case.config, case.layout, case.training, case.settings
+    latency side of an α-β model, counted as `communication_bytes` counts the bytes. ``sums``: the pipeline ranks'
+    `StageSums` of the model without its adapters (`rank_sums`; ranks alike may be given once)."""
+    layout, training, settings = case.layout, case.training, case.settings
     tp, pp, dp = layout.tp, layout.pp, layout.shard_ranks
     virtual, microbatches, schedules, sp, per_block = _step_shape(layout, training, settings)
     counts = {"tp": (0.0, 0.0), "pp": (0.0, 0.0), "dp": (0.0, 0.0), "ep": (0.0, 0.0), "cp": (0.0, 0.0)}
     cp, zero = layout.cp, case.zero
     placement = SCHEDULES[settings.pipeline_schedule].placement
-    key = config_key(config, layers=settings.pipeline_stage_layers)  # (the model without its adapters)
-    for stage in stages(key, pp, virtual, placement, tp, layout.ep):
+    for stage in sums:
         first, last, blocks = stage.first, stage.last, stage.blocks
         if cp > 1:  # point-to-point hops per attention layer: forward (again under recompute), then backward
             hops = (cp - 1) * (2 if settings.activation_checkpointing else 1) + (cp - 1) + cp

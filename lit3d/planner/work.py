@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from lit3d.models.config import GPTConfig
 from lit3d.models.lora_settings import LoRA
 from lit3d.parallel.layout import Layout
-from lit3d.planner.inputs import Training
-from lit3d.planner.traffic import StageSums
+from lit3d.planner.sums import StageSums
 
 # Bytes per element and kernels of each elementwise operator of a block's forward, (eager, fused).
 NORM = ((36, 7), (8, 1))  # fused: with the residual add before it
@@ -72,13 +71,22 @@ class Work:
 
 
 def stage_work(
-    config: GPTConfig, layout: Layout, training: Training, sp: bool, fused: bool, stage: StageSums, fp8: bool = False
+    config: GPTConfig,
+    layout: Layout,
+    micro_batch_size: int,
+    seq_len: int,
+    lora: LoRA | None,
+    sp: bool,
+    fused: bool,
+    stage: StageSums,
+    fp8: bool = False,
 ) -> Work:
-    """What one rank of ``layout`` computes per micro-batch on ``stage`` (its blocks, MoE ones among them, the
-    embedding on the first stage, the output layer and loss on the last); ``sp``: sequence parallelism is on; ``fp8``:
-    the blocks' linears run in FP8 (not the router, the experts or the head: `lit3d.strategies.split.float8`)."""
+    """What one rank of ``layout`` computes per micro-batch of ``micro_batch_size`` sequences of ``seq_len`` tokens on
+    ``stage`` (its blocks, MoE ones among them, the embedding on the first stage, the output layer and loss on the
+    last), with ``lora``'s adapters if given; ``sp``: sequence parallelism is on; ``fp8``: the blocks' linears run in
+    FP8 (not the router, the experts or the head: `lit3d.strategies.split.float8`)."""
     blocks, moe = stage.blocks, stage.moe
-    tp, tokens = layout.tp, training.micro_batch_size * training.seq_len / layout.cp
+    tp, tokens = layout.tp, micro_batch_size * seq_len / layout.cp
     d, q, kv = config.d_model, config.n_head * config.head_dim / tp, config.n_kv_head * config.head_dim / tp
     dense = blocks - moe
     attention = (Gemm(tokens, q, d), Gemm(tokens, kv, d, 2), Gemm(tokens, d, q))
@@ -113,14 +121,14 @@ def stage_work(
     experts = config.n_expert // layout.ep + config.n_shared_expert if moe else 0
     kernels += dense * SWIGLU[kind][1] + moe * (experts * SWIGLU[kind][1] + ROUTING[kind][1])
     vocab = config.vocab_size / tp
-    head = (Gemm(tokens, vocab, d, frozen=training.lora is not None),) if stage.last else ()
-    if training.lora is not None:  # the weights frozen, the adapters beside them
+    head = (Gemm(tokens, vocab, d, frozen=lora is not None),) if stage.last else ()
+    if lora is not None:  # the weights frozen, the adapters beside them
         gemms = [Gemm(g.m, g.n, g.k, g.count, frozen=True) for g in gemms]
-        gemms += adapter_gemms(training.lora, tokens, d, q, kv, f, blocks, dense, tp)
+        gemms += adapter_gemms(lora, tokens, d, q, kv, f, blocks, dense, tp)
     last, first = stage.last, stage.first
     other = (CROSS_ENTROPY[0] * tokens * vocab if last else 0.0) + (EMBEDDING[0] * tokens * d if first else 0.0)
     other_kernels = (CROSS_ENTROPY[1] if last else 0) + (EMBEDDING[1] if first else 0)
-    causal = 4 * tokens * training.seq_len * config.n_head / tp * config.head_dim / 2
+    causal = 4 * tokens * seq_len * config.n_head / tp * config.head_dim / 2
     return Work(tuple(gemms), head, causal * blocks, byte_count, kernels, other, other_kernels, blocks, tp > 1)
 
 
