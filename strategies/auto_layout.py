@@ -13,6 +13,7 @@ the command line cannot be told from one left out (jsonargparse passes both).
 
 from __future__ import annotations
 
+import time
 from dataclasses import fields, replace
 from typing import Any
 
@@ -84,16 +85,22 @@ def choose(parallelism: Parallelism, module: Any, trainer: Any, datamodule: Any,
         )
     given = given_settings(parallelism)
     accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
-    batch = getattr(datamodule, "global_batch_size", None)
-    if batch is None:
-        raise ValueError("auto_layout=True needs the data's global_batch_size (a lit3d data module) to plan for")
+    batch, seq_len = getattr(datamodule, "global_batch_size", None), getattr(datamodule, "seq_len", None)
+    if batch is None or seq_len is None:  # (never a layout chosen for a guessed batch)
+        fed = "batches from a DataLoader" if datamodule is None else f"a {type(datamodule).__name__}"
+        raise ValueError(
+            f"auto_layout=True plans for the data's global_batch_size and seq_len, which {fed} does not say "
+            f"(global_batch_size={batch}, seq_len={seq_len}): feed it a lit3d data module (TextDataModule, "
+            "ChatDataModule, ...) or give the layout's sizes (tensor_parallel_size, pipeline_parallel_size, ...)"
+        )
     precision = str(trainer.precision) if trainer is not None else "32-true"
     # NOTE: a layout is chosen only where its plan times the band measured peaks keep to fits the usable memory.
     headroom = 1 - (1 - Training.headroom) / PEAK_BAND
-    best, misses = None, []
-    for micro in (m for m in range(1, batch + 1) if batch % m == 0):
+    best, misses, started = None, [], time.process_time()
+    micros = [m for m in range(1, batch + 1) if batch % m == 0]
+    for micro in micros:
         training = Training(
-            seq_len=getattr(datamodule, "seq_len", config.max_seq_len),
+            seq_len=seq_len,
             micro_batch_size=micro,
             global_batch_size=batch,
             precision=precision if precision in PRECISIONS else "32-true",
@@ -116,6 +123,7 @@ def choose(parallelism: Parallelism, module: Any, trainer: Any, datamodule: Any,
         f"  usable: {cluster.gpu_memory_gb * (1 - Training.headroom):.3g} GB a rank, planned within "
         f"1/{PEAK_BAND} of it (runs peak up to {PEAK_BAND}x their plan)",
         f"  the same run, written out: {run_flags(best, frozenset(given))}",
+        f"  searched: {len(micros)} micro-batch size(s) in {time.process_time() - started:.2f} s of CPU",
     ]
     return chosen, _accumulation(best), lines
 

@@ -141,7 +141,12 @@ def _run_job(job: dict, job_dir: Path, devices: int) -> dict:
         model_kwargs = dict(job.get("model", {}))
         model = GPT(GPTConfig(**model_kwargs.pop("config")), **model_kwargs)
         data_class = ChatDataModule if job.get("data_class") == "chat" else TextDataModule
-        data = (PlainLoaderData if job.get("plain_loader") else data_class)(**job["data"])
+        if "fed_by" in job:  # batches from a plain DataLoader or a user's data module (tests/user_modules.py)
+            import user_modules
+
+            data = user_modules.fed_data(model.config.vocab_size, job["fed_by"], **job["data"])
+        else:
+            data = (PlainLoaderData if job.get("plain_loader") else data_class)(**job["data"])
     strategy_class = ModelParallelStrategy if job.get("lightning_strategy") else Parallel3DStrategy
     strategy = strategy_class(**job["strategy"]) if "strategy" in job else "auto"
     callbacks = [Probe(count_comms=job.get("count_comms", False)), *job.get("callbacks", [])]

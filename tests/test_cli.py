@@ -1,6 +1,7 @@
 """End-to-end runs of the `lit3d` command line: few, tiny, and checked against each other."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -65,6 +66,7 @@ def test_3d_auto_with_a_memory_limit_picks_a_split_layout_logs_it_and_trains_lik
     torch.testing.assert_close(losses, single_process_losses, rtol=1e-5, atol=0)
     chose = next(line for line in printed.splitlines() if line.startswith("3d_auto chose: "))
     assert "tp 1 x pp 1" not in chose and "  why: " in printed and "the same run, written out: " in printed, chose
+    assert re.search(r"  searched: \d+ micro-batch size\(s\) in [0-9.]+ s of CPU", printed), printed[-3000:]
     assert "plan check: peak memory" in printed, printed[-3000:]
     assert " peaked at " not in printed, printed[-3000:]  # within its plan's band and its memory (issue 63, item 4)
 

@@ -1,5 +1,7 @@
 """What a user brings: a LightningModule written for Lightning's `ModelParallelStrategy`, not for lit3d."""
 
+from typing import Any
+
 import lightning as L
 import torch
 import torch.nn as nn
@@ -89,6 +91,30 @@ class TokenData(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         tokens = torch.randint(0, 64, (48, 17), generator=torch.Generator().manual_seed(0))
         return DataLoader(TensorDataset(tokens), batch_size=4)
+
+
+def token_blocks(vocab: int, rows: int, tokens: int) -> torch.Tensor:
+    """``rows`` fixed random blocks of ``tokens`` tokens: a lit3d GPT's batches, as a user's own dataset holds them."""
+    return torch.randint(0, vocab, (rows, tokens), generator=torch.Generator().manual_seed(0))
+
+
+class UsersBlocks(L.LightningDataModule):
+    """A user's own data module of token blocks (`token_blocks`), which says neither a global batch nor a length."""
+
+    def __init__(self, vocab: int, rows: int, tokens: int, batch_size: int) -> None:
+        super().__init__()
+        self.blocks, self.batch_size = token_blocks(vocab, rows, tokens), batch_size
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.blocks, batch_size=self.batch_size, drop_last=True)
+
+
+def fed_data(vocab: int, source: str, rows: int, tokens: int, batch_size: int) -> Any:
+    """What a lit3d GPT's fit is fed that is not a lit3d data module: a plain ``DataLoader`` (``"loader"``) or a
+    user's ``LightningDataModule`` (``"user_module"``)."""
+    if source == "loader":
+        return DataLoader(token_blocks(vocab, rows, tokens), batch_size=batch_size, drop_last=True)
+    return UsersBlocks(vocab, rows, tokens, batch_size)
 
 
 class Block(nn.Module):

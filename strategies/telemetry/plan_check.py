@@ -24,7 +24,7 @@ from lit3d.models.loop import ends_optimizer_step
 from lit3d.planner.calibrate import cluster_of
 from lit3d.planner.hardware import identify
 from lit3d.planner.inputs import GB, PEAK_BAND, Cluster, Plan, Training
-from lit3d.planner.run import RunningStrategy, plan_of_run
+from lit3d.planner.run import RunningStrategy, data_says, fed_shape, plan_of_run
 from lit3d.strategies.telemetry.held_memory import memory_line
 from lit3d.strategies.telemetry.live_memory import PeakMemory
 
@@ -44,12 +44,12 @@ def start_plan(strategy: RunningStrategy, trainer: L.Trainer) -> tuple[Plan | No
     return plan, estimate
 
 
-def planned_run(strategy: RunningStrategy) -> tuple[Plan | None, PlanCheck | None]:
+def planned_run(strategy: RunningStrategy, fed: tuple[int, int] | None = None) -> tuple[Plan | None, PlanCheck | None]:
     """The planner's estimate of the strategy's run (a lit3d GPT's; else None), priced on this device where it can
-    be, and the check that holds the run to it."""
+    be, and the check that holds the run to it; ``fed``: the shape of the batches it is fed (`plan_of_run`)."""
     where = (strategy.root_device, strategy.num_nodes, strategy.num_processes, strategy.parallelism.plan_profile)
     cluster, priced_on = run_cluster(*where)
-    plan = plan_of_run(strategy, cluster)
+    plan = plan_of_run(strategy, cluster, fed)
     if plan is None:
         return None, None
     planned_step = plan.step_time_s if cluster is not None else None
@@ -84,7 +84,12 @@ class PlanCheck(L.Callback):
     """Measures the peak memory of the fit's step `MEMORY_STEP` (on GPUs: from it on), times the `TIMED_STEPS`
     optimizer steps after it, and logs both against ``plan`` (``planned_step``: the plan's step time where it was
     priced on this device, else None, ``priced_on`` saying why) once: at the last timed step, or at the fit's last
-    step if it comes first. A peak past the band or the ``usable`` bytes is warned, naming ``layout``."""
+    step if it comes first. A peak past the band or the ``usable`` bytes is warned, naming ``layout``.
+
+    The plan made at the fit's start reads the batch from the data module, which a run fed by a plain ``DataLoader``
+    or a module of the user's does not say: at the fit's first batch the run is planned again for the shape that
+    batch has (`lit3d.planner.run.fed_shape`: a micro-step of this replica), and the check holds it to that plan,
+    saying so (``fed``)."""
 
     def __init__(
         self, plan: Plan, planned_step: float | None, priced_on: str, layout: str, usable: float | None
@@ -93,6 +98,7 @@ class PlanCheck(L.Callback):
         self.planned_step, self.priced_on = planned_step, priced_on
         self.peak, self.first = PeakMemory(MEMORY_STEP, outer_state), 0
         self.layout, self.usable = layout, usable
+        self.fed: str | None = None  # the shape planned for, once read from the first batch
         self.ratios: dict[str, float] = {}
         self._ends: list[float] = []
 
@@ -104,10 +110,29 @@ class PlanCheck(L.Callback):
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        if self.fed is None:
+            self._plan_fed(trainer, pl_module, batch)
         if pl_module.device.type != "cuda":
             self.peak.on_train_batch_start(trainer, pl_module, batch, batch_idx)
         elif trainer.global_step == self.first + MEMORY_STEP and not self._ends:
             torch.cuda.reset_peak_memory_stats(pl_module.device)
+
+    def _plan_fed(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any) -> None:
+        """The run planned again for the shape of ``batch``, the first it is fed (every rank: the strategy's plan,
+        which `lit3d.callbacks.CommReport` reads, is replaced too)."""
+        fed = fed_shape(pl_module, batch)
+        self.fed = ""
+        if fed is None:
+            return
+        strategy = trainer.strategy
+        plan, check = planned_run(strategy, fed)
+        if plan is None or check is None:
+            return
+        strategy.plan = plan
+        strategy.memory_estimate = plan.memory_by_stage[strategy.layout.coordinate(strategy.global_rank).p]
+        self.planned_peak, self.planned_step = check.planned_peak, check.planned_step
+        self.fed = f"; planned for the batches fed: {fed[0]} x {fed[1]} tokens per replica and micro-step (the first's)"
+        self.fed += data_says(strategy, fed)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
         self.peak.on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
@@ -133,7 +158,8 @@ class PlanCheck(L.Callback):
         if trainer.is_global_zero:  # once, at this step (a module's `log` would repeat it at every later step)
             for logger in trainer.loggers:
                 logger.log_metrics(self.ratios, step=trainer.global_step)
-        rank_zero_info(plan_check_line(peak, self.planned_peak, step, self.planned_step, self.priced_on))
+        line = plan_check_line(peak, self.planned_peak, step, self.planned_step, self.priced_on)
+        rank_zero_info(line + (self.fed or ""))
         overrun = overrun_warning(peak, self.planned_peak, self.usable, self.layout)
         if overrun is not None:
             rank_zero_warn(overrun)
