@@ -302,11 +302,8 @@ def _stage_class() -> type:
     class Stage(pipeline_stage()):
         """NOTE: the V-shaped schedules hold two adjacent stages on one rank and hand a backward's input gradient
         from one to the other directly; PyTorch 2.13 does so in ``eval()`` too (validation, sampling), where there is
-        no backward, and fails. Nothing is handed over then.
-
-        NOTE: a stage's keyword inputs hold the batch's context (`lit3d.models.batch_context`), a pytree of tensors and
-        plain values; PyTorch 2.11 keeps it whole among the inputs it differentiates and fails on it in a split
-        backward (`requires_grad` of a non-tensor). The inputs kept for backward are its tensors, as 2.13 keeps."""
+        no backward, and fails. Nothing is handed over then. PyTorch 2.11 keeps the batch's context (a keyword input)
+        whole among the inputs backward differentiates, and fails on it: they are its tensors here, as 2.13 keeps."""
 
         def __init__(self, *args: Any, clock: StageClock | None = None, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
@@ -314,9 +311,9 @@ def _stage_class() -> type:
 
         def forward_one_chunk(self, chunk_id: int, *args: Any, **kwargs: Any) -> Any:
             output = self._timed("F", chunk_id, super().forward_one_chunk, *args, **kwargs)
-            if chunk_id in self.fwd_cache:
-                outputs, inputs = self.fwd_cache[chunk_id]
-                self.fwd_cache[chunk_id] = (outputs, [x for x in tree_leaves(inputs) if isinstance(x, torch.Tensor)])
+            if chunk_id in self.fwd_cache:  # (the tensors of what backward differentiates)
+                kept, inputs = self.fwd_cache[chunk_id]
+                self.fwd_cache[chunk_id] = kept, [x for x in tree_leaves(inputs) if isinstance(x, torch.Tensor)]
             return output
 
         def backward_one_chunk(self, chunk_id: int, *args: Any, **kwargs: Any) -> Any:
