@@ -23,6 +23,18 @@ def test_known_sizes():
     assert billions["gpt3-175b"] == pytest.approx(175.2, abs=0.1)
 
 
+@pytest.mark.parametrize(
+    "name, total, active", [("deepseek-v3", 671, 37), ("kimi-k2", 1030, 32), ("moonlight-16b-a3b", 16, 3)]
+)
+def test_deepseek_v3_shaped_presets_have_their_published_sizes(name, total, active):
+    """Billions of parameters as published: the total within 1 % (DeepSeek-V3's 671B leave its MTP depth out, as
+    `num_params` does); the active ones, published in whole billions, are those a token computes with (the embedding
+    is a lookup: 36.6B, 31.7B and 2.6B, where counting it too would round DeepSeek-V3's 37.55B to 38)."""
+    config = GPTConfig.from_name(name)
+    assert config.num_params / 1e9 == pytest.approx(total, rel=0.01)
+    assert round((config.active_params - config.embedding_params) / 1e9) == active
+
+
 def test_derived_fields_are_computed_in_one_place():
     config = GPTConfig(n_head=8, d_model=256, vocab_size=1000, n_kv_head=None, d_ff=None)
     assert config.n_kv_head == 8

@@ -393,3 +393,36 @@ def test_rows_too_short_for_the_depths_are_refused_naming_both():
     tokens = torch.arange(4)[None]
     with pytest.raises(ValueError, match="num_nextn_predict_layers=3 needs rows of more than 3 tokens; got 3"):
         tokens_ahead(tokens[:, :-1], tokens[:, 1:], 3)
+
+
+def test_lora_on_latent_attention_trains_and_exports_a_peft_adapter_transformers_loads(tmp_path, capsys):
+    """LoRA on a Moonlight-shaped folder's latent attention (``q_proj``, ``kv_b_proj``, ``o_proj``: Moonlight has no
+    query low rank): a few steps train the adapters only, and ``lit3d export --adapter`` writes a PEFT folder whose
+    adapters on transformers' model give lit3d's logits."""
+    from peft import PeftModel
+    from transformers import DeepseekV3ForCausalLM
+
+    from lit3d import LoRA
+    from lit3d.cli import main
+
+    _deepseek(None, PLAIN_YARN).save_pretrained(tmp_path / "hf")
+    model = GPT(pretrained=str(tmp_path / "hf"), lora=LoRA(rank=4, alpha=8, targets=("q", "kv_b", "o")))
+    model.configure_model()
+    trained = [name for name, p in model.named_parameters() if p.requires_grad]
+    assert trained and all(name.endswith(("lora_a", "lora_b")) for name in trained)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for batch in torch.randint(0, 256, (3, 2, 33), generator=torch.Generator().manual_seed(2)):
+        optimizer.zero_grad()
+        model.loss(batch).backward()
+        optimizer.step()
+    ckpt = tmp_path / "lora.ckpt"
+    torch.save({"hyper_parameters": dict(model.hparams), "state_dict": model.state_dict()}, ckpt)
+    tokens = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(3))
+    main(["export", "--ckpt_path", str(ckpt), "--output", str(tmp_path / "adapter"), "--adapter"])
+    assert "LoRA adapters (rank 4, q, o, kv_b)" in capsys.readouterr().out
+    base = DeepseekV3ForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    with torch.no_grad():
+        ours = model(tokens)
+        theirs = PeftModel.from_pretrained(base, tmp_path / "adapter")(input_ids=tokens).logits
+        base_logits = DeepseekV3ForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)(input_ids=tokens)
+    assert (ours - theirs).abs().max() < 1e-4 and (ours - base_logits.logits).abs().max() > 1e-3

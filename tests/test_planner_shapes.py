@@ -51,3 +51,31 @@ def test_the_planners_lora_table_is_the_adapted_models_in_order_with_qwen2s_bias
     assert {t.name: t.tp_dim for t in table if t.name.startswith("blocks.0.attn.q_proj")} == {
         "blocks.0.attn.q_proj.weight": 0, "blocks.0.attn.q_proj.bias": 0, "blocks.0.attn.q_proj.lora_a": None,
         "blocks.0.attn.q_proj.lora_b": 0}  # fmt: skip
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 24])
+def test_the_planners_lora_table_under_latent_attention_is_the_adapted_models(q_lora_rank):
+    """Adapters on latent attention's linears (its queries' with and without their low rank) and the MLP's, in the
+    decoder's blocks and in multi-token prediction's: the planner's table holds the adapted model's tensors (an MoE
+    layer's expert adapters listed beside their weights, where the model registers them after all three)."""
+    from lit3d.models.lora import LoRA, freeze_all_but_adapters
+    from lit3d.models.lora_settings import model_roles
+    from lit3d.planner.tensors import parameter_table
+
+    config = GPTConfig(**dict(FAMILY_CONFIGS["deepseek_v3"], q_lora_rank=q_lora_rank))
+    lora = LoRA(rank=4, targets=model_roles(config))
+    with torch.device("meta"):
+        network = Transformer(config, lora)
+    freeze_all_but_adapters(network)
+    table = sorted((t.name, t.shape, t.trains) for t in parameter_table(config, lora))
+    assert config.num_nextn_predict_layers and any(name.startswith("mtp.") and "lora" in name for name, *_ in table)
+    assert table == sorted((n, tuple(p.shape), p.requires_grad) for n, p in network.named_parameters())
+
+
+def test_lora_targets_a_model_lacks_are_refused_naming_them():
+    from lit3d.models.lora import LoRA
+
+    config = GPTConfig(**FAMILY_CONFIGS["deepseek_v3"])
+    with pytest.raises(ValueError, match=r"deepseek_v3 has no q, v linear \(its targets: q_a, q_b, kv_a, kv_b, o,"):
+        LoRA(targets=("q", "v")).check_model(config)
+    LoRA(targets=("q", "v")).check_model(GPTConfig(**SMALL_GPT))  # (a Llama-shaped model has both)

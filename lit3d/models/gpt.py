@@ -90,6 +90,8 @@ class GPT(L.LightningModule):
         self.adapter = adapter
         if adapter is not None:
             self.lora = adapter_settings(adapter, self.config, self.lora)
+        if self.lora is not None:
+            self.lora.check_model(self.config)
         self.save_hyperparameters(ignore=["config", "sampling", "lora"])
         self.hparams["config"] = self.config.to_dict()  # plain data, so checkpoints load with weights_only
         self.hparams["lora"] = asdict(self.lora) if self.lora else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 # Targets by role, and the module each names in a block (and in a HuggingFace Llama's, for PEFT's adapters).
 ROLES = {
@@ -19,6 +20,15 @@ ROLES = {
     "down": ("mlp.down_proj", "mlp.down_proj"),
 }
 ADAPTERS = ("lora_a", "lora_b")  # the parameter names of an adapter; every other parameter is frozen
+MLP_ROLES = ("gate", "up", "down")  # a dense MLP's, and an MoE layer's experts'
+
+
+def model_roles(config: Any) -> tuple[str, ...]:
+    """The roles a model of ``config`` (a `lit3d.GPTConfig`) has a linear for, in block order."""
+    if config.kv_lora_rank is None:
+        return ("q", "k", "v", "o", *MLP_ROLES)
+    queries = ("q",) if config.q_lora_rank is None else ("q_a", "q_b")
+    return (*queries, "kv_a", "kv_b", "o", *MLP_ROLES)
 
 
 @dataclass(frozen=True)
@@ -50,6 +60,17 @@ class LoRA:
         if unknown or not self.targets:
             raise ValueError(f"lora.targets={list(self.targets)!r}: {unknown or 'none'} not among {', '.join(ROLES)}")
         object.__setattr__(self, "targets", tuple(role for role in ROLES if role in self.targets))  # in block order
+
+    def check_model(self, config: Any) -> None:
+        """Refuse targets a model of ``config`` (a `lit3d.GPTConfig`) has no linear for, naming them and those it
+        has: latent attention has no ``k`` or ``v`` projection, and ``q`` only without a ``q_lora_rank``."""
+        roles = model_roles(config)
+        missing = [t for t in self.targets if t not in roles]
+        if missing:
+            raise ValueError(
+                f"lora.targets={list(self.targets)!r}: {config.family} has no {', '.join(missing)} linear "
+                f"(its targets: {', '.join(roles)})"
+            )
 
     @property
     def scaling(self) -> float:

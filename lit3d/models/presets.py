@@ -1,6 +1,6 @@
-"""The named model shapes `GPTConfig.from_name` knows: published Llama, Qwen and Mistral models (their parameter counts
-are checked against the published ones in tests/test_config.py) and small ones to try layouts with. Plain field
-dicts, so that this module imports nothing."""
+"""The named model shapes `GPTConfig.from_name` knows: published Llama, Qwen, Mistral and DeepSeek-V3-shaped models
+(their parameter counts are checked against the published ones in tests/test_config.py) and small ones to try layouts
+with. Plain field dicts, so that this module imports nothing."""
 
 from __future__ import annotations
 
@@ -14,6 +14,20 @@ LLAMA31_SCALING = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8192,
 }
+
+
+def _yarn(factor: float) -> dict[str, Any]:
+    """DeepSeek-V3's YaRN scaling of its 4,096 trained positions by ``factor`` (as its config.json writes it)."""
+    return {
+        "rope_type": "yarn",
+        "factor": factor,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    }
+
 
 # Llama-style presets. `gpt3-175b` keeps GPT-3's widths and parameter count with a SwiGLU MLP (3 matrices of
 # d_ff = 2/3 * 4 * d_model hold as many weights as GPT-3's 2 matrices of 4 * d_model), with an untied head so
@@ -120,5 +134,25 @@ PRESETS: dict[str, dict[str, Any]] = {
         n_layer=94, n_head=64, n_kv_head=4, head_dim=128, d_model=4096, d_ff=12288, vocab_size=151936,
         max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6, n_expert=128, n_expert_per_token=8, d_ff_expert=1536,
         aux_loss_coef=0.001, qk_norm=True, family="qwen3_moe",
+    ),
+    # DeepSeek-V3's architecture (multi-head latent attention, a sigmoid router over fine-grained experts with shared
+    # ones, dense first blocks), from the published config.json files; DeepSeek-V3 with its one MTP depth.
+    "deepseek-v3": dict(
+        n_layer=61, n_head=128, n_kv_head=128, d_model=7168, d_ff=18432, vocab_size=129280, max_seq_len=163840,
+        rope_scaling=_yarn(40.0), norm_eps=1e-6, family="deepseek_v3", n_expert=256, n_expert_per_token=8,
+        n_shared_expert=1, d_ff_expert=2048, first_dense_layers=3, router="sigmoid", kv_lora_rank=512,
+        q_lora_rank=1536, n_group=8, topk_group=4, routed_scaling_factor=2.5, num_nextn_predict_layers=1,
+    ),
+    "kimi-k2": dict(
+        n_layer=61, n_head=64, n_kv_head=64, d_model=7168, d_ff=18432, vocab_size=163840, max_seq_len=131072,
+        rope_theta=50000.0, rope_scaling=_yarn(32.0), norm_eps=1e-6, family="deepseek_v3", n_expert=384,
+        n_expert_per_token=8, n_shared_expert=1, d_ff_expert=2048, first_dense_layers=1, router="sigmoid",
+        kv_lora_rank=512, q_lora_rank=1536, routed_scaling_factor=2.827,
+    ),
+    "moonlight-16b-a3b": dict(
+        n_layer=27, n_head=16, n_kv_head=16, d_model=2048, d_ff=11264, vocab_size=163840, max_seq_len=8192,
+        rope_theta=50000.0, norm_eps=1e-5, family="deepseek_v3", n_expert=64, n_expert_per_token=6,
+        n_shared_expert=2, d_ff_expert=1408, first_dense_layers=1, router="sigmoid", kv_lora_rank=512,
+        routed_scaling_factor=2.446,
     ),
 }  # fmt: skip

@@ -53,6 +53,10 @@ GPUS: dict[str, GPU] = {
     # NVIDIA H100 SXM datasheet (up to 700 W): 989 TFLOP/s dense BF16, 80 GB HBM3 at 3.35 TB/s, NVLink 4 at 900 GB/s
     # both ways.
     "H100": GPU("H100", 989.0, 85.0, 450.0, 50.0, 3350.0, 700.0, HOPPER, fp8_tflops=1979.0),
+    # NVIDIA H800 SXM (the H100 sold in China, 700 W): an H100's compute and 80 GB HBM3 at 3.35 TB/s, NVLink cut to
+    # 400 GB/s both ways; DeepSeek-V3's report (2,048 of them, 8 a node) measured 160 GB/s of it and 50 GB/s of
+    # InfiniBand per GPU between nodes.
+    "H800": GPU("H800", 989.0, 85.0, 200.0, 50.0, 3350.0, 700.0, HOPPER, fp8_tflops=1979.0),
     # H100 SXM boards with 96 GB of HBM2e at 2.4 TB/s (Meta's Grand Teton hosts, torchtitan's benchmarks: "96GB HBM2e
     # with 2.4 TB/sec peak memory bandwidth", run at a 500 W limit of 700).
     "H100 96GB": GPU("H100 96GB", 989.0, 101.5, 450.0, 50.0, 2400.0, 700.0, HOPPER, fp8_tflops=1979.0),
@@ -126,6 +130,8 @@ def identify(device_name: str) -> GPU | None:
         return GPUS["GH200"]
     if "H200" in name:
         return GPUS["H200 NVL"] if "NVL" in name else GPUS["H200"]
+    if "H800" in name:
+        return GPUS["H800"]
     if "H100" in name:
         return GPUS["H100 NVL"] if "NVL" in name else GPUS["H100 PCIe"] if "PCIE" in name else GPUS["H100"]
     if "A100" in name:

@@ -14,6 +14,7 @@ from lit3d.parallel.layout import Layout
 from lit3d.parallel.schedules import last_stage_in_flight, peak_in_flight
 from lit3d.parallel.zero import ZeroPolicy
 from lit3d.planner.buffers import peak_memory
+from lit3d.planner.shapes import linear_widths
 from lit3d.planner.states import RankState, rank_states
 
 if TYPE_CHECKING:
@@ -276,13 +277,16 @@ def lora_bytes_per_token(config: GPTConfig, tp: int, sequence_parallel: bool, a:
     q = config.n_head * config.head_dim
     split = tp if sequence_parallel else 1
     norms = 2 * 4 * (h + 1)  # per norm, in fp32: its input and 1/rms
-    linear_inputs = a * h * (bool(targets & {"q", "k", "v"}) + bool(targets & {"gate", "up"}))
+    linear_inputs = a * h * (bool(targets & {"q", "k", "v", "q_a", "kv_a"}) + bool(targets & {"gate", "up"}))
     attention = a * ((h + 2 * kv) + h) + 4 * config.n_head
     mlp = a * (3 + ("down" in targets)) * f
     adapters = a * lora.rank * len(targets)
+    # latent attention's low-rank inputs (whole on every TP rank), kept for the adapters of q_b and kv_b
+    latent = {"q_b": config.q_lora_rank or 0, "kv_b": config.kv_lora_rank or 0}
+    adapters += a * sum(width for role, width in latent.items() if role in targets)
     if lora.dropout:  # each adapter's dropped input and its mask (one byte)
-        inputs = {"q": h, "k": h, "v": h, "o": q / tp, "gate": h, "up": h, "down": f / tp}
-        adapters += (a + 1) * sum(inputs[t] for t in targets)
+        inputs = {"q": h, "k": h, "v": h, "o": q / tp, "gate": h, "up": h, "down": f / tp, "q_a": h, "kv_a": h}
+        adapters += (a + 1) * sum(inputs.get(t, latent.get(t, 0)) for t in targets)
     return (norms + linear_inputs) / split + (attention + mlp) / tp + adapters
 
 
@@ -309,7 +313,7 @@ def autocast_weight_bytes(
     h, f, kv = config.d_model, config.d_ff, config.n_kv_head * config.head_dim
     held = (2 * h * h + 2 * h * kv + 3 * h * f) // tp if weights else 0
     if adapters and lora is not None:
-        sizes = {"q": (h, h), "k": (h, kv), "v": (h, kv), "o": (h, h), "gate": (h, f), "up": (h, f), "down": (f, h)}
+        sizes = linear_widths(config)  # (each adapter's A whole, its B split: as before, for every role)
         held += sum(lora.rank * (inner + outer / tp) for inner, outer in (sizes[t] for t in lora.targets))
     return int(2 * held)
 

@@ -251,6 +251,8 @@ def check_inputs(config: GPTConfig, cluster: Cluster, training: Training) -> Non
             f"power_watts={power!r} must be above the {cluster.gpu.name}'s idle power ({idle:g} W of its "
             f"{cluster.gpu.tdp_watts:g} W)"
         )
+    if training.lora is not None:
+        training.lora.check_model(config)
     software = training.software
     for name in ("tp_overlap", "recomputed_matmuls"):
         share = getattr(software, name)

@@ -120,3 +120,24 @@ def _latent_attention(config: GPTConfig) -> list[tuple[str, Shape]]:
 def _mlp(d: int, hidden: int) -> list[tuple[str, Shape]]:
     """`lit3d.models.transformer.MLP` (SwiGLU, no biases): ``nn.Linear`` weights are ``[out, in]``."""
     return [("gate_proj.weight", (hidden, d)), ("up_proj.weight", (hidden, d)), ("down_proj.weight", (d, hidden))]
+
+
+def linear_widths(config: GPTConfig) -> dict[str, tuple[int, int]]:
+    """(inputs, outputs) of each linear a LoRA role names (`lit3d.models.lora_settings.ROLES`), whole: the attention's
+    (latent attention's under ``kv_lora_rank``) and the dense MLP's. Tensor parallelism splits the outputs of ``q``,
+    ``k``, ``v``, ``q_b``, ``kv_b``, ``gate`` and ``up`` and the inputs of ``o`` and ``down``; ``q_a`` and ``kv_a`` are
+    whole on every rank."""
+    d, f, q = config.d_model, config.d_ff, config.n_head * config.head_dim
+    kv = config.n_kv_head * config.head_dim
+    widths = {"q": (d, q), "k": (d, kv), "v": (d, kv), "o": (q, d), "gate": (d, f), "up": (d, f), "down": (f, d)}
+    if config.kv_lora_rank is not None:
+        latent, q_rank = config.kv_lora_rank, config.q_lora_rank or 0
+        widths["q_a"], widths["q_b"] = (d, q_rank), (q_rank, q)
+        widths["kv_a"] = (d, latent + config.qk_rope_head_dim)
+        widths["kv_b"] = (latent, config.n_head * (config.qk_nope_head_dim + config.v_head_dim))
+        widths["o"] = (config.n_head * config.v_head_dim, d)
+    return widths
+
+
+TP_SPLITS_INPUTS = frozenset({"o", "down"})  # row-parallel: the other roles split their outputs, but for
+TP_WHOLE = frozenset({"q_a", "kv_a"})  # latent attention's down-projections, whole on every TP rank

@@ -61,7 +61,9 @@ def _parameter_table(key: tuple[tuple[str, Any], ...]) -> tuple[Tensor, ...]:
         if name.endswith(".bias"):  # split with the outputs of a column-parallel linear
             tp_dim = 0 if tp_dim == 0 else None
         table.append(Tensor(name, shape, tp_dim, block, ".experts." in name, trains=lora is None))
-        if block is not None and module.split(".", 2)[-1] in targets:
+        # a linear's name inside its block: a decoder block's, or multi-token prediction's (``mtp.0.block.``)
+        inner = module.split(".", 2)[-1] if block is not None else module.partition(".block.")[2]
+        if inner in targets and (block is not None or name.startswith("mtp.")):
             bias = shapes[index + 1] if shapes[index + 1][0] == f"{module}.bias" else None
             if bias is not None:  # the adapters come after it, as `LoRALinear` registers them
                 table.append(Tensor(bias[0], bias[1], 0 if tp_dim == 0 else None, block, trains=False))

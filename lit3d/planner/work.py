@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from lit3d.models.config import GPTConfig
 from lit3d.models.lora_settings import LoRA
 from lit3d.parallel.layout import Layout
+from lit3d.planner.shapes import TP_SPLITS_INPUTS, TP_WHOLE, linear_widths
 from lit3d.planner.sums import StageSums
 
 # Bytes per element and kernels of each elementwise operator of a block's forward, (eager, fused).
@@ -124,7 +125,7 @@ def stage_work(
     head = (Gemm(tokens, vocab, d, frozen=lora is not None),) if stage.last else ()
     if lora is not None:  # the weights frozen, the adapters beside them
         gemms = [Gemm(g.m, g.n, g.k, g.count, frozen=True) for g in gemms]
-        gemms += adapter_gemms(lora, tokens, d, q, kv, f, blocks, dense, tp)
+        gemms += adapter_gemms(config, lora, tokens, blocks, dense, tp)
     last, first = stage.last, stage.first
     other = (CROSS_ENTROPY[0] * tokens * vocab if last else 0.0) + (EMBEDDING[0] * tokens * d if first else 0.0)
     other_kernels = (CROSS_ENTROPY[1] if last else 0) + (EMBEDDING[1] if first else 0)
@@ -132,19 +133,17 @@ def stage_work(
     return Work(tuple(gemms), head, causal * blocks, byte_count, kernels, other, other_kernels, blocks, tp > 1)
 
 
-def adapter_gemms(
-    lora: LoRA, tokens: float, d: float, q: float, kv: float, f: float, blocks: int, dense: int, tp: int
-) -> list[Gemm]:
+def adapter_gemms(config: GPTConfig, lora: LoRA, tokens: float, blocks: int, dense: int, tp: int) -> list[Gemm]:
     """The adapters' GEMMs (``A`` then ``B``) per micro-batch: a column-parallel linear's ``B`` and a row-parallel
-    one's ``A`` split over TP (``q``, ``kv``, ``f``: a TP rank's widths). Left out: an MoE layer's expert adapters,
-    rank / d_ff_expert of its experts' GEMMs."""
-    column = {"q": q, "k": kv, "v": kv, "gate": f, "up": f}  # out, split; in: d
-    row = {"o": q, "down": f}  # in, split; out: d
+    one's ``A`` split over TP (latent attention's ``q_a`` and ``kv_a`` neither: `linear_widths`). Left out: an MoE
+    layer's expert adapters, rank / d_ff_expert of its experts' GEMMs."""
     gemms = []
     for role in lora.targets:
         count = dense if role in ("gate", "up", "down") else blocks
-        if role in column:
-            gemms += [Gemm(tokens, lora.rank, d, count), Gemm(tokens, column[role], lora.rank, count)]
-        else:
-            gemms += [Gemm(tokens, lora.rank, row[role], count), Gemm(tokens, d, lora.rank, count)]
+        inner, outer = linear_widths(config)[role]
+        if role in TP_SPLITS_INPUTS:
+            inner /= tp
+        elif role not in TP_WHOLE:
+            outer /= tp
+        gemms += [Gemm(tokens, lora.rank, inner, count), Gemm(tokens, outer, lora.rank, count)]
     return [g for g in gemms if g.count]
