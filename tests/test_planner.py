@@ -104,6 +104,7 @@ def test_llama_405b_fits_on_16384_h100s_and_70b_does_not_fit_on_one():
         ("tiny", Layout(dp=2, tp=2, pp=2, devices_per_node=4), 2, 2, "zbv"),  # rank 0: the first and last stages
         ("gpt3-175b", MEGATRON_GPT3, 0, 1, "1f1b"),  # 1,024 simulated ranks
         ("llama-8b", Layout(dp=32, tp=8, pp=4, devices_per_node=8), 2, 1, "1f1b"),
+        ("moonlight-16b-a3b", Layout(dp=2, tp=2, pp=2, devices_per_node=8, ep=2), 1, 1, "1f1b"),  # MLA, DeepSeekMoE
     ],
 )
 def test_verify_counts_match_the_analytic_ones_exactly(name, layout, zero_stage, virtual, schedule):
