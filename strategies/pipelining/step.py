@@ -311,9 +311,9 @@ def _stage_class() -> type:
 
         def forward_one_chunk(self, chunk_id: int, *args: Any, **kwargs: Any) -> Any:
             output = self._timed("F", chunk_id, super().forward_one_chunk, *args, **kwargs)
-            if chunk_id in self.fwd_cache:  # (the tensors of what backward differentiates)
-                kept, inputs = self.fwd_cache[chunk_id]
-                self.fwd_cache[chunk_id] = kept, [x for x in tree_leaves(inputs) if isinstance(x, torch.Tensor)]
+            if chunk_id in (cache := getattr(self, "fwd_cache", {})):  # (to 2.13: what backward differentiates)
+                kept, inputs = cache[chunk_id]
+                cache[chunk_id] = kept, [x for x in tree_leaves(inputs) if isinstance(x, torch.Tensor)]
             return output
 
         def backward_one_chunk(self, chunk_id: int, *args: Any, **kwargs: Any) -> Any:
