@@ -27,7 +27,7 @@ FAMILY_CONFIGS = {
     # first block, the sigmoid router's balancing bias moving every step, routed_scaling_factor; one MTP depth
     "deepseek_v3": dict(SMALL, n_kv_head=4, family="deepseek_v3", kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
                         qk_nope_head_dim=8, v_head_dim=12, rope_interleave=True, rope_scaling=DEEPSEEK_YARN,
-                        n_expert=8, n_expert_per_token=2, n_group=2, topk_group=1, n_shared_expert=1, d_ff_expert=16,
+                        n_expert=8, n_expert_per_token=2, n_group=2, topk_group=1, n_shared_experts=1, d_ff_expert=16,
                         first_dense_layers=1, router="sigmoid", routed_scaling_factor=2.5,
                         num_nextn_predict_layers=1),
 }  # fmt: skip

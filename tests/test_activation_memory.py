@@ -168,7 +168,7 @@ def test_a_tensor_parallel_block_saves_what_the_planner_counts(
 # Two routed experts of four per token, then four of eight with a shared expert, widths unlike the dense d_ff.
 MOE_CONFIGS = {
     "top2": CONFIG.replace(n_expert=4, n_expert_per_token=2, d_ff_expert=80),
-    "top4_shared": CONFIG.replace(n_expert=8, n_expert_per_token=4, d_ff_expert=40, n_shared_expert=1),
+    "top4_shared": CONFIG.replace(n_expert=8, n_expert_per_token=4, d_ff_expert=40, n_shared_experts=1),
 }
 
 

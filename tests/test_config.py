@@ -65,3 +65,13 @@ def test_config_from_yaml(tmp_path):
     assert (config.n_layer, config.d_model, config.name) == (2, 4096, "llama-8b")
     with pytest.raises(FileNotFoundError, match="missing.yaml"):
         GPTConfig.load(str(tmp_path / "missing.yaml"))
+
+
+def test_0_4s_n_shared_expert_is_read_as_n_shared_experts_with_a_warning():
+    """A 0.4 checkpoint's saved config names the shared experts ``n_shared_expert``: read, warned, and written back
+    under HuggingFace's ``n_shared_experts``."""
+    saved = {**GPTConfig.from_name("moe-tiny").to_dict(), "n_shared_expert": 2}
+    del saved["n_shared_experts"]
+    with pytest.warns(DeprecationWarning, match=r"n_shared_experts, HuggingFace's name \(removed in version 0.7.0\)"):
+        config = GPTConfig(**saved)
+    assert config.n_shared_experts == 2 and "n_shared_expert" not in config.to_dict()

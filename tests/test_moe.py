@@ -15,7 +15,7 @@ from lit3d.models.transformer import Transformer
 from lit3d.parallel.layout import Layout, check_model_fits_layout, resolve_layout
 from lit3d.parallel.rank_map import rank_map
 
-CONFIG = GPTConfig(**{**SMALL_MOE, "n_shared_expert": 1})
+CONFIG = GPTConfig(**{**SMALL_MOE, "n_shared_experts": 1})
 
 
 def token_by_token(config: GPTConfig, seq: int, capacity: float = math.inf) -> tuple[MoE, torch.Tensor, int]:
@@ -50,7 +50,7 @@ def test_the_layer_sums_each_tokens_chosen_experts_by_their_weights():
 
 
 def test_a_capacity_factor_drops_the_pairs_beyond_each_experts_capacity():
-    config = CONFIG.replace(n_shared_expert=0, capacity_factor=0.5)
+    config = CONFIG.replace(n_shared_experts=0, capacity_factor=0.5)
     pairs = 2 * 8 * config.n_expert_per_token
     _, _, dropped = token_by_token(config, seq=8, capacity=math.ceil(0.5 * pairs / config.n_expert))  # 4 each
     assert dropped > 0  # the cap did bite

@@ -16,7 +16,7 @@ SMALL = {
     "small_gpt": SMALL_GPT,  # a vocabulary of 257, padded to 320
     "small_moe": SMALL_MOE,  # a dense first block, then MoE blocks
     "small_gpt_tied_head_dim": dict(SMALL_GPT, tie_embeddings=True, head_dim=16),
-    "small_moe_shared_sigmoid_tied": dict(SMALL_MOE, n_shared_expert=2, router="sigmoid", tie_embeddings=True),
+    "small_moe_shared_sigmoid_tied": dict(SMALL_MOE, n_shared_experts=2, router="sigmoid", tie_embeddings=True),
     "small_moe_all_experts": dict(SMALL_MOE, first_dense_layers=0),
     **{f"family_{name}": config for name, config in FAMILY_CONFIGS.items()},  # q/k/v biases, q/k norms
 }

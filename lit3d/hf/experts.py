@@ -53,7 +53,7 @@ def moe_family(config: GPTConfig) -> str:
 def moe_to_hf(config: GPTConfig) -> dict[str, Any]:
     """The MoE fields of the ``config.json`` of `moe_family`; refuses what that family cannot hold, naming it."""
     family = moe_family(config)
-    unlike = {"n_shared_expert": 0, "first_dense_layers": 0, "router": "softmax", "n_group": 1}
+    unlike = {"n_shared_experts": 0, "first_dense_layers": 0, "router": "softmax", "n_group": 1}
     unlike |= {"routed_scaling_factor": 1.0}
     if family == "mixtral":
         unlike |= {"d_ff_expert": config.d_ff, "norm_topk_prob": True}

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from lit3d.models.presets import PRESETS
+from lit3d.moved import REMOVED_IN_LATER
 
 AttentionBackend = Literal["auto", "sdpa", "flash"]
 
@@ -59,7 +61,7 @@ class GPTConfig:
             ``qwen3``; ``mixtral`` or ``qwen3_moe`` for an MoE model; ``deepseek_v3`` for latent attention).
         n_expert: Routed experts per Mixture-of-Experts layer; 0 means a dense model (`lit3d.models.moe`).
         n_expert_per_token: Experts each token is routed to (top-k).
-        n_shared_expert: Experts every token also goes through (DeepSeek, Qwen2-MoE), as one wider SwiGLU.
+        n_shared_experts: Experts every token also goes through (DeepSeek, Qwen2-MoE), as one wider SwiGLU.
         d_ff_expert: Hidden width of each expert; ``None`` means ``d_ff``.
         first_dense_layers: The first this many blocks keep a dense MLP (DeepSeek-V3: 3); the rest are MoE.
         router: ``"softmax"`` top-k (Mixtral, Qwen3-MoE) or ``"sigmoid"`` with a balancing bias (DeepSeek-V3).
@@ -111,7 +113,7 @@ class GPTConfig:
     family: str = "llama"
     n_expert: int = 0
     n_expert_per_token: int = 2
-    n_shared_expert: int = 0
+    n_shared_experts: int = 0
     d_ff_expert: int | None = None
     first_dense_layers: int = 0
     router: Literal["softmax", "sigmoid"] = "softmax"
@@ -130,10 +132,20 @@ class GPTConfig:
     routed_scaling_factor: float = 1.0
     num_nextn_predict_layers: int = 0
     mtp_loss_weight: float = 0.3
+    # 0.4's name of ``n_shared_experts`` (a checkpoint's saved config), read with a DeprecationWarning
+    n_shared_expert: InitVar[int | None] = None
     # Derived in __post_init__, never set by hand.
     padded_vocab_size: int = field(init=False)
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, n_shared_expert: int | None) -> None:
+        if n_shared_expert is not None:
+            warnings.warn(
+                "GPTConfig(n_shared_expert=...) is deprecated: it is n_shared_experts, HuggingFace's name "
+                f"(removed in version {REMOVED_IN_LATER})",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+            self.n_shared_experts = n_shared_expert
         if self.n_kv_head is None:
             self.n_kv_head = self.n_head
         if self.d_ff is None:
@@ -171,9 +183,9 @@ class GPTConfig:
     def _check_experts(self) -> None:
         if self.d_ff_expert is None:
             self.d_ff_expert = self.d_ff
-        if self.n_expert < 0 or self.n_shared_expert < 0 or self.d_ff_expert <= 0 or self.aux_loss_coef < 0:
+        if self.n_expert < 0 or self.n_shared_experts < 0 or self.d_ff_expert <= 0 or self.aux_loss_coef < 0:
             raise ValueError(
-                f"n_expert={self.n_expert}, n_shared_expert={self.n_shared_expert}, d_ff_expert={self.d_ff_expert} "
+                f"n_expert={self.n_expert}, n_shared_experts={self.n_shared_experts}, d_ff_expert={self.d_ff_expert} "
                 f"and aux_loss_coef={self.aux_loss_coef} must not be negative (d_ff_expert positive)"
             )
         if self.n_expert and not 1 <= self.n_expert_per_token <= self.n_expert:
@@ -309,7 +321,7 @@ class GPTConfig:
         dense = 3 * self.d_model * self.d_ff
         expert = 3 * self.d_model * self.d_ff_expert
         routed = self.n_expert_per_token if active else self.n_expert
-        moe = self.d_model * self.n_expert + (routed + self.n_shared_expert) * expert
+        moe = self.d_model * self.n_expert + (routed + self.n_shared_experts) * expert
         return self.n_layer * attention + (self.n_layer - self.moe_layers) * dense + self.moe_layers * moe
 
     @property

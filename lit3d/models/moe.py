@@ -212,7 +212,7 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class MoE(nn.Module):
-    """The feed-forward of an MoE block: routed experts (plus ``n_shared_expert`` always-on ones, one SwiGLU of
+    """The feed-forward of an MoE block: routed experts (plus ``n_shared_experts`` always-on ones, one SwiGLU of
     that many times the expert width). After a forward, ``stats`` holds the balance loss and the tokens per
     expert of that forward (the balance loss's term of the objective); ``history`` keeps them for each training
     forward since it was last cleared, recompute left out (the logged balance)."""
@@ -224,7 +224,7 @@ class MoE(nn.Module):
         self.n_expert, self.k = config.n_expert, config.n_expert_per_token
         self.router = Router(config)
         self.experts = Experts(config.n_expert, config.d_model, config.d_ff_expert, lora)
-        shared = config.n_shared_expert * config.d_ff_expert
+        shared = config.n_shared_experts * config.d_ff_expert
         self.shared = MLP(config.replace(d_ff=shared)) if shared else None  # (frozen under LoRA)
         self.ep_group = None  # expert parallelism: the process group the experts are split over
         self.context_parallel = None  # context parallelism: the balance loss sums its sequences over the CP ranks

@@ -140,19 +140,19 @@ PRESETS: dict[str, dict[str, Any]] = {
     "deepseek-v3": dict(
         n_layer=61, n_head=128, n_kv_head=128, d_model=7168, d_ff=18432, vocab_size=129280, max_seq_len=163840,
         rope_scaling=_yarn(40.0), norm_eps=1e-6, family="deepseek_v3", n_expert=256, n_expert_per_token=8,
-        n_shared_expert=1, d_ff_expert=2048, first_dense_layers=3, router="sigmoid", kv_lora_rank=512,
+        n_shared_experts=1, d_ff_expert=2048, first_dense_layers=3, router="sigmoid", kv_lora_rank=512,
         q_lora_rank=1536, n_group=8, topk_group=4, routed_scaling_factor=2.5, num_nextn_predict_layers=1,
     ),
     "kimi-k2": dict(
         n_layer=61, n_head=64, n_kv_head=64, d_model=7168, d_ff=18432, vocab_size=163840, max_seq_len=131072,
         rope_theta=50000.0, rope_scaling=_yarn(32.0), norm_eps=1e-6, family="deepseek_v3", n_expert=384,
-        n_expert_per_token=8, n_shared_expert=1, d_ff_expert=2048, first_dense_layers=1, router="sigmoid",
+        n_expert_per_token=8, n_shared_experts=1, d_ff_expert=2048, first_dense_layers=1, router="sigmoid",
         kv_lora_rank=512, q_lora_rank=1536, routed_scaling_factor=2.827,
     ),
     "moonlight-16b-a3b": dict(
         n_layer=27, n_head=16, n_kv_head=16, d_model=2048, d_ff=11264, vocab_size=163840, max_seq_len=8192,
         rope_theta=50000.0, norm_eps=1e-5, family="deepseek_v3", n_expert=64, n_expert_per_token=6,
-        n_shared_expert=2, d_ff_expert=1408, first_dense_layers=1, router="sigmoid", kv_lora_rank=512,
+        n_shared_experts=2, d_ff_expert=1408, first_dense_layers=1, router="sigmoid", kv_lora_rank=512,
         routed_scaling_factor=2.446,
     ),
 }  # fmt: skip

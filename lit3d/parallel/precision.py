@@ -67,7 +67,7 @@ def check_float8(
         "n_kv_head x head_dim": config.n_kv_head * config.head_dim,
         **({"d_ff": config.d_ff} if config.moe_layers < config.n_layer else {}),
     }
-    whole = {"d_model": config.d_model, "n_shared_expert x d_ff_expert": config.n_shared_expert * config.d_ff_expert}
+    whole = {"d_model": config.d_model, "n_shared_experts x d_ff_expert": config.n_shared_experts * config.d_ff_expert}
     odd = {name: width for name, width in split.items() if width % (16 * tp)}
     odd |= {name: width for name, width in whole.items() if width % 16}
     if odd:

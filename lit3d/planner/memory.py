@@ -262,7 +262,7 @@ def moe_bytes_per_token(config: GPTConfig, a: int) -> float:
     h, k, fe = config.d_model, config.n_expert_per_token, config.d_ff_expert
     routed = a * (2 * k * h + 4 * k * fe)
     router = 4 * config.n_expert + (8 + 4 + 8 + 8) * k + 4 + a * k
-    return routed + router + 4 * a * config.n_shared_expert * fe
+    return routed + router + 4 * a * config.n_shared_experts * fe
 
 
 def lora_bytes_per_token(config: GPTConfig, tp: int, sequence_parallel: bool, a: int, lora: LoRA) -> float:

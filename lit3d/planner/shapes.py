@@ -90,8 +90,8 @@ def _block(config: GPTConfig, index: int) -> list[tuple[str, Shape]]:
     shapes += [("mlp.router.gate.weight", (experts, d))]
     shapes += [(f"mlp.experts.{name}", (experts, d, width)) for name in ("gate_proj", "up_proj")]
     shapes += [("mlp.experts.down_proj", (experts, width, d))]
-    if config.n_shared_expert:
-        shapes += [(f"mlp.shared.{name}", shape) for name, shape in _mlp(d, config.n_shared_expert * width)]
+    if config.n_shared_experts:
+        shapes += [(f"mlp.shared.{name}", shape) for name, shape in _mlp(d, config.n_shared_experts * width)]
     return shapes
 
 

@@ -102,10 +102,10 @@ def stage_work(
         fe = config.d_ff_expert
         gemms += [Gemm(tokens, config.n_expert, d, moe)]  # the router
         gemms += [Gemm(per_expert, fe, d, 2 * experts * moe), Gemm(per_expert, d, fe, experts * moe)]
-        if config.n_shared_expert:
-            shared = config.n_shared_expert * fe
+        if config.n_shared_experts:
+            shared = config.n_shared_experts * fe
             gemms += [Gemm(tokens, shared, d, 2 * moe, fp8=fp8), Gemm(tokens, d, shared, moe, fp8=fp8)]
-            rows += tokens * config.n_shared_expert
+            rows += tokens * config.n_shared_experts
     # Norms and residuals see a TP rank's share of the sequence under SP, the whole of it otherwise.
     hidden = tokens * d / (tp if sp else 1)
     kind = 1 if fused else 0
@@ -119,7 +119,7 @@ def stage_work(
     ]
     byte_count = sum(op[kind][0] * elements for op, elements in elementwise)
     kernels = blocks * (2 * NORM[kind][1] + 2 * RESIDUAL[kind][1] + 2 * ROTARY[kind][1] + CONTIGUOUS[kind][1])
-    experts = config.n_expert // layout.ep + config.n_shared_expert if moe else 0
+    experts = config.n_expert // layout.ep + config.n_shared_experts if moe else 0
     kernels += dense * SWIGLU[kind][1] + moe * (experts * SWIGLU[kind][1] + ROUTING[kind][1])
     vocab = config.vocab_size / tp
     head = (Gemm(tokens, vocab, d, frozen=lora is not None),) if stage.last else ()
