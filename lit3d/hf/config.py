@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from lit3d.hf.deepseek import deepseek_from_hf, mtp_layers_in
-from lit3d.models.config import FAMILIES, ROPE_OPTIONS, ROPE_SCALINGS, GPTConfig
+from lit3d.models.config import FAMILIES, GPTConfig
+from lit3d.models.rope_settings import ROPE_OPTIONS, ROPE_SCALINGS
 
 # What other families' folders hold that lit3d does not compute, by config.json field.
 NOT_COMPUTED = {

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from lit3d.models.presets import PRESETS
+from lit3d.models.rope_settings import check_rope_scaling
 from lit3d.moved import REMOVED_IN_LATER
 
 AttentionBackend = Literal["auto", "sdpa", "flash"]
@@ -363,27 +364,6 @@ class GPTConfig:
 
 
 _SETTABLE = tuple(f.name for f in dataclasses.fields(GPTConfig) if f.init)  # `GPTConfig.to_dict`'s fields
-
-# Rotary scalings lit3d computes (`lit3d.models.rotary`), and the parameters each needs besides ``rope_type``.
-ROPE_SCALINGS = {
-    "linear": ("factor",),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-    "yarn": ("factor", "original_max_position_embeddings"),
-}
-# The parameters a scaling may have besides those it needs (HuggingFace's defaults when absent).
-ROPE_OPTIONS = {"yarn": ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")}
-
-
-def check_rope_scaling(scaling: dict[str, Any] | None) -> None:
-    """Refuse a rotary scaling lit3d does not compute, or one missing a parameter, naming it."""
-    if not scaling:
-        return
-    kind = scaling.get("rope_type")
-    if kind not in ROPE_SCALINGS:
-        raise ValueError(f"rope_scaling={scaling}: rope_type {kind!r} is not one of {', '.join(ROPE_SCALINGS)}")
-    missing = [name for name in ROPE_SCALINGS[kind] if name not in scaling]
-    if missing:
-        raise ValueError(f"rope_scaling={scaling}: {kind} needs {', '.join(missing)}")
 
 
 def check_model_fits_data(config: GPTConfig, datamodule: Any, module: Any = None) -> None:
