@@ -28,6 +28,15 @@ from lit3d import GPTConfig
 os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
 
+def pytest_configure(config):
+    # NOTE: one thread per process. The suite's two workers, and the ranks and commands they start, share 2 cores;
+    # a second OpenMP thread per process spins against the other worker (measured: a tiny `lit3d fit` of 20 steps
+    # beside a busy core took 15 s of wall clock and 16 s of CPU with torch's default of 2 threads, 10 s and 9 s with
+    # one; alone, both took 11 s). Commands a test starts inherit the variable (Lightning then leaves it be).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
 def pytest_collection_modifyitems(config, items):
     # NOTE: `layout_runs` spawns every layout once for the session (10-12 minutes on 2 cores beside the other xdist
     # worker); the first test that asks for it pays for that, so tests that use it get a longer limit than the

@@ -242,9 +242,10 @@ def test_help_lists_every_command(early_exits):
 
 
 def test_two_node_torchrun_on_loopback_keeps_tp_inside_a_node_and_pipelines_across(tmp_path, single_process_losses):
-    """The README's 3D layout, data x tensor x pipeline parallel 2 x 2 x 2 (the strategy by its class path), launched
-    as two `torchrun --nnodes 2` invocations on 127.0.0.1 (4 ranks each): each TP group lives on one "node", each node
-    holds one pipeline stage, and the loss curve is the single-process one. The model summary counts the whole model
+    """Tensor x pipeline parallel 2 x 2 (the strategy by its class path), launched as two `torchrun --nnodes 2`
+    invocations on 127.0.0.1 (2 ranks each; the README's 2 x 2 x 2 adds data parallelism, which the layout tests
+    cover): each TP group lives on one "node", each node holds one pipeline stage, and the loss curve is the
+    single-process one. The model summary counts the whole model
     (Lightning's counted rank 0's pipeline stage), and rank 0's share beside it."""
     import json
     import socket
@@ -260,7 +261,7 @@ def test_two_node_torchrun_on_loopback_keeps_tp_inside_a_node_and_pipelines_acro
                 "-m",
                 "torch.distributed.run",
                 "--nnodes=2",
-                "--nproc_per_node=4",
+                "--nproc_per_node=2",
                 f"--node_rank={node}",
                 "--master_addr=127.0.0.1",
                 f"--master_port={port}",
@@ -270,7 +271,7 @@ def test_two_node_torchrun_on_loopback_keeps_tp_inside_a_node_and_pipelines_acro
                 TINY,
                 *QUICK,
                 "--trainer.num_nodes=2",
-                "--trainer.devices=4",
+                "--trainer.devices=2",
                 "--trainer.strategy=lit3d.strategies.Parallel3DStrategy",
                 "--trainer.strategy.tensor_parallel_size=2",
                 "--trainer.strategy.pipeline_parallel_size=2",
@@ -286,12 +287,12 @@ def test_two_node_torchrun_on_loopback_keeps_tp_inside_a_node_and_pipelines_acro
     ]
     outputs = [p.communicate(timeout=300)[0] for p in nodes]
     assert [p.returncode for p in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
-    placements = [json.loads((tmp_path / f"placement_rank{r}.json").read_text()) for r in range(8)]
-    assert [p["node"] for p in placements] == [0] * 4 + [1] * 4
+    placements = [json.loads((tmp_path / f"placement_rank{r}.json").read_text()) for r in range(4)]
+    assert [p["node"] for p in placements] == [0] * 2 + [1] * 2
     assert [p["stage"] for p in placements] == [p["node"] for p in placements]  # one pipeline stage a node
     for p in placements:
         assert {placements[r]["node"] for r in p["tp_group"]} == {p["node"]}  # the TP group is on its own node
-    assert "2 node(s) x 4 device(s)" in outputs[0]  # the rank map printed at start shows the nodes
+    assert "2 node(s) x 2 device(s)" in outputs[0]  # the rank map printed at start shows the nodes
     assert "Total params: 853 K" in outputs[0] and "of the model's 853 K parameters" in outputs[0], outputs[0][-3000:]
     losses = torch.tensor(logged(tmp_path / "runs" / "tiny" / "version_0", "train_loss"))
     torch.testing.assert_close(losses, single_process_losses, rtol=1e-5, atol=0)

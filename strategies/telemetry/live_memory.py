@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 COLLECTIVES = "torch/distributed/distributed_c10d.py"
+COLLECTIVE_DEPTH = 4  # frames looked through for it
 
 
 class LiveTensors(TorchDispatchMode):
@@ -38,8 +39,9 @@ class LiveTensors(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         # by id: the storage, whether a collective made it, and its bytes when last read
-        self._live: dict[int, tuple[weakref.ref, bool, int]] = {}
+        self._live: dict[int, list] = {}  # [the storage (weakly), made by a collective, bytes]
         self._resizable: set[int] = set()  # those that existed before an operation returned them
+        self._effects_by_op: dict[Any, tuple[bool, bool]] = {}  # `_effects`, by operation
         self._held = {False: 0, True: 0}  # bytes now, by whether a collective made them
         self.peak = self.collective_copies = 0
 
@@ -52,7 +54,7 @@ class LiveTensors(TorchDispatchMode):
     def _add(self, storage: torch.UntypedStorage, copy: bool, resizable: bool) -> None:
         key, size = id(storage), storage.nbytes()
         ref = weakref.ref(storage, lambda _, key=key: self._forget(key))
-        self._live[key] = (ref, copy, size)
+        self._live[key] = [ref, copy, size]
         self._held[copy] += size
         if resizable:
             self._resizable.add(key)
@@ -63,12 +65,23 @@ class LiveTensors(TorchDispatchMode):
         known = self._live.get(key)
         if known is None:
             return
-        ref, made_by_collective, before = known
-        storage = ref()
-        size = storage.nbytes() if storage is not None else before
-        if size != before:
-            self._live[key] = (ref, made_by_collective, size)
-            self._held[made_by_collective] += size - before
+        storage = known[0]()
+        if storage is None:
+            return
+        size = storage.nbytes()
+        if size != known[2]:
+            self._held[known[1]] += size - known[2]
+            known[2] = size
+
+    def _read_resizable(self) -> None:
+        """`_read` of every resizable storage, inline: it runs after every operation."""
+        live, held = self._live, self._held
+        for key in list(self._resizable):  # (a copy: freeing a storage here takes it off)
+            known = live.get(key)
+            storage = known[0]() if known is not None else None
+            if storage is not None and (size := storage.nbytes()) != known[2]:
+                held[known[1]] += size - known[2]
+                known[2] = size
 
     def _forget(self, key: int) -> None:
         _, made_by_collective, size = self._live.pop(key)
@@ -80,8 +93,8 @@ class LiveTensors(TorchDispatchMode):
             return NotImplemented  # NOTE: DTensor runs its local operations, which come back here
         out = func(*args, **(kwargs or {}))
         inputs = None
-        schema = getattr(func, "_schema", None)  # (an operation without one is taken as writing its inputs)
-        if schema is None or schema.is_mutable:  # written in place (``out=``, ``resize_``): read again
+        writes, aliases = self._effects(func)
+        if writes:  # written in place (``out=``, ``resize_``): read again
             inputs = _storage_ids((args, kwargs))
             for key in inputs & self._live.keys():
                 self._read(key)
@@ -93,14 +106,26 @@ class LiveTensors(TorchDispatchMode):
                 continue
             if copy is None:
                 copy = _inside_collective()
-            if inputs is None:
-                inputs = _storage_ids((args, kwargs))
+            if inputs is None:  # (only an operation that may return an input's storage is asked which they are)
+                inputs = _storage_ids((args, kwargs)) if aliases else set()
             self._add(storage, copy, resizable=key in inputs)  # (an input's: it existed before)
-        for key in list(self._resizable):
-            self._read(key)
+        self._read_resizable()
         self.peak = max(self.peak, self._held[False])
         self.collective_copies = max(self.collective_copies, self._held[True])
         return out
+
+    def _effects(self, func) -> tuple[bool, bool]:
+        """Whether ``func`` writes its inputs, and whether a result may share an input's storage (a view, an alias),
+        from its schema; an operation without one is taken as doing both."""
+        known = self._effects_by_op.get(func)
+        if known is None:
+            schema = getattr(func, "_schema", None)
+            if schema is None:
+                known = (True, True)
+            else:
+                known = (schema.is_mutable, schema.is_mutable or any(r.alias_info is not None for r in schema.returns))
+            self._effects_by_op[func] = known
+        return known
 
 
 def storages(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
@@ -129,8 +154,12 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
 
 
 def _inside_collective() -> bool:
+    """Whether the Python code that ran the operation is a collective's (`COLLECTIVES`): the caller of the mode's
+    caller, or a few frames out (its wrappers). NOTE: not the whole stack, which was a third of the mode's time."""
     frame = sys._getframe(2)
-    while frame is not None:
+    for _ in range(COLLECTIVE_DEPTH):
+        if frame is None:
+            return False
         if frame.f_code.co_filename.endswith(COLLECTIVES):
             return True
         frame = frame.f_back
