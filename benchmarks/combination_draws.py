@@ -12,6 +12,30 @@ from typing import Any
 MODEL = dict(n_layer=4, n_head=4, n_kv_head=2, d_model=64, d_ff=128, vocab_size=257, max_seq_len=64)
 MOE = dict(n_expert=4, n_expert_per_token=2, d_ff_expert=64, first_dense_layers=1)
 LORA = dict(rank=4, alpha=8.0, targets=["q", "k", "v", "o", "gate", "up", "down"])
+# DeepSeek-V3's shape (`latent`): multi-head latent attention with low-rank queries (head 16 + 16 wide, values 16,
+# widths in multiples of 16 on 2 TP ranks), YaRN in interleaved pairs and one multi-token-prediction depth; with MoE,
+# DeepSeekMoE's sigmoid router over 2 groups of experts, a shared expert and the balancing bias.
+LATENT = dict(
+    n_kv_head=4,
+    kv_lora_rank=32,
+    q_lora_rank=48,
+    qk_rope_head_dim=16,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    rope_interleave=True,
+    num_nextn_predict_layers=1,
+    rope_scaling={
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 16,
+        "mscale": 1.0,
+        "mscale_all_dim": 0.707,
+    },
+)
+DEEPSEEK_MOE = dict(
+    router="sigmoid", n_group=2, topk_group=1, n_shared_experts=1, d_ff_expert=32, routed_scaling_factor=2.5
+)
+LATENT_LORA = dict(LORA, targets=["q_a", "q_b", "kv_a", "kv_b", "o", "gate", "up", "down"])  # (no k or v: the latent)
 SEQ_LEN, GLOBAL_BATCH = 64, 16
 FP32_TOLERANCE, BF16_TOLERANCE = 1e-5, 1e-2
 
@@ -28,6 +52,7 @@ class Draw:
     accumulate: int = 1
     clip: float | None = None
     moe: bool = False
+    latent: bool = False  # DeepSeek-V3's shape (`LATENT`, and `DEEPSEEK_MOE` with ``moe``)
     lora: bool = False
     documents: bool = False
     outcome: str = ""  # exact | refused | failed
@@ -75,8 +100,18 @@ class Draw:
         return ", ".join(parts)
 
     def model_and_data(self) -> str:
-        parts = ["MoE" if self.moe else "dense"] + ["LoRA"] * self.lora + ["document masks"] * self.documents
+        model = "MoE" if self.moe else "dense"
+        if self.latent:
+            model = "MLA + MTP, " + ("DeepSeekMoE" if self.moe else "dense")
+        parts = [model] + ["LoRA"] * self.lora + ["document masks"] * self.documents
         return ", ".join(parts)
+
+    def model(self) -> tuple[dict, dict]:
+        """The `GPTConfig` arguments of this draw's model (from `MODEL`) and its LoRA arguments."""
+        config = dict(MODEL, **(MOE if self.moe else {}))
+        if self.latent:
+            config.update(LATENT, **(DEEPSEEK_MOE if self.moe else {}))
+        return config, (LATENT_LORA if self.latent else LORA)
 
 
 AXES = (("DP", "data_parallel_size"), ("TP", "tensor_parallel_size"), ("PP", "pipeline_parallel_size"),
@@ -123,6 +158,7 @@ def draw(rng: random.Random, index: int, max_ranks: int = 8) -> Draw:
     d.clip = rng.choice([None, 0.5])
     d.lora = rng.random() < 0.25
     d.documents = rng.random() < 0.4
+    d.latent = rng.random() < 0.3
     if pp > 1 and rng.random() < 0.25:
         s["pipeline_stage_layers"] = _uneven_stages(rng, pp * _chunks(s))
     if dp > 1 and rng.random() < 0.2:

@@ -59,9 +59,10 @@ RUNNER = "benchmarks.combinations:train"
 
 def job_of(d: Draw, corpus: Path, steps: int, model: dict = MODEL) -> dict:
     """The run of ``d`` as plain data (it travels to the ranks)."""
+    config, lora = d.model() if model is MODEL else (dict(model, **(MOE if d.moe else {})), LORA)
     return {
-        "model": dict(model, **(MOE if d.moe else {})),
-        "lora": LORA if d.lora else None,
+        "model": config,
+        "lora": lora if d.lora else None,
         "data": dict(
             data_path=str(corpus),
             seq_len=SEQ_LEN,

@@ -188,6 +188,34 @@ def test_an_moe_block_saves_what_the_planner_counts(saved_bytes, tp2_mesh, name,
     assert measured - balance == pytest.approx(planned, rel=0.01)
 
 
+# Latent attention: a query low-rank pair or a plain q_proj, values narrower than the query/key heads; then with
+# DeepSeekMoE's routed and shared experts.
+MLA = dict(n_kv_head=4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=24, v_head_dim=20)
+MLA_CONFIGS = {
+    "q_lora": CONFIG.replace(**MLA, q_lora_rank=24),
+    "q_proj": CONFIG.replace(**MLA),
+    "q_lora_moe": CONFIG.replace(**MLA, q_lora_rank=24, n_expert=8, n_expert_per_token=2, d_ff_expert=40,
+                                 n_shared_experts=1),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("name", MLA_CONFIGS)
+def test_a_latent_attention_block_saves_what_the_planner_counts(saved_bytes, tp2_mesh, name, tp, precision):
+    """The latents and their norms whole on every TP rank, the heads' q, k, padded values and output split; no
+    seq x seq probabilities (the fused kernel runs: the values are padded to the query/key head width)."""
+    config, sequence_parallel = MLA_CONFIGS[name], tp > 1
+    net = build(tp2_mesh if tp > 1 else None, sequence_parallel, False, precision, config)
+    tables = [t for dtype in (torch.float32, torch.bfloat16) for t in rotary_tables(SEQ, config.qk_rope_head_dim,
+              config.rope_theta, torch.device("cpu"), dtype)]  # fmt: skip
+    x = block_input(SEQ // tp, precision)
+    measured = saved_bytes(lambda: net.blocks["0"](x), precision, net, shared=tables)
+    balance = BATCH * config.n_expert * 4 if config.n_expert else 0  # (as in the MoE test above)
+    assert measured - balance == pytest.approx(planned_block_bytes(tp, sequence_parallel, False, precision, config),
+                                               rel=0.01)  # fmt: skip
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
 def test_sequence_parallel_keeps_a_tth_of_the_unsplit_layer(saved_bytes, tp2_mesh, precision):
     """Korthikanti et al. 2022, Eq. 4: TP + SP keeps 1/t of the unsplit layer (without SP the norms and the

@@ -62,6 +62,8 @@ REFUSED = [
     (Draw(0, 4, {"data_parallel_size": 4, "expert_parallel_size": 2, "zero_stage": 0,
                  "activation_checkpointing": "selective"}, moe=True),
      ("activation_checkpointing='selective'", "expert_parallel_size=2", "zero_stage=0")),
+    (Draw(0, 8, pp2("1f1b", "selective", data_parallel_size=4, expert_parallel_size=2, zero_stage=2), moe=True),
+     ("activation_checkpointing='selective'", "expert_parallel_size=2", "pipeline_parallel_size=2", "zero_stage=2")),
 ]  # fmt: skip
 
 

@@ -64,11 +64,17 @@ def causal_attention(
         full = max(width, qk)
         q, k, v = (F.pad(t, (0, full - t.shape[-1])) for t in (q, k, v))
         return flash_attn_func(q, k, v, causal=True, softmax_scale=qk**-0.5)[..., :width]
+    # NOTE: SDPA's fused kernels (flash on CPU and GPU) take one head width; with latent attention's narrower values
+    # PyTorch would fall back to its math path, which keeps every head's seq x seq probabilities for backward. The
+    # values are padded with zeros instead, as for flash-attn above: the same scores, the kept columns unchanged.
+    width, qk = v.shape[-1], q.shape[-1]
+    if width < qk:
+        v = F.pad(v, (0, qk - width))
     # SDPA wants [batch, heads, seq, head_dim].
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=q.shape[2] != k.shape[2]
     )
-    return out.transpose(1, 2)
+    return out.transpose(1, 2)[..., :width]
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

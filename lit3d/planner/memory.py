@@ -156,6 +156,12 @@ def _stage_memory(held: Held, stage: RankState, in_flight: float, first: bool, l
     acts += held.recomputed_block
     if stage.holds_head:
         acts += output_layer_bytes(config, tp, sp, tokens * losses, held.element, lora is not None, software.loss_bytes)
+        acts += (
+            config.num_nextn_predict_layers
+            * tokens
+            * losses
+            * prediction_depth_bytes_per_token(config, tp, sp, held.element, held.per_token, software.loss_bytes)
+        )
         if lora is not None and held.copies:  # the frozen head's bf16 copy, for its input's gradient
             acts += 2 * config.padded_vocab_size * config.d_model / tp
     memory, transient = {**stage.states, "activations": int(acts)}, stage.transient
@@ -232,6 +238,9 @@ def activation_bytes_per_token(
     norms = 4 * 2 * (2 * h + 1)  # per norm, in fp32: its input, the input times 1/rms, and 1/rms
     linear_inputs = a * 2 * h  # the norms' outputs in the compute dtype; under SP their shard (`KeepSequenceShard`)
     attention = a * ((h + 2 * kv) + h) + 4 * config.n_head  # rotated q, k and v; the output; the log-sum-exp
+    latent = 0.0  # latent attention's parts every TP rank computes whole
+    if config.kv_lora_rank is not None:
+        latent, attention = latent_attention_bytes_per_token(config, a)
     mlp = a * 4 * f  # gate, up, silu(gate), their product
     if saves in ("fused", "compiled"):  # each norm keeps its input in the compute dtype and 1/rms, the SwiGLU its
         # input (gate and up); fused kernels keep both outputs too, a compiler recomputes them
@@ -247,8 +256,24 @@ def activation_bytes_per_token(
     if config.n_expert and saves != "fused" and not fp8_inputs:  # lit3d's MoE blocks, eager under compile too (their
         # first dense ones counted as MoE ones): a replicated region under TP, on the whole sequence under SP too; the
         # attention's norm output as a dense block's (`moe_bytes_per_token`). (Another stack's fused kernels: as dense)
-        return (norms + linear_inputs / 2) / split + a * h + attention / tp + moe_bytes_per_token(config, a)
-    return (norms + linear_inputs) / split + (attention + mlp) / tp
+        moe = moe_bytes_per_token(config, a)
+        return (norms + linear_inputs / 2) / split + a * h + latent + attention / tp + moe
+    return (norms + linear_inputs) / split + latent + (attention + mlp) / tp
+
+
+def latent_attention_bytes_per_token(config: GPTConfig, a: int) -> tuple[float, float]:
+    """What multi-head latent attention (`lit3d.models.latent_attention`) keeps per token beyond its input's norm:
+    the parts every TP rank computes whole (each latent's RMSNorm in fp32: its input, normalised input and 1/rms; the
+    normalised latent, ``q_b_proj``'s and ``kv_b_proj``'s input), and those split by heads (q and k; the values padded
+    to their width for the fused kernel; its output and log-sum-exp; ``o_proj``'s input, the output's kept columns).
+    In fp32 the key latent's norm keeps its input as a view of ``kv_a_proj_with_mqa``'s whole output, which holds the
+    shared rotary key part too."""
+    heads, qk, v = config.n_head, config.head_dim, config.v_head_dim
+    kv_in = config.kv_lora_rank + (config.qk_rope_head_dim if a == 4 else 0)
+    latent = 4 * (kv_in + config.kv_lora_rank + 1) + a * config.kv_lora_rank
+    if config.q_lora_rank is not None:
+        latent += 4 * (2 * config.q_lora_rank + 1) + a * config.q_lora_rank
+    return latent, a * heads * (4 * qk + v) + 4 * heads
 
 
 def moe_bytes_per_token(config: GPTConfig, a: int) -> float:
@@ -334,6 +359,18 @@ def output_layer_bytes(
     h = config.d_model
     norm = 4 * (h + 1) if frozen else 4 * (2 * h + 1) + activations * h
     return tokens * (norm / (tp if sequence_parallel else 1) + config.padded_vocab_size / tp * loss_bytes)
+
+
+def prediction_depth_bytes_per_token(
+    config: GPTConfig, tp: int, sequence_parallel: bool, activations: int, per_block: float, loss_bytes: int
+) -> float:
+    """What one multi-token-prediction depth (`lit3d.models.mtp`, on the head's rank) keeps per token: its block's
+    (``per_block``, recomputed as the others' are), its three norms' fp32 tensors (on sequence shards under SP), the
+    joined normalised pair ``eh_proj`` reads (whole on every TP rank), its final norm's output, the log-probabilities
+    of its logits and the ids of the tokens ahead."""
+    h, a = config.d_model, activations
+    norms, logits = 3 * 4 * (2 * h + 1) + a * h, config.padded_vocab_size / tp * loss_bytes
+    return per_block + norms / (tp if sequence_parallel else 1) + a * 2 * h + logits + 8
 
 
 def params_cast_by_fsdp(layout: Layout, zero: ZeroPolicy, precision: Precision) -> bool:
