@@ -426,3 +426,18 @@ def test_lora_on_latent_attention_trains_and_exports_a_peft_adapter_transformers
         theirs = PeftModel.from_pretrained(base, tmp_path / "adapter")(input_ids=tokens).logits
         base_logits = DeepseekV3ForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)(input_ids=tokens)
     assert (ours - theirs).abs().max() < 1e-4 and (ours - base_logits.logits).abs().max() > 1e-3
+
+
+def test_the_page_of_deepseek_s_own_cluster_shows_its_layout_fitting():
+    """DeepSeek-V3 as it trained: 2,048 H800s, PP16 x EP64 x DP128 at ZeRO-1 with every block recomputed
+    (docs/deepseek-v3.md plans the same layout from the command line): the planner's page holds it, fitting, with
+    its 16 stages."""
+    from lit3d.planner import Cluster
+    from lit3d.planner.explore import explore, layout_key
+    from lit3d.planner.hardware import identify
+
+    cluster = Cluster.of(identify("H800"), nodes=256, gpus_per_node=8)
+    page = explore("deepseek-v3", cluster, seq_len=4096, global_batch_size=15360, activation_checkpointing="full")
+    entry = page.data["layouts"][layout_key(128, 1, 16, 64, 1, 1)]
+    assert entry["fits"] and len(entry["stages"]) == 16 and entry["memory"] < 76.5e9
+    assert page.data["model"]["name"] == "deepseek-v3" and page.data["cluster"]["gpus"] == 2048
