@@ -109,5 +109,6 @@ def shapes_state(
         state["optimizer"] += 4 * stepped[0] * (1 + (outer_momentum > 0))
         transient = replace(transient, step=max(transient.step, 8 * stepped[0]))
     layers = sum(count for group, count in shapes.groups[1:])
-    head = any(t.name.startswith("head") for t in shapes.groups[0][0])
+    # (the final norm's rank: a tied head is the embedding's tensor, listed once, under "embed")
+    head = any(t.name.startswith(("head.", "norm.")) for t in shapes.groups[0][0])
     return RankState(state, layers, head, transient, params, stepped)
