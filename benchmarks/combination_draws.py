@@ -106,9 +106,9 @@ class Draw:
         parts = [model] + ["LoRA"] * self.lora + ["document masks"] * self.documents
         return ", ".join(parts)
 
-    def model(self) -> tuple[dict, dict]:
-        """The `GPTConfig` arguments of this draw's model (from `MODEL`) and its LoRA arguments."""
-        config = dict(MODEL, **(MOE if self.moe else {}))
+    def model(self, base: dict = MODEL) -> tuple[dict, dict]:
+        """The `GPTConfig` arguments of this draw's model (from ``base``) and its LoRA arguments."""
+        config = dict(base, **(MOE if self.moe else {}))
         if self.latent:
             config.update(LATENT, **(DEEPSEEK_MOE if self.moe else {}))
         return config, (LATENT_LORA if self.latent else LORA)

@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.combination_draws import BF16_TOLERANCE, GLOBAL_BATCH, LORA, MODEL, MOE, SEQ_LEN, Draw, draw  # noqa: E402
+from benchmarks.combination_draws import BF16_TOLERANCE, GLOBAL_BATCH, MODEL, SEQ_LEN, Draw, draw  # noqa: E402
 from benchmarks.rank_group import run_group  # noqa: E402
 
 LEARNING_RATE = 3e-3  # (a loss that spikes would move bf16's rounding differences into the curve)
@@ -60,7 +60,7 @@ RUNNER = "benchmarks.combinations:train"
 
 def job_of(d: Draw, corpus: Path, steps: int, model: dict = MODEL) -> dict:
     """The run of ``d`` as plain data (it travels to the ranks)."""
-    config, lora = d.model() if model is MODEL else (dict(model, **(MOE if d.moe else {})), LORA)
+    config, lora = d.model(model)
     return {
         "model": config,
         "lora": lora if d.lora else None,

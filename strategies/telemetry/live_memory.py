@@ -60,23 +60,14 @@ class LiveTensors(TorchDispatchMode):
             self._resizable.add(key)
 
     def _read(self, key: int) -> None:
-        """The bytes of storage ``key`` read again; none if it was freed since the caller listed it (a garbage
-        collection during the operation's bookkeeping frees storages)."""
-        known = self._live.get(key)
-        if known is None:
-            return
-        storage = known[0]()
-        if storage is None:
-            return
-        size = storage.nbytes()
-        if size != known[2]:
-            self._held[known[1]] += size - known[2]
-            known[2] = size
+        """The bytes of storage ``key`` read again (`_read_all`)."""
+        self._read_all((key,))
 
-    def _read_resizable(self) -> None:
-        """`_read` of every resizable storage, inline: it runs after every operation."""
+    def _read_all(self, keys) -> None:
+        """The bytes of the storages ``keys`` read again; none of those freed since the caller listed them (a garbage
+        collection during the operation's bookkeeping frees storages). Inline: it runs after every operation."""
         live, held = self._live, self._held
-        for key in list(self._resizable):  # (a copy: freeing a storage here takes it off)
+        for key in keys:
             known = live.get(key)
             storage = known[0]() if known is not None else None
             if storage is not None and (size := storage.nbytes()) != known[2]:
@@ -96,8 +87,7 @@ class LiveTensors(TorchDispatchMode):
         writes, aliases = self._effects(func)
         if writes:  # written in place (``out=``, ``resize_``): read again
             inputs = _storage_ids((args, kwargs))
-            for key in inputs & self._live.keys():
-                self._read(key)
+            self._read_all(inputs & self._live.keys())
         copy = None
         for storage in (s for t in _tensors(out) for s in storages(t)):
             key = id(storage)
@@ -109,7 +99,7 @@ class LiveTensors(TorchDispatchMode):
             if inputs is None:  # (only an operation that may return an input's storage is asked which they are)
                 inputs = _storage_ids((args, kwargs)) if aliases else set()
             self._add(storage, copy, resizable=key in inputs)  # (an input's: it existed before)
-        self._read_resizable()
+        self._read_all(list(self._resizable))  # (a copy: freeing a storage here takes it off)
         self.peak = max(self.peak, self._held[False])
         self.collective_copies = max(self.collective_copies, self._held[True])
         return out
