@@ -35,6 +35,10 @@ LATENT = dict(
 DEEPSEEK_MOE = dict(
     router="sigmoid", n_group=2, topk_group=1, n_shared_experts=1, d_ff_expert=32, routed_scaling_factor=2.5
 )
+# gpt-oss's attention (`windowed`): windows of 16 tokens (of 64) in every other block, a sink per head, biases on q, k,
+# v and o.
+WINDOWED = dict(sliding_window=16, layer_types=["sliding_attention", "full_attention"] * 2, attention_sinks=True,
+                attention_bias=True)  # fmt: skip
 LATENT_LORA = dict(LORA, targets=["q_a", "q_b", "kv_a", "kv_b", "o", "gate", "up", "down"])  # (no k or v: the latent)
 SEQ_LEN, GLOBAL_BATCH = 64, 16
 FP32_TOLERANCE, BF16_TOLERANCE = 1e-5, 1e-2
@@ -53,6 +57,7 @@ class Draw:
     clip: float | None = None
     moe: bool = False
     latent: bool = False  # DeepSeek-V3's shape (`LATENT`, and `DEEPSEEK_MOE` with ``moe``)
+    windowed: bool = False  # gpt-oss's attention (`WINDOWED`): windows and sinks
     lora: bool = False
     documents: bool = False
     outcome: str = ""  # exact | refused | failed
@@ -103,7 +108,9 @@ class Draw:
         model = "MoE" if self.moe else "dense"
         if self.latent:
             model = "MLA + MTP, " + ("DeepSeekMoE" if self.moe else "dense")
-        parts = [model] + ["LoRA"] * self.lora + ["document masks"] * self.documents
+        parts = (
+            [model] + ["windows + sinks"] * self.windowed + ["LoRA"] * self.lora + ["document masks"] * self.documents
+        )
         return ", ".join(parts)
 
     def model(self, base: dict = MODEL) -> tuple[dict, dict]:
@@ -111,6 +118,8 @@ class Draw:
         config = dict(base, **(MOE if self.moe else {}))
         if self.latent:
             config.update(LATENT, **(DEEPSEEK_MOE if self.moe else {}))
+        if self.windowed:
+            config.update(WINDOWED)
         return config, (LATENT_LORA if self.latent else LORA)
 
 
@@ -163,6 +172,9 @@ def draw(rng: random.Random, index: int, max_ranks: int = 8) -> Draw:
         s["pipeline_stage_layers"] = _uneven_stages(rng, pp * _chunks(s))
     if dp > 1 and rng.random() < 0.2:
         s["data_parallel_shares"] = _uneven_shares(rng, dp, d.accumulate * _microbatches(s, dp, d.accumulate))
+    d.windowed = (
+        not d.latent and rng.random() < 0.3
+    )  # (drawn last: the earlier draws' other settings stay as they were)
     default = {f.name: f.default for f in fields(Parallelism)}
     d.settings = {k: v for k, v in s.items() if not (v == default[k] and type(v) is type(default[k]))}
     return d

@@ -10,7 +10,8 @@ parallelism; the pipeline schedule, its virtual stages, micro-batches and uneven
 shares; recompute; compile; the gradients' reduce dtype; FP8 and its all-gather; DiLoCo's ``sync_every`` within one
 island; ``accumulate_unsharded`` where the strategy has it) with the loop's precision, gradient accumulation and
 clipping, the model's Mixture of Experts, DeepSeek-V3's shape (latent attention and multi-token prediction, with
-DeepSeekMoE when it has experts) and LoRA adapters, and the data's document masks.
+DeepSeekMoE when it has experts), gpt-oss's attention (windows in every other block, sinks, biases) and LoRA adapters,
+and the data's document masks.
 
 A draw is first checked in this process as ``lit3d fit`` checks it before it starts any rank: the model, data and
 Trainer are built (`Parallel3DStrategy`'s settings are refused there) and ``check_configuration`` runs. A refusal must

@@ -19,6 +19,7 @@ from lit3d.parallel.precision import check_float8
 from lit3d.parallel.settings import Parallelism
 from lit3d.parallel.shares import check_shares_fit
 from lit3d.parallel.stages import check_stage_layers
+from lit3d.parallel.zero import ZeroPolicy
 from lit3d.strategies.pipelining.step import check_pipeline_protocol
 from lit3d.strategies.split.context_parallel import check_module_for_context_parallel
 from lit3d.strategies.split.float8 import CPU_MATMUL, emulates, small_gemms_warning
@@ -37,6 +38,7 @@ def check_run(parallelism: Parallelism, layout: Layout, module: Any, trainer: An
         check_model_fits_pipeline(config, layout.pp, chunks, schedule)
         check_stage_layers(parallelism.pipeline_stage_layers, config.n_layer, layout.pp * chunks)
     check_recompute_composes(parallelism.activation_checkpointing, parallelism.zero_stage, layout)
+    _check_muon(parallelism, layout, module)
     _check_float8(parallelism, layout, module, trainer, datamodule)
     seq_len = getattr(datamodule, "seq_len", None)
     check_context_parallel(config, layout.cp, seq_len, layout.tp, parallelism.sequence_parallel)
@@ -53,6 +55,19 @@ def check_run(parallelism: Parallelism, layout: Layout, module: Any, trainer: An
     microbatches = parallelism.microbatches(batch, layout.data_replicas, accumulate)
     _check_shares(parallelism, layout, datamodule, accumulate * (microbatches if layout.pp > 1 else 1))
     return microbatches
+
+
+def _check_muon(parallelism: Parallelism, layout: Layout, module: Any) -> None:
+    """Muon orthogonalises whole matrices: it gathers DTensor shards (TP, ZeRO-2/3, EP), but ZeRO-1's optimizer
+    steps slices of plain tensors (`lit3d.strategies.optim.zero1`), which it cannot yet make whole."""
+    if getattr(module, "optimizer_name", "adamw") != "muon":
+        return
+    if ZeroPolicy.of(parallelism, layout).slices_optimizer:
+        raise ValueError(
+            f"optimizer='muon' with zero_stage={parallelism.zero_stage} over {layout.replicas} data-parallel "
+            "replicas: ZeRO-1's optimizer steps slices of each matrix, and Muon needs the whole; use zero_stage=0, 2 "
+            "or 3 (ZeRO-2/3 gather each matrix for its step)"
+        )
 
 
 def _check_float8(parallelism: Parallelism, layout: Layout, module: Any, trainer: Any, datamodule: Any) -> None:

@@ -224,12 +224,22 @@ def reference_lora_moe_run(base_job, tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="session")
-def family_references(base_job, tmp_path_factory) -> dict[str, dict]:
+def family_references(base_job, packed_data, tmp_path_factory) -> dict[str, dict]:
     """The single-process run of each family's tiny model (`FAMILY_CONFIGS`), which its layouts are compared with."""
     from family_layouts import FAMILY_CONFIGS, family_job
 
     folder = tmp_path_factory.mktemp("reference_families")
-    return {name: reference(base_job, family_job(name), folder / name) for name in FAMILY_CONFIGS}
+    jobs = {name: with_data(family_job(name), packed_data) for name in FAMILY_CONFIGS}
+    return {name: reference(base_job, job, folder / name) for name, job in jobs.items()}
+
+
+@pytest.fixture(scope="session")
+def muon_references(base_job, tmp_path_factory) -> dict[str, dict]:
+    """The single-process Muon runs (``dense``, ``moe``) its layouts are compared with (`muon_layouts`)."""
+    from muon_layouts import MUON, MUON_MOE
+
+    folder = tmp_path_factory.mktemp("reference_muon")
+    return {name: reference(base_job, job, folder / name) for name, job in (("dense", MUON), ("moe", MUON_MOE))}
 
 
 @pytest.fixture(scope="session")
@@ -279,15 +289,17 @@ def with_profile(job: dict, profile: str) -> dict:
 @pytest.fixture(scope="session")
 def layout_runs(base_job, packed_data, cpu_profile, tmp_path_factory) -> dict[str, dict]:
     """Every layout of `LAYOUTS`, `MOE_LAYOUTS`, `CP_LAYOUTS`, `LORA_LAYOUTS`, `PACKED_LAYOUTS`, `FAMILY_LAYOUTS`,
-    `FLOAT8_LAYOUTS`, `UNEVEN_LAYOUTS`, `SHARE_LAYOUTS` and `HSDP_LAYOUTS`, one spawn per world size."""
+    `FLOAT8_LAYOUTS`, `UNEVEN_LAYOUTS`, `SHARE_LAYOUTS`, `HSDP_LAYOUTS` and `MUON_LAYOUTS`, one spawn per world
+    size."""
     from family_layouts import FAMILY_LAYOUTS
     from float8_layouts import FLOAT8_LAYOUTS
     from hsdp_layouts import HSDP_LAYOUTS
+    from muon_layouts import MUON_LAYOUTS
     from spawned import run_jobs
     from uneven_layouts import SHARE_LAYOUTS, UNEVEN_LAYOUTS
 
     layouts = {**LAYOUTS, **MOE_LAYOUTS, **CP_LAYOUTS, **LORA_LAYOUTS, **PACKED_LAYOUTS, **FAMILY_LAYOUTS,
-               **FLOAT8_LAYOUTS, **UNEVEN_LAYOUTS, **SHARE_LAYOUTS, **HSDP_LAYOUTS}  # fmt: skip
+               **FLOAT8_LAYOUTS, **UNEVEN_LAYOUTS, **SHARE_LAYOUTS, **HSDP_LAYOUTS, **MUON_LAYOUTS}  # fmt: skip
     results = {}
     for world in sorted({w for w, _ in layouts.values()}):
         jobs = {

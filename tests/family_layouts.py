@@ -4,7 +4,9 @@ ZeRO-3, and resumed from ZeRO-1 at TP2×PP2. Llama 3.2's tied head cannot be pip
 trains at DP2 ZeRO-3 instead of PP2. DeepSeek-V3 (multi-token prediction on the last stage, the embeddings of its
 tokens ahead handed on from the first) also trains at DP2 ZeRO-3 with full recompute, CP2, EP2, PP2 with the V-shaped
 zero-bubble schedule, CP2×TP2 and DP2×TP2×PP2 with EP2, both with sequence parallelism, and resumed at TP2 with
-sequence parallelism from EP2. Mistral's blocks are Llama's: the plain layouts of `LAYOUTS` are its."""
+sequence parallelism from EP2. gpt-oss (windows and sinks, on packed documents) trains at TP2, PP2, EP2 and DP2 ZeRO-3;
+Gemma 3 (tied, so not pipelined) at TP2, TP2 with sequence parallelism and DP2 ZeRO-3. Mistral's blocks are Llama's:
+the plain layouts of `LAYOUTS` are its."""
 
 import lightning as L
 from layouts import HALF, saved_at_half
@@ -14,6 +16,8 @@ LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, 
 # YaRN as DeepSeek-V3 stretches its context (4x here, with the softmax temperature of mscale_all_dim).
 DEEPSEEK_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "beta_fast": 32,
                  "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.707}  # fmt: skip
+GPT_OSS_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "beta_fast": 32.0,
+                "beta_slow": 1.0, "truncate": False}  # fmt: skip
 SMALL = dict(n_layer=4, n_head=4, n_kv_head=2, d_model=32, d_ff=64, vocab_size=257, max_seq_len=32)
 FAMILY_CONFIGS = {
     # Llama 3.2: llama3 rotary scaling, the head tied to the embedding (both split by vocabulary under TP)
@@ -30,7 +34,22 @@ FAMILY_CONFIGS = {
                         n_expert=8, n_expert_per_token=2, n_group=2, topk_group=1, n_shared_experts=1, d_ff_expert=16,
                         first_dense_layers=1, router="sigmoid", routed_scaling_factor=2.5,
                         num_nextn_predict_layers=1),
+    # gpt-oss: windows of 8 tokens in every other block (shorter than the 32-token rows it trains on, packed with
+    # documents that the windows must not cross), a sink per head, biased attention, a biased router over experts with
+    # biases and the clamped SwiGLU, YaRN
+    "gpt_oss": dict(SMALL, head_dim=16, family="gpt_oss", n_expert=4, n_expert_per_token=2, d_ff_expert=64,
+                    sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2, attention_sinks=True,
+                    attention_bias=True, mlp_bias=True, swiglu_limit=7.0, rope_scaling=GPT_OSS_YARN),
+    # Gemma 3: three windowed blocks (rotary base 10k) to one full (1M, stretched 8x), four norms per block scaling by
+    # 1 + weight, per-head q/k norms, GeGLU, scaled and tied embeddings, query_pre_attn_scalar, soft-capped logits
+    "gemma3_text": dict(SMALL, head_dim=16, family="gemma3_text", qk_norm=True, sandwich_norm=True,
+                        norm_unit_offset=True, scale_embeddings=True, hidden_act="gelu_pytorch_tanh",
+                        query_pre_attn_scalar=12, rope_theta=1e6, rope_scaling={"rope_type": "linear", "factor": 8.0},
+                        rope_local_base_freq=1e4, sliding_window=8, layer_types=["sliding_attention"] * 3 +
+                        ["full_attention"], tie_embeddings=True, final_logit_softcapping=30.0),
 }  # fmt: skip
+# gpt-oss trains on rows of 32 tokens packed with short documents (`conftest.packed_data`): its windows inside them
+PACKED_32 = {"data": {"document_masking": True, "seq_len": 32}}
 
 
 class RouterBiases(L.Callback):
@@ -50,6 +69,8 @@ def family_job(family: str) -> dict:
     """The job overrides of ``family``'s tiny model (its single-process run's too): DeepSeek-V3's record the router
     biases (`RouterBiases`)."""
     job = {"model": {"config": FAMILY_CONFIGS[family]}}
+    if family == "gpt_oss":
+        return {**job, **PACKED_32}
     return {**job, "callbacks": [RouterBiases()]} if family == "deepseek_v3" else job
 
 
@@ -68,7 +89,13 @@ def _layouts() -> dict[str, tuple[int, dict]]:
     layouts["qwen2_dp2_tp2_zero3"] = (4, {**qwen2, "strategy": {**tp2, "zero_stage": 3}})
     resumed = {**qwen2, "strategy": {**tp2, **pp2}, "ckpt_path": saved_at_half("qwen2_dp2_tp2_zero1")}
     layouts["qwen2_tp2_pp2_resumed_from_dp2_tp2_zero1"] = (4, resumed)
-    return layouts | _deepseek_layouts()
+    sp = {**tp2, "sequence_parallel": True}
+    windowed = {
+        "gpt_oss_ep2": (2, {**family_job("gpt_oss"), "strategy": {"expert_parallel_size": 2}}),
+        "gpt_oss_dp2_zero3": (2, {**family_job("gpt_oss"), "strategy": {"zero_stage": 3}}),
+        "gemma3_text_tp2_sequence_parallel": (2, {**family_job("gemma3_text"), "strategy": sp}),
+    }
+    return layouts | windowed | _deepseek_layouts()
 
 
 def _deepseek_layouts() -> dict[str, tuple[int, dict]]:

@@ -81,7 +81,11 @@ def module_state(source: str) -> list[str]:
 
 
 # Memos: values keyed by everything they are computed from, which no run can make stale (and each says so in a NOTE)
-MEMOS = {"lit3d/models/rotary.py": ["_ROTARY_TABLES"], "lit3d/planner/tensors.py": ["_INTERNED"]}
+MEMOS = {
+    "lit3d/models/rotary.py": ["_ROTARY_TABLES"],
+    "lit3d/models/attention.py": ["_BIASES"],
+    "lit3d/planner/tensors.py": ["_INTERNED"],
+}
 
 
 def test_no_module_keeps_state_of_the_run():

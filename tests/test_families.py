@@ -88,6 +88,12 @@ def test_presets_hold_the_published_parameter_counts(preset, published):
     assert GPTConfig.from_name(preset).num_params == published
 
 
+TINY_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 32.0,
+             "beta_slow": 1.0, "rope_theta": 150000.0, "truncate": False}  # fmt: skip
+GEMMA_ROPE = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}  # fmt: skip
+
+
 def _folder(kind: str, folder, **overrides):
     """A tiny folder of ``kind``, built with transformers: Llama, Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms,
     heads wider than d_model / n_head), Qwen3-MoE (its router without renormalisation), Mistral, Mixtral; with BOS/EOS
@@ -108,18 +114,33 @@ def _folder(kind: str, folder, **overrides):
         "mistral": lambda: transformers.MistralConfig(**common, sliding_window=None),
         "mixtral": lambda: transformers.MixtralConfig(**common, sliding_window=None, num_local_experts=4,
                                                       num_experts_per_tok=2),
+        # windows of 8 tokens in every block (Mistral v0.1's form), shorter than the tests' sequences
+        "mistral_windowed": lambda: transformers.MistralConfig(**common, sliding_window=8),
+        # windowed and full blocks, a sink per head, biased attention, a biased router over experts with biases and
+        # the clamped SwiGLU, YaRN
+        "gpt_oss": lambda: transformers.GptOssConfig(**common | {"intermediate_size": 16}, head_dim=16,
+                                                     num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                                                     rope_parameters=dict(TINY_YARN)),
+        # a windowed block (rotary base 10k) and a full one (1M, stretched 8x), four norms per block scaling by
+        # 1 + weight, GeGLU, scaled and tied embeddings, query_pre_attn_scalar, soft-capped logits
+        "gemma3_text": lambda: transformers.Gemma3TextConfig(**common, head_dim=16, sliding_window=8,
+                                                             query_pre_attn_scalar=12, final_logit_softcapping=30.0,
+                                                             layer_types=["sliding_attention", "full_attention"],
+                                                             rope_parameters=GEMMA_ROPE),
     }[kind]()  # fmt: skip
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # norms away from 1 and biases away from 0, so that a missed one shows
         for name, param in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
+            if "norm" in name or name.endswith(("bias", "sinks")):
                 param.uniform_(0.5, 1.5)
     model.generation_config.temperature, model.generation_config.do_sample = 0.7, True
     model.save_pretrained(folder)
     return folder
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "qwen3_moe", "mistral"])
+@pytest.mark.parametrize(
+    "kind", ["qwen2", "qwen3", "qwen3_moe", "mistral", "mistral_windowed", "gpt_oss", "gemma3_text"]
+)
 def test_a_family_imports_and_exports_with_transformers_logits(kind, tmp_path):
     import json
 
@@ -127,8 +148,10 @@ def test_a_family_imports_and_exports_with_transformers_logits(kind, tmp_path):
 
     folder = _folder(kind, tmp_path / kind)
     model = GPT.from_pretrained(str(folder))
-    config = model.config
-    assert config.family == kind and config.qk_norm == kind.startswith("qwen3") and config.qkv_bias == (kind == "qwen2")
+    config, family = model.config, kind.removesuffix("_windowed")
+    assert config.family == family and config.qkv_bias == (kind == "qwen2")
+    assert config.qk_norm == kind.startswith(("qwen3", "gemma3"))
+    assert config.sliding_window == (8 if kind in ("mistral_windowed", "gpt_oss", "gemma3_text") else None)
     tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         theirs = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32)(input_ids=tokens).logits
@@ -136,13 +159,18 @@ def test_a_family_imports_and_exports_with_transformers_logits(kind, tmp_path):
         assert (ours - theirs).abs().max() < 1e-4
         exported = _exported(model, tmp_path)
         written = json.loads((tmp_path / "exported" / "config.json").read_text())
-        assert (written["model_type"], written["bos_token_id"], written["eos_token_id"]) == (kind, 1, 2)
+        assert (written["model_type"], written["bos_token_id"], written["eos_token_id"]) == (family, 1, 2)
+        assert written["sliding_window"] == config.sliding_window
+        if kind in ("gpt_oss", "gemma3_text"):  # which blocks are windowed, as the folder said
+            assert written["layer_types"] == ["sliding_attention", "full_attention"]
         assert GenerationConfig.from_pretrained(exported).temperature == 0.7
         again = AutoModelForCausalLM.from_pretrained(exported, torch_dtype=torch.float32)(input_ids=tokens).logits
     assert (again - ours).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "mixtral"])
+@pytest.mark.parametrize(
+    "kind", ["llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "mixtral", "gpt_oss", "gemma3_text"]
+)
 @pytest.mark.parametrize("tied", [False, True])
 def test_the_planner_counts_a_familys_parameters_as_transformers_does(kind, tied, tmp_path, capsys):
     """It counted 3,346,176 for a Qwen2 of 3,333,888: the embedding and head rows padded to a multiple of 64, which
@@ -250,10 +278,11 @@ def test_a_family_tokenizer_encodes_as_transformers_autotokenizer(family, tmp_pa
 
 @pytest.mark.parametrize(
     "field, message",
-    [({"model_type": "gemma2", "final_logit_softcapping": 30.0}, "model_type='gemma2'.*final_logit_softcapping"),
-     ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0: Gemma's output logit soft-capping"),
+    [({"model_type": "gemma2", "attn_logit_softcapping": 50.0}, "model_type='gemma2'.*attn_logit_softcapping"),
+     ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0: Gemma's attention logit soft-capping"),
      ({"index_topk": 2048}, "index_topk=2048: DeepSeek-V3.2's sparse attention"),
-     ({"model_type": "mistral", "sliding_window": 4096}, "sliding_window=4096 is not supported"),
+     ({"model_type": "gemma3_text", "use_bidirectional_attention": True}, "use_bidirectional_attention=True"),
+     ({"model_type": "gpt_oss", "quantization_config": {"quant_method": "mxfp4"}}, "quantization_config=.*mxfp4"),
      ({"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": True}, "sliding_window=4096"),
      ({"model_type": "qwen3_moe", "mlp_only_layers": [1], "num_experts": 4, "num_experts_per_tok": 2,
        "moe_intermediate_size": 16}, r"decoder_sparse_step=1, mlp_only_layers=\[1\]")],
@@ -265,3 +294,36 @@ def test_a_folder_with_what_lit3d_does_not_compute_is_refused_naming_the_field(f
                 vocab_size=10)  # fmt: skip
     with pytest.raises(ValueError, match=message):
         config_from_hf({**base, **field})
+
+
+def test_lora_on_gpt_oss_trains_and_exports_a_peft_adapter_transformers_loads(tmp_path, capsys):
+    """LoRA on a tiny gpt-oss folder's attention (windows, sinks and biases around it): a few steps train the adapters
+    only, and ``lit3d export --adapter`` writes a PEFT folder whose adapters on transformers' model give lit3d's
+    logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from lit3d import LoRA
+    from lit3d.cli import main
+
+    folder = _folder("gpt_oss", tmp_path / "hf")
+    model = GPT(pretrained=str(folder), lora=LoRA(rank=4, alpha=8, targets=("q", "k", "v", "o")))
+    model.configure_model()
+    trained = [name for name, p in model.named_parameters() if p.requires_grad]
+    assert trained and all(name.endswith(("lora_a", "lora_b")) for name in trained)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for batch in torch.randint(0, 256, (3, 2, 25), generator=torch.Generator().manual_seed(2)):
+        optimizer.zero_grad()
+        model.loss(batch).backward()
+        optimizer.step()
+    ckpt = tmp_path / "lora.ckpt"
+    torch.save({"hyper_parameters": dict(model.hparams), "state_dict": model.state_dict()}, ckpt)
+    main(["export", "--ckpt_path", str(ckpt), "--output", str(tmp_path / "adapter"), "--adapter"])
+    assert "LoRA adapters (rank 4, q, k, v, o)" in capsys.readouterr().out
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours = model(tokens)
+        base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        theirs = PeftModel.from_pretrained(base, tmp_path / "adapter")(input_ids=tokens).logits
+        untuned = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)(input_ids=tokens).logits
+    assert (ours - theirs).abs().max() < 1e-4 and (ours - untuned).abs().max() > 1e-3

@@ -264,6 +264,8 @@ TRAINING_FLAGS = {
     "headroom": (float, "Share of each GPU's memory a layout must leave free for the allocator's cache, the CUDA "
                  "context and the communication buffers (default 0.1); below it for a stack known to run closer to "
                  "the card."),
+    "optimizer": (str, "``adamw`` (default) or ``muon``: Muon's hidden matrices keep one momentum, not AdamW's two "
+                  "moments (`lit3d.GPT`'s ``optimizer``)."),
     "document_length": (int, "Tokens of packed documents kept apart (``document_masking``, chat data): the model "
                         "FLOPs and MFU count only the attention within each."),
 }  # fmt: skip

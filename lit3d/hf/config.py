@@ -9,13 +9,14 @@ from pathlib import Path
 from typing import Any
 
 from lit3d.hf.deepseek import deepseek_from_hf, mtp_layers_in
+from lit3d.hf.gemma import gemma_from_hf
+from lit3d.hf.gpt_oss import gpt_oss_from_hf
 from lit3d.models.config import FAMILIES, GPTConfig
 from lit3d.models.rope_settings import ROPE_OPTIONS, ROPE_SCALINGS
 
 # What other families' folders hold that lit3d does not compute, by config.json field.
 NOT_COMPUTED = {
     "attn_logit_softcapping": "Gemma's attention logit soft-capping",
-    "final_logit_softcapping": "Gemma's output logit soft-capping",
     "index_topk": "DeepSeek-V3.2's sparse attention (its indexer's top-k keys)",
     "index_n_heads": "DeepSeek-V3.2's sparse attention (its indexer's heads)",
     "index_head_dim": "DeepSeek-V3.2's sparse attention (its indexer's head width)",
@@ -35,6 +36,7 @@ def config_from_hf(hf: dict[str, Any]) -> GPTConfig:
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     moe = moe_from_hf(hf, model_type) if model_type in ("mixtral", "qwen3_moe") else {}
+    qwen = model_type in ("qwen2", "qwen3", "qwen3_moe")  # (their windows are refused or unused: `_refuse_uncomputed`)
     fields = dict(
         name=hf.get("_name_or_path") or "hf",
         n_layer=hf["num_hidden_layers"],
@@ -52,9 +54,13 @@ def config_from_hf(hf: dict[str, Any]) -> GPTConfig:
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
         qkv_bias=model_type == "qwen2",
         family=model_type,
+        sliding_window=None if qwen else hf.get("sliding_window"),
+        layer_types=None if qwen else hf.get("layer_types"),
+        final_logit_softcapping=hf.get("final_logit_softcapping"),
         **moe,
     )
-    return GPTConfig(**fields | (deepseek_from_hf(hf) if model_type == "deepseek_v3" else {}))
+    own = {"deepseek_v3": deepseek_from_hf, "gpt_oss": gpt_oss_from_hf, "gemma3_text": gemma_from_hf}
+    return GPTConfig(**fields | (own[model_type](hf) if model_type in own else {}))
 
 
 def _refuse_uncomputed(hf: dict[str, Any], model_type: str) -> None:
@@ -73,13 +79,15 @@ def _refuse_uncomputed(hf: dict[str, Any], model_type: str) -> None:
         raise ValueError(
             f"quantization_config={quantized}: {what} are not read by lit3d; dequantize the folder (to bf16) first"
         )
-    windowed = model_type not in ("qwen2", "qwen3", "qwen3_moe") or hf.get("use_sliding_window")  # Qwen: unused
-    if hf.get("sliding_window") and windowed:
-        raise ValueError(f"sliding_window={hf['sliding_window']} is not supported (lit3d attends to the whole context)")
-    for flag in ("attention_bias", "mlp_bias"):  # (Qwen2's q/k/v biases are not these flags)
-        if hf.get(flag):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe") and hf.get("use_sliding_window"):
+        raise ValueError(
+            f"use_sliding_window=True (sliding_window={hf.get('sliding_window')}, max_window_layers="
+            f"{hf.get('max_window_layers')}): Qwen's windowed lower layers are not computed by lit3d"
+        )
+    for flag in ("attention_bias", "mlp_bias"):  # (Qwen2's q/k/v biases are not these flags; gpt-oss's are its own)
+        if hf.get(flag) and model_type != "gpt_oss":
             raise ValueError(f"{flag}=True is not supported (lit3d's linears have no bias but Qwen2's q, k and v)")
-    if hf.get("hidden_act", "silu") != "silu":
+    if model_type not in ("gpt_oss", "gemma3_text") and hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act={hf['hidden_act']!r} is not supported (lit3d's MLP is SwiGLU with SiLU)")
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from lit3d.hf.gpt_oss import experts_from_hf, gpt_oss_name
 from lit3d.models.config import GPTConfig
 
 # Per family: the router's name and each expert's matrices ({i}: the block, {e}: the expert), by lit3d name.
@@ -45,8 +46,8 @@ EXPERT_PARAM = re.compile(r"blocks\.(\d+)\.mlp\.experts\.(gate_proj|up_proj|down
 def moe_family(config: GPTConfig) -> str:
     """The MoE ``model_type`` a model exports as: Qwen3-MoE for a Qwen3-shaped one, DeepSeek-V3 for one, else
     Mixtral."""
-    if config.family == "deepseek_v3":
-        return "deepseek_v3"
+    if config.family in ("deepseek_v3", "gpt_oss"):
+        return config.family
     return "qwen3_moe" if config.family in ("qwen3", "qwen3_moe") else "mixtral"
 
 
@@ -73,6 +74,8 @@ def moe_to_hf(config: GPTConfig) -> dict[str, Any]:
 
 def expert_name(name: str, family: str) -> str | None:
     """The HuggingFace name of a lit3d router or expert stack (``{e}`` left for the expert); None for another."""
+    if family == "gpt_oss":
+        return gpt_oss_name(name)
     if match := ROUTER_PARAM.match(name):
         return ROUTER[family].format(i=match.group(1))
     if (match := ROUTER_BIAS_BUFFER.match(name)) and family in ROUTER_BIAS:
@@ -87,6 +90,8 @@ def read_experts(config: GPTConfig, tensors: dict[str, torch.Tensor]) -> dict[st
     transformers 5's fused ones; what is missing is left out (the caller names it). Multi-token prediction's depths
     are the layers after the model's (`lit3d.hf.deepseek`), by the names of blocks after its last."""
     family, out = moe_family(config), {}
+    if family == "gpt_oss":
+        return experts_from_hf(config, tensors)
     layers = config.n_layer + config.num_nextn_predict_layers
     for i in (i for i in range(layers) if config.is_moe_layer(i)):
         layer = f"model.layers.{i}"

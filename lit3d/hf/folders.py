@@ -19,6 +19,9 @@ import torch
 from lit3d.hf.config import config_from_hf, read_config  # noqa: F401 (read from here too)
 from lit3d.hf.deepseek import as_block_name, deepseek_to_hf, mtp_own_name
 from lit3d.hf.experts import expert_name, moe_family, moe_to_hf, read_experts, write_experts
+from lit3d.hf.gemma import NORMS as GEMMA_NORMS
+from lit3d.hf.gemma import gemma_to_hf
+from lit3d.hf.gpt_oss import experts_to_hf, gpt_oss_to_hf
 from lit3d.models.config import FAMILIES, GPTConfig
 from lit3d.models.transformer import Transformer
 from lit3d.outputs import MARK
@@ -31,6 +34,8 @@ NAMES = {
     "blocks.{i}.attn.k_proj.weight": "model.layers.{i}.self_attn.k_proj.weight",
     "blocks.{i}.attn.v_proj.weight": "model.layers.{i}.self_attn.v_proj.weight",
     "blocks.{i}.attn.o_proj.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "blocks.{i}.attn.o_proj.bias": "model.layers.{i}.self_attn.o_proj.bias",  # gpt-oss
+    "blocks.{i}.attn.sinks.weight": "model.layers.{i}.self_attn.sinks",
     "blocks.{i}.attn.q_proj.bias": "model.layers.{i}.self_attn.q_proj.bias",  # Qwen2
     "blocks.{i}.attn.k_proj.bias": "model.layers.{i}.self_attn.k_proj.bias",
     "blocks.{i}.attn.v_proj.bias": "model.layers.{i}.self_attn.v_proj.bias",
@@ -61,6 +66,9 @@ def hf_name(name: str, family: str = "mixtral") -> str:
     if moe is not None:
         return moe
     block = re.match(r"blocks\.(\d+)\.", name)
+    norm = re.match(r"blocks\.\d+\.(\w+)\.weight$", name)
+    if family == "gemma3_text" and norm and norm.group(1) in GEMMA_NORMS:  # four norms, named apart
+        return f"model.layers.{block.group(1)}.{GEMMA_NORMS[norm.group(1)]}.weight"
     pattern = re.sub(r"^blocks\.\d+\.", "blocks.{i}.", name)
     if pattern not in NAMES:
         raise KeyError(f"no HuggingFace name for lit3d parameter {name!r}")
@@ -81,10 +89,24 @@ def config_to_hf(config: GPTConfig, dtype: torch.dtype) -> dict[str, Any]:
         raise ValueError(
             f"a {family} folder cannot hold kv_lora_rank={config.kv_lora_rank} (DeepSeek's latent attention)"
         )
-    if config.qk_norm != (family in ("qwen3", "qwen3_moe")):
+    if config.qk_norm != (family in ("qwen3", "qwen3_moe", "gemma3_text")):
         raise ValueError(f"a {family} folder cannot hold qk_norm={config.qk_norm} (Qwen3's per-head q/k norms)")
     if config.qkv_bias != (family == "qwen2"):
         raise ValueError(f"a {family} folder cannot hold qkv_bias={config.qkv_bias} (Qwen2's q, k and v biases)")
+    foreign = {
+        "attention_sinks": False, "attention_bias": False, "mlp_bias": False, "swiglu_limit": None,
+        "sandwich_norm": False, "norm_unit_offset": False, "scale_embeddings": False, "query_pre_attn_scalar": None,
+        "rope_local_base_freq": None, "hidden_act": "silu", "final_logit_softcapping": None,
+    }  # fmt: skip
+    held = {k: getattr(config, k) for k, v in foreign.items() if getattr(config, k) != v}
+    if held and family not in ("gpt_oss", "gemma3_text"):
+        raise ValueError(f"a {family} folder cannot hold {held} (gpt-oss's and Gemma's settings)")
+    windowed = {"sliding_window": config.sliding_window, "use_sliding_window": config.sliding_window is not None}
+    if config.layer_types is not None or family in ("gpt_oss", "gemma3_text"):
+        windowed["layer_types"] = [
+            "full_attention" if config.window(i) is None else "sliding_attention" for i in range(config.n_layer)
+        ]
+    own = {"deepseek_v3": deepseek_to_hf, "gpt_oss": gpt_oss_to_hf, "gemma3_text": gemma_to_hf}
     return {
         "architectures": [FAMILIES[family]],
         "model_type": family,
@@ -105,9 +127,8 @@ def config_to_hf(config: GPTConfig, dtype: torch.dtype) -> dict[str, Any]:
         "rope_theta": config.rope_theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta, **(config.rope_scaling or {})},
         "rope_scaling": config.rope_scaling,
-        "sliding_window": None,
-        "use_sliding_window": False,
-    } | (deepseek_to_hf(config) if family == "deepseek_v3" else moe_to_hf(config) if config.n_expert else {})
+        **windowed,
+    } | (own[family](config) if family in own else moe_to_hf(config) if config.n_expert else {})
 
 
 def read_folder(folder: str | Path) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
@@ -139,7 +160,7 @@ def to_lit3d_names(config: GPTConfig, tensors: dict[str, torch.Tensor]) -> dict[
     biases = [(name, buffer) for name, buffer in network.named_buffers() if name.endswith("expert_bias")]
     for name, param in [*network.named_parameters(), *biases]:  # a tied head shares the embedding: not listed again
         block = as_block_name(name, config.n_layer)  # (a multi-token-prediction depth's block: a layer after the rest)
-        key = mtp_own_name(name, config.n_layer) or hf_name(block, moe_family(config)).replace(".{e}.", ".*.")
+        key = mtp_own_name(name, config.n_layer) or hf_name(block, hf_family(config)).replace(".{e}.", ".*.")
         value = experts.get(block, tensors.get(key))
         if value is None:
             missing.append(key)
@@ -170,6 +191,10 @@ def write_folder(
     folder.mkdir(parents=True, exist_ok=True)
     family, hf = hf_family(config), config_to_hf(config, dtype)
     tensors = {}
+    if family == "gpt_oss":  # its experts fused (`lit3d.hf.gpt_oss`)
+        fused = experts_to_hf(network_state)
+        tensors |= {name: value.to(dtype) for name, value in fused.items()}
+        network_state = {k: v for k, v in network_state.items() if not re.search(r"\.mlp\.(router|experts)\.", k)}
     for name, value in network_state.items():
         if (name == "head.weight" and config.tie_embeddings) or name.startswith("mtp."):  # (see `deepseek_to_hf`)
             continue

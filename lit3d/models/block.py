@@ -14,25 +14,49 @@ from lit3d.models.latent_attention import LatentAttention
 from lit3d.models.lora import LoRA, linear, project
 from lit3d.models.mlp import MLP
 from lit3d.models.moe import MoE
+from lit3d.models.norms import rms_norm
 from lit3d.models.ring_attention import ContextParallel, ring_attention
 from lit3d.models.rotary import Rope, apply_rotary, position_tables
 
 
+class Sinks(nn.Module):
+    """gpt-oss's attention sinks: one learnt logit per query head (``weight``), split with the heads under TP."""
+
+    def __init__(self, heads: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(heads))
+
+    def heads(self) -> torch.Tensor:
+        """This rank's heads' sinks (all of them but under tensor parallelism)."""
+        weight = self.weight
+        return weight.to_local() if hasattr(weight, "to_local") else weight
+
+
 class Attention(nn.Module):
-    def __init__(self, config: GPTConfig, lora: LoRA | None = None) -> None:
+    """Grouped-query attention over the whole context before each token, or over a window of it
+    (`GPTConfig.window`), with gpt-oss's sinks and Gemma's scale and rotary base where the config has them."""
+
+    def __init__(self, config: GPTConfig, lora: LoRA | None = None, index: int = 0) -> None:
         super().__init__()
         self.config = config
-        hd, d, bias = config.head_dim, config.d_model, config.qkv_bias  # Qwen2: biased q, k and v
+        hd, d = config.head_dim, config.d_model
+        bias, out_bias = config.qkv_bias or config.attention_bias, config.attention_bias  # Qwen2: q, k, v; gpt-oss: all
         self.q_proj = linear(d, config.n_head * hd, lora, "attn.q_proj", bias)
         self.k_proj = linear(d, config.n_kv_head * hd, lora, "attn.k_proj", bias)
         self.v_proj = linear(d, config.n_kv_head * hd, lora, "attn.v_proj", bias)
-        self.o_proj = linear(config.n_head * hd, d, lora, "attn.o_proj")
-        # Qwen3: each head of q and of k normalised before rotary (under TP, a rank's heads: `lit3d.models.tp_plan`).
-        self.q_norm = nn.RMSNorm(hd, eps=config.norm_eps) if config.qk_norm else None
-        self.k_norm = nn.RMSNorm(hd, eps=config.norm_eps) if config.qk_norm else None
+        self.o_proj = linear(config.n_head * hd, d, lora, "attn.o_proj", out_bias)
+        # Qwen3, Gemma 3: each head of q and of k normalised before rotary (under TP, a rank's heads: `tp_plan`).
+        self.q_norm = rms_norm(hd, config) if config.qk_norm else None
+        self.k_norm = rms_norm(hd, config) if config.qk_norm else None
+        self.sinks = Sinks(config.n_head) if config.attention_sinks else None
         # Under context parallelism, x holds this rank's share of each sequence (`lit3d.models.ring_attention`).
         self.context_parallel: ContextParallel | None = None
+        self.window = config.window(index)
         self.rope = Rope.of(config.rope_theta, config.rope_scaling)
+        if self.window is not None and config.rope_local_base_freq is not None:  # Gemma 3's windowed layers
+            self.rope = Rope.of(config.rope_local_base_freq, None)
+        scalar = config.query_pre_attn_scalar
+        self.scale = None if scalar is None else scalar**-0.5
 
     def forward(self, x: torch.Tensor, context: BatchContext = NO_CONTEXT) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -47,7 +71,8 @@ class Attention(nn.Module):
         cos, sin = position_tables(self.rope, hd, q, docs, cp, self.config.max_seq_len)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cp is None:
-            y = causal_attention(q, k, v, self.config.attention, docs)
+            sinks = None if self.sinks is None else self.sinks.heads()
+            y = causal_attention(q, k, v, self.config.attention, docs, self.window, sinks, self.scale)
         else:
             y = ring_attention(q, k, v, cp, docs)
         return project(self.o_proj, y.reshape(batch, seq, -1), context)
@@ -56,19 +81,25 @@ class Attention(nn.Module):
 class Block(nn.Module):
     """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x)); the attention is multi-head latent attention
     (`lit3d.models.latent_attention`) where ``config.kv_lora_rank`` is set, and the MLP a Mixture of Experts
-    (`lit3d.models.moe.MoE`) in the blocks ``config.is_moe_layer`` names."""
+    (`lit3d.models.moe.MoE`) in the blocks ``config.is_moe_layer`` names. With ``sandwich_norm`` (Gemma) each output is
+    normalised again before it joins the residual stream (``post_attn_norm``, ``post_mlp_norm``)."""
 
     def __init__(self, config: GPTConfig, index: int = 0, lora: LoRA | None = None) -> None:
         super().__init__()
-        self.attn_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
-        self.attn = LatentAttention(config, lora) if config.kv_lora_rank else Attention(config, lora)
-        self.mlp_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.attn_norm = rms_norm(config.d_model, config)
+        self.attn = LatentAttention(config, lora) if config.kv_lora_rank else Attention(config, lora, index)
+        self.mlp_norm = rms_norm(config.d_model, config)
         self.mlp = MoE(config, index, lora) if config.is_moe_layer(index) else MLP(config, lora)
+        sandwich = config.sandwich_norm
+        self.post_attn_norm = rms_norm(config.d_model, config) if sandwich else None
+        self.post_mlp_norm = rms_norm(config.d_model, config) if sandwich else None
 
     def forward(self, x: torch.Tensor, context: BatchContext = NO_CONTEXT) -> torch.Tensor:
         # NOTE: the context by keyword: tensor parallelism's input hooks on attn and mlp take one positional argument.
-        x = x + self.attn(compute_dtype(self.attn_norm(x)), context=context)
-        return x + self.mlp(compute_dtype(self.mlp_norm(x)), context=context)
+        y = self.attn(compute_dtype(self.attn_norm(x)), context=context)
+        x = x + (y if self.post_attn_norm is None else self.post_attn_norm(y))
+        y = self.mlp(compute_dtype(self.mlp_norm(x)), context=context)
+        return x + (y if self.post_mlp_norm is None else self.post_mlp_norm(y))
 
 
 def compute_dtype(x: torch.Tensor) -> torch.Tensor:

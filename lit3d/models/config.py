@@ -8,6 +8,7 @@ from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from lit3d.models.config_checks import LAYER_TYPES, check_attention, check_experts, check_latent_attention  # noqa: F401
 from lit3d.models.presets import PRESETS
 from lit3d.models.rope_settings import check_rope_scaling
 from lit3d.moved import REMOVED_IN_LATER
@@ -23,7 +24,10 @@ FAMILIES = {
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
+Activation = Literal["silu", "gelu_pytorch_tanh"]
 
 
 @dataclass
@@ -91,6 +95,28 @@ class GPTConfig:
         num_nextn_predict_layers: Multi-token prediction's depths (DeepSeek-V3: 1; `lit3d.models.mtp`): depth k
             predicts the token k + 1 places ahead, sharing the embedding and the head; 0: none.
         mtp_loss_weight: What the mean of the depths' losses weighs in the training objective (DeepSeek-V3: 0.3).
+        sliding_window: A windowed layer's query sees the last this many tokens, itself included (HuggingFace's
+            meaning; gpt-oss: 128, Gemma 3: 512 or 1024); ``None``: every layer sees the whole context before it.
+        layer_types: Per block, ``"sliding_attention"`` or ``"full_attention"`` (gpt-oss alternates them, Gemma 3 has
+            five windowed blocks to one full); ``None`` with a ``sliding_window``: every block is windowed (Mistral).
+        attention_sinks: A learnt logit per head that joins each softmax's denominator and takes no value (gpt-oss's
+            ``sinks``): a query may give a share of its attention to nothing.
+        attention_bias: Biases on q, k, v and the output projection (gpt-oss); Qwen2's q/k/v-only biases are
+            ``qkv_bias``.
+        mlp_bias: Biases on the feed-forward's projections, the experts' and the router's (gpt-oss's MoE).
+        swiglu_limit: gpt-oss's clamped SwiGLU: ``(clamp(up, ±limit) + 1) · g · sigmoid(alpha · g)``, with ``g`` the
+            gate clamped to at most ``limit``; ``None``: the plain gated MLP of ``hidden_act``.
+        swiglu_alpha: The sigmoid's slope of gpt-oss's clamped SwiGLU.
+        hidden_act: The gated MLP's activation: ``"silu"`` (SwiGLU) or ``"gelu_pytorch_tanh"`` (Gemma's GeGLU).
+        query_pre_attn_scalar: Attention scores are scaled by this to the -1/2 (Gemma 3) instead of the head width's.
+        rope_local_base_freq: The rotary base of the windowed layers, unscaled (Gemma 3: 10,000 against the full
+            layers' ``rope_theta`` and ``rope_scaling``); ``None``: every layer's rotary is the same.
+        sandwich_norm: An RMSNorm after attention and after the MLP too, before each joins the residual stream
+            (Gemma 2 and 3).
+        norm_unit_offset: Every RMSNorm scales by ``1 + weight`` (computed in fp32), its weight starting at 0 (Gemma).
+        scale_embeddings: The token embeddings are multiplied by ``√d_model`` (Gemma).
+        final_logit_softcapping: The logits go through ``c · tanh(logits / c)`` (Gemma 2, and Gemma 3 configs that set
+            it); ``None``: no capping.
     """
 
     name: str = "custom"
@@ -133,6 +159,20 @@ class GPTConfig:
     routed_scaling_factor: float = 1.0
     num_nextn_predict_layers: int = 0
     mtp_loss_weight: float = 0.3
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
+    attention_sinks: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+    hidden_act: Activation = "silu"
+    query_pre_attn_scalar: float | None = None
+    rope_local_base_freq: float | None = None
+    sandwich_norm: bool = False
+    norm_unit_offset: bool = False
+    scale_embeddings: bool = False
+    final_logit_softcapping: float | None = None
     # 0.4's name of ``n_shared_experts`` (a checkpoint's saved config), read with a DeprecationWarning
     n_shared_expert: InitVar[int | None] = None
     # Derived in __post_init__, never set by hand.
@@ -173,87 +213,20 @@ class GPTConfig:
         if self.attention not in ("auto", "sdpa", "flash"):
             raise ValueError(f"attention={self.attention!r} is not one of 'auto', 'sdpa', 'flash'")
         self._explicit_head_dim = self.head_dim
-        self._check_latent_attention()
+        check_latent_attention(self)
         if self.head_dim is None:
             self.head_dim = self.d_model // self.n_head
         if self.head_dim <= 0 or self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be positive and even for rotary embeddings")
         self.padded_vocab_size = _round_up(self.vocab_size, self.pad_vocab_multiple)
-        self._check_experts()
+        check_experts(self)
+        check_attention(self)
 
-    def _check_experts(self) -> None:
-        if self.d_ff_expert is None:
-            self.d_ff_expert = self.d_ff
-        if self.n_expert < 0 or self.n_shared_experts < 0 or self.d_ff_expert <= 0 or self.aux_loss_coef < 0:
-            raise ValueError(
-                f"n_expert={self.n_expert}, n_shared_experts={self.n_shared_experts}, d_ff_expert={self.d_ff_expert} "
-                f"and aux_loss_coef={self.aux_loss_coef} must not be negative (d_ff_expert positive)"
-            )
-        if self.n_expert and not 1 <= self.n_expert_per_token <= self.n_expert:
-            raise ValueError(
-                f"n_expert_per_token={self.n_expert_per_token} must be between 1 and n_expert={self.n_expert}"
-            )
-        if not 0 <= self.first_dense_layers <= self.n_layer:
-            raise ValueError(
-                f"first_dense_layers={self.first_dense_layers} must be between 0 and n_layer={self.n_layer}"
-            )
-        if self.router not in ("softmax", "sigmoid"):
-            raise ValueError(f"router={self.router!r} is not one of 'softmax', 'sigmoid'")
-        if self.capacity_factor is not None and self.capacity_factor <= 0:
-            raise ValueError(f"capacity_factor={self.capacity_factor} must be positive (or None: dropless)")
-        if self.num_nextn_predict_layers < 0 or self.mtp_loss_weight < 0:
-            raise ValueError(
-                f"num_nextn_predict_layers={self.num_nextn_predict_layers} and mtp_loss_weight={self.mtp_loss_weight} "
-                "must not be negative"
-            )
-        self._check_groups()
-
-    def _check_groups(self) -> None:
-        """DeepSeek-V3's group-limited routing: groups of at least two experts (each scored by its best two), enough
-        experts in the eligible groups, and only for the sigmoid router."""
-        groups, chosen = self.n_group, self.topk_group
-        if self.routed_scaling_factor <= 0 or groups < 1 or not 1 <= chosen <= groups:
-            raise ValueError(
-                f"n_group={groups}, topk_group={chosen}, routed_scaling_factor={self.routed_scaling_factor}: "
-                "n_group and the scale must be positive and topk_group between 1 and n_group"
-            )
-        if groups == 1 or not self.n_expert:
-            return
-        per_group = self.n_expert // groups
-        if self.router != "sigmoid" or self.n_expert % groups or per_group < 2:
-            raise ValueError(
-                f"n_group={groups} with router={self.router!r}, n_expert={self.n_expert}: groups are for the sigmoid "
-                "router, and n_group must divide n_expert into groups of two experts or more"
-            )
-        if self.n_expert_per_token > chosen * per_group:
-            raise ValueError(
-                f"n_expert_per_token={self.n_expert_per_token} is more than the {chosen * per_group} experts of "
-                f"topk_group={chosen} groups of {per_group}"
-            )
-
-    def _check_latent_attention(self) -> None:
-        """Multi-head latent attention's widths, and the settings of grouped-query attention it does not take; its
-        q and k heads are ``qk_nope_head_dim + qk_rope_head_dim`` wide (``head_dim``)."""
-        if self.kv_lora_rank is None:
-            if self.q_lora_rank is not None or self.rope_interleave:
-                raise ValueError(
-                    f"q_lora_rank={self.q_lora_rank}, rope_interleave={self.rope_interleave} are settings of "
-                    "multi-head latent attention: set kv_lora_rank too"
-                )
-            return
-        names = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
-        widths = {name: getattr(self, name) for name in names}
-        if any(width is not None and width <= 0 for width in widths.values()) or self.qk_rope_head_dim % 2:
-            raise ValueError(f"{widths}: latent attention's widths must be positive, qk_rope_head_dim even")
-        qk = self.qk_nope_head_dim + self.qk_rope_head_dim
-        if self.n_kv_head != self.n_head or self.qk_norm or self.qkv_bias or self.head_dim not in (None, qk):
-            raise ValueError(
-                f"n_kv_head={self.n_kv_head}, qk_norm={self.qk_norm}, qkv_bias={self.qkv_bias}, "
-                f"head_dim={self.head_dim}: multi-head latent attention (kv_lora_rank={self.kv_lora_rank}) has "
-                f"n_kv_head = n_head={self.n_head}, no q/k norms or biases, and heads of {qk} "
-                "(qk_nope_head_dim + qk_rope_head_dim)"
-            )
-        self.head_dim = qk
+    def window(self, index: int) -> int | None:
+        """How many tokens block ``index``'s queries see (`sliding_window`), or ``None``: the whole context."""
+        if self.sliding_window is None or (self.layer_types and self.layer_types[index] != "sliding_attention"):
+            return None
+        return self.sliding_window
 
     def is_moe_layer(self, index: int) -> bool:
         return self.n_expert > 0 and index >= self.first_dense_layers
@@ -318,11 +291,12 @@ class GPTConfig:
 
     def block_params(self, active: bool) -> int:
         """Parameters of all blocks; ``active``: only those one token uses (k of the routed experts)."""
-        attention = self.attention_params + 2 * self.d_model
-        dense = 3 * self.d_model * self.d_ff
-        expert = 3 * self.d_model * self.d_ff_expert
+        attention = self.attention_params + (4 if self.sandwich_norm else 2) * self.d_model
+        biased = self.mlp_bias
+        dense = 3 * self.d_model * self.d_ff + (2 * self.d_ff + self.d_model if biased else 0)
+        expert = 3 * self.d_model * self.d_ff_expert + (2 * self.d_ff_expert + self.d_model if biased else 0)
         routed = self.n_expert_per_token if active else self.n_expert
-        moe = self.d_model * self.n_expert + (routed + self.n_shared_experts) * expert
+        moe = (self.d_model + biased) * self.n_expert + (routed + self.n_shared_experts) * expert
         return self.n_layer * attention + (self.n_layer - self.moe_layers) * dense + self.moe_layers * moe
 
     @property
@@ -330,9 +304,10 @@ class GPTConfig:
         """Parameters of one block's attention (its norm left out)."""
         d, hd, heads = self.d_model, self.head_dim, self.n_head
         if self.kv_lora_rank is None:
-            attention = d * hd * (2 * heads + 2 * self.n_kv_head)
-            attention += 2 * hd if self.qk_norm else 0  # Qwen3's per-head q and k norms
-            return attention + (hd * (heads + 2 * self.n_kv_head) if self.qkv_bias else 0)  # Qwen2's biases
+            attention = d * hd * (2 * heads + 2 * self.n_kv_head) + (heads if self.attention_sinks else 0)
+            attention += 2 * hd if self.qk_norm else 0  # Qwen3's and Gemma 3's per-head q and k norms
+            biases = hd * (heads + 2 * self.n_kv_head) if self.qkv_bias or self.attention_bias else 0  # Qwen2's
+            return attention + biases + (d if self.attention_bias else 0)  # gpt-oss's
         latent, q_rank = self.kv_lora_rank, self.q_lora_rank
         queries = d * heads * hd if q_rank is None else q_rank * (d + 1 + heads * hd)
         keys_values = d * (latent + self.qk_rope_head_dim) + latent * (
@@ -359,8 +334,10 @@ class GPTConfig:
 
     def attention_flops_per_token(self, seq_len: int) -> int:
         """The attention scores and their weighted sum, forward and backward: 6 · n_layer · heads · (q/k head + value
-        head) · seq_len (12 · n_layer · heads · head_dim · seq_len where the heads are one width)."""
-        return 6 * self.n_layer * self.n_head * (self.head_dim + self.value_head_dim) * seq_len
+        head) · seq_len (12 · n_layer · heads · head_dim · seq_len where the heads are one width); a windowed block
+        counts its window instead of the sequence where the window is shorter."""
+        attended = sum(min(seq_len, self.window(i) or seq_len) for i in range(self.n_layer))
+        return 6 * self.n_head * (self.head_dim + self.value_head_dim) * attended
 
 
 _SETTABLE = tuple(f.name for f in dataclasses.fields(GPTConfig) if f.init)  # `GPTConfig.to_dict`'s fields

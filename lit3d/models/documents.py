@@ -24,7 +24,7 @@ class Masks:
 
     def __init__(self) -> None:
         self.causal: torch.Tensor | None = None
-        self.biases: dict[torch.dtype, torch.Tensor] = {}
+        self.biases: dict[tuple[torch.dtype, int | None, bool], torch.Tensor] = {}
 
 
 @dataclass(frozen=True)
@@ -60,16 +60,20 @@ class Documents:
         return self.masks.causal
 
     @torch.compiler.disable
-    def causal_bias(self, dtype: torch.dtype) -> torch.Tensor:
+    def causal_bias(self, dtype: torch.dtype, window: int | None = None, sink: bool = False) -> torch.Tensor:
         """`causal_mask` as the additive bias SDPA makes of a boolean mask (0 where a token attends, -inf elsewhere),
-        in ``dtype``, made once for every layer of a forward. NOTE: given the boolean mask, SDPA makes this bias at
-        every call, and each layer's backward keeps its own copy: ``[batch, 1, seq, seq]`` per layer."""
+        in ``dtype``, made once for every layer of a forward; with a ``window``, a query sees only the last ``window``
+        tokens of its document; with a ``sink``, one more key column of zeros (`lit3d.models.attention`). NOTE: given
+        the boolean mask, SDPA makes this bias at every call, and each layer's backward keeps its own copy:
+        ``[batch, 1, seq, seq]`` per layer."""
         biases = self.masks.biases
-        if dtype not in biases:
+        if (dtype, window, sink) not in biases:
             mask = self.causal_mask
-            bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
-            biases[dtype] = bias.masked_fill_(mask.logical_not(), float("-inf"))
-        return biases[dtype]
+            if window is not None:
+                mask = mask & window_mask(mask.shape[-1], window, mask.device)
+            bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask.logical_not(), -torch.inf)
+            biases[dtype, window, sink] = torch.nn.functional.pad(bias, (0, 1)) if sink else bias
+        return biases[dtype, window, sink]
 
 
 def attention_mask(query_segments: torch.Tensor, key_segments: torch.Tensor, causal: bool) -> torch.Tensor:
@@ -79,6 +83,13 @@ def attention_mask(query_segments: torch.Tensor, key_segments: torch.Tensor, cau
         q, k = query_segments.shape[1], key_segments.shape[1]
         allowed = allowed & torch.ones(q, k, dtype=torch.bool, device=allowed.device).tril()
     return allowed[:, None]
+
+
+def window_mask(seq: int, window: int, device: torch.device) -> torch.Tensor:
+    """``[seq, seq]``: True where a query sees a key of a ``window`` of tokens ending at itself (and not after)."""
+    index = torch.arange(seq, device=device)
+    distance = index[:, None] - index[None, :]
+    return (distance >= 0) & (distance < window)
 
 
 def attended_length(positions: torch.Tensor) -> float:

@@ -25,6 +25,8 @@ from lit3d.models.loss import IGNORED, cross_entropy
 from lit3d.models.lr_schedule import WarmupCosine, follow_schedule, horizon_warning, optimizer_refusal
 from lit3d.models.moe import balance_objective, step_balance
 from lit3d.models.mtp import multi_token_loss, step_loss, tokens_ahead
+from lit3d.models.optimizer_settings import MuonSettings, choice_refusal
+from lit3d.models.optimizers import build_optimizer
 from lit3d.models.runner import Runner, WholeNetwork
 from lit3d.models.tp_plan import tensor_parallel_plan
 from lit3d.models.transformer import Transformer
@@ -43,14 +45,14 @@ class GPT(L.LightningModule):
         betas: AdamW betas.
         eps: AdamW epsilon.
         warmup_steps: Optimizer steps of linear warm-up from 0.
-        decay_steps: Step at which the cosine decay reaches its floor; ``None`` uses the trainer's
-            ``max_steps`` (or its estimated number of steps). The schedule is a function of the step and of this
-            run's horizon, also on a resumed run: continued with a larger ``max_steps``, a run follows from the step
-            it resumes at the schedule planned for the new horizon (a 20-step run resumed with ``max_steps=40``
-            takes at step 20 the learning rate a 40-step run has there, not its floor) and logs that the schedule
-            was stretched; set ``decay_steps`` to the old horizon to keep the old schedule (its floor from there).
+        decay_steps: Step at which the cosine decay reaches its floor; ``None``: the trainer's ``max_steps`` (or its
+            estimated steps). A resumed run follows the schedule of its own horizon from the step it resumes at (and
+            logs that it was stretched); set ``decay_steps`` to the old horizon to keep the old schedule.
         min_lr_ratio: The floor of the cosine decay as a fraction of ``learning_rate``.
         optimizer_impl: AdamW implementation: ``"foreach"``, ``"fused"`` or ``"auto"`` (PyTorch's choice).
+        optimizer: ``"adamw"``, or ``"muon"``: Muon on the blocks' matrices, AdamW on the rest (`lit3d.models.muon`),
+            with ``learning_rate`` and ``weight_decay`` for both. ``muon_momentum``, ``muon_ns_steps``,
+            ``muon_ns_dtype`` and ``muon_rms_rule`` are Muon's settings (`lit3d.models.optimizers.MuonSettings`).
         pretrained: Start from these weights instead of the seed: a local HuggingFace folder (``config.json`` +
             safetensors: Llama, Mistral, Qwen3, Mixtral) or a lit3d checkpoint (a folder of any layout, or a single
             file). Its shapes replace ``config``; every parallel layout shards the weights as it loads them. A LoRA
@@ -76,11 +78,16 @@ class GPT(L.LightningModule):
         sampling: Sampling | None = None,
         lora: LoRA | None = None,
         adapter: str | None = None,
+        optimizer: str = "adamw",
+        muon_momentum: float = 0.95,
+        muon_ns_steps: int = 5,
+        muon_ns_dtype: str = "bfloat16",
+        muon_rms_rule: str = "match_rms_adamw",
     ) -> None:
         super().__init__()
-        if optimizer_impl not in ("auto", "foreach", "fused"):
-            raise ValueError(f"optimizer_impl={optimizer_impl!r} is not one of 'auto', 'foreach', 'fused'")
+        self.muon = MuonSettings(muon_momentum, muon_ns_steps, muon_ns_dtype, muon_rms_rule)
         refusal = optimizer_refusal(learning_rate, weight_decay, betas, eps, warmup_steps, decay_steps, min_lr_ratio)
+        refusal = refusal or choice_refusal(optimizer_impl, optimizer, self.muon, lora is not None or bool(adapter))
         if refusal is not None:
             raise ValueError(refusal)
         self.pretrained = pretrained
@@ -97,7 +104,7 @@ class GPT(L.LightningModule):
         self.hparams["lora"] = asdict(self.lora) if self.lora else None
         self.learning_rate, self.weight_decay, self.betas, self.eps = learning_rate, weight_decay, tuple(betas), eps
         self.warmup_steps, self.decay_steps, self.min_lr_ratio = warmup_steps, decay_steps, min_lr_ratio
-        self.optimizer_impl = optimizer_impl
+        self.optimizer_impl, self.optimizer_name = optimizer_impl, optimizer
 
         # The network is built by `configure_model`, on the device Lightning chooses, or empty (meta) when a
         # model-parallel strategy splits it first and then initialises each rank's shards.
@@ -328,13 +335,8 @@ class GPT(L.LightningModule):
         return {"prompt": prompt[0], "completion": tokens[0, prompt.shape[1] :]}
 
     def configure_optimizers(self) -> dict[str, Any]:
-        params = [p for p in self.parameters() if p.requires_grad]
-        groups = [
-            {"params": [p for p in params if p.ndim >= 2], "weight_decay": self.weight_decay},
-            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-        ]
-        impl = {"auto": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}[self.optimizer_impl]
-        optimizer = torch.optim.AdamW(groups, lr=self.learning_rate, betas=self.betas, eps=self.eps, **impl)
+        hyper = (self.learning_rate, self.weight_decay, self.betas, self.eps, self.optimizer_impl, self.muon)
+        optimizer = build_optimizer(list(self.named_parameters()), self.optimizer_name, *hyper)
         schedule = WarmupCosine(self.warmup_steps, self._decay_steps(), self.min_lr_ratio)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -27,7 +27,7 @@ from lit3d.models.config import GPTConfig
 from lit3d.models.lora_dropout import LayoutFreeDropout, Samples
 from lit3d.models.lora_settings import LoRA
 from lit3d.models.loss import AddToObjective
-from lit3d.models.mlp import MLP
+from lit3d.models.mlp import MLP, gated
 
 
 class Router(nn.Module):
@@ -47,12 +47,13 @@ class Router(nn.Module):
         super().__init__()
         self.kind, self.k, self.renormalise = config.router, config.n_expert_per_token, config.norm_topk_prob
         self.groups, self.group_k, self.scale = config.n_group, config.topk_group, config.routed_scaling_factor
-        self.gate = nn.Linear(config.d_model, config.n_expert, bias=False)
+        self.gate = nn.Linear(config.d_model, config.n_expert, bias=config.mlp_bias)  # gpt-oss's is biased
         if self.kind == "sigmoid":
             self.register_buffer("expert_bias", torch.zeros(config.n_expert))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, self.gate.weight.to(x.dtype)).float()
+        bias = self.gate.bias.to(x.dtype) if self.gate.bias is not None else None
+        logits = F.linear(x, self.gate.weight.to(x.dtype), bias).float()
         if self.kind == "softmax":
             scores = logits.softmax(dim=-1)
             weights, chosen = scores.topk(self.k, dim=-1)
@@ -149,8 +150,9 @@ def _has_grouped_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 class Experts(nn.Module):
-    """``n_expert`` SwiGLU MLPs as three stacked weights (``[expert, in, out]``); under expert parallelism a rank
-    holds a contiguous run of them.
+    """``n_expert`` gated MLPs (`lit3d.models.mlp.gated`) as three stacked weights (``[expert, in, out]``), with stacked
+    biases (``[expert, out]``) where ``mlp_bias`` is set; under expert parallelism a rank holds a contiguous run of
+    them.
 
     With ``lora`` targeting ``gate``, ``up`` or ``down``, each expert's projection gets its own adapter, stacked the
     same way: ``{role}_proj_lora_a`` ``[expert, in, rank]`` and ``{role}_proj_lora_b`` ``[expert, rank, out]``
@@ -158,11 +160,18 @@ class Experts(nn.Module):
     frozen.) Their dropout keys each row by its token and expert (``row_keys``: `lit3d.models.lora_dropout`), wherever
     it runs."""
 
-    def __init__(self, n_expert: int, d_model: int, d_ff: int, lora: LoRA | None = None) -> None:
+    def __init__(self, config: GPTConfig, lora: LoRA | None = None) -> None:
         super().__init__()
+        n_expert, d_model, d_ff = config.n_expert, config.d_model, config.d_ff_expert
         self.gate_proj = nn.Parameter(torch.empty(n_expert, d_model, d_ff))
         self.up_proj = nn.Parameter(torch.empty(n_expert, d_model, d_ff))
         self.down_proj = nn.Parameter(torch.empty(n_expert, d_ff, d_model))
+        if config.mlp_bias:  # gpt-oss: each expert's projections biased, ``[expert, out]``
+            self.gate_proj_bias = nn.Parameter(torch.empty(n_expert, d_ff))
+            self.up_proj_bias = nn.Parameter(torch.empty(n_expert, d_ff))
+            self.down_proj_bias = nn.Parameter(torch.empty(n_expert, d_model))
+        self.biased = config.mlp_bias
+        self.act, self.limit, self.alpha = config.hidden_act, config.swiglu_limit, config.swiglu_alpha
         self.adapted = tuple(role for role in ("gate", "up", "down") if lora is not None and role in lora.targets)
         for role in self.adapted:
             inner, outer = (d_ff, d_model) if role == "down" else (d_model, d_ff)
@@ -177,12 +186,15 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: list[int], row_keys: torch.Tensor | None = None) -> torch.Tensor:
         """``x``: tokens sorted by expert, ``counts[e]`` of them for local expert e; ``row_keys``: their dropout's."""
-        hidden = F.silu(self._project("gate", x, counts, row_keys)) * self._project("up", x, counts, row_keys)
-        return self._project("down", hidden, counts, row_keys)
+        gate, up = self._project("gate", x, counts, row_keys), self._project("up", x, counts, row_keys)
+        return self._project("down", gated(gate, up, self.act, self.limit, self.alpha), counts, row_keys)
 
     def _project(self, role: str, x: torch.Tensor, counts: list[int], row_keys: torch.Tensor | None) -> torch.Tensor:
         """Each expert's ``role`` projection of its tokens, with its adapter if it has one."""
         out = grouped_mm(x, self._weight(f"{role}_proj", x.dtype), counts)
+        if self.biased:  # each row its expert's bias
+            bias = self._weight(f"{role}_proj_bias", x.dtype)
+            out = out + bias.repeat_interleave(torch.tensor(counts, device=x.device), dim=0, output_size=x.shape[0])
         if role not in self.adapted:
             return out
         dropped = self.dropout.on_rows(x, row_keys, role)
@@ -223,7 +235,7 @@ class MoE(nn.Module):
         self.index = index  # the block's
         self.n_expert, self.k = config.n_expert, config.n_expert_per_token
         self.router = Router(config)
-        self.experts = Experts(config.n_expert, config.d_model, config.d_ff_expert, lora)
+        self.experts = Experts(config, lora)
         shared = config.n_shared_experts * config.d_ff_expert
         self.shared = MLP(config.replace(d_ff=shared)) if shared else None  # (frozen under LoRA)
         self.ep_group = None  # expert parallelism: the process group the experts are split over

@@ -29,6 +29,35 @@ def _yarn(factor: float) -> dict[str, Any]:
     }
 
 
+def _gpt_oss(layers: int, experts: int) -> dict[str, Any]:
+    """gpt-oss's published config.json: windows of 128 tokens in every other block (the first windowed), a sink per
+    head, biased attention, experts with biases and a clamped SwiGLU, YaRN to 128k positions."""
+    yarn = {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+            "beta_slow": 1.0, "truncate": False}  # fmt: skip
+    return dict(
+        n_layer=layers, n_head=64, n_kv_head=8, head_dim=64, d_model=2880, d_ff=2880, vocab_size=201088,
+        max_seq_len=131072, rope_theta=150000.0, rope_scaling=yarn, norm_eps=1e-5, family="gpt_oss",
+        n_expert=experts, n_expert_per_token=4, d_ff_expert=2880, aux_loss_coef=0.9, sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"] * (layers // 2), attention_sinks=True,
+        attention_bias=True, mlp_bias=True, swiglu_limit=7.0,
+    )  # fmt: skip
+
+
+def _gemma3(layers: int, d_model: int, d_ff: int, heads: int, head_dim: int, scalar: int, **more: Any) -> dict:
+    """Gemma 3's text model as its published config.json has it: five windowed blocks (their own rotary base) to one
+    full, norms around attention and the MLP scaling by 1 + weight, per-head q/k norms, GeGLU, scaled and tied
+    embeddings of a 262k vocabulary; the 4B, 12B and 27B stretch the full blocks' rotary 8x (linear) to 128k."""
+    fields = dict(
+        n_layer=layers, n_head=heads, n_kv_head=heads // 2, head_dim=head_dim, d_model=d_model, d_ff=d_ff,
+        vocab_size=262208, max_seq_len=131072, rope_theta=1e6, rope_scaling={"rope_type": "linear", "factor": 8.0},
+        rope_local_base_freq=10000.0, norm_eps=1e-6, family="gemma3_text", sliding_window=1024,
+        layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)],
+        qk_norm=True, sandwich_norm=True, norm_unit_offset=True, scale_embeddings=True,
+        hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=scalar, tie_embeddings=True,
+    )  # fmt: skip
+    return fields | more
+
+
 # Llama-style presets. `gpt3-175b` keeps GPT-3's widths and parameter count with a SwiGLU MLP (3 matrices of
 # d_ff = 2/3 * 4 * d_model hold as many weights as GPT-3's 2 matrices of 4 * d_model), with an untied head so
 # that it can be pipelined.
@@ -155,4 +184,12 @@ PRESETS: dict[str, dict[str, Any]] = {
         n_shared_experts=2, d_ff_expert=1408, first_dense_layers=1, router="sigmoid", kv_lora_rank=512,
         routed_scaling_factor=2.446,
     ),
+    # gpt-oss and Gemma 3 (text), from their published config.json files.
+    "gpt-oss-20b": _gpt_oss(layers=24, experts=32),
+    "gpt-oss-120b": _gpt_oss(layers=36, experts=128),
+    "gemma-3-1b": _gemma3(26, 1152, 6912, heads=4, head_dim=256, scalar=256, n_kv_head=1, vocab_size=262144,
+                          max_seq_len=32768, rope_scaling=None, sliding_window=512),
+    "gemma-3-4b": _gemma3(34, 2560, 10240, heads=8, head_dim=256, scalar=256),
+    "gemma-3-12b": _gemma3(48, 3840, 15360, heads=16, head_dim=256, scalar=256),
+    "gemma-3-27b": _gemma3(62, 5376, 21504, heads=32, head_dim=128, scalar=168),
 }  # fmt: skip

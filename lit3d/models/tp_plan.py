@@ -13,7 +13,9 @@ from lit3d.models.config import GPTConfig
 #   colwise / rowwise  split the output / input features of a linear
 #   tp_region          a module that runs on the full sequence (its input is gathered under sequence parallel)
 #   norm               runs on sequence shards under sequence parallel, replicated otherwise
+#   residual_norm      the same, for a norm whose output is added to the residual stream (Gemma's post-norms)
 #   head_norm          a norm over each head (Qwen3's q and k norms): on each rank's heads, its weight replicated
+#   head_split         a tensor with a value per query head (gpt-oss's attention sinks): split with the heads
 #   replicated         a small module inside a region that every rank computes whole (latent attention's
 #                      down-projections and their norms): its weights replicated, its input the region's
 #   vocab_embedding    embedding rows split by vocabulary
@@ -47,6 +49,10 @@ def tensor_parallel_plan(config: GPTConfig) -> dict[str, str]:
         base.update(latent_attention_plan(config))
     if config.qk_norm:
         base.update({"blocks.*.attn.q_norm": "head_norm", "blocks.*.attn.k_norm": "head_norm"})
+    if config.attention_sinks:
+        base["blocks.*.attn.sinks"] = "head_split"
+    if config.sandwich_norm:  # Gemma's norms after attention and the MLP, on the residual stream's layout
+        base.update({"blocks.*.post_attn_norm": "residual_norm", "blocks.*.post_mlp_norm": "residual_norm"})
     if config.n_expert:
         mlp = [k for k in TENSOR_PARALLEL_PLAN if k == "blocks.*.mlp" or k.startswith("blocks.*.mlp.")]
         plan = {k: v for k, v in base.items() if k not in mlp}

@@ -34,6 +34,7 @@ from lit3d.models.lora_dropout import name_dropouts
 from lit3d.models.loss import IGNORED, AddToObjective, cross_entropy, loss_parallel_scope
 from lit3d.models.moe import MoE
 from lit3d.models.mtp import MultiTokenPrediction
+from lit3d.models.norms import rms_norm
 from lit3d.models.rotary import apply_rotary, rotary_tables
 
 # (read from here too: the block, the loss and the rotary helpers)
@@ -54,7 +55,7 @@ class Transformer(nn.Module):
         self.config = config
         self.embed: nn.Embedding | None = nn.Embedding(config.padded_vocab_size, config.d_model)
         self.blocks = nn.ModuleDict({str(i): Block(config, i, lora) for i in range(config.n_layer)})
-        self.norm: nn.RMSNorm | None = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.norm: nn.Module | None = rms_norm(config.d_model, config)
         self.head: nn.Linear | None = nn.Linear(config.d_model, config.padded_vocab_size, bias=False)
         if config.tie_embeddings:
             self.head.weight = self.embed.weight
@@ -75,18 +76,33 @@ class Transformer(nn.Module):
         with the hidden state, as a second output and input, to the stage with the depths."""
         if self.embed is not None:
             if self.config.num_nextn_predict_layers and context.ahead is not None:
-                ahead = compute_dtype(self.embed(context.ahead.tokens))
-            x = compute_dtype(self.embed(x))  # bf16-mixed: the residual stream in bf16 whatever holds the weights
+                ahead = self._embed(context.ahead.tokens)
+            x = self._embed(x)
         for block in self.blocks.values():
             x = block(x, context=context)
         if self.norm is not None:
             x = compute_dtype(self.norm(x))
         if self.head is None:
             return x if ahead is None else (x, ahead)
-        logits = mask_vocab_padding(self.head(x), self.config.vocab_size)
+        logits = self._logits(x)
         if self.mtp is not None and ahead is not None and torch.is_grad_enabled():  # (training: evaluation skips it)
             logits = self._predict_ahead(x, ahead, logits, context)
         return logits
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings in the compute dtype (bf16-mixed: the residual stream in bf16 whatever holds the
+        weights), times √d_model in that dtype where ``scale_embeddings`` (Gemma)."""
+        x = compute_dtype(self.embed(tokens))
+        if self.config.scale_embeddings:
+            x = x * torch.tensor(self.config.d_model**0.5, dtype=x.dtype)
+        return x
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head's logits, soft-capped where ``final_logit_softcapping`` is set (before the padding's -inf)."""
+        logits, cap = self.head(hidden), self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return mask_vocab_padding(logits, self.config.vocab_size)
 
     def _predict_ahead(
         self, hidden: torch.Tensor, ahead: torch.Tensor, logits: torch.Tensor, context: BatchContext
@@ -97,7 +113,7 @@ class Transformer(nn.Module):
         tokens, losses = context.ahead, []
         for k, depth in enumerate(self.mtp.values()):
             hidden = depth(hidden, ahead[:, :, k], context)
-            depth_logits = mask_vocab_padding(self.head(hidden), self.config.vocab_size)  # (the decoder's head)
+            depth_logits = self._logits(hidden)  # (the decoder's head)
             losses.append(cross_entropy(depth_logits, tokens.targets[..., k], tokens.scales[0, k]))
             depth.record(losses[-1])
         if context.objective_weight is None:
@@ -162,9 +178,9 @@ class Transformer(nn.Module):
         if init_adapter(name, tensor, generator):
             return
         if name.endswith("norm.weight"):
-            tensor.fill_(1.0)
+            tensor.fill_(0.0 if self.config.norm_unit_offset else 1.0)  # (Gemma's norms scale by 1 + weight)
             return
-        if name.endswith("proj.bias"):
+        if name.endswith("bias"):  # a linear's, the router's, the experts' stacked ones
             tensor.zero_()
             return
         # GPT-2's rule: the projections that write into the residual stream start smaller.

@@ -7,10 +7,19 @@ from typing import Any
 
 
 def check_context_parallel(config: Any, cp: int, seq_len: int | None, tp: int = 1, sp: bool = False) -> None:
-    """Refuse what context parallelism cannot run, naming the values: sequences that do not split into ``2·cp``
-    equal chunks (and, under sequence parallelism, a rank's share that does not split over TP)."""
+    """Refuse what context parallelism cannot run, naming the values: a model with windows or sinks (gpt-oss, Gemma 3),
+    sequences that do not split into ``2·cp`` equal chunks (and, under sequence parallelism, a rank's share that does
+    not split over TP)."""
     if cp == 1:
         return
+    window, sinks = getattr(config, "sliding_window", None), getattr(config, "attention_sinks", False)
+    if window is not None or sinks:
+        # NOTE: the ring (`lit3d.models.ring_attention`) would have to skip the blocks a window cannot see, mask the
+        # ones it cuts, and carry the sink into every partial softmax (with its own backward): not written yet.
+        raise ValueError(
+            f"context_parallel_size={cp} with sliding_window={window}, attention_sinks={sinks}: lit3d's ring "
+            "attention computes neither windows nor sinks; split this model with tensor, pipeline or data parallelism"
+        )
     if seq_len is None:
         return
     if seq_len % (2 * cp):

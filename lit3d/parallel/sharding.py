@@ -11,12 +11,14 @@ ROLES = (
     "replicated_region",
     "replicated",
     "norm",
+    "residual_norm",
     "head_norm",
+    "head_split",
     "vocab_embedding",
     "vocab_head",
 )
 # The dim of its weight each role splits over the TP ranks (an ``nn.Linear`` weight is [out, in], an embedding's
 # [vocab, d]); the roles not named here leave their weights whole. The planner counts shards with this.
-SHARDED_DIM = {"colwise": 0, "rowwise": 1, "vocab_embedding": 0, "vocab_head": 0}
+SHARDED_DIM = {"colwise": 0, "rowwise": 1, "head_split": 0, "vocab_embedding": 0, "vocab_head": 0}
 
 BUCKET_ELEMENTS = 50_000_000  # one ZeRO-1 collective moves at most this many elements per rank

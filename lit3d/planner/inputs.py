@@ -8,6 +8,7 @@ from functools import cached_property
 from typing import Any
 
 from lit3d.models.lora_settings import LoRA
+from lit3d.models.optimizer_settings import OPTIMIZERS
 from lit3d.parallel.layout import Layout
 from lit3d.parallel.precision import is_bf16_mixed
 from lit3d.parallel.schedules import SCHEDULES
@@ -238,6 +239,11 @@ class Training:
     # the attention within each document. (The step is priced as whole-sequence attention: the masked kernel lit3d
     # runs computes the masked blocks too.)
     document_length: int | None = None
+    optimizer: str = "adamw"  # or "muon": one momentum for the hidden matrices (`lit3d.GPT`'s ``optimizer``)
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer={self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
 
     def schedules_per_step(self, pp: int) -> int:
         """Pipeline schedules run per optimizer step (gradient accumulation repeats the whole schedule)."""
@@ -341,7 +347,7 @@ class Case:
     def key(self) -> tuple:
         """The model's `config_key` with its adapters and its stages' blocks, built once: what it holds, sends and
         steps is cached by it."""
-        return config_key(self.config, self.training.lora, self.settings.pipeline_stage_layers)
+        return config_key(self.config, self.training.lora, self.settings.pipeline_stage_layers, self.training.optimizer)
 
 
 def _read(settings: Parallelism) -> tuple:

@@ -13,6 +13,13 @@ from lit3d.models.lora_settings import LoRA
 from lit3d.parallel.layout import Layout
 from lit3d.parallel.schedules import last_stage_in_flight, peak_in_flight
 from lit3d.parallel.zero import ZeroPolicy
+from lit3d.planner.block_shapes import (
+    attention_bytes_per_token,
+    expert_bias_bytes_per_token,
+    gated_tensors,
+    norms_per_block,
+    softcap_bytes_per_token,
+)
 from lit3d.planner.buffers import peak_memory
 from lit3d.planner.shapes import linear_widths
 from lit3d.planner.states import RankState, rank_states
@@ -235,13 +242,13 @@ def activation_bytes_per_token(
         return a * (h / split + sharded / tp + rowwise + reduced + gathered) + lse
     if checkpointing:
         return a * h / split  # only the block's input; the rest is recomputed
-    norms = 4 * 2 * (2 * h + 1)  # per norm, in fp32: its input, the input times 1/rms, and 1/rms
+    norms = norms_per_block(config) * 4 * (2 * h + 1)  # per norm, in fp32: input, input times 1/rms, and 1/rms
     linear_inputs = a * 2 * h  # the norms' outputs in the compute dtype; under SP their shard (`KeepSequenceShard`)
-    attention = a * ((h + 2 * kv) + h) + 4 * config.n_head  # rotated q, k and v; the output; the log-sum-exp
+    attention = attention_bytes_per_token(config, a)  # rotated q, k and v; the output; the log-sum-exp
     latent = 0.0  # latent attention's parts every TP rank computes whole
     if config.kv_lora_rank is not None:
         latent, attention = latent_attention_bytes_per_token(config, a)
-    mlp = a * 4 * f  # gate, up, silu(gate), their product
+    mlp = a * gated_tensors(config) * f  # gate, up, silu(gate), their product
     if saves in ("fused", "compiled"):  # each norm keeps its input in the compute dtype and 1/rms, the SwiGLU its
         # input (gate and up); fused kernels keep both outputs too, a compiler recomputes them
         norms, mlp = 2 * (a * h + 4), a * 2 * f
@@ -285,9 +292,9 @@ def moe_bytes_per_token(config: GPTConfig, a: int) -> float:
     dtype once renormalised), the two orders of the pairs (int64), and a shared expert's SwiGLU. (Its input, the
     norm's output, is counted with the norms'.) tests/test_activation_memory.py holds it to what autograd saves."""
     h, k, fe = config.d_model, config.n_expert_per_token, config.d_ff_expert
-    routed = a * (2 * k * h + 4 * k * fe)
+    routed = a * (2 * k * h + gated_tensors(config) * k * fe)
     router = 4 * config.n_expert + (8 + 4 + 8 + 8) * k + 4 + a * k
-    return routed + router + 4 * a * config.n_shared_experts * fe
+    return routed + router + 4 * a * config.n_shared_experts * fe + expert_bias_bytes_per_token(config)
 
 
 def lora_bytes_per_token(config: GPTConfig, tp: int, sequence_parallel: bool, a: int, lora: LoRA) -> float:
@@ -358,7 +365,8 @@ def output_layer_bytes(
     normalised input nor the head's input."""
     h = config.d_model
     norm = 4 * (h + 1) if frozen else 4 * (2 * h + 1) + activations * h
-    return tokens * (norm / (tp if sequence_parallel else 1) + config.padded_vocab_size / tp * loss_bytes)
+    logits = config.padded_vocab_size / tp * loss_bytes + softcap_bytes_per_token(config, tp, activations)
+    return tokens * (norm / (tp if sequence_parallel else 1) + logits)
 
 
 def prediction_depth_bytes_per_token(

@@ -73,6 +73,7 @@ def plan_of_run(
         accumulate_grad_batches=accumulate,
         precision=precision if precision in PRECISIONS else "32-true",
         lora=getattr(module, "lora", None),
+        optimizer=getattr(module, "optimizer_name", "adamw"),
     )
     microbatches = strategy.num_microbatches if pipelined else None
     settings = replace(strategy.parallelism, num_microbatches=microbatches, data_parallel_shares=None).at(layout)

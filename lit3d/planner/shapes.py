@@ -70,7 +70,8 @@ def _prediction_depth(config: GPTConfig, k: int) -> list[tuple[str, Shape]]:
 
 
 def _block(config: GPTConfig, index: int) -> list[tuple[str, Shape]]:
-    """`lit3d.models.transformer.Block`: norm, attention, norm, then a SwiGLU MLP or (`is_moe_layer`) an MoE."""
+    """`lit3d.models.transformer.Block`: norm, attention, norm, then a gated MLP or (`is_moe_layer`) an MoE, and Gemma's
+    norms after them (``sandwich_norm``)."""
     d, q_width, kv_width = config.d_model, config.n_head * config.head_dim, config.n_kv_head * config.head_dim
     attention = [("q_proj", (q_width, d)), ("k_proj", (kv_width, d)), ("v_proj", (kv_width, d))]
     attention.append(("o_proj", (d, q_width)))
@@ -79,20 +80,26 @@ def _block(config: GPTConfig, index: int) -> list[tuple[str, Shape]]:
         shapes += [(f"attn.{name}", shape) for name, shape in _latent_attention(config)]
         attention = []
     for name, shape in attention:  # (Qwen2's q, k and v biases after their weights, as nn.Linear registers them)
-        biased = config.qkv_bias and name != "o_proj"
+        biased = config.attention_bias or (config.qkv_bias and name != "o_proj")  # (gpt-oss: o_proj's too)
         shapes += [(f"attn.{name}.weight", shape)] + ([(f"attn.{name}.bias", shape[:1])] if biased else [])
     if config.qk_norm:
         shapes += [("attn.q_norm.weight", (config.head_dim,)), ("attn.k_norm.weight", (config.head_dim,))]
+    if config.attention_sinks:
+        shapes.append(("attn.sinks.weight", (config.n_head,)))
     shapes.append(("mlp_norm.weight", (d,)))
+    post = [("post_attn_norm.weight", (d,)), ("post_mlp_norm.weight", (d,))] if config.sandwich_norm else []
     if not config.is_moe_layer(index):
-        return shapes + [(f"mlp.{name}", shape) for name, shape in _mlp(d, config.d_ff)]
-    experts, width = config.n_expert, config.d_ff_expert
-    shapes += [("mlp.router.gate.weight", (experts, d))]
+        return shapes + [(f"mlp.{name}", shape) for name, shape in _mlp(d, config.d_ff, config.mlp_bias)] + post
+    experts, width, biased = config.n_expert, config.d_ff_expert, config.mlp_bias
+    shapes += [("mlp.router.gate.weight", (experts, d))] + ([("mlp.router.gate.bias", (experts,))] if biased else [])
     shapes += [(f"mlp.experts.{name}", (experts, d, width)) for name in ("gate_proj", "up_proj")]
     shapes += [("mlp.experts.down_proj", (experts, width, d))]
+    if biased:  # gpt-oss's experts' biases, registered after the three weights
+        shapes += [(f"mlp.experts.{name}_bias", (experts, width)) for name in ("gate_proj", "up_proj")]
+        shapes += [("mlp.experts.down_proj_bias", (experts, d))]
     if config.n_shared_experts:
-        shapes += [(f"mlp.shared.{name}", shape) for name, shape in _mlp(d, config.n_shared_experts * width)]
-    return shapes
+        shapes += [(f"mlp.shared.{name}", shape) for name, shape in _mlp(d, config.n_shared_experts * width, biased)]
+    return shapes + post
 
 
 def _latent_attention(config: GPTConfig) -> list[tuple[str, Shape]]:
@@ -117,9 +124,12 @@ def _latent_attention(config: GPTConfig) -> list[tuple[str, Shape]]:
     ]
 
 
-def _mlp(d: int, hidden: int) -> list[tuple[str, Shape]]:
-    """`lit3d.models.transformer.MLP` (SwiGLU, no biases): ``nn.Linear`` weights are ``[out, in]``."""
-    return [("gate_proj.weight", (hidden, d)), ("up_proj.weight", (hidden, d)), ("down_proj.weight", (d, hidden))]
+def _mlp(d: int, hidden: int, biased: bool = False) -> list[tuple[str, Shape]]:
+    """`lit3d.models.mlp.MLP`: ``nn.Linear`` weights are ``[out, in]``, each followed by its bias where ``biased``."""
+    shapes = []
+    for name, shape in (("gate_proj", (hidden, d)), ("up_proj", (hidden, d)), ("down_proj", (d, hidden))):
+        shapes += [(f"{name}.weight", shape)] + ([(f"{name}.bias", shape[:1])] if biased else [])
+    return shapes
 
 
 def linear_widths(config: GPTConfig) -> dict[str, tuple[int, int]]:

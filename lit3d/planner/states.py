@@ -4,6 +4,7 @@ states (exact, from the model's tensors and the strategy's rules) and what it ho
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import TYPE_CHECKING
@@ -25,21 +26,25 @@ def state_bytes(
     parameter group (the matrices; the norms are the other) among them; frozen weights (LoRA's base) have neither
     gradients nor optimizer state."""
     shard = zero.sharded_over_replicas
-    trained = frozen = optimizer = tensors = matrices = 0  # after ZeRO-2/3's sharding; ZeRO-1 slices the optimizer's
-    for t, count in shapes.counted:
+    trained = frozen = optimizer = tensors = matrices = orthogonal = 0  # after ZeRO-2/3's sharding; ZeRO-1 slices
+    for t, count in shapes.counted:  # the optimizer's
         held = count * local_numel(t, layout.tp, replicas(t, layout) if shard else 1, ep=layout.ep)
         if t.trains:
             stepped = count * stepped_elements(t, layout, zero)
             trained, tensors, optimizer = trained + held, tensors + count, optimizer + stepped
             matrices += stepped if len(t.shape) >= 2 else 0
+            orthogonal += stepped if t.orthogonal else 0
         else:
             frozen += held
     # ZeRO-1 keeps the DP average of its optimizer slice only (backward's whole gradients go at the reduce-scatter).
     grads = optimizer if zero.slices_optimizer else trained
+    adamw_tensors = tensors - sum(count for t, count in shapes.counted if t.trains and t.orthogonal)
     states = {
         "params": trained * precision.weights + frozen * precision.frozen_bytes,
         "grads": grads * precision.grads,
-        "optimizer": optimizer * precision.optimizer + 4 * tensors,  # AdamW: one fp32 step count per tensor
+        # AdamW: its two moments (and master weights where kept) and an fp32 step count per tensor; Muon's matrices
+        # (`Tensor.orthogonal`): one fp32 momentum instead of the two moments
+        "optimizer": optimizer * precision.optimizer - 4 * orthogonal + 4 * adamw_tensors,
     }
     return states, trained + frozen, (optimizer, tensors), matrices
 
@@ -108,6 +113,10 @@ def shapes_state(
         # pseudo-gradient and their concatenation, fp32: `lit3d.strategies.optim.diloco.OuterLoop`)
         state["optimizer"] += 4 * stepped[0] * (1 + (outer_momentum > 0))
         transient = replace(transient, step=max(transient.step, 8 * stepped[0]))
+    whole = [math.prod(t.shape) for t, _ in shapes.counted if t.trains and t.orthogonal]
+    if whole:  # Muon: the largest matrix's update whole (gathered from its shards) in fp32, and the Newton-Schulz
+        # iteration's bf16 copy and two products of its size (`lit3d.models.muon`), beside the step's other temporaries
+        transient = replace(transient, step=transient.step + (4 + 3 * 2) * max(whole))
     layers = sum(count for group, count in shapes.groups[1:])
     # (the final norm's rank: a tied head is the embedding's tensor, listed once, under "embed")
     head = any(t.name.startswith(("head.", "norm.")) for t in shapes.groups[0][0])

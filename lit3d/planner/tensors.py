@@ -17,6 +17,7 @@ from typing import Any
 
 from lit3d.models.config import GPTConfig
 from lit3d.models.lora_settings import LoRA
+from lit3d.models.optimizer_settings import is_hidden_matrix
 from lit3d.models.tp_plan import tensor_parallel_plan
 from lit3d.parallel.sharding import SHARDED_DIM
 from lit3d.parallel.stages import chunk_stage_ids, stage_runs
@@ -32,6 +33,7 @@ class Tensor:
     block: int | None  # decoder block index; None for embedding, final norm, head
     expert: bool = False  # an MoE expert weight: dim 0 is split over expert parallelism, dim 1 by ZeRO-1
     trains: bool = True  # False: frozen (LoRA's base weights), no gradient and no optimizer state
+    orthogonal: bool = False  # Muon steps it (`lit3d.models.optimizer_settings.is_hidden_matrix`): one momentum
 
     @property
     def free_dim(self) -> int:
@@ -48,7 +50,7 @@ def parameter_table(config: GPTConfig, lora: LoRA | None = None) -> tuple[Tensor
 
 @lru_cache(maxsize=16)
 def _parameter_table(key: tuple[tuple[str, Any], ...]) -> tuple[Tensor, ...]:
-    config, lora = config_of(key), lora_of(key)
+    config, lora, muon = config_of(key), lora_of(key), dict(key).get("~optimizer") == "muon"
     plan, table = tensor_parallel_plan(config), []
     targets, shapes, listed = lora.module_names() if lora else (), parameter_shapes(config), set()
     for index, (name, shape) in enumerate(shapes):
@@ -60,7 +62,10 @@ def _parameter_table(key: tuple[tuple[str, Any], ...]) -> tuple[Tensor, ...]:
         tp_dim = SHARDED_DIM.get(roles[0]) if roles else None
         if name.endswith(".bias"):  # split with the outputs of a column-parallel linear
             tp_dim = 0 if tp_dim == 0 else None
-        table.append(Tensor(name, shape, tp_dim, block, ".experts." in name, trains=lora is None))
+        orthogonal = muon and is_hidden_matrix(name, len(shape))
+        table.append(
+            Tensor(name, shape, tp_dim, block, ".experts." in name, trains=lora is None, orthogonal=orthogonal)
+        )
         # a linear's name inside its block: a decoder block's, or multi-token prediction's (``mtp.0.block.``)
         inner = module.split(".", 2)[-1] if block is not None else module.partition(".block.")[2]
         if inner in targets and (block is not None or name.startswith("mtp.")):
@@ -128,19 +133,23 @@ def key_tensors(key: tuple, pp: int, virtual: int, stage_rank: int, placement: s
 
 
 def config_key(
-    config: GPTConfig, lora: LoRA | None = None, layers: tuple[int, ...] | None = None
+    config: GPTConfig, lora: LoRA | None = None, layers: tuple[int, ...] | None = None, optimizer: str = "adamw"
 ) -> tuple[tuple[str, Any], ...]:
-    """A hashable stand-in for a (mutable, so unhashable) config, its adapters and its stages' blocks, for the
-    caches."""
+    """A hashable stand-in for a (mutable, so unhashable) config, its adapters, its stages' blocks and its optimizer
+    (``"muon"``: its hidden matrices `Tensor.orthogonal`), for the caches."""
     fields = tuple(
-        (name, tuple(sorted(v.items())) if isinstance(v, dict) else v) for name, v in config.to_dict().items()
+        (name, tuple(sorted(v.items())) if isinstance(v, dict) else tuple(v) if isinstance(v, list) else v)
+        for name, v in config.to_dict().items()
     )
     extra = ((("~lora", lora),) if lora is not None else ()) + ((("~layers", tuple(layers)),) if layers else ())
+    extra += (("~optimizer", optimizer),) if optimizer != "adamw" else ()
     return fields + extra  # (in the dataclass's field order)
 
 
 def config_of(key: tuple[tuple[str, Any], ...]) -> GPTConfig:
     fields = {name: dict(v) if name == "rope_scaling" and v else v for name, v in key if not name.startswith("~")}
+    if fields.get("layer_types") is not None:
+        fields["layer_types"] = list(fields["layer_types"])
     return GPTConfig(**fields)
 
 
@@ -287,7 +296,8 @@ def _shapes(key: tuple[tuple[str, Any], ...], first: bool, last: bool, kinds: tu
 
 def _renumbered(t: Tensor, block: int) -> Tensor:
     """``t`` as the tensor of block ``block``."""
-    return Tensor(f"blocks.{block}.{t.name.split('.', 2)[2]}", t.shape, t.tp_dim, block, t.expert, t.trains)
+    return Tensor(f"blocks.{block}.{t.name.split('.', 2)[2]}", t.shape, t.tp_dim, block, t.expert, t.trains,
+                  t.orthogonal)  # fmt: skip
 
 
 def local_numel(tensor: Tensor, tp: int, shard: int = 1, shard_dim: int = 0, ep: int = 1) -> int:

@@ -54,8 +54,11 @@ def parallel_styles(sequence_parallel: bool) -> dict[str, ParallelStyle | None]:
         # attention's down-projections and norms): its weights replicated DTensors, so that it takes that input.
         "replicated": ReplicateWeights(),
         "norm": NormOnShards() if sequence_parallel else None,
+        # a norm whose output joins the residual stream (Gemma's after attention and the MLP): a plain tensor again
+        "residual_norm": NormOnShards(use_local_output=True) if sequence_parallel else None,
         # q and k as [batch, seq, heads, head_dim], split by heads (dim 2): the weight's gradient summed over TP.
         "head_norm": NormOnShards(sequence_dim=2, use_local_output=True),
+        "head_split": SplitHeads(),
         "vocab_embedding": VocabParallelEmbedding(input_layouts=Replicate(), output_layouts=between),
         # NOTE: logits stay a vocabulary-sharded DTensor so the loss never gathers them (loss_parallel).
         "vocab_head": ColwiseParallel(input_layouts=between, output_layouts=Shard(-1), use_local_output=False),
@@ -80,6 +83,15 @@ class ReplicateWeights(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _distribute(module, device_mesh, self.src_data_rank, {})
+        return module
+
+
+class SplitHeads(ParallelStyle):
+    """A module's weight with one value per query head (gpt-oss's sinks, `lit3d.models.block.Sinks`) split along the
+    heads as the column-parallel q projection splits them; the attention reads its rank's share."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _distribute(module, device_mesh, self.src_data_rank, {"weight": Shard(0)})
         return module
 
 

@@ -1,0 +1,159 @@
+"""Muon (Jordan et al. 2024; Moonshot's "Muon is Scalable", 2025) for the hidden matrices, AdamW for the rest, in one
+optimizer (`Muon`), as Kimi K2 and Moonlight trained.
+
+A Muon group's parameter steps by its momentum orthogonalised: ``B ← μB + (1 − μ)g``, ``O = NS₅((1 − μ)g + μB)``
+(Nesterov), the
+weight decayed and ``O`` added times the learning rate, scaled so that the update's RMS matches AdamW's
+(``0.2·√max(A, B)``, Moonshot's rule, so AdamW's learning rate and weight decay carry over) or Keller Jordan's
+``√max(1, A/B)``. ``NS₅`` is five steps of the quintic Newton–Schulz iteration of ``torch.optim.Muon`` (its
+coefficients, its normalisation), in bf16 by default as there, in fp32 where ``ns_dtype`` says. A stacked
+expert tensor ``[expert, in, out]`` is each expert's own matrix. An AdamW group steps as ``torch.optim.AdamW``.
+
+NOTE: written here rather than used from ``torch.optim.Muon``, which takes 2-D parameters only and orthogonalises the
+tensor it holds: under tensor parallelism and ZeRO-2/3 a rank holds a shard of each matrix (a DTensor). The iteration
+needs the whole matrix, so each DTensor update is gathered whole (`whole_matrix`), orthogonalised on every rank that
+holds a part of it, and cut back to this rank's part (`local_part`): exact, at the cost of the gather and of the
+iteration repeated on each of those ranks. The momentum, the weight decay and AdamW are elementwise and run on the
+shards. (ZeRO-1's slices of plain tensors are refused with Muon: `lit3d.strategies.checks`.)
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+
+import torch
+
+from lit3d.models.optimizer_settings import RMS_RULES
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's (Keller Jordan's quintic)
+
+
+def newton_schulz(update: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The update's nearest semi-orthogonal matrix, approximately (``torch.optim.Muon``'s iteration); a stack
+    ``[..., rows, cols]`` is orthogonalised matrix by matrix. Returned in ``dtype``."""
+    a, b, c = NS_COEFFICIENTS
+    x = update.to(dtype)
+    tall = x.shape[-2] > x.shape[-1]
+    if tall:
+        x = x.transpose(-2, -1)
+    norm = x.norm() if x.ndim == 2 else x.norm(dim=(-2, -1), keepdim=True)  # (a matrix's as torch.optim.Muon takes it)
+    x = x / norm.clamp(min=1e-7)
+    fused = torch.addmm if x.ndim == 2 else torch.baddbmm  # (torch.optim.Muon's fused products: the same rounding)
+    for _ in range(steps):
+        gram = x @ x.transpose(-2, -1)
+        x = fused(x, fused(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.transpose(-2, -1) if tall else x
+
+
+def rms_scale(shape: tuple[int, ...], rule: str) -> float:
+    """The factor on the learning rate of a matrix ``[rows, cols]`` (the last two dims)."""
+    rows, cols = shape[-2], shape[-1]
+    return 0.2 * math.sqrt(max(rows, cols)) if rule == "match_rms_adamw" else math.sqrt(max(1.0, rows / cols))
+
+
+def whole_matrix(param: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+    """``update`` whole: a DTensor's shards gathered (every rank of its mesh gets the whole), a tensor as it is.
+
+    NOTE: a matrix split over two mesh dims (ZeRO-3 x TP) is gathered in two all-gathers one after the other, which
+    DTensor warns of at every step on every rank: expected here (docs/muon.md says what Muon's gathers cost), so its
+    logger is quieted for the gather."""
+    if not hasattr(update, "full_tensor"):
+        return update
+    redistribute = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = redistribute.level
+    redistribute.setLevel(logging.ERROR)
+    try:
+        return update.full_tensor()
+    finally:
+        redistribute.setLevel(level)
+
+
+def local_part(param: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``whole`` as ``param`` is placed (a DTensor's shard, cut with no communication)."""
+    if not hasattr(param, "device_mesh"):
+        return whole
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None)
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon on the groups with ``muon=True``, AdamW on the others (see the module's docstring).
+
+    Args:
+        params: Parameter groups; a group's ``muon`` flag chooses its rule.
+        lr, weight_decay: Both rules' (a group may set its own).
+        betas, eps: AdamW's.
+        momentum, nesterov, ns_steps, ns_dtype, rms_rule: Muon's (``rms_rule``: ``"match_rms_adamw"`` or
+            ``"original"``).
+        whole: ``whole(param, tensor)``: ``tensor`` (this rank's part of ``param``'s update) made the whole matrix.
+        shard: ``shard(param, tensor)``: this rank's part of the whole ``tensor``.
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        ns_dtype: torch.dtype = torch.bfloat16,
+        rms_rule: str = "match_rms_adamw",
+        whole: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        shard: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        if rms_rule not in RMS_RULES:
+            raise ValueError(f"rms_rule={rms_rule!r} is not one of {', '.join(RMS_RULES)}")
+        defaults = dict(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, momentum=momentum, nesterov=nesterov,
+                        ns_steps=ns_steps, ns_dtype=ns_dtype, rms_rule=rms_rule, muon=False)  # fmt: skip
+        super().__init__(params, defaults)
+        self.whole, self.shard = whole or whole_matrix, shard or local_part
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                if group["muon"]:
+                    self._muon(param, group)
+                else:
+                    self._adamw(param, group)
+        return loss
+
+    def _muon(self, param: torch.Tensor, group: dict) -> None:
+        grad, state = param.grad, self.state[param]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(grad)
+        buffer = state["momentum_buffer"]
+        buffer.lerp_(grad, 1 - group["momentum"])  # (torch.optim.Muon's average: NS₅ normalises the scale away)
+        update = grad.lerp(buffer, group["momentum"]) if group["nesterov"] else buffer
+        whole = self.whole(param, update)
+        orthogonal = newton_schulz(whole, group["ns_steps"], group["ns_dtype"])
+        lr = group["lr"] * rms_scale(tuple(whole.shape), group["rms_rule"])
+        param.mul_(1 - group["lr"] * group["weight_decay"])
+        param.add_(self.shard(param, orthogonal).to(param.dtype), alpha=-lr)
+
+    def _adamw(self, param: torch.Tensor, group: dict) -> None:
+        grad, state = param.grad, self.state[param]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(param)
+            state["exp_avg_sq"] = torch.zeros_like(param)
+        (beta1, beta2), lr = group["betas"], group["lr"]
+        state["step"] += 1
+        step = float(state["step"])
+        param.mul_(1 - lr * group["weight_decay"])
+        state["exp_avg"].lerp_(grad, 1 - beta1)
+        state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2**step)).add_(group["eps"])
+        param.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1**step))

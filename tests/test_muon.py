@@ -1,0 +1,118 @@
+"""Muon (`lit3d.models.muon`): its update against ``torch.optim.Muon``'s, which parameters it steps, and what is
+refused with it, by name; its layouts (tests/muon_layouts.py) against one process."""
+
+import pytest
+import torch
+from muon_layouts import MUON_LAYOUTS
+
+from lit3d import GPT, LoRA
+from lit3d.models.muon import Muon, newton_schulz
+
+
+@pytest.mark.parametrize("shape", [(48, 32), (32, 48)])
+def test_the_update_of_a_hidden_matrix_is_torch_optim_muons(shape):
+    """Five steps from the same gradients: bitwise ``torch.optim.Muon`` with Moonshot's RMS matching (bf16 NS,
+    its coefficients, its averaged Nesterov momentum, decoupled weight decay)."""
+    generator = torch.Generator().manual_seed(0)
+    start = torch.randn(*shape, generator=generator)
+    ours, theirs = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+    mine = Muon([{"params": [ours], "muon": True}], lr=0.02, weight_decay=0.1)
+    reference = torch.optim.Muon([theirs], lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    for _ in range(5):
+        grad = torch.randn(*shape, generator=generator)
+        ours.grad, theirs.grad = grad.clone(), grad.clone()
+        mine.step()
+        reference.step()
+    assert torch.equal(ours, theirs)
+
+
+def test_the_rest_steps_as_torch_optim_adamw():
+    generator = torch.Generator().manual_seed(1)
+    start = torch.randn(40, generator=generator)
+    ours, theirs = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+    mine = Muon([{"params": [ours]}], lr=0.01, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+    reference = torch.optim.AdamW([theirs], lr=0.01, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    for _ in range(5):
+        grad = torch.randn(40, generator=generator)
+        ours.grad, theirs.grad = grad.clone(), grad.clone()
+        mine.step()
+        reference.step()
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-7)
+
+
+def test_a_stack_of_experts_is_orthogonalised_expert_by_expert():
+    stack = torch.randn(3, 16, 24, generator=torch.Generator().manual_seed(2))
+    each = torch.stack([newton_schulz(matrix, dtype=torch.float32) for matrix in stack])
+    torch.testing.assert_close(newton_schulz(stack, dtype=torch.float32), each, rtol=0, atol=1e-6)
+
+
+def test_muon_steps_the_blocks_matrices_and_adamw_the_rest():
+    config = dict(n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=64, vocab_size=100, n_expert=4,
+                  n_expert_per_token=2, first_dense_layers=1, attention_bias=True)  # fmt: skip
+    model = GPT(config, optimizer="muon")
+    model.configure_model()
+    from lit3d.models.optimizers import build_optimizer
+
+    optimizer = build_optimizer(
+        list(model.named_parameters()), "muon", 1e-3, 0.1, (0.9, 0.95), 1e-8, "auto", model.muon
+    )
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon = {names[id(p)] for g in optimizer.param_groups if g["muon"] for p in g["params"]}
+    rest = {names[id(p)] for g in optimizer.param_groups if not g["muon"] for p in g["params"]}
+    assert "model.blocks.0.attn.q_proj.weight" in muon and "model.blocks.1.mlp.experts.gate_proj" in muon
+    assert "model.blocks.0.mlp.down_proj.weight" in muon
+    for kept in ("model.embed.weight", "model.head.weight", "model.blocks.0.attn_norm.weight",
+                 "model.blocks.0.attn.q_proj.bias", "model.blocks.1.mlp.router.gate.weight"):  # fmt: skip
+        assert kept in rest
+    assert muon | rest == set(names.values()) and not muon & rest
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [({"optimizer": "lion"}, "optimizer='lion': .*one of 'adamw', 'muon'"),
+     ({"optimizer": "muon", "muon_momentum": 1.0}, "muon_momentum=1.0 must lie in"),
+     ({"optimizer": "muon", "muon_ns_dtype": "float16"}, "muon_ns_dtype='float16' is not one of"),
+     ({"optimizer": "muon", "muon_rms_rule": "spectral"}, "muon_rms_rule='spectral' is not one of"),
+     ({"optimizer": "muon", "lora": LoRA(rank=4)}, "optimizer='muon' with LoRA adapters")],
+)  # fmt: skip
+def test_bad_muon_settings_are_refused_when_the_model_is_built(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        GPT("tiny", **kwargs)
+
+
+def test_zero1_with_muon_is_refused_before_any_rank_starts():
+    from lit3d.parallel.layout import Layout
+    from lit3d.parallel.settings import Parallelism
+    from lit3d.strategies.checks import check_run
+
+    module = GPT("tiny", optimizer="muon")
+    with pytest.raises(ValueError, match="optimizer='muon' with zero_stage=1 over 2 data-parallel replicas"):
+        check_run(Parallelism(zero_stage=1), Layout(dp=2, tp=1, pp=1, devices_per_node=2), module, None, None)
+    check_run(Parallelism(zero_stage=3), Layout(dp=2, tp=1, pp=1, devices_per_node=2), module, None, None)
+
+
+@pytest.mark.parametrize("layout", list(MUON_LAYOUTS))
+def test_muon_trains_like_one_process_in_every_layout_that_splits_its_matrices(layout, layout_runs, muon_references):
+    """ZeRO-3's and TP's shards gathered for each matrix's step, a pipeline's stages, EP's experts, ZeRO-3 x TP: every
+    step's loss and the validation's within 1e-5 of one process's (fp32), which itself learns."""
+    run, reference = layout_runs[layout], muon_references["moe" if "moe" in layout else "dense"]
+    assert reference["losses"][-1] < reference["losses"][0] - 0.5
+    for key in ("losses", "val_loss"):
+        assert len(run[key]) == len(reference[key]) > 0, key
+        assert max(abs(a - b) for a, b in zip(run[key], reference[key])) <= 1e-5, (key, run[key], reference[key])
+
+
+def test_the_planner_holds_muons_matrices_at_one_momentum_against_adamws_two(capsys):
+    """Llama 3 70B at TP8 x DP8, ZeRO-3 (``lit3d plan --optimizer muon``): the optimizer's state about half AdamW's
+    (every matrix of the blocks keeps one fp32 momentum; the embedding, head and norms stay on AdamW)."""
+    import json
+
+    from lit3d.cli import main
+
+    flags = ["plan", "--model", "llama-70b", "--nodes", "8", "--tensor_parallel_size", "8", "--pipeline_parallel_size",
+             "1", "--zero_stage", "3", "--json"]  # fmt: skip
+    main(flags)
+    adamw = json.loads(capsys.readouterr().out)["memory_per_gpu"]["optimizer"]
+    main([*flags, "--optimizer", "muon"])
+    muon = json.loads(capsys.readouterr().out)["memory_per_gpu"]["optimizer"]
+    assert 0.5 < muon / adamw < 0.53
