@@ -62,14 +62,31 @@ def test_gemmas_query_pre_attn_scalar_scales_the_scores_instead_of_the_head_widt
     torch.testing.assert_close(scaled, by_hand, rtol=0, atol=1e-12)
 
 
-def test_one_mask_serves_every_windowed_layer_and_forward():
-    """The memory a window saves is not spent on masks: one ``[seq, seq]`` bias per (size, window, dtype), whichever
-    layer or forward asks (a packed batch: one per forward, `Documents.causal_bias`)."""
-    first = causal_bias(32, 8, torch.device("cpu"), torch.float32)
-    assert causal_bias(32, 8, torch.device("cpu"), torch.float32) is first
-    assert causal_bias(32, 8, torch.device("cpu"), torch.float32, sink=True).shape == (32, 33)
+def test_one_mask_serves_every_windowed_layer_forward_and_length():
+    """The memory a window saves is not spent on masks: one bias per (window, dtype, sink), whichever layer, forward or
+    shorter sequence asks (a corner of the longest's: a generation growing token by token keeps one), its rows aligned
+    for SDPA's memory-efficient kernel (which would copy it otherwise); a packed batch: one per forward."""
+    from lit3d.models.attention import _BIASES
+
+    cpu = torch.device("cpu")
+    longest = causal_bias(64, 8, cpu, torch.float32, sink=True)
+    for seq in range(1, 64):
+        shorter = causal_bias(seq, 8, cpu, torch.float32, sink=True)
+        assert shorter.shape == (seq, seq + 1) and shorter.data_ptr() == longest.data_ptr()
+    assert sum(key[:2] == (8, "cpu") and key[2:] == (torch.float32, True) for key in _BIASES) == 1
+    assert longest.stride(0) % 16 == 0 and torch.equal(longest[:, 0], torch.zeros(64))  # (the sink's column first)
     documents = Documents.of(torch.arange(32).repeat(2, 1))
     assert documents.causal_bias(torch.float32, 8, True) is documents.causal_bias(torch.float32, 8, True)
+
+
+def test_a_mask_made_under_inference_mode_serves_training_after():
+    """Lightning's sanity check validates under inference mode before the first training step: the mask it makes
+    (kept for the training forwards after) must be one autograd can save."""
+    q, k, v, sinks = _qkv(seq=48)
+    with torch.inference_mode():
+        causal_attention(q.detach(), k.detach(), v.detach(), "sdpa", window=7, sinks=sinks.detach())
+    causal_attention(q, k, v, "sdpa", window=7, sinks=sinks).sum().backward()
+    assert sinks.grad is not None
 
 
 @pytest.mark.parametrize(

@@ -98,15 +98,19 @@ def config_to_hf(config: GPTConfig, dtype: torch.dtype) -> dict[str, Any]:
         "sandwich_norm": False, "norm_unit_offset": False, "scale_embeddings": False, "query_pre_attn_scalar": None,
         "rope_local_base_freq": None, "hidden_act": "silu", "final_logit_softcapping": None,
     }  # fmt: skip
-    held = {k: getattr(config, k) for k, v in foreign.items() if getattr(config, k) != v}
-    if held and family not in ("gpt_oss", "gemma3_text"):
-        raise ValueError(f"a {family} folder cannot hold {held} (gpt-oss's and Gemma's settings)")
+    own = {"gpt_oss": ("attention_sinks", "attention_bias", "mlp_bias", "swiglu_limit")}
+    own["gemma3_text"] = tuple(k for k in foreign if k not in own["gpt_oss"])
+    held = {
+        k: getattr(config, k) for k, v in foreign.items() if getattr(config, k) != v and k not in own.get(family, ())
+    }
+    if held:
+        raise ValueError(f"a {family} folder cannot hold {held} (gpt-oss's and Gemma's settings, each its family's)")
     windowed = {"sliding_window": config.sliding_window, "use_sliding_window": config.sliding_window is not None}
     if config.layer_types is not None or family in ("gpt_oss", "gemma3_text"):
         windowed["layer_types"] = [
             "full_attention" if config.window(i) is None else "sliding_attention" for i in range(config.n_layer)
         ]
-    own = {"deepseek_v3": deepseek_to_hf, "gpt_oss": gpt_oss_to_hf, "gemma3_text": gemma_to_hf}
+    fields = {"deepseek_v3": deepseek_to_hf, "gpt_oss": gpt_oss_to_hf, "gemma3_text": gemma_to_hf}
     return {
         "architectures": [FAMILIES[family]],
         "model_type": family,
@@ -128,7 +132,7 @@ def config_to_hf(config: GPTConfig, dtype: torch.dtype) -> dict[str, Any]:
         "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta, **(config.rope_scaling or {})},
         "rope_scaling": config.rope_scaling,
         **windowed,
-    } | (own[family](config) if family in own else moe_to_hf(config) if config.n_expert else {})
+    } | (fields[family](config) if family in fields else moe_to_hf(config) if config.n_expert else {})
 
 
 def read_folder(folder: str | Path) -> tuple[GPTConfig, dict[str, torch.Tensor]]:

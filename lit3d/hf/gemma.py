@@ -38,7 +38,12 @@ def gemma_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"rope_parameters.sliding_attention={local}: lit3d's windowed layers take no rotary scaling")
     kind = full.get("rope_type", full.get("type", "default"))
     scaling = None if kind == "default" else {"rope_type": kind, "factor": full["factor"]}
+    layers, pattern = hf["num_hidden_layers"], hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6))
+    kinds = hf.get("layer_types") or [  # transformers 4's folders name the pattern only: every sixth block is full
+        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)
+    ]
     return dict(
+        layer_types=kinds,
         qk_norm=True,
         sandwich_norm=True,
         norm_unit_offset=True,
@@ -71,7 +76,9 @@ def gemma_to_hf(config: GPTConfig) -> dict[str, Any]:
         "hidden_activation": config.hidden_act,
         "query_pre_attn_scalar": int(scalar) if float(scalar).is_integer() else scalar,  # (transformers: an int)
         "rope_parameters": {"full_attention": full, "sliding_attention": local},
-        "rope_scaling": None,
+        # (and transformers 4's fields, for the readers that take those)
+        "rope_scaling": config.rope_scaling,
+        "rope_local_base_freq": local["rope_theta"],
         "final_logit_softcapping": config.final_logit_softcapping,
         "attn_logit_softcapping": None,
         "use_bidirectional_attention": False,

@@ -32,7 +32,11 @@ def gpt_oss_name(name: str) -> str | None:
 
 def gpt_oss_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     """The `GPTConfig` fields of a gpt-oss ``config.json`` besides the common ones."""
+    kinds = hf.get("layer_types") or [  # (transformers' default: windowed and full blocks in turn, windowed first)
+        "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(hf["num_hidden_layers"])
+    ]
     return dict(
+        layer_types=kinds,
         d_ff=hf["intermediate_size"],
         n_expert=hf["num_local_experts"],
         n_expert_per_token=hf["num_experts_per_tok"],

@@ -13,7 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from lit3d.models.documents import Documents, window_mask
+from lit3d.models.documents import Documents, aligned_bias, window_mask
 
 
 def flash_attn_installed() -> bool:
@@ -103,7 +103,7 @@ def masked_attention(
 ) -> torch.Tensor:
     """SDPA with an additive ``bias`` (``[seq, seq]`` or ``[batch, 1, seq, seq]``: 0 where a query attends, -inf
     elsewhere); ``sinks`` join as one more key that every query sees, whose score is the sink and whose value is zero
-    (``bias`` then has that key's column of zeros last).
+    (``bias`` then has that key's column of zeros first).
     K/V heads are repeated per query group on GPUs (their kernel that takes a mask, the memory-efficient one, takes no
     grouped heads: SDPA would fall back to its math path, which keeps seq x seq probabilities), not on CPU (its flash
     kernel takes both).
@@ -123,8 +123,8 @@ def masked_attention(
         kv_heads = k.shape[2]
         sink_key = k.new_zeros(batch, 1, kv_heads, width + 8)
         sink_key[..., width] = 1.0
-        k = torch.cat((F.pad(k, (0, 8)), sink_key), dim=1)
-        v = torch.cat((F.pad(v, (0, 8)), v.new_zeros(batch, 1, kv_heads, width + 8)), dim=1)
+        k = torch.cat((sink_key, F.pad(k, (0, 8))), dim=1)  # (first: a longer mask's corner serves shorter rows)
+        v = torch.cat((v.new_zeros(batch, 1, kv_heads, width + 8), F.pad(v, (0, 8))), dim=1)
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2),
         k.transpose(1, 2),
@@ -138,7 +138,7 @@ def masked_attention(
 
 def _bias(q: torch.Tensor, documents: Documents | None, window: int | None, sink: bool) -> torch.Tensor:
     """The additive causal mask of q's tokens (with the ``window`` and the ``documents``), in q's dtype, with the
-    ``sink``'s column last."""
+    ``sink``'s column first."""
     if documents is not None:
         return documents.causal_bias(q.dtype, window, sink)
     return causal_bias(q.shape[1], window, q.device, q.dtype, sink)
@@ -148,21 +148,21 @@ def causal_bias(
     seq: int, window: int | None, device: torch.device, dtype: torch.dtype, sink: bool = False
 ) -> torch.Tensor:
     """``[seq, seq]``: 0 where a query sees a key (causally, within ``window``), -inf elsewhere, with a ``sink``'s
-    column of zeros last; made once per (size, window, device, dtype, sink) and shared by every layer and forward, as
-    the rotary tables are."""
-    key = (seq, window, str(device), dtype, sink)
-    if torch.compiler.is_compiling() or key not in _BIASES:
-        allowed = window_mask(seq, window or seq, device)
-        bias = torch.zeros(seq, seq, dtype=dtype, device=device).masked_fill_(allowed.logical_not(), float("-inf"))
-        bias = F.pad(bias, (0, 1)) if sink else bias
+    column of zeros first; the corner of one mask per (window, device, dtype, sink), made for the longest sequence
+    asked so far and shared by every layer and forward, as the rotary tables are."""
+    key = (window, str(device), dtype, sink)
+    made = _BIASES.get(key)
+    if torch.compiler.is_compiling() or made is None or made.shape[0] < seq:
+        made = aligned_bias(window_mask(seq, window or seq, device), dtype, sink)
         if torch.compiler.is_compiling():
-            return bias
-        _BIASES[key] = bias
-    return _BIASES[key]
+            return made
+        _BIASES[key] = made
+    return made[:seq, : seq + sink]
 
 
-# NOTE: a memo, keyed by everything a mask is made from (as `lit3d.models.rotary`'s tables): no run can make an entry
-# stale, and every windowed layer of every forward shares one mask instead of keeping its own for backward.
+# NOTE: a memo, keyed by everything a mask is made from but its size (as `lit3d.models.rotary`'s tables): no run can
+# make an entry stale, every windowed layer of every forward shares one mask instead of keeping its own for backward,
+# and a shorter sequence reads the corner of a longer one's, so it holds one mask per window and dtype at most.
 _BIASES: dict[tuple, torch.Tensor] = {}
 
 
@@ -170,7 +170,7 @@ def reference_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None, sinks: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The textbook formula, for tests: no fused kernel, keys and values repeated per query group; a ``window`` and
-    ``sinks`` as `causal_attention` takes them (the sink a last softmax column, dropped after)."""
+    ``sinks`` as `causal_attention` takes them (the sink a first softmax column, dropped after)."""
     groups = q.shape[2] // k.shape[2]
     k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
@@ -178,6 +178,6 @@ def reference_attention(
     seen = window_mask(seq, window or seq, q.device)
     scores = scores.masked_fill(seen.logical_not(), float("-inf"))
     if sinks is not None:
-        scores = torch.cat((scores, sinks.view(1, -1, 1, 1).expand(*scores.shape[:3], 1)), dim=-1)
-    weights = scores.softmax(dim=-1)[..., :seq]
+        scores = torch.cat((sinks.view(1, -1, 1, 1).expand(*scores.shape[:3], 1), scores), dim=-1)
+    weights = scores.softmax(dim=-1)[..., -seq:]
     return torch.einsum("bhqk,bkhd->bqhd", weights, v)

@@ -224,8 +224,9 @@ class GPTConfig:
 
     def window(self, index: int) -> int | None:
         """How many tokens block ``index``'s queries see (`sliding_window`), or ``None``: the whole context."""
-        if self.sliding_window is None or (self.layer_types and self.layer_types[index] != "sliding_attention"):
-            return None
+        kinds = self.layer_types
+        if self.sliding_window is None or (kinds and (index >= len(kinds) or kinds[index] != "sliding_attention")):
+            return None  # (a multi-token-prediction depth's block, after the decoder's: full attention)
         return self.sliding_window
 
     def is_moe_layer(self, index: int) -> bool:

@@ -63,16 +63,15 @@ class Documents:
     def causal_bias(self, dtype: torch.dtype, window: int | None = None, sink: bool = False) -> torch.Tensor:
         """`causal_mask` as the additive bias SDPA makes of a boolean mask (0 where a token attends, -inf elsewhere),
         in ``dtype``, made once for every layer of a forward; with a ``window``, a query sees only the last ``window``
-        tokens of its document; with a ``sink``, one more key column of zeros (`lit3d.models.attention`). NOTE: given
-        the boolean mask, SDPA makes this bias at every call, and each layer's backward keeps its own copy:
-        ``[batch, 1, seq, seq]`` per layer."""
+        tokens of its document; with a ``sink``, one more key column of zeros first (`lit3d.models.attention`).
+        NOTE: given the boolean mask, SDPA makes this bias at every call, and each layer's backward keeps its own
+        copy: ``[batch, 1, seq, seq]`` per layer."""
         biases = self.masks.biases
         if (dtype, window, sink) not in biases:
             mask = self.causal_mask
             if window is not None:
                 mask = mask & window_mask(mask.shape[-1], window, mask.device)
-            bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask.logical_not(), -torch.inf)
-            biases[dtype, window, sink] = torch.nn.functional.pad(bias, (0, 1)) if sink else bias
+            biases[dtype, window, sink] = aligned_bias(mask, dtype, sink)
         return biases[dtype, window, sink]
 
 
@@ -83,6 +82,19 @@ def attention_mask(query_segments: torch.Tensor, key_segments: torch.Tensor, cau
         q, k = query_segments.shape[1], key_segments.shape[1]
         allowed = allowed & torch.ones(q, k, dtype=torch.bool, device=allowed.device).tril()
     return allowed[:, None]
+
+
+def aligned_bias(allowed: torch.Tensor, dtype: torch.dtype, sink: bool = False) -> torch.Tensor:
+    """The additive bias of the boolean mask ``allowed`` (``[..., q, k]``), with a sink's column of zeros first, laid
+    out with rows of a multiple of 16 elements: a view SDPA's memory-efficient kernel takes as it is (it copies a mask
+    of other strides into an aligned one at every call, and keeps that copy for backward). Made as a plain tensor even
+    under inference mode (a validation's forward), since training keeps it for backward later."""
+    *lead, rows, cols = allowed.shape
+    width = -(-(cols + sink) // 16) * 16
+    with torch.inference_mode(False), torch.no_grad():
+        bias = torch.zeros(*lead, rows, width, dtype=dtype, device=allowed.device)
+        bias[..., sink : sink + cols].masked_fill_(allowed.logical_not(), float("-inf"))
+    return bias[..., : cols + sink]
 
 
 def window_mask(seq: int, window: int, device: torch.device) -> torch.Tensor:

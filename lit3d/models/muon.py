@@ -48,8 +48,9 @@ def newton_schulz(update: torch.Tensor, steps: int = 5, dtype: torch.dtype = tor
 
 
 def rms_scale(shape: tuple[int, ...], rule: str) -> float:
-    """The factor on the learning rate of a matrix ``[rows, cols]`` (the last two dims)."""
-    rows, cols = shape[-2], shape[-1]
+    """The factor on the learning rate of a matrix ``[out, in]`` (an ``nn.Linear``'s), or of each of a stack of
+    experts' ``[expert, in, out]`` (`lit3d.models.moe.Experts`)."""
+    rows, cols = (shape[-1], shape[-2]) if len(shape) == 3 else (shape[-2], shape[-1])
     return 0.2 * math.sqrt(max(rows, cols)) if rule == "match_rms_adamw" else math.sqrt(max(1.0, rows / cols))
 
 

@@ -13,12 +13,14 @@ def check_context_parallel(config: Any, cp: int, seq_len: int | None, tp: int = 
     if cp == 1:
         return
     window, sinks = getattr(config, "sliding_window", None), getattr(config, "attention_sinks", False)
-    if window is not None or sinks:
+    scalar = getattr(config, "query_pre_attn_scalar", None)
+    if window is not None or sinks or scalar is not None:
         # NOTE: the ring (`lit3d.models.ring_attention`) would have to skip the blocks a window cannot see, mask the
         # ones it cuts, and carry the sink into every partial softmax (with its own backward): not written yet.
         raise ValueError(
-            f"context_parallel_size={cp} with sliding_window={window}, attention_sinks={sinks}: lit3d's ring "
-            "attention computes neither windows nor sinks; split this model with tensor, pipeline or data parallelism"
+            f"context_parallel_size={cp} with sliding_window={window}, attention_sinks={sinks}, query_pre_attn_scalar="
+            f"{scalar}: lit3d's ring attention computes no windows, sinks or scores scaled apart from the head width; "
+            "split this model with tensor, pipeline or data parallelism"
         )
     if seq_len is None:
         return

@@ -118,14 +118,15 @@ def check_recompute_composes(activation_checkpointing: bool | str, zero_stage: i
             f"{edp} ranks), whose hooks PyTorch's selective recompute cannot run again; use "
             "activation_checkpointing='full', or zero_stage=1, 2 or 3"
         )
-    if activation_checkpointing == "selective" and zero_stage >= 2 and layout.ep > 1 and edp > 1 and layout.pp > 1:
-        # NOTE: measured (PyTorch 2.13, benchmarks/combinations.py's draw 20 of seed 1): DP4 x PP2 x EP2 at ZeRO-2 or
-        # 3 stops in step 0, the last stage's backward finding no gradient for its loss; without the pipeline, at
-        # ZeRO-1, under full recompute or with the experts whole on every rank (edp 1) it trains exactly. Not
-        # root-caused yet: refused.
+    if activation_checkpointing == "selective" and zero_stage >= 2 and layout.ep > 1 and edp > 1:
+        # NOTE: measured (PyTorch 2.13, benchmarks/combinations.py, seed 1): DP4 x PP2 x EP2 at ZeRO-2 or 3 stops in
+        # step 0, the last stage's backward finding no gradient for its loss; DP4 x TP2 x EP2 at ZeRO-2 (no pipeline)
+        # stops in its first recompute, whose FSDP2 hooks of the experts' unit run other profiler ranges than their
+        # forward did. At ZeRO-1, under full recompute or with the experts whole on every rank (edp 1) it trains
+        # exactly. Not root-caused yet: refused.
         raise ValueError(
-            f"activation_checkpointing='selective' with expert_parallel_size={layout.ep} and "
-            f"pipeline_parallel_size={layout.pp} at zero_stage={zero_stage}: each MoE layer's experts are a sharded "
-            f"data-parallel unit of their own inside the recomputed block (over {edp} ranks), which a pipeline stage's "
-            "backward does not run yet; use activation_checkpointing='full', or zero_stage=1"
+            f"activation_checkpointing='selective' with expert_parallel_size={layout.ep} (pipeline_parallel_size="
+            f"{layout.pp}) at zero_stage={zero_stage}: each MoE layer's experts are a sharded data-parallel unit of "
+            f"their own inside the recomputed block (over {edp} ranks), which selective recompute does not run again "
+            "as its forward ran; use activation_checkpointing='full', or zero_stage=1"
         )
