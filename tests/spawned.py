@@ -68,6 +68,19 @@ def run_jobs(world: int, jobs: dict[str, dict[str, Any]], out_dir: Path, deadlin
     one spawn runs (a spawn of a hundred jobs takes longer than any one of them may).
     """
     out_dir.mkdir(parents=True, exist_ok=True)
+    for attempt in range(3):
+        try:
+            return _run_jobs(world, jobs, out_dir, deadline)
+        except mp.ProcessRaisedException as error:
+            # NOTE: `free_port` hands out a port that was free; another process of the machine (the other xdist
+            # worker's ranks, a command a test starts) can take it before rank 0 listens on it. Then start again on
+            # another port: nothing of the jobs ran (every rank fails at the rendezvous, before the first job).
+            if "EADDRINUSE" not in str(error) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _run_jobs(world: int, jobs: dict[str, dict[str, Any]], out_dir: Path, deadline: float) -> dict[str, dict]:
     context = mp.start_processes(
         _worker, args=(world, free_port(), jobs, str(out_dir)), nprocs=world, start_method=START_METHOD, join=False
     )
