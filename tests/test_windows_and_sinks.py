@@ -146,3 +146,18 @@ def test_an_export_refuses_a_family_that_cannot_hold_the_models_settings():
         config_to_hf(GPTConfig(attention_sinks=True), torch.float32)
     with pytest.raises(ValueError, match="a gemma3_text folder cannot hold"):
         config_to_hf(GPTConfig(family="gemma3_text", qk_norm=True), torch.float32)
+
+
+def test_a_transformers_4_gemma_3_folder_without_layer_types_windows_five_blocks_of_six():
+    """Gemma 3's published config.json files name only ``sliding_window_pattern``: every sixth block attends to the
+    whole context (it was read as every block windowed), and the windowed ones take the local rotary base."""
+    from lit3d.hf.config import config_from_hf
+
+    hf = dict(model_type="gemma3_text", hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+              num_attention_heads=4, num_key_value_heads=1, head_dim=256, vocab_size=262144, sliding_window=512,
+              sliding_window_pattern=6, rope_theta=1e6, rope_local_base_freq=1e4,
+              query_pre_attn_scalar=256)  # fmt: skip
+    config = config_from_hf(hf)
+    assert [config.window(i) for i in range(12)] == [512] * 5 + [None] + [512] * 5 + [None]
+    assert (config.rope_theta, config.rope_local_base_freq) == (1e6, 1e4)
+    assert config.num_params == GPTConfig.from_name("gemma-3-1b").num_params
