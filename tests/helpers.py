@@ -126,3 +126,20 @@ def chat_file(path: Path, examples: int, seed: int = 0, max_words: int = 100) ->
             lines.append(json.dumps({"prompt": prompt, "response": answer}))
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def tune_adapters(model, tokens_per_row: int, path: Path) -> Path:
+    """Three AdamW steps of a LoRA ``model``'s adapters on random rows of ``tokens_per_row`` ids (it must train the
+    adapters only), saved as a Lightning checkpoint at ``path`` (what ``lit3d export --adapter`` reads)."""
+    import torch
+
+    model.configure_model()
+    trained = [name for name, p in model.named_parameters() if p.requires_grad]
+    assert trained and all(name.endswith(("lora_a", "lora_b")) for name in trained)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for batch in torch.randint(0, 256, (3, 2, tokens_per_row), generator=torch.Generator().manual_seed(2)):
+        optimizer.zero_grad()
+        model.loss(batch).backward()
+        optimizer.step()
+    torch.save({"hyper_parameters": dict(model.hparams), "state_dict": model.state_dict()}, path)
+    return path

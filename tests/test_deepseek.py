@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from helpers import tune_adapters
 from safetensors import safe_open
 
 from lit3d import GPT, GPTConfig
@@ -407,16 +408,7 @@ def test_lora_on_latent_attention_trains_and_exports_a_peft_adapter_transformers
 
     _deepseek(None, PLAIN_YARN).save_pretrained(tmp_path / "hf")
     model = GPT(pretrained=str(tmp_path / "hf"), lora=LoRA(rank=4, alpha=8, targets=("q", "kv_b", "o")))
-    model.configure_model()
-    trained = [name for name, p in model.named_parameters() if p.requires_grad]
-    assert trained and all(name.endswith(("lora_a", "lora_b")) for name in trained)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    for batch in torch.randint(0, 256, (3, 2, 33), generator=torch.Generator().manual_seed(2)):
-        optimizer.zero_grad()
-        model.loss(batch).backward()
-        optimizer.step()
-    ckpt = tmp_path / "lora.ckpt"
-    torch.save({"hyper_parameters": dict(model.hparams), "state_dict": model.state_dict()}, ckpt)
+    ckpt = tune_adapters(model, 33, tmp_path / "lora.ckpt")
     tokens = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(3))
     main(["export", "--ckpt_path", str(ckpt), "--output", str(tmp_path / "adapter"), "--adapter"])
     assert "LoRA adapters (rank 4, q, o, kv_b)" in capsys.readouterr().out

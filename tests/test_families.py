@@ -4,6 +4,7 @@ transformers: their features computed as transformers computes them."""
 import pytest
 import torch
 from family_layouts import FAMILY_CONFIGS, FAMILY_LAYOUTS
+from helpers import tune_adapters
 from layouts import HALF, STEPS
 
 from lit3d import GPT, GPTConfig
@@ -308,16 +309,7 @@ def test_lora_on_gpt_oss_trains_and_exports_a_peft_adapter_transformers_loads(tm
 
     folder = _folder("gpt_oss", tmp_path / "hf")
     model = GPT(pretrained=str(folder), lora=LoRA(rank=4, alpha=8, targets=("q", "k", "v", "o")))
-    model.configure_model()
-    trained = [name for name, p in model.named_parameters() if p.requires_grad]
-    assert trained and all(name.endswith(("lora_a", "lora_b")) for name in trained)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    for batch in torch.randint(0, 256, (3, 2, 25), generator=torch.Generator().manual_seed(2)):
-        optimizer.zero_grad()
-        model.loss(batch).backward()
-        optimizer.step()
-    ckpt = tmp_path / "lora.ckpt"
-    torch.save({"hyper_parameters": dict(model.hparams), "state_dict": model.state_dict()}, ckpt)
+    ckpt = tune_adapters(model, 25, tmp_path / "lora.ckpt")
     main(["export", "--ckpt_path", str(ckpt), "--output", str(tmp_path / "adapter"), "--adapter"])
     assert "LoRA adapters (rank 4, q, k, v, o)" in capsys.readouterr().out
     tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(3))

@@ -186,15 +186,19 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: list[int], row_keys: torch.Tensor | None = None) -> torch.Tensor:
         """``x``: tokens sorted by expert, ``counts[e]`` of them for local expert e; ``row_keys``: their dropout's."""
-        gate, up = self._project("gate", x, counts, row_keys), self._project("up", x, counts, row_keys)
-        return self._project("down", gated(gate, up, self.act, self.limit, self.alpha), counts, row_keys)
+        rows = torch.tensor(counts, device=x.device) if self.biased else None  # (each expert's bias, on its rows)
+        gate, up = (self._project(role, x, counts, row_keys, rows) for role in ("gate", "up"))
+        return self._project("down", gated(gate, up, self.act, self.limit, self.alpha), counts, row_keys, rows)
 
-    def _project(self, role: str, x: torch.Tensor, counts: list[int], row_keys: torch.Tensor | None) -> torch.Tensor:
-        """Each expert's ``role`` projection of its tokens, with its adapter if it has one."""
+    def _project(
+        self, role: str, x: torch.Tensor, counts: list[int], row_keys: torch.Tensor | None, rows: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Each expert's ``role`` projection of its tokens (plus its bias on each of its ``rows``), with its adapter if
+        it has one."""
         out = grouped_mm(x, self._weight(f"{role}_proj", x.dtype), counts)
-        if self.biased:  # each row its expert's bias
+        if rows is not None:
             bias = self._weight(f"{role}_proj_bias", x.dtype)
-            out = out + bias.repeat_interleave(torch.tensor(counts, device=x.device), dim=0, output_size=x.shape[0])
+            out = out + bias.repeat_interleave(rows, dim=0, output_size=x.shape[0])
         if role not in self.adapted:
             return out
         dropped = self.dropout.on_rows(x, row_keys, role)

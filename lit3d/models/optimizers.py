@@ -10,8 +10,6 @@ import torch
 from lit3d.models.muon import Muon
 from lit3d.models.optimizer_settings import MuonSettings, is_hidden_matrix
 
-NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-
 
 def build_optimizer(
     named: list[tuple[str, torch.nn.Parameter]],
@@ -49,6 +47,6 @@ def build_optimizer(
         eps=eps,
         momentum=muon.momentum,
         ns_steps=muon.ns_steps,
-        ns_dtype=NS_DTYPES[muon.ns_dtype],
+        ns_dtype=getattr(torch, muon.ns_dtype),  # (one of `NS_DTYPES`)
         rms_rule=muon.rms_rule,
     )

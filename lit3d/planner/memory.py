@@ -13,7 +13,7 @@ from lit3d.models.lora_settings import LoRA
 from lit3d.parallel.layout import Layout
 from lit3d.parallel.schedules import last_stage_in_flight, peak_in_flight
 from lit3d.parallel.zero import ZeroPolicy
-from lit3d.planner.block_shapes import (
+from lit3d.planner.block_saves import (
     attention_bytes_per_token,
     expert_bias_bytes_per_token,
     gated_tensors,
