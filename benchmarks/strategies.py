@@ -17,6 +17,7 @@ ratio against the Lightning strategy that does the same job, measured in this sa
     Parallel3DStrategy DP2 EP2        vs  Parallel3DStrategy DP2, experts replicated (an MoE model: --experts)
     Parallel3DStrategy CP2, CP4       vs  Parallel3DStrategy 1x1x1 (long sequences: --context)
     Parallel3DStrategy FP8 linears    vs  the same layout in bf16 (--float8: every run in bf16-mixed)
+    GPT(optimizer="muon")             vs  the same layout with AdamW (--muon: 1x1x1, DP2 ZeRO-3, TP2, PP2)
 
 Long sequences (``--context``): each CP rank keeps 1/cp of every sequence, so the activations autograd keeps per
 rank (column ``act MB``, measured with saved-tensor hooks in a warm-up step) fall by cp, while each rank's step
@@ -79,10 +80,16 @@ CONFIGS = {
     "3d 1x1x1 fp8": (1, {"zero_stage": 0, "float8": "tensorwise"}, ("3d 1x1x1",)),
     "3d 1x1x1 fp8 rowwise": (1, {"zero_stage": 0, "float8": "rowwise"}, ("3d 1x1x1",)),
     "3d dp2 zero3 fp8": (2, {"zero_stage": 3, "float8": "tensorwise", "float8_all_gather": True}, ("3d dp2 zero3",)),
+    # Muon only (--muon): the hidden matrices orthogonalized (each gathered whole where it is split), against AdamW
+    "3d 1x1x1 muon": (1, {"zero_stage": 0}, ("3d 1x1x1",)),
+    "3d dp2 zero3 muon": (2, {"zero_stage": 3}, ("3d dp2 zero3",)),
+    "3d tp2 muon": (2, {"tensor_parallel_size": 2}, ("3d tp2",)),
+    "3d pp2 muon": (2, {"pipeline_parallel_size": 2, "zero_stage": 0}, ("3d pp2",)),
 }
 MOE_ONLY = {"3d dp2 ep2"}
 CONTEXT_ONLY = {"3d cp2", "3d cp4"}
 FLOAT8_ONLY = {"3d 1x1x1 fp8", "3d 1x1x1 fp8 rowwise", "3d dp2 zero3 fp8"}
+MUON_ONLY = {name for name in CONFIGS if name.endswith(" muon")}
 
 
 def main() -> None:
@@ -103,6 +110,7 @@ def main() -> None:
     parser.add_argument("--context", action="store_true", help="run the context-parallel configurations too")
     parser.add_argument("--float8", action="store_true", help="run the FP8 configurations too, every run in bf16-mixed "
                         "(on a CPU FP8 matmuls are emulated: time them on a GPU)")  # fmt: skip
+    parser.add_argument("--muon", action="store_true", help="run the Muon configurations too (GPT(optimizer='muon'))")
     parser.add_argument(
         "--optimizer",
         default="auto",
@@ -148,6 +156,8 @@ def main() -> None:
             results[name] = {"skipped": "a long-sequence configuration (--context)"}
         elif name in FLOAT8_ONLY and not args.float8:
             results[name] = {"skipped": "an FP8 configuration (--float8)"}
+        elif name in MUON_ONLY and not args.muon:
+            results[name] = {"skipped": "a Muon configuration (--muon)"}
         elif gpu and processes > torch.cuda.device_count():
             results[name] = {"skipped": f"needs {processes} GPUs"}
         else:
@@ -303,7 +313,8 @@ def _worker(rank: int, processes: int, port: int, schedule: list, args: dict, th
         strategy = CONFIGS[name][1]
         L.seed_everything(0, verbose=False)
         model_class = ModelParallelGPT if isinstance(strategy, tuple) else GPT
-        model = model_class(config, warmup_steps=2, optimizer_impl=args["optimizer"])
+        optimizer = "muon" if name in MUON_ONLY else "adamw"
+        model = model_class(config, warmup_steps=2, optimizer=optimizer, optimizer_impl=args["optimizer"])
         data = TextDataModule(seq_len=args["seq_len"], global_batch_size=args["global_batch_size"])
         if isinstance(strategy, dict):
             strategy = Parallel3DStrategy(**strategy)

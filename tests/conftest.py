@@ -1,4 +1,5 @@
 import os
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from layouts import (
     STEPS,
     merge,
 )
+from turns import session_lock_path, turn
 
 from lit3d import GPTConfig
 
@@ -35,6 +37,14 @@ def pytest_configure(config):
     # one; alone, both took 11 s). Commands a test starts inherit the variable (Lightning then leaves it be).
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    session_lock_path()  # (`turns`: tests that start several ranks take turns on the machine)
+
+
+@pytest.fixture(autouse=True)
+def take_turns(request):
+    """A test marked `ranks` holds the machine's turn (`turns`) while it runs."""
+    with turn() if request.node.get_closest_marker("ranks") else nullcontext():
+        yield
 
 
 def pytest_collection_modifyitems(config, items):

@@ -86,7 +86,6 @@ def _layouts() -> dict[str, tuple[int, dict]]:
             layouts[f"{family}_pp2"] = (2, {**job, "strategy": pp2})
     qwen2 = {"model": {"config": FAMILY_CONFIGS["qwen2"]}}
     layouts["qwen2_dp2_tp2_zero1"] = (4, {**qwen2, "strategy": {**tp2, "zero_stage": 1}, "checkpoint_every": HALF})
-    layouts["qwen2_dp2_tp2_zero3"] = (4, {**qwen2, "strategy": {**tp2, "zero_stage": 3}})
     resumed = {**qwen2, "strategy": {**tp2, **pp2}, "ckpt_path": saved_at_half("qwen2_dp2_tp2_zero1")}
     layouts["qwen2_tp2_pp2_resumed_from_dp2_tp2_zero1"] = (4, resumed)
     sp = {**tp2, "sequence_parallel": True}
@@ -101,8 +100,8 @@ def _layouts() -> dict[str, tuple[int, dict]]:
 def _deepseek_layouts() -> dict[str, tuple[int, dict]]:
     """DeepSeek-V3's besides TP2 and PP2: its weights sharded over DP ranks (and recomputed in backward), its
     sequences (16 tokens) over CP ranks (latent attention in the ring, each depth's tokens ahead cut from the whole
-    rows), its experts over EP ranks, its stages in a V (the last stage, with the depths, on the first's rank), CP and
-    PP each with TP, SP and EP, and EP2's checkpoint of step `HALF` resumed at TP2 with SP."""
+    rows), its experts over EP ranks, its stages in a V (the last stage, with the depths, on the first's rank), CP
+    with TP and SP, PP with EP (and DP), and EP2's checkpoint of step `HALF` resumed at TP2 with SP."""
     sp = {"tensor_parallel_size": 2, "sequence_parallel": True}
     recomputed = {"zero_stage": 3, "activation_checkpointing": "full"}
     resumed = {"strategy": sp, "ckpt_path": saved_at_half("deepseek_v3_ep2")}
@@ -115,7 +114,7 @@ def _deepseek_layouts() -> dict[str, tuple[int, dict]]:
         "deepseek_v3_tp2_sequence_parallel_resumed_from_ep2": (2, resumed),
         "deepseek_v3_pp2_zbv": (2, {"strategy": {**pp2, "pipeline_schedule": "zbv"}}),
         "deepseek_v3_cp2_tp2_sequence_parallel": (4, {"strategy": {**sp, "context_parallel_size": 2}}),
-        "deepseek_v3_dp2_tp2_pp2_ep2_sequence_parallel": (8, {"strategy": {**sp, **pp2, "expert_parallel_size": 2}}),
+        "deepseek_v3_dp2_pp2_ep2": (4, {"strategy": {**pp2, "expert_parallel_size": 2}}),
     }
     return {name: (world, {**family_job("deepseek_v3"), **job}) for name, (world, job) in layouts.items()}
 

@@ -18,7 +18,6 @@ def _layouts() -> dict[str, tuple[int, dict]]:
         "dp2_tp2_zero1_resumed_from_dp4_shard2_zero3": (4, {"tensor_parallel_size": 2, "zero_stage": 1}),
         "dp4_tp2_shard2_zero1": (8, {**groups, "tensor_parallel_size": 2, "zero_stage": 1}),
         "dp4_pp2_shard2_zero3": (8, {**groups, "pipeline_parallel_size": 2, "zero_stage": 3}),
-        "dp4_cp2_shard2_zero1": (8, {**groups, "context_parallel_size": 2, "zero_stage": 1}),
     }
     jobs = {name: (world, {"strategy": strategy, "callbacks": [CommReport(step=COMMS_STEP)]})
             for name, (world, strategy) in layouts.items()}  # fmt: skip

@@ -42,8 +42,6 @@ LAYOUTS: dict[str, tuple[int, dict]] = {
     "tp2_sequence_parallel": (2, {"strategy": {"tensor_parallel_size": 2, "sequence_parallel": True}}),
     "tp2_selective_recompute": (2, {"strategy": {"tensor_parallel_size": 2, "activation_checkpointing": "selective"}}),
     "dp2_zero3_full_recompute": (2, {"strategy": {"zero_stage": 3, "activation_checkpointing": "full"}}),
-    "dp2_zero0_accumulate2": (2, {"strategy": {"zero_stage": 0}, "trainer": ACCUMULATE2}),
-    "dp2_zero1_accumulate2": (2, {"strategy": {"zero_stage": 1}, "trainer": ACCUMULATE2}),
     "dp2_zero2_accumulate2": (2, {"strategy": {"zero_stage": 2}, "trainer": ACCUMULATE2}),
     "dp2_zero3_accumulate2": (2, {"strategy": {"zero_stage": 3}, "trainer": ACCUMULATE2}),
     "dp2_zero3_accumulate2_unsharded": (
@@ -67,7 +65,7 @@ LAYOUTS: dict[str, tuple[int, dict]] = {
             2,
             {"strategy": {"zero_stage": z}, "trainer": {"precision": "bf16-true"}},
         )
-        for z in range(4)
+        for z in (0, 3)
     },
     **{  # compared with the single-process bf16-mixed run
         f"{name}_bf16-mixed{suffix}": (
@@ -75,7 +73,7 @@ LAYOUTS: dict[str, tuple[int, dict]] = {
             {"strategy": strategy, "trainer": {"precision": "bf16-mixed"}, "callbacks": [CommReport(step=COMMS_STEP)]},
         )
         for name, suffix, world, strategy in [
-            *((f"dp2_zero{z}", "", 2, {"zero_stage": z}) for z in range(4)),
+            *((f"dp2_zero{z}", "", 2, {"zero_stage": z}) for z in (0, 1, 3)),
             ("dp2_zero3", "_reduce_bf16", 2, {"zero_stage": 3, "mixed_precision_reduce": "bfloat16"}),
             ("dp2_zero0", "_reduce_bf16", 2, {"zero_stage": 0, "mixed_precision_reduce": "bfloat16"}),
             ("tp2_sequence_parallel", "", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
@@ -130,7 +128,6 @@ MOE_LAYOUTS = {
         ("moe_dp4_ep2", 4, {"expert_parallel_size": 2}),
         ("moe_ep2_zero3", 2, {"expert_parallel_size": 2, "zero_stage": 3}),
         ("moe_dp4_ep2_zero3", 4, {"expert_parallel_size": 2, "zero_stage": 3}),
-        ("moe_dp4_ep2_zero0", 4, {"expert_parallel_size": 2, "zero_stage": 0}),
         # HSDP: dense shards in groups of 2 (summed across them), experts over the ranks that hold them
         ("moe_dp4_ep2_shard2_zero1", 4, {"expert_parallel_size": 2, "data_parallel_shard_size": 2}),
         ("moe_pp2", 2, {"pipeline_parallel_size": 2}),
@@ -201,15 +198,12 @@ LORA_LAYOUTS = {
     name: (world, {**LORA, "strategy": strategy})
     for name, world, strategy in [
         ("lora_dp2_zero0", 2, {"zero_stage": 0}),
-        ("lora_dp2_zero1", 2, {"zero_stage": 1}),
-        ("lora_dp2_zero2", 2, {"zero_stage": 2}),
         ("lora_dp2_zero3", 2, {"zero_stage": 3}),
         ("lora_tp2", 2, {"tensor_parallel_size": 2}),
         ("lora_tp2_sequence_parallel", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
         ("lora_pp2_resumed_from_tp2", 2, pp(2)),
         ("lora_pp2", 2, pp(2)),
         ("lora_pp2_zbv", 2, pp(2, "zbv")),
-        ("lora_pp2_interleaved", 2, pp(2, "interleaved_1f1b")),
         ("lora_dp2_pp2_zero1_full_recompute_accumulate2", 4, {"zero_stage": 1, "activation_checkpointing": "full",
                                                                **pp(2)}),
         ("lora_dp2_tp2_zero3", 4, {"tensor_parallel_size": 2, "zero_stage": 3}),

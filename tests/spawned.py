@@ -36,6 +36,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader
+from turns import ranks_turn
 
 from lit3d import GPT, GPTConfig
 from lit3d.callbacks import CommReport
@@ -117,9 +118,10 @@ def _worker(rank: int, world: int, port: int, jobs: dict, out_dir: str) -> None:
     # NOTE: one process group for every job of these ranks (a strategy ends only a group it started itself).
     dist.init_process_group("gloo", rank=rank, world_size=world)
     for name, job in jobs.items():
-        started = time.perf_counter()
-        result = run_job(job, Path(out_dir) / name, devices=world)
-        result["seconds"] = time.perf_counter() - started
+        with ranks_turn():  # (one group of ranks at a time on the machine: `turns`)
+            started = time.perf_counter()
+            result = run_job(job, Path(out_dir) / name, devices=world)
+            result["seconds"] = time.perf_counter() - started
         (Path(out_dir) / name).mkdir(parents=True, exist_ok=True)  # (a job refused at its start made none)
         (Path(out_dir) / name / f"rank{rank}.json").write_text(json.dumps(result))
     if dist.is_initialized():  # leave together, and join gloo's threads now rather than at interpreter exit

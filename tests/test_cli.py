@@ -45,11 +45,13 @@ def single_process_losses(tmp_path_factory):
     return losses
 
 
+@pytest.mark.ranks
 def test_fit_under_ddp_gives_the_single_process_losses(tmp_path, single_process_losses):
     ddp, _ = fit_losses(tmp_path, "--trainer.devices=2", "--trainer.strategy=ddp")
     torch.testing.assert_close(ddp, single_process_losses, rtol=1e-5, atol=0)
 
 
+@pytest.mark.ranks
 def test_3d_auto_with_a_memory_limit_picks_a_split_layout_logs_it_and_trains_like_one_process(
     tmp_path, single_process_losses
 ):
@@ -71,6 +73,7 @@ def test_3d_auto_with_a_memory_limit_picks_a_split_layout_logs_it_and_trains_lik
     assert " peaked at " not in printed, printed[-3000:]  # within its plan's band and its memory (issue 63, item 4)
 
 
+@pytest.mark.ranks
 def test_fit_with_ckpt_path_last_starts_fresh_then_resumes_where_the_run_stopped(tmp_path, single_process_losses):
     """The same command twice, as a requeued job runs it: DP2 saving in the background into the config's fixed
     checkpoint folder (``runs/tiny/checkpoints``), stopped after step 2, then continued to step 4 from there."""
@@ -241,8 +244,9 @@ def test_help_lists_every_command(early_exits):
         assert f"\n  {command} " in early_exits["help"]["stdout"], command
 
 
-# NOTE: 40 s alone; 137-300 s beside the other xdist worker's layout runs (12 processes on 2 cores): a longer limit
-# than the suite's 300 s, which this test's four torchrun ranks reached once while the shared layout runs spawned 8.
+# NOTE: 30 s alone, 288 s once beside the other xdist worker's layout runs: now they take turns (tests/turns.py), and
+# the longer limit covers a wait for the other worker's turn.
+@pytest.mark.ranks
 @pytest.mark.timeout(600)
 def test_two_node_torchrun_on_loopback_keeps_tp_inside_a_node_and_pipelines_across(tmp_path, single_process_losses):
     """Tensor x pipeline parallel 2 x 2 (the strategy by its class path), launched as two `torchrun --nnodes 2`

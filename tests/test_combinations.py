@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 from layouts import SMALL_GPT
+from turns import ranks_turn
 
 from benchmarks.combinations import Draw, compare, draw, job_of, reference_of, refusal, train, write_corpus
 from benchmarks.rank_group import run_group
@@ -24,16 +25,14 @@ def pp2(schedule: str, recompute: str, **more) -> dict:
     return {"pipeline_parallel_size": 2, "pipeline_schedule": schedule, "activation_checkpointing": recompute, **more}
 
 
-# Document masks under recompute in a pipeline: each schedule under both kinds of recompute, and with CP2.
+# Document masks under recompute in a pipeline: each schedule and each kind of recompute, and with CP2.
 RECOMPUTED_DOCUMENTS = {
     f"pp2_{schedule}_{recompute}": Draw(0, 2, pp2(schedule, recompute), documents=True)
-    for schedule in ("1f1b", "interleaved_1f1b", "zbv")
-    for recompute in ("full", "selective")
+    for schedule, recompute in (("1f1b", "full"), ("interleaved_1f1b", "selective"), ("zbv", "full"))
 }
-RECOMPUTED_DOCUMENTS.update({
-    f"cp2_pp2_{schedule}_{recompute}": Draw(0, 4, pp2(schedule, recompute, context_parallel_size=2), documents=True)
-    for schedule, recompute in (("1f1b", "full"), ("zbv", "selective"))
-})  # fmt: skip
+RECOMPUTED_DOCUMENTS["cp2_pp2_zbv_selective"] = Draw(
+    0, 4, pp2("zbv", "selective", context_parallel_size=2), documents=True
+)
 
 # Draws of the sweep, fixed: every axis and most features, a few at a time (the first two once failed: an uneven
 # replica's MoE balance term was not weighted by its share; selective recompute reran FSDP2's bf16 input casts).
@@ -76,7 +75,8 @@ def run(job: dict, job_dir, world: int) -> dict:
 
     if job.get("fail") and dist.get_rank() == world - 1:
         raise ValueError("this rank failed on purpose")
-    return train(job, job_dir, world)
+    with ranks_turn():  # (one group of ranks at a time on the machine: `turns`)
+        return train(job, job_dir, world)
 
 
 @pytest.fixture(scope="module")

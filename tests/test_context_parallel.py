@@ -85,6 +85,7 @@ def _packed_documents_errors(rank: int) -> dict[str, float]:
     return errors
 
 
+@pytest.mark.ranks
 def test_ring_attention_equals_whole_sequence_attention_forward_and_backward(tmp_path):
     """Grouped-query heads, value heads narrower than the query heads (latent attention's), CP 2 and 4, fp32 and bf16,
     and packed documents: the merged ring equals causal SDPA over the whole sequence (with the documents' mask)."""

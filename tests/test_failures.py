@@ -62,6 +62,7 @@ def start_long_run(tmp_path):
     return proc, lines
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("victim", ["rank 1 (a child process)", "rank 0 (the launching process)"])
 def test_killing_one_rank_ends_the_job(tmp_path, victim):
     proc, lines = start_long_run(tmp_path)
@@ -85,6 +86,7 @@ def test_killing_one_rank_ends_the_job(tmp_path, victim):
                 os.kill(r, signal.SIGKILL)
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("kind", ["raise", "out_of_memory", "hang"])
 def test_a_failing_rank_ends_the_job_in_bounded_time_and_is_named(tmp_path, kind):
     """Rank 1 of 2 fails at step 2: an exception, an allocation that runs out of memory, or a hang (it never
@@ -129,6 +131,7 @@ def cli(cwd, *args, max_steps, check=True, **popen):
     return run
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("victim", ["rank 0 (the launching process)", "rank 1 (a child process)"])
 def test_sigterm_saves_exits_to_be_requeued_and_last_resumes_the_curve(tmp_path, victim):
     """PP2 sent SIGTERM mid-run (DP2 when the launching process gets it), as a scheduler does: every rank

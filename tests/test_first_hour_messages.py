@@ -356,6 +356,7 @@ def test_every_command_s_usage_names_it_and_export_names_every_family(capsys):
 # ---------------------------------------------------------------- 11: quiet, exact output
 
 
+@pytest.mark.ranks
 def test_a_tiny_3d_fit_prints_the_rank_map_the_plan_and_the_samples_and_none_of_lightning_s_noise(tmp_path):
     """Item 11: what a newcomer's first run prints, rank 0 and rank 1 together."""
     run = lit3d_command(

@@ -5,7 +5,7 @@ import pytest
 import torch
 from muon_layouts import MUON_LAYOUTS
 
-from lit3d import GPT, LoRA
+from lit3d import GPT, GPTConfig, LoRA
 from lit3d.models.muon import Muon, newton_schulz
 
 
@@ -16,7 +16,7 @@ def test_the_update_of_a_hidden_matrix_is_torch_optim_muons(shape):
     generator = torch.Generator().manual_seed(0)
     start = torch.randn(*shape, generator=generator)
     ours, theirs = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
-    mine = Muon([{"params": [ours], "muon": True}], lr=0.02, weight_decay=0.1)
+    mine = Muon([{"params": [ours], "muon": True}], lr=0.02, weight_decay=0.1, ns_dtype=torch.bfloat16)  # (a GPU's)
     reference = torch.optim.Muon([theirs], lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
     for _ in range(5):
         grad = torch.randn(*shape, generator=generator)
@@ -24,6 +24,24 @@ def test_the_update_of_a_hidden_matrix_is_torch_optim_muons(shape):
         mine.step()
         reference.step()
     assert torch.equal(ours, theirs)
+
+
+def test_on_a_cpu_the_iteration_runs_in_fp32_unless_told():
+    """``muon_ns_dtype="auto"`` (the default): bf16 matrix products are slow on a CPU (50x fp32's here), so a CPU's
+    parameters are orthogonalised in fp32, a GPU's in bf16."""
+    generator = torch.Generator().manual_seed(2)
+    start, grad = torch.randn(24, 40, generator=generator), torch.randn(24, 40, generator=generator)
+    steps = {}
+    for dtype in (None, torch.float32, torch.bfloat16):
+        param = torch.nn.Parameter(start.clone())
+        param.grad = grad.clone()
+        Muon([{"params": [param], "muon": True}], lr=0.02, ns_dtype=dtype).step()
+        steps[dtype] = param.detach()
+    assert torch.equal(steps[None], steps[torch.float32]) and not torch.equal(steps[None], steps[torch.bfloat16])
+    assert (
+        GPT(GPTConfig(n_layer=1, n_head=2, d_model=16, d_ff=32, vocab_size=32), optimizer="muon").muon.ns_dtype
+        == "auto"
+    )
 
 
 def test_the_rest_steps_as_torch_optim_adamw():

@@ -12,6 +12,7 @@ from helpers import logged  # noqa: E402
 NOTEBOOK = Path(__file__).resolve().parents[1] / "examples" / "prototype.ipynb"
 
 
+@pytest.mark.ranks
 def test_prototype_notebook_runs_without_error(tmp_path, monkeypatch):
     monkeypatch.setenv("LIT3D_NOTEBOOK_STEPS", "6")
     monkeypatch.setenv("LIT3D_NOTEBOOK_PROCESSES", "4")

@@ -151,6 +151,7 @@ def test_flops_per_token_is_6n_plus_attention():
     assert math.isclose(config.flops_per_token(8192) / 1e9, 6 * 7.5 + 12.9, rel_tol=0.02)
 
 
+@pytest.mark.ranks
 def test_strategy_benchmark_compares_with_lightning_and_reports_traffic_next_to_the_planner(tmp_path):
     """A tiny run of `benchmarks/strategies.py`: lit3d TP2 against ModelParallelStrategy with the same plan."""
     out = tmp_path / "bench.json"

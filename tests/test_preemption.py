@@ -90,6 +90,7 @@ def test_a_preempted_run_resumes_its_curve_with_any_model_checkpoint_and_either_
     assert resumed["losses"] == uninterrupted[STOPPED_AT:]  # exactly
 
 
+@pytest.mark.ranks
 def test_two_ranks_preempted_with_save_last_resume_their_curve_from_the_checkpoint_folder(base_job, tmp_path):
     """DP2 under `Parallel3DStrategy` (checkpoint folders), ``ModelCheckpoint(save_last=True,
     every_n_train_steps=1000)``: rank 1 is sent SIGTERM, both ranks stop after an agreed step, exit 143 with every

@@ -68,6 +68,7 @@ def test_predict_continues_each_prompt(base_job, capsys):
     assert "the quick" in printed and "def" in printed
 
 
+@pytest.mark.ranks
 def test_generate_prints_the_same_continuation_on_one_device_and_at_tp2(checkpoint, tmp_path):
     args = ["generate", "--ckpt_path", str(checkpoint), "--prompt", "the quick", "--max_new_tokens", "12",
             "--temperature", "1.0", "--seed", "3"]  # fmt: skip
@@ -90,6 +91,7 @@ def test_generate_from_a_huggingface_folder(hf_folder, tmp_path):
     assert run.stdout.strip().splitlines()[-1].startswith("def")
 
 
+@pytest.mark.ranks
 def test_finetuning_a_huggingface_folder_at_tp2_starts_from_its_loss(hf_folder, corpus, tmp_path):
     """`configs/finetune.yaml` at TP2: the first logged loss is the HuggingFace model's own on that batch."""
     from transformers import LlamaForCausalLM

@@ -13,7 +13,6 @@ def _layouts() -> dict[str, tuple[int, dict]]:
     pp2 = {"pipeline_parallel_size": 2}
     layouts = {
         "pp2_layers_1_5": (2, {**pp2, "pipeline_stage_layers": [1, 5]}),
-        "pp2_layers_5_1": (2, {**pp2, "pipeline_stage_layers": [5, 1]}),
         "pp2_interleaved_layers_2_1_2_1": (2, {**pp2, "pipeline_schedule": "interleaved_1f1b",
                                                "pipeline_stage_layers": [2, 1, 2, 1]}),
         "dp2_pp2_zero1_layers_4_2": (4, {**pp2, "zero_stage": 1, "pipeline_stage_layers": [4, 2]}),
@@ -37,7 +36,6 @@ SHARE_LAYOUTS = {
         ("dp2_shares_6_2_zero1", 2, {"zero_stage": 1, "data_parallel_shares": [6, 2]}),
         ("dp2_shares_2_6_zero3", 2, {"zero_stage": 3, "data_parallel_shares": [2, 6]}),
         ("dp2_even_resumed_from_shares", 2, {"zero_stage": 1}),
-        ("dp2_tp2_shares_6_2_zero1", 4, {"tensor_parallel_size": 2, "zero_stage": 1, "data_parallel_shares": [6, 2]}),
         ("dp2_tp2_shares_6_2_zero3", 4, {"tensor_parallel_size": 2, "zero_stage": 3, "data_parallel_shares": [6, 2]}),
     ]
 }  # fmt: skip

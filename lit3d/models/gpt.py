@@ -81,7 +81,7 @@ class GPT(L.LightningModule):
         optimizer: str = "adamw",
         muon_momentum: float = 0.95,
         muon_ns_steps: int = 5,
-        muon_ns_dtype: str = "bfloat16",
+        muon_ns_dtype: str = "auto",
         muon_rms_rule: str = "match_rms_adamw",
     ) -> None:
         super().__init__()

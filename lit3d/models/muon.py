@@ -6,7 +6,9 @@ A Muon group's parameter steps by its momentum orthogonalised: ``B ← μB + (1 
 weight decayed and ``O`` added times the learning rate, scaled so that the update's RMS matches AdamW's
 (``0.2·√max(A, B)``, Moonshot's rule, so AdamW's learning rate and weight decay carry over) or Keller Jordan's
 ``√max(1, A/B)``. ``NS₅`` is five steps of the quintic Newton–Schulz iteration of ``torch.optim.Muon`` (its
-coefficients, its normalisation), in bf16 by default as there, in fp32 where ``ns_dtype`` says. A stacked
+coefficients, its normalisation), in bf16 on a GPU as there, in fp32 on a CPU (``ns_dtype=None``; one dtype
+where it says: measured on this project's 2-core CPU, one 768 x 256 matrix took 0.52 s in bf16 and 0.011 s in fp32,
+which made a small model's Muon step 17x its AdamW step). A stacked
 expert tensor ``[expert, in, out]`` is each expert's own matrix. An AdamW group steps as ``torch.optim.AdamW``.
 
 NOTE: written here rather than used from ``torch.optim.Muon``, which takes 2-D parameters only and orthogonalises the
@@ -103,7 +105,7 @@ class Muon(torch.optim.Optimizer):
         momentum: float = 0.95,
         nesterov: bool = True,
         ns_steps: int = 5,
-        ns_dtype: torch.dtype = torch.bfloat16,
+        ns_dtype: torch.dtype | None = None,
         rms_rule: str = "match_rms_adamw",
         whole: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         shard: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
@@ -139,7 +141,8 @@ class Muon(torch.optim.Optimizer):
         buffer.lerp_(grad, 1 - group["momentum"])  # (torch.optim.Muon's average: NS₅ normalises the scale away)
         update = grad.lerp(buffer, group["momentum"]) if group["nesterov"] else buffer
         whole = self.whole(param, update)
-        orthogonal = newton_schulz(whole, group["ns_steps"], group["ns_dtype"])
+        dtype = group["ns_dtype"] or (torch.bfloat16 if whole.device.type == "cuda" else torch.float32)
+        orthogonal = newton_schulz(whole, group["ns_steps"], dtype)
         lr = group["lr"] * rms_scale(tuple(whole.shape), group["rms_rule"])
         param.mul_(1 - group["lr"] * group["weight_decay"])
         param.add_(self.shard(param, orthogonal).to(param.dtype), alpha=-lr)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 OPTIMIZERS = ("adamw", "muon")
-NS_DTYPES = ("bfloat16", "float32")
+NS_DTYPES = ("auto", "bfloat16", "float32")  # auto: bf16 on a GPU, fp32 on a CPU (see `Muon`)
 RMS_RULES = ("match_rms_adamw", "original")  # `lit3d.models.muon.rms_scale`
 
 
@@ -18,7 +18,7 @@ class MuonSettings:
 
     momentum: float = 0.95
     ns_steps: int = 5
-    ns_dtype: str = "bfloat16"
+    ns_dtype: str = "auto"
     rms_rule: str = "match_rms_adamw"
 
     def refusal(self) -> str | None:

@@ -47,6 +47,6 @@ def build_optimizer(
         eps=eps,
         momentum=muon.momentum,
         ns_steps=muon.ns_steps,
-        ns_dtype=getattr(torch, muon.ns_dtype),  # (one of `NS_DTYPES`)
+        ns_dtype=None if muon.ns_dtype == "auto" else getattr(torch, muon.ns_dtype),  # (one of `NS_DTYPES`)
         rms_rule=muon.rms_rule,
     )

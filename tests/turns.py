@@ -1,0 +1,58 @@
+"""Several ranks' runs take turns on the machine: one at a time across the suite's xdist workers.
+
+NOTE: ranks that run in lock step (every collective waits for each of them) slow down far more than their share when
+they share 2 cores with another group of ranks: each collective waits until every rank of the group has been scheduled
+again. Measured here: the two-node torchrun test took 30 s alone, 40 s beside one busy process, and 288 s in a suite
+run beside the shared layout runs' spawns. A test or a spawned job that starts several ranks holds the machine's turn
+(an exclusive `fcntl.flock` on one file for the whole session); single-process tests run beside it as before.
+"""
+
+import fcntl
+import os
+import tempfile
+import time
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+
+LOCK_VARIABLE = "TESTS_TURN_LOCK"  # (not LIT3D_*: tests check that a fit leaves none of those behind)
+
+
+def session_lock_path() -> str:
+    """The file whose lock is the turn: set once by the first pytest process (xdist's controller), whose workers and
+    the ranks they start inherit it."""
+    if LOCK_VARIABLE not in os.environ:
+        os.environ[LOCK_VARIABLE] = str(Path(tempfile.gettempdir()) / f"lit3d-tests-turn-{os.getpid()}.lock")
+    return os.environ[LOCK_VARIABLE]
+
+
+@contextmanager
+def turn():
+    """Hold the machine's turn (wait for it) while several ranks run; released, the holder waits a moment so that a
+    worker waiting for it gets it before the holder's next job asks again (`flock` promises no order)."""
+    path = os.environ.get(LOCK_VARIABLE)
+    if path is None:  # outside the suite (a helper run by hand): nothing to share
+        yield
+        return
+    with open(path, "a") as file:
+        fcntl.flock(file, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(file, fcntl.LOCK_UN)
+    time.sleep(0.05)
+
+
+@contextmanager
+def ranks_turn():
+    """Inside spawned ranks, around one job: rank 0 holds the turn and the others wait for it at a barrier (a
+    process group that a job ends is not waited on)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        yield
+        return
+    with turn() if dist.get_rank() == 0 else nullcontext():
+        dist.barrier()
+        yield
+        if dist.is_initialized():
+            dist.barrier()
