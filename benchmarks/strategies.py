@@ -111,6 +111,8 @@ def main() -> None:
     parser.add_argument("--float8", action="store_true", help="run the FP8 configurations too, every run in bf16-mixed "
                         "(on a CPU FP8 matmuls are emulated: time them on a GPU)")  # fmt: skip
     parser.add_argument("--muon", action="store_true", help="run the Muon configurations too (GPT(optimizer='muon'))")
+    parser.add_argument("--muon-ns-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                        help="GPT.muon_ns_dtype of the Muon configurations")  # fmt: skip
     parser.add_argument(
         "--optimizer",
         default="auto",
@@ -313,8 +315,8 @@ def _worker(rank: int, processes: int, port: int, schedule: list, args: dict, th
         strategy = CONFIGS[name][1]
         L.seed_everything(0, verbose=False)
         model_class = ModelParallelGPT if isinstance(strategy, tuple) else GPT
-        optimizer = "muon" if name in MUON_ONLY else "adamw"
-        model = model_class(config, warmup_steps=2, optimizer=optimizer, optimizer_impl=args["optimizer"])
+        muon = {"optimizer": "muon", "muon_ns_dtype": args["muon_ns_dtype"]} if name in MUON_ONLY else {}
+        model = model_class(config, warmup_steps=2, optimizer_impl=args["optimizer"], **muon)
         data = TextDataModule(seq_len=args["seq_len"], global_batch_size=args["global_batch_size"])
         if isinstance(strategy, dict):
             strategy = Parallel3DStrategy(**strategy)

@@ -23,7 +23,7 @@ from layouts import (
     STEPS,
     merge,
 )
-from turns import session_lock_path, turn
+from turns import end_turns, share_turns, turn
 
 from lit3d import GPTConfig
 
@@ -37,7 +37,12 @@ def pytest_configure(config):
     # one; alone, both took 11 s). Commands a test starts inherit the variable (Lightning then leaves it be).
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    session_lock_path()  # (`turns`: tests that start several ranks take turns on the machine)
+    config.names_turns = share_turns()  # (`turns`: tests that start several ranks take turns on the machine)
+
+
+def pytest_unconfigure(config):
+    if getattr(config, "names_turns", False):
+        end_turns()
 
 
 @pytest.fixture(autouse=True)

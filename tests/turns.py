@@ -17,12 +17,17 @@ from pathlib import Path
 LOCK_VARIABLE = "TESTS_TURN_LOCK"  # (not LIT3D_*: tests check that a fit leaves none of those behind)
 
 
-def session_lock_path() -> str:
-    """The file whose lock is the turn: set once by the first pytest process (xdist's controller), whose workers and
-    the ranks they start inherit it."""
-    if LOCK_VARIABLE not in os.environ:
-        os.environ[LOCK_VARIABLE] = str(Path(tempfile.gettempdir()) / f"lit3d-tests-turn-{os.getpid()}.lock")
-    return os.environ[LOCK_VARIABLE]
+def share_turns() -> bool:
+    """Name the file whose lock is the turn, once, in the first pytest process (xdist's controller), whose workers and
+    the ranks they start inherit it; whether this process named it (and so removes it at the end: `end_turns`)."""
+    if LOCK_VARIABLE in os.environ:
+        return False
+    os.environ[LOCK_VARIABLE] = str(Path(tempfile.gettempdir()) / f"lit3d-tests-turn-{os.getpid()}.lock")
+    return True
+
+
+def end_turns() -> None:
+    Path(os.environ.pop(LOCK_VARIABLE)).unlink(missing_ok=True)
 
 
 @contextmanager
