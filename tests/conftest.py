@@ -23,7 +23,7 @@ from layouts import (
     STEPS,
     merge,
 )
-from turns import end_turns, share_turns, turn
+from turns import LOCK_VARIABLE, end_turns, held, share_turns, turn
 
 from lit3d import GPTConfig
 
@@ -40,6 +40,23 @@ def pytest_configure(config):
     config.names_turns = share_turns()  # (`turns`: tests that start several ranks take turns on the machine)
 
 
+def pytest_terminal_summary(terminalreporter, config):
+    """How long the runs of several ranks held the machine, one after another (`turns`): the floor under the suite's
+    time, and the tests and spawns (by their jobs' folder) that held it longest."""
+    if not getattr(config, "names_turns", False) or not Path(os.environ[LOCK_VARIABLE]).exists():
+        return
+    turns_held = held()
+    waited, total = sum(w for _, w, _ in turns_held), sum(s for _, _, s in turns_held)
+    terminalreporter.section("runs of several ranks, one at a time (tests/turns.py)")
+    terminalreporter.write_line(f"{len(turns_held)} held the machine for {total:.0f} s in all (waited {waited:.0f} s)")
+    by_group = {}  # a test, or the folder of a spawn's jobs
+    for holder, _, seconds in turns_held:
+        group = holder.split("/")[0] if "::" not in holder else holder
+        by_group[group] = by_group.get(group, 0.0) + seconds
+    for group, seconds in sorted(by_group.items(), key=lambda item: -item[1])[:20]:
+        terminalreporter.write_line(f"{seconds:8.1f} s  {group}")
+
+
 def pytest_unconfigure(config):
     if getattr(config, "names_turns", False):
         end_turns()
@@ -48,7 +65,7 @@ def pytest_unconfigure(config):
 @pytest.fixture(autouse=True)
 def take_turns(request):
     """A test marked `ranks` holds the machine's turn (`turns`) while it runs."""
-    with turn() if request.node.get_closest_marker("ranks") else nullcontext():
+    with turn(request.node.nodeid) if request.node.get_closest_marker("ranks") else nullcontext():
         yield
 
 

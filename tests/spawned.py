@@ -118,7 +118,7 @@ def _worker(rank: int, world: int, port: int, jobs: dict, out_dir: str) -> None:
     # NOTE: one process group for every job of these ranks (a strategy ends only a group it started itself).
     dist.init_process_group("gloo", rank=rank, world_size=world)
     for name, job in jobs.items():
-        with ranks_turn():  # (one group of ranks at a time on the machine: `turns`)
+        with ranks_turn(f"{Path(out_dir).name}/{name} ({world} ranks)"):  # (one group at a time: `turns`)
             started = time.perf_counter()
             result = run_job(job, Path(out_dir) / name, devices=world)
             result["seconds"] = time.perf_counter() - started

@@ -4,6 +4,7 @@ combination that once crashed in step 0 (the recomputed forward saw the whole ba
 micro-batch's), trains like one process in every schedule and with context parallelism."""
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -75,7 +76,7 @@ def run(job: dict, job_dir, world: int) -> dict:
 
     if job.get("fail") and dist.get_rank() == world - 1:
         raise ValueError("this rank failed on purpose")
-    with ranks_turn():  # (one group of ranks at a time on the machine: `turns`)
+    with ranks_turn(f"combinations/{Path(job_dir).name} ({world} ranks)"):  # (one group at a time: `turns`)
         return train(job, job_dir, world)
 
 
