@@ -196,7 +196,7 @@ def base_job(corpus) -> dict:
     return dict(
         model=dict(config=SMALL_GPT, learning_rate=1e-2, warmup_steps=2),
         data=dict(data_path=str(corpus), seq_len=16, global_batch_size=8, val_fraction=0.1),
-        trainer=dict(max_steps=STEPS, gradient_clip_val=0.5, limit_val_batches=2, val_check_interval=HALF),
+        trainer=dict(max_steps=STEPS, gradient_clip_val=0.5, limit_val_batches=2, val_check_interval=STEPS),
     )
 
 

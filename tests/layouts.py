@@ -14,16 +14,18 @@ def pp(size: int, schedule: str = "1f1b", **more) -> dict:
     return {"pipeline_parallel_size": size, "pipeline_schedule": schedule, **more}
 
 
-# Every job (`conftest.base_job`) trains STEPS steps with gradient clipping active and validates after steps HALF and
-# STEPS; a job that another resumes saves at step HALF; those that measure the bytes each axis sends (`CommReport`)
-# measure step COMMS_STEP, after the first steps' one-off collectives.
-STEPS = 4
+# Every job (`conftest.base_job`) trains STEPS steps with gradient clipping active and validates after the last; a
+# job that another resumes saves at step HALF; those that measure the bytes each axis sends (`CommReport`) measure
+# step COMMS_STEP, after the first step's one-off collectives. (Three steps: the first update, one with optimizer
+# states, and one after a resume's; each step of a layout run costs about 0.3 s of both cores.)
+STEPS = 3
 HALF = STEPS // 2
 COMMS_STEP = HALF + 1
-# Two micro-steps per step, validating after the same optimizer steps as the others (Lightning's interval counts
-# micro-batches): otherwise a validation would come before every step, and ZeRO-2 would start each one with the
-# parameters validation's forward left gathered, so `CommReport` would find no step with its all-gather.
-ACCUMULATE2 = {"accumulate_grad_batches": 2, "val_check_interval": 2 * HALF}
+FALLS = 0.3  # the least the single-process loss falls over STEPS steps, that a comparison is of a run that learns
+# Two micro-steps per step, validating after the same optimizer step as the others (Lightning's interval counts
+# micro-batches): otherwise a validation would come before a step, and ZeRO-2 would start it with the parameters
+# validation's forward left gathered, so `CommReport` would find no step with its all-gather.
+ACCUMULATE2 = {"accumulate_grad_batches": 2, "val_check_interval": 2 * STEPS}
 
 
 def saved_at_half(job: str) -> str:
@@ -190,9 +192,14 @@ class OffloadProbe(L.Callback):
 
 
 # LoRA on every linear of the blocks, every other weight frozen, with dropout on the adapters' inputs (its masks are the
-# same in every layout: `lit3d.models.lora_dropout`), compared with its own single-process run.
+# same in every layout: `lit3d.models.lora_dropout`), compared with its own single-process run. Adapters start at zero
+# and train at a higher rate than whole models (at 1e-2 the MoE model's loss did not fall in `STEPS` steps).
+LORA_RATE = 3e-2
 LORA = {
-    "model": {"lora": {"rank": 4, "alpha": 8.0, "dropout": 0.1, "targets": ["q", "k", "v", "o", "gate", "up", "down"]}}
+    "model": {
+        "learning_rate": LORA_RATE,
+        "lora": {"rank": 4, "alpha": 8.0, "dropout": 0.1, "targets": ["q", "k", "v", "o", "gate", "up", "down"]},
+    }
 }
 LORA_LAYOUTS = {
     name: (world, {**LORA, "strategy": strategy})
@@ -213,6 +220,7 @@ LORA_LAYOUTS = {
 LORA_MOE = {
     "model": {
         "config": SMALL_MOE,
+        "learning_rate": LORA_RATE,
         "lora": {"rank": 4, "alpha": 8.0, "dropout": 0.1, "targets": ["q", "v", "gate", "down"]},
     }
 }

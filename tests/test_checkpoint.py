@@ -11,31 +11,32 @@ from layouts import SMALL_GPT, merge, pp
 from lightning.pytorch.callbacks import Callback
 from spawned import run_jobs
 
-STEPS = 8  # the uninterrupted run; checkpoints after step 4 and step 8
+STEPS, SAVED = 4, 2  # the uninterrupted run, and the step its checkpoints are resumed from
 
 
 @pytest.fixture(scope="module")
 def saved(base_job, tmp_path_factory) -> dict:
-    """A DP2 x PP2 (ZeRO-1) run that checkpoints every 4 steps, then resumes from step 4 in other layouts."""
+    """A DP2 x PP2 (ZeRO-1) run that checkpoints every `SAVED` steps, then resumes from step `SAVED` in other
+    layouts."""
     base = merge(base_job, {"trainer": {"limit_val_batches": 0, "max_steps": STEPS}})
     out = tmp_path_factory.mktemp("checkpoints")
-    step4 = str(out / "dp2_pp2" / "ckpts" / "step=4.ckpt")
+    saved_at = str(out / "dp2_pp2" / "ckpts" / f"step={SAVED}.ckpt")
     world4 = {
-        "dp2_pp2": merge(base, {"strategy": pp(2), "checkpoint_every": 4}),
-        "resume_dp2_pp2": merge(base, {"strategy": pp(2), "ckpt_path": step4}),
-        "resume_tp2_pp2": merge(base, {"strategy": pp(2, tensor_parallel_size=2), "ckpt_path": step4}),
-        "resume_dp4_zero3": merge(base, {"strategy": {"zero_stage": 3}, "ckpt_path": step4}),
+        "dp2_pp2": merge(base, {"strategy": pp(2), "checkpoint_every": SAVED}),
+        "resume_dp2_pp2": merge(base, {"strategy": pp(2), "ckpt_path": saved_at}),
+        "resume_tp2_pp2": merge(base, {"strategy": pp(2, tensor_parallel_size=2), "ckpt_path": saved_at}),
+        "resume_dp4_zero3": merge(base, {"strategy": {"zero_stage": 3}, "ckpt_path": saved_at}),
     }
     results = run_jobs(4, world4, out)
-    single = {"resume_single_process": merge(base, {"strategy": {}, "ckpt_path": step4})}
+    single = {"resume_single_process": merge(base, {"strategy": {}, "ckpt_path": saved_at})}
     results.update(run_jobs(1, single, out))
-    return {"results": results, "step4": Path(step4), "base": base, "out": out}
+    return {"results": results, "saved": Path(saved_at), "base": base, "out": out}
 
 
 def test_a_checkpoint_is_a_folder_of_shards_with_layout_free_names(saved):
     import torch.distributed.checkpoint as dcp
 
-    folder = saved["step4"]
+    folder = saved["saved"]
     assert sorted(p.name for p in folder.glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)]  # every rank
     keys = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
     assert "state_dict.model.blocks.3.attn.q_proj.weight" in keys  # the name a single process would use
@@ -46,26 +47,26 @@ def test_a_checkpoint_is_a_folder_of_shards_with_layout_free_names(saved):
 
 def test_resuming_on_the_same_layout_is_bit_identical(saved):
     results = saved["results"]
-    assert results["resume_dp2_pp2"]["losses"] == results["dp2_pp2"]["losses"][4:]
+    assert results["resume_dp2_pp2"]["losses"] == results["dp2_pp2"]["losses"][SAVED:]
 
 
 @pytest.mark.parametrize("layout", ["resume_tp2_pp2", "resume_dp4_zero3", "resume_single_process"])
 def test_resuming_on_another_layout_continues_the_loss_curve(saved, layout):
     uninterrupted = saved["results"]["dp2_pp2"]["losses"]
     resumed = saved["results"][layout]["losses"]
-    assert len(uninterrupted) == STEPS and len(resumed) == STEPS - 4
+    assert len(uninterrupted) == STEPS and len(resumed) == STEPS - SAVED
     # data position, optimizer, LR schedule and step counters all carried over (DP 2 -> 1, 2 or 4)
-    assert max(abs(a - b) / abs(b) for a, b in zip(resumed, uninterrupted[4:])) <= 1e-5
+    assert max(abs(a - b) / abs(b) for a, b in zip(resumed, uninterrupted[SAVED:])) <= 1e-5
 
 
 class SaveTwiceDyingOnTheSecond(Callback):
-    """Saves ``path`` after step 4, then again after step 6, and the process dies while writing the second."""
+    """Saves ``path`` after step `SAVED`, then again after the next, and the process dies while writing the second."""
 
     def __init__(self, path: str) -> None:
         self.path = path
 
     def on_train_batch_end(self, trainer, *args) -> None:
-        if trainer.global_step == 6:
+        if trainer.global_step == SAVED + 1:
             import lit3d.checkpoint.folder
 
             original = lit3d.checkpoint.folder.dcp.save
@@ -75,7 +76,7 @@ class SaveTwiceDyingOnTheSecond(Callback):
                 os._exit(1)  # ... and the process is gone before the checkpoint is complete
 
             lit3d.checkpoint.folder.dcp.save = save_then_die
-        if trainer.global_step in (4, 6):
+        if trainer.global_step in (SAVED, SAVED + 1):
             trainer.save_checkpoint(self.path)
 
 
@@ -87,21 +88,21 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(saved, tmp
     with pytest.raises(mp.ProcessExitedException):
         run_jobs(2, {"crash": job}, tmp_path / "crash")
     assert (tmp_path / "latest.ckpt.partial").is_dir()  # the interrupted save, never published
-    # The checkpoint from step 4 is intact: a new run resumes from it onto the uninterrupted curve.
+    # The checkpoint from step SAVED is intact: a new run resumes from it onto the uninterrupted curve.
     resumed = run_jobs(
         1, {"resume": merge(saved["base"], {"strategy": {}, "ckpt_path": str(latest)})}, tmp_path / "resumed"
     )["resume"]["losses"]
     uninterrupted = saved["results"]["dp2_pp2"]["losses"]
-    assert max(abs(a - b) / abs(b) for a, b in zip(resumed, uninterrupted[4:])) <= 1e-5
+    assert max(abs(a - b) / abs(b) for a, b in zip(resumed, uninterrupted[SAVED:])) <= 1e-5
 
 
 def test_bad_checkpoints_are_refused_on_every_rank_with_the_file_named(saved, tmp_path):
     truncated = tmp_path / "truncated.ckpt"
-    shutil.copytree(saved["step4"], truncated)
+    shutil.copytree(saved["saved"], truncated)
     shard = truncated / "__1_0.distcp"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 3])
     corrupted = tmp_path / "corrupted.ckpt"  # same size, garbage inside: DCP's own read fails, on every rank
-    shutil.copytree(saved["step4"], corrupted)
+    shutil.copytree(saved["saved"], corrupted)
     shard = corrupted / "__0_0.distcp"
     shard.write_bytes(bytes(shard.stat().st_size))
     wide = dict(SMALL_GPT, d_model=48, n_head=4)
@@ -113,7 +114,7 @@ def test_bad_checkpoints_are_refused_on_every_rank_with_the_file_named(saved, tm
         "corrupted": merge(saved["base"], {"strategy": {}, "ckpt_path": str(corrupted), "expect_error": True}),
         "other_shape": merge(
             saved["base"],
-            {"strategy": {}, "ckpt_path": str(saved["step4"]), "expect_error": True, "model": {"config": wide}},
+            {"strategy": {}, "ckpt_path": str(saved["saved"]), "expect_error": True, "model": {"config": wide}},
         ),
     }
     results = run_jobs(2, jobs, tmp_path / "runs", deadline=240)  # raises if any rank hangs
@@ -161,7 +162,7 @@ def test_an_exported_checkpoint_loads_in_transformers_with_the_same_logits(saved
     from lit3d.cli import main
     from lit3d.hf.folders import hf_name
 
-    main(["export", "--ckpt_path", str(saved["step4"]), "--output", str(tmp_path / "hf")])
+    main(["export", "--ckpt_path", str(saved["saved"]), "--output", str(tmp_path / "hf")])
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_key_value_heads"] == 2
     exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
     # The same weights, read back from the shards directly, in a lit3d model.
@@ -170,7 +171,7 @@ def test_an_exported_checkpoint_loads_in_transformers_with_the_same_logits(saved
     model = GPT(GPTConfig(**SMALL_GPT))
     model.configure_model()
     state = {f"state_dict.model.{n}": t for n, t in model.model.state_dict().items()}
-    dcp.load(state, checkpoint_id=str(saved["step4"]))
+    dcp.load(state, checkpoint_id=str(saved["saved"]))
     assert torch.equal(
         exported.state_dict()[hf_name("blocks.2.mlp.down_proj.weight")], model.model.blocks["2"].mlp.down_proj.weight
     )

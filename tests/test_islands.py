@@ -14,7 +14,7 @@ from lit3d.parallel.rank_map import rank_map
 EXACT = {"outer_lr": 1.0, "outer_momentum": 0.0}  # one round = the islands' average
 STEPS = 8  # steps of the runs whose curves are compared: two outer steps of DiLoCo's H
 H = 4
-AVERAGED = 6  # steps of the every-step-averaged runs (each step an outer step)
+AVERAGED = 3  # steps of the every-step-averaged runs (each step an outer step)
 SAVED = 8  # steps of the run saved after step 6 (H=4) and of its resumed copy
 
 

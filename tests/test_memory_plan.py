@@ -118,7 +118,8 @@ ACCUMULATE = {"zero3_accumulate4": False, "zero3_accumulate4_unsharded": True}  
 
 @pytest.fixture(scope="module")
 def runs(corpus, tmp_path_factory) -> dict[str, dict]:
-    """4 steps at each ZeRO stage; ZeRO-1 checkpoints after step 2 and is resumed from there."""
+    """4 steps at each ZeRO stage (3 of 4 micro-steps each when accumulating: step 2 is the one measured); ZeRO-1
+    checkpoints after step 2 and is resumed from there."""
     from spawned import run_jobs
 
     base = dict(
@@ -133,7 +134,7 @@ def runs(corpus, tmp_path_factory) -> dict[str, dict]:
     jobs["zero1"]["checkpoint_every"] = 2
     for name, unsharded in ACCUMULATE.items():
         jobs[name] = merge(base, {"strategy": {"zero_stage": 3, "accumulate_unsharded": unsharded},
-                                  "trainer": {**base["trainer"], "accumulate_grad_batches": 4},
+                                  "trainer": {**base["trainer"], "accumulate_grad_batches": 4, "max_steps": 3},
                                   "callbacks": [PeakMemory(step=2), GradientsBetweenMicroSteps()]})  # fmt: skip
     lora = {**asdict(LORA), "targets": list(LORA.targets)}
     for name, (strategy, _) in LORA_RUNS.items():

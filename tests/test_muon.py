@@ -3,6 +3,7 @@ refused with it, by name; its layouts (tests/muon_layouts.py) against one proces
 
 import pytest
 import torch
+from layouts import FALLS
 from muon_layouts import MUON_LAYOUTS
 
 from lit3d import GPT, GPTConfig, LoRA
@@ -114,7 +115,7 @@ def test_muon_trains_like_one_process_in_every_layout_that_splits_its_matrices(l
     """ZeRO-3's and TP's shards gathered for each matrix's step, a pipeline's stages, EP's experts, ZeRO-3 x TP: every
     step's loss and the validation's within 1e-5 of one process's (fp32), which itself learns."""
     run, reference = layout_runs[layout], muon_references["moe" if "moe" in layout else "dense"]
-    assert reference["losses"][-1] < reference["losses"][0] - 0.5
+    assert reference["losses"][-1] < reference["losses"][0] - FALLS
     for key in ("losses", "val_loss"):
         assert len(run[key]) == len(reference[key]) > 0, key
         assert max(abs(a - b) for a, b in zip(run[key], reference[key])) <= 1e-5, (key, run[key], reference[key])

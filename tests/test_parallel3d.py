@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from layouts import COMM_MEASURED, LAYOUTS, SMALL_GPT, STEPS
+from layouts import COMM_MEASURED, FALLS, LAYOUTS, SMALL_GPT, STEPS
 
 from lit3d import GPTConfig
 
@@ -26,7 +26,7 @@ def relative_difference(losses, reference):
 def test_layout_matches_the_single_process_loss_curve(layout, layout_runs, reference_run):
     losses, reference = layout_runs[layout]["losses"], reference_run["losses"]
     assert len(reference) == STEPS and len(losses) == STEPS
-    assert reference[-1] < reference[0] - 0.5  # it is learning, so the curves are worth comparing
+    assert reference[-1] < reference[0] - FALLS  # it is learning, so the curves are worth comparing
     assert relative_difference(losses, reference) <= 1e-5
 
 
@@ -34,7 +34,7 @@ def test_layout_matches_the_single_process_loss_curve(layout, layout_runs, refer
 def test_layout_matches_the_single_process_val_loss(layout, layout_runs, reference_run):
     # Same validation blocks in every layout (an accumulating run's micro-batches are smaller, so it covers fewer).
     val, reference = layout_runs[layout]["val_loss"], reference_run["val_loss"]
-    assert len(reference) == 2 and len(val) == 2
+    assert len(reference) == 1 and len(val) == 1  # after the last step
     assert relative_difference(val, reference) <= 1e-5
 
 
@@ -51,7 +51,7 @@ BF16_MIXED = [n for n in LAYOUTS if "bf16-mixed" in n]
 @pytest.mark.parametrize("layout", BF16_MIXED)
 def test_bf16_mixed_follows_the_single_process_bf16_mixed_curve(layout, layout_runs, reference_bf16_run):
     losses, reference = layout_runs[layout]["losses"], reference_bf16_run["losses"]
-    assert len(losses) == len(reference) == STEPS and reference[-1] < reference[0] - 0.5
+    assert len(losses) == len(reference) == STEPS and reference[-1] < reference[0] - FALLS
     assert relative_difference(losses, reference) <= 1e-2
 
 

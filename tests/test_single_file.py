@@ -22,7 +22,8 @@ from lightning.pytorch.callbacks import Callback
 
 from lit3d.strategies import Parallel3DStrategy
 
-FILE = "ckpts/step=4.ckpt"
+STEPS, SAVED = 4, 2  # each run, and the step of the file the others resume from
+FILE = f"ckpts/step={SAVED}.ckpt"
 
 
 class StateDictProbe(Callback):
@@ -39,33 +40,33 @@ class StateDictProbe(Callback):
 
 @pytest.fixture(scope="module")
 def files(base_job, tmp_path_factory) -> dict:
-    """One process saves a file after step 4 (as ``ddp`` would); 3D layouts resume from it and write files of their
-    own, which one process resumes in turn."""
+    """One process saves a file after step `SAVED` (as ``ddp`` would); 3D layouts resume from it and write files of
+    their own, which one process resumes in turn."""
     from spawned import run_jobs
 
-    base = merge(base_job, {"trainer": {"limit_val_batches": 0, "max_steps": 8}})
+    base = merge(base_job, {"trainer": {"limit_val_batches": 0, "max_steps": STEPS}})
     out = tmp_path_factory.mktemp("single_file")
-    one = reference(base, {"checkpoint_every": 4}, out / "one_process")
+    one = reference(base, {"checkpoint_every": SAVED}, out / "one_process")
     single, one_file = {"save_distributed_checkpoint": False}, str(out / "one_process" / FILE)
     jobs = {
-        "from_file_dp2_pp2": merge(base, {"strategy": pp(2), "ckpt_path": one_file, "checkpoint_every": 4}),
+        "from_file_dp2_pp2": merge(base, {"strategy": pp(2), "ckpt_path": one_file, "checkpoint_every": SAVED}),
         "from_file_dp2_tp2_zero3": merge(
             base,
             {
                 "strategy": {"tensor_parallel_size": 2, "zero_stage": 3},
                 "ckpt_path": one_file,
-                "checkpoint_every": 4,
+                "checkpoint_every": SAVED,
                 "save_after_fit": True,
             },
         ),
         "file_dp2_pp2": merge(
-            base, {"strategy": pp(2, **single), "checkpoint_every": 4, "callbacks": [StateDictProbe()]}
+            base, {"strategy": pp(2, **single), "checkpoint_every": SAVED, "callbacks": [StateDictProbe()]}
         ),
         "file_dp2_tp2_zero1": merge(
             base,
             {
                 "strategy": {"tensor_parallel_size": 2, "zero_stage": 1, **single},
-                "checkpoint_every": 4,
+                "checkpoint_every": SAVED,
                 "save_after_fit": True,
             },
         ),
@@ -82,7 +83,7 @@ def close(a: list[float], b: list[float]) -> bool:
 
 @pytest.mark.parametrize("layout", ["from_file_dp2_pp2", "from_file_dp2_tp2_zero3"])
 def test_a_one_process_file_resumes_in_any_layout_on_its_curve(files, layout):
-    assert close(files[layout]["losses"], files["one_process"]["losses"][4:])
+    assert close(files[layout]["losses"], files["one_process"]["losses"][SAVED:])
 
 
 @pytest.mark.parametrize("layout", ["file_dp2_pp2", "file_dp2_tp2_zero1"])
@@ -100,7 +101,7 @@ def test_a_single_file_holds_the_whole_state_as_one_process_holds_it(files, layo
 
 
 def test_one_process_resumes_a_layouts_file_on_the_same_curve(files):
-    assert close(files["one_process_from_pp2_file"]["losses"], files["one_process"]["losses"][4:])
+    assert close(files["one_process_from_pp2_file"]["losses"], files["one_process"]["losses"][SAVED:])
 
 
 def test_the_whole_state_dict_is_on_rank_zero_only(files):
@@ -115,25 +116,25 @@ def test_the_whole_state_dict_is_on_rank_zero_only(files):
 def test_the_final_model_saves_after_fit_returns_in_either_mode(files, layout):
     """DP2 x TP2, one file or a folder: once ``fit`` has returned, ``lightning_module_state_dict()`` is the whole state
     on rank 0 (one file) or every rank's shards (a folder), by the one-process names, and ``trainer.save_checkpoint``
-    writes what the fit's last checkpoint (step 8) holds."""
+    writes what the fit's last checkpoint (step `STEPS`) holds."""
     from lit3d.checkpoint.folder import read_weights
 
     folder, ranks = files["out"] / layout, files[layout]["ranks"]
     names = list(torch.load(files["out"] / "one_process" / FILE)["state_dict"])
     if layout == "file_dp2_tp2_zero1":
         assert [rank["state_keys_after_fit"] for rank in ranks] == [names, [], [], []]
-        after_fit, last = torch.load(folder / "after_fit.ckpt"), torch.load(folder / "ckpts" / "step=8.ckpt")
+        after_fit, last = torch.load(folder / "after_fit.ckpt"), torch.load(folder / "ckpts" / f"step={STEPS}.ckpt")
         torch.testing.assert_close(after_fit["optimizer_states"], last["optimizer_states"], rtol=0, atol=0)
     else:
         assert [rank["state_keys_after_fit"] for rank in ranks] == [names] * 4
-        after_fit, last = read_weights(folder / "after_fit.ckpt"), read_weights(folder / "ckpts" / "step=8.ckpt")
-    assert after_fit["global_step"] == 8 and sorted(after_fit["state_dict"]) == sorted(names)
+        after_fit, last = read_weights(folder / "after_fit.ckpt"), read_weights(folder / "ckpts" / f"step={STEPS}.ckpt")
+    assert after_fit["global_step"] == STEPS and sorted(after_fit["state_dict"]) == sorted(names)
     torch.testing.assert_close(after_fit["state_dict"], last["state_dict"], rtol=0, atol=0)
 
 
 def test_a_sharded_checkpoints_meta_file_loads_with_torch_loads_default(files):
-    meta = torch.load(files["out"] / "from_file_dp2_pp2" / "ckpts" / "step=8.ckpt" / "meta.pt")
-    assert meta["hyper_parameters"]["learning_rate"] == 1e-2 and meta["global_step"] == 8
+    meta = torch.load(files["out"] / "from_file_dp2_pp2" / "ckpts" / f"step={STEPS}.ckpt" / "meta.pt")
+    assert meta["hyper_parameters"]["learning_rate"] == 1e-2 and meta["global_step"] == STEPS
     assert "numpy" in meta["rng"] and "state_dict" not in meta and "optimizer_states" not in meta
 
 

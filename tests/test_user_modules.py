@@ -4,7 +4,8 @@ unchanged and trains exactly as there; one whose replicas would drift apart is r
 import pytest
 import torch
 
-MP, TRAIN = {"lightning_strategy": True}, {"trainer": {"max_steps": 5}}
+MP, STEPS = {"lightning_strategy": True}, 3
+TRAIN = {"trainer": {"max_steps": STEPS}}
 DP2, TP2 = {"data_parallel_size": 2, "tensor_parallel_size": 1}, {"data_parallel_size": 1, "tensor_parallel_size": 2}
 LLAMA = {"class": "LlamaTP"}  # Lightning's tensor-parallel example in small, with its own loss_parallel()
 JOBS = {
@@ -14,12 +15,13 @@ JOBS = {
     "3d_tp2": {"user_module": {}, "strategy": {"tensor_parallel_size": 2}},
     "mp_defaults": {"user_module": {}, **MP, "strategy": {}},  # no sizes: TP over the node's devices
     "3d_defaults": {"user_module": {}, "strategy": {}, "leftovers": True, "watch_launcher": True},
-    "3d_defaults_again": {"user_module": {}, "strategy": {}, "leftovers": True, "watch_launcher": True},
+    "3d_defaults_again": {"user_module": {}, "strategy": {}, "leftovers": True, "watch_launcher": True,
+                          "same_ranks": True},  # (a second fit in the same processes)
     "mp_llama_dp2": {"user_module": LLAMA, **MP, "strategy": DP2},
     "3d_llama_dp2": {"user_module": LLAMA, "strategy": DP2},
     "mp_llama_tp2": {"user_module": LLAMA, **MP, "strategy": TP2},
     "3d_llama_tp2": {"user_module": LLAMA, "strategy": TP2},
-    "3d_single_file": {"user_module": {}, "strategy": {"save_distributed_checkpoint": False}, "checkpoint_every": 5,
+    "3d_single_file": {"user_module": {}, "strategy": {"save_distributed_checkpoint": False}, "checkpoint_every": STEPS,
                        "whole_param_sum": True},
     **{
         f"{kind}_dp2_gain_{gain}": {"user_module": {"tensor_parallel": False, "gain": gain}, "strategy": DP2,
@@ -65,7 +67,7 @@ LAYOUTS = ["dp2", "tp2", "defaults", "llama_dp2", "llama_tp2", "llama_dp2tp2", "
 @pytest.mark.parametrize("layout", [*LAYOUTS, "dp2_gain_frozen", "dp2_gain_averaged"])
 def test_a_model_parallel_strategy_module_trains_as_under_model_parallel_strategy(user_runs, user_runs_4, layout):
     lightning, lit3d = (runs(user_runs, user_runs_4, f"{kind}_{layout}")["losses"] for kind in ("mp", "3d"))
-    assert len(set(lightning)) == 5  # five steps on five batches, the weights changing in between
+    assert len(set(lightning)) == STEPS  # a step on each batch, the weights changing in between
     torch.testing.assert_close(torch.tensor(lit3d), torch.tensor(lightning), rtol=1e-5, atol=0)
 
 
@@ -107,7 +109,7 @@ def test_a_single_file_checkpoint_loads_in_a_plain_lightning_module_on_one_devic
 
     folder = Path(user_runs["3d_single_file"]["job_dir"]) / "ckpts"
     (file,) = folder.iterdir()
-    assert file.is_file() and file.name == "step=5.ckpt", list(folder.iterdir())  # no shards left beside it
+    assert file.is_file() and file.name == f"step={STEPS}.ckpt", list(folder.iterdir())  # no shards left beside it
     model = ParallelisesItself.load_from_checkpoint(file, tensor_parallel=False, data_parallel=False)
     param_sum = sum(float(p.detach().double().sum()) for p in model.parameters())
     assert param_sum == pytest.approx(user_runs["3d_single_file"]["whole_param_sum"], rel=1e-6)
