@@ -21,6 +21,7 @@ from layouts import (
     SMALL_GPT,
     SMALL_MOE,
     STEPS,
+    VAL_BATCHES,
     merge,
 )
 from turns import LOCK_VARIABLE, end_turns, held, share_turns, turn
@@ -196,7 +197,7 @@ def base_job(corpus) -> dict:
     return dict(
         model=dict(config=SMALL_GPT, learning_rate=1e-2, warmup_steps=2),
         data=dict(data_path=str(corpus), seq_len=16, global_batch_size=8, val_fraction=0.1),
-        trainer=dict(max_steps=STEPS, gradient_clip_val=0.5, limit_val_batches=2, val_check_interval=STEPS),
+        trainer=dict(max_steps=STEPS, gradient_clip_val=0.5, limit_val_batches=VAL_BATCHES, val_check_interval=STEPS),
     )
 
 

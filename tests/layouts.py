@@ -21,6 +21,7 @@ def pp(size: int, schedule: str = "1f1b", **more) -> dict:
 STEPS = 3
 HALF = STEPS // 2
 COMMS_STEP = HALF + 1
+VAL_BATCHES = 1  # validated on, after the last step
 FALLS = 0.3  # the least the single-process loss falls over STEPS steps, that a comparison is of a run that learns
 # Two micro-steps per step, validating after the same optimizer step as the others (Lightning's interval counts
 # micro-batches): otherwise a validation would come before a step, and ZeRO-2 would start it with the parameters

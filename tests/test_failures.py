@@ -158,7 +158,7 @@ def test_sigterm_saves_exits_to_be_requeued_and_last_resumes_the_curve(tmp_path,
         while not (run / "runs" / "tiny" / "version_0" / "metrics.csv").exists():  # training is under way
             assert proc.poll() is None and time.time() < deadline, "".join(lines)[-3000:]
             time.sleep(0.5)
-        time.sleep(3)
+        time.sleep(1)
         ranks = children(proc.pid)
         os.kill(proc.pid if launcher else ranks[0], signal.SIGTERM)
         signalled = time.time()

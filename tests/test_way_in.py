@@ -10,7 +10,8 @@ import lightning as L
 import pytest
 import torch
 from helpers import logged, tiny_llama
-from layouts import SMALL_GPT, STEPS
+from layouts import SMALL_GPT, STEPS, VAL_BATCHES
+from turns import turn
 
 from lit3d import GPT, GPTConfig
 from lit3d.checkpoint.folder import ShardedCheckpointReader
@@ -32,7 +33,7 @@ def checkpoint(layout_runs) -> Path:
 
 def one_process(**options) -> L.Trainer:
     quiet = dict(logger=False, enable_progress_bar=False, enable_model_summary=False)
-    return L.Trainer(accelerator="cpu", devices=1, limit_val_batches=2, **quiet, **options)
+    return L.Trainer(accelerator="cpu", devices=1, limit_val_batches=VAL_BATCHES, **quiet, **options)
 
 
 def test_a_3d_checkpoint_validates_on_one_process_with_the_8_rank_val_loss(checkpoint, layout_runs, base_job, tmp_path):
@@ -68,11 +69,12 @@ def test_predict_continues_each_prompt(base_job, capsys):
     assert "the quick" in printed and "def" in printed
 
 
-@pytest.mark.ranks
-def test_generate_prints_the_same_continuation_on_one_device_and_at_tp2(checkpoint, tmp_path):
+def test_generate_prints_the_same_continuation_on_one_device_and_at_tp2(checkpoint, tmp_path, request):
     args = ["generate", "--ckpt_path", str(checkpoint), "--prompt", "the quick", "--max_new_tokens", "12",
             "--temperature", "1.0", "--seed", "3"]  # fmt: skip
-    one, tp2 = lit3d(*args, cwd=tmp_path), lit3d(*args, "--devices", "2", "--accelerator", "cpu", cwd=tmp_path)
+    one = lit3d(*args, cwd=tmp_path)
+    with turn(request.node.nodeid):  # (the two ranks only: `turns`)
+        tp2 = lit3d(*args, "--devices", "2", "--accelerator", "cpu", cwd=tmp_path)
     assert one.returncode == 0 and tp2.returncode == 0, one.stderr[-2000:] + tp2.stderr[-2000:]
     text = one.stdout.strip().splitlines()[-1]
     assert text.startswith("the quick") and len(text) > len("the quick")

@@ -15,8 +15,9 @@ NOTE: written here rather than used from ``torch.optim.Muon``, which takes 2-D p
 tensor it holds: under tensor parallelism and ZeRO-2/3 a rank holds a shard of each matrix (a DTensor). The iteration
 needs the whole matrix, so each DTensor update is gathered whole (`whole_matrix`), orthogonalised on every rank that
 holds a part of it, and cut back to this rank's part (`local_part`): exact, at the cost of the gather and of the
-iteration repeated on each of those ranks. The momentum, the weight decay and AdamW are elementwise and run on the
-shards. (ZeRO-1's slices of plain tensors are refused with Muon: `lit3d.strategies.checks`.)
+iteration repeated on each of those ranks. A stack of experts split along its experts only holds each expert whole
+(`holds_whole_experts`): orthogonalised where it is, with no gather. The momentum, the weight decay and AdamW are
+elementwise and run on the shards. (ZeRO-1's slices of plain tensors are refused with Muon: `lit3d.strategies.checks`.)
 """
 
 from __future__ import annotations
@@ -71,6 +72,18 @@ def whole_matrix(param: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
         return update.full_tensor()
     finally:
         redistribute.setLevel(level)
+
+
+def holds_whole_experts(param: torch.Tensor) -> bool:
+    """Whether ``param`` is a stack of experts ``[expert, in, out]`` split only along its experts (EP's shards, and
+    ZeRO-2/3's over them): each expert's matrix is then whole on the rank that holds it, orthogonalised there with no
+    gather."""
+    placements = getattr(param, "placements", None)
+    return (
+        placements is not None
+        and param.ndim == 3
+        and all(not p.is_shard() or getattr(p, "dim", None) == 0 for p in placements)
+    )
 
 
 def local_part(param: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
@@ -140,12 +153,16 @@ class Muon(torch.optim.Optimizer):
         buffer = state["momentum_buffer"]
         buffer.lerp_(grad, 1 - group["momentum"])  # (torch.optim.Muon's average: NS₅ normalises the scale away)
         update = grad.lerp(buffer, group["momentum"]) if group["nesterov"] else buffer
-        whole = self.whole(param, update)
+        own = holds_whole_experts(param)  # (each expert its own matrix: this rank's are whole already)
+        whole = update.to_local() if own else self.whole(param, update)
         dtype = group["ns_dtype"] or (torch.bfloat16 if whole.device.type == "cuda" else torch.float32)
         orthogonal = newton_schulz(whole, group["ns_steps"], dtype)
         lr = group["lr"] * rms_scale(tuple(whole.shape), group["rms_rule"])
         param.mul_(1 - group["lr"] * group["weight_decay"])
-        param.add_(self.shard(param, orthogonal).to(param.dtype), alpha=-lr)
+        if own:
+            param.to_local().add_(orthogonal.to(param.dtype), alpha=-lr)
+        else:
+            param.add_(self.shard(param, orthogonal).to(param.dtype), alpha=-lr)
 
     def _adamw(self, param: torch.Tensor, group: dict) -> None:
         grad, state = param.grad, self.state[param]

@@ -133,9 +133,10 @@ def recompute_of(settings: Parallelism, training: Training) -> tuple[float, bool
     return matmuls, bool(policy)
 
 
-def step_time(case: Case, traffic: dict[str, float], seconds: dict[str, float], work: RankWork) -> StepTime:
+def step_time(case: Case, traffic: dict, seconds: dict[str, float], work: RankWork, muon: float = 0.0) -> StepTime:
     """The step of ``case`` on its busiest rank: ``traffic`` the bytes each axis sends, ``seconds`` the time they
-    take, ``work`` what each pipeline rank computes (`rank_work`)."""
+    take, ``work`` what each pipeline rank computes (`rank_work`); ``muon``: the seconds of Muon's gathers (not in
+    ``seconds``: nothing overlaps them), priced with its iteration in the optimizer's step (`newton_schulz_time`)."""
     config, cluster, layout, training, settings = case.config, case.cluster, case.layout, case.training, case.settings
     precision, pp = case.precision, layout.pp
     microbatches = training.global_batch_size // (layout.data_replicas * training.micro_batch_size)  # per replica
@@ -172,7 +173,7 @@ def step_time(case: Case, traffic: dict[str, float], seconds: dict[str, float], 
         exposed["dp_replicate"], hidden["dp_replicate"] = dp_replicate
     if "island" in seconds:  # NOTE: the outer step waits for its all-reduce, amortised over its inner steps
         exposed["island"] = seconds["island"]
-    optimizer = _optimizer(*work.stepped[rank], device)
+    optimizer = _optimizer(*work.stepped[rank], device) + muon + newton_schulz_time(work, rank, device)
     if settings.offload:  # the states in host memory: copies over the host link, the optimizer on the CPU
         exposed["host"], optimizer = offloaded_states(
             config, layout, settings, training, rank, virtual, placement, cluster, precision
@@ -215,10 +216,11 @@ def _tp_link(cluster: Cluster) -> float:
 @dataclass(frozen=True)
 class RankWork:
     """What each pipeline rank computes whatever its micro-batches: one micro-batch's times (compute, memory-bound
-    work, attention: `micro_batch_times`), and the elements and tensors its optimizer steps."""
+    work, attention: `micro_batch_times`), the elements and tensors its optimizer steps, and Muon's FLOPs."""
 
     times: list[dict]
     stepped: tuple[tuple[int, int], ...]
+    newton_schulz: tuple[float, ...] = ()  # FLOPs of Muon's iteration per step (`lit3d.planner.sums.StageSums`)
 
 
 def micro_batch_times(case: Case, sums: tuple[StageSums, ...]) -> list[dict]:
@@ -332,6 +334,11 @@ def _data_parallel(
     cost = cluster.gpu.efficiency.overlap_cost
     hidden = sum(min(traffic, window) for traffic, window in windows)
     return dp_seconds - hidden * (1 - cost), hidden
+
+
+def newton_schulz_time(work: RankWork, rank: int, device: Device) -> float:
+    """Muon's Newton-Schulz products on pipeline rank ``rank`` (`RankWork.newton_schulz`), at the GEMM efficiency."""
+    return work.newton_schulz[rank] / (device.flops * device.efficiency.gemm) if work.newton_schulz else 0.0
 
 
 def _optimizer(numel: int, tensors: int, device: Device) -> float:

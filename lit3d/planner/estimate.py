@@ -42,7 +42,7 @@ from lit3d.planner.memory import (  # noqa: F401 (the per-token counts are also 
     output_layer_bytes,
 )
 from lit3d.planner.sums import StageSums, rank_sums
-from lit3d.planner.traffic import collectives, communication_bytes
+from lit3d.planner.traffic import collectives, communication_bytes, orthogonal_traffic
 
 
 def estimate(
@@ -100,8 +100,9 @@ class Ranks:
     @cached_property
     def work(self) -> RankWork:
         """One micro-batch's times and the optimizer's step on each rank (`lit3d.planner.clock`)."""
-        times = micro_batch_times(self.case, rank_sums(self.case, True, self.chunks))
-        return RankWork(times, tuple(rank.stepped for rank in self.held.ranks))
+        sums = rank_sums(self.case, True, self.chunks)
+        stepped = tuple(rank.stepped for rank in self.held.ranks)
+        return RankWork(micro_batch_times(self.case, sums), stepped, tuple(s.newton_schulz_flops for s in sums))
 
 
 def timed(case: Case, ranks: Ranks) -> tuple[StepTime, dict[str, float], dict[str, float], dict[str, float]]:
@@ -113,7 +114,9 @@ def timed(case: Case, ranks: Ranks) -> tuple[StepTime, dict[str, float], dict[st
     latency = latencies(cluster, links, collectives(case, ranks.bare))
     reached = cluster.gpu.efficiency.link  # of a link's rated bandwidth, by ring collectives
     seconds = {axis: traffic[axis] / (links[axis] * reached * GB) + latency[axis] for axis in traffic}
-    time = step_time(case, traffic, seconds, ranks.work)
+    muon = {axis: sent / (links[axis] * reached * GB) for axis, sent in orthogonal_traffic(case, ranks.sums).items()}
+    exposed = {axis: value - muon.get(axis, 0.0) for axis, value in seconds.items()}  # (Muon's: the optimizer's step)
+    time = step_time(case, traffic, exposed, ranks.work, sum(muon.values()))
     return time, traffic, latency, time.seconds or seconds  # (a fleet's TP: each stage's bytes over its NVLink)
 
 

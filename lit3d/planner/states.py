@@ -113,7 +113,12 @@ def shapes_state(
         # pseudo-gradient and their concatenation, fp32: `lit3d.strategies.optim.diloco.OuterLoop`)
         state["optimizer"] += 4 * stepped[0] * (1 + (outer_momentum > 0))
         transient = replace(transient, step=max(transient.step, 8 * stepped[0]))
-    whole = [math.prod(t.shape) for t, _ in shapes.counted if t.trains and t.orthogonal]
+    shard = replicas if zero.sharded_over_replicas else lambda t, layout: 1
+    whole = [  # (a rank's experts are its own matrices, each whole where it is: no gather, the rank's part only)
+        local_numel(t, layout.tp, shard(t, layout), ep=layout.ep) if t.expert else math.prod(t.shape)
+        for t, _ in shapes.counted
+        if t.trains and t.orthogonal
+    ]
     if whole:  # Muon: the largest matrix's update whole (gathered from its shards) in fp32, and the Newton-Schulz
         # iteration's bf16 copy and two products of its size (`lit3d.models.muon`), beside the step's other temporaries
         transient = replace(transient, step=transient.step + (4 + 3 * 2) * max(whole))

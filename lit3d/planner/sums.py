@@ -3,6 +3,7 @@ and the clock (`lit3d.planner.work`) count with, from the model's tensors (`lit3
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from functools import lru_cache
 from typing import TYPE_CHECKING, NamedTuple
@@ -49,6 +50,14 @@ class StageSums(NamedTuple):
     trained_experts: int
     float8: int  # elements of the block linears' weights, which FP8 all-gather gathers in one byte each
     float8_tensors: int
+    # Muon's hidden matrices (`Tensor.orthogonal`) but the experts (each whole on its rank: `lit3d.models.muon`), each
+    # gathered whole for its step: their elements as a TP rank holds them, those TP splits (whole), and how many of
+    # each; and the Newton-Schulz iteration's FLOPs over every matrix this rank orthogonalises (experts included)
+    orthogonal: int = 0
+    orthogonal_split: int = 0
+    orthogonal_tensors: int = 0
+    orthogonal_split_tensors: int = 0
+    newton_schulz_flops: float = 0.0
 
 
 def _stage_sums(key: tuple, pp: int, virtual: int, placement: str, stage_rank: int, tp: int, ep: int) -> StageSums:
@@ -67,6 +76,12 @@ def _shapes_sums(shapes: StageShapes, tp: int, ep: int) -> StageSums:
     def float8(t: Tensor) -> bool:
         return t.name.endswith(".weight") and is_float8_linear(t.name.rsplit(".", 1)[0])
 
+    def gathered(t: Tensor) -> bool:  # (Muon's, where split: `orthogonal_traffic` counts only what is)
+        return t.orthogonal and not t.expert
+
+    def split(t: Tensor) -> bool:
+        return gathered(t) and t.tp_dim is not None and tp > 1
+
     return StageSums(
         norms=numel(lambda t: t.trains and "norm" in t.name),  # (their gradients' all-reduce)
         root=numel(lambda t: t.block is None),
@@ -81,4 +96,18 @@ def _shapes_sums(shapes: StageShapes, tp: int, ep: int) -> StageSums:
         trained_experts=numel(lambda t: t.trains and t.expert, ep),
         float8=numel(float8),
         float8_tensors=shapes.sum(lambda group: sum(map(float8, group))),
+        orthogonal=numel(gathered),
+        orthogonal_split=shapes.sum(lambda group: sum(math.prod(t.shape) for t in group if split(t))),
+        orthogonal_tensors=shapes.sum(lambda group: sum(map(gathered, group))),
+        orthogonal_split_tensors=shapes.sum(lambda group: sum(map(split, group))),
+        newton_schulz_flops=shapes.sum(lambda group: sum(newton_schulz_flops(t, ep) for t in group if t.orthogonal)),
     )
+
+
+def newton_schulz_flops(tensor: Tensor, ep: int = 1, steps: int = 5) -> float:
+    """FLOPs of Muon's ``steps`` quintic Newton-Schulz steps on ``tensor`` (`lit3d.models.muon.newton_schulz`) on the
+    rank that holds it: per step ``X Xᵀ``, its square and that times ``X`` for an ``m x n`` matrix (``m <= n``); each
+    of a rank's experts (split over ``ep``) its own matrix."""
+    rows, cols = sorted(tensor.shape[-2:])
+    count = -(-tensor.shape[0] // ep) if tensor.expert else 1
+    return count * steps * (2 * rows * rows * cols + 2 * rows**3 + 2 * rows * rows * cols)

@@ -62,8 +62,30 @@ def communication_bytes(case: Case, sums: Sequence[StageSums]) -> dict[str, floa
         traffic["pp"] = _pipeline_sends(pp, virtual, placement) * microbatches * act_bytes / (layout.tp if sp else 1)
     if zero.hybrid:  # ZeRO's own traffic stays in each shard group
         traffic["dp_shard"] = traffic.pop("dp")
+    for axis, sent in orthogonal_traffic(case, sums).items():
+        traffic[axis] += sent
     if layout.islands > 1:  # per step on average: one outer step every sync_every steps
         traffic["island"] = island_bytes_per_sync(config, layout, settings, training.lora) / settings.sync_every
+    return traffic
+
+
+def orthogonal_traffic(case: Case, sums: Sequence[StageSums]) -> dict[str, float]:
+    """Bytes the busiest rank sends per step gathering Muon's matrices whole for their step (`lit3d.models.muon`; an
+    expert is whole on its rank already), in the gradients' dtype: over ZeRO-2/3's shards first (``dp``, HSDP's
+    ``dp_shard``: each rank's TP part), then over TP (the whole matrix); nothing for AdamW. Part of
+    `communication_bytes`; the clock prices it apart, in the optimizer's step (nothing overlaps it)."""
+    layout, zero, element = case.layout, case.zero, case.precision.grads
+    if case.training.optimizer != "muon":
+        return {}
+    replicas, tp, traffic = layout.shard_ranks, layout.tp, {}
+    for stage in sums:
+        if zero.sharded_over_replicas and stage.orthogonal:
+            dp = (replicas - 1) / replicas * stage.orthogonal * element
+            traffic["dp"] = max(traffic.get("dp", 0.0), dp)
+        if tp > 1 and stage.orthogonal_split:
+            traffic["tp"] = max(traffic.get("tp", 0.0), (tp - 1) / tp * stage.orthogonal_split * element)
+    if zero.hybrid and "dp" in traffic:
+        traffic["dp_shard"] = traffic.pop("dp")
     return traffic
 
 
