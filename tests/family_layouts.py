@@ -1,12 +1,12 @@
-"""Tiny models of each family lit3d imports (`lit3d.models.config.FAMILIES`), trained at TP2, PP2 and, for Qwen2's
-biases (the only tensors TP splits along their one dim, so ZeRO-1 slices each rank's part again), DP2×TP2 at ZeRO-1 and
-ZeRO-3, and resumed from ZeRO-1 at TP2×PP2. Llama 3.2's tied head cannot be pipelined (refused by name), so it
-trains at DP2 ZeRO-3 instead of PP2. DeepSeek-V3 (multi-token prediction on the last stage, the embeddings of its
-tokens ahead handed on from the first) also trains at DP2 ZeRO-3 with full recompute, CP2, EP2, PP2 with the V-shaped
-zero-bubble schedule, CP2×TP2 and DP2×TP2×PP2 with EP2, both with sequence parallelism, and resumed at TP2 with
-sequence parallelism from EP2. gpt-oss (windows and sinks, on packed documents) trains at TP2, PP2, EP2 and DP2 ZeRO-3;
-Gemma 3 (tied, so not pipelined) at TP2, TP2 with sequence parallelism and DP2 ZeRO-3. Mistral's blocks are Llama's:
-the plain layouts of `LAYOUTS` are its."""
+"""Tiny models of each family lit3d imports (`lit3d.models.config.FAMILIES`), trained at TP2, at PP2 where their
+stages differ from Llama's (`PIPELINED`) and, for Qwen2's biases (the only tensors TP splits along their one dim, so
+ZeRO-1 slices each rank's part again), DP2×TP2 at ZeRO-1, resumed from there at TP2×PP2. Llama 3.2's tied head cannot
+be pipelined (refused by name), so it trains at DP2 ZeRO-3 instead of PP2. DeepSeek-V3 (multi-token prediction on the
+last stage, the embeddings of its tokens ahead handed on from the first) also trains at DP2 ZeRO-3 with full
+recompute, CP2, EP2, PP2 with the V-shaped zero-bubble schedule, CP2×TP2 with sequence parallelism and DP2×PP2 with
+EP2, and resumed at TP2 with sequence parallelism from EP2. gpt-oss (windows and sinks, on packed documents) trains at
+TP2, PP2, EP2 and DP2 ZeRO-3; Gemma 3 (tied, so not pipelined) at TP2, TP2 with sequence parallelism and DP2 ZeRO-3.
+Mistral's blocks are Llama's: the plain layouts of `LAYOUTS` are its."""
 
 import lightning as L
 from layouts import HALF, saved_at_half
@@ -48,6 +48,9 @@ FAMILY_CONFIGS = {
                         rope_local_base_freq=1e4, sliding_window=8, layer_types=["sliding_attention"] * 3 +
                         ["full_attention"], tie_embeddings=True, final_logit_softcapping=30.0),
 }  # fmt: skip
+# Families whose stages differ from Llama's (multi-token prediction on the last; windows by layer type): trained at
+# PP2. Qwen's blocks differ inside attention and the MLP only, which TP2 splits; PP splits them as Llama's.
+PIPELINED = ("deepseek_v3", "gpt_oss")
 # gpt-oss trains on rows of 32 tokens packed with short documents (`conftest.packed_data`): its windows inside them
 PACKED_32 = {"data": {"document_masking": True, "seq_len": 32}}
 
@@ -82,7 +85,7 @@ def _layouts() -> dict[str, tuple[int, dict]]:
         layouts[f"{family}_tp2"] = (2, {**job, "strategy": tp2})
         if config.get("tie_embeddings"):  # a tied head is refused under PP (it lives on the embedding's stage)
             layouts[f"{family}_dp2_zero3"] = (2, {**job, "strategy": {"zero_stage": 3}})
-        else:
+        elif family in PIPELINED:
             layouts[f"{family}_pp2"] = (2, {**job, "strategy": pp2})
     qwen2 = {"model": {"config": FAMILY_CONFIGS["qwen2"]}}
     layouts["qwen2_dp2_tp2_zero1"] = (4, {**qwen2, "strategy": {**tp2, "zero_stage": 1}, "checkpoint_every": HALF})
