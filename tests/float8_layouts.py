@@ -6,9 +6,9 @@ does not spike (an FP8 run's rounding would move a spike's step, not the curve),
 import lightning as L
 
 FP8_GPT = dict(n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_ff=128, vocab_size=257, max_seq_len=64)
-FP8_STEPS, FP8_SAVED = 8, 4
+FP8_STEPS, FP8_SAVED = 4, 2
 FP8_JOB = {
-    "model": {"config": FP8_GPT, "learning_rate": 3e-3, "warmup_steps": 5},
+    "model": {"config": FP8_GPT, "learning_rate": 3e-3, "warmup_steps": 2},
     "data": {"seq_len": 32},
     "trainer": {"max_steps": FP8_STEPS, "limit_val_batches": 0, "precision": "bf16-mixed"},
 }
