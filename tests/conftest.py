@@ -71,9 +71,9 @@ def take_turns(request):
 
 
 def pytest_collection_modifyitems(config, items):
-    # NOTE: `layout_runs` spawns every layout once for the session (10-12 minutes on 2 cores beside the other xdist
-    # worker); the first test that asks for it pays for that, so tests that use it get a longer limit than the
-    # suite's 300 s.
+    # NOTE: `layout_runs` spawns every layout once for the session (about 10 minutes on 2 cores beside the other
+    # xdist worker, taking turns with it); the first test that asks for it pays for that, so tests that use it get a
+    # longer limit than the suite's 300 s.
     for item in items:
         if "layout_runs" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.timeout(1800))
