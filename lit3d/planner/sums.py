@@ -51,12 +51,10 @@ class StageSums(NamedTuple):
     float8: int  # elements of the block linears' weights, which FP8 all-gather gathers in one byte each
     float8_tensors: int
     # Muon's hidden matrices (`Tensor.orthogonal`) but the experts (each whole on its rank: `lit3d.models.muon`), each
-    # gathered whole for its step: their elements as a TP rank holds them, those TP splits (whole), and how many of
-    # each; and the Newton-Schulz iteration's FLOPs over every matrix this rank orthogonalises (experts included)
+    # gathered whole for its step: their elements as a TP rank holds them, and those TP splits (whole); and the
+    # Newton-Schulz iteration's FLOPs over every matrix this rank orthogonalises (experts included)
     orthogonal: int = 0
     orthogonal_split: int = 0
-    orthogonal_tensors: int = 0
-    orthogonal_split_tensors: int = 0
     newton_schulz_flops: float = 0.0
 
 
@@ -98,8 +96,6 @@ def _shapes_sums(shapes: StageShapes, tp: int, ep: int) -> StageSums:
         float8_tensors=shapes.sum(lambda group: sum(map(float8, group))),
         orthogonal=numel(gathered),
         orthogonal_split=shapes.sum(lambda group: sum(math.prod(t.shape) for t in group if split(t))),
-        orthogonal_tensors=shapes.sum(lambda group: sum(map(gathered, group))),
-        orthogonal_split_tensors=shapes.sum(lambda group: sum(map(split, group))),
         newton_schulz_flops=shapes.sum(lambda group: sum(newton_schulz_flops(t, ep) for t in group if t.orthogonal)),
     )
 
