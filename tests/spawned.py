@@ -85,19 +85,21 @@ def run_jobs(world: int, jobs: dict[str, dict[str, Any]], out_dir: Path, deadlin
         if not chunks or (len(chunks[-1]) >= JOBS_PER_SPAWN and not job.get("same_ranks")):
             chunks.append({})
         chunks[-1][name] = job
-    results = {}
-    for chunk in chunks:
-        for attempt in range(3):
-            try:
-                results.update(_run_jobs(world, chunk, out_dir, deadline))
-                break
-            except mp.ProcessRaisedException as error:
-                # NOTE: `free_port` hands out a port that was free; another process of the machine (the other xdist
-                # worker's ranks, a command a test starts) can take it before rank 0 listens on it. Then start again
-                # on another port: nothing of the jobs ran (every rank fails at the rendezvous, before the first job).
-                if "EADDRINUSE" not in str(error) or attempt == 2:
-                    raise
-    return results
+    return {name: result for chunk in chunks for name, result in _start(world, chunk, out_dir, deadline).items()}
+
+
+def _start(world: int, jobs: dict[str, dict[str, Any]], out_dir: Path, deadline: float) -> dict[str, dict]:
+    """`_run_jobs` on fresh ranks, started again on another port if the first was taken."""
+    for attempt in range(3):
+        try:
+            return _run_jobs(world, jobs, out_dir, deadline)
+        except mp.ProcessRaisedException as error:
+            # NOTE: `free_port` hands out a port that was free; another process of the machine (the other xdist
+            # worker's ranks, a command a test starts) can take it before rank 0 listens on it. Then start again on
+            # another port: nothing of the jobs ran (every rank fails at the rendezvous, before the first job).
+            if "EADDRINUSE" not in str(error) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
 
 
 def _run_jobs(world: int, jobs: dict[str, dict[str, Any]], out_dir: Path, deadline: float) -> dict[str, dict]:

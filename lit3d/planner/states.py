@@ -113,9 +113,9 @@ def shapes_state(
         # pseudo-gradient and their concatenation, fp32: `lit3d.strategies.optim.diloco.OuterLoop`)
         state["optimizer"] += 4 * stepped[0] * (1 + (outer_momentum > 0))
         transient = replace(transient, step=max(transient.step, 8 * stepped[0]))
-    shard = replicas if zero.sharded_over_replicas else lambda t, layout: 1
+    shard = zero.sharded_over_replicas
     whole = [  # (a rank's experts are its own matrices, each whole where it is: no gather, the rank's part only)
-        local_numel(t, layout.tp, shard(t, layout), ep=layout.ep) if t.expert else math.prod(t.shape)
+        local_numel(t, layout.tp, replicas(t, layout) if shard else 1, ep=layout.ep) if t.expert else math.prod(t.shape)
         for t, _ in shapes.counted
         if t.trains and t.orthogonal
     ]
