@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import logged
+from helpers import FORK, logged
 
 from lit3d import GPT
 
@@ -47,7 +47,7 @@ def single_process_losses(tmp_path_factory):
 
 @pytest.mark.ranks
 def test_fit_under_ddp_gives_the_single_process_losses(tmp_path, single_process_losses):
-    ddp, _ = fit_losses(tmp_path, "--trainer.devices=2", "--trainer.strategy=ddp")
+    ddp, _ = fit_losses(tmp_path, "--trainer.devices=2", "--trainer.strategy=ddp_fork")  # (`helpers.FORK`)
     torch.testing.assert_close(ddp, single_process_losses, rtol=1e-5, atol=0)
 
 
@@ -64,6 +64,7 @@ def test_3d_auto_with_a_memory_limit_picks_a_split_layout_logs_it_and_trains_lik
         "--trainer.devices=4",
         "--trainer.strategy=3d_auto",
         f"--trainer.strategy.auto_memory_gb={SPLIT_ONLY_GB}",
+        FORK,
     )
     torch.testing.assert_close(losses, single_process_losses, rtol=1e-5, atol=0)
     chose = next(line for line in printed.splitlines() if line.startswith("3d_auto chose: "))
@@ -80,7 +81,7 @@ def test_fit_with_ckpt_path_last_starts_fresh_then_resumes_where_the_run_stopped
     command = [
         "fit", "--config", TINY, *QUICK, "--trainer.enable_checkpointing=true",
         "--trainer.callbacks.every_n_train_steps=2", "--trainer.devices=2", "--trainer.strategy=Parallel3DStrategy",
-        "--trainer.strategy.async_checkpoint=true", "--ckpt_path=last",
+        "--trainer.strategy.async_checkpoint=true", "--ckpt_path=last", FORK,
     ]  # fmt: skip
     first = lit3d(*command, "--trainer.max_steps=2", cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]

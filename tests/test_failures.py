@@ -139,7 +139,7 @@ def test_sigterm_saves_exits_to_be_requeued_and_last_resumes_the_curve(tmp_path,
     SIGTERM). The same command with ``--ckpt_path last`` continues the uninterrupted curve (one process's, within
     1e-5: resuming in the same layout is bitwise in tests/test_checkpoint.py, and so is resuming in another layout
     within 1e-5; a preempted checkpoint is an ordinary one)."""
-    from helpers import logged
+    from helpers import FORK, logged
 
     # NOTE: the launcher's own signal path needs no pipeline: DP2 there; a child's, PP2 (a pipeline schedule stops
     # after the step all ranks agree on, as DP's ranks do)
@@ -160,7 +160,7 @@ def test_sigterm_saves_exits_to_be_requeued_and_last_resumes_the_curve(tmp_path,
         assert step >= 1 and any(f"stops after step {step}" in line for line in lines)
         if launcher:
             return  # (resuming is the same from here on, whichever rank got the signal)
-        cli(run, *layout, *saving, max_steps=step + 2)  # the requeued job: same command
+        cli(run, *layout, *saving, FORK, max_steps=step + 2)  # the requeued job: same command (forked ranks)
     resumed = logged(run / "runs" / "tiny" / "version_1", "train_loss")
     uninterrupted_dir = tmp_path / "uninterrupted"
     uninterrupted_dir.mkdir()

@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 from helpers import logged
 from layouts import merge
 from lightning.pytorch.callbacks import ModelCheckpoint
-from spawned import free_port, run_job
+from spawned import START_METHOD, free_port, run_job
 
 from lit3d.checkpoint.resume import newest_complete_checkpoint
 from lit3d.strategies.runtime.preemption import StopOnSignal
@@ -97,7 +97,8 @@ def test_two_ranks_preempted_with_save_last_resume_their_curve_from_the_checkpoi
     step they ran in metrics.csv (the last too), and Lightning's "last" (and lit3d's) resume from the preemption
     checkpoint, continuing the uninterrupted curve."""
     job = merge(base_job, {"strategy": {}, "trainer": {"max_steps": 7, "enable_checkpointing": True}})
-    mp.spawn(_preempt_resume_and_run_uninterrupted, args=(2, free_port(), job, str(tmp_path)), nprocs=2)
+    mp.start_processes(_preempt_resume_and_run_uninterrupted, args=(2, free_port(), job, str(tmp_path)), nprocs=2,
+                       start_method=START_METHOD)  # fmt: skip
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     assert [rank["exit_code"] for rank in ranks] == [128 + signal.SIGTERM] * 2
     run = ranks[0]

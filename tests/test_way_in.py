@@ -9,7 +9,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from helpers import logged, tiny_llama
+from helpers import FORK, logged, tiny_llama
 from layouts import SMALL_GPT, STEPS, VAL_BATCHES
 from turns import turn
 
@@ -102,7 +102,7 @@ def test_finetuning_a_huggingface_folder_at_tp2_starts_from_its_loss(hf_folder, 
                  "--data.init_args.global_batch_size=4"]  # fmt: skip
     run = lit3d("fit", "--config", str(ROOT / "configs" / "finetune.yaml"), f"--model.pretrained={hf_folder}",
                 "--model.learning_rate=1e-3", "--trainer.max_steps=2", "--trainer.devices=2",
-                "--trainer.strategy=Parallel3DStrategy", "--trainer.strategy.tensor_parallel_size=2",
+                "--trainer.strategy=Parallel3DStrategy", "--trainer.strategy.tensor_parallel_size=2", FORK,
                 "--trainer.enable_checkpointing=false", "--trainer.enable_progress_bar=false", *data_args,
                 cwd=tmp_path)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
