@@ -40,11 +40,12 @@ from lit3d.strategies.checks import check_run
 from lit3d.strategies.meshes import ParallelMeshes
 from lit3d.strategies.optim.dtypes import clipping_split_model, describe
 from lit3d.strategies.optim.steps import OptimizerSteps
-from lit3d.strategies.parallelize import follows_plan, not_splittable, refuse_fsdp1, split_module
+from lit3d.strategies.parallelize import follows_plan, move_the_rest, not_splittable, refuse_fsdp1, split_module
 from lit3d.strategies.pipelining.step import Pipeline
 from lit3d.strategies.runtime.launchers import CheckingLauncher, ForkLauncher, agree_on_seed
 from lit3d.strategies.runtime.preemption import StopOnSignal
 from lit3d.strategies.runtime.rank_life import RankLife
+from lit3d.strategies.runtime.replica_groups import ReplicaGroups, this_group
 from lit3d.strategies.runtime.watchdog import batch_kind, report_failure
 from lit3d.strategies.split.data_parallel import SyncedByModule, accumulation_sync
 from lit3d.strategies.split.tensor_parallel import lay_out_grads_like_params
@@ -98,6 +99,7 @@ class Parallel3DStrategy(ModelParallelStrategy):
         outer_momentum: float = 0.9,
         outer_fragments: int = 1,
         outer_reduce_dtype: Literal["float32", "bfloat16"] = "float32",
+        replica_groups: int | None = None,
     ) -> None:
         settings = {name: value for name, value in locals().items() if name not in ("self", "__class__")}
         self.parallelism = Parallelism(**settings)  # refused here, before anything starts, naming the values
@@ -120,6 +122,7 @@ class Parallel3DStrategy(ModelParallelStrategy):
         self._whole_order: WholeOrder | None = None  # the network's names before the split (`full_state`)
         self.synced_by_module: SyncedByModule | None = None  # what a module keeps in sync itself, checked
         self.memory_estimate: dict[str, int] | None = None  # the planner's bytes for this rank's stage
+        self._replica_group: int | None = None  # this job's group (`replica_groups`: REPLICA_GROUP_ID)
 
     @classmethod
     def of(cls, parallelism: Parallelism) -> Parallel3DStrategy:
@@ -152,7 +155,9 @@ class Parallel3DStrategy(ModelParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:  # over DP replicas only (CP: `ContextShare`)
-        return {"num_replicas": self.layout.data_replicas, "rank": self.layout.data_rank(self.global_rank)}
+        replicas, rank = self.layout.data_replicas, self.layout.data_rank(self.global_rank)
+        groups, group = self.parallelism.replica_groups or 1, self._replica_group or 0  # (`replica_groups`)
+        return {"num_replicas": groups * replicas, "rank": group * replicas + rank}
 
     def check_configuration(self, trainer: Trainer | None = None, datamodule: Any = None) -> None:
         """Refuse a bad layout or a model it cannot split before any process group exists (the launcher calls this
@@ -169,6 +174,8 @@ class Parallel3DStrategy(ModelParallelStrategy):
             if self.parallelism.auto_layout and self._layout is None:  # (once per process, before the layout)
                 self.parallelism = auto_settings(self, module, trainer, datamodule)
             self.num_microbatches = check_run(self.parallelism, self.layout, module, trainer, datamodule)
+            if self.parallelism.replica_groups is not None:  # torchft, REPLICA_GROUP_ID, a lighthouse that answers
+                self._replica_group = this_group(self.parallelism.replica_groups)[0]
         except (ValueError, TypeError) as error:
             raise ConfigurationError(str(error)) from error
 
@@ -235,6 +242,8 @@ class Parallel3DStrategy(ModelParallelStrategy):
             if self.layout.world_size > 1 and self._parallelized is not None:  # what each axis sends, in which dtype
                 rank_zero_info(describe(self.parallelism, self.layout, self.precision_plugin.precision))
             self.plan, self.memory_estimate = start_plan(self, trainer)  # and the check that holds the run to it
+            if self.parallelism.replica_groups is not None:  # (last: a joining group loads a live group's state)
+                self.optimizer_steps.replica_groups = self.rank_life.replica_groups = ReplicaGroups.join(self, trainer)
 
     def _split(self, module: LightningModule) -> None:
         """Split ``module.model`` for this rank and give the module the runner of its part (`split_module`)."""
@@ -252,11 +261,7 @@ class Parallel3DStrategy(ModelParallelStrategy):
         module = self.lightning_module
         if self._parallelized is None or module is None:
             return super().model_to_device()
-        # NOTE: the split network already lives on this device, and moving DTensor parameters swaps them under the
-        # optimizer's views and the pipeline's stages: move only what else the module holds.
-        for child in module.children():
-            if child is not self._parallelized:
-                child.to(self.root_device)
+        move_the_rest(module, self._parallelized, self.root_device)
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
@@ -381,12 +386,7 @@ class Parallel3DStrategy(ModelParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        # NOTE: neither a preemption exit nor a configuration refused before any rank ran is a failed rank; the
-        # launching process has no trainer attached to the module yet.
-        if not isinstance(exception, SystemExit | KeyboardInterrupt | ConfigurationError):
-            trainer = getattr(self.lightning_module, "_trainer", None)
-            step = trainer.global_step if trainer is not None else 0
-            report_failure(self.global_rank, self.world_size, step, exception)
+        report_failure(self.global_rank, self.world_size, getattr(self.lightning_module, "_trainer", None), exception)
         super().on_exception(exception)
 
     @override

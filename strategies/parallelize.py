@@ -124,6 +124,16 @@ def split_module(
     return runner, pipeline
 
 
+def move_the_rest(module: nn.Module, split: nn.Module, device: torch.device) -> None:
+    """Move what ``module`` holds besides its ``split`` network to ``device``.
+
+    NOTE: the split network already lives on this device, and moving DTensor parameters swaps them under the
+    optimizer's views and the pipeline's stages."""
+    for child in module.children():
+        if child is not split:
+            child.to(device)
+
+
 def refuse_fsdp1(module: nn.Module) -> None:
     """A module wrapped in the legacy ``FullyShardedDataParallel`` (FSDP1): refused, as ModelParallelStrategy does."""
     from torch.distributed.fsdp import FullyShardedDataParallel

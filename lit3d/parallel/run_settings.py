@@ -38,9 +38,23 @@ def check_run_settings(p: Any) -> None:
             "async_checkpoint=True writes sharded folders in the background; with save_distributed_checkpoint="
             "False (one consolidated file) use async_checkpoint=False"
         )
+    _check_replica_groups(p)
     if not isinstance(p.timeout, timedelta) or p.timeout.total_seconds() <= 0:
         raise ValueError(f"timeout={p.timeout!r} must be a positive datetime.timedelta")
     _check_planning(p)
+
+
+def _check_replica_groups(p: Any) -> None:
+    groups = p.replica_groups
+    if groups is None:
+        return
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
+        raise ValueError(f"replica_groups={groups!r} must be a number of groups >= 1 (or None: no fault tolerance)")
+    if p.islands > 1 or p.sync_every > 1:
+        raise ValueError(
+            f"replica_groups={groups} with islands={p.islands}, sync_every={p.sync_every}: DiLoCo's islands as "
+            "fault-tolerant groups are not built yet; use replica_groups with islands=1 and sync_every=1"
+        )
 
 
 def _check_planning(p: Any) -> None:

@@ -230,6 +230,12 @@ class Parallelism:
         """The dtype the pseudo-gradients
         travel between islands in: ``"float32"`` or ``"bfloat16"`` (half the bytes).""",
     )
+    replica_groups: int | None = _setting(
+        None,
+        """Fault tolerance (torchft): this many copies of the layout, each a job of its
+        own (``REPLICA_GROUP_ID``), average gradients over the groups that take part in each step; a failed group is
+        dropped and rejoins from a live one (docs/fault-tolerance.md). ``None``: one job, no lighthouse.""",
+    )
 
     def __post_init__(self) -> None:
         for name in ("pipeline_stage_layers", "data_parallel_shares"):  # tuples: the planner's caches hash settings

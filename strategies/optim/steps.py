@@ -23,6 +23,7 @@ from lit3d.strategies.optim.diloco import OuterLoop, build_outer_loop
 from lit3d.strategies.optim.dtypes import reduce_dtype
 from lit3d.strategies.optim.grad_norm import clip_grad_norm_
 from lit3d.strategies.optim.zero1 import ELEMENTWISE_OPTIMIZERS, LocalShardOptimizer
+from lit3d.strategies.runtime.replica_groups import ReplicaGroups
 from lit3d.strategies.split.float8 import precompute_scales
 
 
@@ -46,6 +47,7 @@ class OptimizerSteps:
         self.local: dict[int, LocalShardOptimizer] = {}  # by id of the optimizer
         self.outer_loop: OuterLoop | None = None
         self.module: nn.Module | None = None
+        self.replica_groups: ReplicaGroups | None = None  # set by the strategy once the groups have met
 
     def build(self, optimizers: list[torch.optim.Optimizer], module: nn.Module, earlier: OptimizerSteps | None) -> None:
         """Wrap each optimizer that steps on local shards; ``earlier``: the steps of a previous fit in these
@@ -71,14 +73,10 @@ class OptimizerSteps:
 
     def step(self, optimizer: Any, closure: Callable[[], Any], inner_step: Callable[[Callable[[], Any]], Any]) -> Any:
         """``inner_step(closure)`` is Lightning's step (the precision plugin's: closure, clipping, the step); around
-        it, ZeRO-1's reduce-scatter after the closure and all-gather after the step, then DiLoCo's outer step."""
+        it, ZeRO-1's reduce-scatter after the closure and all-gather after the step, then DiLoCo's outer step. With
+        replica groups, the closure's gradients are averaged across the groups before the step
+        (`lit3d.strategies.runtime.replica_groups`)."""
         local = self.local.get(id(optimizer))
-        if local is None:
-            result = inner_step(closure)
-            if self.outer_loop is not None:
-                self.outer_loop.after_inner_step()
-            self._after_step()
-            return result
 
         def closure_then_scatter() -> Any:  # forward and backward; gradient clipping follows
             overlapped = local.zero1 and self.meshes.layout.pp == 1
@@ -87,10 +85,15 @@ class OptimizerSteps:
             local.scatter_grads()
             return result
 
-        result = inner_step(closure_then_scatter)
+        prepared = closure if local is None else closure_then_scatter
+        if self.replica_groups is not None:
+            result = self.replica_groups.step(optimizer, prepared, inner_step)
+        else:
+            result = inner_step(prepared)
         if self.outer_loop is not None:  # NOTE: before the gather: only this rank's slices cross the island link
             self.outer_loop.after_inner_step()
-        local.gather_params()
+        if local is not None:
+            local.gather_params()
         self._after_step()
         return result
 

@@ -4,6 +4,7 @@
   the
   launcher dies;
 - the `Watchdog` of a multi-rank run: a rank that stops making progress says where it waits;
+- with replica groups, torchft's manager (its heartbeats to the lighthouse: stopped, the group is dropped at once);
 
 NOTE: the process group stays, as under Lightning's own strategies: a script's ``trainer.fit`` and then
 ``trainer.test`` (or a second fit) run on the same group, and its store keeps its port (one that a new group would
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+from typing import Any
 
 from lit3d.strategies.runtime.launchers import LauncherWatch
 from lit3d.strategies.runtime.watchdog import Watchdog
@@ -25,6 +27,7 @@ class RankLife:
     def __init__(self) -> None:
         self.launcher_watch = LauncherWatch()
         self.watchdog: Watchdog | None = None
+        self.replica_groups: Any = None  # `lit3d.strategies.runtime.replica_groups.ReplicaGroups`, joined in setup
 
     def before_process_group(self) -> None:
         self.launcher_watch.start()
@@ -45,6 +48,9 @@ class RankLife:
             self.watchdog.stop()
             self.watchdog = None
         self.launcher_watch.stop()
+        if self.replica_groups is not None:
+            self.replica_groups.stop()
+            self.replica_groups = None
 
 
 @functools.cache  # once per process

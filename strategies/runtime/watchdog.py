@@ -28,6 +28,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from lit3d.errors import ConfigurationError
+
 log = logging.getLogger(__name__)
 TORCH = str(Path(__import__("torch").__file__).parent)
 DISTRIBUTED = str(Path(TORCH) / "distributed")
@@ -76,9 +78,11 @@ def describe_failure(rank: int, world: int, step: int, exception: BaseException)
     )
 
 
-def report_failure(rank: int, world: int, step: int, exception: BaseException) -> None:
-    """Log `describe_failure`'s line (the strategy's ``on_exception``)."""
-    log.error(describe_failure(rank, world, step, exception))
+def report_failure(rank: int, world: int, trainer: Any, exception: BaseException) -> None:
+    """Log `describe_failure`'s line (the strategy's ``on_exception``) for a failed rank: neither a preemption exit
+    nor a configuration refused before any rank ran is one (the launching process has no ``trainer`` yet)."""
+    if not isinstance(exception, SystemExit | KeyboardInterrupt | ConfigurationError):
+        log.error(describe_failure(rank, world, trainer.global_step if trainer is not None else 0, exception))
 
 
 def batch_kind(stage: Any) -> str:

@@ -1,0 +1,111 @@
+"""What a live replica group hands a restarted one (`lit3d.strategies.runtime.replica_groups`), rank by rank: the
+same group rank of every group holds the same shards, so each rank sends its own local tensors, as they are.
+
+- the module's weights and buffers (each rank's shards), the optimizers' parameters (ZeRO-1's slices, their fp32
+  master copies under bf16-mixed) and states, and the learning-rate schedulers';
+- joining at the start of its fit, also the fit loop's progress (the step, Lightning's counters) and the data module's
+  position: the restarted group then reads the batch the live ones are at, as a run resumed from a checkpoint does.
+
+NOTE: written here, not taken from torchft, which sends whatever ``state_dict`` callable it is given: its own
+integrations (DDP, LocalSGD, DiLoCo) hand over a module and an optimizer, not a Lightning run's loops and data.
+The tensors are handed by reference (torchft's HTTP transport serves them until the sender's ``should_commit``,
+before its optimizer step changes them): no copy of the state is made.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+class PeerState:
+    """The state of ``trainer``'s run that torchft's manager sends (`save`) and loads (`load`).
+
+    Args:
+        trainer: The fit's trainer.
+    """
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        self.joining = True  # until the group's first quorum: a state loaded then carries the loop and data too
+        self.loaded_step: int | None = None  # the step a state was loaded at (None: never)
+
+    def save(self) -> dict[str, Any]:
+        trainer = self.trainer
+        return {
+            "module": {name: _local(value) for name, value in trainer.lightning_module.state_dict().items()},
+            "optimizers": [
+                {"params": [_local(p) for p in _params(opt)], "state": _local_tree(opt.state_dict())}
+                for opt in trainer.optimizers
+            ],
+            "schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
+            "fit_loop": _as_saved_after_the_last_step(trainer.fit_loop.state_dict()),
+            "data": trainer.datamodule.state_dict() if trainer.datamodule is not None else None,
+            "step": trainer.global_step,
+        }
+
+    @torch.no_grad()
+    def load(self, state: dict[str, Any]) -> None:
+        trainer = self.trainer
+        for name, value in trainer.lightning_module.state_dict().items():
+            _local(value).copy_(state["module"][name])
+        for optimizer, saved in zip(trainer.optimizers, state["optimizers"], strict=True):
+            params = _params(optimizer)
+            for param, value in zip(params, saved["params"], strict=True):
+                _local(param).copy_(value)
+            optimizer.load_state_dict(_placed_like_params(saved["state"], params))
+        for config, saved in zip(trainer.lr_scheduler_configs, state["schedulers"], strict=True):
+            config.scheduler.load_state_dict(saved)
+        if self.joining and state["step"] > 0:  # before the fit loop runs: it starts where the live groups are
+            trainer.fit_loop.load_state_dict(state["fit_loop"])
+            if trainer.datamodule is not None and state["data"] is not None:
+                trainer.datamodule.load_state_dict(state["data"])
+        self.loaded_step = state["step"]
+
+
+def _as_saved_after_the_last_step(loop_state: dict[str, Any]) -> dict[str, Any]:
+    """The fit loop's state, taken in the middle of a step (the quorum before its closure), as Lightning reads a
+    checkpoint's: Lightning's resume counts the logged steps (``_batches_that_stepped``) one further, for the step a
+    checkpoint was saved in, so the count here is one less. The progress of the batch under way (ready, not yet
+    completed) is what a resume resets: the joining group starts with that batch."""
+    epoch_loop = dict(loop_state["epoch_loop.state_dict"])
+    epoch_loop["_batches_that_stepped"] -= 1
+    return {**loop_state, "epoch_loop.state_dict": epoch_loop}
+
+
+def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def _local_tree(value: Any) -> Any:
+    """``value`` (an optimizer's state dict) with each DTensor replaced by this rank's local tensor."""
+    if isinstance(value, dict):
+        return {key: _local_tree(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_local_tree(item) for item in value)
+    return _local(value) if isinstance(value, torch.Tensor) else value
+
+
+def _placed_like_params(state_dict: dict[str, Any], params: list[torch.Tensor]) -> dict[str, Any]:
+    """An optimizer state dict of local tensors made DTensors again where its parameter is one (the moments of a
+    sharded weight), so that the optimizer steps as it did before."""
+    state = {
+        index: {key: _placed_like(value, params[index]) for key, value in entry.items()}
+        for index, entry in state_dict["state"].items()
+    }
+    return {"state": state, "param_groups": state_dict["param_groups"]}
+
+
+def _placed_like(value: Any, param: torch.Tensor) -> Any:
+    if not (isinstance(param, DTensor) and isinstance(value, torch.Tensor) and value.dim() > 0):
+        return value  # a plain parameter's state, or a scalar (AdamW's step)
+    if value.shape != param._local_tensor.shape:
+        return value
+    return DTensor.from_local(value, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                              stride=param.stride())  # fmt: skip

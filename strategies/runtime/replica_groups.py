@@ -1,0 +1,191 @@
+"""Fault-tolerant replica groups on torchft: `Parallel3DStrategy(replica_groups=R)`.
+
+Each group is a whole copy of the run's layout, launched as a job of its own (its own torchrun, SLURM step or
+``lit3d fit``, its own process group), told its index by ``REPLICA_GROUP_ID`` and the lighthouse's address by
+``TORCHFT_LIGHTHOUSE`` (torchft's names). Inside a group every axis runs as without groups (TP, PP, CP, EP, ZeRO);
+across the groups, data parallelism goes through torchft's `Manager`, one per rank, which asks the lighthouse every
+step which groups take part. Each optimizer step (`ReplicaGroups.step`):
+
+1. the quorum, synchronous (``use_async_quorum=False``): a group that rejoins has loaded a live group's state before it
+   computes anything, and takes part in that same step;
+2. the closure (forward, backward, the group's own gradient reduction: ZeRO's reduce-scatter, DP's all-reduce);
+3. the gradients this rank's optimizer steps on, averaged over the groups that take part (`Manager.allreduce`: the
+   sum over the participants over their number; each group rank with the same rank of the others, which holds the
+   same shards): the update a run fed only the participants' batches would make;
+4. the optimizer steps only where the group agrees the step is good (`Manager.should_commit`); a step whose average
+   failed (a group died during it) changes no weight, in every group (the schedule and the data move on).
+
+The data: ``global_batch_size`` is the whole job's. Group ``g`` reads the rows of data-parallel replicas ``g*dp`` to
+``g*dp + dp - 1`` of ``R*dp`` (`Parallel3DStrategy.distributed_sampler_kwargs`). The rows of a group that is missing
+are skipped, not read again later. Rank 0 of each group writes ``replica_groups.jsonl`` beside its logs, a line a
+step (its epoch and batch, the groups that took part, whether it committed) and a line for each join, from which
+the samples trained on follow.
+
+Joining: a fresh run's first step waits for every group (up to the strategy's ``timeout``); a group that starts while
+the others are ahead (a restart by torchrun's elastic agent or SLURM's requeue) loads a live group's state in its
+first quorum (`lit3d.strategies.runtime.peer_state.PeerState`): weights, optimizer states, schedules, the step and the
+data position, sent by torchft's checkpoint transport (HTTP) from the same rank of a live group. No checkpoint is read.
+
+NOTE: torchft's pieces used as they are: the lighthouse, `Manager` (quorum, reconfigured process groups, healing,
+commit), its process groups and checkpoint transport. Not used: its DDP and FSDP wrappers (lit3d's own data
+parallelism stays inside a group; only the optimizer's gradients cross groups, once a step, in one flat buffer per
+dtype) and `OptimizerWrapper` (Lightning calls the optimizer with its closure inside; the quorum must come before it).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.distributed.tensor import DTensor
+
+from lit3d.errors import ConfigurationError
+from lit3d.strategies.runtime.peer_state import PeerState
+
+GROUP_VARIABLE, LIGHTHOUSE_VARIABLE = "REPLICA_GROUP_ID", "TORCHFT_LIGHTHOUSE"  # torchft's names
+RECORD_FILE = "replica_groups.jsonl"
+JOIN_POLL_S = 0.25  # between the quorums a fresh run's first step asks for, while groups are still starting
+
+
+def this_group(groups: int) -> tuple[int, str]:
+    """This job's group and the lighthouse's address, or a one-line refusal naming what is missing (before any rank
+    starts talking: the launcher's check)."""
+    if importlib.util.find_spec("torchft") is None:
+        raise ConfigurationError(f"replica_groups={groups} needs torchft: pip install torchft (with its lighthouse)")
+    raw = os.environ.get(GROUP_VARIABLE)
+    if raw is None or not raw.isdigit() or int(raw) >= groups:
+        raise ConfigurationError(
+            f"replica_groups={groups}: {GROUP_VARIABLE}={raw!r} must name this job's group, 0 to {groups - 1} "
+            "(set it in each group's launch: docs/fault-tolerance.md)"
+        )
+    address = os.environ.get(LIGHTHOUSE_VARIABLE)
+    if not address:
+        raise ConfigurationError(
+            f"replica_groups={groups}: {LIGHTHOUSE_VARIABLE} is not set; start the lighthouse "
+            f"(torchft_lighthouse --min_replicas 1) and set {LIGHTHOUSE_VARIABLE}=http://HOST:29510"
+        )
+    url = urlparse(address if "://" in address else f"http://{address}")
+    try:
+        with socket.create_connection((url.hostname or "localhost", url.port or 29510), timeout=5):
+            pass
+    except OSError as error:
+        raise ConfigurationError(
+            f"replica_groups={groups}: the lighthouse {LIGHTHOUSE_VARIABLE}={address!r} cannot be reached ({error}); "
+            "start it first (torchft_lighthouse --min_replicas 1)"
+        ) from None
+    return int(raw), address
+
+
+class ReplicaGroups:
+    """This rank's torchft manager for one fit, and what each step asks of it (see the module's doc).
+
+    Args:
+        manager: torchft's `Manager` of this rank.
+        state: What the manager sends a joining group and loads from a live one.
+        groups: The job's groups (``replica_groups``).
+        group: This job's group.
+        record: The file rank 0 of the group writes each step's line to (None on other ranks).
+    """
+
+    def __init__(self, manager: Any, state: PeerState, groups: int, group: int, record: Path | None) -> None:
+        self.manager, self.state, self.groups, self.group, self.record = manager, state, groups, group, record
+        self._quorum_open = False  # a quorum asked for and not yet used by a step
+
+    @classmethod
+    def join(cls, strategy: Any, trainer: Any) -> ReplicaGroups:
+        """Start this rank's manager and take part in the first quorum (loading a live group's state, if any)."""
+        # NOTE: torchft's Rust side logs each quorum and commit at INFO, several lines a step on every rank; the
+        # console keeps to what a user reads (RUST_LOG=info shows them). It reads the variable when first imported.
+        os.environ.setdefault("RUST_LOG", "warn")
+        from torchft import Manager
+        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+        groups = strategy.parallelism.replica_groups
+        group, lighthouse = this_group(groups)
+        timeout = strategy.parallelism.timeout
+        # NOTE: NCCL between groups on GPUs (not run on this project's CPU machines: the gloo path is what is tested)
+        pg = ProcessGroupNCCL(timeout=timeout) if strategy.root_device.type == "cuda" else ProcessGroupGloo(timeout)
+        state = PeerState(trainer)
+        environment = strategy.cluster_environment
+        manager = Manager(
+            pg=pg, load_state_dict=state.load, state_dict=state.save, min_replica_size=1, use_async_quorum=False,
+            timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout, rank=strategy.global_rank,
+            world_size=strategy.world_size, store_addr=environment.main_address, store_port=environment.main_port,
+            lighthouse_addr=lighthouse, replica_id=f"lit3d_group_{group}",
+        )  # fmt: skip
+        folder = Path(trainer.log_dir or trainer.default_root_dir)
+        record = folder / RECORD_FILE if strategy.global_rank == 0 else None
+        joined = cls(manager, state, groups, group, record)
+        joined._first_quorum(timeout.total_seconds())
+        return joined
+
+    def _first_quorum(self, timeout_s: float) -> None:
+        """The quorum of the fit's first step. A fresh run waits for every group (polling: the groups start at their
+        own pace); a group joining a run under way loads a live group's state here."""
+        for _ in range(max(1, int(timeout_s / JOIN_POLL_S))):  # (a count, the same on every rank of the group)
+            self.manager.start_quorum()
+            if self.manager.num_participants() >= self.groups or self.manager.current_step() > 0:
+                break
+            time.sleep(JOIN_POLL_S)
+        self.state.joining = False
+        self._quorum_open = True
+        step, participants = self.manager.current_step(), self.manager.num_participants()
+        if self.state.loaded_step is not None and step > 0:
+            rank_zero_info(f"replica group {self.group}: rejoined at step {step} with a live group's state")
+        else:
+            rank_zero_info(f"replica group {self.group} of {self.groups}: starting with {participants} group(s)")
+        self._write(event="joined", step=step, participants=participants, recovered=self.state.loaded_step is not None)
+
+    def step(self, optimizer: Any, closure: Callable[[], Any], inner_step: Callable[[Callable[[], Any]], Any]) -> Any:
+        """One optimizer step across the groups: quorum, closure, the gradients' average, the step if committed."""
+        if not self._quorum_open:
+            self.manager.start_quorum()
+        self._quorum_open = False
+        result = closure()
+        grads = [_local(p.grad) for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        self._average(grads)
+        committed = self.manager.should_commit()
+        self._note(self.manager.num_participants(), committed)
+        return inner_step(lambda: result) if committed else result
+
+    def _note(self, participants: int, committed: bool) -> None:
+        """Log the step's groups and commit (``replica_groups/*``), and write its line of the record."""
+        trainer = self.state.trainer
+        for name, value in (("participants", participants), ("committed", committed)):
+            trainer.lightning_module.log(f"replica_groups/{name}", float(value), on_step=True, on_epoch=False,
+                                         rank_zero_only=True)  # fmt: skip
+        batch = trainer.fit_loop.epoch_loop.batch_progress.current.processed  # (this step's, from 0 in its epoch)
+        self._write(event="step", step=trainer.global_step, epoch=trainer.current_epoch, batch=batch,
+                    participants=participants, committed=committed)  # fmt: skip
+
+    def _average(self, grads: list[torch.Tensor]) -> None:
+        """Average ``grads`` in place over the groups that take part: one flat buffer per dtype."""
+        for dtype in dict.fromkeys(g.dtype for g in grads):
+            same = [g for g in grads if g.dtype == dtype]
+            flat = torch.cat([g.reshape(-1) for g in same])
+            self.manager.allreduce(flat).wait()
+            for grad, value in zip(same, flat.split([g.numel() for g in same]), strict=True):
+                grad.copy_(value.view_as(grad))
+
+    def _write(self, **line: Any) -> None:
+        if self.record is not None:
+            self.record.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.record, "a") as file:
+                file.write(json.dumps({"group": self.group, **line}) + "\n")
+
+    def stop(self) -> None:
+        """End the manager (its heartbeats stop: the lighthouse drops this group at once)."""
+        self.manager.shutdown(wait=False)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor

@@ -1,0 +1,277 @@
+"""Fault-tolerant replica groups on torchft (`Parallel3DStrategy(replica_groups=...)`, docs/fault-tolerance.md).
+
+Two groups of 2 ranks, each its own process group, meet through a lighthouse started here (torchft's, in-process);
+group 1 dies at step 4 (every rank killed, as a failed node ends them), group 0 trains on alone, group 1 is started
+again, loads group 0's state in its first quorum and rejoins. Both then hold bitwise equal weights, and the loss each
+group logged is the loss of a one-process replay of the same participation (which groups' rows trained each step).
+"""
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from helpers import FORK, logged
+from layouts import merge
+from spawned import START_METHOD, free_port, run_job
+from test_cli import QUICK, ROOT, fit_losses
+
+from lit3d import GPT, GPTConfig
+from lit3d.data.text import TextDataModule
+from lit3d.errors import ConfigurationError
+from lit3d.parallel.settings import Parallelism
+from lit3d.strategies.runtime.replica_groups import RECORD_FILE, this_group
+
+pytest.importorskip("torchft", reason="replica groups need torchft (the [test] extra installs it)")
+
+KILLED_AT = 4  # group 1's ranks are killed at the start of this step
+AFTER_REJOIN = 3  # steps both groups train together after group 1 is back
+LAYOUTS = {"tp2": {"tensor_parallel_size": 2}, "dp2_zero3": {"zero_stage": 3}}
+GROUP_RANKS = 2
+
+
+class KillAt(L.Callback):
+    """SIGKILL to every rank of this group at the start of step ``step``."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Rejoined(L.Callback):
+    """Ends the fit ``AFTER_REJOIN`` steps after the groups are all together again; until then a group alone slows
+    down (a quarter of a second a step) so that the restarted one can catch up, and waits for its restart to begin
+    (``restarted``: a file the test writes then). Saves this rank's weights at the end."""
+
+    def __init__(self, restarted: str, weights: str) -> None:
+        self.restarted, self.weights, self.together_at = restarted, weights, None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        groups = trainer.strategy.optimizer_steps.replica_groups
+        alone = groups.manager.num_participants() < groups.groups
+        if self.together_at is None and not alone and trainer.global_step > KILLED_AT:
+            self.together_at = trainer.global_step - 1  # (the step just taken)
+        if self.together_at is not None and trainer.global_step >= self.together_at + AFTER_REJOIN:
+            trainer.should_stop = True
+        elif alone and trainer.global_step >= KILLED_AT:
+            deadline = time.time() + 120
+            while not Path(self.restarted).exists() and time.time() < deadline:
+                time.sleep(0.1)
+            time.sleep(0.25)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if trainer.global_step > 0:  # a restarted group: together from its first step
+            self.together_at = trainer.global_step
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        local = {name: getattr(p, "_local_tensor", p).detach() for name, p in pl_module.named_parameters()}
+        torch.save(local, self.weights)
+
+
+@pytest.fixture
+def lighthouse():
+    from torchft.coordination import LighthouseServer
+
+    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=200, quorum_tick_ms=20,
+                              heartbeat_timeout_ms=1000)  # fmt: skip
+    yield server.address()
+    server.shutdown()
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_replica_group_killed_mid_run_rejoins_from_a_live_one_and_both_follow_the_replayed_curve(
+    layout, base_job, lighthouse, tmp_path
+):
+    job = merge(base_job, {
+        "strategy": {**LAYOUTS[layout], "replica_groups": 2, "timeout": timedelta(seconds=60)},
+        "model": {"decay_steps": 40},
+        "trainer": {"max_steps": 40, "limit_val_batches": 0},
+    })  # fmt: skip
+    restarted = tmp_path / "group1_restarted"
+    first = _start(job, lighthouse, tmp_path, [(0, "g0"), (1, "g1_killed")], restarted)
+    deadline = time.time() + 240
+    while not all(p.exitcode == -signal.SIGKILL for p in first.processes[GROUP_RANKS:]):
+        assert time.time() < deadline and all(p.exitcode in (None, 0) for p in first.processes[:GROUP_RANKS])
+        time.sleep(0.2)
+    while not any(line["participants"] == 1 for line in _records(tmp_path / "g0") if line["event"] == "step"):
+        assert time.time() < deadline, "group 0 did not train on alone"  # (before group 1 is back: `Rejoined`)
+        time.sleep(0.2)
+    restarted.touch()
+    second = _start(job, lighthouse, tmp_path, [(1, "g1")], restarted)
+    for context in (second, first):
+        while not all(p.exitcode is not None for p in context.processes[:GROUP_RANKS]):
+            assert time.time() < deadline, "the groups did not finish"
+            time.sleep(0.2)
+    assert [p.exitcode for p in first.processes[:GROUP_RANKS] + second.processes] == [0] * 2 * GROUP_RANKS
+
+    records = {run: _records(tmp_path / run) for run in ("g0", "g1")}
+    steps0 = [line for line in records["g0"] if line["event"] == "step"]
+    assert [line["step"] for line in steps0] == list(range(len(steps0))) and all(line["committed"] for line in steps0)
+    (joined,) = [line for line in records["g1"] if line["event"] == "joined"]
+    assert joined["recovered"] and KILLED_AT < joined["step"] < len(steps0) - AFTER_REJOIN + 1, joined
+    together = {line["step"] for line in records["g1"] if line["event"] == "step" and line["committed"]}
+    assert together == set(range(joined["step"], len(steps0)))
+    for rank in range(GROUP_RANKS):  # the same shards, bitwise
+        ours, theirs = (torch.load(tmp_path / run / f"weights{rank}.pt") for run in ("g0", "g1"))
+        assert all(torch.equal(ours[name], theirs[name]) for name in ours)
+
+    # the groups took part together before the kill (steps 0-3) and after the rejoin; group 0 alone between
+    participation = [[0, 1] if s < KILLED_AT or s in together else [0] for s in range(len(steps0))]
+    replayed = replay(job, participation, dp=1 if layout == "tp2" else 2)
+    got0 = logged(tmp_path / "g0" / "log" / "version_0", "train_loss")
+    got1 = logged(tmp_path / "g1" / "log" / "version_0", "train_loss")
+    assert logged_steps(tmp_path / "g1") == sorted(together)  # the restarted group logs at the live group's steps
+    assert max(abs(a - b[0]) for a, b in zip(got0, replayed, strict=True)) <= 1e-5
+    assert max(abs(a - replayed[s][1]) for a, s in zip(got1, sorted(together), strict=True)) <= 1e-5
+
+
+def _start(job, lighthouse, tmp_path, groups, restarted):
+    plan = [(group, run, rank, port) for group, run in groups for port in [free_port()] for rank in range(GROUP_RANKS)]
+    return mp.start_processes(_rank, args=(plan, job, lighthouse, str(tmp_path), str(restarted)),
+                              nprocs=len(plan), start_method=START_METHOD, join=False)  # fmt: skip
+
+
+def _rank(index, plan, job, lighthouse, out, restarted):
+    group, run, rank, port = plan[index]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(GROUP_RANKS), LOCAL_RANK=str(rank),
+                      NODE_RANK="0", REPLICA_GROUP_ID=str(group), TORCHFT_LIGHTHOUSE=lighthouse)  # fmt: skip
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=GROUP_RANKS)
+    callbacks = [Rejoined(restarted, str(Path(out) / run / f"weights{rank}.pt"))]
+    if run.endswith("killed"):
+        callbacks.append(KillAt(KILLED_AT))
+    run_job({**job, "callbacks": callbacks}, Path(out) / run, GROUP_RANKS)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def logged_steps(run: Path) -> list[int]:
+    with open(run / "log" / "version_0" / "metrics.csv") as file:
+        return [int(row["step"]) for row in csv.DictReader(file) if row.get("train_loss")]
+
+
+def _records(run: Path) -> list[dict]:
+    record = run / "log" / "version_0" / RECORD_FILE
+    return [json.loads(line) for line in record.read_text().splitlines()] if record.exists() else []
+
+
+def replay(job: dict, participation: list[list[int]], dp: int, groups: int = 2) -> list[list[float]]:
+    """One process, no Lightning: at each step, each group's loss on its rows of the global batch, and the update of
+    the mean over the groups in ``participation[step]`` (clipped as the runs clip)."""
+    L.seed_everything(job.get("seed", 1234))
+    model_kwargs = dict(job["model"])
+    model = GPT(GPTConfig(**model_kwargs.pop("config")), **model_kwargs)
+    model.configure_model()
+    data = TextDataModule(**job["data"])
+    data.data_parallel = (1, 0)
+    data.setup("fit")
+    configured = model.configure_optimizers()
+    optimizer, scheduler = configured["optimizer"], configured["lr_scheduler"]["scheduler"]
+    losses = []
+    for taking_part, batch in zip(participation, data.train_dataloader(), strict=False):
+        tokens = batch["input_ids"]
+        rows = [[i for i in range(len(tokens)) if i % (groups * dp) // dp == g] for g in range(groups)]
+        per_group = [model.loss(tokens[r]) for r in rows]
+        torch.stack([per_group[g] for g in taking_part]).mean().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), job["trainer"]["gradient_clip_val"])
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+        losses.append([loss.item() for loss in per_group])
+    return losses
+
+
+def test_the_replay_of_every_group_taking_part_is_the_one_process_run(base_job, reference_run):
+    """The replay above, checked: all groups at every step is the one-process curve (rows split, losses averaged)."""
+    steps = len(reference_run["losses"])
+    replayed = replay(merge(base_job, {"model": {"decay_steps": steps}}), [[0, 1]] * steps, dp=1)
+    assert max(abs(sum(pair) / 2 - ref) for pair, ref in zip(replayed, reference_run["losses"])) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    ("environment", "said"),
+    [
+        ({}, "REPLICA_GROUP_ID=None must name this job's group, 0 to 1"),
+        ({"REPLICA_GROUP_ID": "2"}, "REPLICA_GROUP_ID='2' must name this job's group, 0 to 1"),
+        ({"REPLICA_GROUP_ID": "1"}, "TORCHFT_LIGHTHOUSE is not set"),
+        ({"REPLICA_GROUP_ID": "0", "TORCHFT_LIGHTHOUSE": "http://127.0.0.1:9"}, "cannot be reached"),
+    ],
+)
+def test_a_replica_group_without_its_index_or_a_lighthouse_is_refused_in_one_line(environment, said, monkeypatch):
+    for name in ("REPLICA_GROUP_ID", "TORCHFT_LIGHTHOUSE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigurationError, match="replica_groups=2") as error:
+        this_group(2)
+    assert said in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("settings", "said"),
+    [
+        ({"replica_groups": 0}, "replica_groups=0 must be a number of groups >= 1"),
+        ({"replica_groups": 2, "islands": 2, "data_parallel_size": 2}, "DiLoCo's islands as fault-tolerant groups"),
+    ],
+)
+def test_replica_group_settings_no_run_could_use_are_refused_naming_them(settings, said):
+    with pytest.raises(ValueError, match=said):
+        Parallelism(**settings)
+
+
+@pytest.fixture(scope="module")
+def one_process_losses(tmp_path_factory) -> torch.Tensor:
+    """`lit3d fit` of the same command on one process (tests/test_cli.py's)."""
+    return fit_losses(tmp_path_factory.mktemp("one_process"))[0]
+
+
+@pytest.mark.ranks
+def test_two_replica_groups_through_lit3d_fit_with_the_docs_lighthouse_train_like_one_process(
+    tmp_path, one_process_losses
+):
+    """docs/fault-tolerance.md's commands: ``torchft_lighthouse``, then each group's ``lit3d fit`` from a folder of its
+    own (2 ranks, data parallel, forked: `helpers.FORK`). The groups start together and each step averages both, so
+    the mean of the two groups' logged losses is the one-process curve of the same command."""
+    port = free_port()
+    lighthouse = subprocess.Popen(
+        [str(Path(sys.executable).parent / "torchft_lighthouse"), "--min_replicas", "1", "--join_timeout_ms", "10000",
+         "--heartbeat_timeout_ms", "5000", "--bind", f"[::]:{port}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        groups = []
+        for group in (0, 1):
+            folder = tmp_path / f"g{group}"
+            folder.mkdir()
+            env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCHFT_LIGHTHOUSE": f"http://localhost:{port}",
+                   "REPLICA_GROUP_ID": str(group)}  # fmt: skip
+            command = [sys.executable, str(ROOT / "cli.py"), "fit", "--config", "tiny", *QUICK, "--trainer.devices=2",
+                       "--trainer.strategy=Parallel3DStrategy", "--trainer.strategy.replica_groups=2",
+                       FORK]  # fmt: skip
+            groups.append(subprocess.Popen(command, cwd=folder, env=env, stdout=subprocess.PIPE,
+                                           stderr=subprocess.STDOUT, text=True))  # fmt: skip
+        outputs = [group.communicate(timeout=240)[0] for group in groups]
+    finally:
+        lighthouse.kill()
+    assert [group.returncode for group in groups] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    assert "replica group 0 of 2: starting with 2 group(s)" in outputs[0], outputs[0][-3000:]
+    runs = [tmp_path / f"g{group}" / "runs" / "tiny" / "version_0" for group in (0, 1)]
+    for run in runs:
+        steps = [json.loads(line) for line in (run / RECORD_FILE).read_text().splitlines()][1:]
+        assert [(s["step"], s["participants"], s["committed"]) for s in steps] == [(i, 2, True) for i in range(4)]
+    losses = torch.tensor([logged(run, "train_loss") for run in runs]).mean(0)
+    torch.testing.assert_close(losses, one_process_losses, rtol=1e-5, atol=0)
