@@ -192,6 +192,7 @@ class CommReport(Callback):
     ``comm/<axis>_mb`` goes to the logger. Strategies without a device mesh (``ddp``, ``fsdp``) are plain data
     parallel: their traffic is reported as ``dp``. Under DiLoCo the outer steps' traffic between islands is the
     ``island`` axis; measure ``steps=sync_every`` steps to see its mean per step, as the planner counts it. With
+    replica groups (torchft) their average, over torchft's groups outside the run's world, is the ``replica`` axis. With
     HSDP's shard groups (``data_parallel_shard_size``) ``dp`` is two axes: ``dp_shard``, ZeRO's traffic within each
     group, and ``dp_replicate``, the groups' all-reduce of their shards.
 
@@ -227,8 +228,10 @@ class CommReport(Callback):
         mode.__exit__(None, None, None)
         meshes = getattr(trainer.strategy, "meshes", None)  # `ParallelMeshes` (Parallel3DStrategy)
         mesh = getattr(trainer.strategy, "device_mesh", None) if meshes is None else None  # ModelParallelStrategy
+        parallelism = getattr(trainer.strategy, "parallelism", None)
+        replica = (getattr(parallelism, "replica_groups", None) or 1) > 1  # torchft's groups: their own axis
         if meshes is not None:
-            local = mode.by_axis(meshes)
+            local = mode.by_axis(meshes, outside="replica" if replica else "other")
         elif mesh is not None:
             local = mode.by_axis_of_mesh(mesh)
         else:
@@ -236,7 +239,8 @@ class CommReport(Callback):
         layout = getattr(trainer.strategy, "layout", None)
         islands = getattr(layout, "islands", 1) > 1
         dp = ("dp_shard", "dp_replicate") if getattr(layout, "dp_replicate", 1) > 1 else ("dp",)  # HSDP: two axes
-        axes = ("tp", "pp", *dp, "ep", "cp", *(("island",) if islands else ()), "other")
+        axes = ("tp", "pp", *dp, "ep", "cp", *(("island",) if islands else ()), *(("replica",) if replica else ()),
+                "other")  # fmt: skip
         local = {_AXIS_NAMES.get(axis, axis): sent / self.steps for axis, sent in local.items()}
         sent = torch.tensor([float(local.get(axis, 0.0)) for axis in axes], dtype=torch.float64)
         busiest = trainer.strategy.reduce(sent.to(pl_module.device), reduce_op="max").cpu().tolist()

@@ -32,6 +32,7 @@ from lit3d.errors import ConfigurationError
 from lit3d.parallel.settings import Parallelism
 from lit3d.strategies.runtime.replica_groups import RECORD_FILE, this_group
 
+os.environ.setdefault("RUST_LOG", "warn")  # (the in-process lighthouse's log of every quorum: read at torchft's import)
 pytest.importorskip("torchft", reason="replica groups need torchft (the [test] extra installs it)")
 
 KILLED_AT = 4  # group 1's ranks are killed at the start of this step
@@ -41,40 +42,38 @@ GROUP_RANKS = 2
 
 
 class KillAt(L.Callback):
-    """SIGKILL to every rank of this group at the start of step ``step``."""
+    """SIGKILL to every rank of this group at the start of step ``step``, or (``step=None``) as soon as it has
+    joined the others, before its first step: a failure while it is still recovering."""
 
-    def __init__(self, step: int) -> None:
+    def __init__(self, step: int | None) -> None:
         self.step = step
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if self.step is None:
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if trainer.global_step == self.step:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-class Rejoined(L.Callback):
-    """Ends the fit ``AFTER_REJOIN`` steps after the groups are all together again; until then a group alone slows
-    down (a quarter of a second a step) so that the restarted one can catch up, and waits for its restart to begin
-    (``restarted``: a file the test writes then). Saves this rank's weights at the end."""
+class Together(L.Callback):
+    """Ends the fit ``AFTER_REJOIN`` steps after a step every group took part in, once ``final`` exists (a file the
+    test writes as it starts the last restarts); a step that some group missed is slowed by a tenth of a second, so
+    that restarted groups catch up. Saves this rank's weights at the end."""
 
-    def __init__(self, restarted: str, weights: str) -> None:
-        self.restarted, self.weights, self.together_at = restarted, weights, None
+    def __init__(self, final: str, weights: str) -> None:
+        self.final, self.weights, self.together_at = final, weights, None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         groups = trainer.strategy.optimizer_steps.replica_groups
-        alone = groups.manager.num_participants() < groups.groups
-        if self.together_at is None and not alone and trainer.global_step > KILLED_AT:
+        missing = groups.manager.num_participants() < groups.groups
+        if self.together_at is None and not missing and Path(self.final).exists():
             self.together_at = trainer.global_step - 1  # (the step just taken)
         if self.together_at is not None and trainer.global_step >= self.together_at + AFTER_REJOIN:
             trainer.should_stop = True
-        elif alone and trainer.global_step >= KILLED_AT:
-            deadline = time.time() + 120
-            while not Path(self.restarted).exists() and time.time() < deadline:
-                time.sleep(0.1)
-            time.sleep(0.25)
-
-    def on_train_start(self, trainer, pl_module) -> None:
-        if trainer.global_step > 0:  # a restarted group: together from its first step
-            self.together_at = trainer.global_step
+        elif missing:
+            time.sleep(0.1)
 
     def on_train_end(self, trainer, pl_module) -> None:
         local = {name: getattr(p, "_local_tensor", p).detach() for name, p in pl_module.named_parameters()}
@@ -85,7 +84,9 @@ class Rejoined(L.Callback):
 def lighthouse():
     from torchft.coordination import LighthouseServer
 
-    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=200, quorum_tick_ms=20,
+    # NOTE: a group that is not asking for the next quorum when the others ask (`Together` slows it) is waited for up
+    # to join_timeout_ms, then left out: longer than its pause here; a dead group is dropped after heartbeat_timeout_ms
+    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000, quorum_tick_ms=20,
                               heartbeat_timeout_ms=1000)  # fmt: skip
     yield server.address()
     server.shutdown()
@@ -102,16 +103,16 @@ def test_a_replica_group_killed_mid_run_rejoins_from_a_live_one_and_both_follow_
         "trainer": {"max_steps": 40, "limit_val_batches": 0},
     })  # fmt: skip
     restarted = tmp_path / "group1_restarted"
-    first = _start(job, lighthouse, tmp_path, [(0, "g0"), (1, "g1_killed")], restarted)
+    first = _start(job, lighthouse, tmp_path, [(0, "g0", -1), (1, "g1_killed", KILLED_AT)], restarted)
     deadline = time.time() + 240
     while not all(p.exitcode == -signal.SIGKILL for p in first.processes[GROUP_RANKS:]):
         assert time.time() < deadline and all(p.exitcode in (None, 0) for p in first.processes[:GROUP_RANKS])
         time.sleep(0.2)
     while not any(line["participants"] == 1 for line in _records(tmp_path / "g0") if line["event"] == "step"):
-        assert time.time() < deadline, "group 0 did not train on alone"  # (before group 1 is back: `Rejoined`)
+        assert time.time() < deadline, "group 0 did not train on alone"  # (slowed while alone: `Together`)
         time.sleep(0.2)
     restarted.touch()
-    second = _start(job, lighthouse, tmp_path, [(1, "g1")], restarted)
+    second = _start(job, lighthouse, tmp_path, [(1, "g1", -1)], restarted)
     for context in (second, first):
         while not all(p.exitcode is not None for p in context.processes[:GROUP_RANKS]):
             assert time.time() < deadline, "the groups did not finish"
@@ -139,22 +140,79 @@ def test_a_replica_group_killed_mid_run_rejoins_from_a_live_one_and_both_follow_
     assert max(abs(a - replayed[s][1]) for a, s in zip(got1, sorted(together), strict=True)) <= 1e-5
 
 
-def _start(job, lighthouse, tmp_path, groups, restarted):
-    plan = [(group, run, rank, port) for group, run in groups for port in [free_port()] for rank in range(GROUP_RANKS)]
-    return mp.start_processes(_rank, args=(plan, job, lighthouse, str(tmp_path), str(restarted)),
-                              nprocs=len(plan), start_method=START_METHOD, join=False)  # fmt: skip
+@pytest.mark.ranks
+def test_three_replica_groups_survive_two_failures_and_one_during_recovery_and_end_together(
+    base_job, lighthouse, tmp_path
+):
+    """Three groups of one rank: group 1 dies at step 3 and group 2 at step 5; group 1 restarted dies again as soon as
+    it has joined (its state loaded, its first step not taken); then both come back. Group 0 never stops; the run
+    ends with the three bitwise equal, and every group's logged loss is the replay's of the steps each group took
+    part in (a step whose average failed moves no weight)."""
+    job = merge(base_job, {
+        "strategy": {"replica_groups": 3, "timeout": timedelta(seconds=60)},
+        "data": {"global_batch_size": 6},
+        "model": {"decay_steps": 80},
+        "trainer": {"max_steps": 80, "limit_val_batches": 0},
+    })  # fmt: skip
+    final, deadline = tmp_path / "final", time.time() + 240
+
+    def wait(what, done):
+        while not done():
+            assert time.time() < deadline, f"waited too long for {what}"
+            time.sleep(0.2)
+
+    first = _start(job, lighthouse, tmp_path, [(0, "g0", -1), (1, "g1_a", 3), (2, "g2_a", 5)], final, ranks=1)
+    wait("groups 1 and 2 to die", lambda: [p.exitcode for p in first.processes[1:]] == [-signal.SIGKILL] * 2)
+    again = _start(job, lighthouse, tmp_path, [(1, "g1_b", None)], final, ranks=1)
+    wait("group 1 to die while it recovers", lambda: again.processes[0].exitcode == -signal.SIGKILL)
+    final.touch()
+    last = _start(job, lighthouse, tmp_path, [(1, "g1", -1), (2, "g2", -1)], final, ranks=1)
+    wait("the groups to finish", lambda: all(p.exitcode is not None for p in [first.processes[0], *last.processes]))
+    assert [p.exitcode for p in [first.processes[0], *last.processes]] == [0, 0, 0]
+
+    records = {run: _records(tmp_path / run) for run in ("g0", "g1_a", "g2_a", "g1_b", "g1", "g2")}
+    steps0 = [line for line in records["g0"] if line["event"] == "step"]
+    assert [line["step"] for line in steps0] == list(range(len(steps0)))  # group 0 never stopped
+    assert min(line["participants"] for line in steps0) < 3 == steps0[-1]["participants"]  # some missing, then all
+    joins = {run: [line for line in lines if line["event"] == "joined"] for run, lines in records.items()}
+    assert all(join["recovered"] and join["step"] > 0 for run in ("g1_b", "g1", "g2") for join in joins[run]), joins
+    assert [line["event"] for line in records["g1_b"]] == ["joined"]  # killed before its first step
+    ours = torch.load(tmp_path / "g0" / "weights0.pt")
+    for run in ("g1", "g2"):
+        theirs = torch.load(tmp_path / run / "weights0.pt")
+        assert all(torch.equal(ours[name], theirs[name]) for name in ours)
+
+    took_part = {s: [] for s in range(len(steps0))}
+    for lines in records.values():
+        for line in lines:
+            if line["event"] == "step" and line["committed"]:
+                took_part[line["step"]].append(line["group"])
+    replayed = replay(job, [sorted(took_part[s]) for s in range(len(steps0))], dp=1, groups=3)
+    for run, group in (("g0", 0), ("g1", 1), ("g2", 2)):
+        got, steps = logged(tmp_path / run / "log" / "version_0", "train_loss"), logged_steps(tmp_path / run)
+        assert max(abs(loss - replayed[step][group]) for loss, step in zip(got, steps, strict=True)) <= 1e-5
 
 
-def _rank(index, plan, job, lighthouse, out, restarted):
-    group, run, rank, port = plan[index]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(GROUP_RANKS), LOCAL_RANK=str(rank),
+def _start(job, lighthouse, out, runs, final, ranks=GROUP_RANKS):
+    """Start each of ``runs`` (group, its folder, the step its ranks are killed at: -1 never, None on joining) as a
+    group of ``ranks`` ranks, with a process group of its own."""
+    plan = [
+        (group, run, kill, rank, port) for group, run, kill in runs for port in [free_port()] for rank in range(ranks)
+    ]
+    return mp.start_processes(_rank, args=(plan, job, lighthouse, str(out), str(final), ranks), nprocs=len(plan),
+                              start_method=START_METHOD, join=False)  # fmt: skip
+
+
+def _rank(index, plan, job, lighthouse, out, final, ranks):
+    group, run, kill, rank, port = plan[index]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank),
                       NODE_RANK="0", REPLICA_GROUP_ID=str(group), TORCHFT_LIGHTHOUSE=lighthouse)  # fmt: skip
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=GROUP_RANKS)
-    callbacks = [Rejoined(restarted, str(Path(out) / run / f"weights{rank}.pt"))]
-    if run.endswith("killed"):
-        callbacks.append(KillAt(KILLED_AT))
-    run_job({**job, "callbacks": callbacks}, Path(out) / run, GROUP_RANKS)
+    dist.init_process_group("gloo", rank=rank, world_size=ranks)
+    callbacks = [Together(final, str(Path(out) / run / f"weights{rank}.pt"))]
+    if kill != -1:
+        callbacks.append(KillAt(kill))
+    run_job({**job, "callbacks": callbacks}, Path(out) / run, ranks)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -186,10 +244,11 @@ def replay(job: dict, participation: list[list[int]], dp: int, groups: int = 2) 
         tokens = batch["input_ids"]
         rows = [[i for i in range(len(tokens)) if i % (groups * dp) // dp == g] for g in range(groups)]
         per_group = [model.loss(tokens[r]) for r in rows]
-        torch.stack([per_group[g] for g in taking_part]).mean().backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), job["trainer"]["gradient_clip_val"])
-        optimizer.step()
-        optimizer.zero_grad()
+        if taking_part:  # (none: the step's average failed, no weight moved; the schedule moves on)
+            torch.stack([per_group[g] for g in taking_part]).mean().backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), job["trainer"]["gradient_clip_val"])
+            optimizer.step()
+            optimizer.zero_grad()
         scheduler.step()
         losses.append([loss.item() for loss in per_group])
     return losses
@@ -245,7 +304,8 @@ def test_two_replica_groups_through_lit3d_fit_with_the_docs_lighthouse_train_lik
 ):
     """docs/fault-tolerance.md's commands: ``torchft_lighthouse``, then each group's ``lit3d fit`` from a folder of its
     own (2 ranks, data parallel, forked: `helpers.FORK`). The groups start together and each step averages both, so
-    the mean of the two groups' logged losses is the one-process curve of the same command."""
+    the mean of the two groups' logged losses is the one-process curve of the same command; the bytes a rank sends to
+    the other group in a step (`CommReport`'s ``replica`` axis) are the planner's."""
     port = free_port()
     lighthouse = subprocess.Popen(
         [str(Path(sys.executable).parent / "torchft_lighthouse"), "--min_replicas", "1", "--join_timeout_ms", "10000",
@@ -260,8 +320,8 @@ def test_two_replica_groups_through_lit3d_fit_with_the_docs_lighthouse_train_lik
             env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCHFT_LIGHTHOUSE": f"http://localhost:{port}",
                    "REPLICA_GROUP_ID": str(group)}  # fmt: skip
             command = [sys.executable, str(ROOT / "cli.py"), "fit", "--config", "tiny", *QUICK, "--trainer.devices=2",
-                       "--trainer.strategy=Parallel3DStrategy", "--trainer.strategy.replica_groups=2",
-                       FORK]  # fmt: skip
+                       "--trainer.strategy=Parallel3DStrategy", "--trainer.strategy.replica_groups=2", FORK,
+                       "--trainer.callbacks+=lit3d.callbacks.CommReport"]  # fmt: skip
             groups.append(subprocess.Popen(command, cwd=folder, env=env, stdout=subprocess.PIPE,
                                            stderr=subprocess.STDOUT, text=True))  # fmt: skip
         outputs = [group.communicate(timeout=240)[0] for group in groups]
@@ -272,6 +332,30 @@ def test_two_replica_groups_through_lit3d_fit_with_the_docs_lighthouse_train_lik
     runs = [tmp_path / f"g{group}" / "runs" / "tiny" / "version_0" for group in (0, 1)]
     for run in runs:
         steps = [json.loads(line) for line in (run / RECORD_FILE).read_text().splitlines()][1:]
-        assert [(s["step"], s["participants"], s["committed"]) for s in steps] == [(i, 2, True) for i in range(4)]
+        took_part = [(s["step"], s["participants"], s["committed"]) for s in steps]
+        assert took_part == [(i, 2, True) for i in range(4)], outputs[0][-3000:]
+    rows = [words for words in map(str.split, outputs[0].splitlines()) if len(words) == 4]
+    (row,) = [words for words in rows if words[0] == "replica"]  # CommReport's table
+    assert float(row[1]) > 0 and row[3] == "1.000", row  # the bytes sent to the other group: the planner's
     losses = torch.tensor([logged(run, "train_loss") for run in runs]).mean(0)
     torch.testing.assert_close(losses, one_process_losses, rtol=1e-5, atol=0)
+
+
+def test_the_planner_prices_the_replica_groups_average_over_the_network_each_step():
+    """One group's plan (the nodes given) and the same with 4 replica groups: the groups' all-reduce of what each rank's
+    optimizer steps (ZeRO-1's slice of its TP shard, fp32), over the network, in the step time."""
+    from lit3d.parallel.layout import Layout
+    from lit3d.parallel.zero import ZeroPolicy
+    from lit3d.planner import Cluster, Training, estimate
+    from lit3d.planner.tensors import rank_tensors, stepped_numel
+
+    config, layout = GPTConfig.from_name("llama-8b"), Layout(dp=4, tp=8, pp=1, devices_per_node=8)
+    plans = {groups: estimate(config, Cluster(nodes=4), layout, Training(global_batch_size=64),
+                              Parallelism(zero_stage=1, replica_groups=groups)) for groups in (None, 4)}  # fmt: skip
+    settings = Parallelism(zero_stage=1, replica_groups=4)
+    stepped = stepped_numel(rank_tensors(config, 1, 1, 0, "loop"), layout, ZeroPolicy.of(settings, layout))
+    assert plans[4].communication_per_step["replica"]["bytes"] == 2 * 3 / 4 * stepped * 4
+    assert "replica" not in plans[None].communication_per_step
+    slower = plans[4].step_time_s - plans[None].step_time_s
+    seconds = plans[4].communication_per_step["replica"]["seconds"]
+    assert seconds > 0 and slower == pytest.approx(seconds, rel=1e-6)  # nothing hides it

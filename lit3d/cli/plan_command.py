@@ -333,6 +333,8 @@ PLAN_NOTES = {
     "outer_fragments": "The same bytes, fewer at a time.",
     "offload": "Planned (ZeRO-3 unless given): the states in host memory (``host memory``), each step's copies over "
     "the host link and the CPU optimizer step in the step time.",
+    "replica_groups": "Planned: the plan is one group's (the nodes and the batch given: one group's share); each step "
+    "adds the groups' all-reduce of the gradients (``replica`` bytes, over the network, in the step time).",
 }
 NOT_PLANNED = "Accepted; the plan does not depend on it."
 

@@ -171,8 +171,8 @@ def step_time(case: Case, traffic: dict, seconds: dict[str, float], work: RankWo
     if "dp_replicate" in seconds:  # HSDP: the groups' all-reduce of the gradients, overlapping backward as DDP's
         dp_replicate = _data_parallel(seconds["dp_replicate"], ZeroPolicy(0), training, busiest, 1, 0.0, cluster)
         exposed["dp_replicate"], hidden["dp_replicate"] = dp_replicate
-    if "island" in seconds:  # NOTE: the outer step waits for its all-reduce, amortised over its inner steps
-        exposed["island"] = seconds["island"]
+    # NOTE: waited for: DiLoCo's outer step (amortised over its inner steps), the replica groups' average (pre-step)
+    exposed.update({axis: seconds[axis] for axis in ("island", "replica") if axis in seconds})
     optimizer = _optimizer(*work.stepped[rank], device) + muon + newton_schulz_time(work, rank, device)
     if settings.offload:  # the states in host memory: copies over the host link, the optimizer on the CPU
         exposed["host"], optimizer = offloaded_states(

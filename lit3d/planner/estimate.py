@@ -217,6 +217,7 @@ def link_speeds(cluster: Cluster, layout: Layout) -> dict[str, float]:
     links["tp"] = cluster.intra_node_gbps if per_node % tp == 0 else cluster.inter_node_gbps
     if layout.islands > 1:  # DiLoCo's outer step crosses the link between islands
         links["island"] = cluster.inter_island_gbps
+    links["replica"] = cluster.inter_node_gbps  # replica groups are jobs of their own: each rank's ring leaves its node
     return links
 
 

@@ -66,6 +66,8 @@ def communication_bytes(case: Case, sums: Sequence[StageSums]) -> dict[str, floa
         traffic[axis] += sent
     if layout.islands > 1:  # per step on average: one outer step every sync_every steps
         traffic["island"] = island_bytes_per_sync(config, layout, settings, training.lora) / settings.sync_every
+    if (settings.replica_groups or 1) > 1:
+        traffic["replica"] = replica_group_bytes(config, layout, settings, training.lora, precision.stepped_bytes)
     return traffic
 
 
@@ -118,9 +120,27 @@ def island_bytes_per_sync(config: GPTConfig, layout: Layout, settings: Paralleli
     slices, ZeRO-2/3 shards or TP shards), in ``settings.outer_reduce_dtype`` (`lit3d.strategies.optim.diloco`)."""
     if layout.islands == 1:
         return 0.0
+    element = 2 if settings.outer_reduce_dtype == "bfloat16" else 4
+    return 2 * (layout.islands - 1) / layout.islands * _most_stepped(config, layout, settings, lora) * element
+
+
+def replica_group_bytes(
+    config: GPTConfig, layout: Layout, settings: Parallelism, lora: LoRA | None, element: int
+) -> float:
+    """Bytes the busiest rank sends to the other replica groups each step (``replica_groups``, torchft): the all-reduce
+    of the gradients of what its optimizer steps (`stepped_numel`), ``element`` bytes each, over all the groups
+    (`lit3d.strategies.runtime.replica_groups`). The quorum's messages are a few hundred bytes, not counted."""
+    groups = settings.replica_groups or 1
+    if groups == 1:
+        return 0.0
+    return 2 * (groups - 1) / groups * _most_stepped(config, layout, settings, lora) * element
+
+
+def _most_stepped(config: GPTConfig, layout: Layout, settings: Parallelism, lora: LoRA | None) -> int:
+    """The most elements a rank's optimizer steps, over the pipeline's stages."""
     virtual = settings.chunks_per_rank if layout.pp > 1 else 1
     placement = SCHEDULES[settings.pipeline_schedule].placement
-    numel = max(
+    return max(
         stepped_numel(
             rank_tensors(config, layout.pp, virtual, stage, placement, lora, settings.pipeline_stage_layers),
             layout,
@@ -128,8 +148,6 @@ def island_bytes_per_sync(config: GPTConfig, layout: Layout, settings: Paralleli
         )
         for stage in range(layout.pp)
     )
-    element = 2 if settings.outer_reduce_dtype == "bfloat16" else 4
-    return 2 * (layout.islands - 1) / layout.islands * numel * element
 
 
 def _ring_bytes(
@@ -264,6 +282,8 @@ def collectives(case: Case, sums: Sequence[StageSums]) -> dict[str, tuple[float,
     if layout.islands > 1:  # one all-reduce per fragment per outer step, over a ring of the islands
         n = settings.outer_fragments / settings.sync_every
         counts["island"] = (n, n * 2 * (layout.islands - 1))
+    if (settings.replica_groups or 1) > 1:  # one all-reduce a step, over a ring of the groups
+        counts["replica"] = (1.0, 2.0 * (settings.replica_groups - 1))
     return counts
 
 

@@ -45,7 +45,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.tensor import DTensor
 
 from lit3d.errors import ConfigurationError
@@ -53,7 +53,6 @@ from lit3d.strategies.runtime.peer_state import PeerState
 
 GROUP_VARIABLE, LIGHTHOUSE_VARIABLE = "REPLICA_GROUP_ID", "TORCHFT_LIGHTHOUSE"  # torchft's names
 RECORD_FILE = "replica_groups.jsonl"
-JOIN_POLL_S = 0.25  # between the quorums a fresh run's first step asks for, while groups are still starting
 
 
 def this_group(groups: int) -> tuple[int, str]:
@@ -129,13 +128,19 @@ class ReplicaGroups:
         return joined
 
     def _first_quorum(self, timeout_s: float) -> None:
-        """The quorum of the fit's first step. A fresh run waits for every group (polling: the groups start at their
-        own pace); a group joining a run under way loads a live group's state here."""
-        for _ in range(max(1, int(timeout_s / JOIN_POLL_S))):  # (a count, the same on every rank of the group)
+        """The quorum of the fit's first step. A fresh run waits for every group, up to ``timeout_s``; a group joining
+        a run under way loads a live group's state here.
+
+        NOTE: asked again at once, not after a pause: the lighthouse answers a quorum as soon as its last members ask
+        again, with whoever is asking then, so a group that paused between its asks would be left out of every one."""
+        deadline = time.monotonic() + timeout_s
+        while True:
             self.manager.start_quorum()
-            if self.manager.num_participants() >= self.groups or self.manager.current_step() > 0:
+            waiting = self.manager.num_participants() < self.groups and self.manager.current_step() == 0
+            decided = [waiting and time.monotonic() < deadline]  # (rank 0's: the group's ranks ask again together)
+            torch.distributed.broadcast_object_list(decided, src=0)
+            if not decided[0]:
                 break
-            time.sleep(JOIN_POLL_S)
         self.state.joining = False
         self._quorum_open = True
         step, participants = self.manager.current_step(), self.manager.num_participants()
@@ -154,6 +159,9 @@ class ReplicaGroups:
         grads = [_local(p.grad) for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         self._average(grads)
         committed = self.manager.should_commit()
+        if not committed:  # (every group skips it: no weight moves; the data and the schedule go on)
+            error = self.manager.errored()
+            rank_zero_warn(f"replica group {self.group}: step {self.state.trainer.global_step} not committed: {error}")
         self._note(self.manager.num_participants(), committed)
         return inner_step(lambda: result) if committed else result
 

@@ -106,7 +106,7 @@ class CommBytes(CommDebugMode):
             self.ranks_by_name[name] = ranks
         return out
 
-    def by_axis(self, meshes: ParallelMeshes) -> dict[str, float]:
+    def by_axis(self, meshes: ParallelMeshes, outside: str = "other") -> dict[str, float]:
         """Bytes per axis of a `ParallelMeshes`; groups of no single axis (the whole world, say) go to "other".
 
         Groups are matched by their ranks: FSDP and DTensor may reach the same ranks through another group object.
@@ -117,6 +117,7 @@ class CommBytes(CommDebugMode):
         the same experts) count as "dp".
         """
         ranks = self._ranks_by_dim(meshes.world)
+        ranks[()] = outside  # groups the world does not know: torchft's between replica groups (``"replica"``)
         if meshes.replica_mesh.size() > 1:
             ranks[_ranks(meshes.replica_mesh)] = "dp"
         hybrid = meshes.layout.dp_replicate > 1
@@ -155,7 +156,11 @@ def _group(group: Any) -> tuple[tuple[int, ...], int, str]:
     from torch.distributed.distributed_c10d import ProcessGroup, _resolve_process_group
 
     pg = _resolve_process_group(group) if isinstance(group, str) else ProcessGroup.unbox(group)
-    return tuple(sorted(dist.get_process_group_ranks(pg))), pg.size(), pg.group_name
+    try:
+        ranks = tuple(sorted(dist.get_process_group_ranks(pg)))
+    except (KeyError, RuntimeError):  # a group outside this process's world (torchft's, between replica groups): ()
+        ranks = ()
+    return ranks, pg.size(), pg.group_name
 
 
 def _ranks(mesh: DeviceMesh) -> tuple[int, ...]:
