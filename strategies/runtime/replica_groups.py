@@ -143,12 +143,14 @@ class ReplicaGroups:
                 break
         self.state.joining = False
         self._quorum_open = True
-        step, participants = self.manager.current_step(), self.manager.num_participants()
-        if self.state.loaded_step is not None and step > 0:
+        # (Lightning's step: torchft's own count leaves out the steps that were not committed)
+        recovered, step = self.state.loaded_step is not None, self.state.loaded_step or 0
+        participants = self.manager.num_participants()
+        if recovered and step > 0:
             rank_zero_info(f"replica group {self.group}: rejoined at step {step} with a live group's state")
         else:
             rank_zero_info(f"replica group {self.group} of {self.groups}: starting with {participants} group(s)")
-        self._write(event="joined", step=step, participants=participants, recovered=self.state.loaded_step is not None)
+        self._write(event="joined", step=step, participants=participants, recovered=recovered)
 
     def step(self, optimizer: Any, closure: Callable[[], Any], inner_step: Callable[[Callable[[], Any]], Any]) -> Any:
         """One optimizer step across the groups: quorum, closure, the gradients' average, the step if committed."""
