@@ -84,10 +84,10 @@ class Together(L.Callback):
 def lighthouse():
     from torchft.coordination import LighthouseServer
 
-    # NOTE: a group that is not asking for the next quorum when the others ask (`Together` slows it) is waited for up
-    # to join_timeout_ms, then left out: longer than its pause here; a dead group is dropped after heartbeat_timeout_ms
-    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000, quorum_tick_ms=20,
-                              heartbeat_timeout_ms=1000)  # fmt: skip
+    # NOTE: a group that is not asking for the next quorum when the others ask (`Together` slows it; a loaded machine
+    # may) is waited for up to join_timeout_ms, then left out; a dead group is dropped after heartbeat_timeout_ms
+    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=5000, quorum_tick_ms=20,
+                              heartbeat_timeout_ms=2000)  # fmt: skip
     yield server.address()
     server.shutdown()
 
