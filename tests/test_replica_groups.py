@@ -254,7 +254,7 @@ def replay(job: dict, participation: list[list[int]], dp: int, groups: int = 2) 
     return losses
 
 
-def test_the_replay_of_every_group_taking_part_is_the_one_process_run(base_job, reference_run):
+def test_the_replica_groups_replay_with_every_group_taking_part_is_the_one_process_run(base_job, reference_run):
     """The replay above, checked: all groups at every step is the one-process curve (rows split, losses averaged)."""
     steps = len(reference_run["losses"])
     replayed = replay(merge(base_job, {"model": {"decay_steps": steps}}), [[0, 1]] * steps, dp=1)
