@@ -35,9 +35,9 @@ class PeerState:
     def save(self) -> dict[str, Any]:
         trainer = self.trainer
         return {
-            "module": {name: _local(value) for name, value in trainer.lightning_module.state_dict().items()},
+            "module": {name: local_tensor(value) for name, value in trainer.lightning_module.state_dict().items()},
             "optimizers": [
-                {"params": [_local(p) for p in _params(opt)], "state": _local_tree(opt.state_dict())}
+                {"params": [local_tensor(p) for p in _params(opt)], "state": _local_tree(opt.state_dict())}
                 for opt in trainer.optimizers
             ],
             "schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
@@ -50,11 +50,11 @@ class PeerState:
     def load(self, state: dict[str, Any]) -> None:
         trainer = self.trainer
         for name, value in trainer.lightning_module.state_dict().items():
-            _local(value).copy_(state["module"][name])
+            local_tensor(value).copy_(state["module"][name])
         for optimizer, saved in zip(trainer.optimizers, state["optimizers"], strict=True):
             params = _params(optimizer)
             for param, value in zip(params, saved["params"], strict=True):
-                _local(param).copy_(value)
+                local_tensor(param).copy_(value)
             optimizer.load_state_dict(_placed_like_params(saved["state"], params))
         for config, saved in zip(trainer.lr_scheduler_configs, state["schedulers"], strict=True):
             config.scheduler.load_state_dict(saved)
@@ -79,7 +79,8 @@ def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor`` (a DTensor's local tensor, sharing its storage), or ``tensor`` itself."""
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
@@ -89,7 +90,7 @@ def _local_tree(value: Any) -> Any:
         return {key: _local_tree(item) for key, item in value.items()}
     if isinstance(value, list | tuple):
         return type(value)(_local_tree(item) for item in value)
-    return _local(value) if isinstance(value, torch.Tensor) else value
+    return local_tensor(value) if isinstance(value, torch.Tensor) else value
 
 
 def _placed_like_params(state_dict: dict[str, Any], params: list[torch.Tensor]) -> dict[str, Any]:

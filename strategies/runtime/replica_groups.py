@@ -46,10 +46,9 @@ from urllib.parse import urlparse
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch.distributed.tensor import DTensor
 
 from lit3d.errors import ConfigurationError
-from lit3d.strategies.runtime.peer_state import PeerState
+from lit3d.strategies.runtime.peer_state import PeerState, local_tensor
 
 GROUP_VARIABLE, LIGHTHOUSE_VARIABLE = "REPLICA_GROUP_ID", "TORCHFT_LIGHTHOUSE"  # torchft's names
 RECORD_FILE = "replica_groups.jsonl"
@@ -158,7 +157,9 @@ class ReplicaGroups:
             self.manager.start_quorum()
         self._quorum_open = False
         result = closure()
-        grads = [_local(p.grad) for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        grads = [
+            local_tensor(p.grad) for group in optimizer.param_groups for p in group["params"] if p.grad is not None
+        ]
         self._average(grads)
         committed = self.manager.should_commit()
         if not committed:  # (every group skips it: no weight moves; the data and the schedule go on)
@@ -195,7 +196,3 @@ class ReplicaGroups:
     def stop(self) -> None:
         """End the manager (its heartbeats stop: the lighthouse drops this group at once)."""
         self.manager.shutdown(wait=False)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
