@@ -37,7 +37,12 @@ pytest.importorskip("torchft", reason="replica groups need torchft (the [test] e
 
 KILLED_AT = 4  # group 1's ranks are killed at the start of this step
 AFTER_REJOIN = 3  # steps both groups train together after group 1 is back
-LAYOUTS = {"tp2": {"tensor_parallel_size": 2}, "dp2_zero3": {"zero_stage": 3}}
+# name -> (strategy, model): Muon's states are DTensors under TP (AdamW steps plain local shards), which a rejoin places
+LAYOUTS = {
+    "tp2": ({"tensor_parallel_size": 2}, {}),
+    "dp2_zero3": ({"zero_stage": 3}, {}),
+    "muon_tp2": ({"tensor_parallel_size": 2}, {"optimizer": "muon"}),
+}
 GROUP_RANKS = 2
 
 
@@ -98,8 +103,8 @@ def test_a_replica_group_killed_mid_run_rejoins_from_a_live_one_and_both_follow_
     layout, base_job, lighthouse, tmp_path
 ):
     job = merge(base_job, {
-        "strategy": {**LAYOUTS[layout], "replica_groups": 2, "timeout": timedelta(seconds=60)},
-        "model": {"decay_steps": 40},
+        "strategy": {**LAYOUTS[layout][0], "replica_groups": 2, "timeout": timedelta(seconds=60)},
+        "model": {**LAYOUTS[layout][1], "decay_steps": 40},
         "trainer": {"max_steps": 40, "limit_val_batches": 0},
     })  # fmt: skip
     restarted = tmp_path / "group1_restarted"
@@ -132,7 +137,7 @@ def test_a_replica_group_killed_mid_run_rejoins_from_a_live_one_and_both_follow_
 
     # the groups took part together before the kill (steps 0-3) and after the rejoin; group 0 alone between
     participation = [[0, 1] if s < KILLED_AT or s in together else [0] for s in range(len(steps0))]
-    replayed = replay(job, participation, dp=1 if layout == "tp2" else 2)
+    replayed = replay(job, participation, dp=2 if layout == "dp2_zero3" else 1)
     got0 = logged(tmp_path / "g0" / "log" / "version_0", "train_loss")
     got1 = logged(tmp_path / "g1" / "log" / "version_0", "train_loss")
     assert logged_steps(tmp_path / "g1") == sorted(together)  # the restarted group logs at the live group's steps
