@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -211,7 +210,8 @@ def _worker(rank: int, world: int, port: int, threads: int, tokens: int, folder:
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)  # (the calling process's: `calibrate`)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     try:
         dist.barrier()
         kernels = measure_kernels(tokens)
@@ -229,17 +229,19 @@ def _worker(rank: int, world: int, port: int, threads: int, tokens: int, folder:
 def calibrate(processes: int = 1, tokens: int = 2048) -> dict[str, Any]:
     """The profile of one of ``processes`` processes sharing this machine (see the module's docstring)."""
     import torch.multiprocessing as mp
+    from torch.distributed import TCPStore
 
     if processes < 1:
         raise ValueError(f"processes={processes} must be a positive integer")
     threads = max(1, (os.cpu_count() or 1) // processes)
     with tempfile.TemporaryDirectory() as folder:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        # NOTE: the processes meet at a store this process listens on from the start (a port the system picks), not at
+        # a port found free and bound later: another program on the machine can take such a port in between.
+        store = TCPStore("127.0.0.1", 0, is_master=True)
         mp.start_processes(
-            _worker, args=(processes, port, threads, tokens, folder), nprocs=processes, start_method="spawn"
+            _worker, args=(processes, store.port, threads, tokens, folder), nprocs=processes, start_method="spawn"
         )
+        del store
         ranks = [json.loads(Path(folder, f"{r}.json").read_text()) for r in range(processes)]
     m = {key: statistics.median(rank[key] for rank in ranks) for key in ranks[0]}
     return profile(processes, m, measure_step_overhead())
