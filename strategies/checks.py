@@ -58,15 +58,17 @@ def check_run(parallelism: Parallelism, layout: Layout, module: Any, trainer: An
 
 
 def _check_muon(parallelism: Parallelism, layout: Layout, module: Any) -> None:
-    """Muon orthogonalises whole matrices: it gathers DTensor shards (TP, ZeRO-2/3, EP), but ZeRO-1's optimizer
-    steps slices of plain tensors (`lit3d.strategies.optim.zero1`), which it cannot yet make whole."""
-    if getattr(module, "optimizer_name", "adamw") != "muon":
+    """Muon orthogonalises whole matrices: it gathers DTensor shards (TP, ZeRO-2/3) and ZeRO-1's slices
+    (`lit3d.strategies.optim.zero1`); an expert is its own matrix, whole where it is but for ZeRO-1's slices of the
+    experts that several ranks hold (``edp``), whose gather is not built yet."""
+    if getattr(module, "optimizer_name", "adamw") != "muon" or not ZeroPolicy.of(parallelism, layout).slices_optimizer:
         return
-    if ZeroPolicy.of(parallelism, layout).slices_optimizer:
+    holders = layout.dp // layout.ep * layout.cp  # ranks holding the same experts (the experts' mesh's ``edp``)
+    if getattr(getattr(module, "config", None), "n_expert", 0) and layout.ep > 1 and holders > 1:
         raise ValueError(
-            f"optimizer='muon' with zero_stage={parallelism.zero_stage} over {layout.replicas} data-parallel "
-            "replicas: ZeRO-1's optimizer steps slices of each matrix, and Muon needs the whole; use zero_stage=0, 2 "
-            "or 3 (ZeRO-2/3 gather each matrix for its step)"
+            f"optimizer='muon' with zero_stage=1 and expert_parallel_size={layout.ep} of {layout.dp} data-parallel "
+            f"ranks: ZeRO-1 slices each expert over the {holders} ranks that hold it, and Muon's gather of those "
+            "slices is not built yet; use zero_stage=0, 2 or 3"
         )
 
 

@@ -116,6 +116,10 @@ def test_bad_checkpoints_are_refused_on_every_rank_with_the_file_named(saved, tm
             saved["base"],
             {"strategy": {}, "ckpt_path": str(saved["saved"]), "expect_error": True, "model": {"config": wide}},
         ),
+        "other_optimizer": merge(
+            saved["base"],
+            {"strategy": {}, "ckpt_path": str(saved["saved"]), "expect_error": True, "model": {"optimizer": "muon"}},
+        ),
     }
     results = run_jobs(2, jobs, tmp_path / "runs", deadline=240)  # raises if any rank hangs
     expected = {
@@ -123,6 +127,7 @@ def test_bad_checkpoints_are_refused_on_every_rank_with_the_file_named(saved, tm
         "truncated": f"checkpoint '{truncated}' is truncated: '__1_0.distcp' has",
         "corrupted": f"reading checkpoint '{corrupted}' failed (a truncated or corrupted file?)",
         "other_shape": "state_dict.model.blocks.0.attn.k_proj.weight: checkpoint (16, 32) vs model (24, 48)",
+        "other_optimizer": f"checkpoint '{saved['saved']}' was trained with optimizer='adamw', this run with 'muon'",
     }
     for name, message in expected.items():
         errors = [rank["error"] for rank in results[name]["ranks"]]

@@ -2,10 +2,11 @@
 refused with it, by name; its layouts (tests/muon_layouts.py) against one process."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
-from layouts import FALLS, SMALL_GPT
+from layouts import FALLS, SMALL_GPT, SMALL_MOE
 from muon_layouts import MUON_COMMS, MUON_LAYOUTS
 
 from lit3d import GPT, GPTConfig, LoRA
@@ -101,15 +102,38 @@ def test_bad_muon_settings_are_refused_when_the_model_is_built(kwargs, message):
         GPT("tiny", **kwargs)
 
 
-def test_zero1_with_muon_is_refused_before_any_rank_starts():
+def test_zero1_takes_muon_but_not_yet_with_experts_sliced_over_the_ranks_that_hold_them():
+    """ZeRO-1's slices of a matrix are gathered for its step (`muon_dp2_zero1` trains like one process); a stack of
+    experts that several data-parallel ranks hold, sliced over them, is refused before any rank starts."""
     from lit3d.parallel.layout import Layout
     from lit3d.parallel.settings import Parallelism
     from lit3d.strategies.checks import check_run
 
-    module = GPT("tiny", optimizer="muon")
-    with pytest.raises(ValueError, match="optimizer='muon' with zero_stage=1 over 2 data-parallel replicas"):
-        check_run(Parallelism(zero_stage=1), Layout(dp=2, tp=1, pp=1, devices_per_node=2), module, None, None)
-    check_run(Parallelism(zero_stage=3), Layout(dp=2, tp=1, pp=1, devices_per_node=2), module, None, None)
+    check_run(Parallelism(zero_stage=1), Layout(dp=2, tp=1, pp=1, devices_per_node=2), GPT("tiny", optimizer="muon"),
+              None, None)  # fmt: skip
+    moe = GPT(GPTConfig(**SMALL_MOE), optimizer="muon")
+    settings = Parallelism(zero_stage=1, expert_parallel_size=2)
+    layout = Layout(dp=4, tp=1, pp=1, ep=2, devices_per_node=4)
+    message = "optimizer='muon' with zero_stage=1 and expert_parallel_size=2 of 4 data-parallel ranks: .* the 2 ranks"
+    with pytest.raises(ValueError, match=message):
+        check_run(settings, layout, moe, None, None)
+    check_run(Parallelism(zero_stage=1, expert_parallel_size=4), replace(layout, ep=4), moe, None, None)
+
+
+def test_a_checkpoint_resumes_only_with_the_optimizer_it_trained_with():
+    """Muon's momentum is not AdamW's moments: a resume that switches optimizers is refused by name, either way (a
+    single file's hyper-parameters here; a checkpoint folder's in tests/test_checkpoint.py)."""
+    from pathlib import Path
+
+    from lit3d.checkpoint.save_load import check_same_optimizer
+
+    for theirs, ours in (("adamw", "muon"), ("muon", "adamw")):
+        with pytest.raises(ValueError, match=f"trained with optimizer='{theirs}', this run with '{ours}'"):
+            check_same_optimizer(Path("run.ckpt"), {"hyper_parameters": {"optimizer": theirs}}, ours)
+    check_same_optimizer(Path("run.ckpt"), {"hyper_parameters": {}}, "adamw")  # lit3d 0.4's GPT: AdamW's
+    with pytest.raises(ValueError, match="trained with optimizer='adamw', this run with 'muon'"):
+        check_same_optimizer(Path("run.ckpt"), {"hyper_parameters": {}}, "muon")
+    check_same_optimizer(Path("run.ckpt"), {}, None)  # a module that names no optimizer resumes as before
 
 
 @pytest.mark.parametrize("layout", list(MUON_LAYOUTS))
@@ -141,8 +165,8 @@ def test_the_planner_holds_muons_matrices_at_one_momentum_against_adamws_two(cap
 
 @pytest.mark.parametrize("layout", MUON_COMMS)
 def test_a_muon_step_sends_what_the_planner_counts(layout, layout_runs):
-    """The bytes of one step per axis (`lit3d.CommReport`) against the planner's, Muon's gathers included: ZeRO-3
-    and TP gather each matrix Muon steps whole once a step, over and above what the same layout sends with AdamW
+    """The bytes of one step per axis (`lit3d.CommReport`) against the planner's, Muon's gathers included: ZeRO-1,
+    ZeRO-3 and TP gather each matrix Muon steps whole once a step, over and above what the same layout sends with AdamW
     (half of the matrices' fp32 bytes over 2 ranks); an expert is orthogonalised where it is, so EP sends nothing
     more."""
     from lit3d.models.optimizer_settings import is_hidden_matrix
@@ -158,6 +182,7 @@ def test_a_muon_step_sends_what_the_planner_counts(layout, layout_runs):
             continue
         assert planned[axis] <= measured[axis] <= planned[axis] + 256, (axis, measured, planned)
     adamw = {"muon_dp2_zero3": ("dp2_zero3", "dp"), "muon_tp2_sequence_parallel": ("tp2_sequence_parallel", "tp")}
+    # (ZeRO-1's AdamW layout measures no bytes; the same gather as ZeRO-3's, of the slices: checked against the planner)
     if layout in adamw:
         name, axis = adamw[layout]
         model = Transformer(GPTConfig(**SMALL_GPT))

@@ -28,7 +28,7 @@ from lit3d.checkpoint.folder import (
     save,
 )
 from lit3d.checkpoint.plain import plain_tensors
-from lit3d.checkpoint.safe_io import check_readable, load_meta
+from lit3d.checkpoint.safe_io import META_FILE, check_readable, load_meta
 from lit3d.checkpoint.whole_file import WholeOrder, copy_whole, load_positional, positional, whole_on_rank_zero
 
 
@@ -167,8 +167,11 @@ class Checkpoints:
                     "(its islands and outer loop); start from the file's weights instead (`--model.pretrained=...`)"
                 )
             by_name, order = rank.optimizer_by_name, rank.whole_order()
-            meta = self.load_file(path, rank.sharded(), optimizers, by_name, rank.layout, order)
+            trained = getattr(rank.module, "optimizer_name", None) if optimizers else None
+            meta = self.load_file(path, rank.sharded(), optimizers, by_name, rank.layout, order, trained)
         else:
+            if optimizers and (path / META_FILE).is_file():
+                check_same_optimizer(path, load_meta(path / META_FILE), rank.module)
             meta = self.load_folder(path, rank.sharded, optimizers, rank.optimizer_by_name, rank.islands())
         if rank.optimizer_steps is not None:
             rank.optimizer_steps.master_weights_loaded()
@@ -206,12 +209,16 @@ class Checkpoints:
         optimizer_state: Callable[[Any], dict[str, Any]],
         layout: Any,
         order: WholeOrder,
+        optimizer_name: str | None = None,
     ) -> dict[str, Any]:
         """Fill the module's shards and the ``optimizers``' states from a single-file checkpoint (lit3d's, or one
         ``ddp``, ``auto`` or ``ModelParallelStrategy`` wrote), whole on every rank; return everything else it holds.
-        Collective under a pipeline (the optimizers' numbering, `lit3d.checkpoint.whole_file`)."""
+        Collective under a pipeline (the optimizers' numbering, `lit3d.checkpoint.whole_file`). ``optimizer_name``:
+        lit3d's GPT's, which the checkpoint must have trained with (`check_same_optimizer`)."""
         self.wait()
         checkpoint = load_meta(path)
+        if optimizer_name is not None:
+            check_same_optimizer(path, checkpoint, optimizer_name)
         saved = checkpoint.pop("state_dict", None)
         if not isinstance(saved, dict):
             raise ValueError(f"{str(path)!r} holds no `state_dict`: it is not a Lightning checkpoint")
@@ -258,6 +265,23 @@ class Checkpoints:
                 self._background.wait(agree=False)
             except RuntimeError as error:
                 rank_zero_warn(str(error))
+
+
+def check_same_optimizer(path: Path, checkpoint: dict[str, Any], trained: Any) -> None:
+    """Refuse by name to resume with another optimizer than the one ``checkpoint`` (at ``path``; its hyper-parameters,
+    lit3d's GPT's ``optimizer``) trained with: its states are the other optimizer's. ``trained``: this run's module,
+    or its optimizer's name; nothing to check for a module that does not name one."""
+    ours = trained if isinstance(trained, str) or trained is None else getattr(trained, "optimizer_name", None)
+    hyper = checkpoint.get("hyper_parameters") or {}
+    if ours is None or "optimizer" not in hyper and ours == "adamw":
+        return
+    theirs = hyper.get("optimizer", "adamw")  # (lit3d 0.4's GPT: AdamW only)
+    if theirs != ours:
+        raise ValueError(
+            f"checkpoint {str(path)!r} was trained with optimizer={theirs!r}, this run with {ours!r}: its optimizer "
+            f"states are {theirs}'s; resume with --model.optimizer={theirs}, or start {ours} afresh from its weights "
+            f"(--model.pretrained={path})"
+        )
 
 
 def check_loadable(path: Path) -> None:

@@ -17,7 +17,8 @@ needs the whole matrix, so each DTensor update is gathered whole (`whole_matrix`
 holds a part of it, and cut back to this rank's part (`local_part`): exact, at the cost of the gather and of the
 iteration repeated on each of those ranks. A stack of experts split along its experts only holds each expert whole
 (`holds_whole_experts`): orthogonalised where it is, with no gather. The momentum, the weight decay and AdamW are
-elementwise and run on the shards. (ZeRO-1's slices of plain tensors are refused with Muon: `lit3d.strategies.checks`.)
+elementwise and run on the shards. ZeRO-1 steps plain slices of each matrix and gives ``whole`` and ``shard`` of its
+own (`lit3d.strategies.optim.zero1.LocalShardOptimizer`).
 """
 
 from __future__ import annotations

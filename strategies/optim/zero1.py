@@ -18,8 +18,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from lit3d.models.muon import Muon, whole_matrix
 from lit3d.strategies.optim.zero1_buckets import buckets
-from lit3d.strategies.optim.zero1_params import SlicedParam
+from lit3d.strategies.optim.zero1_params import SlicedParam, rank_chunk
 
 ELEMENTWISE_OPTIMIZERS = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
 
@@ -58,10 +59,10 @@ class LocalShardOptimizer:
         param_dtype: torch.dtype | None = None,
         masters: dict[int, torch.Tensor] | None = None,
     ) -> None:
-        if zero1_mesh is not None and not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
+        if zero1_mesh is not None and not isinstance(optimizer, (*ELEMENTWISE_OPTIMIZERS, Muon)):
             raise TypeError(
-                f"{type(optimizer).__name__} is not one of the elementwise optimizers "
-                f"({', '.join(o.__name__ for o in ELEMENTWISE_OPTIMIZERS)}) that ZeRO-1 can shard; "
+                f"{type(optimizer).__name__} is not one of the optimizers "
+                f"({', '.join(o.__name__ for o in (*ELEMENTWISE_OPTIMIZERS, Muon))}) that ZeRO-1 can shard; "
                 "use zero_stage 0, 2 or 3"
             )
         if optimizer.state:
@@ -82,6 +83,10 @@ class LocalShardOptimizer:
             for e in self.entries:
                 _hold_in(e.param, param_dtype)
         self._by_view = {id(e.view): e for e in self.entries}
+        if zero1_mesh is not None and isinstance(optimizer, Muon):
+            # NOTE: Muon's own hooks for a layout it cannot see (its ``whole`` and ``shard`` arguments), set here
+            # because the module built the optimizer before the strategy sliced its parameters.
+            optimizer.whole, optimizer.shard = self.whole_update, self.own_part
         sliced = [e for e in self.entries if e.dim is not None]
         if module is not None:  # buckets in the order backward finishes the gradients: the module's last first
             index = {id(p): i for i, p in enumerate(module.parameters())}
@@ -126,6 +131,29 @@ class LocalShardOptimizer:
             view = self._masters.get(id(param), view).to(torch.float32, copy=True)
         entry.view = nn.Parameter(view, requires_grad=param.requires_grad)
         return entry
+
+    def whole_update(self, view: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+        """Muon under ZeRO-1: ``update`` (of ``view``, this rank's slice) gathered whole over the ranks that slice or
+        split it; a stack of experts keeps its split along the experts (each expert is its own matrix)."""
+        entry = self._by_view[id(view)]
+        kept = _kept(entry, view)
+        if entry.placements is None or all(kept):
+            return update
+        placed = self.as_global(view, update)
+        if not any(kept):
+            return whole_matrix(placed, placed)
+        kept_placements = [p if k else Replicate() for p, k in zip(entry.placements, kept)]
+        return placed.redistribute(placements=kept_placements).to_local()
+
+    def own_part(self, view: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+        """Muon under ZeRO-1: this rank's slice of ``whole`` (`whole_update`'s), cut with no communication."""
+        entry = self._by_view[id(view)]
+        if entry.placements is None:
+            return whole
+        for i, (placement, kept) in enumerate(zip(entry.placements, _kept(entry, view))):
+            if placement.is_shard() and not kept:
+                whole = rank_chunk(whole, placement.dim, entry.mesh.size(i), entry.mesh.get_local_rank(i))
+        return whole
 
     def _expert_entry(self, param: DTensor) -> SlicedParam:
         """An MoE expert weight, split over the EP ranks (dim 0), sliced and averaged over the ``edp`` ranks that
@@ -248,6 +276,11 @@ class LocalShardOptimizer:
         shape = entry.param.shape
         stride = torch.empty(shape, device="meta").stride()
         return DTensor.from_local(state, entry.mesh, entry.placements, run_check=False, shape=shape, stride=stride)
+
+
+def _kept(entry: SlicedParam, view: torch.Tensor) -> list[bool]:
+    """Which of ``entry``'s placements Muon's gather keeps: a stack of experts' split along its experts (dim 0)."""
+    return [view.ndim == 3 and p.is_shard() and p.dim == 0 for p in entry.placements or ()]
 
 
 def _hold_in(param: torch.Tensor, dtype: torch.dtype) -> None:
