@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import FORK, logged
-from layouts import merge
+from layouts import SMALL_GPT, merge
 from spawned import START_METHOD, free_port, run_job
 from test_cli import QUICK, ROOT, fit_losses
 
@@ -198,6 +198,44 @@ def test_three_replica_groups_survive_two_failures_and_one_during_recovery_and_e
         assert max(abs(loss - replayed[step][group]) for loss, step in zip(got, steps, strict=True)) <= 1e-5
 
 
+@pytest.mark.ranks
+def test_a_group_that_runs_something_else_is_refused_in_its_first_quorum_naming_both_runs(
+    base_job, lighthouse, tmp_path
+):
+    """Two groups of one rank started together, group 1 with a wider MLP: group 1, which takes group 0's state when
+    the run starts, is refused before its first step, naming both runs; group 0 trains on."""
+    job = merge(base_job, {
+        "strategy": {"replica_groups": 2, "timeout": timedelta(seconds=60)},
+        "trainer": {"max_steps": 4, "limit_val_batches": 0},
+        "expect_error": True,
+        "by_group": {1: {"model": {"config": {**SMALL_GPT, "d_ff": 96}}}},
+    })  # fmt: skip
+    started = _start(job, lighthouse, tmp_path, [(0, "g0", -1), (1, "g1", -1)], tmp_path / "final", ranks=1)
+    deadline = time.time() + 120
+    while not all(p.exitcode is not None for p in started.processes):
+        assert time.time() < deadline, "the groups did not end"
+        time.sleep(0.2)
+    errors = [json.loads((tmp_path / run / "result0.json").read_text())["error"] for run in ("g0", "g1")]
+    run = "dp 1 x tp 1 x pp 1 on 1 rank(s), {} parameters, precision 32-true"
+    assert errors[0] is None and [line["step"] for line in _records(tmp_path / "g0") if line["event"] == "step"] == [
+        0, 1, 2, 3]  # fmt: skip
+    assert errors[1].startswith(
+        f"ConfigurationError: this replica group runs {run.format('69,920')}, the live group "
+        f"it would load from {run.format('57,632')}: every replica group runs the same command"
+    )
+    assert not _records(tmp_path / "g1")  # refused before its join was recorded
+
+
+def test_a_group_does_not_load_the_state_of_a_live_group_that_runs_something_else():
+    from lit3d.strategies.runtime.peer_state import PeerState
+
+    ours = "dp 1 x tp 2 x pp 1 on 2 rank(s), 1,000 parameters, precision 32-true"
+    theirs = "dp 2 x tp 1 x pp 1 on 2 rank(s), 1,000 parameters, precision 32-true"
+    with pytest.raises(ConfigurationError) as error:
+        PeerState(None, ours).load({"run": theirs, "module": {}})
+    assert str(error.value).startswith(f"this replica group runs {ours}, the live group it would load from {theirs}")
+
+
 def _start(job, lighthouse, out, runs, final, ranks=GROUP_RANKS):
     """Start each of ``runs`` (group, its folder, the step its ranks are killed at: -1 never, None on joining) as a
     group of ``ranks`` ranks, with a process group of its own."""
@@ -209,7 +247,9 @@ def _start(job, lighthouse, out, runs, final, ranks=GROUP_RANKS):
 
 
 def _rank(index, plan, job, lighthouse, out, final, ranks):
+    """One rank of a group (``job``'s ``by_group``: a group's own overrides; ``expect_error``: the error it records)."""
     group, run, kill, rank, port = plan[index]
+    job = merge(job, job.get("by_group", {}).get(group, {}))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank),
                       NODE_RANK="0", REPLICA_GROUP_ID=str(group), TORCHFT_LIGHTHOUSE=lighthouse)  # fmt: skip
     torch.set_num_threads(1)
@@ -217,7 +257,9 @@ def _rank(index, plan, job, lighthouse, out, final, ranks):
     callbacks = [Together(final, str(Path(out) / run / f"weights{rank}.pt"))]
     if kill != -1:
         callbacks.append(KillAt(kill))
-    run_job({**job, "callbacks": callbacks}, Path(out) / run, ranks)
+    result = run_job({**job, "callbacks": callbacks}, Path(out) / run, ranks)
+    if job.get("expect_error"):
+        (Path(out) / run / f"result{rank}.json").write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
 

@@ -19,16 +19,20 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from lit3d.errors import ConfigurationError
+
 
 class PeerState:
     """The state of ``trainer``'s run that torchft's manager sends (`save`) and loads (`load`).
 
     Args:
         trainer: The fit's trainer.
+        run: What the run is (`lit3d.strategies.runtime.replica_groups.run_of`): a state is loaded only from a run that
+            is the same.
     """
 
-    def __init__(self, trainer: Any) -> None:
-        self.trainer = trainer
+    def __init__(self, trainer: Any, run: str) -> None:
+        self.trainer, self.run = trainer, run
         self.joining = True  # until the group's first quorum: a state loaded then carries the loop and data too
         self.loaded_step: int | None = None  # the step a state was loaded at (None: never)
 
@@ -44,10 +48,16 @@ class PeerState:
             "fit_loop": _as_saved_after_the_last_step(trainer.fit_loop.state_dict()),
             "data": trainer.datamodule.state_dict() if trainer.datamodule is not None else None,
             "step": trainer.global_step,
+            "run": self.run,
         }
 
     @torch.no_grad()
     def load(self, state: dict[str, Any]) -> None:
+        if state["run"] != self.run:
+            raise ConfigurationError(
+                f"this replica group runs {self.run}, the live group it would load from {state['run']}: every "
+                "replica group runs the same command but for REPLICA_GROUP_ID"
+            )
         trainer = self.trainer
         for name, value in trainer.lightning_module.state_dict().items():
             local_tensor(value).copy_(state["module"][name])

@@ -26,6 +26,10 @@ the others are ahead (a restart by torchrun's elastic agent or SLURM's requeue) 
 first quorum (`lit3d.strategies.runtime.peer_state.PeerState`): weights, optimizer states, schedules, the step and the
 data position, sent by torchft's checkpoint transport (HTTP) from the same rank of a live group. No checkpoint is read.
 
+Every group must run the same command: the same layout, model and precision (`run_of`). A group loads a live group's
+state in its first quorum even when the run starts (torchft's ``init_sync``: the groups after the first take its
+weights), so a group whose run differs is refused there, naming both runs (`PeerState.load`); the others go on.
+
 NOTE: torchft's pieces used as they are: the lighthouse, `Manager` (quorum, reconfigured process groups, healing,
 commit), its process groups and checkpoint transport. Not used: its DDP and FSDP wrappers (lit3d's own data
 parallelism stays inside a group; only the optimizer's gradients cross groups, once a step, in one flat buffer per
@@ -52,6 +56,14 @@ from lit3d.strategies.runtime.peer_state import PeerState, local_tensor
 
 GROUP_VARIABLE, LIGHTHOUSE_VARIABLE = "REPLICA_GROUP_ID", "TORCHFT_LIGHTHOUSE"  # torchft's names
 RECORD_FILE = "replica_groups.jsonl"
+
+
+def run_of(strategy: Any, trainer: Any) -> str:
+    """What this rank of every group must share with the same rank of the others: the layout, the parameters it
+    holds (global sizes) and the precision."""
+    held = sum(p.numel() for p in trainer.lightning_module.parameters())
+    layout = f"{strategy.layout.grid} on {strategy.world_size} rank(s)"
+    return f"{layout}, {held:,} parameters, precision {trainer.precision}"
 
 
 def this_group(groups: int) -> tuple[int, str]:
@@ -112,7 +124,7 @@ class ReplicaGroups:
         timeout = strategy.parallelism.timeout
         # NOTE: NCCL between groups on GPUs (not run on this project's CPU machines: the gloo path is what is tested)
         pg = ProcessGroupNCCL(timeout=timeout) if strategy.root_device.type == "cuda" else ProcessGroupGloo(timeout)
-        state = PeerState(trainer)
+        state = PeerState(trainer, run_of(strategy, trainer))
         environment = strategy.cluster_environment
         manager = Manager(
             pg=pg, load_state_dict=state.load, state_dict=state.save, min_replica_size=1, use_async_quorum=False,
@@ -123,7 +135,11 @@ class ReplicaGroups:
         folder = Path(trainer.log_dir or trainer.default_root_dir)
         record = folder / RECORD_FILE if strategy.global_rank == 0 else None
         joined = cls(manager, state, groups, group, record)
-        joined._first_quorum(timeout.total_seconds())
+        try:
+            joined._first_quorum(timeout.total_seconds())
+        except BaseException:
+            joined.stop()  # (its heartbeats end: the others go on without this group)
+            raise
         return joined
 
     def _first_quorum(self, timeout_s: float) -> None:
