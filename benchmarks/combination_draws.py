@@ -58,6 +58,7 @@ class Draw:
     moe: bool = False
     latent: bool = False  # DeepSeek-V3's shape (`LATENT`, and `DEEPSEEK_MOE` with ``moe``)
     windowed: bool = False  # gpt-oss's attention (`WINDOWED`): windows and sinks
+    muon: bool = False  # Muon for the hidden matrices (its Newton-Schulz iteration in fp32: exact against one process)
     lora: bool = False
     documents: bool = False
     outcome: str = ""  # exact | refused | failed
@@ -111,6 +112,8 @@ class Draw:
         parts = (
             [model] + ["windows + sinks"] * self.windowed + ["LoRA"] * self.lora + ["document masks"] * self.documents
         )
+        if self.muon:
+            parts.append("Muon")
         return ", ".join(parts)
 
     def model(self, base: dict = MODEL) -> tuple[dict, dict]:
@@ -175,6 +178,9 @@ def draw(rng: random.Random, index: int, max_ranks: int = 8) -> Draw:
     d.windowed = (
         not d.latent and rng.random() < 0.3
     )  # (drawn last: the earlier draws' other settings stay as they were)
+    # NOTE: Muon is drawn from a generator of its own, seeded by the sweep's state, which it leaves as it was: a seed's
+    # draws stay those the docs quote, now some of them with Muon.
+    d.muon = random.Random(hash(rng.getstate()[1])).random() < 0.25  # (its ints: hash(None) varies by process)
     default = {f.name: f.default for f in fields(Parallelism)}
     d.settings = {k: v for k, v in s.items() if not (v == default[k] and type(v) is type(default[k]))}
     return d

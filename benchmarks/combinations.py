@@ -11,7 +11,7 @@ shares; recompute; compile; the gradients' reduce dtype; FP8 and its all-gather;
 island; ``accumulate_unsharded`` where the strategy has it) with the loop's precision, gradient accumulation and
 clipping, the model's Mixture of Experts, DeepSeek-V3's shape (latent attention and multi-token prediction, with
 DeepSeekMoE when it has experts), gpt-oss's attention (windows in every other block, sinks, biases) and LoRA adapters,
-and the data's document masks.
+the optimizer (AdamW, or Muon with its iteration in fp32) and the data's document masks.
 
 A draw is first checked in this process as ``lit3d fit`` checks it before it starts any rank: the model, data and
 Trainer are built (`Parallel3DStrategy`'s settings are refused there) and ``check_configuration`` runs. A refusal must
@@ -81,6 +81,7 @@ def job_of(d: Draw, corpus: Path, steps: int, model: dict = MODEL) -> dict:
             limit_val_batches=1,
         ),  # fmt: skip
         "strategy": d.settings,
+        "optimizer": "muon" if d.muon else "adamw",
     }
 
 
@@ -100,8 +101,9 @@ def build(job: dict, world: int) -> tuple[Any, Any, Any]:
     from lit3d import GPT, GPTConfig, LoRA, Parallel3DStrategy
     from lit3d.data import TextDataModule
 
+    muon = {"optimizer": "muon", "muon_ns_dtype": "float32"} if job.get("optimizer") == "muon" else {}
     model = GPT(GPTConfig(**job["model"]), learning_rate=LEARNING_RATE, warmup_steps=2,
-                lora=LoRA(**job["lora"]) if job["lora"] else None)  # fmt: skip
+                lora=LoRA(**job["lora"]) if job["lora"] else None, **muon)  # fmt: skip
     data = TextDataModule(**job["data"])
     strategy = Parallel3DStrategy(**job["strategy"]) if job["strategy"] is not None else "auto"
     trainer = L.Trainer(accelerator="cpu", devices=world if job["strategy"] is not None else 1, strategy=strategy,

@@ -36,7 +36,8 @@ RECOMPUTED_DOCUMENTS["cp2_pp2_zbv_selective"] = Draw(
 )
 
 # Draws of the sweep, fixed: every axis and most features, a few at a time (the first two once failed: an uneven
-# replica's MoE balance term was not weighted by its share; selective recompute reran FSDP2's bf16 input casts).
+# replica's MoE balance term was not weighted by its share; selective recompute reran FSDP2's bf16 input casts; the
+# last is Muon at ZeRO-1, each stack of experts sliced along its experts).
 DRAWS = {
     "dp2_ep2_zero2_selective_shares_moe_documents": Draw(
         0, 2, {"data_parallel_size": 2, "expert_parallel_size": 2, "zero_stage": 2,
@@ -48,10 +49,10 @@ DRAWS = {
     "cp2_zero3_full_lora_documents": Draw(
         0, 2, {"context_parallel_size": 2, "zero_stage": 3, "activation_checkpointing": "full"},
         clip=0.5, lora=True, documents=True),
-    "dp2_pp2_interleaved_zero1_shares_moe": Draw(
+    "dp2_pp2_interleaved_zero1_shares_moe_muon": Draw(
         0, 4, {"data_parallel_size": 2, "pipeline_parallel_size": 2, "pipeline_schedule": "interleaved_1f1b",
                "num_microbatches": 2, "data_parallel_shares": [12, 4]},
-        accumulate=2, moe=True),
+        accumulate=2, moe=True, muon=True),
 }  # fmt: skip
 
 # Draws the checks refuse, and the settings each refusal must name.
@@ -59,6 +60,8 @@ REFUSED = [
     (Draw(0, 4, pp2("zbv", False, data_parallel_size=2, zero_stage=3)), ("zero_stage=3", "pipeline_schedule='zbv'")),
     (Draw(0, 2, {"data_parallel_size": 2, "expert_parallel_size": 2}), ("expert_parallel_size=2", "n_expert=0")),
     (Draw(0, 2, {"data_parallel_size": 2, "float8": "tensorwise"}), ("float8='tensorwise'", "precision='32-true'")),
+    (Draw(0, 4, {"data_parallel_size": 4, "expert_parallel_size": 2}, moe=True, muon=True),
+     ("optimizer='muon'", "zero_stage=1", "expert_parallel_size=2")),
     (Draw(0, 4, {"data_parallel_size": 4, "expert_parallel_size": 2, "zero_stage": 0,
                  "activation_checkpointing": "selective"}, moe=True),
      ("activation_checkpointing='selective'", "expert_parallel_size=2", "zero_stage=0")),
