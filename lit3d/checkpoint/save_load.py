@@ -273,7 +273,7 @@ def check_same_optimizer(path: Path, checkpoint: dict[str, Any], trained: Any) -
     or its optimizer's name; nothing to check for a module that does not name one."""
     ours = trained if isinstance(trained, str) or trained is None else getattr(trained, "optimizer_name", None)
     hyper = checkpoint.get("hyper_parameters") or {}
-    if ours is None or "optimizer" not in hyper and ours == "adamw":
+    if ours is None or ("optimizer" not in hyper and ours == "adamw"):
         return
     theirs = hyper.get("optimizer", "adamw")  # (lit3d 0.4's GPT: AdamW only)
     if theirs != ours:
