@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -132,6 +133,13 @@ def test_bad_checkpoints_are_refused_on_every_rank_with_the_file_named(saved, tm
     for name, message in expected.items():
         errors = [rank["error"] for rank in results[name]["ranks"]]
         assert all(error and message in error for error in errors), (name, errors)
+    # `lit3d fit --ckpt_path FOLDER` and the strategy's launcher check the optimizer before any rank starts
+    from lit3d import GPT, GPTConfig
+    from lit3d.checkpoint.folder import check_ckpt_path
+
+    with pytest.raises(ValueError, match=re.escape(expected["other_optimizer"])):
+        check_ckpt_path(saved["saved"], GPT(GPTConfig(**SMALL_GPT), optimizer="muon"))
+    check_ckpt_path(saved["saved"], GPT(GPTConfig(**SMALL_GPT)))
 
 
 def test_a_random_huggingface_llama_imports_with_the_same_logits(tmp_path):

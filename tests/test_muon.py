@@ -125,7 +125,7 @@ def test_a_checkpoint_resumes_only_with_the_optimizer_it_trained_with():
     single file's hyper-parameters here; a checkpoint folder's in tests/test_checkpoint.py)."""
     from pathlib import Path
 
-    from lit3d.checkpoint.save_load import check_same_optimizer
+    from lit3d.checkpoint.folder import check_same_optimizer
 
     for theirs, ours in (("adamw", "muon"), ("muon", "adamw")):
         with pytest.raises(ValueError, match=f"trained with optimizer='{theirs}', this run with '{ours}'"):

@@ -162,9 +162,10 @@ def as_plain_data(tree: Any) -> Any:
     return tree
 
 
-def check_ckpt_path(ckpt_path: Any) -> None:
+def check_ckpt_path(ckpt_path: Any, resuming: Any = None) -> None:
     """A ``ckpt_path`` given to ``fit``/``validate``/...: Lightning's names (``last``, ``best``, ...) pass, a lit3d
-    folder must be complete, anything else must be an existing file. Raises before any rank starts."""
+    folder must be complete, anything else must be an existing file. Raises before any rank starts. ``resuming``: the
+    module a fit resumes, whose optimizer a folder's must be (`check_same_optimizer`)."""
     if (
         ckpt_path is None
         or str(ckpt_path) in ("last", "best", "hpc", "registry")
@@ -172,9 +173,30 @@ def check_ckpt_path(ckpt_path: Any) -> None:
     ):
         return
     if Path(ckpt_path).is_dir():
-        load_meta(ckpt_path)  # NOTE: `check_readable`, then meta.pt: a broken one is refused before any rank starts
+        meta = load_meta(
+            ckpt_path
+        )  # NOTE: `check_readable`, then meta.pt: a broken one is refused before any rank starts
+        if resuming is not None:
+            check_same_optimizer(Path(ckpt_path), meta, resuming)
     elif not Path(ckpt_path).is_file():
         raise FileNotFoundError(f"ckpt_path={str(ckpt_path)!r} does not exist")
+
+
+def check_same_optimizer(path: Path, checkpoint: dict[str, Any], trained: Any) -> None:
+    """Refuse by name to resume with another optimizer than the one ``checkpoint`` (at ``path``; its hyper-parameters,
+    lit3d's GPT's ``optimizer``) trained with: its states are the other optimizer's. ``trained``: this run's module,
+    or its optimizer's name; nothing to check for a module that does not name one."""
+    ours = trained if isinstance(trained, str) or trained is None else getattr(trained, "optimizer_name", None)
+    hyper = checkpoint.get("hyper_parameters") or {}
+    if ours is None or ("optimizer" not in hyper and ours == "adamw"):
+        return
+    theirs = hyper.get("optimizer", "adamw")  # (lit3d 0.4's GPT: AdamW only)
+    if theirs != ours:
+        raise ValueError(
+            f"checkpoint {str(path)!r} was trained with optimizer={theirs!r}, this run with {ours!r}: its optimizer "
+            f"states are {theirs}'s; resume with --model.optimizer={theirs}, or start {ours} afresh from its weights "
+            f"(--model.pretrained={path})"
+        )
 
 
 def check_shapes(path: Path, template: dict[str, Any]) -> None:

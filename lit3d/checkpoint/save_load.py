@@ -18,6 +18,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lit3d.checkpoint.folder import (
     PARTIAL_SUFFIX,
     as_plain_data,
+    check_same_optimizer,
     init_optimizer_state,
     is_own_folder,
     load,
@@ -265,23 +266,6 @@ class Checkpoints:
                 self._background.wait(agree=False)
             except RuntimeError as error:
                 rank_zero_warn(str(error))
-
-
-def check_same_optimizer(path: Path, checkpoint: dict[str, Any], trained: Any) -> None:
-    """Refuse by name to resume with another optimizer than the one ``checkpoint`` (at ``path``; its hyper-parameters,
-    lit3d's GPT's ``optimizer``) trained with: its states are the other optimizer's. ``trained``: this run's module,
-    or its optimizer's name; nothing to check for a module that does not name one."""
-    ours = trained if isinstance(trained, str) or trained is None else getattr(trained, "optimizer_name", None)
-    hyper = checkpoint.get("hyper_parameters") or {}
-    if ours is None or ("optimizer" not in hyper and ours == "adamw"):
-        return
-    theirs = hyper.get("optimizer", "adamw")  # (lit3d 0.4's GPT: AdamW only)
-    if theirs != ours:
-        raise ValueError(
-            f"checkpoint {str(path)!r} was trained with optimizer={theirs!r}, this run with {ours!r}: its optimizer "
-            f"states are {theirs}'s; resume with --model.optimizer={theirs}, or start {ours} afresh from its weights "
-            f"(--model.pretrained={path})"
-        )
 
 
 def check_loadable(path: Path) -> None:

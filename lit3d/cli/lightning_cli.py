@@ -180,7 +180,9 @@ class Lit3DCLI(LightningCLI):
             validates = self.subcommand != "fit" or self.trainer.limit_val_batches != 0
             if isinstance(self.datamodule, GlobalBatchData) and self.subcommand != "predict":
                 self.datamodule.check_sizes(self.subcommand, self.trainer.accumulate_grad_batches, validates)
-            check_ckpt_path(self.config[self.subcommand].get("ckpt_path"))
+            check_ckpt_path(
+                self.config[self.subcommand].get("ckpt_path"), self.model if self.subcommand == "fit" else None
+            )
         except (ValueError, FileNotFoundError, UnsafeCheckpointError) as error:
             raise SystemExit(f"lit3d {self.subcommand}: error: {error}") from None
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from lightning.pytorch import LightningDataModule, Trainer
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lit3d.checkpoint.folder import check_ckpt_path
@@ -54,8 +55,10 @@ class _ChecksFirst:
         # `Trainer.fit` (validate, ...) hands its datamodule to the launcher; it reaches the trainer in the ranks only.
         datamodule = next((arg for arg in args if isinstance(arg, LightningDataModule)), None)
         self._strategy.check_configuration(trainer, datamodule)
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        resuming = self._strategy.lightning_module if fitting else None  # (its optimizer must be the checkpoint's)
         for ckpt_path in (arg for arg in args if isinstance(arg, str | Path)):  # the only path among the arguments
-            check_ckpt_path(ckpt_path)
+            check_ckpt_path(ckpt_path, resuming)
         earlier = os.environ.get(LAUNCHER_PID)
         os.environ[LAUNCHER_PID] = str(os.getpid())  # read by the ranks this starts (`LauncherWatch`)
         try:
