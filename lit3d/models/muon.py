@@ -131,6 +131,15 @@ class Muon(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.whole, self.shard = whole or whole_matrix, shard or local_part
 
+    def lay_out(
+        self,
+        whole: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        shard: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> None:
+        """``whole`` and ``shard`` (as the constructor takes them) from a strategy that sliced the parameters after the
+        module built this optimizer (ZeRO-1: `lit3d.strategies.optim.zero1.LocalShardOptimizer`)."""
+        self.whole, self.shard = whole, shard
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None

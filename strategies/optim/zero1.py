@@ -83,10 +83,8 @@ class LocalShardOptimizer:
             for e in self.entries:
                 _hold_in(e.param, param_dtype)
         self._by_view = {id(e.view): e for e in self.entries}
-        if zero1_mesh is not None and isinstance(optimizer, Muon):
-            # NOTE: Muon's own hooks for a layout it cannot see (its ``whole`` and ``shard`` arguments), set here
-            # because the module built the optimizer before the strategy sliced its parameters.
-            optimizer.whole, optimizer.shard = self.whole_update, self.own_part
+        if zero1_mesh is not None and isinstance(optimizer, Muon):  # (how its slices are made whole, and cut back)
+            optimizer.lay_out(self.whole_update, self.own_part)
         sliced = [e for e in self.entries if e.dim is not None]
         if module is not None:  # buckets in the order backward finishes the gradients: the module's last first
             index = {id(p): i for i, p in enumerate(module.parameters())}
