@@ -9,7 +9,8 @@ leaves no time for is skipped. The runs themselves are `benchmarks/gpu_training.
   transformers' ``LlamaForCausalLM`` of the same shape in a plain PyTorch loop (same batches, same fused AdamW, SDPA),
   with ``torch.compile`` off and on (each block compiled alike: `apply_compile`).
 - ``extras``: LoRA, ZeRO-3 with ``offload=True`` on one rank, a synchronous and an asynchronous checkpoint save (how
-  long training blocks), a resume from the checkpoint, and ``lit3d generate`` tokens/s.
+  long training blocks), a resume from the checkpoint, ``lit3d generate`` tokens/s, and windowed attention against
+  SDPA with a full mask (`benchmarks/gpu_attention.py`).
 - ``fp8``: ``float8="tensorwise"`` and ``"rowwise"`` against bf16, on a wide model and on the peers' model.
 """
 
@@ -33,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 import lightning as L  # noqa: E402
 
+from benchmarks.gpu_attention import window_attention_run  # noqa: E402
 from benchmarks.gpu_training import (  # noqa: E402
     checkpoint_run,
     free_memory,
@@ -194,6 +196,7 @@ def extras(section: Section) -> None:
         section.run("generate", estimate, partial(generate_run, path, settings))
     else:
         section.skip("generate", "no checkpoint to generate from")
+    section.run("window attention", settings["estimate_s"]["section"], partial(window_attention_run, settings))
 
 
 SECTIONS = {"peers": peers, "extras": extras, "fp8": fp8}

@@ -28,6 +28,7 @@ EXTRA_ROWS = (
     ("checkpoint async", "checkpoint save, asynchronous"),
     ("resume", "resume from the asynchronous checkpoint"),
     ("generate", "lit3d generate"),
+    ("window attention", "windowed attention, forward and backward: lit3d against SDPA with a full mask"),
 )
 
 
@@ -212,6 +213,15 @@ def figure(item: str, row: dict[str, Any], items: dict[str, Any]) -> str:
         return f"{number(row['tokens_per_s'], 0)} tokens/s, {row['step_s']:.3f} s/step, peak {row['peak_gb']:.2f} GB"
     if item.startswith("checkpoint"):
         return f"training blocked {row['blocked_s']:.2f} s ({row['checkpoint_gb']:.2f} GB)"
+    if item == "window attention":
+        ms = row["ms"]
+        return (
+            f"window {row['window']} of {row['seq']} tokens, {row['heads']}/{row['kv_heads']} heads of"
+            f" {row['head_dim']}"
+            f" ({row['dtype']}): lit3d {ms['lit3d_window']:.2f} ms, SDPA with the full mask {ms['sdpa_full_mask']:.2f}"
+            f" ms ({row['over_full_mask']:.2f}x lit3d's), causal without a window {ms['causal_no_window']:.2f} ms;"
+            f" outputs within {row['max_difference']:.1e}"
+        )
     if item == "resume":
         return f"its {len(row['losses'])} losses match the saving run's within {row['max_difference']:.1e}"
     return f"{number(row['tokens_per_s'], 1)} tokens/s" + (f" ({row['note']})" if "note" in row else "")

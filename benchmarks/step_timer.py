@@ -75,7 +75,8 @@ class StepTimer(Callback):
         mine = torch.tensor([float(local), float(self._activation_bytes)], device=pl_module.device)
         peak, activations = trainer.strategy.reduce(mine, reduce_op="max").tolist()
         if trainer.is_global_zero:
-            steps = sorted(self.times[self.warmup :])
-            result = {"median_step_s": steps[len(steps) // 2], "steps": len(steps), "peak_bytes": int(peak)}
+            steps = sorted(self.times[self.warmup :])  # (none where the run was no longer than its warm-up)
+            median = steps[len(steps) // 2] if steps else None
+            result = {"median_step_s": median, "steps": len(steps), "peak_bytes": int(peak)}
             with open(self.path, "w") as f:
                 json.dump({**result, "activation_bytes": int(activations)}, f)

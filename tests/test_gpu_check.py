@@ -146,3 +146,20 @@ def test_the_end_of_the_budget_skips_what_is_left_or_ends_the_section_and_the_ta
     skipped = [item for item, value in peers.get("items", {}).items() if "s left of the time budget" in str(value)]
     assert ended or (peers["done"] and skipped), peers
     assert time.time() - began < 60 and all(f"| {label} |" in run.stdout for _, label in PEER_ROWS)
+
+
+def test_a_run_no_longer_than_the_step_timers_warm_up_is_written_without_a_median(tmp_path):
+    """The resume of `gpu_check.py` on a GPU trains 3 steps after a warm-up of 3: the timer writes what it has."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from benchmarks.step_timer import StepTimer
+
+    path = tmp_path / "timer.json"
+    timer = StepTimer(str(path), warmup=3)
+    timer.times = [0.5, 0.25]
+    strategy = SimpleNamespace(reduce=lambda tensor, reduce_op: tensor)
+    trainer = SimpleNamespace(strategy=strategy, is_global_zero=True)
+    timer.on_train_end(trainer, SimpleNamespace(device=torch.device("cpu")))
+    assert json.loads(path.read_text())["median_step_s"] is None and json.loads(path.read_text())["steps"] == 0

@@ -56,7 +56,7 @@ def offloaded_activations(
     sp = settings.sequence_parallel and layout.tp > 1
     per_token = activation_bytes_per_token(
         config, layout.tp, sp, settings.activation_checkpointing, precision.activations, training.lora,
-        software.saved_activations, software.recomputed_matmuls,
+        software.kept_for_backward(settings.compile, bool(config.n_expert)), software.recomputed_matmuls,
         software.fp8_saved_inputs and settings.float8 is not None,
     )  # fmt: skip
     tokens = training.micro_batch_size * training.seq_len // layout.cp

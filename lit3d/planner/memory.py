@@ -109,14 +109,13 @@ def held_by_stage(case: Case, chunks: tuple[int, str] | None = None) -> Held:
     a, checkpointing, zero = precision.activations, settings.activation_checkpointing, case.zero
     lora, software = training.lora, training.software
     fp8_inputs = software.fp8_saved_inputs and settings.float8 is not None
+    saves = software.kept_for_backward(settings.compile, bool(config.n_expert))
     per_token = activation_bytes_per_token(
-        config, tp, sp, checkpointing, a, lora, software.saved_activations, software.recomputed_matmuls, fp8_inputs
+        config, tp, sp, checkpointing, a, lora, saves, software.recomputed_matmuls, fp8_inputs
     )
     recomputed_block = 0.0
     if checkpointing in (True, "full"):
-        recomputed_block = activation_bytes_per_token(
-            config, tp, sp, False, a, lora, software.saved_activations, fp8_inputs=fp8_inputs
-        )
+        recomputed_block = activation_bytes_per_token(config, tp, sp, False, a, lora, saves, fp8_inputs=fp8_inputs)
         recomputed_block *= tokens
     # the loss's backward (`Software.loss_grad_bytes`) on the stage of the head: every activation alive but the block
     # backward rebuilds later, no parameter's gradient yet
