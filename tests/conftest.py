@@ -322,17 +322,18 @@ def with_profile(job: dict, profile: str) -> dict:
 @pytest.fixture(scope="session")
 def layout_runs(base_job, packed_data, cpu_profile, tmp_path_factory) -> dict[str, dict]:
     """Every layout of `LAYOUTS`, `MOE_LAYOUTS`, `CP_LAYOUTS`, `LORA_LAYOUTS`, `PACKED_LAYOUTS`, `FAMILY_LAYOUTS`,
-    `FLOAT8_LAYOUTS`, `UNEVEN_LAYOUTS`, `SHARE_LAYOUTS`, `HSDP_LAYOUTS` and `MUON_LAYOUTS`, one spawn per world
-    size."""
+    `FLOAT8_LAYOUTS`, `UNEVEN_LAYOUTS`, `SHARE_LAYOUTS`, `HSDP_LAYOUTS`, `MUON_LAYOUTS` and `MUON_RESUMED`, one
+    spawn per world size."""
     from family_layouts import FAMILY_LAYOUTS
     from float8_layouts import FLOAT8_LAYOUTS
     from hsdp_layouts import HSDP_LAYOUTS
-    from muon_layouts import MUON_LAYOUTS
+    from muon_layouts import MUON_LAYOUTS, MUON_RESUMED
     from spawned import run_jobs
     from uneven_layouts import SHARE_LAYOUTS, UNEVEN_LAYOUTS
 
     layouts = {**LAYOUTS, **MOE_LAYOUTS, **CP_LAYOUTS, **LORA_LAYOUTS, **PACKED_LAYOUTS, **FAMILY_LAYOUTS,
-               **FLOAT8_LAYOUTS, **UNEVEN_LAYOUTS, **SHARE_LAYOUTS, **HSDP_LAYOUTS, **MUON_LAYOUTS}  # fmt: skip
+               **FLOAT8_LAYOUTS, **UNEVEN_LAYOUTS, **SHARE_LAYOUTS, **HSDP_LAYOUTS, **MUON_LAYOUTS,
+               **MUON_RESUMED}  # fmt: skip
     results = {}
     for world in sorted({w for w, _ in layouts.values()}):
         jobs = {

@@ -1,12 +1,13 @@
 """Muon's layouts (`lit3d.models.muon`), each against its own single process: ZeRO-1 (each matrix's update gathered
 from the replicas' slices), ZeRO-3 (each matrix gathered from its FSDP2 shards for its step), TP2 with sequence
-parallelism (gathered from its TP shards), a V-shaped pipeline (each stage's matrices its own) and the MoE model's
-experts over EP2, each orthogonalised on the rank that holds it (DP2 x TP2 at ZeRO-3, gathered over both, was measured
-exact once by hand: 61 s of the suite's shared spawn). Those in `MUON_COMMS` measure the bytes of a step against the
-planner's. The Newton-Schulz iteration runs in fp32 here (``muon_ns_dtype``): in bf16 a last-bit difference of a
-gradient summed in another order can round one way on one layout and the other way on another."""
+parallelism (gathered from its TP shards), DP2 x TP2 at ZeRO-3 (gathered over both), a V-shaped pipeline (each stage's
+matrices its own) and the MoE model's experts over EP2, each orthogonalised on the rank that holds it. Those in
+`MUON_COMMS` measure the bytes of a step against the planner's. `MUON_RESUMED`: the momentum saved at step `HALF` in
+one layout resumes in another (DP2 x TP2 x ZeRO-3's shards into DP2 x PP2's stages, TP2's into ZeRO-3's). The
+Newton-Schulz iteration runs in fp32 here (``muon_ns_dtype``): in bf16 a last-bit difference of a gradient summed in
+another order can round one way on one layout and the other way on another."""
 
-from layouts import COMMS_STEP, SMALL_MOE
+from layouts import COMMS_STEP, HALF, SMALL_MOE, saved_at_half
 
 from lit3d.callbacks import CommReport
 
@@ -16,6 +17,7 @@ MUON_LAYOUTS = {
     "muon_dp2_zero1": (2, {**MUON, "strategy": {"zero_stage": 1}}),
     "muon_dp2_zero3": (2, {**MUON, "strategy": {"zero_stage": 3}}),
     "muon_tp2_sequence_parallel": (2, {**MUON, "strategy": {"tensor_parallel_size": 2, "sequence_parallel": True}}),
+    "muon_dp2_tp2_zero3": (4, {**MUON, "strategy": {"tensor_parallel_size": 2, "zero_stage": 3}}),
     "muon_pp2_zbv": (2, {**MUON, "strategy": {"pipeline_parallel_size": 2, "pipeline_schedule": "zbv"}}),
     "muon_moe_ep2": (2, {**MUON_MOE, "strategy": {"expert_parallel_size": 2, "zero_stage": 0}}),
 }
@@ -23,3 +25,18 @@ MUON_LAYOUTS = {
 MUON_COMMS = ("muon_dp2_zero1", "muon_dp2_zero3", "muon_tp2_sequence_parallel", "muon_moe_ep2")
 for _name in MUON_COMMS:
     MUON_LAYOUTS[_name][1]["callbacks"] = [CommReport(step=COMMS_STEP)]
+
+# the momentum saved in one layout, resumed in another (compared with the single process from step HALF on)
+MUON_LAYOUTS["muon_dp2_tp2_zero3"][1]["checkpoint_every"] = HALF
+MUON_LAYOUTS["muon_tp2_sequence_parallel"][1]["checkpoint_every"] = HALF
+PP2 = {"pipeline_parallel_size": 2, "pipeline_schedule": "1f1b"}
+MUON_RESUMED = {
+    "muon_dp2_pp2_resumed_from_dp2_tp2_zero3": (
+        4,
+        {**MUON, "strategy": PP2, "ckpt_path": saved_at_half("muon_dp2_tp2_zero3")},
+    ),
+    "muon_dp2_zero3_resumed_from_tp2_sequence_parallel": (
+        2,
+        {**MUON, "strategy": {"zero_stage": 3}, "ckpt_path": saved_at_half("muon_tp2_sequence_parallel")},
+    ),
+}

@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-from layouts import FALLS, SMALL_GPT, SMALL_MOE
-from muon_layouts import MUON_COMMS, MUON_LAYOUTS
+from layouts import FALLS, HALF, SMALL_GPT, SMALL_MOE, STEPS
+from muon_layouts import MUON_COMMS, MUON_LAYOUTS, MUON_RESUMED
 
 from lit3d import GPT, GPTConfig, LoRA
 from lit3d.models.muon import Muon, newton_schulz
@@ -145,6 +145,18 @@ def test_muon_trains_like_one_process_in_every_layout_that_splits_its_matrices(l
     for key in ("losses", "val_loss"):
         assert len(run[key]) == len(reference[key]) > 0, key
         assert max(abs(a - b) for a, b in zip(run[key], reference[key])) <= 1e-5, (key, run[key], reference[key])
+
+
+@pytest.mark.parametrize("layout", list(MUON_RESUMED))
+def test_muons_momentum_saved_in_one_layout_resumes_in_another_on_the_same_curve(layout, layout_runs, muon_references):
+    """The checkpoint of step `HALF` at DP2 x TP2 x ZeRO-3 (each momentum a shard of its matrix over both) resumed at
+    DP2 x PP2, and TP2's resumed at ZeRO-3: every later step's loss and the validation's within 1e-5 of one process's.
+    The last step's update and the validation after it move with the momentum carried over (a fresh one would change
+    them)."""
+    run, reference = layout_runs[layout], muon_references["dense"]
+    assert len(run["losses"]) == STEPS - HALF and len(run["val_loss"]) == len(reference["val_loss"]) > 0
+    for got, expected in ((run["losses"], reference["losses"][HALF:]), (run["val_loss"], reference["val_loss"])):
+        assert max(abs(a - b) for a, b in zip(got, expected)) <= 1e-5, (layout, got, expected)
 
 
 def test_the_planner_holds_muons_matrices_at_one_momentum_against_adamws_two(capsys):
