@@ -17,7 +17,7 @@ ratio against the Lightning strategy that does the same job, measured in this sa
     Parallel3DStrategy DP2 EP2        vs  Parallel3DStrategy DP2, experts replicated (an MoE model: --experts)
     Parallel3DStrategy CP2, CP4       vs  Parallel3DStrategy 1x1x1 (long sequences: --context)
     Parallel3DStrategy FP8 linears    vs  the same layout in bf16 (--float8: every run in bf16-mixed)
-    GPT(optimizer="muon")             vs  the same layout with AdamW (--muon: 1x1x1, DP2 ZeRO-3, TP2, PP2)
+    GPT(optimizer="muon")             vs  the same layout with AdamW (--muon: 1x1x1, DP2 ZeRO-1, ZeRO-3, TP2, PP2)
 
 Long sequences (``--context``): each CP rank keeps 1/cp of every sequence, so the activations autograd keeps per
 rank (column ``act MB``, measured with saved-tensor hooks in a warm-up step) fall by cp, while each rank's step
@@ -82,6 +82,7 @@ CONFIGS = {
     "3d dp2 zero3 fp8": (2, {"zero_stage": 3, "float8": "tensorwise", "float8_all_gather": True}, ("3d dp2 zero3",)),
     # Muon only (--muon): the hidden matrices orthogonalized (each gathered whole where it is split), against AdamW
     "3d 1x1x1 muon": (1, {"zero_stage": 0}, ("3d 1x1x1",)),
+    "3d dp2 zero1 muon": (2, {"zero_stage": 1}, ("3d dp2 zero1",)),
     "3d dp2 zero3 muon": (2, {"zero_stage": 3}, ("3d dp2 zero3",)),
     "3d tp2 muon": (2, {"tensor_parallel_size": 2}, ("3d tp2",)),
     "3d pp2 muon": (2, {"pipeline_parallel_size": 2, "zero_stage": 0}, ("3d pp2",)),
