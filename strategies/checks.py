@@ -41,7 +41,7 @@ def check_run(parallelism: Parallelism, layout: Layout, module: Any, trainer: An
     _check_muon(parallelism, layout, module)
     _check_float8(parallelism, layout, module, trainer, datamodule)
     seq_len = getattr(datamodule, "seq_len", None)
-    check_context_parallel(config, layout.cp, seq_len, layout.tp, parallelism.sequence_parallel)
+    check_context_parallel(layout.cp, seq_len, layout.tp, parallelism.sequence_parallel)
     predicting = trainer is not None and trainer.state.fn == TrainerFn.PREDICTING
     check_module_for_context_parallel(module, layout.cp, predicting)
     if config is not None and datamodule is not None and not predicting:  # (prediction feeds prompts, not blocks)

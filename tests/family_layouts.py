@@ -96,6 +96,9 @@ def _layouts() -> dict[str, tuple[int, dict]]:
         "gpt_oss_ep2": (2, {**family_job("gpt_oss"), "strategy": {"expert_parallel_size": 2}}),
         "gpt_oss_dp2_zero3": (2, {**family_job("gpt_oss"), "strategy": {"zero_stage": 3}}),
         "gemma3_text_tp2_sequence_parallel": (2, {**family_job("gemma3_text"), "strategy": sp}),
+        # the ring attention with windows, sinks (gpt-oss, on packed documents) and Gemma's own score scale
+        "gpt_oss_cp2": (2, {**family_job("gpt_oss"), "strategy": {"context_parallel_size": 2}}),
+        "gemma3_text_cp2": (2, {**family_job("gemma3_text"), "strategy": {"context_parallel_size": 2}}),
     }
     return layouts | windowed | _deepseek_layouts()
 

@@ -54,6 +54,7 @@ def _ring_worker(rank: int, world: int, port: int, folder: str) -> None:
             dist.all_gather(every, got.detach().contiguous(), group=group)
             errors[f"cp{cp} {dtype} v{dv} {name}"] = (unshard_sequence(every).float() - want.float()).abs().max().item()
     errors.update(_packed_documents_errors(rank))
+    errors.update(_window_and_sink_errors(rank))
     torch.save(errors, f"{folder}/rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -85,15 +86,48 @@ def _packed_documents_errors(rank: int) -> dict[str, float]:
     return errors
 
 
+def _window_and_sink_errors(rank: int) -> dict[str, float]:
+    """CP4 with gpt-oss's and Gemma 3's attention: a window of 6 (across chunk boundaries; a block from rank 0 is out
+    of rank 3's sight altogether, and skipped), a sink per head, scores scaled by 0.3, alone and with packed documents:
+    the ring against `causal_attention` over the whole sequence, the sinks' gradients summed over the ranks."""
+    from lit3d.models.attention import causal_attention
+
+    b, s, hq, hkv, d, cp, window, scale = 2, 32, 4, 2, 8, 4, 6, 0.3
+    errors = {}
+    for packed in (False, True):
+        q, g = torch.randn(b, s, hq, d), torch.randn(b, s, hq, d)
+        k, v, sinks = torch.randn(b, s, hkv, d), torch.randn(b, s, hkv, d), torch.randn(hq)
+        lengths = [[3, 9, 1, 12, 7], [20, 5, 7]]
+        docs = documents.Documents.of(torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths]))
+        whole = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+        expected = causal_attention(*whole[:3], "auto", docs if packed else None, window, whole[3], scale)
+        expected.backward(g)
+        mine = [shard_sequence(t, cp, rank).requires_grad_() for t in (q, k, v)]
+        my_sinks = sinks.clone().requires_grad_()
+        share = documents.Documents(*(shard_sequence(t, cp, rank) for t in (docs.positions, docs.segments)),
+                                    whole_segments=docs.segments) if packed else None  # fmt: skip
+        out = ring_attention(*mine, ContextParallel(dist.group.WORLD, cp, rank), share, window, my_sinks, scale)
+        out.backward(shard_sequence(g, cp, rank))
+        for name, got, want in [("out", out, expected), *zip(("dq", "dk", "dv"), (t.grad for t in mine),
+                                                            (t.grad for t in whole))]:  # fmt: skip
+            every = [torch.empty_like(got) for _ in range(cp)]
+            dist.all_gather(every, got.detach().contiguous())
+            errors[f"cp{cp} window sinks packed={packed} {name}"] = (unshard_sequence(every) - want).abs().max().item()
+        dist.all_reduce(my_sinks.grad)
+        errors[f"cp{cp} window sinks packed={packed} dsinks"] = (my_sinks.grad - whole[3].grad).abs().max().item()
+    return errors
+
+
 @pytest.mark.ranks
 def test_ring_attention_equals_whole_sequence_attention_forward_and_backward(tmp_path):
     """Grouped-query heads, value heads narrower than the query heads (latent attention's), CP 2 and 4, fp32 and bf16,
-    and packed documents: the merged ring equals causal SDPA over the whole sequence (with the documents' mask)."""
+    packed documents, and windows with sinks and a scale of their own: the merged ring equals causal attention over
+    the whole sequence (with the documents' mask, the window and the sinks)."""
     from spawned import START_METHOD, free_port
 
     mp.start_processes(_ring_worker, args=(4, free_port(), str(tmp_path)), nprocs=4, start_method=START_METHOD)
     errors = torch.load(tmp_path / "rank0.pt")
-    assert len(errors) == 20
+    assert len(errors) == 30
     for name, error in errors.items():
         assert error <= (3e-2 if "bfloat16" in name else 2e-6), (name, error)
 
@@ -177,9 +211,9 @@ def test_a_checkpoint_resumes_at_another_context_parallel_size(cp_saved, saved, 
 def test_bad_context_parallel_settings_are_refused_naming_the_values():
     config = GPTConfig(**SMALL_GPT)
     with pytest.raises(ValueError, match=r"seq_len=100 is not divisible by 2 x context_parallel_size=8"):
-        check_context_parallel(config, 4, 100)
+        check_context_parallel(4, 100)
     with pytest.raises(ValueError, match=r"24 tokens .* tensor_parallel_size=5"):
-        check_context_parallel(config, 2, 48, tp=5, sp=True)
+        check_context_parallel(2, 48, tp=5, sp=True)
     with pytest.raises(ValueError, match=r"context_parallel_size=3 does not divide the 8 launched ranks"):
         resolve_layout(8, 8, "auto", 1, 1, 1, 3)
     from lit3d import GPT

@@ -132,11 +132,17 @@ def test_bad_window_and_gemma_settings_are_refused_naming_the_values(fields, mes
 
 
 @pytest.mark.parametrize("preset", ["gpt-oss-20b", "gemma-3-27b"])
-def test_context_parallelism_is_refused_for_windows_and_sinks_before_any_rank_starts(preset):
-    """The ring attention computes neither: the pair is refused by name (the planner's search skips it the same way)."""
-    with pytest.raises(ValueError, match=r"context_parallel_size=2 with sliding_window=\d+, attention_sinks="):
-        check_context_parallel(GPTConfig.from_name(preset), 2, 4096)
-    check_context_parallel(GPTConfig.from_name(preset), 1, 4096)  # (without CP: nothing to refuse)
+def test_context_parallelism_takes_windows_and_sinks_and_the_planner_plans_it(preset, capsys):
+    """The ring computes windows, sinks and Gemma's score scale (`tests/test_context_parallel.py`, and the families'
+    CP2 layouts in `tests/test_families.py`): nothing is refused, and `lit3d plan` plans the model at CP2."""
+    import json
+
+    from lit3d.cli import main
+
+    check_context_parallel(2, 4096)
+    main(["plan", "--model", preset, "--context_parallel_size", "2", "--tensor_parallel_size", "1",
+          "--pipeline_parallel_size", "1", "--seq_len", "8192", "--global_batch_size", "64", "--json"])  # fmt: skip
+    assert json.loads(capsys.readouterr().out)["layout"]["context_parallel_size"] == 2
 
 
 def test_an_export_refuses_a_family_that_cannot_hold_the_models_settings():

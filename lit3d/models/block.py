@@ -70,11 +70,11 @@ class Attention(nn.Module):
         docs = context.documents_for(batch, seq)
         cos, sin = position_tables(self.rope, hd, q, docs, cp, self.config.max_seq_len)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        sinks = None if self.sinks is None else self.sinks.heads()
         if cp is None:
-            sinks = None if self.sinks is None else self.sinks.heads()
             y = causal_attention(q, k, v, self.config.attention, docs, self.window, sinks, self.scale)
         else:
-            y = ring_attention(q, k, v, cp, docs)
+            y = ring_attention(q, k, v, cp, docs, self.window, sinks, self.scale)
         return project(self.o_proj, y.reshape(batch, seq, -1), context)
 
 

@@ -13,6 +13,9 @@ the running one by their log-sum-exps, which is exact. With the chunk order abov
     from an earlier rank    all the rank's queries against the block's first (earlier) chunk
     from a later rank       the rank's second (late) chunk of queries against the whole block
 
+A sliding window (gpt-oss, Gemma 3) masks each block by the tokens' true positions, and a block none of whose keys
+any query here can see is skipped (its K/V still travel on); attention sinks join the merged softmax once, at the end.
+
 Backward runs the same ring again: each block's K/V gradient travels with the block, collecting every rank's
 contribution, and one last hop brings it home (``cp`` hops). Per layer a rank sends ``(cp − 1)`` K/V blocks in
 forward and ``(cp − 1)`` K/V blocks plus ``cp`` K/V gradient blocks (in fp32) in backward
@@ -82,21 +85,45 @@ def positions(local_len: int, cp: int, rank: int, device: torch.device | None = 
 
 @torch.compiler.disable  # point-to-point communication inside: stays eager under torch.compile
 def ring_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel, documents: Documents | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cp: ContextParallel,
+    documents: Documents | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of the CP-sharded sequence; tensors ``[batch, seq, heads, head_dim]`` as in
     `lit3d.models.attention`, ``seq`` being this rank's tokens (`shard_sequence`); with packed ``documents`` (this
-    rank's share, `lit3d.models.documents`) a query meets only the keys of its own document."""
+    rank's share, `lit3d.models.documents`) a query meets only the keys of its own document; with a ``window`` only
+    the last ``window`` tokens (itself included: a visiting block none of whose keys a query here can see is skipped,
+    the others masked by the tokens' true positions); with ``sinks`` (one logit per head of q, this rank's heads) each
+    softmax's denominator gets ``exp(sink)`` more; ``scale``: the scores' factor (1/√head_dim unless given).
+
+    NOTE: a sink joins once, after the last block: the merged output times ``exp(lse − logaddexp(lse, sink))`` is the
+    softmax over the keys and the sink (whose value is zero). Backward then runs each block's kernel on that final
+    output and log-sum-exp, which gives the sink-inclusive gradients of q, k and v, and the sink's own gradient is
+    ``−exp(sink − lse) · Σ grad_out · out`` per query, summed over this rank's queries."""
     if q.shape[1] % 2:
         raise ValueError(f"a context-parallel rank holds two equal chunks; got {q.shape[1]} tokens")
-    out = _RingAttention.apply(*(t.transpose(1, 2) for t in (q, k, v)), cp, documents)
+    if scale is not None:  # (the kernels scale by 1/√head_dim)
+        q = q * (scale * math.sqrt(q.shape[-1]))
+    out = _RingAttention.apply(*(t.transpose(1, 2) for t in (q, k, v)), sinks, cp, documents, window)
     return out.transpose(1, 2)
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel, docs: Documents | None
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        sinks: torch.Tensor | None,
+        cp: ContextParallel,
+        docs: Documents | None,
+        window: int | None,
     ) -> torch.Tensor:
         ring = _Ring(cp)
         half = q.shape[2] // 2
@@ -109,20 +136,25 @@ class _RingAttention(torch.autograd.Function):
         for step in range(cp.size):
             incoming = ring.pass_on(block) if step + 1 < cp.size else None
             rows, keys, causal = _block(step, cp, half)
-            mask = _document_mask(docs, step, cp, rows, keys, causal)
-            kk, vv = _expand(block[:, :, keys], q.shape[1], width)
-            part_out, part_lse = _attend(q[:, :, rows], kk, vv, causal, mask)
-            _merge(out[:, :, rows], lse[:, :, rows], part_out, part_lse)
+            mask = _block_mask(docs, window, step, cp, rows, keys, causal, q)
+            if mask is None or mask.any():
+                kk, vv = _expand(block[:, :, keys], q.shape[1], width)
+                part_out, part_lse = _attend(q[:, :, rows], kk, vv, causal, mask)
+                _merge(out[:, :, rows], lse[:, :, rows], part_out, part_lse)
             if incoming is not None:
                 block = incoming.wait()
+        if sinks is not None:
+            total = torch.logaddexp(lse, sinks.detach().float().view(1, -1, 1))
+            out.mul_(torch.exp(lse - total).unsqueeze(-1))
+            lse = total
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cp, ctx.docs = cp, docs
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.cp, ctx.docs, ctx.window = cp, docs, window
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         cp, ring = ctx.cp, _Ring(ctx.cp)
         grad_out, half, groups = grad_out.contiguous(), q.shape[2] // 2, q.shape[1] // k.shape[1]
         grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -130,21 +162,28 @@ class _RingAttention(torch.autograd.Function):
         for step in range(cp.size):
             incoming = ring.pass_on(block) if step + 1 < cp.size else None
             rows, keys, causal = _block(step, cp, half)
-            kk, vv = _expand(block[:, :, keys], q.shape[1], v.shape[-1])
-            mask = _document_mask(ctx.docs, step, cp, rows, keys, causal)
-            dq, dk, dv = _attend_backward(
-                grad_out[:, :, rows], q[:, :, rows], kk, vv, out[:, :, rows], lse[:, :, rows], causal, mask
-            )
-            grad_q[:, :, rows] += dq
-            part = torch.cat((_fold(dk, groups), _fold(dv, groups)), dim=-1)
-            if keys != slice(None):  # only the visiting block's first chunk was met: the rest gets no gradient here
-                part = torch.cat((part, part.new_zeros(part.shape)), dim=2)
+            mask = _block_mask(ctx.docs, ctx.window, step, cp, rows, keys, causal, q)
+            if mask is None or mask.any():
+                kk, vv = _expand(block[:, :, keys], q.shape[1], v.shape[-1])
+                dq, dk, dv = _attend_backward(
+                    grad_out[:, :, rows], q[:, :, rows], kk, vv, out[:, :, rows], lse[:, :, rows], causal, mask
+                )
+                grad_q[:, :, rows] += dq
+                part = torch.cat((_fold(dk, groups), _fold(dv, groups)), dim=-1)
+                if keys != slice(None):  # only the visiting block's first chunk was met: the rest gets no gradient
+                    part = torch.cat((part, part.new_zeros(part.shape)), dim=2)
+            else:  # a block the window hides from every query here
+                part = torch.zeros(block.shape, dtype=torch.float32, device=block.device)
             grads = part if arriving is None else arriving.wait().add_(part)
             arriving = ring.pass_on(grads)  # on to the next rank; after the last step, home to its owner
             if incoming is not None:
                 block = incoming.wait()
         grad_k, grad_v = arriving.wait().split([k.shape[-1], v.shape[-1]], dim=-1)
-        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None
+        grad_sinks = None
+        if sinks is not None:  # (see `ring_attention`)
+            kept = (grad_out.float() * out.float()).sum(dim=-1)
+            grad_sinks = -(torch.exp(sinks.float().view(1, -1, 1) - lse) * kept).sum(dim=(0, 2)).to(sinks.dtype)
+        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), grad_sinks, None, None, None
 
 
 def _block(step: int, cp: ContextParallel, half: int) -> tuple[slice, slice, bool]:
@@ -175,15 +214,31 @@ def _fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
     return grad.float().view(b, h // groups, groups, s, d).sum(dim=2)
 
 
-def _document_mask(
-    docs: Documents | None, step: int, cp: ContextParallel, rows: slice, keys: slice, causal: bool
+def _block_mask(
+    docs: Documents | None,
+    window: int | None,
+    step: int,
+    cp: ContextParallel,
+    rows: slice,
+    keys: slice,
+    causal: bool,
+    held: torch.Tensor,
 ) -> torch.Tensor | None:
-    """Which of the visiting block's keys each of this step's queries may meet, for packed documents."""
-    if docs is None:
-        return None
-    source = (cp.rank - step) % cp.size
-    key_segments = shard_sequence(docs.whole_segments, cp.size, source)[:, keys]
-    return attention_mask(docs.segments[:, rows], key_segments, causal)
+    """Which of the visiting block's keys each of this step's queries may meet (``[batch or 1, 1, q, k]``), for packed
+    documents and a window (by the tokens' true positions: `positions`; ``held``: a tensor of this rank's queries,
+    ``[b, h, seq, d]``); None: all (causally at step 0)."""
+    source, mask = (cp.rank - step) % cp.size, None
+    if docs is not None:
+        key_segments = shard_sequence(docs.whole_segments, cp.size, source)[:, keys]
+        mask = attention_mask(docs.segments[:, rows], key_segments, causal)
+    if window is not None:
+        local, device = held.shape[2], held.device
+        distance = (
+            positions(local, cp.size, cp.rank, device)[rows, None] - positions(local, cp.size, source, device)[keys]
+        )
+        seen = ((distance >= 0) & (distance < window))[None, None]
+        mask = seen if mask is None else mask & seen
+    return mask
 
 
 def _attend(

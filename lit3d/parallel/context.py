@@ -3,25 +3,13 @@ and a late one, for balanced causal attention: `lit3d.models.ring_attention`) an
 
 from __future__ import annotations
 
-from typing import Any
 
-
-def check_context_parallel(config: Any, cp: int, seq_len: int | None, tp: int = 1, sp: bool = False) -> None:
-    """Refuse what context parallelism cannot run, naming the values: a model with windows or sinks (gpt-oss, Gemma 3),
-    sequences that do not split into ``2·cp`` equal chunks (and, under sequence parallelism, a rank's share that does
-    not split over TP)."""
+def check_context_parallel(cp: int, seq_len: int | None, tp: int = 1, sp: bool = False) -> None:
+    """Refuse what context parallelism cannot run, naming the values: sequences that do not split into ``2·cp`` equal
+    chunks (and, under sequence parallelism, a rank's share that does not split over TP). Windows, sinks and scores
+    scaled apart from the head width (gpt-oss, Gemma 3) run in the ring (`lit3d.models.ring_attention`)."""
     if cp == 1:
         return
-    window, sinks = getattr(config, "sliding_window", None), getattr(config, "attention_sinks", False)
-    scalar = getattr(config, "query_pre_attn_scalar", None)
-    if window is not None or sinks or scalar is not None:
-        # NOTE: the ring (`lit3d.models.ring_attention`) would have to skip the blocks a window cannot see, mask the
-        # ones it cuts, and carry the sink into every partial softmax (with its own backward): not written yet.
-        raise ValueError(
-            f"context_parallel_size={cp} with sliding_window={window}, attention_sinks={sinks}, query_pre_attn_scalar="
-            f"{scalar}: lit3d's ring attention computes no windows, sinks or scores scaled apart from the head width; "
-            "split this model with tensor, pipeline or data parallelism"
-        )
     if seq_len is None:
         return
     if seq_len % (2 * cp):

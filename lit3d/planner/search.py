@@ -92,7 +92,7 @@ def layout_problem(
         check_model_fits_pipeline(config, pp, virtual)
         check_composes(settings.pipeline_schedule, pp, settings.compile, settings.zero_stage)
         sp = settings.sequence_parallel and tp > 1
-        check_context_parallel(config, layout.cp, training.seq_len, tp, sp)
+        check_context_parallel(layout.cp, training.seq_len, tp, sp)
         check_float8(settings.float8, training.precision, config, tp, training.lora is not None)
         check_stage_layers(settings.pipeline_stage_layers, config.n_layer, pp * virtual)
     except ValueError as error:
