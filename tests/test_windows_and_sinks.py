@@ -167,3 +167,17 @@ def test_a_transformers_4_gemma_3_folder_without_layer_types_windows_five_blocks
     assert [config.window(i) for i in range(12)] == [512] * 5 + [None] + [512] * 5 + [None]
     assert (config.rope_theta, config.rope_local_base_freq) == (1e6, 1e4)
     assert config.num_params == GPTConfig.from_name("gemma-3-1b").num_params
+
+
+def test_the_planner_keeps_k_and_v_once_per_query_head_where_a_gpu_runs_the_masked_kernel():
+    """On a GPU the masked kernel takes no grouped heads (`masked_attention` repeats K/V first): gpt-oss's 64 query
+    heads over 8 K/V heads keep K and V eight times in every block (sinks), Gemma 3's in its 52 windowed blocks of 62,
+    Llama's only with packed documents; a CPU keeps them once (its kernel takes grouped heads)."""
+    from lit3d.planner.block_saves import attention_bytes_per_token, repeated_kv_share
+
+    oss, gemma, llama = (GPTConfig.from_name(name) for name in ("gpt-oss-120b", "gemma-3-27b", "llama-8b"))
+    assert (repeated_kv_share(oss, True, False), repeated_kv_share(oss, False, True)) == (1.0, 0.0)
+    assert repeated_kv_share(gemma, True, False) == 52 / 62
+    assert (repeated_kv_share(llama, True, False), repeated_kv_share(llama, True, True)) == (0.0, 1.0)
+    more = attention_bytes_per_token(oss, 2, 1.0) - attention_bytes_per_token(oss, 2, 0.0)
+    assert more == 2 * 2 * (64 - 8) * 64 * (64 + 8) / 64  # bf16 K and V of 56 more heads, each 8 wider for the sink

@@ -10,11 +10,13 @@ from lit3d.models.config import GPTConfig
 SINK_WIDTH = 8  # the coordinates `lit3d.models.attention.masked_attention` adds to each head for the sink
 
 
-def attention_bytes_per_token(config: GPTConfig, a: int) -> float:
+def attention_bytes_per_token(config: GPTConfig, a: int, repeated: float = 0.0) -> float:
     """Grouped-query attention's saved tensors per token (``a``: bytes per element of the compute dtype): rotated q,
     k and v and the output as SDPA keeps them, the output's copy the output projection reads, the fp32 log-sum-exp;
-    each head ``SINK_WIDTH`` wider with sinks; the q/k norms' fp32 input, normalised input and 1/rms."""
+    each head ``SINK_WIDTH`` wider with sinks; the q/k norms' fp32 input, normalised input and 1/rms. ``repeated``:
+    the share of blocks whose K and V are kept once per query head (`repeated_kv_share`)."""
     q, kv, heads, kv_heads = config.n_head * config.head_dim, config.n_kv_head * config.head_dim, config.n_head, 0
+    kv = kv + repeated * (q - kv)
     attention = a * ((q + 2 * kv) + q) + 4 * heads
     if config.attention_sinks:
         widen = (config.head_dim + SINK_WIDTH) / config.head_dim
@@ -44,3 +46,14 @@ def expert_bias_bytes_per_token(config: GPTConfig) -> float:
 def softcap_bytes_per_token(config: GPTConfig, tp: int, a: int) -> float:
     """Soft-capped logits keep their ``tanh`` (vocabulary-split under TP) for backward."""
     return config.padded_vocab_size / tp * a if config.final_logit_softcapping is not None else 0.0
+
+
+def repeated_kv_share(config: GPTConfig, on_gpu: bool, documents: bool) -> float:
+    """The share of blocks whose attention keeps K and V once per query head: on a GPU, the masked kernel (SDPA's
+    memory-efficient one, for windows without flash-attn, sinks and packed documents) takes no grouped heads, so
+    `lit3d.models.attention.masked_attention` repeats them first; none on a CPU, whose kernel takes them."""
+    if not on_gpu or config.n_head == config.n_kv_head or config.kv_lora_rank is not None:
+        return 0.0
+    if documents or config.attention_sinks:
+        return 1.0
+    return sum(config.window(index) is not None for index in range(config.n_layer)) / config.n_layer

@@ -7,6 +7,7 @@ from lit3d.models.config import GPTConfig
 from lit3d.parallel.layout import Layout
 from lit3d.parallel.settings import Parallelism
 from lit3d.parallel.zero import ZeroPolicy
+from lit3d.planner.block_saves import repeated_kv_share
 from lit3d.planner.inputs import GB, Cluster, Precision, Training
 from lit3d.planner.memory import activation_bytes_per_token
 from lit3d.planner.tensors import local_numel, rank_tensors, replicas, stepped_numel
@@ -58,6 +59,7 @@ def offloaded_activations(
         config, layout.tp, sp, settings.activation_checkpointing, precision.activations, training.lora,
         software.kept_for_backward(settings.compile, bool(config.n_expert)), software.recomputed_matmuls,
         software.fp8_saved_inputs and settings.float8 is not None,
+        repeated_kv_share(config, cluster.gpu.device == "GPU", training.document_length is not None),
     )  # fmt: skip
     tokens = training.micro_batch_size * training.seq_len // layout.cp
     microbatches = training.global_batch_size // (layout.data_replicas * training.micro_batch_size)

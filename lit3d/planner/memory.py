@@ -18,6 +18,7 @@ from lit3d.planner.block_saves import (
     expert_bias_bytes_per_token,
     gated_tensors,
     norms_per_block,
+    repeated_kv_share,
     softcap_bytes_per_token,
 )
 from lit3d.planner.buffers import peak_memory
@@ -110,12 +111,15 @@ def held_by_stage(case: Case, chunks: tuple[int, str] | None = None) -> Held:
     lora, software = training.lora, training.software
     fp8_inputs = software.fp8_saved_inputs and settings.float8 is not None
     saves = software.kept_for_backward(settings.compile, bool(config.n_expert))
+    repeated = repeated_kv_share(config, case.cluster.gpu.device == "GPU", training.document_length is not None)
     per_token = activation_bytes_per_token(
-        config, tp, sp, checkpointing, a, lora, saves, software.recomputed_matmuls, fp8_inputs
+        config, tp, sp, checkpointing, a, lora, saves, software.recomputed_matmuls, fp8_inputs, repeated
     )
     recomputed_block = 0.0
     if checkpointing in (True, "full"):
-        recomputed_block = activation_bytes_per_token(config, tp, sp, False, a, lora, saves, fp8_inputs=fp8_inputs)
+        recomputed_block = activation_bytes_per_token(
+            config, tp, sp, False, a, lora, saves, fp8_inputs=fp8_inputs, repeated=repeated
+        )
         recomputed_block *= tokens
     # the loss's backward (`Software.loss_grad_bytes`) on the stage of the head: every activation alive but the block
     # backward rebuilds later, no parameter's gradient yet
@@ -215,6 +219,7 @@ def activation_bytes_per_token(
     saves: str = "eager",
     recomputed: float | None = None,
     fp8_inputs: bool = False,
+    repeated: float = 0.0,
 ) -> float:
     """Bytes one block keeps for backward, per token: what autograd saves (tests/test_activation_memory.py counts
     it with saved-tensor hooks). ``activations``: bytes per element of the compute dtype (2 in bf16). The norms
@@ -222,7 +227,8 @@ def activation_bytes_per_token(
     ``saves``: ``fused`` or ``compiled`` norm and SwiGLU kernels (`lit3d.planner.inputs.Software.saved_activations`);
     ``recomputed``: under selective recompute, the share of matmuls a per-op policy runs again
     (`Software.recomputed_matmuls`); ``fp8_inputs``: FP8 linears that keep their inputs' FP8 casts
-    (`Software.fp8_saved_inputs`), counted without recompute or adapters."""
+    (`Software.fp8_saved_inputs`), counted without recompute or adapters; ``repeated``: the share of blocks whose K/V
+    are kept per query head (`lit3d.planner.block_saves.repeated_kv_share`)."""
     h, f, kv, a = config.d_model, config.d_ff, config.n_kv_head * config.head_dim, activations
     if lora is not None and not checkpointing:
         return lora_bytes_per_token(config, tp, sequence_parallel, activations, lora)
@@ -243,7 +249,7 @@ def activation_bytes_per_token(
         return a * h / split  # only the block's input; the rest is recomputed
     norms = norms_per_block(config) * 4 * (2 * h + 1)  # per norm, in fp32: input, input times 1/rms, and 1/rms
     linear_inputs = a * 2 * h  # the norms' outputs in the compute dtype; under SP their shard (`KeepSequenceShard`)
-    attention = attention_bytes_per_token(config, a)  # rotated q, k and v; the output; the log-sum-exp
+    attention = attention_bytes_per_token(config, a, repeated)  # rotated q, k and v; the output; the log-sum-exp
     latent = 0.0  # latent attention's parts every TP rank computes whole
     if config.kv_lora_rank is not None:
         latent, attention = latent_attention_bytes_per_token(config, a)
