@@ -221,14 +221,11 @@ def activation_bytes_per_token(
     fp8_inputs: bool = False,
     repeated: float = 0.0,
 ) -> float:
-    """Bytes one block keeps for backward, per token: what autograd saves (tests/test_activation_memory.py counts
-    it with saved-tensor hooks). ``activations``: bytes per element of the compute dtype (2 in bf16). The norms
-    compute in fp32 and attention's log-sum-exp is fp32 in any precision. With ``lora``: `lora_bytes_per_token`.
-    ``saves``: ``fused`` or ``compiled`` norm and SwiGLU kernels (`lit3d.planner.inputs.Software.saved_activations`);
-    ``recomputed``: under selective recompute, the share of matmuls a per-op policy runs again
-    (`Software.recomputed_matmuls`); ``fp8_inputs``: FP8 linears that keep their inputs' FP8 casts
-    (`Software.fp8_saved_inputs`), counted without recompute or adapters; ``repeated``: the share of blocks whose K/V
-    are kept per query head (`lit3d.planner.block_saves.repeated_kv_share`)."""
+    """Bytes one block keeps for backward, per token: what autograd saves (tests/test_activation_memory.py counts it
+    with saved-tensor hooks). ``activations``: bytes per element of the compute dtype (2 in bf16); the norms and the
+    log-sum-exp are fp32. With ``lora``: `lora_bytes_per_token`. ``saves``: `Software.kept_for_backward`;
+    ``recomputed``: `Software.recomputed_matmuls`; ``fp8_inputs``: `Software.fp8_saved_inputs` (without recompute
+    or adapters); ``repeated``: `lit3d.planner.block_saves.repeated_kv_share`."""
     h, f, kv, a = config.d_model, config.d_ff, config.n_kv_head * config.head_dim, activations
     if lora is not None and not checkpointing:
         return lora_bytes_per_token(config, tp, sequence_parallel, activations, lora)
