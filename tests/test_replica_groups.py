@@ -129,6 +129,7 @@ def test_a_replica_group_killed_mid_run_rejoins_from_a_live_one_and_both_follow_
     assert [line["step"] for line in steps0] == list(range(len(steps0))) and all(line["committed"] for line in steps0)
     (joined,) = [line for line in records["g1"] if line["event"] == "joined"]
     assert joined["recovered"] and KILLED_AT < joined["step"] < len(steps0) - AFTER_REJOIN + 1, joined
+    assert joined["loaded_bytes"] == joined["planned_bytes"] > 0, joined  # (the planner's rejoin: weights, states)
     together = {line["step"] for line in records["g1"] if line["event"] == "step" and line["committed"]}
     assert together == set(range(joined["step"], len(steps0)))
     for rank in range(GROUP_RANKS):  # the same shards, bitwise
@@ -406,3 +407,22 @@ def test_the_planner_prices_the_replica_groups_average_over_the_network_each_ste
     slower = plans[4].step_time_s - plans[None].step_time_s
     seconds = plans[4].communication_per_step["replica"]["seconds"]
     assert seconds > 0 and slower == pytest.approx(seconds, rel=1e-6)  # nothing hides it
+
+
+def test_lit3d_plan_shows_the_groups_and_what_a_rejoin_loads(capsys):
+    """`lit3d plan --replica_groups 4`: the groups, each this layout launched apart, and the weights and optimizer
+    state a group that rejoins loads a GPU (what the rejoin test above measures a restarted group loading)."""
+    from lit3d.cli import main
+    from lit3d.planner.units import size
+
+    flags = ["plan", "--model", "llama-8b", "--nodes", "2", "--tensor_parallel_size", "8", "--pipeline_parallel_size",
+             "1", "--global_batch_size", "256"]  # fmt: skip
+    main([*flags, "--replica_groups", "4"])
+    printed = capsys.readouterr().out
+    assert "replica groups: 4, each this layout launched apart (REPLICA_GROUP_ID 0-3)" in printed, printed
+    main([*flags, "--replica_groups", "4", "--json"])
+    plan = json.loads(capsys.readouterr().out)
+    rejoin = plan["memory_per_gpu"]["params"] + plan["memory_per_gpu"]["optimizer"]
+    assert f"a group that rejoins loads {size(rejoin)} a GPU from a live one" in printed
+    main(flags)
+    assert "replica groups" not in capsys.readouterr().out

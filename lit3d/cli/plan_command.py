@@ -334,7 +334,8 @@ PLAN_NOTES = {
     "offload": "Planned (ZeRO-3 unless given): the states in host memory (``host memory``), each step's copies over "
     "the host link and the CPU optimizer step in the step time.",
     "replica_groups": "Planned: the plan is one group's (the nodes and the batch given: one group's share); each step "
-    "adds the groups' all-reduce of the gradients (``replica`` bytes, over the network, in the step time).",
+    "adds the groups' all-reduce of the gradients (``replica`` bytes, over the network, in the step time); printed: "
+    "what a group that rejoins loads a GPU from a live one.",
 }
 NOT_PLANNED = "Accepted; the plan does not depend on it."
 

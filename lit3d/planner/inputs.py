@@ -293,6 +293,11 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def rejoin_bytes(self) -> int:
+        """What a replica group that rejoins (``replica_groups``) loads per rank from a live group's, once: the most
+        loaded rank's weights and optimizer state (`lit3d.strategies.runtime.peer_state`)."""
+        return self.memory_per_gpu["params"] + self.memory_per_gpu["optimizer"]
+
 
 # The settings the planner assumes where none are given: the strategy's defaults, with sequence parallelism on (with
 # tensor parallelism it only saves memory and traffic).

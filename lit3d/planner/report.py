@@ -93,7 +93,20 @@ def format_plan(config: GPTConfig, cluster: Cluster, candidate: Candidate) -> st
         f"({plan.tokens_per_s_per_gpu:,.0f} per {cluster.device}), MFU {plan.mfu:.1%}"
     )
     lines.append(f"  spent on: {largest_costs(plan.time_breakdown, plan.step_time_s, top=6)}")
+    lines += replica_group_lines(candidate, cluster)
     return "\n".join(lines)
+
+
+def replica_group_lines(candidate: Candidate, cluster: Cluster) -> list[str]:
+    """With ``replica_groups``: the groups, each the layout launched apart, and what a group that rejoins loads."""
+    groups = candidate.parallelism.replica_groups or 1
+    if groups == 1:
+        return []
+    return [
+        f"replica groups: {groups}, each this layout launched apart (REPLICA_GROUP_ID 0-{groups - 1}), averaging "
+        f"gradients each step (`replica` bytes); a group that rejoins loads {size(candidate.plan.rejoin_bytes())} a "
+        f"{cluster.device} from a live one (weights and optimizer state), once"
+    ]
 
 
 def format_candidates(plan: Plan) -> list[str]:
@@ -145,6 +158,7 @@ def format_search(
         return "\n".join(lines)
     if candidates[0].layout.islands > 1:
         lines.append(f"each of {candidates[0].layout.islands} islands runs the layout (dp: replicas per island)")
+    lines += replica_group_lines(candidates[0], cluster)
     lines.append(
         f"{'#':>2}  {'dp':>7} {'cp':>3} {'tp':>3} {'pp':>3} {'ep':>3} {'zero':>4} {'ac':>3} {'m':>4} {'schedule':>16} "
         f"{'memory GB':>9} {'step s':>8} {'MFU':>6}"

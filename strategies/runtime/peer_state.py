@@ -1,8 +1,8 @@
 """What a live replica group hands a restarted one (`lit3d.strategies.runtime.replica_groups`), rank by rank: the
 same group rank of every group holds the same shards, so each rank sends its own local tensors, as they are.
 
-- the module's weights and buffers (each rank's shards), the optimizers' parameters (ZeRO-1's slices, their fp32
-  master copies under bf16-mixed) and states, and the learning-rate schedulers';
+- the module's weights and buffers (each rank's shards), the optimizers' parameters where they are not the module's
+  own (ZeRO-1's slices, their fp32 master copies under bf16-mixed) and states, and the learning-rate schedulers';
 - joining at the start of its fit, also the fit loop's progress (the step, Lightning's counters) and the data module's
   position: the restarted group then reads the batch the live ones are at, as a run resumed from a checkpoint does.
 
@@ -35,13 +35,19 @@ class PeerState:
         self.trainer, self.run = trainer, run
         self.joining = True  # until the group's first quorum: a state loaded then carries the loop and data too
         self.loaded_step: int | None = None  # the step a state was loaded at (None: never)
+        self.loaded_bytes = 0  # the bytes of the tensors it loaded
 
     def save(self) -> dict[str, Any]:
         trainer = self.trainer
+        module = trainer.lightning_module
+        own = {local_tensor(p).untyped_storage().data_ptr() for p in module.parameters()}  # (sent once, as weights)
         return {
-            "module": {name: local_tensor(value) for name, value in trainer.lightning_module.state_dict().items()},
+            "module": {name: local_tensor(value) for name, value in module.state_dict().items()},
             "optimizers": [
-                {"params": [local_tensor(p) for p in _params(opt)], "state": _local_tree(opt.state_dict())}
+                {
+                    "params": [_unless_in(own, local_tensor(p)) for p in _params(opt)],
+                    "state": _local_tree(opt.state_dict()),
+                }
                 for opt in trainer.optimizers
             ],
             "schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
@@ -64,7 +70,8 @@ class PeerState:
         for optimizer, saved in zip(trainer.optimizers, state["optimizers"], strict=True):
             params = _params(optimizer)
             for param, value in zip(params, saved["params"], strict=True):
-                local_tensor(param).copy_(value)
+                if value is not None:  # (None: the module's own weight, loaded above)
+                    local_tensor(param).copy_(value)
             optimizer.load_state_dict(_placed_like_params(saved["state"], params))
         for config, saved in zip(trainer.lr_scheduler_configs, state["schedulers"], strict=True):
             config.scheduler.load_state_dict(saved)
@@ -73,6 +80,7 @@ class PeerState:
             if trainer.datamodule is not None and state["data"] is not None:
                 trainer.datamodule.load_state_dict(state["data"])
         self.loaded_step = state["step"]
+        self.loaded_bytes = tensor_bytes([state["module"], state["optimizers"]])
 
 
 def _as_saved_after_the_last_step(loop_state: dict[str, Any]) -> dict[str, Any]:
@@ -83,6 +91,19 @@ def _as_saved_after_the_last_step(loop_state: dict[str, Any]) -> dict[str, Any]:
     epoch_loop = dict(loop_state["epoch_loop.state_dict"])
     epoch_loop["_batches_that_stepped"] -= 1
     return {**loop_state, "epoch_loop.state_dict": epoch_loop}
+
+
+def tensor_bytes(value: Any) -> int:
+    """The bytes of every tensor in ``value`` (dicts, lists and tuples of them)."""
+    if isinstance(value, dict):
+        return sum(tensor_bytes(item) for item in value.values())
+    if isinstance(value, list | tuple):
+        return sum(tensor_bytes(item) for item in value)
+    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+
+
+def _unless_in(storages: set[int], tensor: torch.Tensor) -> torch.Tensor | None:
+    return None if tensor.untyped_storage().data_ptr() in storages else tensor
 
 
 def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

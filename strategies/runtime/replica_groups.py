@@ -52,6 +52,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lit3d.errors import ConfigurationError
+from lit3d.planner.run import plan_of_run
 from lit3d.strategies.runtime.peer_state import PeerState, local_tensor
 
 GROUP_VARIABLE, LIGHTHOUSE_VARIABLE = "REPLICA_GROUP_ID", "TORCHFT_LIGHTHOUSE"  # torchft's names
@@ -109,6 +110,7 @@ class ReplicaGroups:
     def __init__(self, manager: Any, state: PeerState, groups: int, group: int, record: Path | None) -> None:
         self.manager, self.state, self.groups, self.group, self.record = manager, state, groups, group, record
         self._quorum_open = False  # a quorum asked for and not yet used by a step
+        self.planned_rejoin_bytes: int | None = None  # what the planner says a rejoin loads per rank
 
     @classmethod
     def join(cls, strategy: Any, trainer: Any) -> ReplicaGroups:
@@ -135,6 +137,8 @@ class ReplicaGroups:
         folder = Path(trainer.log_dir or trainer.default_root_dir)
         record = folder / RECORD_FILE if strategy.global_rank == 0 else None
         joined = cls(manager, state, groups, group, record)
+        plan = plan_of_run(strategy)
+        joined.planned_rejoin_bytes = plan.rejoin_bytes() if plan is not None else None
         try:
             joined._first_quorum(timeout.total_seconds())
         except BaseException:
@@ -161,11 +165,17 @@ class ReplicaGroups:
         # (Lightning's step: torchft's own count leaves out the steps that were not committed)
         recovered, step = self.state.loaded_step is not None, self.state.loaded_step or 0
         participants = self.manager.num_participants()
+        loaded, planned = self.state.loaded_bytes, self.planned_rejoin_bytes
         if recovered and step > 0:
-            rank_zero_info(f"replica group {self.group}: rejoined at step {step} with a live group's state")
+            said = f"; planned {planned / 1e6:.2f} MB" if planned is not None else ""
+            rank_zero_info(
+                f"replica group {self.group}: rejoined at step {step} with a live group's state "
+                f"({loaded / 1e6:.2f} MB a rank{said})"
+            )
         else:
             rank_zero_info(f"replica group {self.group} of {self.groups}: starting with {participants} group(s)")
-        self._write(event="joined", step=step, participants=participants, recovered=recovered)
+        self._write(event="joined", step=step, participants=participants, recovered=recovered,
+                    loaded_bytes=loaded, planned_bytes=planned)  # fmt: skip
 
     def step(self, optimizer: Any, closure: Callable[[], Any], inner_step: Callable[[Callable[[], Any]], Any]) -> Any:
         """One optimizer step across the groups: quorum, closure, the gradients' average, the step if committed."""
