@@ -237,6 +237,42 @@ def test_a_group_does_not_load_the_state_of_a_live_group_that_runs_something_els
     assert str(error.value).startswith(f"this replica group runs {ours}, the live group it would load from {theirs}")
 
 
+@pytest.mark.ranks
+def test_a_lighthouse_lost_mid_run_ends_every_group_within_the_timeout_naming_it(base_job, tmp_path):
+    """Two groups of one rank train; the lighthouse (its own process, as the docs start it) is killed at their third
+    step. No quorum can form: each group's next step waits at most the strategy's ``timeout`` (10 s here), then its
+    rank raises (recorded), and every process ends; nothing hangs."""
+    port = free_port()
+    lighthouse = subprocess.Popen(
+        [str(Path(sys.executable).parent / "torchft_lighthouse"), "--min_replicas", "1", "--join_timeout_ms", "5000",
+         "--heartbeat_timeout_ms", "2000", "--bind", f"[::]:{port}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    job = merge(base_job, {
+        "strategy": {"replica_groups": 2, "timeout": timedelta(seconds=10)},
+        "trainer": {"max_steps": 1000, "limit_val_batches": 0},
+        "model": {"decay_steps": 1000},
+        "expect_error": True,
+    })  # fmt: skip
+    address = f"http://localhost:{port}"
+    groups = _start(job, address, tmp_path, [(0, "g0", -1), (1, "g1", -1)], tmp_path / "never", ranks=1)
+    deadline = time.time() + 120
+    while not all(any(line["event"] == "step" and line["step"] >= 2 for line in _records(tmp_path / run))
+                  for run in ("g0", "g1")):  # fmt: skip
+        assert time.time() < deadline and all(p.exitcode is None for p in groups.processes), "the groups did not train"
+        time.sleep(0.2)
+    lighthouse.kill()
+    lighthouse.wait()
+    stopped = time.time()
+    while not all(p.exitcode is not None for p in groups.processes):
+        assert time.time() < stopped + 60, "a group still runs a minute after the lighthouse stopped"
+        time.sleep(0.2)
+    errors = [json.loads((tmp_path / run / "result0.json").read_text())["error"] for run in ("g0", "g1")]
+    said = f"within the strategy's timeout: the lighthouse at {address} did not answer"  # (at step 3 or 4)
+    assert [p.exitcode for p in groups.processes] == [0, 0] and all(said in str(error) for error in errors), errors
+    print(f"both groups ended {time.time() - stopped:.1f} s after the lighthouse was killed")  # (-s shows it)
+
+
 def _start(job, lighthouse, out, runs, final, ranks=GROUP_RANKS):
     """Start each of ``runs`` (group, its folder, the step its ranks are killed at: -1 never, None on joining) as a
     group of ``ranks`` ranks, with a process group of its own."""

@@ -107,8 +107,11 @@ class ReplicaGroups:
         record: The file rank 0 of the group writes each step's line to (None on other ranks).
     """
 
-    def __init__(self, manager: Any, state: PeerState, groups: int, group: int, record: Path | None) -> None:
+    def __init__(
+        self, manager: Any, state: PeerState, groups: int, group: int, record: Path | None, lighthouse: str = ""
+    ) -> None:
         self.manager, self.state, self.groups, self.group, self.record = manager, state, groups, group, record
+        self.lighthouse = lighthouse
         self._quorum_open = False  # a quorum asked for and not yet used by a step
         self.planned_rejoin_bytes: int | None = None  # what the planner says a rejoin loads per rank
 
@@ -136,7 +139,7 @@ class ReplicaGroups:
         )  # fmt: skip
         folder = Path(trainer.log_dir or trainer.default_root_dir)
         record = folder / RECORD_FILE if strategy.global_rank == 0 else None
-        joined = cls(manager, state, groups, group, record)
+        joined = cls(manager, state, groups, group, record, lighthouse)
         plan = plan_of_run(strategy)
         joined.planned_rejoin_bytes = plan.rejoin_bytes() if plan is not None else None
         try:
@@ -180,7 +183,7 @@ class ReplicaGroups:
     def step(self, optimizer: Any, closure: Callable[[], Any], inner_step: Callable[[Callable[[], Any]], Any]) -> Any:
         """One optimizer step across the groups: quorum, closure, the gradients' average, the step if committed."""
         if not self._quorum_open:
-            self.manager.start_quorum()
+            self._quorum()
         self._quorum_open = False
         result = closure()
         grads = [
@@ -193,6 +196,16 @@ class ReplicaGroups:
             rank_zero_warn(f"replica group {self.group}: step {self.state.trainer.global_step} not committed: {error}")
         self._note(self.manager.num_participants(), committed)
         return inner_step(lambda: result) if committed else result
+
+    def _quorum(self) -> None:
+        """Ask for the step's quorum; torchft's error (a gRPC status) said as what it means here."""
+        try:
+            self.manager.start_quorum()
+        except Exception as error:  # (torchft raises a TimeoutError or a RuntimeError carrying a gRPC status)
+            raise RuntimeError(
+                f"replica group {self.group}: no quorum at step {self.state.trainer.global_step} within the strategy's "
+                f"timeout: the lighthouse at {self.lighthouse} did not answer (is it still running?): {error}"
+            ) from error
 
     def _note(self, participants: int, committed: bool) -> None:
         """Log the step's groups and commit (``replica_groups/*``), and write its line of the record."""
