@@ -254,9 +254,11 @@ def test_a_lighthouse_lost_mid_run_ends_every_group_within_the_timeout_naming_it
         "model": {"decay_steps": 1000},
         "expect_error": True,
     })  # fmt: skip
-    address = f"http://localhost:{port}"
+    address, deadline = f"http://localhost:{port}", time.time() + 120
+    while not _listening(port):  # (the groups refuse a lighthouse that is not there yet: before any step)
+        assert time.time() < deadline and lighthouse.poll() is None, "the lighthouse did not start"
+        time.sleep(0.2)
     groups = _start(job, address, tmp_path, [(0, "g0", -1), (1, "g1", -1)], tmp_path / "never", ranks=1)
-    deadline = time.time() + 120
     while not all(any(line["event"] == "step" and line["step"] >= 2 for line in _records(tmp_path / run))
                   for run in ("g0", "g1")):  # fmt: skip
         assert time.time() < deadline and all(p.exitcode is None for p in groups.processes), "the groups did not train"
@@ -271,6 +273,16 @@ def test_a_lighthouse_lost_mid_run_ends_every_group_within_the_timeout_naming_it
     said = f"within the strategy's timeout: the lighthouse at {address} did not answer"  # (at step 3 or 4)
     assert [p.exitcode for p in groups.processes] == [0, 0] and all(said in str(error) for error in errors), errors
     print(f"both groups ended {time.time() - stopped:.1f} s after the lighthouse was killed")  # (-s shows it)
+
+
+def _listening(port: int) -> bool:
+    import socket
+
+    try:
+        socket.create_connection(("localhost", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
 
 
 def _start(job, lighthouse, out, runs, final, ranks=GROUP_RANKS):
