@@ -243,11 +243,7 @@ def test_a_lighthouse_lost_mid_run_ends_every_group_within_the_timeout_naming_it
     step. No quorum can form: each group's next step waits at most the strategy's ``timeout`` (10 s here), then its
     rank raises (recorded), and every process ends; nothing hangs."""
     port = free_port()
-    lighthouse = subprocess.Popen(
-        [str(Path(sys.executable).parent / "torchft_lighthouse"), "--min_replicas", "1", "--join_timeout_ms", "5000",
-         "--heartbeat_timeout_ms", "2000", "--bind", f"[::]:{port}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    lighthouse = _lighthouse_process(port, join_ms=5000, heartbeat_ms=2000)
     job = merge(base_job, {
         "strategy": {"replica_groups": 2, "timeout": timedelta(seconds=10)},
         "trainer": {"max_steps": 1000, "limit_val_batches": 0},
@@ -273,6 +269,13 @@ def test_a_lighthouse_lost_mid_run_ends_every_group_within_the_timeout_naming_it
     said = f"within the strategy's timeout: the lighthouse at {address} did not answer"  # (at step 3 or 4)
     assert [p.exitcode for p in groups.processes] == [0, 0] and all(said in str(error) for error in errors), errors
     print(f"both groups ended {time.time() - stopped:.1f} s after the lighthouse was killed")  # (-s shows it)
+
+
+def _lighthouse_process(port: int, join_ms: int, heartbeat_ms: int) -> subprocess.Popen:
+    """torchft's lighthouse as the docs start it (``torchft_lighthouse``), in a process of its own."""
+    command = [str(Path(sys.executable).parent / "torchft_lighthouse"), "--min_replicas", "1", "--join_timeout_ms",
+               str(join_ms), "--heartbeat_timeout_ms", str(heartbeat_ms), "--bind", f"[::]:{port}"]  # fmt: skip
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def _listening(port: int) -> bool:
@@ -403,11 +406,7 @@ def test_two_replica_groups_through_lit3d_fit_with_the_docs_lighthouse_train_lik
     the mean of the two groups' logged losses is the one-process curve of the same command; the bytes a rank sends to
     the other group in a step (`CommReport`'s ``replica`` axis) are the planner's."""
     port = free_port()
-    lighthouse = subprocess.Popen(
-        [str(Path(sys.executable).parent / "torchft_lighthouse"), "--min_replicas", "1", "--join_timeout_ms", "10000",
-         "--heartbeat_timeout_ms", "5000", "--bind", f"[::]:{port}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    lighthouse = _lighthouse_process(port, join_ms=10000, heartbeat_ms=5000)
     try:
         groups = []
         for group in (0, 1):
