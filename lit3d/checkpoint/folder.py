@@ -173,9 +173,8 @@ def check_ckpt_path(ckpt_path: Any, resuming: Any = None) -> None:
     ):
         return
     if Path(ckpt_path).is_dir():
-        meta = load_meta(
-            ckpt_path
-        )  # NOTE: `check_readable`, then meta.pt: a broken one is refused before any rank starts
+        # NOTE: `check_readable`, then meta.pt: a broken one is refused before any rank starts
+        meta = load_meta(ckpt_path)
         if resuming is not None:
             check_same_optimizer(Path(ckpt_path), meta, resuming)
     elif not Path(ckpt_path).is_file():

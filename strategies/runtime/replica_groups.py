@@ -52,7 +52,6 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lit3d.errors import ConfigurationError
-from lit3d.planner.run import plan_of_run
 from lit3d.strategies.runtime.peer_state import PeerState, local_tensor
 
 GROUP_VARIABLE, LIGHTHOUSE_VARIABLE = "REPLICA_GROUP_ID", "TORCHFT_LIGHTHOUSE"  # torchft's names
@@ -140,7 +139,7 @@ class ReplicaGroups:
         folder = Path(trainer.log_dir or trainer.default_root_dir)
         record = folder / RECORD_FILE if strategy.global_rank == 0 else None
         joined = cls(manager, state, groups, group, record, lighthouse)
-        plan = plan_of_run(strategy)
+        plan = strategy.plan  # (the strategy's estimate of this run, made just before: `start_plan`)
         joined.planned_rejoin_bytes = plan.rejoin_bytes() if plan is not None else None
         try:
             joined._first_quorum(timeout.total_seconds())
