@@ -16,9 +16,10 @@ compute with fp16's loss scaling at this fixed scale: gradients must come out un
 ``user_module`` (kwargs of `user_modules.ParallelisesItself`, trained on `user_modules.RegressionData` instead of the
 GPT) and ``lightning_strategy`` (``strategy`` holds `ModelParallelStrategy`'s arguments instead); ``data_class``:
 ``"chat"`` for `ChatDataModule` (``data`` its arguments); ``same_ranks``: run in the processes of the job before it
-(`JOBS_PER_SPAWN`).
+(`jobs_per_spawn`).
 """
 
+import copy
 import json
 import multiprocessing
 import os
@@ -63,16 +64,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# NOTE: ranks are started afresh for every JOBS_PER_SPAWN jobs. Each fit builds its device meshes, and each mesh dim
-# is a new gloo process group with three threads of its own (two ``pt_gloo_runloop``, one ``gloo_tcp_loop``) that
-# nothing ends while torch's caches hold the old meshes (DTensor treats equal meshes as one), and idle they still take
-# CPU: measured, 100 idle groups took 0.85 s of CPU per rank in 5 s of sleep, and a DP2 x TP2 job took 6-11 s beside
-# them against 2.4 s without. One spawn of a hundred jobs made its last jobs several times slower than its first.
-JOBS_PER_SPAWN = 8
+# NOTE: ranks are started afresh every few jobs (`jobs_per_spawn`). Each fit builds its device meshes, and each mesh
+# dim is a new gloo process group with three threads of its own (two ``pt_gloo_runloop``, one ``gloo_tcp_loop``) that
+# nothing ends while torch's caches hold the old meshes (DTensor treats equal meshes as one; destroying the groups does
+# not end them either, measured), and idle they still take CPU: measured, 100 idle groups took 0.85 s of CPU per rank
+# in 5 s of sleep, and a DP2 x TP2 job took 6-11 s beside them against 2.4 s without. Each start costs a warm-up too
+# (DTensor's first sharding propagations: 2-5 s). Measured alone on 2 cores: the 99 jobs of 2 ranks took 212 s at 8
+# jobs a start and 190 s at 25; the 36 of 4 ranks (which make more groups a job) 151 s at 8 and 259 s all in one.
+def jobs_per_spawn(world: int) -> int:
+    return 25 if world <= 2 else 8
 
 
 def run_jobs(world: int, jobs: dict[str, dict[str, Any]], out_dir: Path, deadline: float = 600) -> dict[str, dict]:
-    """Run ``jobs`` on ``world`` spawned ranks, in order, `JOBS_PER_SPAWN` jobs per start of the ranks (a job may
+    """Run ``jobs`` on ``world`` spawned ranks, in order, `jobs_per_spawn` jobs per start of the ranks (a job may
     resume from an earlier one's checkpoint: ``job:NAME/...``); per job: rank 0's result plus ``ranks`` (every rank's
     probes).
 
@@ -82,7 +86,7 @@ def run_jobs(world: int, jobs: dict[str, dict[str, Any]], out_dir: Path, deadlin
     out_dir.mkdir(parents=True, exist_ok=True)
     chunks: list[dict[str, dict]] = []
     for name, job in jobs.items():  # (a ``same_ranks`` job stays with the one before it)
-        if not chunks or (len(chunks[-1]) >= JOBS_PER_SPAWN and not job.get("same_ranks")):
+        if not chunks or (len(chunks[-1]) >= jobs_per_spawn(world) and not job.get("same_ranks")):
             chunks.append({})
         chunks[-1][name] = job
     return {name: result for chunk in chunks for name, result in _start(world, chunk, out_dir, deadline).items()}
@@ -141,7 +145,8 @@ def _worker(rank: int, world: int, port: int, jobs: dict, out_dir: str) -> None:
     for name, job in jobs.items():
         with ranks_turn(f"{Path(out_dir).name}/{name} ({world} ranks)"):  # (one group at a time: `turns`)
             started = time.perf_counter()
-            result = run_job(job, Path(out_dir) / name, devices=world)
+            # (a copy: the job's own callbacks would otherwise keep its trainer, model and optimizer alive)
+            result = run_job(copy.deepcopy(job), Path(out_dir) / name, devices=world)
             result["seconds"] = time.perf_counter() - started
         (Path(out_dir) / name).mkdir(parents=True, exist_ok=True)  # (a job refused at its start made none)
         (Path(out_dir) / name / f"rank{rank}.json").write_text(json.dumps(result))
