@@ -10,6 +10,7 @@ import csv
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -279,8 +280,6 @@ def _lighthouse_process(port: int, join_ms: int, heartbeat_ms: int) -> subproces
 
 
 def _listening(port: int) -> bool:
-    import socket
-
     try:
         socket.create_connection(("localhost", port), timeout=1).close()
         return True
