@@ -21,7 +21,6 @@ GPT) and ``lightning_strategy`` (``strategy`` holds `ModelParallelStrategy`'s ar
 
 import copy
 import json
-import multiprocessing
 import os
 import socket
 import threading
@@ -33,6 +32,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.multiprocessing as mp
+from forked import START_METHOD
 from helpers import logged
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
@@ -48,14 +48,9 @@ from lit3d.strategies.optim.dtypes import SplitModelMixedPrecision
 from lit3d.strategies.telemetry.held_memory import memory_by_component
 
 # NOTE: ranks are forked from a server process that has imported torch, Lightning and lit3d once for the session
-# (and has started no thread), instead of each spawned rank importing them again: about 7 s of one core per rank, and
-# 1 s more for what each rank imports at its first job (HuggingFace datasets, the pipeline schedules, FSDP2, DCP).
-START_METHOD = "forkserver"
-multiprocessing.set_forkserver_preload(
-    ["torch", "lightning.pytorch", "lit3d.models.gpt", "lit3d.strategies", "lit3d.data.text", "lit3d.data.chat",
-     "datasets", "torch.distributed.pipelining", "torch.distributed.fsdp", "torch.distributed.checkpoint",
-     "lit3d.strategies.parallel3d", "lit3d.checkpoint.save_load"]
-)  # fmt: skip
+# (`forked.PRELOAD`; it has started no thread), instead of each spawned rank importing them again: about 7 s of one
+# core per rank, and 1 s more for what each rank imports at its first job (HuggingFace datasets, the pipeline
+# schedules, FSDP2, DCP).
 
 
 def free_port() -> int:

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forked
 import pytest
 import torch
 from helpers import FORK, logged
@@ -26,9 +27,7 @@ QUICK = [
 
 def lit3d(*args, cwd, timeout=240):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run(
-        [sys.executable, str(ROOT / "cli.py"), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
-    )
+    return forked.run([sys.executable, str(ROOT / "cli.py"), *args], cwd=cwd, env=env, timeout=timeout)
 
 
 def fit_losses(cwd, *args):
@@ -177,12 +176,10 @@ def early_exits(tmp_path_factory) -> dict[str, dict]:
     folder = tmp_path_factory.mktemp("early_exits")
     cases = [{"args": args, "env": env} for args, env in EARLY_EXITS.values()]
     (folder / "cases.json").write_text(json.dumps(cases))
-    run = subprocess.run(
+    run = forked.run(
         [sys.executable, str(ROOT / "tests" / "cli_batch.py"), "cases.json", "results.json"],
         cwd=folder,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
         timeout=300,
     )
     assert run.returncode == 0, run.stderr[-3000:]

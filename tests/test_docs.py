@@ -21,14 +21,15 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import re
 import shlex
-import subprocess
 import sys
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
+import forked
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -220,24 +221,15 @@ def lightning_commands_checked(tmp_path_factory):
     (folder / "configs").symlink_to(ROOT / "configs")
     commands = [c for c in all_commands() if c.argv[:1] and c.argv[0] in LIGHTNING]
     (folder / "commands.json").write_text(json.dumps([list(c.argv) for c in commands]))
-    log = (folder / "child.log").open("w")
-    child = subprocess.Popen(
-        [sys.executable, __file__, "--check-lightning-commands", "commands.json", "results.json"],
-        cwd=folder,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    child = forked.start([sys.executable, __file__, "--check-lightning-commands", "commands.json", "results.json"],
+                         cwd=folder, env=dict(os.environ), merge_output=True)  # fmt: skip
 
     def findings() -> list[tuple[Command, dict]]:
-        child.wait(timeout=240)
-        log.flush()
-        assert child.returncode == 0, (folder / "child.log").read_text()[-5000:]
+        assert child.wait(timeout=240) == 0, child.stdout()[-5000:]
         return list(zip(commands, json.loads((folder / "results.json").read_text())))
 
     yield findings
     child.kill()
-    child.wait()
-    log.close()
 
 
 def test_the_plans_in_the_docs_run_and_print_the_output_shown(lightning_commands_checked, tmp_path, monkeypatch):

@@ -9,6 +9,7 @@ import threading
 import time
 from pathlib import Path
 
+import forked
 import pytest
 from turns import turn
 
@@ -29,7 +30,7 @@ def alive(pid: int) -> bool:
 
 
 def start_long_run(tmp_path):
-    """2 ranks (DP2) training for far longer than the test; returns the process and its output lines."""
+    """2 ranks (DP2) training for far longer than the test; returns the process (`forked.start`)."""
     command = [
         sys.executable,
         str(ROOT / "cli.py"),
@@ -44,32 +45,27 @@ def start_long_run(tmp_path):
         "--data.init_args.seq_len=32",
         "--data.init_args.global_batch_size=4",
     ]
-    proc = subprocess.Popen(
-        command,
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = forked.start(command, cwd=tmp_path, env=env, new_session=True, merge_output=True)
     deadline = time.time() + 180
-    while not any("lit3d layout" in line for line in lines):  # every rank has joined the process group
-        assert proc.poll() is None and time.time() < deadline, "".join(lines)[-3000:]
-        time.sleep(0.5)
+    try:
+        while "lit3d layout" not in proc.stdout():  # every rank has joined the process group
+            assert proc.poll() is None and time.time() < deadline, proc.stdout()[-3000:]
+            time.sleep(0.5)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL) if alive(proc.pid) else None
+        raise
     time.sleep(2)  # into training
-    return proc, lines
+    return proc
 
 
 @pytest.mark.ranks
 @pytest.mark.parametrize("victim", ["rank 1 (a child process)", "rank 0 (the launching process)"])
 def test_killing_one_rank_ends_the_job(tmp_path, victim):
-    proc, lines = start_long_run(tmp_path)
+    proc = start_long_run(tmp_path)
     ranks = children(proc.pid)
-    assert len(ranks) == 1
     try:
+        assert len(ranks) == 1
         target = ranks[0] if victim.startswith("rank 1") else proc.pid
         os.kill(target, signal.SIGKILL)
         killed_at = time.time()
@@ -115,7 +111,9 @@ def test_a_failing_rank_ends_the_job_in_bounded_time_and_is_named(tmp_path, kind
         assert ("can't allocate memory" if kind == "out_of_memory" else "an injected fault") in output
 
 
-def cli(cwd, *args, max_steps, check=True, **popen):
+def cli(cwd, *args, max_steps, check=True, started=False):
+    """``lit3d fit`` of the tiny config (`forked.run`; ``started``: `forked.start`, in a session of its own, its
+    output merged)."""
     command = [
         sys.executable, str(ROOT / "cli.py"), "fit", "--config", str(ROOT / "configs" / "tiny.yaml"),
         "--trainer.enable_progress_bar=false", "--trainer.log_every_n_steps=1",
@@ -125,9 +123,9 @@ def cli(cwd, *args, max_steps, check=True, **popen):
         *args,
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
-    if popen:
-        return subprocess.Popen(command, cwd=cwd, env=env, text=True, start_new_session=True, **popen)
-    run = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    if started:
+        return forked.start(command, cwd=cwd, env=env, new_session=True, merge_output=True)
+    run = forked.run(command, cwd=cwd, env=env, timeout=300)
     assert run.returncode == 0 or not check, run.stderr[-3000:]
     return run
 
@@ -172,13 +170,11 @@ def test_sigterm_saves_exits_to_be_requeued_and_last_resumes_the_curve(tmp_path,
 def preempted(run: Path, args: list[str], victim: str) -> tuple[list[str], int]:
     """A run of ``args`` in ``run`` sent SIGTERM once training is under way (``victim``: the launching process, or
     its child): its output lines and its exit code."""
-    proc = cli(run, *args, max_steps=100000, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    proc = cli(run, *args, max_steps=100000, started=True)
     try:
         deadline = time.time() + 180
         while not (run / "runs" / "tiny" / "version_0" / "metrics.csv").exists():  # training is under way
-            assert proc.poll() is None and time.time() < deadline, "".join(lines)[-3000:]
+            assert proc.poll() is None and time.time() < deadline, proc.stdout()[-3000:]
             time.sleep(0.5)
         time.sleep(1)
         ranks = children(proc.pid)
@@ -188,6 +184,7 @@ def preempted(run: Path, args: list[str], victim: str) -> tuple[list[str], int]:
         print(f"{victim} sent SIGTERM: the job exited {code} after {time.time() - signalled:.1f} s")
     finally:
         os.killpg(proc.pid, signal.SIGKILL) if alive(proc.pid) else None
+    lines = proc.stdout().splitlines(keepends=True)
     return lines, code
 
 

@@ -2,11 +2,12 @@
 
 import json
 import math
-import subprocess
+import os
 import sys
 from contextlib import nullcontext
 from pathlib import Path
 
+import forked
 import pytest
 import torch
 import torch.distributed as dist
@@ -155,7 +156,7 @@ def test_flops_per_token_is_6n_plus_attention():
 def test_strategy_benchmark_compares_with_lightning_and_reports_traffic_next_to_the_planner(tmp_path):
     """A tiny run of `benchmarks/strategies.py`: lit3d TP2 against ModelParallelStrategy with the same plan."""
     out = tmp_path / "bench.json"
-    run = subprocess.run(
+    run = forked.run(
         [
             sys.executable,
             str(ROOT / "benchmarks" / "strategies.py"),
@@ -177,8 +178,8 @@ def test_strategy_benchmark_compares_with_lightning_and_reports_traffic_next_to_
             "--json",
             str(out),
         ],
-        capture_output=True,
-        text=True,
+        cwd=tmp_path,
+        env=dict(os.environ),
         timeout=300,
     )
     assert run.returncode == 0, run.stderr[-3000:]

@@ -3,10 +3,10 @@ arguments, layouts that do not fit the world or the model, and data the ranks co
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import forked
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,9 +83,8 @@ def refused(tmp_path_factory) -> dict[str, dict]:
     (folder / "prepared" / "index.json").write_text(json.dumps(index))
     cases = [{"args": [*FIT, *args], "env": {}} for args, _ in CASES.values()]
     (folder / "cases.json").write_text(json.dumps(cases))
-    run = subprocess.run([sys.executable, str(ROOT / "tests" / "cli_batch.py"), "cases.json", "results.json"],
-                         cwd=folder, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
-                         timeout=300)  # fmt: skip
+    run = forked.run([sys.executable, str(ROOT / "tests" / "cli_batch.py"), "cases.json", "results.json"],
+                     cwd=folder, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     return dict(zip(CASES, json.loads((folder / "results.json").read_text())))
 

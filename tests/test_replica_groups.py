@@ -17,6 +17,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import forked
 import lightning as L
 import pytest
 import torch
@@ -252,9 +253,6 @@ def test_a_lighthouse_lost_mid_run_ends_every_group_within_the_timeout_naming_it
         "expect_error": True,
     })  # fmt: skip
     address, deadline = f"http://localhost:{port}", time.time() + 120
-    while not _listening(port):  # (the groups refuse a lighthouse that is not there yet: before any step)
-        assert time.time() < deadline and lighthouse.poll() is None, "the lighthouse did not start"
-        time.sleep(0.2)
     groups = _start(job, address, tmp_path, [(0, "g0", -1), (1, "g1", -1)], tmp_path / "never", ranks=1)
     while not all(any(line["event"] == "step" and line["step"] >= 2 for line in _records(tmp_path / run))
                   for run in ("g0", "g1")):  # fmt: skip
@@ -273,10 +271,15 @@ def test_a_lighthouse_lost_mid_run_ends_every_group_within_the_timeout_naming_it
 
 
 def _lighthouse_process(port: int, join_ms: int, heartbeat_ms: int) -> subprocess.Popen:
-    """torchft's lighthouse as the docs start it (``torchft_lighthouse``), in a process of its own."""
+    """torchft's lighthouse as the docs start it (``torchft_lighthouse``), in a process of its own, once it listens
+    (the groups refuse a lighthouse that is not there yet, before any step)."""
     command = [str(Path(sys.executable).parent / "torchft_lighthouse"), "--min_replicas", "1", "--join_timeout_ms",
                str(join_ms), "--heartbeat_timeout_ms", str(heartbeat_ms), "--bind", f"[::]:{port}"]  # fmt: skip
-    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    lighthouse, deadline = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), time.time()
+    while not _listening(port):
+        assert time.time() < deadline + 60 and lighthouse.poll() is None, "the lighthouse did not start"
+        time.sleep(0.2)
+    return lighthouse
 
 
 def _listening(port: int) -> bool:
@@ -416,12 +419,12 @@ def test_two_replica_groups_through_lit3d_fit_with_the_docs_lighthouse_train_lik
             command = [sys.executable, str(ROOT / "cli.py"), "fit", "--config", "tiny", *QUICK, "--trainer.devices=2",
                        "--trainer.strategy=Parallel3DStrategy", "--trainer.strategy.replica_groups=2", FORK,
                        "--trainer.callbacks+=lit3d.callbacks.CommReport"]  # fmt: skip
-            groups.append(subprocess.Popen(command, cwd=folder, env=env, stdout=subprocess.PIPE,
-                                           stderr=subprocess.STDOUT, text=True))  # fmt: skip
-        outputs = [group.communicate(timeout=240)[0] for group in groups]
+            groups.append(forked.start(command, cwd=folder, env=env, merge_output=True))
+        codes = [group.wait(timeout=240) for group in groups]
+        outputs = [group.stdout() for group in groups]
     finally:
         lighthouse.kill()
-    assert [group.returncode for group in groups] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    assert codes == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     assert "replica group 0 of 2: starting with 2 group(s)" in outputs[0], outputs[0][-3000:]
     runs = [tmp_path / f"g{group}" / "runs" / "tiny" / "version_0" for group in (0, 1)]
     for run in runs:

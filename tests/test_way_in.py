@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forked
 import lightning as L
 import pytest
 import torch
@@ -22,8 +23,8 @@ LAYOUT = "dp2_tp2_pp2_zero1"  # saves a checkpoint at its last step (tests/layou
 
 
 def lit3d(*args: str, cwd: Path, timeout: int = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "cli.py"), *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return forked.run([sys.executable, str(ROOT / "cli.py"), *args], cwd=cwd, env=env, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
