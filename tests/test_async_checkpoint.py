@@ -1,12 +1,14 @@
 """Sharded saves written in the background: they resume like synchronous ones, a failed write is raised naming
 its folder, and a process killed mid-write leaves the previous checkpoint as it was."""
 
+import os
 import signal
-import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
+import forked
 import pytest
 import torch
 from layouts import HALF, STEPS, merge
@@ -77,15 +79,15 @@ time.sleep(60)
 
 
 def test_a_process_killed_during_a_background_write_leaves_the_previous_checkpoint(tmp_path):
-    process = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(SLOW_SECOND_SAVE), str(tmp_path)],
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=Path(__file__).parent,
-    )
+    process = forked.start([sys.executable, "-c", textwrap.dedent(SLOW_SECOND_SAVE), str(tmp_path)],
+                           cwd=Path(__file__).parent, env=dict(os.environ))  # fmt: skip
     try:
-        assert process.stdout.readline().strip() == "writing"
-        process.send_signal(signal.SIGKILL)
+        deadline = time.time() + 120
+        while not process.stdout():
+            assert process.poll() is None and time.time() < deadline, process.stderr()[-3000:]
+            time.sleep(0.1)
+        assert process.stdout().strip() == "writing"
+        os.kill(process.pid, signal.SIGKILL)
         process.wait(timeout=30)
     finally:
         process.kill()

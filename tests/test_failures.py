@@ -198,8 +198,7 @@ def test_a_second_signal_ends_the_process_at_once():
         "stop._note(signal.SIGUSR1, None)  # the second: the process ends here\n"
         "print('still running')\n"
     )
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    run = forked.run([sys.executable, "-c", script], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
     assert run.returncode == 128 + signal.SIGUSR1 and run.stdout.split() == ["noted"]
 
 

@@ -54,13 +54,16 @@ def test_a_checkpoint_saved_in_fp8_at_tp2_resumes_in_bf16_on_one_process(float8_
 def test_an_fp8_all_gather_checkpoint_exports_in_a_process_without_torchao(layout_runs, tmp_path):
     """The checkpoint holds plain tensors (not torchao's wrappers of FP8 all-gather's weights): `lit3d export` reads
     it without importing torchao."""
-    import subprocess
+    import os
     import sys
+
+    import forked
 
     saved = layout_runs["fp8_dp2_zero3_all_gather"]["job_dir"] + f"/ckpts/step={FP8_SAVED}.ckpt"
     code = ("import sys; from lit3d.cli import main; main(['export', '--ckpt_path', sys.argv[1], '--output', "
             "sys.argv[2]]); assert 'torchao' not in sys.modules, 'torchao was imported'")  # fmt: skip
-    run = subprocess.run([sys.executable, "-c", code, saved, str(tmp_path / "hf")], capture_output=True, text=True)
+    # (forked: torchao is not among what the fork server has imported, `forked.PRELOAD`)
+    run = forked.run([sys.executable, "-c", code, saved, str(tmp_path / "hf")], cwd=tmp_path, env=dict(os.environ))
     assert run.returncode == 0, run.stderr[-3000:]
     assert (tmp_path / "hf" / "model.safetensors").is_file()
 

@@ -1,6 +1,7 @@
 """The prototype notebook runs headless from top to bottom: planner, rank map, 4 forked CPU ranks, loss plot; the run
 is the one its plan describes."""
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -8,18 +9,31 @@ import pytest
 nbclient = pytest.importorskip("nbclient", reason="nbclient is in the test extra")
 import nbformat  # noqa: E402
 from helpers import logged  # noqa: E402
+from turns import turn  # noqa: E402
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "examples" / "prototype.ipynb"
 
 
-@pytest.mark.ranks
-def test_prototype_notebook_runs_without_error(tmp_path, monkeypatch):
+def test_prototype_notebook_runs_without_error(tmp_path, monkeypatch, request):
     monkeypatch.setenv("LIT3D_NOTEBOOK_STEPS", "4")
     monkeypatch.setenv("LIT3D_NOTEBOOK_PROCESSES", "4")
     notebook = nbformat.read(NOTEBOOK, as_version=4)
-    nbclient.NotebookClient(
-        notebook, timeout=240, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
-    ).execute()  # raises on any error
+    held, fits = contextlib.ExitStack(), []
+
+    def starting(cell, **_):  # the cell that forks the ranks holds the machine's turn while it runs (`turns`)
+        if "trainer.fit(" in cell.source:
+            fits.append(held.enter_context(turn(request.node.nodeid)))
+
+    with held:
+        nbclient.NotebookClient(
+            notebook,
+            timeout=240,
+            kernel_name="python3",
+            resources={"metadata": {"path": str(tmp_path)}},
+            on_cell_execute=starting,
+            on_cell_executed=lambda **_: held.close(),
+        ).execute()  # raises on any error
+    assert len(fits) == 1  # (the training cell held the turn)
     outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     assert sum("image/svg+xml" in o.get("data", {}) for o in outputs) == 2  # the two rank maps
