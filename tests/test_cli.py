@@ -260,7 +260,7 @@ def test_two_node_torchrun_on_loopback_keeps_tp_inside_a_node_and_pipelines_acro
         port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
     nodes = [
-        subprocess.Popen(
+        forked.start(
             [
                 sys.executable,
                 "-m",
@@ -284,14 +284,13 @@ def test_two_node_torchrun_on_loopback_keeps_tp_inside_a_node_and_pipelines_acro
             ],
             cwd=tmp_path,
             env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+            merge_output=True,
+        )  # (torchrun's agents forked; the ranks they start are fresh processes)
         for node in (0, 1)
     ]
-    outputs = [p.communicate(timeout=560)[0] for p in nodes]
-    assert [p.returncode for p in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    codes = [p.wait(timeout=560) for p in nodes]
+    outputs = [p.stdout() for p in nodes]
+    assert codes == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     placements = [json.loads((tmp_path / f"placement_rank{r}.json").read_text()) for r in range(4)]
     assert [p["node"] for p in placements] == [0] * 2 + [1] * 2
     assert [p["stage"] for p in placements] == [p["node"] for p in placements]  # one pipeline stage a node
