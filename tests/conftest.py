@@ -1,4 +1,5 @@
 import os
+import time
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -39,6 +40,7 @@ def pytest_configure(config):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     config.names_turns = share_turns()  # (`turns`: tests that start several ranks take turns on the machine)
+    config.suite_began = time.time()
 
 
 def pytest_terminal_summary(terminalreporter, config):
@@ -47,11 +49,17 @@ def pytest_terminal_summary(terminalreporter, config):
     if not getattr(config, "names_turns", False) or not Path(os.environ[LOCK_VARIABLE]).exists():
         return
     turns_held = held()
-    waited, total = sum(w for _, w, _ in turns_held), sum(s for _, _, s in turns_held)
+    if not turns_held:
+        return
+    waited, total = sum(w for _, w, _, _ in turns_held), sum(s for _, _, s, _ in turns_held)
     terminalreporter.section("runs of several ranks, one at a time (tests/turns.py)")
     terminalreporter.write_line(f"{len(turns_held)} held the machine for {total:.0f} s in all (waited {waited:.0f} s)")
+    first, last = min(e - s for _, _, s, e in turns_held), max(e for *_, e in turns_held)
+    free = time.time() - config.suite_began - total
+    terminalreporter.write_line(f"none held it for {free:.0f} s: {first - config.suite_began:.0f} s before the first, "
+                                f"{time.time() - last:.0f} s after the last")  # fmt: skip
     by_group = {}  # a test, or the folder of a spawn's jobs
-    for holder, _, seconds in turns_held:
+    for holder, _, seconds, _ in turns_held:
         group = holder.split("/")[0] if "::" not in holder else holder
         by_group[group] = by_group.get(group, 0.0) + seconds
     for group, seconds in sorted(by_group.items(), key=lambda item: -item[1])[:20]:

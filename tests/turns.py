@@ -5,8 +5,8 @@ they share 2 cores with another group of ranks: each collective waits until ever
 again. Measured here: the two-node torchrun test took 30 s alone, 40 s beside one busy process, and 288 s in a suite
 run beside the shared layout runs' spawns. A test or a spawned job that starts several ranks holds the machine's turn
 (an exclusive `fcntl.flock` on one file for the whole session); single-process tests run beside it as before.
-Each holder writes one line into that file (what held it, seconds waited, seconds held), which the suite's summary adds
-up (`held`): the time the multi-rank runs take one after another, the floor under the suite's time.
+Each holder writes one line into that file (what held it, seconds waited, seconds held, when it let go), which the
+suite's summary adds up (`held`): the time the multi-rank runs take one after another, the floor under the suite's time.
 """
 
 import fcntl
@@ -48,16 +48,17 @@ def turn(holder: str):
         try:
             yield
         finally:
-            file.write(f"{holder}\t{got - asked:.2f}\t{time.perf_counter() - got:.2f}\n")
+            file.write(f"{holder}\t{got - asked:.2f}\t{time.perf_counter() - got:.2f}\t{time.time():.2f}\n")
             file.flush()
             fcntl.flock(file, fcntl.LOCK_UN)
     time.sleep(0.05)
 
 
-def held() -> list[tuple[str, float, float]]:
-    """What held the turn so far: (holder, seconds waited, seconds held), in order."""
+def held() -> list[tuple[str, float, float, float]]:
+    """What held the turn so far: (holder, seconds waited, seconds held, when it let go: `time.time`), in order."""
     lines = Path(os.environ[LOCK_VARIABLE]).read_text().splitlines()
-    return [(holder, float(waited), float(seconds)) for holder, waited, seconds in (line.split("\t") for line in lines)]
+    return [(holder, float(waited), float(seconds), float(ended))
+            for holder, waited, seconds, ended in (line.split("\t") for line in lines)]  # fmt: skip
 
 
 @contextmanager
