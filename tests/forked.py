@@ -10,8 +10,9 @@ and HuggingFace datasets before a tiny fit does anything. Measured alone on this
 The child is set up as a fresh process would be: its own argv, folder, environment, ``sys.path`` (the script's folder,
 then PYTHONPATH, then the interpreter's own), session, output files, and the exit handlers run at its end. What it
 cannot be is a process that imports afresh: a command whose subject is start-up, what importing prints or warns, or
-a variable read at import (`read_at_import`) runs fresh (``fresh=True``; a variable that differs from this process's
-makes it so, and one that differs from the pre-imported process's is refused in the child's output).
+a variable read at import (`read_at_import`) runs fresh: such tests call `subprocess` themselves; a command whose
+environment changes such a variable runs fresh here, and one the pre-imported process's own environment differs in is
+refused in the child's output.
 """
 
 import atexit
@@ -104,11 +105,8 @@ def start(argv: list[str], *, cwd: Path, env: dict[str, str], new_session: bool 
     return Command(process, argv, folder)
 
 
-def run(argv: list[str], *, cwd: Path, env: dict[str, str], timeout: float = 240, fresh: bool = False):
-    """`start` ``argv`` and wait for it: a `subprocess.CompletedProcess` with its output as text (``fresh``: in a
-    fresh interpreter, as `subprocess.run` does)."""
-    if fresh:
-        return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+def run(argv: list[str], *, cwd: Path, env: dict[str, str], timeout: float = 240):
+    """`start` ``argv`` and wait for it: a `subprocess.CompletedProcess` with its output as text."""
     command = start(argv, cwd=cwd, env=env)
     try:
         code = command.wait(timeout)
@@ -124,8 +122,9 @@ def _child(args: list[str], cwd: str, env: dict[str, str], outputs: tuple, new_s
     sys.stdout.flush(), sys.stderr.flush()
     out = os.open(outputs[0], os.O_WRONLY)
     os.dup2(out, 1), os.dup2(os.open(outputs[1], os.O_WRONLY) if outputs[1] else out, 2)
-    if _imported(env) != _imported(dict(os.environ)):
-        differ = sorted(set(_imported(env).items()) ^ set(_imported(dict(os.environ)).items()))
+    wanted, inherited = _imported(env), _imported(dict(os.environ))
+    if wanted != inherited:
+        differ = sorted(set(wanted.items()) ^ set(inherited.items()))
         raise SystemExit(f"tests/forked.py: {differ} differ from the pre-imported process's: run the command fresh")
     os.chdir(cwd)
     os.environ.clear()

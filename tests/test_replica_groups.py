@@ -275,9 +275,10 @@ def _lighthouse_process(port: int, join_ms: int, heartbeat_ms: int) -> subproces
     (the groups refuse a lighthouse that is not there yet, before any step)."""
     command = [str(Path(sys.executable).parent / "torchft_lighthouse"), "--min_replicas", "1", "--join_timeout_ms",
                str(join_ms), "--heartbeat_timeout_ms", str(heartbeat_ms), "--bind", f"[::]:{port}"]  # fmt: skip
-    lighthouse, deadline = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), time.time()
+    lighthouse = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
     while not _listening(port):
-        assert time.time() < deadline + 60 and lighthouse.poll() is None, "the lighthouse did not start"
+        assert time.time() < deadline and lighthouse.poll() is None, "the lighthouse did not start"
         time.sleep(0.2)
     return lighthouse
 
