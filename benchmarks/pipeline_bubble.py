@@ -78,7 +78,7 @@ class SplitBlock(nn.Module):
         self.weight = nn.Parameter(torch.ones(()))
         self.input_gain = nn.Parameter(torch.ones(()))  # the first stage's embedding: its input needs a gradient too
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, context=None) -> torch.Tensor:  # (the batch's context: nothing to read here)
         forward_s, input_s, weight_s = self.costs
         if not x.requires_grad:
             x = x * self.input_gain
@@ -146,7 +146,9 @@ def measure(p: int, microbatches: list[int], schedules: list, costs, steps: int,
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         args = (p, port, microbatches, schedules, costs, steps, timeline_dir, tmp)
-        mp.start_processes(_worker, args=args, nprocs=p, start_method="spawn")
+        # NOTE: forked, not spawned: the ranks start from this process, which has imported torch and Lightning (a
+        # spawned rank imports them again: about 9 s of a core each on a small machine) and runs no thread of its own.
+        mp.start_processes(_worker, args=args, nprocs=p, start_method="fork")
         return json.loads((Path(tmp) / "result.json").read_text())
 
 

@@ -253,8 +253,10 @@ def run_group(processes: int, names: list[str], args: argparse.Namespace, thread
             port = s.getsockname()[1]
         # Each round starts with the next configuration, so none always runs first (or right after another).
         schedule = [(r, names[(r + i) % len(names)]) for r in range(args.rounds) for i in range(len(names))]
+        # NOTE: forked, not spawned: the ranks start from this process, which has imported torch and Lightning (a
+        # spawned rank imports them again: about 9 s of a core each on a small machine) and runs no thread of its own.
         mp.start_processes(
-            _worker, args=(processes, port, schedule, vars(args), threads, tmp), nprocs=processes, start_method="spawn"
+            _worker, args=(processes, port, schedule, vars(args), threads, tmp), nprocs=processes, start_method="fork"
         )
         results = {}
         for name in names:

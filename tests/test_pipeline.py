@@ -1,8 +1,12 @@
 """Pipeline parallelism: the stage split, the schedules' constraints, and what a step reports."""
 
 import importlib.util
+import json
+import os
+import sys
 from pathlib import Path
 
+import forked
 import pytest
 import torch
 from layouts import STEPS
@@ -248,3 +252,19 @@ def test_each_step_logs_the_measured_bubble_next_to_the_theory(layout, theory, l
     run = layout_runs[layout]
     assert run["pp_bubble_theory"] == pytest.approx([theory] * STEPS)
     assert len(run["pp_bubble"]) == STEPS and all(0.0 <= b < 1.0 for b in run["pp_bubble"])
+
+
+@pytest.mark.ranks
+def test_the_bubble_benchmark_measures_what_a_replay_of_its_own_timings_gives(tmp_path):
+    """`benchmarks/pipeline_bubble.py` on 2 ranks: each schedule's measured bubble is the replay of its order with the
+    durations and pauses it measured, and its peak of micro-batches in flight is the theory's."""
+    out = tmp_path / "bubble.json"
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "pipeline_bubble.py"
+    argv = [sys.executable, str(script), "--stages", "2", "--microbatches", "4", "--schedules", "1f1b", "zbv"]
+    run = forked.run([*argv, "--steps", "2", "--json", str(out)], cwd=tmp_path, env=dict(os.environ), timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = {row["name"]: row for row in json.loads(out.read_text())}
+    assert sorted(rows) == ["1f1b", "zbv"]
+    for row in rows.values():
+        assert row["measured"] == pytest.approx(row["replay_measured"], abs=0.05), row
+        assert row["peak"] == row["peak_theory"], row
