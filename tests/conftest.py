@@ -40,7 +40,7 @@ def pytest_configure(config):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     config.names_turns = share_turns()  # (`turns`: tests that start several ranks take turns on the machine)
-    config.suite_began = time.time()
+    config.suite_began, config.busy_began = time.time(), cores_busy()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         yield_to_ranks()
 
@@ -51,6 +51,15 @@ def pytest_configure(config):
 # processes it starts itself) runs at a lower priority than the ranks and commands forked from its fork server: it takes
 # the cores the ranks leave while they wait for each other, and only a quarter of one they want (nice 5).
 WORKER_NICENESS = 5
+
+
+def cores_busy() -> float | None:
+    """Seconds the machine's cores have spent working since it started (None where /proc/stat is not)."""
+    try:
+        user, nice, system, _, _, irq, softirq = map(int, Path("/proc/stat").read_text().split()[1:8])
+    except (OSError, ValueError):
+        return None
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
 def yield_to_ranks() -> None:
@@ -78,6 +87,11 @@ def pytest_terminal_summary(terminalreporter, config):
     free = time.time() - config.suite_began - total
     terminalreporter.write_line(f"none held it for {free:.0f} s: {first - config.suite_began:.0f} s before the first, "
                                 f"{time.time() - last:.0f} s after the last")  # fmt: skip
+    if config.busy_began is not None:  # every process's work, whoever started it (Linux: /proc/stat)
+        busy, cores, elapsed = cores_busy() - config.busy_began, os.cpu_count() or 1, time.time() - config.suite_began
+        share = f"{busy / cores / elapsed:.0%}"
+        terminalreporter.write_line(f"the {cores} cores were busy {busy:.0f} core-s of {elapsed:.0f} s ({share}): "
+                                    f"{busy / cores:.0f} s of work for each")  # fmt: skip
     by_group = {}  # a test, or the folder of a spawn's jobs
     for holder, _, seconds, _ in turns_held:
         group = holder.split("/")[0] if "::" not in holder else holder
