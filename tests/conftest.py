@@ -87,7 +87,7 @@ def pytest_terminal_summary(terminalreporter, config):
     free = time.time() - config.suite_began - total
     terminalreporter.write_line(f"none held it for {free:.0f} s: {first - config.suite_began:.0f} s before the first, "
                                 f"{time.time() - last:.0f} s after the last")  # fmt: skip
-    if config.busy_began is not None:  # every process's work, whoever started it (Linux: /proc/stat)
+    if config.busy_began is not None:  # every process's work (/proc/stat: in a container, the host's)
         busy, cores, elapsed = cores_busy() - config.busy_began, os.cpu_count() or 1, time.time() - config.suite_began
         share = f"{busy / cores / elapsed:.0%}"
         terminalreporter.write_line(f"the {cores} cores were busy {busy:.0f} core-s of {elapsed:.0f} s ({share}): "
