@@ -83,6 +83,16 @@ CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# The shape of gpt-oss's harmony format (its folder's template also writes a system preamble and the analysis
+# channel): a turn is <|start|>ROLE<|message|>...<|end|>, an answer is on the final channel, and the conversation's
+# last answer ends with <|return|> instead of <|end|> (what the model emits to stop).
+HARMONY = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}<|start|>assistant<|channel|>final<|message|>"
+    "{{ m['content'] }}{{ '<|return|>' if loop.last else '<|end|>' }}"
+    "{% else %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
+)
+HARMONY_TOKENS = ["<|endoftext|>", "<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>"]
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "why", "how", "answer", "is", "yes", "no"]
 
 
@@ -100,13 +110,15 @@ def byte_level_bpe(specials: list[str]) -> Any:
 
 
 def chat_tokenizer(folder: Path, template: str | None = CHATML) -> Path:
-    """A small byte-level BPE tokenizer folder with ChatML's special tokens and (unless None) a chat ``template``."""
+    """A small byte-level BPE tokenizer folder with ChatML's special tokens (harmony's with `HARMONY`) and (unless
+    None) a chat ``template``."""
     import json
 
-    tokenizer = byte_level_bpe(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    harmony = template == HARMONY
+    tokenizer = byte_level_bpe(HARMONY_TOKENS if harmony else ["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(folder / "tokenizer.json"))
-    config = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+    config = {"eos_token": "<|return|>" if harmony else "<|im_end|>", "pad_token": "<|endoftext|>"}
     if template is not None:
         config["chat_template"] = template
     (folder / "tokenizer_config.json").write_text(json.dumps(config))

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from helpers import chat_file, chat_tokenizer, logged, tiny_llama
+from helpers import HARMONY, chat_file, chat_tokenizer, logged, tiny_llama
 from layouts import CHAT_GPT, PACKED_LAYOUTS, STEPS
 
 from lit3d import GPT, GPTConfig
@@ -33,6 +33,26 @@ def test_only_the_answers_and_their_end_of_turn_are_trained(tokenizer):
     trained = decode(ids[answer].tolist(), skip_special_tokens=False)
     assert trained == "yes<|im_end|>\nthe quick fox<|im_end|>\n"
     assert 0 < answer.sum() < len(ids) and not answer[:8].any()
+
+
+def test_harmony_answers_are_trained_with_the_marker_that_ends_each_in_the_whole_conversation(tmp_path):
+    """gpt-oss's harmony format ends the last answer with <|return|> and an earlier one with <|end|>: rendered up to an
+    earlier answer, the conversation does not begin the whole one, yet each answer is told apart."""
+    chat = ChatTemplate(chat_tokenizer(tmp_path / "harmony", template=HARMONY))
+    turns = [{"role": "user", "content": "why"}, {"role": "assistant", "content": "yes"},
+             {"role": "user", "content": "how"}, {"role": "assistant", "content": "the quick fox"}]  # fmt: skip
+    assert not chat.render(turns).startswith(chat.render(turns[:2]))
+    ids, answer = chat.encode(turns)
+    decode = chat.tokenizer.decode
+    assert decode(ids.tolist(), skip_special_tokens=False) == chat.render(turns)
+    trained = decode(ids[answer].tolist(), skip_special_tokens=False)
+    assert trained == "<|channel|>final<|message|>yes<|end|><|channel|>final<|message|>the quick fox<|return|>"
+    assert chat.render(turns[:3], add_generation_prompt=True).endswith("<|end|><|start|>assistant")
+    rows = tmp_path / "chat.jsonl"
+    rows.write_text("\n".join(json.dumps({"messages": turns}) for _ in range(8)))
+    data = ChatDataModule(str(rows), str(tmp_path / "harmony"), seq_len=64, global_batch_size=2, val_fraction=0.25)
+    data.setup("fit")
+    assert next(iter(data.train_dataloader()))["loss_mask"].any()  # (rows of answers to train on)
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,9 @@ The template (``tokenizer_config.json``'s ``chat_template``, or a ``chat_templat
 Jinja as HuggingFace renders it. An assistant turn's answer is what rendering the conversation up to and including
 that turn adds to rendering it up to the turn before, with the generation prompt: the answer's text and the
 template's end-of-turn marker, which the model must learn to produce. Tokens are marked by their character offsets.
+A template may end the conversation's last turn with another marker than the same turn followed by more (gpt-oss's
+harmony format ends the final answer with ``<|return|>``, an earlier one with ``<|end|>``): such an answer runs to
+where the two renderings part, and on through the special token that ends it in the whole conversation.
 
 NOTE: rendered here with jinja2 (a dependency of torch) rather than by `transformers`, which is an optional extra.
 """
@@ -62,13 +65,24 @@ class ChatTemplate:
                 continue
             before = self.render(messages[:turn], add_generation_prompt=True)
             through = self.render(messages[: turn + 1])
-            if not (through.startswith(before) and text.startswith(through)):
+            end = len(through) if text.startswith(through) else self._end_in_whole(text, through, len(before))
+            if not (through.startswith(before) and text.startswith(before)) or end is None:
                 raise ValueError(
                     f"the chat template of {str(self.folder)!r} does not render a conversation's beginning as the "
                     f"beginning of the whole (at turn {turn}), so its answers cannot be told apart"
                 )
-            spans.append((len(before), len(through)))
+            spans.append((len(before), end))
         return text, spans
+
+    def _end_in_whole(self, text: str, through: str, begin: int) -> int | None:
+        """Where an answer that ``through`` ends with one special token (its last-turn marker) ends in ``text``, the
+        whole conversation: through the special token ``text`` has where the two part (None if they differ in more)."""
+        special = [t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special]
+        parted = max((len(through) - len(token) for token in special if through.endswith(token)), default=0)
+        ends_whole = [token for token in special if text.startswith(token, parted)]
+        if parted <= begin or not text.startswith(through[:parted]) or not ends_whole:
+            return None
+        return parted + max(map(len, ends_whole))
 
 
 def _template_source(folder: Path, config: dict[str, Any]) -> str:
