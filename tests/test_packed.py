@@ -12,6 +12,7 @@ from layouts import CHAT_GPT, PACKED_LAYOUTS, STEPS
 from lit3d import GPT, GPTConfig
 from lit3d.data import ChatDataModule, TextDataModule
 from lit3d.data.chat_template import ChatTemplate
+from lit3d.data.prompts import AnswerDecoder, end_of_turn_ids
 from lit3d.models import documents
 from lit3d.models.batch_context import BatchContext
 from lit3d.models.transformer import IGNORED
@@ -48,6 +49,10 @@ def test_harmony_answers_are_trained_with_the_marker_that_ends_each_in_the_whole
     trained = decode(ids[answer].tolist(), skip_special_tokens=False)
     assert trained == "<|channel|>final<|message|>yes<|end|><|channel|>final<|message|>the quick fox<|return|>"
     assert chat.render(turns[:3], add_generation_prompt=True).endswith("<|end|><|start|>assistant")
+    # `lit3d generate --chat` prints the final channel's message alone, whatever the model wrote before it
+    stop = end_of_turn_ids(chat, [chat.folder])
+    made = "<|channel|>analysis<|message|>why not<|end|><|start|>assistant<|channel|>final<|message|>yes<|return|>no"
+    assert AnswerDecoder(chat, stop).decode(chat.tokenizer.encode(made, add_special_tokens=False).ids) == "yes"
     rows = tmp_path / "chat.jsonl"
     rows.write_text("\n".join(json.dumps({"messages": turns}) for _ in range(8)))
     data = ChatDataModule(str(rows), str(tmp_path / "harmony"), seq_len=64, global_batch_size=2, val_fraction=0.25)

@@ -87,14 +87,18 @@ class ChatPrompt(L.LightningDataModule):
 
 
 class AnswerDecoder:
-    """Decodes an answer's tokens up to (not including) the first end-of-turn token, without special tokens."""
+    """Decodes an answer's tokens up to (not including) the first end-of-turn token: what follows the last special
+    token before it (gpt-oss's harmony format heads a message with ``<|channel|>final<|message|>``, and may first
+    write its reasoning on another channel), or the whole where there is none (ChatML, Llama 3)."""
 
     def __init__(self, chat: ChatTemplate, stop_ids: tuple[int, ...]) -> None:
         self.chat, self.stop_ids = chat, stop_ids
+        self.special_ids = {i for i, token in chat.tokenizer.get_added_tokens_decoder().items() if token.special}
 
     def decode(self, ids: list[int]) -> str:
         end = next((i for i, token in enumerate(ids) if token in self.stop_ids), len(ids))
-        return self.chat.tokenizer.decode(ids[:end], skip_special_tokens=True)
+        begin = max((i + 1 for i, token in enumerate(ids[:end]) if token in self.special_ids), default=0)
+        return self.chat.tokenizer.decode(ids[begin:end], skip_special_tokens=True)
 
 
 def end_of_turn_ids(chat: ChatTemplate, folders: list[Path]) -> tuple[int, ...]:
