@@ -92,7 +92,8 @@ HARMONY = (
     "{% else %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
 )
-HARMONY_TOKENS = ["<|endoftext|>", "<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>"]
+HARMONY_TOKENS = ("<|endoftext|>", "<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>")
+CHATML_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "why", "how", "answer", "is", "yes", "no"]
 
 
@@ -109,16 +110,17 @@ def byte_level_bpe(specials: list[str]) -> Any:
     return tokenizer
 
 
-def chat_tokenizer(folder: Path, template: str | None = CHATML) -> Path:
-    """A small byte-level BPE tokenizer folder with ChatML's special tokens (harmony's with `HARMONY`) and (unless
-    None) a chat ``template``."""
+def chat_tokenizer(
+    folder: Path, template: str | None = CHATML, specials: tuple[str, ...] = CHATML_TOKENS, eos: str = "<|im_end|>"
+) -> Path:
+    """A small byte-level BPE tokenizer folder with ``specials`` (ChatML's by default; ``specials[0]`` pads), its
+    ``eos`` token and (unless None) a chat ``template``."""
     import json
 
-    harmony = template == HARMONY
-    tokenizer = byte_level_bpe(HARMONY_TOKENS if harmony else ["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    tokenizer = byte_level_bpe(list(specials))
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(folder / "tokenizer.json"))
-    config = {"eos_token": "<|return|>" if harmony else "<|im_end|>", "pad_token": "<|endoftext|>"}
+    config = {"eos_token": eos, "pad_token": specials[0]}
     if template is not None:
         config["chat_template"] = template
     (folder / "tokenizer_config.json").write_text(json.dumps(config))

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from helpers import HARMONY, chat_file, chat_tokenizer, logged, tiny_llama
+from helpers import HARMONY, HARMONY_TOKENS, chat_file, chat_tokenizer, logged, tiny_llama
 from layouts import CHAT_GPT, PACKED_LAYOUTS, STEPS
 
 from lit3d import GPT, GPTConfig
@@ -39,7 +39,7 @@ def test_only_the_answers_and_their_end_of_turn_are_trained(tokenizer):
 def test_harmony_answers_are_trained_with_the_marker_that_ends_each_in_the_whole_conversation(tmp_path):
     """gpt-oss's harmony format ends the last answer with <|return|> and an earlier one with <|end|>: rendered up to an
     earlier answer, the conversation does not begin the whole one, yet each answer is told apart."""
-    chat = ChatTemplate(chat_tokenizer(tmp_path / "harmony", template=HARMONY))
+    chat = ChatTemplate(chat_tokenizer(tmp_path / "harmony", HARMONY, HARMONY_TOKENS, eos="<|return|>"))
     turns = [{"role": "user", "content": "why"}, {"role": "assistant", "content": "yes"},
              {"role": "user", "content": "how"}, {"role": "assistant", "content": "the quick fox"}]  # fmt: skip
     assert not chat.render(turns).startswith(chat.render(turns[:2]))

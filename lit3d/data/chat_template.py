@@ -39,6 +39,8 @@ class ChatTemplate:
         self.tokenizer = Tokenizer.from_file(str(file))
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         self.special = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token", "pad_token")}
+        added = self.tokenizer.get_added_tokens_decoder().items()
+        self.special_tokens = {i: token.content for i, token in added if token.special}  # by id: markers, not text
         eos = self.special["eos_token"]
         self.pad_id = self.tokenizer.token_to_id(self.special["pad_token"] or eos or "") or 0
         self.template = _environment().from_string(source)
@@ -77,7 +79,7 @@ class ChatTemplate:
     def _end_in_whole(self, text: str, through: str, begin: int) -> int | None:
         """Where an answer that ``through`` ends with one special token (its last-turn marker) ends in ``text``, the
         whole conversation: through the special token ``text`` has where the two part (None if they differ in more)."""
-        special = [t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special]
+        special = self.special_tokens.values()
         parted = max((len(through) - len(token) for token in special if through.endswith(token)), default=0)
         ends_whole = [token for token in special if text.startswith(token, parted)]
         if parted <= begin or not text.startswith(through[:parted]) or not ends_whole:

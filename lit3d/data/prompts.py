@@ -93,11 +93,10 @@ class AnswerDecoder:
 
     def __init__(self, chat: ChatTemplate, stop_ids: tuple[int, ...]) -> None:
         self.chat, self.stop_ids = chat, stop_ids
-        self.special_ids = {i for i, token in chat.tokenizer.get_added_tokens_decoder().items() if token.special}
 
     def decode(self, ids: list[int]) -> str:
         end = next((i for i, token in enumerate(ids) if token in self.stop_ids), len(ids))
-        begin = max((i + 1 for i, token in enumerate(ids[:end]) if token in self.special_ids), default=0)
+        begin = max((i + 1 for i, token in enumerate(ids[:end]) if token in self.chat.special_tokens), default=0)
         return self.chat.tokenizer.decode(ids[begin:end], skip_special_tokens=True)
 
 
