@@ -8,12 +8,14 @@ import torch
 from layouts import (
     CHAT,
     CP_LAYOUTS,
+    DEEP,
     DOCUMENTS,
     HALF,
     LAYOUTS,
     LONG,
     LONG_MOE,
     LORA,
+    LORA_DEEP,
     LORA_LAYOUTS,
     LORA_LONG,
     LORA_MOE,
@@ -257,6 +259,12 @@ def reference_run(base_job, tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="session")
+def reference_deep_run(base_job, tmp_path_factory) -> dict:
+    """The single-process run of the 4-block model (`DEEP`), which the layouts of 4 stages are compared with."""
+    return reference(base_job, DEEP, tmp_path_factory.mktemp("reference_deep"))
+
+
+@pytest.fixture(scope="session")
 def reference_bf16_run(base_job, tmp_path_factory) -> dict:
     """The single-process bf16-mixed run the bf16-mixed layouts are compared with."""
     return reference(base_job, {"trainer": {"precision": "bf16-mixed"}}, tmp_path_factory.mktemp("reference_bf16"))
@@ -293,6 +301,12 @@ def reference_lora_long_run(base_job, tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="session")
+def reference_lora_deep_run(base_job, tmp_path_factory) -> dict:
+    """The single-process run of the 4-block model with adapters, for LoRA's layouts of 4 stages."""
+    return reference(base_job, LORA_DEEP, tmp_path_factory.mktemp("reference_lora_deep"))
+
+
+@pytest.fixture(scope="session")
 def reference_lora_moe_run(base_job, tmp_path_factory) -> dict:
     """The single-process run of the MoE model with adapters on its attention."""
     return reference(base_job, LORA_MOE, tmp_path_factory.mktemp("reference_lora_moe"))
@@ -310,11 +324,12 @@ def family_references(base_job, packed_data, tmp_path_factory) -> dict[str, dict
 
 @pytest.fixture(scope="session")
 def muon_references(base_job, tmp_path_factory) -> dict[str, dict]:
-    """The single-process Muon runs (``dense``, ``moe``) its layouts are compared with (`muon_layouts`)."""
-    from muon_layouts import MUON, MUON_MOE
+    """The single-process Muon runs (``dense``, ``deep``, ``moe``) its layouts are compared with (`muon_layouts`)."""
+    from muon_layouts import MUON, MUON_DEEP, MUON_MOE
 
     folder = tmp_path_factory.mktemp("reference_muon")
-    return {name: reference(base_job, job, folder / name) for name, job in (("dense", MUON), ("moe", MUON_MOE))}
+    jobs = (("dense", MUON), ("deep", MUON_DEEP), ("moe", MUON_MOE))
+    return {name: reference(base_job, job, folder / name) for name, job in jobs}
 
 
 @pytest.fixture(scope="session")

@@ -6,8 +6,17 @@ import torch
 
 from lit3d.callbacks import CommReport
 
-# Grouped-query heads, and a vocabulary of 257 (padded to 320) that no TP size divides; 4 blocks for 4 stages.
-SMALL_GPT = dict(n_layer=4, n_head=4, n_kv_head=2, d_model=32, d_ff=64, vocab_size=257, max_seq_len=32)
+# Grouped-query heads, and a vocabulary of 257 (padded to 320) that no TP size divides. Two blocks: a layout run's
+# time grows with its blocks (4 cost a quarter more on 4 ranks); the jobs of 4 stages (pp4, virtual stages, the
+# V-shaped schedules) train DEEP_GPT's 4, against its own single-process run.
+SMALL_GPT = dict(n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=64, vocab_size=257, max_seq_len=32)
+DEEP_GPT = dict(SMALL_GPT, n_layer=4)
+DEEP = {"model": {"config": DEEP_GPT}}
+
+
+def is_deep(job: dict) -> bool:
+    """Whether ``job`` (a layout's overrides) trains `DEEP_GPT`, so compares with the deep single-process run."""
+    return job.get("model", {}).get("config") is DEEP_GPT
 
 
 def pp(size: int, schedule: str = "1f1b", **more) -> dict:
@@ -86,26 +95,26 @@ LAYOUTS: dict[str, tuple[int, dict]] = {
     },
     "pp2_gpipe": (2, {"strategy": pp(2, "gpipe")}),
     "pp2_1f1b": (2, {"strategy": pp(2)}),
-    "pp2_interleaved_1f1b": (2, {"strategy": pp(2, "interleaved_1f1b", virtual_pipeline_size=2)}),
-    "pp2_zero_bubble": (2, {"strategy": pp(2, "zero_bubble", virtual_pipeline_size=2)}),
+    "pp2_interleaved_1f1b": (2, {**DEEP, "strategy": pp(2, "interleaved_1f1b", virtual_pipeline_size=2)}),
+    "pp2_zero_bubble": (2, {**DEEP, "strategy": pp(2, "zero_bubble", virtual_pipeline_size=2)}),
     # The V-shaped schedules (two chunks per rank, stages r and 2p-1-r): alone, under full recompute, and on all
     # three axes with ZeRO and selective recompute.
-    "pp2_zbv": (2, {"strategy": pp(2, "zbv")}),
-    "pp2_dualpipev_full_recompute": (2, {"strategy": pp(2, "dualpipev", activation_checkpointing="full")}),
+    "pp2_zbv": (2, {**DEEP, "strategy": pp(2, "zbv")}),
+    "pp2_dualpipev_full_recompute": (2, {**DEEP, "strategy": pp(2, "dualpipev", activation_checkpointing="full")}),
     "pp2_1f1b_accumulate2": (2, {"strategy": pp(2), "trainer": ACCUMULATE2}),
     "pp2_1f1b_loss_scaled": (2, {"strategy": pp(2), "loss_scale": 1024.0}),
     "dp2_pp2_zero1_accumulate2": (4, {"strategy": pp(2, zero_stage=1), "trainer": ACCUMULATE2}),
-    "pp4_1f1b": (4, {"strategy": pp(4)}),
+    "pp4_1f1b": (4, {**DEEP, "strategy": pp(4)}),
     "dp2_pp2_zero3": (4, {"strategy": pp(2, zero_stage=3)}),
     "tp2_pp2_sequence_parallel": (4, {"strategy": pp(2, tensor_parallel_size=2, sequence_parallel=True)}),
     "dp2_tp2_pp2_zero1": (
         8,
         {"strategy": pp(2, tensor_parallel_size=2, zero_stage=1), "checkpoint_every": STEPS, "test_after_fit": True},
     ),
-    "dp2_pp2_zbv_zero1": (4, {"strategy": pp(2, "zbv", zero_stage=1)}),
+    "dp2_pp2_zbv_zero1": (4, {**DEEP, "strategy": pp(2, "zbv", zero_stage=1)}),
     "dp2_pp2_dualpipev_zero2_selective_recompute": (
         4,
-        {"strategy": pp(2, "dualpipev", zero_stage=2, activation_checkpointing="selective")},
+        {**DEEP, "strategy": pp(2, "dualpipev", zero_stage=2, activation_checkpointing="selective")},
     ),
     "dp2_tp2_zero1": (4, {"strategy": {"tensor_parallel_size": 2, "zero_stage": 1}}),
     "dp2_tp2_zero3": (4, {"strategy": {"tensor_parallel_size": 2, "zero_stage": 3}}),
@@ -211,7 +220,6 @@ LORA_LAYOUTS = {
         ("lora_tp2_sequence_parallel", 2, {"tensor_parallel_size": 2, "sequence_parallel": True}),
         ("lora_pp2_resumed_from_tp2", 2, pp(2)),
         ("lora_pp2", 2, pp(2)),
-        ("lora_pp2_zbv", 2, pp(2, "zbv")),
         ("lora_dp2_pp2_zero1_full_recompute_accumulate2", 4, {"zero_stage": 1, "activation_checkpointing": "full",
                                                                **pp(2)}),
         ("lora_dp2_tp2_zero3", 4, {"tensor_parallel_size": 2, "zero_stage": 3}),
@@ -226,6 +234,9 @@ LORA_MOE = {
     }
 }
 LORA_LAYOUTS["lora_moe_ep2"] = (2, {**LORA_MOE, "strategy": {"expert_parallel_size": 2}})
+# Four stages in a V: the adapters on the deep model.
+LORA_DEEP = {"model": {**LORA["model"], "config": DEEP_GPT}}
+LORA_LAYOUTS["lora_pp2_zbv"] = (2, {**LORA_DEEP, "strategy": pp(2, "zbv")})
 # Context parallelism: the adapters on sequences of 256 tokens, split over 2 ranks.
 LORA_LONG = {**LONG, "model": {**LONG["model"], **LORA["model"]}}
 LORA_LAYOUTS["lora_cp2"] = (2, {**LORA_LONG, "strategy": {"context_parallel_size": 2}})

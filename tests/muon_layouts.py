@@ -7,18 +7,19 @@ one layout resumes in another (DP2 x TP2 x ZeRO-3's shards into DP2 x PP2's stag
 Newton-Schulz iteration runs in fp32 here (``muon_ns_dtype``): in bf16 a last-bit difference of a gradient summed in
 another order can round one way on one layout and the other way on another."""
 
-from layouts import COMMS_STEP, HALF, SMALL_MOE, saved_at_half
+from layouts import COMMS_STEP, DEEP_GPT, HALF, SMALL_MOE, saved_at_half
 
 from lit3d.callbacks import CommReport
 
 MUON = {"model": {"optimizer": "muon", "muon_ns_dtype": "float32"}}
+MUON_DEEP = {"model": {**MUON["model"], "config": DEEP_GPT}}  # four stages in a V
 MUON_MOE = {"model": {"config": SMALL_MOE, "optimizer": "muon", "muon_ns_dtype": "float32"}}
 MUON_LAYOUTS = {
     "muon_dp2_zero1": (2, {**MUON, "strategy": {"zero_stage": 1}}),
     "muon_dp2_zero3": (2, {**MUON, "strategy": {"zero_stage": 3}}),
     "muon_tp2_sequence_parallel": (2, {**MUON, "strategy": {"tensor_parallel_size": 2, "sequence_parallel": True}}),
     "muon_dp2_tp2_zero3": (4, {**MUON, "strategy": {"tensor_parallel_size": 2, "zero_stage": 3}}),
-    "muon_pp2_zbv": (2, {**MUON, "strategy": {"pipeline_parallel_size": 2, "pipeline_schedule": "zbv"}}),
+    "muon_pp2_zbv": (2, {**MUON_DEEP, "strategy": {"pipeline_parallel_size": 2, "pipeline_schedule": "zbv"}}),
     "muon_moe_ep2": (2, {**MUON_MOE, "strategy": {"expert_parallel_size": 2, "zero_stage": 0}}),
 }
 # bytes measured against the planner's

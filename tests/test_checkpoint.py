@@ -40,7 +40,7 @@ def test_a_checkpoint_is_a_folder_of_shards_with_layout_free_names(saved):
     folder = saved["saved"]
     assert sorted(p.name for p in folder.glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)]  # every rank
     keys = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
-    assert "state_dict.model.blocks.3.attn.q_proj.weight" in keys  # the name a single process would use
+    assert "state_dict.model.blocks.1.attn.q_proj.weight" in keys  # (stage 1's) the name a single process would use
     assert "optimizer_states.0.state.model.blocks.0.mlp.up_proj.weight.exp_avg" in keys
     assert keys["state_dict.model.embed.weight"].size == torch.Size([320, 32])  # global shapes, not shards
     assert not folder.with_name(folder.name + ".partial").exists()
@@ -186,7 +186,7 @@ def test_an_exported_checkpoint_loads_in_transformers_with_the_same_logits(saved
     state = {f"state_dict.model.{n}": t for n, t in model.model.state_dict().items()}
     dcp.load(state, checkpoint_id=str(saved["saved"]))
     assert torch.equal(
-        exported.state_dict()[hf_name("blocks.2.mlp.down_proj.weight")], model.model.blocks["2"].mlp.down_proj.weight
+        exported.state_dict()[hf_name("blocks.1.mlp.down_proj.weight")], model.model.blocks["1"].mlp.down_proj.weight
     )
     tokens = torch.randint(0, 256, (2, 12))
     with torch.no_grad():

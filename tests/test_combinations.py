@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from layouts import SMALL_GPT
+from layouts import DEEP_GPT
 from turns import ranks_turn
 
 from benchmarks.combinations import Draw, compare, draw, job_of, reference_of, refusal, train, write_corpus
@@ -18,7 +18,7 @@ from lit3d.models.batch_context import BatchContext
 from lit3d.models.documents import Documents
 from lit3d.strategies.split.recompute import apply_activation_checkpointing
 
-MODEL = dict(SMALL_GPT, max_seq_len=64)
+MODEL = dict(DEEP_GPT, max_seq_len=64)  # 4 blocks: draws of 4 stages (virtual stages, V shapes)
 STEPS = 3
 
 

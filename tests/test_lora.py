@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import tiny_llama
-from layouts import HALF, LORA_LAYOUTS, STEPS
+from layouts import HALF, LORA_LAYOUTS, STEPS, is_deep
 
 from lit3d import GPT, GPTConfig, LoRA
 
@@ -137,7 +137,8 @@ def test_lora_trains_like_one_process_in_every_layout(layout, layout_runs, reque
     """Loss and val loss within 1e-5 of the single process (fp32), the frozen base split as any weight is, with
     dropout 0.1 on the adapters' inputs: every layout drops what one process drops (an accumulating run validates on
     smaller micro-batches, other blocks: its losses only)."""
-    kind = "moe_" if "moe" in layout else "long_" if "cp" in layout else ""
+    job = LORA_LAYOUTS[layout][1]
+    kind = "moe_" if "moe" in layout else "long_" if "cp" in layout else "deep_" if is_deep(job) else ""
     reference = request.getfixturevalue(f"reference_lora_{kind}run")
     run = layout_runs[layout]
     assert len(reference["losses"]) == len(run["losses"]) == STEPS

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from layouts import FALLS, HALF, SMALL_GPT, SMALL_MOE, STEPS
+from layouts import FALLS, HALF, SMALL_GPT, SMALL_MOE, STEPS, is_deep
 from muon_layouts import MUON_COMMS, MUON_LAYOUTS, MUON_RESUMED
 
 from lit3d import GPT, GPTConfig, LoRA
@@ -140,7 +140,8 @@ def test_a_checkpoint_resumes_only_with_the_optimizer_it_trained_with():
 def test_muon_trains_like_one_process_in_every_layout_that_splits_its_matrices(layout, layout_runs, muon_references):
     """ZeRO-3's and TP's shards gathered for each matrix's step, a pipeline's stages, EP's experts, ZeRO-3 x TP: every
     step's loss and the validation's within 1e-5 of one process's (fp32), which itself learns."""
-    run, reference = layout_runs[layout], muon_references["moe" if "moe" in layout else "dense"]
+    kind = "moe" if "moe" in layout else "deep" if is_deep(MUON_LAYOUTS[layout][1]) else "dense"
+    run, reference = layout_runs[layout], muon_references[kind]
     assert reference["losses"][-1] < reference["losses"][0] - FALLS
     for key in ("losses", "val_loss"):
         assert len(run[key]) == len(reference[key]) > 0, key
@@ -199,7 +200,7 @@ def test_a_muon_step_sends_what_the_planner_counts(layout, layout_runs):
         name, axis = adamw[layout]
         model = Transformer(GPTConfig(**SMALL_GPT))
         matrices = sum(p.numel() for n, p in model.named_parameters() if is_hidden_matrix(n, p.ndim))
-        assert matrices == 4 * (2 * 32 * 32 + 2 * 16 * 32 + 3 * 64 * 32)  # q, o; k, v (2 KV heads); gate, up, down
+        assert matrices == SMALL_GPT["n_layer"] * (2 * 32 * 32 + 2 * 16 * 32 + 3 * 64 * 32)  # q, o; k, v (2 KV heads); gate, up, down
         more = measured[axis] - layout_runs[name]["comm_bytes"]["measured"][axis]
         assert more == pytest.approx(matrices * 4 / 2, abs=256), (more, matrices)
 

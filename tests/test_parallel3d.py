@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from layouts import COMM_MEASURED, FALLS, LAYOUTS, SMALL_GPT, STEPS
+from layouts import COMM_MEASURED, FALLS, LAYOUTS, SMALL_GPT, STEPS, is_deep
 
 from lit3d import GPTConfig
 
@@ -22,18 +22,23 @@ def relative_difference(losses, reference):
     return max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
 
 
+def reference_of(layout: str, request) -> dict:
+    """The single-process run ``layout`` compares with: of the 4-block model for the layouts of 4 stages."""
+    return request.getfixturevalue("reference_deep_run" if is_deep(LAYOUTS[layout][1]) else "reference_run")
+
+
 @pytest.mark.parametrize("layout", FP32_LAYOUTS)
-def test_layout_matches_the_single_process_loss_curve(layout, layout_runs, reference_run):
-    losses, reference = layout_runs[layout]["losses"], reference_run["losses"]
+def test_layout_matches_the_single_process_loss_curve(layout, layout_runs, request):
+    losses, reference = layout_runs[layout]["losses"], reference_of(layout, request)["losses"]
     assert len(reference) == STEPS and len(losses) == STEPS
     assert reference[-1] < reference[0] - FALLS  # it is learning, so the curves are worth comparing
     assert relative_difference(losses, reference) <= 1e-5
 
 
 @pytest.mark.parametrize("layout", [n for n in FP32_LAYOUTS if "accumulate" not in n])
-def test_layout_matches_the_single_process_val_loss(layout, layout_runs, reference_run):
+def test_layout_matches_the_single_process_val_loss(layout, layout_runs, request):
     # Same validation blocks in every layout (an accumulating run's micro-batches are smaller, so it covers fewer).
-    val, reference = layout_runs[layout]["val_loss"], reference_run["val_loss"]
+    val, reference = layout_runs[layout]["val_loss"], reference_of(layout, request)["val_loss"]
     assert len(reference) == 1 and len(val) == 1  # after the last step
     assert relative_difference(val, reference) <= 1e-5
 
