@@ -319,3 +319,52 @@ def test_lora_on_gpt_oss_trains_and_exports_a_peft_adapter_transformers_loads(tm
         theirs = PeftModel.from_pretrained(base, tmp_path / "adapter")(input_ids=tokens).logits
         untuned = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)(input_ids=tokens).logits
     assert (ours - theirs).abs().max() < 1e-4 and (ours - untuned).abs().max() > 1e-3
+
+
+def test_a_gpt_oss_folder_tunes_on_harmony_chat_data_answers_and_exports_with_its_template(
+    tmp_path, capsys, monkeypatch
+):
+    """Item 5 end to end: a tiny gpt-oss folder whose tokenizer has a harmony template (gpt-oss's shape: <|return|>
+    ends the last answer, <|end|> an earlier one) tunes with `configs/chat.yaml` (LoRA on its attention and each
+    expert); ``generate --chat`` prompts the checkpoint with that template and its generation prompt; the merged export
+    keeps the template and transformers reads it with the tuned model's logits."""
+    from helpers import HARMONY, HARMONY_TOKENS, chat_file, chat_tokenizer
+    from test_nothing_lost_models import ROOT, one_step
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lit3d.cli import main, make_cli
+
+    folder = chat_tokenizer(_folder("gpt_oss", tmp_path / "model", vocab_size=320), HARMONY, HARMONY_TOKENS,
+                            eos="<|return|>")  # fmt: skip
+    chats = chat_file(tmp_path / "chats.jsonl", 24, max_words=8)
+    monkeypatch.chdir(tmp_path)
+    make_cli(["fit", "--config", str(ROOT / "configs" / "chat.yaml"), f"--model.pretrained={folder}",
+              f"--data.init_args.tokenizer={folder}", f"--data.init_args.data_path={chats}",
+              "--data.init_args.seq_len=64", "--model.learning_rate=0.01", "--model.warmup_steps=0",
+              *one_step(tmp_path)])  # fmt: skip
+    (ckpt,) = tmp_path.rglob("epoch=*.ckpt")
+    prompts = []
+    generate = GPT.generate
+
+    def recording(self, prompt_tokens, sampling=None, generator=None):
+        prompts.append(prompt_tokens[0].tolist())
+        return generate(self, prompt_tokens, sampling, generator)
+
+    monkeypatch.setattr(GPT, "generate", recording)
+    main(["generate", "--ckpt_path", str(ckpt), "--chat", "--prompt", "why", "--temperature", "0",
+          "--max_new_tokens", "4"])  # fmt: skip
+    theirs = AutoTokenizer.from_pretrained(folder)
+    asked = [{"role": "user", "content": "why"}]
+    assert theirs.decode(prompts[0]) == theirs.apply_chat_template(asked, tokenize=False, add_generation_prompt=True)
+    main(["export", "--ckpt_path", str(ckpt), "--output", str(tmp_path / "merged")])
+    turns = [*asked, {"role": "assistant", "content": "yes"}, {"role": "user", "content": "how"}]
+    ours = AutoTokenizer.from_pretrained(tmp_path / "merged")
+    rendered = ours.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    assert rendered == theirs.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    assert "<|channel|>final<|message|>yes<|end|>" in rendered and rendered.endswith("<|start|>assistant")
+    tokens = torch.randint(0, 320, (2, 24), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        tuned = GPT.from_pretrained(str(tmp_path / "merged"))(tokens)
+        exported = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)(input_ids=tokens)
+        untuned = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)(input_ids=tokens).logits
+    assert (tuned - exported.logits).abs().max() < 1e-4 and (tuned - untuned).abs().max() > 1e-4

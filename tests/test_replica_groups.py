@@ -31,6 +31,7 @@ from test_cli import QUICK, ROOT, fit_losses
 from lit3d import GPT, GPTConfig
 from lit3d.data.text import TextDataModule
 from lit3d.errors import ConfigurationError
+from lit3d.models.transformer import Transformer
 from lit3d.parallel.settings import Parallelism
 from lit3d.strategies.runtime.replica_groups import RECORD_FILE, this_group
 
@@ -201,6 +202,9 @@ def test_three_replica_groups_survive_two_failures_and_one_during_recovery_and_e
         assert max(abs(loss - replayed[step][group]) for loss, step in zip(got, steps, strict=True)) <= 1e-5
 
 
+WIDER = {**SMALL_GPT, "d_ff": 96}
+
+
 @pytest.mark.ranks
 def test_a_group_that_runs_something_else_is_refused_in_its_first_quorum_naming_both_runs(
     base_job, lighthouse, tmp_path
@@ -211,7 +215,7 @@ def test_a_group_that_runs_something_else_is_refused_in_its_first_quorum_naming_
         "strategy": {"replica_groups": 2, "timeout": timedelta(seconds=60)},
         "trainer": {"max_steps": 4, "limit_val_batches": 0},
         "expect_error": True,
-        "by_group": {1: {"model": {"config": {**SMALL_GPT, "d_ff": 96}}}},
+        "by_group": {1: {"model": {"config": WIDER}}},
     })  # fmt: skip
     started = _start(job, lighthouse, tmp_path, [(0, "g0", -1), (1, "g1", -1)], tmp_path / "final", ranks=1)
     deadline = time.time() + 120
@@ -219,12 +223,14 @@ def test_a_group_that_runs_something_else_is_refused_in_its_first_quorum_naming_
         assert time.time() < deadline, "the groups did not end"
         time.sleep(0.2)
     errors = [json.loads((tmp_path / run / "result0.json").read_text())["error"] for run in ("g0", "g1")]
-    run = "dp 1 x tp 1 x pp 1 on 1 rank(s), {} parameters, precision 32-true"
+    run = "dp 1 x tp 1 x pp 1 on 1 rank(s), {:,} parameters, precision 32-true"
+    with torch.device("meta"):
+        counts = [sum(p.numel() for p in Transformer(GPTConfig(**c)).parameters()) for c in (WIDER, SMALL_GPT)]
     assert errors[0] is None and [line["step"] for line in _records(tmp_path / "g0") if line["event"] == "step"] == [
         0, 1, 2, 3]  # fmt: skip
     assert errors[1].startswith(
-        f"ConfigurationError: this replica group runs {run.format('69,920')}, the live group "
-        f"it would load from {run.format('57,632')}: every replica group runs the same command"
+        f"ConfigurationError: this replica group runs {run.format(counts[0])}, the live group "
+        f"it would load from {run.format(counts[1])}: every replica group runs the same command"
     )
     assert not _records(tmp_path / "g1")  # refused before its join was recorded
 
