@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -482,3 +483,19 @@ def test_lit3d_plan_shows_the_groups_and_what_a_rejoin_loads(capsys):
     assert f"a group that rejoins loads {size(rejoin)} a GPU from a live one" in printed
     main(flags)
     assert "replica groups" not in capsys.readouterr().out
+
+
+def test_the_rank_map_of_replica_groups_is_group_0_s_and_says_so():
+    from lit3d.planner import Cluster, Request, plan
+    from lit3d.planner.estimate import Training
+
+    settings = Parallelism(tensor_parallel_size=8, pipeline_parallel_size=1)
+    training, cluster = Training(global_batch_size=256), Cluster(nodes=2, gpus_per_node=8)
+    for groups in (4, None):
+        request = Request(GPTConfig.from_name("llama-8b"), cluster, training, replace(settings, replica_groups=groups),
+                          frozenset({"tensor_parallel_size", "pipeline_parallel_size", "replica_groups"}))  # fmt: skip
+        (picture,) = plan(request).rank_maps()
+        heading = picture._heading(*picture._drawn())
+        shown = "replica group 0 of 4 shown (REPLICA_GROUP_ID 0-3): each group runs this layout on nodes of its own"
+        assert (shown in heading) == (groups == 4), heading
+        assert heading.startswith("16 GPUs = dp 2 x tp 8 x pp 1 on 2 node(s)")  # one group's

@@ -52,6 +52,8 @@ class RankMap:
             step time and the traffic on each link.
         device: What one rank runs on, for the labels (``GPU``, or ``CPU process`` for a rehearsal on CPU).
         kinds: A fleet's GPU kind of each node (`lit3d.planner.fleet`): the cells are then coloured by kind.
+        replica_groups: Fault-tolerant replica groups (torchft) that each run this layout on nodes of their own: the
+            map is group 0's, and its heading says so.
     """
 
     def __init__(
@@ -61,8 +63,10 @@ class RankMap:
         plan: Plan | None = None,
         device: str = "GPU",
         kinds: list[str] | None = None,
+        replica_groups: int = 1,
     ) -> None:
         self.layout, self.title, self.plan, self.device, self.kinds = layout, title, plan, device, kinds
+        self.replica_groups = replica_groups
         self._maps = [self]
 
     @classmethod
@@ -171,6 +175,13 @@ class RankMap:
             lines[0] = lines[0].replace("colour = pipeline stage", f"colour = GPU kind ({legend})")
         if layout.islands > 1:
             lines[0] = lines[0].replace(" = ", f" = {layout.islands} DiLoCo islands (i) x ", 1)
+        if self.replica_groups > 1:
+            groups = self.replica_groups
+            lines.append(
+                f"replica group 0 of {groups} shown (REPLICA_GROUP_ID 0-{groups - 1}): each group runs this layout on "
+                f"nodes of its own, launched apart; they average gradients each step (torchft), and a group that "
+                f"fails is dropped and rejoins from a live one"
+            )
         if layout.ep > 1:
             lines.append(
                 f"e = share of each MoE layer's experts: expert-parallel groups of {layout.ep} consecutive d (ranks "

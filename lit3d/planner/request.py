@@ -195,10 +195,11 @@ class Report:
     def rank_maps(self) -> list[RankMap]:
         """The rank map of the layout, or of a search's best three."""
         device = self.request.cluster.device
-        if not self.searched:
-            return [RankMap(c.layout, self.config.name, c.plan, device) for c in self.candidates]
+        shown = self.candidates if not self.searched else self.candidates[:3]
+        titles = [self.config.name] if not self.searched else [f"#{i} {self.config.name}" for i in range(1, 4)]
         return [
-            RankMap(c.layout, f"#{i} {self.config.name}", c.plan, device) for i, c in enumerate(self.candidates[:3], 1)
+            RankMap(c.layout, title, c.plan, device, replica_groups=c.parallelism.replica_groups or 1)
+            for title, c in zip(titles, shown)
         ]
 
 
