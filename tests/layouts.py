@@ -7,8 +7,8 @@ import torch
 from lit3d.callbacks import CommReport
 
 # Grouped-query heads, and a vocabulary of 257 (padded to 320) that no TP size divides. Two blocks: a layout run's
-# time grows with its blocks (4 cost a quarter more on 4 ranks); the jobs of 4 stages (pp4, virtual stages, the
-# V-shaped schedules) train DEEP_GPT's 4, against its own single-process run.
+# time grows with its blocks (18 jobs of 4 ranks took 140 core-s with 4, 106 with 2); the jobs of 4 stages (pp4,
+# virtual stages, the V-shaped schedules) train DEEP_GPT's 4, against its own single-process run.
 SMALL_GPT = dict(n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=64, vocab_size=257, max_seq_len=32)
 DEEP_GPT = dict(SMALL_GPT, n_layer=4)
 DEEP = {"model": {"config": DEEP_GPT}}

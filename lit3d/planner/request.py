@@ -196,7 +196,7 @@ class Report:
         """The rank map of the layout, or of a search's best three."""
         device = self.request.cluster.device
         shown = self.candidates if not self.searched else self.candidates[:3]
-        titles = [self.config.name] if not self.searched else [f"#{i} {self.config.name}" for i in range(1, 4)]
+        titles = [f"#{i} {self.config.name}" if self.searched else self.config.name for i in range(1, len(shown) + 1)]
         return [
             RankMap(c.layout, title, c.plan, device, replica_groups=c.parallelism.replica_groups or 1)
             for title, c in zip(titles, shown)
