@@ -4,7 +4,7 @@ transformers: their features computed as transformers computes them."""
 import pytest
 import torch
 from family_layouts import FAMILY_CONFIGS, FAMILY_LAYOUTS
-from helpers import tune_adapters
+from helpers import HARMONY, HARMONY_TOKENS, chat_file, chat_tokenizer, tune_adapters
 from layouts import FALLS, HALF, STEPS
 
 from lit3d import GPT, GPTConfig
@@ -328,7 +328,6 @@ def test_a_gpt_oss_folder_tunes_on_harmony_chat_data_answers_and_exports_with_it
     ends the last answer, <|end|> an earlier one) tunes with `configs/chat.yaml` (LoRA on its attention and each
     expert); ``generate --chat`` prompts the checkpoint with that template and its generation prompt; the merged export
     keeps the template and transformers reads it with the tuned model's logits."""
-    from helpers import HARMONY, HARMONY_TOKENS, chat_file, chat_tokenizer
     from test_nothing_lost_models import ROOT, one_step
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
