@@ -17,6 +17,7 @@ from float8_layouts import FLOAT8_LAYOUTS, FP8_JOB, ROWWISE, TENSORWISE
 from layouts import (
     COMM_MEASURED,
     CP_LAYOUTS,
+    DEEP,
     HALF,
     LAYOUTS,
     LONG,
@@ -33,6 +34,7 @@ from test_cli import fit_losses
 
 REFERENCES = {  # the single-process runs, by name
     "dense": {},
+    "deep": DEEP,  # the 4 blocks a V-shaped schedule's 4 stages need
     "moe": {"model": {"config": SMALL_MOE}},
     "long": LONG,
     "lora": LORA,
@@ -40,7 +42,8 @@ REFERENCES = {  # the single-process runs, by name
     "fp8_rowwise": {**FP8_JOB, "strategy": ROWWISE},
 }
 FOLLOWS = {  # layout -> the reference it follows: data, tensor, pipeline (1F1B and a V), context and expert parallel
-    **dict.fromkeys(["dp2_zero0", "dp2_zero1", "dp2_zero3", "tp2_sequence_parallel", "pp2_1f1b", "pp2_zbv"], "dense"),
+    **dict.fromkeys(["dp2_zero0", "dp2_zero1", "dp2_zero3", "tp2_sequence_parallel", "pp2_1f1b"], "dense"),
+    "pp2_zbv": "deep",
     **dict.fromkeys(["tp2_pp2_sequence_parallel", "dp2_pp2_zero3"], "dense"),
     "cp2": "long",
     "moe_ep2": "moe",
