@@ -314,11 +314,12 @@ def reference_lora_moe_run(base_job, tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="session")
 def family_references(base_job, packed_data, tmp_path_factory) -> dict[str, dict]:
-    """The single-process run of each family's tiny model (`FAMILY_CONFIGS`), which its layouts are compared with."""
-    from family_layouts import FAMILY_CONFIGS, family_job
+    """The single-process run of each family's tiny model (`FAMILY_CONFIGS`), which its layouts are compared with (and
+    of the 4-block DeepSeek-V3 its V follows: `family_layouts.reference_jobs`)."""
+    from family_layouts import reference_jobs
 
     folder = tmp_path_factory.mktemp("reference_families")
-    jobs = {name: with_data(family_job(name), packed_data) for name in FAMILY_CONFIGS}
+    jobs = {name: with_data(job, packed_data) for name, job in reference_jobs().items()}
     return {name: reference(base_job, job, folder / name) for name, job in jobs.items()}
 
 
@@ -408,6 +409,6 @@ def dp2_then_resumed_on_one_process(job: dict, out: Path) -> dict[str, dict]:
     from spawned import run_jobs
 
     saved = str(out / "dp2" / "ckpts" / f"step={HALF}.ckpt")
-    results = run_jobs(2, {"dp2": merge(job, {"strategy": {}, "checkpoint_every": HALF})}, out)
+    results = run_jobs(2, {"dp2": merge(job, {"strategy": {}, "checkpoint_at": HALF})}, out)
     results.update(run_jobs(1, {"resume_single": merge(job, {"strategy": {}, "ckpt_path": saved})}, out))
     return results

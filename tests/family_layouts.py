@@ -1,12 +1,12 @@
-"""Tiny models of each family lit3d imports (`lit3d.models.config.FAMILIES`), trained at TP2, at PP2 where their
-stages differ from Llama's (`PIPELINED`) and, for Qwen2's biases (the only tensors TP splits along their one dim, so
-ZeRO-1 slices each rank's part again), DP2×TP2 at ZeRO-1, resumed from there at TP2×PP2. Llama 3.2's tied head cannot
-be pipelined (refused by name), so it trains at DP2 ZeRO-3 instead of PP2. DeepSeek-V3 (multi-token prediction on the
-last stage, the embeddings of its tokens ahead handed on from the first) also trains at DP2 ZeRO-3 with full
-recompute, CP2, EP2, PP2 with the V-shaped zero-bubble schedule, CP2×TP2 with sequence parallelism and DP2×PP2 with
-EP2, and resumed at TP2 with sequence parallelism from EP2. gpt-oss (windows and sinks, on packed documents) trains at
-TP2, PP2, EP2 and DP2 ZeRO-3; Gemma 3 (tied, so not pipelined) at TP2, TP2 with sequence parallelism and DP2 ZeRO-3.
-Mistral's blocks are Llama's: the plain layouts of `LAYOUTS` are its."""
+"""Tiny models of each family lit3d imports (`lit3d.models.config.FAMILIES`), trained at TP2, at PP2 where their stages
+differ from Llama's (`PIPELINED`) and, for Qwen2's biases (the only tensors TP splits along their one dim, so ZeRO-1
+slices each rank's part again), DP2×TP2 at ZeRO-1, resumed from there at TP2×PP2. Llama 3.2's tied head cannot be
+pipelined (refused by name), so it trains at DP2 ZeRO-3 instead of PP2. DeepSeek-V3 (multi-token prediction on the last
+stage, the embeddings of its tokens ahead handed on from the first) also trains at DP2 ZeRO-3 with full recompute, CP2,
+EP2, PP2 with the V-shaped zero-bubble schedule (4 blocks), CP2×TP2 with sequence parallelism and DP2×PP2 with EP2, and
+resumed at TP2 with sequence parallelism from EP2. gpt-oss (windows and sinks, on packed documents) trains at TP2, PP2,
+EP2 and DP2 ZeRO-3; Gemma 3 (tied, so not pipelined) at TP2, TP2 with sequence parallelism and DP2 ZeRO-3. Mistral's
+blocks are Llama's: the plain layouts of `LAYOUTS` are its."""
 
 import lightning as L
 from layouts import HALF, saved_at_half
@@ -18,7 +18,7 @@ DEEPSEEK_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embe
                  "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.707}  # fmt: skip
 GPT_OSS_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "beta_fast": 32.0,
                 "beta_slow": 1.0, "truncate": False}  # fmt: skip
-SMALL = dict(n_layer=4, n_head=4, n_kv_head=2, d_model=32, d_ff=64, vocab_size=257, max_seq_len=32)
+SMALL = dict(n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=64, vocab_size=257, max_seq_len=32)
 FAMILY_CONFIGS = {
     # Llama 3.2: llama3 rotary scaling, the head tied to the embedding (both split by vocabulary under TP)
     "llama3.2": dict(SMALL, rope_theta=500000.0, rope_scaling=LLAMA3_SCALING, tie_embeddings=True),
@@ -34,20 +34,22 @@ FAMILY_CONFIGS = {
                         n_expert=8, n_expert_per_token=2, n_group=2, topk_group=1, n_shared_experts=1, d_ff_expert=16,
                         first_dense_layers=1, router="sigmoid", routed_scaling_factor=2.5,
                         num_nextn_predict_layers=1),
-    # gpt-oss: windows of 8 tokens in every other block (shorter than the 32-token rows it trains on, packed with
+    # gpt-oss: windows of 8 tokens in the first block (shorter than the 32-token rows it trains on, packed with
     # documents that the windows must not cross), a sink per head, biased attention, a biased router over experts with
     # biases and the clamped SwiGLU, YaRN
     "gpt_oss": dict(SMALL, head_dim=16, family="gpt_oss", n_expert=4, n_expert_per_token=2, d_ff_expert=64,
-                    sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2, attention_sinks=True,
+                    sliding_window=8, layer_types=["sliding_attention", "full_attention"], attention_sinks=True,
                     attention_bias=True, mlp_bias=True, swiglu_limit=7.0, rope_scaling=GPT_OSS_YARN),
-    # Gemma 3: three windowed blocks (rotary base 10k) to one full (1M, stretched 8x), four norms per block scaling by
+    # Gemma 3: a windowed block (rotary base 10k), then a full one (1M, stretched 8x), four norms per block scaling by
     # 1 + weight, per-head q/k norms, GeGLU, scaled and tied embeddings, query_pre_attn_scalar, soft-capped logits
     "gemma3_text": dict(SMALL, head_dim=16, family="gemma3_text", qk_norm=True, sandwich_norm=True,
                         norm_unit_offset=True, scale_embeddings=True, hidden_act="gelu_pytorch_tanh",
                         query_pre_attn_scalar=12, rope_theta=1e6, rope_scaling={"rope_type": "linear", "factor": 8.0},
-                        rope_local_base_freq=1e4, sliding_window=8, layer_types=["sliding_attention"] * 3 +
-                        ["full_attention"], tie_embeddings=True, final_logit_softcapping=30.0),
+                        rope_local_base_freq=1e4, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                        tie_embeddings=True, final_logit_softcapping=30.0),
 }  # fmt: skip
+# DeepSeek-V3's V (4 stages over 2 ranks, a block each) trains 4 blocks, against that model's own single process
+DEEPSEEK_DEEP = dict(FAMILY_CONFIGS["deepseek_v3"], n_layer=4)
 # Families whose stages differ from Llama's (multi-token prediction on the last; windows by layer type): trained at
 # PP2. Qwen's blocks differ inside attention and the MLP only, which TP2 splits; PP splits them as Llama's.
 PIPELINED = ("deepseek_v3", "gpt_oss")
@@ -68,10 +70,10 @@ class RouterBiases(L.Callback):
         return {"router_biases": self.biases}
 
 
-def family_job(family: str) -> dict:
-    """The job overrides of ``family``'s tiny model (its single-process run's too): DeepSeek-V3's record the router
-    biases (`RouterBiases`)."""
-    job = {"model": {"config": FAMILY_CONFIGS[family]}}
+def family_job(family: str, config: dict | None = None) -> dict:
+    """The job overrides of ``family``'s tiny model (or ``config``, a variant of it; its single-process run's too):
+    DeepSeek-V3's record the router biases (`RouterBiases`)."""
+    job = {"model": {"config": config or FAMILY_CONFIGS[family]}}
     if family == "gpt_oss":
         return {**job, **PACKED_32}
     return {**job, "callbacks": [RouterBiases()]} if family == "deepseek_v3" else job
@@ -88,7 +90,7 @@ def _layouts() -> dict[str, tuple[int, dict]]:
         elif family in PIPELINED:
             layouts[f"{family}_pp2"] = (2, {**job, "strategy": pp2})
     qwen2 = {"model": {"config": FAMILY_CONFIGS["qwen2"]}}
-    layouts["qwen2_dp2_tp2_zero1"] = (4, {**qwen2, "strategy": {**tp2, "zero_stage": 1}, "checkpoint_every": HALF})
+    layouts["qwen2_dp2_tp2_zero1"] = (4, {**qwen2, "strategy": {**tp2, "zero_stage": 1}, "checkpoint_at": HALF})
     resumed = {**qwen2, "strategy": {**tp2, **pp2}, "ckpt_path": saved_at_half("qwen2_dp2_tp2_zero1")}
     layouts["qwen2_tp2_pp2_resumed_from_dp2_tp2_zero1"] = (4, resumed)
     sp = {**tp2, "sequence_parallel": True}
@@ -116,9 +118,12 @@ def _deepseek_layouts() -> dict[str, tuple[int, dict]]:
         # (recomputed in backward, each MoE block must route as in forward: the biases move after backward)
         "deepseek_v3_dp2_zero3_full_recompute": (2, {"strategy": recomputed}),
         "deepseek_v3_cp2": (2, {"strategy": {"context_parallel_size": 2}}),
-        "deepseek_v3_ep2": (2, {"strategy": {"expert_parallel_size": 2}, "checkpoint_every": HALF}),
+        "deepseek_v3_ep2": (2, {"strategy": {"expert_parallel_size": 2}, "checkpoint_at": HALF}),
         "deepseek_v3_tp2_sequence_parallel_resumed_from_ep2": (2, resumed),
-        "deepseek_v3_pp2_zbv": (2, {"strategy": {**pp2, "pipeline_schedule": "zbv"}}),
+        "deepseek_v3_pp2_zbv": (
+            2,
+            {"strategy": {**pp2, "pipeline_schedule": "zbv"}, "model": {"config": DEEPSEEK_DEEP}},
+        ),
         "deepseek_v3_cp2_tp2_sequence_parallel": (4, {"strategy": {**sp, "context_parallel_size": 2}}),
         "deepseek_v3_dp2_pp2_ep2": (4, {"strategy": {**pp2, "expert_parallel_size": 2}}),
     }
@@ -126,3 +131,18 @@ def _deepseek_layouts() -> dict[str, tuple[int, dict]]:
 
 
 FAMILY_LAYOUTS = _layouts()
+
+
+def reference_jobs() -> dict[str, dict]:
+    """The single-process runs the layouts follow (`reference_of`): each family's, and the 4-block DeepSeek-V3's."""
+    return {
+        **{name: family_job(name) for name in FAMILY_CONFIGS},
+        "deepseek_v3_deep": family_job("deepseek_v3", DEEPSEEK_DEEP),
+    }
+
+
+def reference_of(layout: str) -> str:
+    """The name in `reference_jobs` of the single-process run ``layout`` follows."""
+    if FAMILY_LAYOUTS[layout][1]["model"]["config"] is DEEPSEEK_DEEP:
+        return "deepseek_v3_deep"
+    return max((name for name in FAMILY_CONFIGS if layout.startswith(f"{name}_")), key=len)  # qwen3_moe, not qwen3

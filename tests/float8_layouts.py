@@ -48,8 +48,8 @@ def _layouts() -> dict[str, tuple[int, dict]]:
             for name, (world, strategy) in layouts.items()}  # fmt: skip
     for name in ("fp8_dp2_zero3_all_gather", "bf16_dp2_zero3"):
         jobs[name][1]["callbacks"].append(CommReport(step=FP8_SAVED + 1))  # (after the first steps and the save)
-    jobs["fp8_tp2_sequence_parallel"][1]["checkpoint_every"] = FP8_SAVED
-    jobs["fp8_dp2_zero3_all_gather"][1]["checkpoint_every"] = FP8_SAVED
+    jobs["fp8_tp2_sequence_parallel"][1]["checkpoint_at"] = FP8_SAVED
+    jobs["fp8_dp2_zero3_all_gather"][1]["checkpoint_at"] = FP8_SAVED
     return jobs
 
 

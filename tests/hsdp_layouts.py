@@ -22,7 +22,7 @@ def _layouts() -> dict[str, tuple[int, dict]]:
     jobs = {name: (world, {"strategy": strategy, "callbacks": [CommReport(step=COMMS_STEP)]})
             for name, (world, strategy) in layouts.items()}  # fmt: skip
     jobs["dp4_shard2_zero2_accumulate2"][1]["trainer"] = ACCUMULATE2
-    jobs["dp4_shard2_zero3"][1]["checkpoint_every"] = HALF
+    jobs["dp4_shard2_zero3"][1]["checkpoint_at"] = HALF
     jobs["dp2_tp2_zero1_resumed_from_dp4_shard2_zero3"][1]["ckpt_path"] = saved_at_half("dp4_shard2_zero3")
     return jobs
 

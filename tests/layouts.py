@@ -39,7 +39,7 @@ ACCUMULATE2 = {"accumulate_grad_batches": 2, "val_check_interval": 2 * STEPS}
 
 
 def saved_at_half(job: str) -> str:
-    """The ``ckpt_path`` of the checkpoint ``job`` saves at step `HALF` (``"checkpoint_every": HALF``) for a job of the
+    """The ``ckpt_path`` of the checkpoint ``job`` saves at step `HALF` (``"checkpoint_at": HALF``) for a job of the
     same spawn to resume (`spawned.run_job` reads ``job:``)."""
     return f"job:{job}/ckpts/step={HALF}.ckpt"
 
@@ -243,7 +243,7 @@ LORA_LAYOUTS["lora_cp2"] = (2, {**LORA_LONG, "strategy": {"context_parallel_size
 LORA_LAYOUTS["lora_dp2_zero3_offload"] = (2, {**LORA, "strategy": {"zero_stage": 3, "offload": True},
                                              "callbacks": [OffloadProbe()]})  # fmt: skip
 LORA_LAYOUTS["lora_dp2_pp2_zero1_full_recompute_accumulate2"][1]["trainer"] = ACCUMULATE2
-LORA_LAYOUTS["lora_tp2"][1]["checkpoint_every"] = HALF
+LORA_LAYOUTS["lora_tp2"][1]["checkpoint_at"] = HALF
 LORA_LAYOUTS["lora_pp2_resumed_from_tp2"][1]["ckpt_path"] = saved_at_half("lora_tp2")
 
 

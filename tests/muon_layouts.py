@@ -28,8 +28,8 @@ for _name in MUON_COMMS:
     MUON_LAYOUTS[_name][1]["callbacks"] = [CommReport(step=COMMS_STEP)]
 
 # the momentum saved in one layout, resumed in another (compared with the single process from step HALF on)
-MUON_LAYOUTS["muon_dp2_tp2_zero3"][1]["checkpoint_every"] = HALF
-MUON_LAYOUTS["muon_tp2_sequence_parallel"][1]["checkpoint_every"] = HALF
+MUON_LAYOUTS["muon_dp2_tp2_zero3"][1]["checkpoint_at"] = HALF
+MUON_LAYOUTS["muon_tp2_sequence_parallel"][1]["checkpoint_at"] = HALF
 PP2 = {"pipeline_parallel_size": 2, "pipeline_schedule": "1f1b"}
 MUON_RESUMED = {
     "muon_dp2_pp2_resumed_from_dp2_tp2_zero3": (

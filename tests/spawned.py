@@ -6,7 +6,8 @@ size: each job is a fresh model, datamodule and Trainer over the same process gr
 A job is a dict: ``model`` (GPT kwargs, ``config`` as a dict), ``data`` (TextDataModule kwargs), ``trainer``
 (Trainer kwargs), ``strategy`` (Parallel3DStrategy kwargs; absent = a single-process run), and probes:
 ``plain_loader`` (feed a plain shuffled DataLoader, so Lightning must inject the sampler) and ``count_comms`` (count
-collectives per training batch); ``checkpoint_every`` (save ``ckpts/step=N.ckpt`` every N steps), ``ckpt_path``
+collectives per training batch); ``checkpoint_every`` (save ``ckpts/step=N.ckpt`` every N steps; ``checkpoint_at``:
+at step N only, the one a later job resumes from, without the saves after it), ``ckpt_path``
 (resume from it; ``job:NAME/ckpts/step=N.ckpt``: from an earlier job of the same spawn), ``expect_error`` (record
 the exception each rank raises instead of failing), ``callbacks`` (more callbacks, picklable), ``loss_scale`` (fp32
 compute with fp16's loss scaling at this fixed scale: gradients must come out unscaled), ``unseeded`` (no
@@ -220,6 +221,8 @@ def _run_job(job: dict, job_dir: Path, devices: int) -> dict:
                 every_n_train_steps=job["checkpoint_every"],
             )
         )
+    if "checkpoint_at" in job:
+        callbacks.append(SaveAt(job_dir / "ckpts", job["checkpoint_at"]))
     logger = CSVLogger(str(job_dir), name="log", version=0)
     nodes = job.get("nodes", 1)
     options = dict(
@@ -348,6 +351,18 @@ class Probe(Callback):
         if trainer.global_step == trainer.max_steps - 1 and hasattr(trainer.strategy, "memory_estimate"):
             self.memory = memory_by_component(trainer.lightning_module, trainer.strategy.optimizers)
             self.memory["estimate"] = trainer.strategy.memory_estimate
+
+
+class SaveAt(Callback):
+    """Saves ``folder/step=N.ckpt`` once, when training reaches step N (``checkpoint_at``)."""
+
+    def __init__(self, folder: Path, step: int) -> None:
+        self.folder, self.step, self.saved = folder, step, False
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.global_step == self.step and not self.saved:
+            trainer.save_checkpoint(self.folder / f"step={self.step}.ckpt")
+            self.saved = True
 
 
 class LossScaledFP32(SplitModelMixedPrecision):

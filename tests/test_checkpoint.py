@@ -17,13 +17,13 @@ STEPS, SAVED = 4, 2  # the uninterrupted run, and the step its checkpoints are r
 
 @pytest.fixture(scope="module")
 def saved(base_job, tmp_path_factory) -> dict:
-    """A DP2 x PP2 (ZeRO-1) run that checkpoints every `SAVED` steps, then resumes from step `SAVED` in other
+    """A DP2 x PP2 (ZeRO-1) run that checkpoints at step `SAVED`, then resumes from step `SAVED` in other
     layouts."""
     base = merge(base_job, {"trainer": {"limit_val_batches": 0, "max_steps": STEPS}})
     out = tmp_path_factory.mktemp("checkpoints")
     saved_at = str(out / "dp2_pp2" / "ckpts" / f"step={SAVED}.ckpt")
     world4 = {
-        "dp2_pp2": merge(base, {"strategy": pp(2), "checkpoint_every": SAVED}),
+        "dp2_pp2": merge(base, {"strategy": pp(2), "checkpoint_at": SAVED}),
         "resume_dp2_pp2": merge(base, {"strategy": pp(2), "ckpt_path": saved_at}),
         "resume_tp2_pp2": merge(base, {"strategy": pp(2, tensor_parallel_size=2), "ckpt_path": saved_at}),
         "resume_dp4_zero3": merge(base, {"strategy": {"zero_stage": 3}, "ckpt_path": saved_at}),

@@ -191,10 +191,10 @@ def cp_saved(base_job, tmp_path_factory) -> dict:
     cp2 = {"strategy": {"context_parallel_size": 2}}
     saved = {name: str(out / name / "ckpts" / f"step={HALF}.ckpt") for name in ("cp2", "single")}
     results = run_jobs(1, {
-        "single": merge(base, {"strategy": {}, "checkpoint_every": HALF}),
+        "single": merge(base, {"strategy": {}, "checkpoint_at": HALF}),
     }, out)  # fmt: skip
     results.update(run_jobs(2, {
-        "cp2": merge(base, {**cp2, "checkpoint_every": HALF}),
+        "cp2": merge(base, {**cp2, "checkpoint_at": HALF}),
         "single_resumed_at_cp2": merge(base, {**cp2, "ckpt_path": saved["single"]}),
     }, out))  # fmt: skip
     results.update(run_jobs(1, {"cp2_resumed_on_one": merge(base, {"strategy": {}, "ckpt_path": saved["cp2"]})}, out))

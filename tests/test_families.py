@@ -3,7 +3,7 @@ transformers: their features computed as transformers computes them."""
 
 import pytest
 import torch
-from family_layouts import FAMILY_CONFIGS, FAMILY_LAYOUTS
+from family_layouts import FAMILY_LAYOUTS, reference_of
 from helpers import HARMONY, HARMONY_TOKENS, chat_file, chat_tokenizer, tune_adapters
 from layouts import FALLS, HALF, STEPS
 
@@ -196,8 +196,7 @@ def test_each_family_trains_like_one_process_in_its_layouts(layout, layout_runs,
     head norms, Qwen3-MoE's router, DeepSeek-V3's latent attention, grouped sigmoid routing and multi-token
     prediction: each layout's losses within 1e-5 of its own single process (fp32), and DeepSeek-V3's router biases,
     moved by every step's load summed over the ranks, equal to its own."""
-    family = max((name for name in FAMILY_CONFIGS if layout.startswith(f"{name}_")), key=len)  # qwen3_moe, not qwen3
-    run, reference = layout_runs[layout], family_references[family]
+    run, reference = layout_runs[layout], family_references[reference_of(layout)]
     assert len(reference["losses"]) == len(run["losses"]) == STEPS
     assert reference["losses"][-1] < reference["losses"][0] - FALLS  # it learns
     for key in ("losses", "val_loss"):

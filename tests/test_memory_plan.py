@@ -131,7 +131,7 @@ def runs(corpus, tmp_path_factory) -> dict[str, dict]:
         f"zero{z}": merge(base, {"strategy": {"zero_stage": z}, "callbacks": [SavedActivations(), PeakMemory(step=2)]})
         for z in STAGES
     }
-    jobs["zero1"]["checkpoint_every"] = 2
+    jobs["zero1"]["checkpoint_at"] = 2
     for name, unsharded in ACCUMULATE.items():
         jobs[name] = merge(base, {"strategy": {"zero_stage": 3, "accumulate_unsharded": unsharded},
                                   "trainer": {**base["trainer"], "accumulate_grad_batches": 4, "max_steps": 3},

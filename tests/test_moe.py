@@ -144,7 +144,7 @@ def moe_saved(base_job, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("moe_checkpoints")
     saved = str(out / "ep2" / "ckpts" / f"step={HALF}.ckpt")
     results = run_jobs(2, {
-        "ep2": merge(base, {"strategy": {"expert_parallel_size": 2}, "checkpoint_every": HALF}),
+        "ep2": merge(base, {"strategy": {"expert_parallel_size": 2}, "checkpoint_at": HALF}),
         "resume_tp2": merge(base, {"strategy": {"tensor_parallel_size": 2}, "ckpt_path": saved}),
     }, out)  # fmt: skip
     results.update(run_jobs(1, {"resume_single": merge(base, {"strategy": {}, "ckpt_path": saved})}, out))

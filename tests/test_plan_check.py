@@ -16,8 +16,8 @@ from lit3d.planner.inputs import PEAK_BAND
 from lit3d.strategies.telemetry.plan_check import plan_check_line, run_cluster
 
 # Layouts of the suite's runs that train `STEPS` steps without an expected error: each logs its check once. The
-# families' too: DeepSeek-V3's latent attention, DeepSeekMoE and multi-token prediction (1.01-1.17x), and Llama 3.2's
-# tied head (1.07x at TP2; 1.37x before the plan knew a tied head's stage holds the loss).
+# families' too: DeepSeek-V3's latent attention, DeepSeekMoE and multi-token prediction (0.95-1.12x), and Llama 3.2's
+# tied head (1.11x at TP2; 1.37x before the plan knew a tied head's stage holds the loss).
 LAYOUT_JOBS = {**LAYOUTS, **MOE_LAYOUTS, **CP_LAYOUTS, **LORA_LAYOUTS, **FAMILY_LAYOUTS}
 
 

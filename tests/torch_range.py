@@ -65,7 +65,7 @@ def runs(base_job, tmp_path_factory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("torch_range")
     every = {**LAYOUTS, **MOE_LAYOUTS, **CP_LAYOUTS, **LORA_LAYOUTS, **FLOAT8_LAYOUTS}
     layouts = {name: every[name] for name in [*FOLLOWS, "lora_pp2_resumed_from_tp2"]}
-    layouts["dp2_zero3"] = (2, merge(layouts["dp2_zero3"][1], {"checkpoint_every": HALF}))
+    layouts["dp2_zero3"] = (2, merge(layouts["dp2_zero3"][1], {"checkpoint_at": HALF}))
     saved = out / "world2" / "dp2_zero3" / "ckpts" / f"step={HALF}.ckpt"
     layouts["tp2_pp2_resumed_from_dp2_zero3"] = (
         4,

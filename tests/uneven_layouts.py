@@ -39,5 +39,5 @@ SHARE_LAYOUTS = {
         ("dp2_tp2_shares_6_2_zero3", 4, {"tensor_parallel_size": 2, "zero_stage": 3, "data_parallel_shares": [6, 2]}),
     ]
 }  # fmt: skip
-SHARE_LAYOUTS["dp2_shares_6_2_zero1"][1]["checkpoint_every"] = HALF
+SHARE_LAYOUTS["dp2_shares_6_2_zero1"][1]["checkpoint_at"] = HALF
 SHARE_LAYOUTS["dp2_even_resumed_from_shares"][1]["ckpt_path"] = saved_at_half("dp2_shares_6_2_zero1")
