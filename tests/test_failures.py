@@ -2,9 +2,11 @@
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -83,35 +85,58 @@ def test_killing_one_rank_ends_the_job(tmp_path, victim):
                 os.kill(r, signal.SIGKILL)
 
 
-@pytest.mark.parametrize("kind", ["out_of_memory", "hang"])
-def test_a_failing_rank_ends_the_job_in_bounded_time_and_is_named(tmp_path, kind, request):
-    """Rank 1 of 2 fails at step 2: an allocation that runs out of memory (an exception; any other takes the same
-    path), or a hang (it never reaches its next collective). The job exits non-zero within the bound
-    docs/launching.md's "When a rank dies" documents (the collective timeout, 30 s here, for a hang) and the log names
-    the rank: the failed one, or for a hang the stuck rank and the collective its peer waits in."""
-    # The collective timeout of the hang case: far above a step, and above a fresh rank's start-up on a loaded
-    # machine (rank 0 waits for rank 1 in the rendezvous under the same timeout: 10 s failed once in CI).
-    timeout_s = 30
+HANG_TIMEOUT_S = 30  # the hang case's collective timeout: far above a step, and above a fresh rank's start-up on
+# a loaded machine (rank 0 waits for rank 1 in the rendezvous under the same timeout: 10 s failed once in CI)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def hanging():
+    """The hang case, started before the file's first test: once rank 1 stops (its turn on the machine ends there),
+    its ranks only wait out the collective timeout, while the other tests run."""
+    folder = Path(tempfile.mkdtemp(prefix="lit3d-hang-"))
+    started = start_failing(folder, "hang", "tests/test_failures.py::hanging (started first)")
+    yield started
+    started[0].kill()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def start_failing(cwd: Path, kind: str, name: str) -> tuple[forked.Command, dict]:
+    """2 ranks whose rank 1 fails at step 2 with ``kind`` (`faults.InjectFault`), once it has: the run, and a thread's
+    wait for it (``exited``: its ``code`` and the time ``at`` which it exited, when it has; it may end before its test
+    looks)."""
     inject = ["--trainer.callbacks+=faults.InjectFault", "--trainer.callbacks.rank=1",
               "--trainer.callbacks.step=2", f"--trainer.callbacks.kind={kind}"]  # fmt: skip
-    timeout = [f"--trainer.strategy.timeout=0:00:{timeout_s}"] if kind == "hang" else []
-    with turn(request.node.nodeid):  # (the machine's turn until the fault: then the ranks only wait)
-        run = cli(tmp_path, "--trainer.devices=2", *timeout, "--trainer.enable_checkpointing=false", *inject,
+    timeout = [f"--trainer.strategy.timeout=0:00:{HANG_TIMEOUT_S}"] if kind == "hang" else []
+    with turn(name):  # (the machine's turn until the fault: then the ranks only wait)
+        run = cli(cwd, "--trainer.devices=2", *timeout, "--trainer.enable_checkpointing=false", *inject,
                   max_steps=100, started=True)  # fmt: skip
         deadline = time.time() + 240
         while run.poll() is None and f"injecting {kind}" not in run.stdout() and time.time() < deadline:
             time.sleep(0.2)
-    try:
-        code = run.wait(timeout=timeout_s + 60)
-    finally:
-        run.kill()
-    ended, output = time.time(), run.stdout()
+    exited = {}
+    exited["thread"] = threading.Thread(target=lambda: exited.update(code=run.wait(), at=time.time()), daemon=True)
+    exited["thread"].start()
+    return run, exited
+
+
+@pytest.mark.parametrize("kind", ["out_of_memory", "hang"])
+def test_a_failing_rank_ends_the_job_in_bounded_time_and_is_named(tmp_path, kind, request, hanging):
+    """Rank 1 of 2 fails at step 2: an allocation that runs out of memory (an exception; any other takes the same
+    path), or a hang (it never reaches its next collective). The job exits non-zero within the bound
+    docs/launching.md's "When a rank dies" documents (the collective timeout, 30 s here, for a hang) and the log names
+    the rank: the failed one, or for a hang the stuck rank and the collective its peer waits in."""
+    run, exited = hanging if kind == "hang" else start_failing(tmp_path, kind, request.node.nodeid)
+    exited["thread"].join(timeout=HANG_TIMEOUT_S + 60)
+    run.kill()
+    output = run.stdout()
+    assert "code" in exited, f"still running {HANG_TIMEOUT_S + 60} s after its fault: {output[-3000:]}"
+    code = exited["code"]
     assert code != 0, output[-3000:]
     injected = [line for line in output.splitlines() if line.startswith(f"injecting {kind}")]
     assert len(injected) == 1, output[-3000:]  # the job failed before the fault otherwise
-    seconds = ended - float(injected[0].rsplit("t=", 1)[1].rstrip(")"))
+    seconds = exited["at"] - float(injected[0].rsplit("t=", 1)[1].rstrip(")"))
     print(f"{kind} in rank 1: the job exited {code} after {seconds:.1f} s")
-    assert seconds < (timeout_s if kind == "hang" else 0) + 30, output[-3000:]
+    assert seconds < (HANG_TIMEOUT_S if kind == "hang" else 0) + 30, output[-3000:]
     if kind == "hang":
         assert "rank 1: no progress for" in output and "the rank is in tests/faults.py" in output, output[-3000:]
         assert re.search(r"rank 0: no progress for .* in collective \w+", output), output[-3000:]
