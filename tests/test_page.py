@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 
 from lit3d.cli import main
+from lit3d.models.config import GPTConfig
 from lit3d.planner import Cluster
 from lit3d.planner.explore import explore, layout_key
+from lit3d.planner.request import Request, plan
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 PLAN = ["--model", "llama-70b", "--nodes", "8", "--seq_len", "4096", "--global_batch_size", "512"]
@@ -154,6 +156,28 @@ def test_an_moe_page_names_each_gpu_s_share_of_the_experts_and_outlines_its_expe
     assert [int(r) for r in page.eval_on_selector_all(".gpu.ep", "cells => cells.map(c => c.dataset.rank)")] == [2, 3]
     panel = page.text_content("#panel")
     assert "expert group 1: 2 GPUs (d 2-3), each holding 1/2 of every MoE layer's experts" in panel
+    assert not elsewhere and not errors, (elsewhere, errors)
+
+
+def test_a_page_of_replica_groups_shows_group_0_its_average_and_what_a_rejoining_group_loads(browser, tmp_path):
+    """``--replica_groups 3``: the page is one group's layouts (the nodes given are each group's), says so, and a GPU
+    shows the bytes it sends to the other groups each step and loads from a live group when its own rejoins, as
+    ``lit3d plan`` plans them."""
+    given = dict(seq_len=1024, global_batch_size=32, replica_groups=3)
+    explorer = explore("llama-8b", Cluster(nodes=1, gpus_per_node=8), **given)
+    page, elsewhere, errors = open_offline(browser, Path(explorer.save(str(tmp_path / "groups.html"))))
+    assert "3 replica groups (torchft)" in page.text_content(".sub") and "group 0's shown" in page.text_content(".sub")
+    best = explorer.data["ranking"][0]
+    page.click(f'#ranking li[data-key="{best}"]')
+    page.click('.gpu[data-rank="0"]')
+    d, t, p, ep, cp, zero = map(int, best.split(","))
+    sizes = dict(data_parallel_size=d, tensor_parallel_size=t, pipeline_parallel_size=p, zero_stage=zero)
+    request = Request.given(GPTConfig.load("llama-8b"), Cluster(nodes=1, gpus_per_node=8), **given, **sizes)
+    planned = plan(request).chosen.plan
+    sent = planned.communication_per_step["replica"]["bytes"]
+    assert float(page.get_attribute("#rejoin", "data-bytes")) == planned.rejoin_bytes() > 0
+    assert float(page.get_attribute("#comm-replica", "data-bytes")) == sent > 0
+    assert "replica group 0 of 3" in page.text_content("#panel")
     assert not elsewhere and not errors, (elsewhere, errors)
 
 

@@ -60,6 +60,7 @@ def page_data(model: GPTConfig | str, cluster: Cluster | None = None, **given: A
             layouts[layout_key(d, t, p, ep, cp, zero)] = _layout_entry(config, cluster, given, sizes, rows)
     return {
         "model": {"name": config.name, "params": config.num_params, "n_layer": config.n_layer},
+        "replica_groups": given.get("replica_groups") or 1,  # each a copy of the layout shown, on nodes of its own
         "cluster": {
             **{k: v for k, v in asdict(cluster).items() if k not in ("gpu", "stage_gpus")},
             "gpu": cluster.gpu.name,
@@ -131,6 +132,7 @@ def _layout_entry(
         "memory": p.memory_per_gpu["total"],
         "stages": stages,
         **({"shard": sizes["data_parallel_shard_size"]} if sizes["data_parallel_shard_size"] else {}),
+        **({"rejoin": p.rejoin_bytes()} if (given.get("replica_groups") or 1) > 1 else {}),
         "comm": {
             axis: [c["bytes"], c["seconds"], c["link_gbps"]]
             for axis, c in p.communication_per_step.items()

@@ -106,6 +106,9 @@ function panel(e, c) {
   if (e.shard) h += '<br>HSDP shard group ' + Math.floor(c.d / e.shard) + ' of ' + S.d / e.shard + ': ZeRO over ' +
     e.shard + ' data-parallel ranks (d ' + Math.floor(c.d / e.shard) * e.shard + '-' +
     (Math.floor(c.d / e.shard) * e.shard + e.shard - 1) + '); the groups all-reduce their shards once per step';
+  if (e.rejoin) h += '<br>replica group 0 of ' + D.replica_groups + ': a group that rejoins loads <span id="rejoin" ' +
+    'data-bytes="' + e.rejoin + '">' + gb(e.rejoin) + '</span> into this GPU from a live one (weights and ' +
+    'optimizer state), once';
   if (!e.stages) { p.innerHTML = h; const why = document.createElement('p'); why.textContent = e.error;
     p.appendChild(why); return; }
   const row = D.rows[e.stages[c.p]];
@@ -158,6 +161,12 @@ def render(data: dict[str, Any]) -> str:
         f", {training['precision']}, pipelines {training['pipeline_schedule']}; "
         f"{training['usable_gb']:.1f} GB usable per GPU"
     )
+    groups = data.get("replica_groups", 1)
+    if groups > 1:
+        sub += (
+            f"; {groups} replica groups (torchft), each this layout on nodes of its own (REPLICA_GROUP_ID 0-"
+            f"{groups - 1}), averaging gradients each step: group 0's shown"
+        )
     axes = data["axes"]
     sliders = "".join(
         [
