@@ -1,4 +1,5 @@
 import os
+import re
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -121,12 +122,27 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "layout_runs" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.timeout(1800))
+    order = file_order({Path(item.path) for item in items})
+    items.sort(key=lambda item: order[Path(item.path)])  # (stable: each file's tests stay together, in their order)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device; its CPU counterpart runs instead")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# A file that starts ranks (a spawn, a command of several devices, a test that takes the machine's turn).
+STARTS_RANKS = re.compile(r"run_jobs|turn\(|mark\.ranks|forked\.start|devices=[2-9]")
+
+
+def file_order(paths: set[Path]) -> dict[Path, int]:
+    """The files that read `layout_runs` first (one xdist worker spawns it, taking turns on the machine for about 5
+    minutes, its ranks leaving part of the 2 cores idle as they wait for each other), then those of one process (the
+    other worker runs them meanwhile, with no turn to wait for), then the rest (`pytest_xdist_make_scheduler` keeps this
+    order)."""
+    texts = {path: path.read_text() for path in paths}
+    return {path: 0 if "layout_runs" in text else 2 if STARTS_RANKS.search(text) else 1 for path, text in texts.items()}
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -146,6 +162,7 @@ def pytest_xdist_make_scheduler(config, log):
             path = nodeid.split("::", 1)[0]
             return "layout_runs" if path in shared else path
 
+    config.option.loadscopereorder = False  # (xdist would order the files by their number of tests: `_file_order`'s)
     return FileScheduling(config, log)
 
 
