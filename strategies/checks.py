@@ -19,7 +19,6 @@ from lit3d.parallel.precision import check_float8
 from lit3d.parallel.settings import Parallelism
 from lit3d.parallel.shares import check_shares_fit
 from lit3d.parallel.stages import check_stage_layers
-from lit3d.parallel.zero import ZeroPolicy
 from lit3d.strategies.pipelining.step import check_pipeline_protocol
 from lit3d.strategies.split.context_parallel import check_module_for_context_parallel
 from lit3d.strategies.split.float8 import CPU_MATMUL, emulates, small_gemms_warning
@@ -38,7 +37,6 @@ def check_run(parallelism: Parallelism, layout: Layout, module: Any, trainer: An
         check_model_fits_pipeline(config, layout.pp, chunks, schedule)
         check_stage_layers(parallelism.pipeline_stage_layers, config.n_layer, layout.pp * chunks)
     check_recompute_composes(parallelism.activation_checkpointing, parallelism.zero_stage, layout)
-    _check_muon(parallelism, layout, module)
     _check_float8(parallelism, layout, module, trainer, datamodule)
     seq_len = getattr(datamodule, "seq_len", None)
     check_context_parallel(layout.cp, seq_len, layout.tp, parallelism.sequence_parallel)
@@ -55,21 +53,6 @@ def check_run(parallelism: Parallelism, layout: Layout, module: Any, trainer: An
     microbatches = parallelism.microbatches(batch, layout.data_replicas, accumulate)
     _check_shares(parallelism, layout, datamodule, accumulate * (microbatches if layout.pp > 1 else 1))
     return microbatches
-
-
-def _check_muon(parallelism: Parallelism, layout: Layout, module: Any) -> None:
-    """Muon orthogonalises whole matrices: it gathers DTensor shards (TP, ZeRO-2/3) and ZeRO-1's slices
-    (`lit3d.strategies.optim.zero1`); an expert is its own matrix, whole where it is but for ZeRO-1's slices of the
-    experts that several ranks hold (``edp``), whose gather is not built yet."""
-    if getattr(module, "optimizer_name", "adamw") != "muon" or not ZeroPolicy.of(parallelism, layout).slices_optimizer:
-        return
-    holders = layout.dp // layout.ep * layout.cp  # ranks holding the same experts (the experts' mesh's ``edp``)
-    if getattr(getattr(module, "config", None), "n_expert", 0) and layout.ep > 1 and holders > 1:
-        raise ValueError(
-            f"optimizer='muon' with zero_stage=1 and expert_parallel_size={layout.ep} of {layout.dp} data-parallel "
-            f"ranks: ZeRO-1 slices each expert over the {holders} ranks that hold it, and Muon's gather of those "
-            "slices is not built yet; use zero_stage=0, 2 or 3"
-        )
 
 
 def _check_float8(parallelism: Parallelism, layout: Layout, module: Any, trainer: Any, datamodule: Any) -> None:

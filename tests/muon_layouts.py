@@ -1,7 +1,8 @@
 """Muon's layouts (`lit3d.models.muon`), each against its own single process: ZeRO-1 (each matrix's update gathered
 from the replicas' slices), ZeRO-3 (each matrix gathered from its FSDP2 shards for its step), TP2 with sequence
 parallelism (gathered from its TP shards), DP2 x TP2 at ZeRO-3 (gathered over both), a V-shaped pipeline (each stage's
-matrices its own) and the MoE model's experts over EP2, each orthogonalised on the rank that holds it. Those in
+matrices its own) and the MoE model's experts over EP2, each orthogonalised on the rank that holds it (at DP4 x EP2
+with ZeRO-1, gathered from the slices of the 2 ranks that hold it). Those in
 `MUON_COMMS` measure the bytes of a step against the planner's. `MUON_RESUMED`: the momentum saved at step `HALF` in
 one layout resumes in another (DP2 x TP2 x ZeRO-3's shards into DP2 x PP2's stages, TP2's into ZeRO-3's). The
 Newton-Schulz iteration runs in fp32 here (``muon_ns_dtype``): in bf16 a last-bit difference of a gradient summed in
@@ -21,9 +22,17 @@ MUON_LAYOUTS = {
     "muon_dp2_tp2_zero3": (4, {**MUON, "strategy": {"tensor_parallel_size": 2, "zero_stage": 3}}),
     "muon_pp2_zbv": (2, {**MUON_DEEP, "strategy": {"pipeline_parallel_size": 2, "pipeline_schedule": "zbv"}}),
     "muon_moe_ep2": (2, {**MUON_MOE, "strategy": {"expert_parallel_size": 2, "zero_stage": 0}}),
+    # each expert sliced by ZeRO-1 over the 2 ranks that hold it, gathered whole there for its step
+    "muon_moe_dp4_ep2_zero1": (4, {**MUON_MOE, "strategy": {"expert_parallel_size": 2, "zero_stage": 1}}),
 }
 # bytes measured against the planner's
-MUON_COMMS = ("muon_dp2_zero1", "muon_dp2_zero3", "muon_tp2_sequence_parallel", "muon_moe_ep2")
+MUON_COMMS = (
+    "muon_dp2_zero1",
+    "muon_dp2_zero3",
+    "muon_tp2_sequence_parallel",
+    "muon_moe_ep2",
+    "muon_moe_dp4_ep2_zero1",
+)
 for _name in MUON_COMMS:
     MUON_LAYOUTS[_name][1]["callbacks"] = [CommReport(step=COMMS_STEP)]
 

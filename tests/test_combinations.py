@@ -60,8 +60,6 @@ REFUSED = [
     (Draw(0, 4, pp2("zbv", False, data_parallel_size=2, zero_stage=3)), ("zero_stage=3", "pipeline_schedule='zbv'")),
     (Draw(0, 2, {"data_parallel_size": 2, "expert_parallel_size": 2}), ("expert_parallel_size=2", "n_expert=0")),
     (Draw(0, 2, {"data_parallel_size": 2, "float8": "tensorwise"}), ("float8='tensorwise'", "precision='32-true'")),
-    (Draw(0, 4, {"data_parallel_size": 4, "expert_parallel_size": 2}, moe=True, muon=True),
-     ("optimizer='muon'", "zero_stage=1", "expert_parallel_size=2")),
     (Draw(0, 4, {"data_parallel_size": 4, "expert_parallel_size": 2, "zero_stage": 0,
                  "activation_checkpointing": "selective"}, moe=True),
      ("activation_checkpointing='selective'", "expert_parallel_size=2", "zero_stage=0")),

@@ -50,12 +50,15 @@ class StageSums(NamedTuple):
     trained_experts: int
     float8: int  # elements of the block linears' weights, which FP8 all-gather gathers in one byte each
     float8_tensors: int
-    # Muon's hidden matrices (`Tensor.orthogonal`) but the experts (each whole on its rank: `lit3d.models.muon`), each
-    # gathered whole for its step: their elements as a TP rank holds them, and those TP splits (whole); and the
+    # Muon's hidden matrices (`Tensor.orthogonal`) but the experts (`orthogonal_experts`), each gathered whole for its
+    # step: their elements as a TP rank holds them, and those TP splits (whole); and the
     # Newton-Schulz iteration's FLOPs over every matrix this rank orthogonalises (experts included)
     orthogonal: int = 0
     orthogonal_split: int = 0
     newton_schulz_flops: float = 0.0
+    # the experts' matrices as an EP rank holds them, which ZeRO-1 slices over the ranks holding the same experts (the
+    # expert mesh's ``edp``) and Muon gathers whole there
+    orthogonal_experts: int = 0
 
 
 def _stage_sums(key: tuple, pp: int, virtual: int, placement: str, stage_rank: int, tp: int, ep: int) -> StageSums:
@@ -97,6 +100,7 @@ def _shapes_sums(shapes: StageShapes, tp: int, ep: int) -> StageSums:
         orthogonal=numel(gathered),
         orthogonal_split=shapes.sum(lambda group: sum(math.prod(t.shape) for t in group if split(t))),
         newton_schulz_flops=shapes.sum(lambda group: sum(newton_schulz_flops(t, ep) for t in group if t.orthogonal)),
+        orthogonal_experts=numel(lambda t: t.orthogonal and t.expert, ep),
     )
 
 
