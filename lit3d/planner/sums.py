@@ -51,8 +51,8 @@ class StageSums(NamedTuple):
     float8: int  # elements of the block linears' weights, which FP8 all-gather gathers in one byte each
     float8_tensors: int
     # Muon's hidden matrices (`Tensor.orthogonal`) but the experts (`orthogonal_experts`), each gathered whole for its
-    # step: their elements as a TP rank holds them, and those TP splits (whole); and the
-    # Newton-Schulz iteration's FLOPs over every matrix this rank orthogonalises (experts included)
+    # step: their elements as a TP rank holds them, and those TP splits (whole); and the Newton-Schulz iteration's
+    # FLOPs over every matrix this rank orthogonalises (experts included)
     orthogonal: int = 0
     orthogonal_split: int = 0
     newton_schulz_flops: float = 0.0
