@@ -162,7 +162,7 @@ def pytest_xdist_make_scheduler(config, log):
             path = nodeid.split("::", 1)[0]
             return "layout_runs" if path in shared else path
 
-    config.option.loadscopereorder = False  # (xdist would order the files by their number of tests: `_file_order`'s)
+    config.option.loadscopereorder = False  # (xdist would order the files by their number of tests: `file_order`'s)
     return FileScheduling(config, log)
 
 

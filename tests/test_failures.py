@@ -2,11 +2,9 @@
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -90,14 +88,12 @@ HANG_TIMEOUT_S = 30  # the hang case's collective timeout: far above a step, and
 
 
 @pytest.fixture(scope="module", autouse=True)
-def hanging():
+def hanging(tmp_path_factory):
     """The hang case, started before the file's first test: once rank 1 stops (its turn on the machine ends there),
     its ranks only wait out the collective timeout, while the other tests run."""
-    folder = Path(tempfile.mkdtemp(prefix="lit3d-hang-"))
-    started = start_failing(folder, "hang", "tests/test_failures.py::hanging (started first)")
+    started = start_failing(tmp_path_factory.mktemp("hang"), "hang", "tests/test_failures.py::hanging (started first)")
     yield started
     started[0].kill()
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 def start_failing(cwd: Path, kind: str, name: str) -> tuple[forked.Command, dict]:
