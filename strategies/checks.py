@@ -38,6 +38,7 @@ def check_run(parallelism: Parallelism, layout: Layout, module: Any, trainer: An
         check_stage_layers(parallelism.pipeline_stage_layers, config.n_layer, layout.pp * chunks)
     check_recompute_composes(parallelism.activation_checkpointing, parallelism.zero_stage, layout)
     _check_float8(parallelism, layout, module, trainer, datamodule)
+    _check_qk_clip(parallelism, layout, getattr(getattr(module, "muon", None), "qk_clip", None))
     seq_len = getattr(datamodule, "seq_len", None)
     check_context_parallel(layout.cp, seq_len, layout.tp, parallelism.sequence_parallel)
     predicting = trainer is not None and trainer.state.fn == TrainerFn.PREDICTING
@@ -93,6 +94,24 @@ def _check_float8(parallelism: Parallelism, layout: Layout, module: Any, trainer
     warning = small_gemms_warning(parallelism.float8, config, layout.tp) if isinstance(config, GPTConfig) else None
     if warning is not None:
         rank_zero_warn(warning)
+
+
+def _check_qk_clip(parallelism: Parallelism, layout: Layout, threshold: float | None) -> None:
+    """QK-clip (`lit3d.models.qk_clip`) needs every logit of a head on one rank and one clip for all replicas."""
+    if threshold is None:
+        return
+    wrong = {
+        "context_parallel_size": (
+            layout.cp,
+            "the ring attention does not record its logits yet",
+        ),
+        "islands": (parallelism.islands, "each island trains its own weights between outer steps"),
+        "sync_every": (parallelism.sync_every, "DiLoCo's outer steps move the weights QK-clip rescaled"),
+        "replica_groups": (parallelism.replica_groups or 1, "each group would clip by its own logits"),
+    }
+    for name, (value, why) in wrong.items():
+        if value > 1:
+            raise ValueError(f"muon_qk_clip={threshold} with {name}={value}: {why}; not supported yet")
 
 
 def _check_shares(parallelism: Parallelism, layout: Layout, datamodule: Any, steps: int) -> None:

@@ -342,11 +342,12 @@ def family_references(base_job, packed_data, tmp_path_factory) -> dict[str, dict
 
 @pytest.fixture(scope="session")
 def muon_references(base_job, tmp_path_factory) -> dict[str, dict]:
-    """The single-process Muon runs (``dense``, ``deep``, ``moe``) its layouts are compared with (`muon_layouts`)."""
-    from muon_layouts import MUON, MUON_DEEP, MUON_MOE
+    """The single-process Muon runs (``dense``, ``deep``, ``moe``, ``clip``) its layouts are compared with
+    (`muon_layouts`)."""
+    from muon_layouts import MUON, MUON_CLIP, MUON_DEEP, MUON_MOE
 
     folder = tmp_path_factory.mktemp("reference_muon")
-    jobs = (("dense", MUON), ("deep", MUON_DEEP), ("moe", MUON_MOE))
+    jobs = (("dense", MUON), ("deep", MUON_DEEP), ("moe", MUON_MOE), ("clip", MUON_CLIP))
     return {name: reference(base_job, job, folder / name) for name, job in jobs}
 
 

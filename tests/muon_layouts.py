@@ -15,6 +15,10 @@ from lit3d.callbacks import CommReport
 MUON = {"model": {"optimizer": "muon", "muon_ns_dtype": "float32"}}
 MUON_DEEP = {"model": {**MUON["model"], "config": DEEP_GPT}}  # four stages in a V
 MUON_MOE = {"model": {"config": SMALL_MOE, "optimizer": "muon", "muon_ns_dtype": "float32"}}
+# QK-clip (MuonClip) at a threshold the small model's heads pass now and then (3, 1 and 1 of its 8 heads clipped in
+# the 3 steps of one process): each rank's heads' logits, their max over the replicas, the factors on its slices
+CLIP = 0.045
+MUON_CLIP = {"model": {**MUON["model"], "muon_qk_clip": CLIP}, "whole_param_sum": True}
 MUON_LAYOUTS = {
     "muon_dp2_zero1": (2, {**MUON, "strategy": {"zero_stage": 1}}),
     "muon_dp2_zero3": (2, {**MUON, "strategy": {"zero_stage": 3}}),
@@ -24,6 +28,12 @@ MUON_LAYOUTS = {
     "muon_moe_ep2": (2, {**MUON_MOE, "strategy": {"expert_parallel_size": 2, "zero_stage": 0}}),
     # each expert sliced by ZeRO-1 over the 2 ranks that hold it, gathered whole there for its step
     "muon_moe_dp4_ep2_zero1": (4, {**MUON_MOE, "strategy": {"expert_parallel_size": 2, "zero_stage": 1}}),
+    "muon_clip_dp2_zero1": (2, {**MUON_CLIP, "strategy": {"zero_stage": 1}}),
+    "muon_clip_tp2_sequence_parallel": (
+        2,
+        {**MUON_CLIP, "strategy": {"tensor_parallel_size": 2, "sequence_parallel": True}},
+    ),
+    "muon_clip_pp2_1f1b": (2, {**MUON_CLIP, "strategy": {"pipeline_parallel_size": 2, "pipeline_schedule": "1f1b"}}),
 }
 # bytes measured against the planner's
 MUON_COMMS = (

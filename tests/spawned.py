@@ -278,6 +278,7 @@ def _run_job(job: dict, job_dir: Path, devices: int) -> dict:
         result["val_loss"] = logged(log_dir, "val_loss")
         result["pp_bubble"] = logged(log_dir, "pp/bubble")
         result["pp_bubble_theory"] = logged(log_dir, "pp/bubble_theory")
+        result["qk_clip"] = {name: logged(log_dir, f"qk_clip/{name}") for name in ("max_logit", "clipped_heads")}
         result["plan_check"] = {
             name: logged(log_dir, f"plan/{name}") for name in ("peak_memory_ratio", "step_time_ratio")
         }

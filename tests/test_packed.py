@@ -245,9 +245,9 @@ def test_templates_with_huggingfaces_generation_marks_render_as_without(tmp_path
 
 def test_an_evaluation_round_weighs_by_its_answer_tokens_and_one_without_any_not_at_all():
     from lit3d.models.documents import document_starts
-    from lit3d.models.gpt import _trained_share
+    from lit3d.models.loss import trained_share
 
     scales = torch.tensor([4.0, 0.0])  # a round with a quarter of its targets trained; one with none
-    assert [float(_trained_share({"loss_scale": s[None]})) for s in scales] == [0.25, 0.0]
-    assert _trained_share({"input_ids": torch.zeros(1, 3)}) == 1.0
+    assert [float(trained_share({"loss_scale": s[None]})) for s in scales] == [0.25, 0.0]
+    assert trained_share({"input_ids": torch.zeros(1, 3)}) == 1.0
     assert document_starts([3, 0, 2, 0]).tolist() == [True, False, False, True, False]  # empty documents start nowhere

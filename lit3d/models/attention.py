@@ -57,7 +57,7 @@ def causal_attention(
     backend = resolve_backend(backend, q.device, q.dtype)
     if documents is None and sinks is None and (window is None or backend == "flash"):
         return _causal(q, k, v, backend, window, scale)
-    return masked_attention(q, k, v, _bias(q, documents, window, sinks is not None), sinks, scale)
+    return masked_attention(q, k, v, attention_bias(q, documents, window, sinks is not None), sinks, scale)
 
 
 def _causal(
@@ -136,7 +136,9 @@ def masked_attention(
     return out.transpose(1, 2)[..., :kept]
 
 
-def _bias(q: torch.Tensor, documents: Documents | None, window: int | None, sink: bool) -> torch.Tensor:
+def attention_bias(
+    q: torch.Tensor, documents: Documents | None, window: int | None, sink: bool = False
+) -> torch.Tensor:
     """The additive causal mask of q's tokens (with the ``window`` and the ``documents``), in q's dtype, with the
     ``sink``'s column first."""
     if documents is not None:

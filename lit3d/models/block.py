@@ -15,6 +15,7 @@ from lit3d.models.lora import LoRA, linear, project
 from lit3d.models.mlp import MLP
 from lit3d.models.moe import MoE
 from lit3d.models.norms import rms_norm
+from lit3d.models.qk_clip import HeadLogits
 from lit3d.models.ring_attention import ContextParallel, ring_attention
 from lit3d.models.rotary import Rope, apply_rotary, position_tables
 
@@ -57,6 +58,7 @@ class Attention(nn.Module):
             self.rope = Rope.of(config.rope_local_base_freq, None)
         scalar = config.query_pre_attn_scalar
         self.scale = None if scalar is None else scalar**-0.5
+        self.logits: HeadLogits | None = None  # QK-clip's record of the largest logits (`lit3d.models.qk_clip`)
 
     def forward(self, x: torch.Tensor, context: BatchContext = NO_CONTEXT) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -71,6 +73,8 @@ class Attention(nn.Module):
         cos, sin = position_tables(self.rope, hd, q, docs, cp, self.config.max_seq_len)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         sinks = None if self.sinks is None else self.sinks.heads()
+        if self.logits is not None:
+            self.logits.record(q, k, self.scale or hd**-0.5, docs, self.window)
         if cp is None:
             y = causal_attention(q, k, v, self.config.attention, docs, self.window, sinks, self.scale)
         else:

@@ -21,12 +21,13 @@ from lit3d.models.generation import Sampling, next_token
 from lit3d.models.loop import ends_optimizer_step
 from lit3d.models.lora import LoRA, freeze_all_but_adapters
 from lit3d.models.lora_dropout import Samples, training_samples
-from lit3d.models.loss import IGNORED, cross_entropy
+from lit3d.models.loss import IGNORED, cross_entropy, trained_share
 from lit3d.models.lr_schedule import WarmupCosine, follow_schedule, horizon_warning, optimizer_refusal
 from lit3d.models.moe import balance_objective, step_balance
 from lit3d.models.mtp import multi_token_loss, step_loss, tokens_ahead
 from lit3d.models.optimizer_settings import MuonSettings, choice_refusal
 from lit3d.models.optimizers import build_optimizer
+from lit3d.models.qk_clip import clip_after_step, clip_refusal, record_logits
 from lit3d.models.runner import Runner, WholeNetwork
 from lit3d.models.tp_plan import tensor_parallel_plan
 from lit3d.models.transformer import Transformer
@@ -51,8 +52,8 @@ class GPT(L.LightningModule):
         min_lr_ratio: The floor of the cosine decay as a fraction of ``learning_rate``.
         optimizer_impl: AdamW implementation: ``"foreach"``, ``"fused"`` or ``"auto"`` (PyTorch's choice).
         optimizer: ``"adamw"``, or ``"muon"``: Muon on the blocks' matrices, AdamW on the rest (`lit3d.models.muon`),
-            with ``learning_rate`` and ``weight_decay`` for both. ``muon_momentum``, ``muon_ns_steps``,
-            ``muon_ns_dtype`` and ``muon_rms_rule`` are Muon's settings (`lit3d.models.optimizers.MuonSettings`).
+            with ``learning_rate`` and ``weight_decay`` for both. ``muon_*`` are Muon's settings (`MuonSettings`:
+            momentum, Newton-Schulz steps and dtype, RMS rule, and QK-clip's threshold: `lit3d.models.qk_clip`).
         pretrained: Start from these weights instead of the seed: a local HuggingFace folder (``config.json`` +
             safetensors: Llama, Mistral, Qwen3, Mixtral) or a lit3d checkpoint (a folder of any layout, or a single
             file). Its shapes replace ``config``; every parallel layout shards the weights as it loads them. A LoRA
@@ -83,15 +84,18 @@ class GPT(L.LightningModule):
         muon_ns_steps: int = 5,
         muon_ns_dtype: str = "auto",
         muon_rms_rule: str = "match_rms_adamw",
+        muon_qk_clip: float | None = None,
     ) -> None:
         super().__init__()
-        self.muon = MuonSettings(muon_momentum, muon_ns_steps, muon_ns_dtype, muon_rms_rule)
+        self.muon = MuonSettings(muon_momentum, muon_ns_steps, muon_ns_dtype, muon_rms_rule, muon_qk_clip)
         refusal = optimizer_refusal(learning_rate, weight_decay, betas, eps, warmup_steps, decay_steps, min_lr_ratio)
         refusal = refusal or choice_refusal(optimizer_impl, optimizer, self.muon, lora is not None or bool(adapter))
         if refusal is not None:
             raise ValueError(refusal)
         self.pretrained = pretrained
         self.config = read_config(pretrained) if pretrained is not None else GPTConfig.load(config)
+        if (refusal := clip_refusal(self.config, muon_qk_clip)) is not None:
+            raise ValueError(refusal)
         self.sampling = sampling or Sampling()
         self.lora = LoRA(**lora) if isinstance(lora, dict) else lora
         self.adapter = adapter
@@ -148,6 +152,8 @@ class GPT(L.LightningModule):
             model.init_source = read_tensors(self.pretrained, self.lora)
         if self.adapter is not None:
             model.init_source = {**(model.init_source or {}), **read_adapter(self.adapter, self.config.n_layer)[1]}
+        if self.muon.qk_clip is not None:
+            record_logits(model)
         if device.type != "meta":
             model.to_empty(device=device)
             model.tie_weights()
@@ -264,6 +270,8 @@ class GPT(L.LightningModule):
                 self._log_balance(moe, self._loss_count)
             if self.config.num_nextn_predict_layers and logs:
                 self._log_multi_token(depths, self._loss_count)
+            if self.muon.qk_clip is not None:  # (the step's forwards are done; its logits known)
+                clip_after_step(self, self._loss_count * self.runner.forwards_per_loss, self.muon.qk_clip)
             for layer in [*moe, *depths]:
                 layer.history = []
             self._loss_sum, self._loss_count = 0.0, 0
@@ -313,7 +321,7 @@ class GPT(L.LightningModule):
         self.log("train_loss", global_mean, on_step=True, on_epoch=False, prog_bar=True, batch_size=1)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        self.val_loss.update(self.loss(batch), weight=_trained_share(batch))
+        self.val_loss.update(self.loss(batch), weight=trained_share(batch))
         self.log("val_loss", self.val_loss, prog_bar=True, batch_size=1)
 
     def on_validation_epoch_end(self) -> None:
@@ -321,7 +329,7 @@ class GPT(L.LightningModule):
         self.log("val_ppl", torch.exp(self.val_loss.compute()), batch_size=1, sync_dist=True)
 
     def test_step(self, batch: Any, batch_idx: int) -> None:
-        self.test_loss.update(self.loss(batch), weight=_trained_share(batch))
+        self.test_loss.update(self.loss(batch), weight=trained_share(batch))
         self.log("test_loss", self.test_loss, batch_size=1)
 
     def on_test_epoch_end(self) -> None:
@@ -389,12 +397,3 @@ class GPT(L.LightningModule):
         datamodule = getattr(self.trainer, "datamodule", None)
         if datamodule is not None and stage != "predict":  # prediction feeds prompts, not seq_len blocks
             check_model_fits_data(self.config, datamodule, self)
-
-
-def _trained_share(batch: Any) -> torch.Tensor | float:
-    """How much an evaluation batch's loss weighs in the mean: 1, or with a ``loss_scale`` (chat data) the share of its
-    round's targets that are trained (1 / scale: 0 for a round without any), so the mean is over answer tokens."""
-    if not isinstance(batch, dict) or "loss_scale" not in batch:
-        return 1.0
-    scale = batch["loss_scale"][0]
-    return torch.where(scale > 0, 1 / scale.clamp(min=1e-12), torch.zeros_like(scale))

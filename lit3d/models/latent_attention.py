@@ -25,6 +25,7 @@ from lit3d.models.attention import causal_attention
 from lit3d.models.batch_context import NO_CONTEXT, BatchContext
 from lit3d.models.config import GPTConfig
 from lit3d.models.lora import LoRA, linear, project
+from lit3d.models.qk_clip import HeadLogits
 from lit3d.models.ring_attention import ContextParallel, ring_attention
 from lit3d.models.rotary import Rope, apply_rotary, position_tables
 
@@ -55,6 +56,7 @@ class LatentAttention(nn.Module):
         self.query_scale = self.rope.softmax_correction()
         # Under context parallelism, x holds this rank's share of each sequence (`lit3d.models.ring_attention`).
         self.context_parallel: ContextParallel | None = None
+        self.logits: HeadLogits | None = None  # QK-clip's record of the largest logits (`lit3d.models.qk_clip`)
 
     def forward(self, x: torch.Tensor, context: BatchContext = NO_CONTEXT) -> torch.Tensor:
         config, (batch, seq, _), cp = self.config, x.shape, self.context_parallel
@@ -69,6 +71,8 @@ class LatentAttention(nn.Module):
         if self.query_scale != 1.0:
             q = q * self.query_scale
         k = torch.cat((k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)), dim=-1)
+        if self.logits is not None:
+            self.logits.record(q, k, q.shape[-1] ** -0.5, docs, None)
         y = causal_attention(q, k, v, config.attention, docs) if cp is None else ring_attention(q, k, v, cp, docs)
         return project(self.o_proj, y.reshape(batch, seq, -1), context)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -68,3 +69,12 @@ class AddToObjective(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         (term,) = ctx.saved_tensors
         return grad, torch.full_like(term, ctx.weight), None
+
+
+def trained_share(batch: Any) -> torch.Tensor | float:
+    """How much an evaluation batch's loss weighs in the mean: 1, or with a ``loss_scale`` (chat data) the share of its
+    round's targets that are trained (1 / scale: 0 for a round without any), so the mean is over answer tokens."""
+    if not isinstance(batch, dict) or "loss_scale" not in batch:
+        return 1.0
+    scale = batch["loss_scale"][0]
+    return torch.where(scale > 0, 1 / scale.clamp(min=1e-12), torch.zeros_like(scale))

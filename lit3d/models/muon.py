@@ -107,6 +107,7 @@ class Muon(torch.optim.Optimizer):
             ``"original"``).
         whole: ``whole(param, tensor)``: ``tensor`` (this rank's part of ``param``'s update) made the whole matrix.
         shard: ``shard(param, tensor)``: this rank's part of the whole ``tensor``.
+        names: Every parameter's name, group by group in order (what `rescale_after_step` names them by).
     """
 
     def __init__(
@@ -123,6 +124,7 @@ class Muon(torch.optim.Optimizer):
         rms_rule: str = "match_rms_adamw",
         whole: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         shard: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        names: list[str] | None = None,
     ) -> None:
         if rms_rule not in RMS_RULES:
             raise ValueError(f"rms_rule={rms_rule!r} is not one of {', '.join(RMS_RULES)}")
@@ -130,15 +132,29 @@ class Muon(torch.optim.Optimizer):
                         ns_steps=ns_steps, ns_dtype=ns_dtype, rms_rule=rms_rule, muon=False)  # fmt: skip
         super().__init__(params, defaults)
         self.whole, self.shard = whole or whole_matrix, shard or local_part
+        self.part: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = _as_it_is
+        self.names = names or []
+        self.rescales: dict[str, torch.Tensor] = {}  # for the next step (`rescale_after_step`)
 
     def lay_out(
         self,
         whole: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         shard: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        part: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     ) -> None:
         """``whole`` and ``shard`` (as the constructor takes them) from a strategy that sliced the parameters after the
-        module built this optimizer (ZeRO-1: `lit3d.strategies.optim.zero1.LocalShardOptimizer`)."""
-        self.whole, self.shard = whole, shard
+        module built this optimizer (ZeRO-1: `lit3d.strategies.optim.zero1.LocalShardOptimizer`), and ``part(param,
+        tensor)``: the part ``param`` steps of ``tensor``, laid out as the module's parameter."""
+        self.whole, self.shard, self.part = whole, shard, part
+
+    def rescale_after_step(self, factors: dict[str, torch.Tensor]) -> None:
+        """After the next step's updates, multiply each parameter named in ``factors`` by its factor (laid out as the
+        module's parameter: a DTensor's placements), on what this optimizer steps (shards, ZeRO-1's slices and master
+        weights): QK-clip's (`lit3d.models.qk_clip`)."""
+        unknown = set(factors) - set(self.names)
+        if unknown:
+            raise KeyError(f"rescale_after_step: no parameter of this optimizer is named {sorted(unknown)}")
+        self.rescales = factors
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -154,6 +170,12 @@ class Muon(torch.optim.Optimizer):
                     self._muon(param, group)
                 else:
                     self._adamw(param, group)
+        if self.rescales:
+            params = (param for group in self.param_groups for param in group["params"])
+            for name, param in zip(self.names, params):
+                if name in self.rescales:
+                    param.mul_(self.part(param, self.rescales[name]).to(param.dtype))
+            self.rescales = {}
         return loss
 
     def _muon(self, param: torch.Tensor, group: dict) -> None:
@@ -188,3 +210,7 @@ class Muon(torch.optim.Optimizer):
         state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2**step)).add_(group["eps"])
         param.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1**step))
+
+
+def _as_it_is(param: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    return tensor

@@ -14,12 +14,14 @@ RMS_RULES = ("match_rms_adamw", "original")  # `lit3d.models.muon.rms_scale`
 class MuonSettings:
     """Muon's settings (`lit3d.GPT`'s ``muon_*`` arguments): its momentum, Newton–Schulz steps and their dtype, and the
     rule that scales each matrix's update (``match_rms_adamw``: to AdamW's RMS, so ``learning_rate`` and
-    ``weight_decay`` carry over from AdamW; ``original``: Keller Jordan's ``√max(1, rows / cols)``)."""
+    ``weight_decay`` carry over from AdamW; ``original``: Keller Jordan's ``√max(1, rows / cols)``); ``qk_clip``: the
+    threshold of QK-clip (MuonClip, `lit3d.models.qk_clip`), None for none."""
 
     momentum: float = 0.95
     ns_steps: int = 5
     ns_dtype: str = "auto"
     rms_rule: str = "match_rms_adamw"
+    qk_clip: float | None = None
 
     def refusal(self) -> str | None:
         wrong = [
@@ -30,6 +32,9 @@ class MuonSettings:
             else "",
             f"muon_rms_rule={self.rms_rule!r} is not one of {', '.join(RMS_RULES)}"
             if self.rms_rule not in RMS_RULES
+            else "",
+            f"muon_qk_clip={self.qk_clip} must be a positive threshold (Kimi K2 trained with 100) or None"
+            if self.qk_clip is not None and not self.qk_clip > 0
             else "",
         ]
         wrong = [w for w in wrong if w]
@@ -48,6 +53,8 @@ def choice_refusal(impl: str, kind: str, muon: MuonSettings, adapters: bool) -> 
             "optimizer='muon' with LoRA adapters: their low-rank factors are not the hidden matrices Muon "
             "orthogonalises; train them with optimizer='adamw'"
         )
+    if kind != "muon" and muon.qk_clip is not None:
+        return f"muon_qk_clip={muon.qk_clip} with optimizer={kind!r}: QK-clip is MuonClip's, use optimizer='muon'"
     return muon.refusal() if kind == "muon" else None
 
 

@@ -39,8 +39,10 @@ def build_optimizer(
         {"params": [p for p in rest if p.ndim >= 2], "weight_decay": weight_decay},
         {"params": [p for p in rest if p.ndim < 2], "weight_decay": 0.0},
     ]
+    groups = [group for group in groups if group["params"]]
+    names = {id(p): n for n, p in params}
     return Muon(
-        [group for group in groups if group["params"]],
+        groups,
         lr=lr,
         weight_decay=weight_decay,
         betas=betas,
@@ -49,4 +51,5 @@ def build_optimizer(
         ns_steps=muon.ns_steps,
         ns_dtype=None if muon.ns_dtype == "auto" else getattr(torch, muon.ns_dtype),  # (one of `NS_DTYPES`)
         rms_rule=muon.rms_rule,
+        names=[names[id(p)] for group in groups for p in group["params"]],
     )
