@@ -229,3 +229,34 @@ def test_the_planner_prices_muons_gathers_and_iteration_in_the_optimizers_step()
     gathers = sum(muon.communication_per_step[axis]["seconds"] - adamw.communication_per_step[axis]["seconds"]
                   for axis in ("tp", "dp"))  # fmt: skip
     assert extra > gathers + flops / 989e12 > 0  # (at most the H100's dense peak, and the gathers' time besides)
+
+
+def test_the_planner_spreads_the_iteration_of_matrices_one_group_splits_over_its_ranks():
+    """Llama 3 8B at DP8, ZeRO-3 (each matrix sharded over the 8 replicas only): Muon orthogonalises each matrix on one
+    replica (`lit3d.models.muon_spread`, in rounds of 8), so a replica sends its shards of the others' matrices and the
+    others' shards of its own, about 2 x 7/64 of the matrices' bytes where gathering each whole on every replica would
+    send 7/8; and the busiest replica runs the iteration on about 1/8 of them."""
+    from lit3d.models.optimizer_settings import is_hidden_matrix
+    from lit3d.planner import Cluster, Request, plan
+    from lit3d.planner.inputs import Case
+    from lit3d.planner.muon import newton_schulz_work, spread_elements
+    from lit3d.planner.sums import newton_schulz_flops, rank_sums
+    from lit3d.planner.tensors import parameter_table
+
+    def chosen(optimizer: str):
+        given = dict(tensor_parallel_size=1, pipeline_parallel_size=1, zero_stage=3, global_batch_size=64)
+        return plan(Request.given("llama-8b", Cluster(nodes=1), seq_len=2048, optimizer=optimizer, **given)).chosen
+
+    adamw, candidate = chosen("adamw").plan, chosen("muon")
+    config, muon = GPTConfig.from_name("llama-8b"), candidate.plan
+    case = Case(config, Cluster(nodes=1), candidate.layout, candidate.training, candidate.parallelism)
+    assert (case.layout.dp, case.layout.tp, case.layout.pp) == (8, 1, 1)
+    table = [t for t in parameter_table(config) if is_hidden_matrix(t.name, len(t.shape))]
+    whole = sum(math.prod(t.shape) for t in table)
+    sent = muon.communication_per_step["dp"]["bytes"] - adamw.communication_per_step["dp"]["bytes"]
+    assert sent == spread_elements([(t.shape, 0) for t in table], 8) * 4
+    assert 14 / 64 * whole * 4 <= sent < 1.05 * 14 / 64 * whole * 4  # (7/8 gathered whole on every replica)
+    flops = [newton_schulz_flops(t) for t in table]
+    busiest = max(sum(flops[r::8]) for r in range(8))
+    assert sum(flops) / 8 <= busiest < 1.05 * sum(flops) / 8
+    assert newton_schulz_work(case, rank_sums(case, True, case.chunks)[0]) == pytest.approx(busiest, rel=1e-12)

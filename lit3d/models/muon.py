@@ -12,13 +12,14 @@ which made a small model's Muon step 17x its AdamW step). A stacked
 expert tensor ``[expert, in, out]`` is each expert's own matrix. An AdamW group steps as ``torch.optim.AdamW``.
 
 NOTE: written here rather than used from ``torch.optim.Muon``, which takes 2-D parameters only and orthogonalises the
-tensor it holds: under tensor parallelism and ZeRO-2/3 a rank holds a shard of each matrix (a DTensor). The iteration
-needs the whole matrix, so each DTensor update is gathered whole (`whole_matrix`), orthogonalised on every rank that
-holds a part of it, and cut back to this rank's part (`local_part`): exact, at the cost of the gather and of the
-iteration repeated on each of those ranks. A stack of experts split along its experts only holds each expert whole
-(`holds_whole_experts`): orthogonalised where it is, with no gather. The momentum, the weight decay and AdamW are
-elementwise and run on the shards. ZeRO-1 steps plain slices of each matrix and gives ``whole`` and ``shard`` of its
-own (`lit3d.strategies.optim.zero1.LocalShardOptimizer`).
+tensor it holds: under tensor parallelism and ZeRO a rank holds a part of each matrix. The iteration needs the whole
+matrix. A matrix that one group of ranks splits (ZeRO-1's slices, ZeRO-2/3's shards or TP's parts) is orthogonalised
+on one rank of the group, which sends the others their parts (`lit3d.models.muon_spread`); one split by two groups
+(ZeRO x TP) is gathered whole (`whole_matrix`), orthogonalised on every rank that holds a part of it, and cut back to
+this rank's part (`local_part`). Both are exact: the same whole matrix, the same iteration. A stack of experts split
+along its experts only holds each expert whole (`holds_whole_experts`): orthogonalised where it is, with no gather.
+The momentum, the weight decay and AdamW are elementwise and run on the parts. ZeRO-1 steps plain slices of each
+matrix and gives the ways to make them whole of its own (`lit3d.strategies.optim.zero1.LocalShardOptimizer`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from collections.abc import Callable
 
 import torch
 
+from lit3d.models.muon_spread import SpreadMatrix, orthogonalise_spread, split_over_one_group
 from lit3d.models.optimizer_settings import RMS_RULES
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's (Keller Jordan's quintic)
@@ -133,6 +135,7 @@ class Muon(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.whole, self.shard = whole or whole_matrix, shard or local_part
         self.part: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = _as_it_is
+        self.placed: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None] = _dtensor_or_none
         self.names = names or []
         self.rescales: dict[str, torch.Tensor] = {}  # for the next step (`rescale_after_step`)
 
@@ -141,11 +144,13 @@ class Muon(torch.optim.Optimizer):
         whole: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         shard: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         part: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        placed: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None],
     ) -> None:
         """``whole`` and ``shard`` (as the constructor takes them) from a strategy that sliced the parameters after the
-        module built this optimizer (ZeRO-1: `lit3d.strategies.optim.zero1.LocalShardOptimizer`), and ``part(param,
-        tensor)``: the part ``param`` steps of ``tensor``, laid out as the module's parameter."""
-        self.whole, self.shard, self.part = whole, shard, part
+        module built this optimizer (ZeRO-1: `lit3d.strategies.optim.zero1.LocalShardOptimizer`); ``part(param,
+        tensor)``: the part ``param`` steps of ``tensor``, laid out as the module's parameter; ``placed(param,
+        update)``: the update as a DTensor of the whole matrix (None where ``param`` is not a part of one)."""
+        self.whole, self.shard, self.part, self.placed = whole, shard, part, placed
 
     def rescale_after_step(self, factors: dict[str, torch.Tensor]) -> None:
         """After the next step's updates, multiply each parameter named in ``factors`` by its factor (laid out as the
@@ -162,14 +167,25 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        spread: list[tuple[torch.Tensor, dict, SpreadMatrix]] = []  # matrices orthogonalised on one rank of a group
         for group in self.param_groups:
             for param in group["params"]:
                 if param.grad is None:
                     continue
-                if group["muon"]:
-                    self._muon(param, group)
-                else:
+                if not group["muon"]:
                     self._adamw(param, group)
+                    continue
+                update = self._momentum(param, group)
+                matrix = self._spread_matrix(param, update)
+                if matrix is None:
+                    self._muon(param, group, update)
+                else:
+                    spread.append((param, group, matrix))
+        if spread:
+            matrices = [matrix for _, _, matrix in spread]
+            parts = orthogonalise_spread(matrices, lambda i, whole: self._orthogonal(whole, spread[i][1]))
+            for (param, group, matrix), part in zip(spread, parts):
+                self._add_orthogonal(param, group, matrix.shape, part)
         if self.rescales:
             params = (param for group in self.param_groups for param in group["params"])
             for name, param in zip(self.names, params):
@@ -178,23 +194,45 @@ class Muon(torch.optim.Optimizer):
             self.rescales = {}
         return loss
 
-    def _muon(self, param: torch.Tensor, group: dict) -> None:
+    def _momentum(self, param: torch.Tensor, group: dict) -> torch.Tensor:
+        """The momentum moved by the gradient, and the update it makes (Nesterov's where set)."""
         grad, state = param.grad, self.state[param]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(grad)
         buffer = state["momentum_buffer"]
         buffer.lerp_(grad, 1 - group["momentum"])  # (torch.optim.Muon's average: NS₅ normalises the scale away)
-        update = grad.lerp(buffer, group["momentum"]) if group["nesterov"] else buffer
+        return grad.lerp(buffer, group["momentum"]) if group["nesterov"] else buffer
+
+    def _spread_matrix(self, param: torch.Tensor, update: torch.Tensor) -> SpreadMatrix | None:
+        """``update`` as a matrix whose parts one group of ranks holds (`lit3d.models.muon_spread`), else None."""
+        if holds_whole_experts(param):
+            return None
+        placed = self.placed(param, update)
+        split = split_over_one_group(placed)
+        if split is None:
+            return None
+        local = placed.to_local()
+        return SpreadMatrix(local, tuple(placed.shape), split[1], split[0])
+
+    def _orthogonal(self, whole: torch.Tensor, group: dict) -> torch.Tensor:
+        dtype = group["ns_dtype"] or (torch.bfloat16 if whole.device.type == "cuda" else torch.float32)
+        return newton_schulz(whole, group["ns_steps"], dtype)
+
+    def _muon(self, param: torch.Tensor, group: dict, update: torch.Tensor) -> None:
+        """The matrix orthogonalised on this rank: gathered whole where it is split (over two groups), as it is where
+        this rank holds it whole (a stack of experts: each of this rank's)."""
         own = holds_whole_experts(param)  # (each expert its own matrix: this rank's are whole already)
         whole = update.to_local() if own else self.whole(param, update)
-        dtype = group["ns_dtype"] or (torch.bfloat16 if whole.device.type == "cuda" else torch.float32)
-        orthogonal = newton_schulz(whole, group["ns_steps"], dtype)
-        lr = group["lr"] * rms_scale(tuple(whole.shape), group["rms_rule"])
+        orthogonal = self._orthogonal(whole, group)
+        part = orthogonal if own else self.shard(param, orthogonal)
+        self._add_orthogonal(param, group, tuple(whole.shape), part)
+
+    def _add_orthogonal(self, param: torch.Tensor, group: dict, shape: tuple[int, ...], part: torch.Tensor) -> None:
+        """Weight decay, then this rank's ``part`` of the orthogonalised update of a matrix of ``shape``."""
+        lr = group["lr"] * rms_scale(shape, group["rms_rule"])
         param.mul_(1 - group["lr"] * group["weight_decay"])
-        if own:
-            param.to_local().add_(orthogonal.to(param.dtype), alpha=-lr)
-        else:
-            param.add_(self.shard(param, orthogonal).to(param.dtype), alpha=-lr)
+        local = param.to_local() if hasattr(param, "to_local") and not hasattr(part, "to_local") else param
+        local.add_(part.to(param.dtype), alpha=-lr)
 
     def _adamw(self, param: torch.Tensor, group: dict) -> None:
         grad, state = param.grad, self.state[param]
@@ -214,3 +252,7 @@ class Muon(torch.optim.Optimizer):
 
 def _as_it_is(param: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
     return tensor
+
+
+def _dtensor_or_none(param: torch.Tensor, update: torch.Tensor) -> torch.Tensor | None:
+    return update if hasattr(update, "placements") else None

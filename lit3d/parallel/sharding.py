@@ -22,3 +22,10 @@ ROLES = (
 SHARDED_DIM = {"colwise": 0, "rowwise": 1, "head_split": 0, "vocab_embedding": 0, "vocab_head": 0}
 
 BUCKET_ELEMENTS = 50_000_000  # one ZeRO-1 collective moves at most this many elements per rank
+
+
+def part_sizes(size: int, parts: int) -> list[int]:
+    """``torch.chunk``'s split of ``size`` into ``parts``, which DTensor's ``Shard`` and ZeRO-1's slices follow:
+    trailing parts may be smaller, or empty."""
+    step = -(-size // parts)
+    return [max(0, min(step, size - r * step)) for r in range(parts)]

@@ -41,8 +41,9 @@ from lit3d.planner.memory import (  # noqa: F401 (the per-token counts are also 
     memory_by_stage,
     output_layer_bytes,
 )
+from lit3d.planner.muon import newton_schulz_work, orthogonal_traffic
 from lit3d.planner.sums import StageSums, rank_sums
-from lit3d.planner.traffic import collectives, communication_bytes, orthogonal_traffic
+from lit3d.planner.traffic import collectives, communication_bytes
 
 
 def estimate(
@@ -102,7 +103,8 @@ class Ranks:
         """One micro-batch's times and the optimizer's step on each rank (`lit3d.planner.clock`)."""
         sums = rank_sums(self.case, True, self.chunks)
         stepped = tuple(rank.stepped for rank in self.held.ranks)
-        return RankWork(micro_batch_times(self.case, sums), stepped, tuple(s.newton_schulz_flops for s in sums))
+        newton_schulz = tuple(newton_schulz_work(self.case, s) for s in sums)
+        return RankWork(micro_batch_times(self.case, sums), stepped, newton_schulz)
 
 
 def timed(case: Case, ranks: Ranks) -> tuple[StepTime, dict[str, float], dict[str, float], dict[str, float]]:

@@ -3,7 +3,6 @@ and the clock (`lit3d.planner.work`) count with, from the model's tensors (`lit3
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from functools import lru_cache
 from typing import TYPE_CHECKING, NamedTuple
@@ -50,11 +49,10 @@ class StageSums(NamedTuple):
     trained_experts: int
     float8: int  # elements of the block linears' weights, which FP8 all-gather gathers in one byte each
     float8_tensors: int
-    # Muon's hidden matrices (`Tensor.orthogonal`) but the experts (`orthogonal_experts`), each gathered whole for its
-    # step: their elements as a TP rank holds them, and those TP splits (whole); and the Newton-Schulz iteration's
-    # FLOPs over every matrix this rank orthogonalises (experts included)
-    orthogonal: int = 0
-    orthogonal_split: int = 0
+    # Muon's hidden matrices (`Tensor.orthogonal`) but the experts (`orthogonal_experts`), in the optimizer's order
+    # (`lit3d.planner.muon` counts their gathers or spread); and the Newton-Schulz iteration's FLOPs over every matrix
+    # this rank holds (experts included) were each orthogonalised here
+    orthogonal: tuple[Tensor, ...] = ()
     newton_schulz_flops: float = 0.0
     # the experts' matrices as an EP rank holds them, which ZeRO-1 slices over the ranks holding the same experts (the
     # expert mesh's ``edp``) and Muon gathers whole there
@@ -77,12 +75,6 @@ def _shapes_sums(shapes: StageShapes, tp: int, ep: int) -> StageSums:
     def float8(t: Tensor) -> bool:
         return t.name.endswith(".weight") and is_float8_linear(t.name.rsplit(".", 1)[0])
 
-    def gathered(t: Tensor) -> bool:  # (Muon's, where split: `orthogonal_traffic` counts only what is)
-        return t.orthogonal and not t.expert
-
-    def split(t: Tensor) -> bool:
-        return gathered(t) and t.tp_dim is not None and tp > 1
-
     return StageSums(
         norms=numel(lambda t: t.trains and "norm" in t.name),  # (their gradients' all-reduce)
         root=numel(lambda t: t.block is None),
@@ -97,8 +89,7 @@ def _shapes_sums(shapes: StageShapes, tp: int, ep: int) -> StageSums:
         trained_experts=numel(lambda t: t.trains and t.expert, ep),
         float8=numel(float8),
         float8_tensors=shapes.sum(lambda group: sum(map(float8, group))),
-        orthogonal=numel(gathered),
-        orthogonal_split=shapes.sum(lambda group: sum(math.prod(t.shape) for t in group if split(t))),
+        orthogonal=tuple(t for t in shapes.tensors if t.orthogonal and not t.expert),
         newton_schulz_flops=shapes.sum(lambda group: sum(newton_schulz_flops(t, ep) for t in group if t.orthogonal)),
         orthogonal_experts=numel(lambda t: t.orthogonal and t.expert, ep),
     )

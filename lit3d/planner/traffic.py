@@ -12,6 +12,7 @@ from lit3d.parallel.layout import Layout
 from lit3d.parallel.schedules import SCHEDULES
 from lit3d.parallel.sharding import BUCKET_ELEMENTS
 from lit3d.parallel.zero import ZeroPolicy
+from lit3d.planner.muon import orthogonal_traffic
 from lit3d.planner.sums import StageSums
 from lit3d.planner.tensors import rank_tensors, stepped_numel
 
@@ -68,31 +69,6 @@ def communication_bytes(case: Case, sums: Sequence[StageSums]) -> dict[str, floa
         traffic["island"] = island_bytes_per_sync(config, layout, settings, training.lora) / settings.sync_every
     if (settings.replica_groups or 1) > 1:
         traffic["replica"] = replica_group_bytes(config, layout, settings, training.lora, precision.stepped_bytes)
-    return traffic
-
-
-def orthogonal_traffic(case: Case, sums: Sequence[StageSums]) -> dict[str, float]:
-    """Bytes the busiest rank sends per step gathering Muon's matrices whole for their step (`lit3d.models.muon`; each
-    expert its own matrix, whole on its EP rank but for ZeRO-1's slices over the ranks that hold the same experts), in
-    the gradients' dtype: over ZeRO-1's slices or ZeRO-2/3's shards first (``dp``, HSDP's ``dp_shard``: each rank's TP
-    part), then over TP (the whole matrix); nothing for AdamW. Part of `communication_bytes`; the clock prices it
-    apart, in the optimizer's step (nothing overlaps it)."""
-    layout, zero = case.layout, case.zero
-    if case.training.optimizer != "muon":
-        return {}
-    # (ZeRO-1's slices are the optimizer's: in the dtype it steps, fp32 master weights under bf16-mixed)
-    element = case.precision.stepped_bytes if zero.slices_optimizer else case.precision.grads
-    replicas, tp, traffic = layout.shard_ranks, layout.tp, {}
-    # ZeRO-1 slices each expert over the ranks holding the same experts (``edp``); ZeRO-2/3 shard whole experts
-    holders = layout.replicas // layout.ep if zero.slices_optimizer else 1
-    for stage in sums:
-        if (zero.sharded_over_replicas or zero.slices_optimizer) and (stage.orthogonal or stage.orthogonal_experts):
-            dp = (replicas - 1) / replicas * stage.orthogonal + (holders - 1) / holders * stage.orthogonal_experts
-            traffic["dp"] = max(traffic.get("dp", 0.0), dp * element)
-        if tp > 1 and stage.orthogonal_split:
-            traffic["tp"] = max(traffic.get("tp", 0.0), (tp - 1) / tp * stage.orthogonal_split * element)
-    if zero.hybrid and "dp" in traffic:
-        traffic["dp_shard"] = traffic.pop("dp")
     return traffic
 
 

@@ -84,7 +84,7 @@ class LocalShardOptimizer:
                 _hold_in(e.param, param_dtype)
         self._by_view = {id(e.view): e for e in self.entries}
         if zero1_mesh is not None and isinstance(optimizer, Muon):  # (how its slices are made whole, and cut back)
-            optimizer.lay_out(self.whole_update, self.own_part, self.part_of)
+            optimizer.lay_out(self.whole_update, self.own_part, self.part_of, self.placed_update)
         sliced = [e for e in self.entries if e.dim is not None]
         if module is not None:  # buckets in the order backward finishes the gradients: the module's last first
             index = {id(p): i for i, p in enumerate(module.parameters())}
@@ -152,6 +152,12 @@ class LocalShardOptimizer:
             if placement.is_shard() and not kept:
                 whole = rank_chunk(whole, placement.dim, entry.mesh.size(i), entry.mesh.get_local_rank(i))
         return whole
+
+    def placed_update(self, view: torch.Tensor, update: torch.Tensor) -> DTensor | None:
+        """Muon under ZeRO-1: ``update`` (of ``view``, this rank's slice) as a DTensor of the whole matrix (its
+        storage), or None where the parameter is not sliced."""
+        placed = self.as_global(view, update)
+        return placed if isinstance(placed, DTensor) else None
 
     def part_of(self, view: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
         """The part ``view`` steps of ``tensor``, laid out as its parameter (a DTensor as the parameter is placed)."""
