@@ -83,6 +83,8 @@ class Draw:
             if s.get("pipeline_stage_layers"):
                 parts.append(f"stages={s['pipeline_stage_layers']}")
         parts.append(f"ZeRO-{s.get('zero_stage', 1)}" + (" offload" if s.get("offload") else ""))
+        if s.get("data_parallel_shard_size"):
+            parts.append(f"HSDP shard groups of {s['data_parallel_shard_size']}")
         if s.get("accumulate_unsharded"):
             parts.append("unsharded accumulation")
         if s.get("data_parallel_shares"):
@@ -226,3 +228,26 @@ def _uneven_shares(rng: random.Random, replicas: int, unit: int) -> list[int] | 
     cuts = sorted(rng.sample(range(1, units), replicas - 1))
     shares = [(b - a) * unit for a, b in zip([0, *cuts], [*cuts, units])]
     return shares if len(set(shares)) > 1 else None
+
+
+# Muon in each layout its issue lists (`--muon-layouts`): the data-parallel ZeRO stages and HSDP, TP with sequence
+# parallelism, a pipeline on two schedules, the MoE model over EP, CP, 8 ranks in 3D, and accumulation with clipping.
+MUON_LAYOUTS = (
+    (2, {"data_parallel_size": 2, "zero_stage": 0}, {}),
+    (2, {"data_parallel_size": 2, "zero_stage": 1}, {}),
+    (2, {"data_parallel_size": 2, "zero_stage": 2}, {}),
+    (2, {"data_parallel_size": 2, "zero_stage": 3}, {}),
+    (4, {"data_parallel_size": 4, "zero_stage": 3, "data_parallel_shard_size": 2}, {}),
+    (4, {"data_parallel_size": 4, "zero_stage": 1}, {"accumulate": 2, "clip": 0.5}),
+    (2, {"tensor_parallel_size": 2, "sequence_parallel": True}, {}),
+    (2, {"pipeline_parallel_size": 2, "pipeline_schedule": "1f1b"}, {}),
+    (2, {"pipeline_parallel_size": 2, "pipeline_schedule": "zbv"}, {}),
+    (2, {"data_parallel_size": 2, "expert_parallel_size": 2}, {"moe": True}),
+    (2, {"context_parallel_size": 2}, {}),
+    (8, {"data_parallel_size": 2, "tensor_parallel_size": 2, "pipeline_parallel_size": 2, "zero_stage": 1}, {}),
+)
+
+
+def muon_layouts() -> list[Draw]:
+    """`MUON_LAYOUTS` as draws, each with Muon."""
+    return [Draw(i + 1, world, settings, muon=True, **loop) for i, (world, settings, loop) in enumerate(MUON_LAYOUTS)]

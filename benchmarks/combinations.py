@@ -3,6 +3,7 @@
     python benchmarks/combinations.py --count 40 --seed 1      # CPU ranks (gloo): 5 to 8 minutes on 2 cores
     python benchmarks/combinations.py --count 5 --seed 3 --markdown table.md
     python benchmarks/combinations.py --count 100 --dry-run    # only the draws and the checks, no rank started
+    python benchmarks/combinations.py --muon-layouts --steps 8  # Muon in each layout of docs/muon.md, not drawn
 
 Each draw combines every `lit3d.parallel.Parallelism` setting that changes what is computed (the sizes, at most
 ``--max-ranks`` ranks: data, tensor, pipeline, context and expert parallelism; the ZeRO stage and offload; sequence
@@ -49,7 +50,15 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.combination_draws import BF16_TOLERANCE, GLOBAL_BATCH, MODEL, SEQ_LEN, Draw, draw  # noqa: E402
+from benchmarks.combination_draws import (  # noqa: E402
+    BF16_TOLERANCE,
+    GLOBAL_BATCH,
+    MODEL,
+    SEQ_LEN,
+    Draw,
+    draw,
+    muon_layouts,
+)
 from benchmarks.rank_group import run_group  # noqa: E402
 
 LEARNING_RATE = 3e-3  # (a loss that spikes would move bf16's rounding differences into the curve)
@@ -277,9 +286,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--markdown", type=Path, help="also write the table to this file")
     parser.add_argument("--out", type=Path, help="where the runs write (default: a temporary folder)")
     parser.add_argument("--dry-run", action="store_true", help="only draw and check: start no rank")
+    parser.add_argument("--muon-layouts", action="store_true", help="instead of drawing: Muon in each of its layouts")
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
-    draws = [draw(rng, i + 1, args.max_ranks) for i in range(args.count)]
+    draws = muon_layouts() if args.muon_layouts else [draw(rng, i + 1, args.max_ranks) for i in range(args.count)]
     logging.getLogger("lightning").setLevel(logging.ERROR)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")

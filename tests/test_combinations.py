@@ -163,3 +163,16 @@ def test_the_same_seed_draws_the_same_combinations_within_the_ranks_allowed():
     draws = [draw(first, i, max_ranks=4) for i in range(20)]
     assert [d.layout() for d in draws] == [draw(again, i, max_ranks=4).layout() for i in range(20)]
     assert len({d.layout() for d in draws}) > 15 and all(d.world <= 4 for d in draws)
+
+
+def test_muons_layouts_are_each_a_layout_its_checks_accept_before_any_rank_starts(tmp_path):
+    """`--muon-layouts`: Muon in each layout docs/muon.md quotes (trained 8 steps against one process there); here
+    only drawn and checked as `lit3d fit` checks them (no rank started)."""
+    from benchmarks.combination_draws import muon_layouts
+
+    draws = muon_layouts()
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    assert all(d.muon for d in draws) and {d.world for d in draws} == {2, 4, 8}
+    assert [refusal(job_of(d, corpus, STEPS, MODEL), d.world) for d in draws] == [None] * len(draws)
+    layouts = [d.layout() for d in draws]
+    assert "DP4 ZeRO-3 HSDP shard groups of 2" in layouts and "DP2 TP2 PP2 1f1b ZeRO-1" in layouts
