@@ -175,17 +175,18 @@ class Muon(torch.optim.Optimizer):
                 if not group["muon"]:
                     self._adamw(param, group)
                     continue
-                update = self._momentum(param, group)
-                matrix = self._spread_matrix(param, update)
+                matrix = self._spread_matrix(param)
                 if matrix is None:
-                    self._muon(param, group, update)
+                    self._muon(param, group, self._momentum(param, group))
                 else:
                     spread.append((param, group, matrix))
         if spread:
-            matrices = [matrix for _, _, matrix in spread]
-            parts = orthogonalise_spread(matrices, lambda i, whole: self._orthogonal(whole, spread[i][1]))
-            for (param, group, matrix), part in zip(spread, parts):
-                self._add_orthogonal(param, group, matrix.shape, part)
+            orthogonalise_spread(
+                [matrix for _, _, matrix in spread],
+                lambda i: self._momentum(spread[i][0], spread[i][1]),
+                lambda i, whole: self._orthogonal(whole, spread[i][1]),
+                lambda i, part: self._add_orthogonal(spread[i][0], spread[i][1], spread[i][2].shape, part),
+            )
         if self.rescales:
             params = (param for group in self.param_groups for param in group["params"])
             for name, param in zip(self.names, params):
@@ -203,16 +204,15 @@ class Muon(torch.optim.Optimizer):
         buffer.lerp_(grad, 1 - group["momentum"])  # (torch.optim.Muon's average: NS₅ normalises the scale away)
         return grad.lerp(buffer, group["momentum"]) if group["nesterov"] else buffer
 
-    def _spread_matrix(self, param: torch.Tensor, update: torch.Tensor) -> SpreadMatrix | None:
-        """``update`` as a matrix whose parts one group of ranks holds (`lit3d.models.muon_spread`), else None."""
+    def _spread_matrix(self, param: torch.Tensor) -> SpreadMatrix | None:
+        """``param`` as a matrix whose parts one group of ranks holds (`lit3d.models.muon_spread`), else None."""
         if holds_whole_experts(param):
             return None
-        placed = self.placed(param, update)
+        placed = self.placed(param, param.grad)  # (laid out as its update will be)
         split = split_over_one_group(placed)
         if split is None:
             return None
-        local = placed.to_local()
-        return SpreadMatrix(local, tuple(placed.shape), split[1], split[0])
+        return SpreadMatrix(tuple(placed.shape), split[1], split[0], placed.to_local())
 
     def _orthogonal(self, whole: torch.Tensor, group: dict) -> torch.Tensor:
         dtype = group["ns_dtype"] or (torch.bfloat16 if whole.device.type == "cuda" else torch.float32)

@@ -29,12 +29,12 @@ from lit3d.parallel.sharding import part_sizes
 
 @dataclass
 class SpreadMatrix:
-    """A matrix whose parts a group of ranks holds, one part each along ``dim``: this rank's part of its update."""
+    """A matrix whose parts a group of ranks holds, one part each along ``dim``."""
 
-    update: torch.Tensor  # this rank's part (plain)
     shape: tuple[int, ...]  # the whole matrix's
     dim: int
     group: Any  # the process group that splits it
+    part: torch.Tensor  # this rank's part of the matrix (its gradient, say: the update's shape, dtype and device)
 
 
 def split_over_one_group(placed: Any) -> tuple[Any, int] | None:
@@ -57,49 +57,59 @@ def part_shape(shape: tuple[int, ...], dim: int, parts: int, index: int) -> tupl
 
 
 def orthogonalise_spread(
-    matrices: list[SpreadMatrix], orthogonalise: Callable[[int, torch.Tensor], torch.Tensor]
-) -> list[torch.Tensor]:
-    """This rank's part of each matrix orthogonalised whole (``orthogonalise(index, whole)``, in the update's dtype on
-    return), each on one rank of its group (see the module's docstring). Every rank of a group passes the group's
-    matrices in the same order."""
-    results: list[torch.Tensor | None] = [None] * len(matrices)
+    matrices: list[SpreadMatrix],
+    update: Callable[[int], torch.Tensor],
+    orthogonalise: Callable[[int, torch.Tensor], torch.Tensor],
+    apply: Callable[[int, torch.Tensor], None],
+) -> None:
+    """Orthogonalise each matrix's update whole (``orthogonalise(index, whole)``) on one rank of its group (see the
+    module's docstring) and hand this rank's part of the result, in the update's dtype, to ``apply(index, part)``. A
+    round asks ``update(index)`` for this rank's part of its matrices' updates when it starts and applies their results
+    when it ends, so a rank holds a round's updates at a time, not every matrix's. Every rank of a group passes the
+    group's matrices in the same order."""
     by_group: dict[tuple, list[int]] = {}
     for index, matrix in enumerate(matrices):  # (one dtype per all-to-all)
-        by_group.setdefault((matrix.group.group_name, matrix.update.dtype), []).append(index)
+        by_group.setdefault((matrix.group.group_name, matrix.part.dtype), []).append(index)
     for indices in by_group.values():
         group = matrices[indices[0]].group
         ranks = dist.get_world_size(group)
         for start in range(0, len(indices), ranks):
-            _round(matrices, indices[start : start + ranks], group, orthogonalise, results)
-    return results
+            _round(matrices, indices[start : start + ranks], group, (update, orthogonalise, apply))
 
 
-def _round(
-    matrices: list[SpreadMatrix],
-    indices: list[int],
-    group: Any,
-    orthogonalise: Callable[[int, torch.Tensor], torch.Tensor],
-    results: list[torch.Tensor | None],
-) -> None:
-    """One round: the ``k``-th of ``indices`` orthogonalised on the group's ``k``-th rank."""
+def _round(matrices: list[SpreadMatrix], indices: list[int], group: Any, steps: tuple[Callable, ...]) -> None:
+    """One round: the ``k``-th of ``indices`` orthogonalised on the group's ``k``-th rank (``steps``: the update, the
+    iteration and the apply of `orthogonalise_spread`). NOTE: each buffer is let go as soon as the next is made, so a
+    rank holds about two matrices' worth at a time besides the iteration's."""
+    update, orthogonalise, apply = steps
     ranks, me = dist.get_world_size(group), dist.get_rank(group)
     sizes = [[_numel(part_shape(matrices[i].shape, matrices[i].dim, ranks, r)) for r in range(ranks)] for i in indices]
     mine = [row[me] for row in sizes] + [0] * (ranks - len(indices))  # my part of each matrix, to its rank
     owned = indices[me] if me < len(indices) else None
     theirs = sizes[me] if owned is not None else [0] * ranks  # every rank's part of the one I orthogonalise
-    sent = torch.cat([matrices[i].update.reshape(-1) for i in indices])
-    received = sent.new_empty(sum(theirs))
+    like = matrices[indices[0]].part
+    sent = torch.cat([_local(update(i)).reshape(-1) for i in indices])
+    received = like.new_empty(sum(theirs))
     dist.all_to_all_single(received, sent, theirs, mine, group=group)
-    back = sent.new_empty(0)
+    del sent
+    back = like.new_empty(0)
     if owned is not None:
         shape, dim = matrices[owned].shape, matrices[owned].dim
-        pieces = [p.view(part_shape(shape, dim, ranks, r)) for r, p in enumerate(received.split(theirs))]
-        orthogonal = orthogonalise(owned, torch.cat(pieces, dim)).to(sent.dtype)
+        whole = torch.cat([p.view(part_shape(shape, dim, ranks, r)) for r, p in enumerate(received.split(theirs))], dim)
+        del received
+        orthogonal = orthogonalise(owned, whole).to(like.dtype)
+        del whole
         back = torch.cat([part.reshape(-1) for part in orthogonal.split(part_sizes(shape[dim], ranks), dim)])
-    parts = sent.new_empty(sum(mine))
+        del orthogonal
+    parts = like.new_empty(sum(mine))
     dist.all_to_all_single(parts, back, mine, theirs, group=group)
+    del back
     for index, piece in zip(indices, parts.split(mine)):
-        results[index] = piece.view(matrices[index].update.shape)
+        apply(index, piece.view(matrices[index].part.shape))
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def _numel(shape: tuple[int, ...]) -> int:
