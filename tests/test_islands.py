@@ -78,6 +78,11 @@ def runs(base_job, tmp_path_factory) -> dict:
         "average_h1_tp2": merge(
             averaged, {**islands(2, 1, **EXACT, tensor_parallel_size=2), "callbacks": [OuterSteps()]}
         ),
+        # Muon as the inner optimizer (each island's matrices spread over its 2 replicas for the iteration)
+        "average_h1_muon": merge(
+            averaged,
+            {**islands(2, 1, **EXACT), "callbacks": [OuterSteps()], "model": {"optimizer": "muon"}},
+        ),
         "streaming_bf16": merge(
             base, {**islands(2, 4, outer_fragments=2, outer_reduce_dtype="bfloat16"), **bytes_over(4)}
         ),
@@ -113,7 +118,9 @@ def test_synchronous_dp4_and_one_island_follow_the_single_process_curve(runs, ba
         assert difference <= 1e-5
 
 
-@pytest.mark.parametrize("job", ["average_h1", "average_h1_zero3", "average_h1_pp2", "average_h1_tp2"])
+@pytest.mark.parametrize(
+    "job", ["average_h1", "average_h1_zero3", "average_h1_pp2", "average_h1_tp2", "average_h1_muon"]
+)
 def test_every_step_averaged_islands_hold_the_mean_of_their_inner_steps(runs, job):
     records = runs[job]["outer_steps"]
     assert [r["inner_step"] for r in records] == list(range(1, AVERAGED + 1))

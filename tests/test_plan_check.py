@@ -10,6 +10,7 @@ import pytest
 import torch
 from family_layouts import FAMILY_LAYOUTS
 from layouts import CP_LAYOUTS, LAYOUTS, LORA_LAYOUTS, MOE_LAYOUTS, STEPS
+from muon_layouts import MUON_LAYOUTS
 
 from lit3d.planner.hardware import cpu_share
 from lit3d.planner.inputs import PEAK_BAND
@@ -17,8 +18,9 @@ from lit3d.strategies.telemetry.plan_check import plan_check_line, run_cluster
 
 # Layouts of the suite's runs that train `STEPS` steps without an expected error: each logs its check once. The
 # families' too: DeepSeek-V3's latent attention, DeepSeekMoE and multi-token prediction (0.95-1.12x), and Llama 3.2's
-# tied head (1.11x at TP2; 1.37x before the plan knew a tied head's stage holds the loss).
-LAYOUT_JOBS = {**LAYOUTS, **MOE_LAYOUTS, **CP_LAYOUTS, **LORA_LAYOUTS, **FAMILY_LAYOUTS}
+# tied head (1.11x at TP2; 1.37x before the plan knew a tied head's stage holds the loss). Muon's: one momentum and the
+# step's whole matrices and spread rounds (0.96-1.13x).
+LAYOUT_JOBS = {**LAYOUTS, **MOE_LAYOUTS, **CP_LAYOUTS, **LORA_LAYOUTS, **FAMILY_LAYOUTS, **MUON_LAYOUTS}
 
 
 def _checked(job: dict) -> bool:
