@@ -15,9 +15,10 @@ A clipped head's logits of the same inputs are then exactly ``γ_h`` times what 
 optimizer's step on the tensors it steps (`lit3d.models.muon.Muon.rescale_after_step`): the shards, ZeRO-1's slices and
 master weights, so no later gather brings the unclipped values back.
 
-NOTE: the logits come from one more ``q kᵀ`` per training forward, without gradient (`HeadLogits`), since PyTorch's
-fused kernels return no logit: about the FLOPs of the causal attention's own forward, ``CHUNK_ELEMENTS`` scores at a
-time. Recorded per forward and taken at the step's end, as `lit3d.models.moe.MoE.history` is.
+NOTE: the logits come from one more ``q kᵀ`` per training forward, without gradient and in the attention's dtype
+(`HeadLogits`), since PyTorch's fused kernels return no logit: about the FLOPs of the causal attention's own forward,
+``CHUNK_ELEMENTS`` scores at a time. Recorded per forward and taken at the step's end, as `lit3d.models.moe.MoE.history`
+is.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 from lit3d.models.attention import attention_bias
 from lit3d.models.documents import Documents
 
-CHUNK_ELEMENTS = 2**24  # scores held at once (fp32: 64 MiB)
+CHUNK_ELEMENTS = 2**24  # scores held at once (64 MiB in fp32)
 
 
 class HeadLogits:
@@ -58,18 +59,19 @@ class HeadLogits:
 
 
 def largest_logits(q: torch.Tensor, k: torch.Tensor, scale: float, bias: torch.Tensor) -> torch.Tensor:
-    """``[heads]``: each head's largest ``q·k · scale`` where the additive ``bias`` is not -inf, in fp32, a few rows
-    of queries at a time."""
+    """``[heads]``: each head's largest ``q·k · scale`` where the additive ``bias`` is not -inf, a few rows of queries
+    at a time, in the attention's dtype (bf16 on a GPU's tensor cores under bf16-mixed: a clip's threshold does not
+    need more; fp32 runs are exact), returned in fp32. (The scale after the max: a positive factor keeps the order.)"""
     q, k = (t.to_local() if hasattr(t, "to_local") else t for t in (q, k))
     batch, seq, heads, _ = q.shape
-    keys = k.float().repeat_interleave(heads // k.shape[2], dim=2).transpose(1, 2)
-    queries = q.float().transpose(1, 2)
+    keys = k.repeat_interleave(heads // k.shape[2], dim=2).transpose(1, 2)
+    queries = q.transpose(1, 2)
     rows = max(1, CHUNK_ELEMENTS // (batch * heads * keys.shape[2]))
     largest = torch.full((heads,), -math.inf, device=q.device)
     for start in range(0, seq, rows):
-        scores = queries[:, :, start : start + rows] @ keys.transpose(-1, -2) * scale
-        scores = scores + bias[..., start : start + rows, :].float()
-        largest = torch.maximum(largest, scores.amax(dim=(0, 2, 3)))
+        scores = queries[:, :, start : start + rows] @ keys.transpose(-1, -2)
+        scores = scores + bias[..., start : start + rows, :].to(scores.dtype)
+        largest = torch.maximum(largest, scores.amax(dim=(0, 2, 3)).float() * scale)
     return largest
 
 
