@@ -29,6 +29,8 @@ MUON_LAYOUTS = {
     # each expert sliced by ZeRO-1 over the 2 ranks that hold it, gathered whole there for its step
     "muon_moe_dp4_ep2_zero1": (4, {**MUON_MOE, "strategy": {"expert_parallel_size": 2, "zero_stage": 1}}),
     "muon_clip_dp2_zero1": (2, {**MUON_CLIP, "strategy": {"zero_stage": 1}}),
+    # (ZeRO-2's blocks stay unsharded from forward to backward: the factors are laid out at the step, on the shards)
+    "muon_clip_dp2_zero2": (2, {**MUON_CLIP, "strategy": {"zero_stage": 2}}),
     "muon_clip_tp2_sequence_parallel": (
         2,
         {**MUON_CLIP, "strategy": {"tensor_parallel_size": 2, "sequence_parallel": True}},

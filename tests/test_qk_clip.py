@@ -12,7 +12,7 @@ from muon_layouts import MUON_LAYOUTS
 
 from lit3d.models.config import GPTConfig
 from lit3d.models.documents import Documents, window_mask
-from lit3d.models.muon import Muon
+from lit3d.models.muon import Muon, laid_out_as
 from lit3d.models.qk_clip import HeadLogits, clip_factors, record_logits, step_maxima
 from lit3d.models.transformer import Transformer
 
@@ -75,8 +75,8 @@ def test_a_clipped_heads_largest_logit_becomes_the_threshold_and_the_others_are_
     factors = clip_factors(model, before, threshold)
     params = dict(model.named_parameters())
     with torch.no_grad():
-        for name, factor in factors.items():
-            params[name].mul_(factor)
+        for name, rows in factors.items():
+            params[name].mul_(laid_out_as(params[name], rows))
     model(tokens)
     after = step_maxima(model, config, 1, torch.device("cpu"))
     assert torch.allclose(after[clipped], torch.full_like(after[clipped], threshold), rtol=1e-5)
@@ -84,8 +84,8 @@ def test_a_clipped_heads_largest_logit_becomes_the_threshold_and_the_others_are_
 
 
 def test_the_optimizer_rescales_what_it_stepped_after_its_update():
-    """`Muon.rescale_after_step`: the next step's update, then the factor (a matrix on Muon, a bias on AdamW); the step
-    after that one updates only."""
+    """`Muon.rescale_after_step`: the next step's update, then each row's factor (a matrix on Muon, a bias on AdamW);
+    the step after that one updates only."""
     torch.manual_seed(0)
     weight, bias = torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(4))
     twin_weight, twin_bias = (torch.nn.Parameter(p.detach().clone()) for p in (weight, bias))
@@ -97,7 +97,7 @@ def test_the_optimizer_rescales_what_it_stepped_after_its_update():
         for p in (weight, bias, twin_weight, twin_bias):
             p.grad = torch.ones_like(p) * (step + 1)
         if step == 0:
-            clipped.rescale_after_step({"w": rows[:, None].expand(4, 3), "b": rows})
+            clipped.rescale_after_step({"w": rows, "b": rows})
         clipped.step(), plain.step()
         if step == 0:
             assert torch.equal(weight, twin_weight * rows[:, None]) and torch.equal(bias, twin_bias * rows)
@@ -147,10 +147,11 @@ def test_qk_clip_where_a_heads_logits_or_weights_are_not_one_ranks_is_refused_be
 def test_qk_clip_clips_the_heads_one_process_clips_where_heads_are_split_sliced_or_staged(
     layout, layout_runs, muon_references
 ):
-    """TP2 (each rank its heads), DP2 at ZeRO-1 (each replica's logits, their max, the factors on its slices) and PP2
-    (each stage its blocks): every step's largest logit and count of clipped heads, and the weights at the end (where
-    rank 0 holds them all), one process's (their losses: tests/test_muon.py). One process clips some heads and not
-    others, so a layout that clipped none, all, or the wrong ones would differ."""
+    """TP2 (each rank its heads), DP2 at ZeRO-1 (each replica's logits, their max, the factors on its slices) and at
+    ZeRO-2 (on its shards, the blocks unsharded when the logits are taken), PP2 (each stage its blocks): every step's
+    largest logit and count of clipped heads, and the weights at the end (where rank 0 holds them all), one process's
+    (their losses: tests/test_muon.py). One process clips some heads and not others, so a layout that clipped none,
+    all, or the wrong ones would differ."""
     run, reference = layout_runs[layout], muon_references["clip"]
     clipped = reference["qk_clip"]["clipped_heads"]
     assert len(clipped) == STEPS and 0 < sum(clipped) < 8 * STEPS, clipped

@@ -134,7 +134,7 @@ class Muon(torch.optim.Optimizer):
                         ns_steps=ns_steps, ns_dtype=ns_dtype, rms_rule=rms_rule, muon=False)  # fmt: skip
         super().__init__(params, defaults)
         self.whole, self.shard = whole or whole_matrix, shard or local_part
-        self.part: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = _as_it_is
+        self.part: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = laid_out_as
         self.placed: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None] = _dtensor_or_none
         self.names = names or []
         self.rescales: dict[str, torch.Tensor] = {}  # for the next step (`rescale_after_step`)
@@ -148,14 +148,15 @@ class Muon(torch.optim.Optimizer):
     ) -> None:
         """``whole`` and ``shard`` (as the constructor takes them) from a strategy that sliced the parameters after the
         module built this optimizer (ZeRO-1: `lit3d.strategies.optim.zero1.LocalShardOptimizer`); ``part(param,
-        tensor)``: the part ``param`` steps of ``tensor``, laid out as the module's parameter; ``placed(param,
-        update)``: the update as a DTensor of the whole matrix (None where ``param`` is not a part of one)."""
+        rows)``: one factor per row of ``param``'s whole tensor, laid out as the part of it ``param`` is
+        (`laid_out_as`); ``placed(param, update)``: the update as a DTensor of the whole matrix (None where ``param``
+        is not a part of one)."""
         self.whole, self.shard, self.part, self.placed = whole, shard, part, placed
 
     def rescale_after_step(self, factors: dict[str, torch.Tensor]) -> None:
-        """After the next step's updates, multiply each parameter named in ``factors`` by its factor (laid out as the
-        module's parameter: a DTensor's placements), on what this optimizer steps (shards, ZeRO-1's slices and master
-        weights): QK-clip's (`lit3d.models.qk_clip`)."""
+        """After the next step's updates, multiply each row of each parameter named in ``factors`` by its factor (one
+        per row of the whole tensor), on what this optimizer steps (shards, ZeRO-1's slices and master weights):
+        QK-clip's (`lit3d.models.qk_clip`)."""
         unknown = set(factors) - set(self.names)
         if unknown:
             raise KeyError(f"rescale_after_step: no parameter of this optimizer is named {sorted(unknown)}")
@@ -250,8 +251,15 @@ class Muon(torch.optim.Optimizer):
         param.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1**step))
 
 
-def _as_it_is(param: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
+def laid_out_as(param: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` (one factor per row of ``param``'s whole tensor) expanded to its whole shape and cut as ``param`` is (a
+    DTensor's shard; a plain tensor is whole)."""
+    whole = rows.to(param.device, torch.float32).view(-1, *([1] * (param.ndim - 1))).expand(param.shape)
+    if not hasattr(param, "device_mesh"):
+        return whole
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(whole.contiguous(), param.device_mesh, param.placements, src_data_rank=None)
 
 
 def _dtensor_or_none(param: torch.Tensor, update: torch.Tensor) -> torch.Tensor | None:

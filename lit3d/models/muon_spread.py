@@ -45,11 +45,12 @@ def split_over_one_group(placed: Any) -> tuple[Any, int] | None:
 
     if placed is None or not hasattr(placed, "placements") or placed.ndim != 2:
         return None
-    shards = [(i, p) for i, p in enumerate(placed.placements) if not p.is_replicate()]
+    mesh = placed.device_mesh  # (a split over one rank is none: the planner's count agrees)
+    shards = [(i, p) for i, p in enumerate(placed.placements) if not p.is_replicate() and mesh.size(i) > 1]
     if len(shards) != 1 or type(shards[0][1]) is not Shard:
         return None
     mesh_dim, placement = shards[0]
-    return placed.device_mesh.get_group(mesh_dim), placement.dim
+    return mesh.get_group(mesh_dim), placement.dim
 
 
 def part_shape(shape: tuple[int, ...], dim: int, parts: int, index: int) -> tuple[int, ...]:

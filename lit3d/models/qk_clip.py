@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 
-from lit3d.models.attention import attention_bias
 from lit3d.models.documents import Documents
 
 CHUNK_ELEMENTS = 2**24  # scores held at once (64 MiB in fp32)
@@ -49,7 +48,7 @@ class HeadLogits:
         if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1 or q.device.type == "meta":
             return
         with torch.no_grad():
-            self.history.append(largest_logits(q, k, scale, attention_bias(q, documents, window)))
+            self.history.append(largest_logits(q, k, scale, documents, window))
 
     def take(self, forwards: int) -> torch.Tensor | None:
         """The largest of the last ``forwards`` entries (the step's: a pipeline's first step also runs each stage
@@ -58,19 +57,30 @@ class HeadLogits:
         return torch.stack(history).amax(dim=0) if history else None
 
 
-def largest_logits(q: torch.Tensor, k: torch.Tensor, scale: float, bias: torch.Tensor) -> torch.Tensor:
-    """``[heads]``: each head's largest ``q·k · scale`` where the additive ``bias`` is not -inf, a few rows of queries
-    at a time, in the attention's dtype (bf16 on a GPU's tensor cores under bf16-mixed: a clip's threshold does not
-    need more; fp32 runs are exact), returned in fp32. (The scale after the max: a positive factor keeps the order.)"""
+def largest_logits(
+    q: torch.Tensor, k: torch.Tensor, scale: float, documents: Documents | None, window: int | None
+) -> torch.Tensor:
+    """``[heads]``: each head's largest ``q·k · scale`` over the keys each query sees (causally, within ``window``, in
+    its own document), a few rows of queries at a time, their mask made from the rows' and keys' indices (no
+    ``seq x seq`` mask kept). In the attention's dtype (bf16 on a GPU's tensor cores under bf16-mixed: a clip's
+    threshold does not need more; fp16's range is too short: fp32 there), returned in fp32; the scale after the max (a
+    positive factor keeps the order)."""
     q, k = (t.to_local() if hasattr(t, "to_local") else t for t in (q, k))
+    if q.dtype == torch.float16:
+        q, k = q.float(), k.float()
     batch, seq, heads, _ = q.shape
     keys = k.repeat_interleave(heads // k.shape[2], dim=2).transpose(1, 2)
-    queries = q.transpose(1, 2)
-    rows = max(1, CHUNK_ELEMENTS // (batch * heads * keys.shape[2]))
+    queries, key_index = q.transpose(1, 2), torch.arange(seq, device=q.device)
+    segments = documents.segments if documents is not None else None
+    rows = max(1, CHUNK_ELEMENTS // (batch * heads * seq))
     largest = torch.full((heads,), -math.inf, device=q.device)
     for start in range(0, seq, rows):
-        scores = queries[:, :, start : start + rows] @ keys.transpose(-1, -2)
-        scores = scores + bias[..., start : start + rows, :].to(scores.dtype)
+        query_index = key_index[start : start + rows, None]
+        seen = (key_index <= query_index) & ((query_index - key_index < window) if window else True)
+        seen = seen[None, None]  # [1, 1, rows, seq]
+        if segments is not None:  # (each row of the batch its own documents)
+            seen = seen & (segments[:, None, start : start + rows, None] == segments[:, None, None, :])
+        scores = (queries[:, :, start : start + rows] @ keys.transpose(-1, -2)).masked_fill(~seen, -math.inf)
         largest = torch.maximum(largest, scores.amax(dim=(0, 2, 3)).float() * scale)
     return largest
 
@@ -152,30 +162,19 @@ def row_factors(attention: torch.nn.Module, gamma: torch.Tensor) -> dict[str, to
 def clip_factors(
     model: torch.nn.Module, maxima: torch.Tensor, threshold: float, prefix: str = ""
 ) -> dict[str, torch.Tensor]:
-    """The factor of every query and key tensor this rank holds whose heads ``maxima`` (the reduced `step_maxima`)
-    clips, each shaped as its parameter's whole tensor and laid out as the parameter (a DTensor's placements), by
-    parameter name (``prefix`` before ``model``'s names)."""
-    gamma_table = (threshold / maxima.clamp(min=threshold)).to(torch.float32)  # (1 where S <= τ, -inf included)
+    """The factor of each row of every query and key tensor this rank holds whose heads ``maxima`` (the reduced
+    `step_maxima`) clips, by parameter name (``prefix`` before ``model``'s names). A head whose largest logit is not
+    finite is left alone (the loss is not either: the run stops on it)."""
+    clipped = torch.isfinite(maxima) & (maxima > threshold)
+    gamma_table = torch.where(clipped, threshold / maxima.clamp(min=threshold), 1.0).to(torch.float32)
     factors: dict[str, torch.Tensor] = {}
-    params = dict(model.named_parameters())
     for name, attention in attention_layers(model):
         gamma = gamma_table[layer_row(name, attention.config.n_layer)]
         if bool((gamma == 1).all()):
             continue
         for tensor_name, rows in row_factors(attention, gamma).items():
-            param = params[f"{name}.{tensor_name}"]
-            factors[f"{prefix}{name}.{tensor_name}"] = laid_out_as(param, rows)
+            factors[f"{prefix}{name}.{tensor_name}"] = rows
     return factors
-
-
-def laid_out_as(param: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """``rows`` (one factor per row of ``param``'s whole tensor) expanded to its whole shape, cut as ``param`` is."""
-    whole = rows.to(param.device).view(-1, *([1] * (param.ndim - 1))).expand(param.shape)
-    if not hasattr(param, "device_mesh"):
-        return whole
-    from torch.distributed.tensor import distribute_tensor
-
-    return distribute_tensor(whole.contiguous(), param.device_mesh, param.placements, src_data_rank=None)
 
 
 def clip_after_step(module: Any, forwards: int, threshold: float) -> None:
@@ -185,7 +184,7 @@ def clip_after_step(module: Any, forwards: int, threshold: float) -> None:
     maxima = step_maxima(module.model, module.config, forwards, module.device)
     maxima = module.trainer.strategy.reduce(maxima, reduce_op="max")
     module.log("qk_clip/max_logit", maxima.max(), on_step=True, on_epoch=False, batch_size=1)
-    clipped = (maxima > threshold).sum().float()
+    clipped = (torch.isfinite(maxima) & (maxima > threshold)).sum().float()
     module.log("qk_clip/clipped_heads", clipped, on_step=True, on_epoch=False, batch_size=1)
     optimizer = module.optimizers(use_pl_optimizer=False)
     optimizer.rescale_after_step(clip_factors(module.model, maxima, threshold, prefix="model."))

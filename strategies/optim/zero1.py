@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from lit3d.models.muon import Muon, whole_matrix
+from lit3d.models.muon import Muon, laid_out_as, whole_matrix
 from lit3d.strategies.optim.zero1_buckets import buckets
 from lit3d.strategies.optim.zero1_params import SlicedParam, rank_chunk
 
@@ -159,9 +159,11 @@ class LocalShardOptimizer:
         placed = self.as_global(view, update)
         return placed if isinstance(placed, DTensor) else None
 
-    def part_of(self, view: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
-        """The part ``view`` steps of ``tensor``, laid out as its parameter (a DTensor as the parameter is placed)."""
-        return self._by_view[id(view)].local(tensor)
+    def part_of(self, view: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Muon under ZeRO-1: ``rows`` (one factor per row of the parameter's whole tensor) laid out as ``view``, this
+        rank's slice of it."""
+        entry = self._by_view[id(view)]
+        return entry.local(laid_out_as(entry.param, rows))
 
     def _expert_entry(self, param: DTensor) -> SlicedParam:
         """An MoE expert weight, split over the EP ranks (dim 0), sliced and averaged over the ``edp`` ranks that
