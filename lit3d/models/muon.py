@@ -255,11 +255,7 @@ def laid_out_as(param: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """``rows`` (one factor per row of ``param``'s whole tensor) expanded to its whole shape and cut as ``param`` is (a
     DTensor's shard; a plain tensor is whole)."""
     whole = rows.to(param.device, torch.float32).view(-1, *([1] * (param.ndim - 1))).expand(param.shape)
-    if not hasattr(param, "device_mesh"):
-        return whole
-    from torch.distributed.tensor import distribute_tensor
-
-    return distribute_tensor(whole.contiguous(), param.device_mesh, param.placements, src_data_rank=None)
+    return local_part(param, whole.contiguous() if hasattr(param, "device_mesh") else whole)
 
 
 def _dtensor_or_none(param: torch.Tensor, update: torch.Tensor) -> torch.Tensor | None:

@@ -17,6 +17,7 @@ ranks, 2/n of them for n.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -84,7 +85,8 @@ def _round(matrices: list[SpreadMatrix], indices: list[int], group: Any, steps: 
     rank holds about two matrices' worth at a time besides the iteration's."""
     update, orthogonalise, apply = steps
     ranks, me = dist.get_world_size(group), dist.get_rank(group)
-    sizes = [[_numel(part_shape(matrices[i].shape, matrices[i].dim, ranks, r)) for r in range(ranks)] for i in indices]
+    splits = [(matrices[i].shape, matrices[i].dim) for i in indices]
+    sizes = [[math.prod(part_shape(shape, dim, ranks, r)) for r in range(ranks)] for shape, dim in splits]
     mine = [row[me] for row in sizes] + [0] * (ranks - len(indices))  # my part of each matrix, to its rank
     owned = indices[me] if me < len(indices) else None
     theirs = sizes[me] if owned is not None else [0] * ranks  # every rank's part of the one I orthogonalise
@@ -111,10 +113,3 @@ def _round(matrices: list[SpreadMatrix], indices: list[int], group: Any, steps: 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
