@@ -393,7 +393,8 @@ def test_a_replica_group_without_its_index_or_a_lighthouse_is_refused_in_one_lin
     ("settings", "said"),
     [
         ({"replica_groups": 0}, "replica_groups=0 must be a number of groups >= 1"),
-        ({"replica_groups": 2, "islands": 2, "data_parallel_size": 2}, "DiLoCo's islands as fault-tolerant groups"),
+        ({"replica_groups": 2, "islands": 2, "data_parallel_size": 2}, "islands=2: each replica group is one DiLoCo"),
+        ({"replica_groups": 2, "sync_every": 4, "outer_fragments": 2}, "outer_fragments=2: streaming DiLoCo across"),
     ],
 )
 def test_replica_group_settings_no_run_could_use_are_refused_naming_them(settings, said):

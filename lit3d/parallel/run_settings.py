@@ -50,10 +50,16 @@ def _check_replica_groups(p: Any) -> None:
         return
     if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
         raise ValueError(f"replica_groups={groups!r} must be a number of groups >= 1 (or None: no fault tolerance)")
-    if p.islands > 1 or p.sync_every > 1:
+    if p.islands > 1:
         raise ValueError(
-            f"replica_groups={groups} with islands={p.islands}, sync_every={p.sync_every}: DiLoCo's islands as "
-            "fault-tolerant groups are not built yet; use replica_groups with islands=1 and sync_every=1"
+            f"replica_groups={groups} with islands={p.islands}: each replica group is one DiLoCo island (a job of its "
+            "own); set islands=1 and sync_every > 1 for DiLoCo across the groups"
+        )
+    if p.sync_every > 1 and p.outer_fragments > 1:
+        raise ValueError(
+            f"replica_groups={groups} with outer_fragments={p.outer_fragments}: streaming DiLoCo across replica "
+            "groups is not built (a group joins at the start of a round, when every fragment has met); use "
+            "outer_fragments=1"
         )
 
 

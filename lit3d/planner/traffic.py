@@ -110,11 +110,17 @@ def replica_group_bytes(
 ) -> float:
     """Bytes the busiest rank sends to the other replica groups each step (``replica_groups``, torchft): the all-reduce
     of the gradients of what its optimizer steps (`stepped_numel`), ``element`` bytes each, over all the groups
-    (`lit3d.strategies.runtime.replica_groups`). The quorum's messages are a few hundred bytes, not counted."""
+    (`lit3d.strategies.runtime.replica_groups`); with DiLoCo across the groups (``sync_every > 1``), per step on
+    average, that of the pseudo-gradients (in ``outer_reduce_dtype``) and of the one float that holds a round's start,
+    once a round. The quorum's messages are a few hundred bytes, not counted."""
     groups = settings.replica_groups or 1
     if groups == 1:
         return 0.0
-    return 2 * (groups - 1) / groups * _most_stepped(config, layout, settings, lora) * element
+    ring, stepped = 2 * (groups - 1) / groups, _most_stepped(config, layout, settings, lora)
+    if settings.sync_every > 1:
+        outer = 2 if settings.outer_reduce_dtype == "bfloat16" else 4
+        return ring * (stepped * outer + 4) / settings.sync_every
+    return ring * stepped * element
 
 
 def _most_stepped(config: GPTConfig, layout: Layout, settings: Parallelism, lora: LoRA | None) -> int:
@@ -263,8 +269,9 @@ def collectives(case: Case, sums: Sequence[StageSums]) -> dict[str, tuple[float,
     if layout.islands > 1:  # one all-reduce per fragment per outer step, over a ring of the islands
         n = settings.outer_fragments / settings.sync_every
         counts["island"] = (n, n * 2 * (layout.islands - 1))
-    if (settings.replica_groups or 1) > 1:  # one all-reduce a step, over a ring of the groups
-        counts["replica"] = (1.0, 2.0 * (settings.replica_groups - 1))
+    if (settings.replica_groups or 1) > 1:  # one all-reduce a step over a ring of the groups (DiLoCo: two a round)
+        n = 1.0 if settings.sync_every == 1 else 2 / settings.sync_every
+        counts["replica"] = (n, n * 2 * (settings.replica_groups - 1))
     return counts
 
 

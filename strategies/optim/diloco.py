@@ -84,23 +84,36 @@ class OuterLoop:
         n, h = len(self.fragments), self.sync_every
         return [f for f in range(n) if inner_step % h == (f + 1) * h // n % h]
 
-    @torch.no_grad()
-    def after_inner_step(self) -> None:
-        """Count an inner optimizer step; run the outer step of every fragment that is due."""
-        self.inner_steps += 1
-        for fragment in self.due(int(self.inner_steps)):
-            self.sync(fragment)
+    def starts_round(self) -> bool:
+        """Whether the next inner step is the first of a round (every island holds the anchor's weights then)."""
+        return int(self.inner_steps) % self.sync_every == 0
 
     @torch.no_grad()
-    def sync(self, fragment: int = 0) -> None:
+    def after_inner_step(self, across: Any = None) -> None:
+        """Count an inner optimizer step; run the outer step of every fragment that is due. ``across``: the replica
+        groups (`lit3d.strategies.runtime.replica_groups.ReplicaGroups`) whose islands average the pseudo-gradients,
+        or None: the islands of this world (``self.group``)."""
+        self.inner_steps += 1
+        for fragment in self.due(int(self.inner_steps)):
+            self.sync(fragment, across)
+
+    @torch.no_grad()
+    def sync(self, fragment: int = 0, across: Any = None) -> None:
         """The outer step of one fragment: average the pseudo-gradients over the islands, step, copy back."""
         chosen = self.fragments[fragment]
         anchors = [self.anchor[i] for i in chosen]
         live = [self.tensors[i]() for i in chosen]
-        flat = torch.cat([(a - w.float()).reshape(-1) for a, w in zip(anchors, live)]).to(self.reduce_dtype)
-        if self.islands > 1:  # one collective per fragment over the slow link
-            dist.all_reduce(flat, group=self.group)
-        averaged = flat.float().div_(self.islands)
+
+        def pseudo_gradient() -> torch.Tensor:
+            return torch.cat([(a - w.float()).reshape(-1) for a, w in zip(anchors, live)]).to(self.reduce_dtype)
+
+        if across is not None:  # over the groups that take part (their number: torchft's quorum's)
+            averaged = across.average_outer(pseudo_gradient).float()
+        else:
+            flat = pseudo_gradient()
+            if self.islands > 1:  # one collective per fragment over the slow link
+                dist.all_reduce(flat, group=self.group)
+            averaged = flat.float().div_(self.islands)
         for anchor, delta in zip(anchors, averaged.split([a.numel() for a in anchors])):
             anchor.grad = delta.view_as(anchor)
         self.optimizer.step()  # steps only the anchors that have a gradient: this fragment's

@@ -74,8 +74,8 @@ class OptimizerSteps:
     def step(self, optimizer: Any, closure: Callable[[], Any], inner_step: Callable[[Callable[[], Any]], Any]) -> Any:
         """``inner_step(closure)`` is Lightning's step (the precision plugin's: closure, clipping, the step); around
         it, ZeRO-1's reduce-scatter after the closure and all-gather after the step, then DiLoCo's outer step. With
-        replica groups, the closure's gradients are averaged across the groups before the step
-        (`lit3d.strategies.runtime.replica_groups`)."""
+        replica groups, the closure's gradients are averaged across the groups before the step, or with DiLoCo, the
+        pseudo-gradients at the outer step (`lit3d.strategies.runtime.replica_groups`)."""
         local = self.local.get(id(optimizer))
 
         def closure_then_scatter() -> Any:  # forward and backward; gradient clipping follows
@@ -86,12 +86,15 @@ class OptimizerSteps:
             return result
 
         prepared = closure if local is None else closure_then_scatter
-        if self.replica_groups is not None:
-            result = self.replica_groups.step(optimizer, prepared, inner_step)
+        groups, outer = self.replica_groups, self.outer_loop
+        if groups is not None and outer is None:  # each step averaged across the groups
+            result = groups.step(optimizer, prepared, inner_step)
         else:
+            if groups is not None:  # each group a DiLoCo island: the groups that train the round meet as it starts
+                groups.inner_step(outer.starts_round())
             result = inner_step(prepared)
-        if self.outer_loop is not None:  # NOTE: before the gather: only this rank's slices cross the island link
-            self.outer_loop.after_inner_step()
+        if outer is not None:  # NOTE: before the gather: only this rank's slices cross the island link
+            outer.after_inner_step(groups)
         if local is not None:
             local.gather_params()
         self._after_step()

@@ -3,6 +3,8 @@ same group rank of every group holds the same shards, so each rank sends its own
 
 - the module's weights and buffers (each rank's shards), the optimizers' parameters where they are not the module's
   own (ZeRO-1's slices, their fp32 master copies under bf16-mixed) and states, and the learning-rate schedulers';
+- with DiLoCo across the groups, its outer loop's anchor, momentum and count of inner steps (a group joins as a round
+  starts: its weights are then the anchor's, its inner optimizer's states the live group's);
 - joining at the start of its fit, also the fit loop's progress (the step, Lightning's counters) and the data module's
   position: the restarted group then reads the batch the live ones are at, as a run resumed from a checkpoint does.
 
@@ -29,10 +31,11 @@ class PeerState:
         trainer: The fit's trainer.
         run: What the run is (`lit3d.strategies.runtime.replica_groups.run_of`): a state is loaded only from a run that
             is the same.
+        outer: DiLoCo's outer loop (`lit3d.strategies.optim.diloco.OuterLoop`), or None.
     """
 
-    def __init__(self, trainer: Any, run: str) -> None:
-        self.trainer, self.run = trainer, run
+    def __init__(self, trainer: Any, run: str, outer: Any = None) -> None:
+        self.trainer, self.run, self.outer = trainer, run, outer
         self.joining = True  # until the group's first quorum: a state loaded then carries the loop and data too
         self.loaded_step: int | None = None  # the step a state was loaded at (None: never)
         self.loaded_bytes = 0  # the bytes of the tensors it loaded
@@ -55,6 +58,7 @@ class PeerState:
             "data": trainer.datamodule.state_dict() if trainer.datamodule is not None else None,
             "step": trainer.global_step,
             "run": self.run,
+            "outer": None if self.outer is None else (self.outer.state_tensors(), int(self.outer.inner_steps)),
         }
 
     @torch.no_grad()
@@ -75,12 +79,17 @@ class PeerState:
             optimizer.load_state_dict(_placed_like_params(saved["state"], params))
         for config, saved in zip(trainer.lr_scheduler_configs, state["schedulers"], strict=True):
             config.scheduler.load_state_dict(saved)
+        if self.outer is not None:
+            tensors, inner_steps = state["outer"]
+            for mine, theirs in zip(self.outer.state_tensors(), tensors, strict=True):
+                mine.copy_(theirs)
+            self.outer.inner_steps.fill_(inner_steps)
         if self.joining and state["step"] > 0:  # before the fit loop runs: it starts where the live groups are
             trainer.fit_loop.load_state_dict(state["fit_loop"])
             if trainer.datamodule is not None and state["data"] is not None:
                 trainer.datamodule.load_state_dict(state["data"])
         self.loaded_step = state["step"]
-        self.loaded_bytes = tensor_bytes([state["module"], state["optimizers"]])
+        self.loaded_bytes = tensor_bytes([state["module"], state["optimizers"], state["outer"]])
 
 
 def _as_saved_after_the_last_step(loop_state: dict[str, Any]) -> dict[str, Any]:

@@ -107,10 +107,17 @@ class ReplicaGroups:
     """
 
     def __init__(
-        self, manager: Any, state: PeerState, groups: int, group: int, record: Path | None, lighthouse: str = ""
+        self,
+        manager: Any,
+        state: PeerState,
+        groups: int,
+        group: int,
+        record: Path | None,
+        lighthouse: str = "",
+        timeout_s: float = 600.0,
     ) -> None:
         self.manager, self.state, self.groups, self.group, self.record = manager, state, groups, group, record
-        self.lighthouse = lighthouse
+        self.lighthouse, self.timeout_s = lighthouse, timeout_s
         self._quorum_open = False  # a quorum asked for and not yet used by a step
         self.planned_rejoin_bytes: int | None = None  # what the planner says a rejoin loads per rank
 
@@ -128,7 +135,7 @@ class ReplicaGroups:
         timeout = strategy.parallelism.timeout
         # NOTE: NCCL between groups on GPUs (not run on this project's CPU machines: the gloo path is what is tested)
         pg = ProcessGroupNCCL(timeout=timeout) if strategy.root_device.type == "cuda" else ProcessGroupGloo(timeout)
-        state = PeerState(trainer, run_of(strategy, trainer))
+        state = PeerState(trainer, run_of(strategy, trainer), strategy.optimizer_steps.outer_loop)
         environment = strategy.cluster_environment
         manager = Manager(
             pg=pg, load_state_dict=state.load, state_dict=state.save, min_replica_size=1, use_async_quorum=False,
@@ -138,7 +145,7 @@ class ReplicaGroups:
         )  # fmt: skip
         folder = Path(trainer.log_dir or trainer.default_root_dir)
         record = folder / RECORD_FILE if strategy.global_rank == 0 else None
-        joined = cls(manager, state, groups, group, record, lighthouse)
+        joined = cls(manager, state, groups, group, record, lighthouse, timeout.total_seconds())
         plan = strategy.plan  # (the strategy's estimate of this run, made just before: `start_plan`)
         joined.planned_rejoin_bytes = plan.rejoin_bytes() if plan is not None else None
         try:
@@ -192,14 +199,52 @@ class ReplicaGroups:
         committed = self.manager.should_commit()
         if not committed:  # (every group skips it: no weight moves; the data and the schedule go on)
             error = self.manager.errored()
-            rank_zero_warn(f"replica group {self.group}: step {self.state.trainer.global_step} not committed: {error}")
+            rank_zero_warn(f"replica group {self.group}: step {self.state.trainer.global_step} not committed: {_said(error)}")
         self._note(self.manager.num_participants(), committed)
         return inner_step(lambda: result) if committed else result
 
-    def _quorum(self) -> None:
+    def inner_step(self, starts_round: bool) -> None:
+        """Before an inner step of DiLoCo across the groups (``sync_every > 1``: each group an island). As a round
+        starts, the quorum of the groups that train it: a group that joins loads a live group's state then, when every
+        group holds the anchor's weights, and a one-float average holds the live groups until it has loaded it (torchft
+        serves the state by reference, and the next inner step changes it). The inner step itself stays in the group."""
+        if starts_round:
+            if not self._quorum_open:
+                self._quorum()
+            self.manager.allreduce(torch.zeros(1)).wait()  # (an error here fails the round's outer step, as a death)
+        self._quorum_open = False
+        self._note(self.manager.num_participants(), True)
+
+    def average_outer(self, pseudo_gradient: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """DiLoCo's outer step across the groups: the mean of ``pseudo_gradient()`` over the groups that reach it. A
+        group that failed during the round (or during this average) fails the average in every group; the others
+        then meet again without it (a quorum that only shrinks: no group joins in the middle of a round) and average
+        once more, until one commits or the strategy's ``timeout`` has passed."""
+        step, deadline = self.state.trainer.global_step, time.monotonic() + self.timeout_s
+        while True:
+            flat = pseudo_gradient()
+            self.manager.allreduce(flat).wait()  # (the sum over the participants over their number)
+            committed, participants = self.manager.should_commit(), self.manager.num_participants()
+            self._write(event="outer", step=step, participants=participants, committed=committed)
+            if committed:
+                self.state.trainer.lightning_module.log("replica_groups/outer_participants", float(participants),
+                                                        on_step=True, on_epoch=False, rank_zero_only=True)  # fmt: skip
+                return flat
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"replica group {self.group}: the outer step after step {step} did not commit within the "
+                    f"strategy's timeout: {_said(self.manager.errored())}"
+                )
+            rank_zero_warn(
+                f"replica group {self.group}: the outer step after step {step} failed ({_said(self.manager.errored())}"
+                "); averaging again over the groups still alive"
+            )
+            self._quorum(shrink_only=True)
+
+    def _quorum(self, shrink_only: bool = False) -> None:
         """Ask for the step's quorum; torchft's error (a gRPC status) said as what it means here."""
         try:
-            self.manager.start_quorum()
+            self.manager.start_quorum(shrink_only=shrink_only)
         except Exception as error:  # (torchft raises a TimeoutError or a RuntimeError carrying a gRPC status)
             raise RuntimeError(
                 f"replica group {self.group}: no quorum at step {self.state.trainer.global_step} within the strategy's "
@@ -234,3 +279,8 @@ class ReplicaGroups:
     def stop(self) -> None:
         """End the manager (its heartbeats stop: the lighthouse drops this group at once)."""
         self.manager.shutdown(wait=False)
+
+
+def _said(error: Any) -> str:
+    """torchft's error (it carries the traceback in its text) in one line."""
+    return str(error).strip().splitlines()[0] if error is not None else "no error recorded"

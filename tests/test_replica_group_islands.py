@@ -1,0 +1,184 @@
+"""DiLoCo's islands as fault-tolerant replica groups (`replica_groups=2, sync_every=4`, docs/fault-tolerance.md).
+
+Two groups of 2 ranks (data parallel inside, ZeRO-1), each an island that trains 4 inner steps alone and meets the
+other at the outer step through torchft. Group 1 dies in its second outer step (before its average: group 0's average
+fails, and group 0 averages again alone); group 0 trains on; group 1 is started again, loads group 0's state as a round
+starts and rejoins. Both end with bitwise equal weights, and each group's logged losses are those of a one-process
+replay of the same rounds (which islands trained and which were averaged).
+"""
+
+import copy
+import os
+import signal
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from helpers import logged
+from layouts import merge
+from spawned import START_METHOD, free_port, run_job
+from test_replica_groups import _records, lighthouse, logged_steps  # noqa: F401 (a fixture)
+
+from lit3d import GPT, GPTConfig
+from lit3d.data.text import TextDataModule
+from lit3d.strategies.runtime.replica_groups import ReplicaGroups
+
+H = 4  # inner steps a round
+KILLED_AFTER = 2 * H  # group 1 dies in the outer step after this many steps (its second)
+RANKS = 2
+
+
+class Rounds(L.Callback):
+    """Ends the fit after the second round that every group finished together once ``final`` exists (a file the test
+    writes as it restarts group 1); a step some group is missing from is slowed by a tenth of a second, so that the
+    restarted group catches up. Saves this rank's weights at the end."""
+
+    def __init__(self, final: str, weights: str) -> None:
+        self.final, self.weights, self.together = final, weights, 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        groups = trainer.strategy.optimizer_steps.replica_groups
+        missing = groups.manager.num_participants() < groups.groups
+        if trainer.global_step % H == 0 and not missing and Path(self.final).exists():
+            self.together += 1
+            trainer.should_stop = self.together == 2
+        elif missing:
+            time.sleep(0.1)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        local = {name: getattr(p, "_local_tensor", p).detach() for name, p in pl_module.named_parameters()}
+        torch.save(local, self.weights)
+
+
+def _dies_in_its_outer_step(replica_groups, pseudo_gradient):
+    """Group 1's ranks killed as they enter the outer step after ``KILLED_AFTER`` inner steps (a failure injected)."""
+    if replica_groups.state.trainer.global_step + 1 >= KILLED_AFTER:  # (the index of the step the outer one ends)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _average_outer(replica_groups, pseudo_gradient)
+
+
+_average_outer = ReplicaGroups.average_outer
+
+
+def _rank(index, plan, job, lighthouse, out, final):
+    group, run, dies, rank, port = plan[index]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(RANKS), LOCAL_RANK=str(rank),
+                      NODE_RANK="0", REPLICA_GROUP_ID=str(group), TORCHFT_LIGHTHOUSE=lighthouse)  # fmt: skip
+    torch.set_num_threads(1)
+    if dies:  # (in this process only: the test injects the failure, as torchft's own tests do)
+        ReplicaGroups.average_outer = _dies_in_its_outer_step
+    dist.init_process_group("gloo", rank=rank, world_size=RANKS)
+    callbacks = [Rounds(final, str(Path(out) / run / f"weights{rank}.pt"))]
+    run_job({**job, "callbacks": callbacks}, Path(out) / run, RANKS)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _start(job, lighthouse, out, runs, final):
+    plan = [(group, run, dies, rank, port) for group, run, dies in runs for port in [free_port()] for rank in range(RANKS)]
+    return mp.start_processes(_rank, args=(plan, job, lighthouse, str(out), str(final)), nprocs=len(plan),
+                              start_method=START_METHOD, join=False)  # fmt: skip
+
+
+@pytest.mark.ranks
+def test_diloco_replica_groups_survive_a_group_lost_in_an_outer_step_and_follow_the_replayed_rounds(
+    base_job, lighthouse, tmp_path
+):
+    job = merge(base_job, {
+        "strategy": {"zero_stage": 1, "replica_groups": 2, "sync_every": H, "timeout": timedelta(seconds=60)},
+        "model": {"decay_steps": 200},
+        "trainer": {"max_steps": 200, "limit_val_batches": 0},
+    })  # fmt: skip
+    final, deadline = tmp_path / "final", time.time() + 240
+    first = _start(job, lighthouse, tmp_path, [(0, "g0", False), (1, "g1_killed", True)], final)
+    while not all(p.exitcode == -signal.SIGKILL for p in first.processes[RANKS:]):
+        assert time.time() < deadline and all(p.exitcode in (None, 0) for p in first.processes[:RANKS])
+        time.sleep(0.2)
+    while not any(line["participants"] == 1 for line in _records(tmp_path / "g0") if line["event"] == "step"):
+        assert time.time() < deadline, "group 0 did not train a round alone"  # (slowed while alone: `Rounds`)
+        time.sleep(0.2)
+    final.touch()
+    second = _start(job, lighthouse, tmp_path, [(1, "g1", False)], final)
+    for context in (second, first):
+        while not all(p.exitcode is not None for p in context.processes[:RANKS]):
+            assert time.time() < deadline, "the groups did not finish"
+            time.sleep(0.2)
+    assert [p.exitcode for p in first.processes[:RANKS] + second.processes] == [0] * 2 * RANKS
+
+    records = {run: _records(tmp_path / run) for run in ("g0", "g1_killed", "g1")}
+    steps0 = [line["step"] for line in records["g0"] if line["event"] == "step"]
+    assert steps0 == list(range(len(steps0))) and len(steps0) % H == 0  # group 0 never stopped; it ended on a round
+    outer0 = [line for line in records["g0"] if line["event"] == "outer"]  # (each after the step it names: + 1 done)
+    failed = [line for line in outer0 if not line["committed"]]  # group 0's average as group 1 died: failed, once
+    assert [(line["step"] + 1, line["participants"]) for line in failed] == [(KILLED_AFTER, 2)], outer0
+    committed = {line["step"] + 1: line["participants"] for line in outer0 if line["committed"]}
+    assert list(committed) == list(range(H, len(steps0) + 1, H)) and committed[KILLED_AFTER] == committed[KILLED_AFTER + H] == 1
+    (joined,) = [line for line in records["g1"] if line["event"] == "joined"]
+    assert joined["recovered"] and joined["step"] % H == 0 and joined["step"] > KILLED_AFTER, joined
+    assert joined["loaded_bytes"] == joined["planned_bytes"] > 0, joined  # weights, inner and outer states
+    averaged1 = {line["step"] + 1 for line in records["g1"] if line["event"] == "outer" and line["committed"]}
+    assert averaged1 == set(range(joined["step"] + H, len(steps0) + 1, H))
+    assert all(committed[step] == 2 for step in averaged1)
+    for rank in range(RANKS):  # the same slices, bitwise, after the last outer step
+        ours, theirs = (torch.load(tmp_path / run / f"weights{rank}.pt") for run in ("g0", "g1"))
+        assert all(torch.equal(ours[name], theirs[name]) for name in ours)
+
+    averaged = {step: [0, 1] if step < KILLED_AFTER or step in averaged1 else [0] for step in committed}
+    trained = {step: [0, 1] if step <= KILLED_AFTER or step in averaged1 else [0] for step in committed}
+    replayed = replay(job, trained, averaged, rejoins={joined["step"]: 1})
+    for run, group in (("g0", 0), ("g1", 1)):
+        got, steps = logged(tmp_path / run / "log" / "version_0", "train_loss"), logged_steps(tmp_path / run)
+        assert steps and max(abs(loss - replayed[step][group]) for loss, step in zip(got, steps, strict=True)) <= 1e-5
+
+
+def replay(job: dict, trained: dict, averaged: dict, rejoins: dict, dp: int = 2, groups: int = 2) -> dict:
+    """One process, no Lightning: each group's model and inner optimizer; at each step each training island's loss on
+    its rows of the global batch (then its inner step); after each round (``trained[step]``: the islands that trained
+    the round ending at ``step``), the outer step of the mean of the pseudo-gradients of ``averaged[step]``'s islands
+    (Nesterov SGD on the anchor), every island's weights set to it. ``rejoins[step]``: a group that copies group 0's
+    inner state as the round at ``step`` starts. Returns {step: {group: loss}}."""
+    L.seed_everything(job.get("seed", 1234))
+    kwargs, settings = dict(job["model"]), job["strategy"]
+    models = [GPT(GPTConfig(**kwargs.pop("config")), **kwargs)]
+    models[0].configure_model()
+    models += [copy.deepcopy(models[0]) for _ in range(groups - 1)]
+    configured = [m.configure_optimizers() for m in models]
+    inner = [(c["optimizer"], c["lr_scheduler"]["scheduler"]) for c in configured]
+    anchor = [p.detach().clone() for p in models[0].parameters()]
+    outer = torch.optim.SGD(anchor, lr=settings.get("outer_lr", 0.7), momentum=0.9, nesterov=True)
+    data = TextDataModule(**job["data"])
+    data.data_parallel = (1, 0)
+    data.setup("fit")
+    losses, last = {}, max(trained)
+    for step, batch in enumerate(data.train_dataloader()):
+        if step == last:
+            break
+        round_end = (step // H + 1) * H
+        if step % H == 0 and step in rejoins:  # (weights are the anchor's then: the inner state is what differs)
+            g = rejoins[step]
+            inner[g][0].load_state_dict(copy.deepcopy(inner[0][0].state_dict()))  # (else the moments are shared)
+            inner[g][1].load_state_dict(inner[0][1].state_dict())
+        tokens, losses[step] = batch["input_ids"], {}
+        for g in trained[round_end]:
+            rows = [i for i in range(len(tokens)) if i % (groups * dp) // dp == g]
+            loss = models[g].loss(tokens[rows])
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(models[g].parameters(), job["trainer"]["gradient_clip_val"])
+            inner[g][0].step()
+            inner[g][0].zero_grad()
+            inner[g][1].step()
+            losses[step][g] = loss.item()
+        if step + 1 == round_end:
+            with torch.no_grad():
+                for a, *weights in zip(anchor, *(models[g].parameters() for g in averaged[round_end])):
+                    a.grad = torch.stack([a - w for w in weights]).mean(0)
+                outer.step()
+                for model in models:
+                    for a, w in zip(anchor, model.parameters()):
+                        w.copy_(a)
+    return losses
