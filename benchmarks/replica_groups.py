@@ -1,6 +1,6 @@
 """What fault tolerance costs a step: replica groups on torchft against the same run without them, on CPU ranks.
 
-    python benchmarks/replica_groups.py                  # 2 CPU processes, about 3 minutes on 2 cores
+    python benchmarks/replica_groups.py                  # 2 CPU processes, about 5 minutes on 2 cores
     python benchmarks/replica_groups.py --steps 40 --rounds 5
 
 Every run trains the ``tiny`` GPT on the embedded corpus, the same global batches, 2 CPU processes, ZeRO-1:
@@ -9,10 +9,14 @@ Every run trains the ``tiny`` GPT on the embedded corpus, the same global batche
 - ``DP2 as one replica group``: the same world as the one group of ``replica_groups=1``: a quorum and an average over
   the groups every step, with no second group to average with (the quorum's cost alone);
 - ``2 replica groups of 1 rank``: two worlds of one rank, meeting through torchft (a quorum and the gradients'
-  all-reduce over torchft's process group every step) in place of the world's own all-reduce.
+  all-reduce over torchft's process group every step) in place of the world's own all-reduce;
+- ``2 islands in one world, H=4``: DiLoCo's two islands of one rank in one world of 2 (the baseline of the next);
+- ``2 replica groups as islands, H=4``: the same islands as two worlds meeting through torchft (a quorum and a
+  one-float average as each round starts, the pseudo-gradients' all-reduce at its outer step).
 
-The runs take turns in interleaved rounds; each run's step time is the median over its steps after the first few, and
-the table prints each against ``DP2``'s median over the rounds. A lighthouse runs in this process.
+The runs take turns in interleaved rounds; each run's step time is the median over its steps after the first few
+(under DiLoCo, over every step: one in four carries the outer step), and the table prints each against its baseline's
+median over the rounds. A lighthouse runs in this process.
 """
 
 from __future__ import annotations
@@ -34,10 +38,12 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-RUNS = {  # name -> (worlds of ranks, replica_groups)
-    "DP2": ([2], None),
-    "DP2 as one replica group": ([2], 1),
-    "2 replica groups of 1 rank": ([1, 1], 2),
+RUNS = {  # name -> (worlds of ranks, replica_groups, DiLoCo's islands in one world and sync_every, baseline)
+    "DP2": ([2], None, 1, 1, "DP2"),
+    "DP2 as one replica group": ([2], 1, 1, 1, "DP2"),
+    "2 replica groups of 1 rank": ([1, 1], 2, 1, 1, "DP2"),
+    "2 islands in one world, H=4": ([2], None, 2, 4, "2 islands in one world, H=4"),
+    "2 replica groups as islands, H=4": ([1, 1], 2, 1, 4, "2 islands in one world, H=4"),
 }
 
 
@@ -54,8 +60,8 @@ def main() -> None:
     medians: dict[str, list[float]] = {name: [] for name in RUNS}
     try:
         for round_ in range(args.rounds):
-            for name, (worlds, groups) in RUNS.items():
-                medians[name].append(run(worlds, groups, args.steps, lighthouse.address()))
+            for name, (worlds, groups, islands, every, _) in RUNS.items():
+                medians[name].append(run(worlds, groups, islands, every, args.steps, lighthouse.address()))
                 print(f"round {round_ + 1}/{args.rounds}: {name}: {medians[name][-1] * 1e3:.1f} ms a step", flush=True)
     finally:
         lighthouse.shutdown()
@@ -64,17 +70,18 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(medians, indent=2))
 
 
-def run(worlds: list[int], groups: int | None, steps: int, lighthouse: str) -> float:
+def run(worlds: list[int], groups: int | None, islands: int, every: int, steps: int, lighthouse: str) -> float:
     """One run: its worlds' ranks started together; the median step time of group 0's rank 0."""
     with tempfile.TemporaryDirectory() as tmp:
         ports = [_free_port() for _ in worlds]  # (each group its own world)
         plan = [(group, rank, world, ports[group]) for group, world in enumerate(worlds) for rank in range(world)]
-        mp.start_processes(_rank, args=(plan, groups, steps, lighthouse, tmp), nprocs=len(plan), start_method="spawn")
+        settings = (groups, islands, every)
+        mp.start_processes(_rank, args=(plan, settings, steps, lighthouse, tmp), nprocs=len(plan), start_method="spawn")
         times = json.loads((Path(tmp) / "times.json").read_text())["times"]
     return statistics.median(times)
 
 
-def _rank(index: int, plan: list, groups: int | None, steps: int, lighthouse: str, out: str) -> None:
+def _rank(index: int, plan: list, settings: tuple, steps: int, lighthouse: str, out: str) -> None:
     import lightning as L
     from lightning.pytorch.callbacks import Callback
 
@@ -82,6 +89,7 @@ def _rank(index: int, plan: list, groups: int | None, steps: int, lighthouse: st
     from lit3d.data.text import TextDataModule
 
     group, rank, world, port = plan[index]
+    groups, islands, every = settings
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       NODE_RANK="0", REPLICA_GROUP_ID=str(group), TORCHFT_LIGHTHOUSE=lighthouse)  # fmt: skip
     torch.set_num_threads(1)
@@ -101,7 +109,8 @@ def _rank(index: int, plan: list, groups: int | None, steps: int, lighthouse: st
                 (Path(out) / "times.json").write_text(json.dumps({"times": self.times}))
 
     L.seed_everything(1234)
-    strategy = Parallel3DStrategy(zero_stage=1, replica_groups=groups, timeout=timedelta(seconds=120))
+    strategy = Parallel3DStrategy(zero_stage=1, replica_groups=groups, islands=islands, sync_every=every,
+                                  timeout=timedelta(seconds=120))  # fmt: skip
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=0, callbacks=[Times()], default_root_dir=out)  # fmt: skip
@@ -110,11 +119,11 @@ def _rank(index: int, plan: list, groups: int | None, steps: int, lighthouse: st
 
 
 def report(medians: dict[str, list[float]]) -> None:
-    base = statistics.median(medians["DP2"])
-    print(f"\n{'run':<30}{'median ms/step':>16}{'vs DP2':>9}")
+    print(f"\n{'run':<34}{'median ms/step':>16}{'ratio':>8}  against")
     for name, times in medians.items():
-        median = statistics.median(times)
-        print(f"{name:<30}{median * 1e3:>16.1f}{median / base:>8.2f}x")
+        baseline = RUNS[name][-1]
+        median, base = statistics.median(times), statistics.median(medians[baseline])
+        print(f"{name:<34}{median * 1e3:>16.1f}{median / base:>7.2f}x  {baseline}")
 
 
 def _free_port() -> int:

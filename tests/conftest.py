@@ -430,3 +430,17 @@ def dp2_then_resumed_on_one_process(job: dict, out: Path) -> dict[str, dict]:
     results = run_jobs(2, {"dp2": merge(job, {"strategy": {}, "checkpoint_at": HALF})}, out)
     results.update(run_jobs(1, {"resume_single": merge(job, {"strategy": {}, "ckpt_path": saved})}, out))
     return results
+
+
+@pytest.fixture
+def lighthouse():
+    """torchft's lighthouse in this process (the replica groups' tests): its address."""
+    from torchft.coordination import LighthouseServer
+
+    # NOTE: a group that is not asking for the next quorum when the others ask (the tests slow a group that runs
+    # alone; a loaded machine may) is waited for up to join_timeout_ms, then left out; a dead group is dropped after
+    # heartbeat_timeout_ms
+    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=5000, quorum_tick_ms=20,
+                              heartbeat_timeout_ms=2000)  # fmt: skip
+    yield server.address()
+    server.shutdown()

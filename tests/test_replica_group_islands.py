@@ -8,6 +8,7 @@ replay of the same rounds (which islands trained and which were averaged).
 """
 
 import copy
+import json
 import os
 import signal
 import time
@@ -22,9 +23,10 @@ import torch.multiprocessing as mp
 from helpers import logged
 from layouts import merge
 from spawned import START_METHOD, free_port, run_job
-from test_replica_groups import _records, lighthouse, logged_steps  # noqa: F401 (a fixture)
+from test_replica_groups import _records, logged_steps
 
 from lit3d import GPT, GPTConfig
+from lit3d.callbacks import CommReport
 from lit3d.data.text import TextDataModule
 from lit3d.strategies.runtime.replica_groups import ReplicaGroups
 
@@ -65,35 +67,73 @@ def _dies_in_its_outer_step(replica_groups, pseudo_gradient):
 _average_outer = ReplicaGroups.average_outer
 
 
-def _rank(index, plan, job, lighthouse, out, final):
+def _rank(index, plan, job, address, out, final):
     group, run, dies, rank, port = plan[index]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(RANKS), LOCAL_RANK=str(rank),
-                      NODE_RANK="0", REPLICA_GROUP_ID=str(group), TORCHFT_LIGHTHOUSE=lighthouse)  # fmt: skip
+                      NODE_RANK="0", REPLICA_GROUP_ID=str(group), TORCHFT_LIGHTHOUSE=address)  # fmt: skip
     torch.set_num_threads(1)
     if dies:  # (in this process only: the test injects the failure, as torchft's own tests do)
         ReplicaGroups.average_outer = _dies_in_its_outer_step
     dist.init_process_group("gloo", rank=rank, world_size=RANKS)
     callbacks = [Rounds(final, str(Path(out) / run / f"weights{rank}.pt"))]
+    if job.get("comm_report"):  # the bytes of a round's steps (4-7), mean per step
+        callbacks.append(CommReport(step=H, steps=H, verbose=False))
     run_job({**job, "callbacks": callbacks}, Path(out) / run, RANKS)
+    if job.get("comm_report") and rank == 0:
+        report = callbacks[-1]
+        (Path(out) / run / "comm.json").write_text(json.dumps({"measured": report.measured, "planned": report.planned}))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _start(job, lighthouse, out, runs, final):
-    plan = [(group, run, dies, rank, port) for group, run, dies in runs for port in [free_port()] for rank in range(RANKS)]
-    return mp.start_processes(_rank, args=(plan, job, lighthouse, str(out), str(final)), nprocs=len(plan),
+def _start(job, address, out, runs, final):
+    plan = [
+        (group, run, dies, rank, port) for group, run, dies in runs for port in [free_port()] for rank in range(RANKS)
+    ]
+    return mp.start_processes(_rank, args=(plan, job, address, str(out), str(final)), nprocs=len(plan),
                               start_method=START_METHOD, join=False)  # fmt: skip
+
+
+def _job(base_job: dict) -> dict:
+    return merge(base_job, {
+        "strategy": {"zero_stage": 1, "replica_groups": 2, "sync_every": H, "timeout": timedelta(seconds=60)},
+        "model": {"decay_steps": 200},
+        "trainer": {"max_steps": 200, "limit_val_batches": 0},
+    })  # fmt: skip
+
+
+def _losses_are_the_replays(folder: Path, replayed: dict, runs: tuple = (("g0", 0), ("g1", 1))) -> None:
+    for run, group in runs:
+        got, steps = logged(folder / run / "log" / "version_0", "train_loss"), logged_steps(folder / run)
+        assert steps and max(abs(loss - replayed[step][group]) for loss, step in zip(got, steps, strict=True)) <= 1e-5
+
+
+@pytest.mark.ranks
+def test_diloco_replica_groups_send_what_the_planner_counts_and_follow_the_replay(base_job, lighthouse, tmp_path):
+    """No failure: two rounds of both islands are the replay's, and the bytes a rank sends to the other group over a
+    round (its ZeRO-1 slice's pseudo-gradient at the outer step and the one float as the round starts, a mean per
+    step: `CommReport`'s ``replica`` axis) are the planner's."""
+    job, final, deadline = {**_job(base_job), "comm_report": True}, tmp_path / "final", time.time() + 120
+    final.touch()  # (`Rounds` ends the fit after two rounds together)
+    started = _start(job, lighthouse, tmp_path, [(0, "g0", False), (1, "g1", False)], final)
+    while not all(p.exitcode is not None for p in started.processes):
+        assert time.time() < deadline, "the groups did not finish"
+        time.sleep(0.2)
+    assert [p.exitcode for p in started.processes] == [0] * 2 * RANKS
+    outer = [(line["step"] + 1, line["participants"], line["committed"]) for line in _records(tmp_path / "g0")
+             if line["event"] == "outer"]  # fmt: skip
+    assert outer == [(H, 2, True), (2 * H, 2, True)]
+    _losses_are_the_replays(tmp_path, replay(job, *[{H: [0, 1], 2 * H: [0, 1]}] * 2, rejoins={}))
+    for run in ("g0", "g1"):
+        comm = json.loads((tmp_path / run / "comm.json").read_text())
+        assert comm["planned"]["replica"] > 0 and comm["measured"]["replica"] == comm["planned"]["replica"], comm
 
 
 @pytest.mark.ranks
 def test_diloco_replica_groups_survive_a_group_lost_in_an_outer_step_and_follow_the_replayed_rounds(
     base_job, lighthouse, tmp_path
 ):
-    job = merge(base_job, {
-        "strategy": {"zero_stage": 1, "replica_groups": 2, "sync_every": H, "timeout": timedelta(seconds=60)},
-        "model": {"decay_steps": 200},
-        "trainer": {"max_steps": 200, "limit_val_batches": 0},
-    })  # fmt: skip
+    job = _job(base_job)
     final, deadline = tmp_path / "final", time.time() + 240
     first = _start(job, lighthouse, tmp_path, [(0, "g0", False), (1, "g1_killed", True)], final)
     while not all(p.exitcode == -signal.SIGKILL for p in first.processes[RANKS:]):
@@ -117,7 +157,10 @@ def test_diloco_replica_groups_survive_a_group_lost_in_an_outer_step_and_follow_
     failed = [line for line in outer0 if not line["committed"]]  # group 0's average as group 1 died: failed, once
     assert [(line["step"] + 1, line["participants"]) for line in failed] == [(KILLED_AFTER, 2)], outer0
     committed = {line["step"] + 1: line["participants"] for line in outer0 if line["committed"]}
-    assert list(committed) == list(range(H, len(steps0) + 1, H)) and committed[KILLED_AFTER] == committed[KILLED_AFTER + H] == 1
+    assert (
+        list(committed) == list(range(H, len(steps0) + 1, H))
+        and committed[KILLED_AFTER] == committed[KILLED_AFTER + H] == 1
+    )
     (joined,) = [line for line in records["g1"] if line["event"] == "joined"]
     assert joined["recovered"] and joined["step"] % H == 0 and joined["step"] > KILLED_AFTER, joined
     assert joined["loaded_bytes"] == joined["planned_bytes"] > 0, joined  # weights, inner and outer states
@@ -130,10 +173,7 @@ def test_diloco_replica_groups_survive_a_group_lost_in_an_outer_step_and_follow_
 
     averaged = {step: [0, 1] if step < KILLED_AFTER or step in averaged1 else [0] for step in committed}
     trained = {step: [0, 1] if step <= KILLED_AFTER or step in averaged1 else [0] for step in committed}
-    replayed = replay(job, trained, averaged, rejoins={joined["step"]: 1})
-    for run, group in (("g0", 0), ("g1", 1)):
-        got, steps = logged(tmp_path / run / "log" / "version_0", "train_loss"), logged_steps(tmp_path / run)
-        assert steps and max(abs(loss - replayed[step][group]) for loss, step in zip(got, steps, strict=True)) <= 1e-5
+    _losses_are_the_replays(tmp_path, replay(job, trained, averaged, rejoins={joined["step"]: 1}))
 
 
 def replay(job: dict, trained: dict, averaged: dict, rejoins: dict, dp: int = 2, groups: int = 2) -> dict:
@@ -182,3 +222,25 @@ def replay(job: dict, trained: dict, averaged: dict, rejoins: dict, dp: int = 2,
                     for a, w in zip(anchor, model.parameters()):
                         w.copy_(a)
     return losses
+
+
+def test_the_planner_prices_diloco_replica_groups_once_a_round_and_a_rejoin_with_the_outer_state(capsys):
+    """`lit3d plan --replica_groups 4 --sync_every 50`: the groups' all-reduce of the pseudo-gradients (fp32, what each
+    rank's optimizer steps) and of the round's one float, once in 50 steps; the outer loop's anchor and momentum (fp32)
+    in what a group that rejoins loads; the command that runs it."""
+    from lit3d.cli import main
+
+    flags = ["plan", "--model", "llama-8b", "--nodes", "2", "--tensor_parallel_size", "8", "--pipeline_parallel_size",
+             "1", "--global_batch_size", "256", "--replica_groups", "4", "--json"]  # fmt: skip
+    plans = []
+    for every in (1, 50):
+        main([*flags, "--sync_every", str(every)])
+        plans.append(json.loads(capsys.readouterr().out))
+    stepped = plans[0]["communication_per_step"]["replica"]["bytes"] / (2 * 3 / 4 * 4)  # (fp32 gradients, each step)
+    assert plans[1]["communication_per_step"]["replica"]["bytes"] == pytest.approx(2 * 3 / 4 * (stepped * 4 + 4) / 50)
+    outer = plans[1]["memory_per_gpu"]["optimizer"] - plans[0]["memory_per_gpu"]["optimizer"]
+    assert outer == 2 * 4 * stepped  # the anchor and the momentum, fp32
+    main(flags[:-1] + ["--sync_every", "50"])
+    printed = capsys.readouterr().out
+    assert "each a DiLoCo island, averaging pseudo-gradients every 50 steps" in printed
+    assert "--trainer.strategy.sync_every=50" in printed and "--trainer.strategy.replica_groups=4" in printed

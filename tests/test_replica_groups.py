@@ -89,18 +89,6 @@ class Together(L.Callback):
         torch.save(local, self.weights)
 
 
-@pytest.fixture
-def lighthouse():
-    from torchft.coordination import LighthouseServer
-
-    # NOTE: a group that is not asking for the next quorum when the others ask (`Together` slows it; a loaded machine
-    # may) is waited for up to join_timeout_ms, then left out; a dead group is dropped after heartbeat_timeout_ms
-    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=5000, quorum_tick_ms=20,
-                              heartbeat_timeout_ms=2000)  # fmt: skip
-    yield server.address()
-    server.shutdown()
-
-
 @pytest.mark.ranks
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_replica_group_killed_mid_run_rejoins_from_a_live_one_and_both_follow_the_replayed_curve(

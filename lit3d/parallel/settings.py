@@ -233,9 +233,9 @@ class Parallelism:
     replica_groups: int | None = _setting(
         None,
         """Fault tolerance (torchft): this many copies of the layout, each a job of its
-        own (``REPLICA_GROUP_ID``), average gradients over the groups that take part in each step (with ``sync_every > 1``:
-        each group is a DiLoCo island, and the pseudo-gradients are averaged at the outer steps); a failed group is
-        dropped and rejoins from a live one (docs/fault-tolerance.md). ``None``: one job, no lighthouse.""",
+        own (``REPLICA_GROUP_ID``), average gradients over the groups that take part in each step (with
+        ``sync_every > 1``: each group is a DiLoCo island, the pseudo-gradients averaged at the outer steps); a failed
+        group is dropped and rejoins from a live one (docs/fault-tolerance.md). ``None``: one job, no lighthouse.""",
     )
 
     def __post_init__(self) -> None:

@@ -102,9 +102,15 @@ def replica_group_lines(candidate: Candidate, cluster: Cluster) -> list[str]:
     groups = candidate.parallelism.replica_groups or 1
     if groups == 1:
         return []
+    every = candidate.parallelism.sync_every
+    averaging = (
+        "averaging gradients each step"
+        if every == 1
+        else f"each a DiLoCo island, averaging pseudo-gradients every {every} steps"
+    )
     return [
-        f"replica groups: {groups}, each this layout launched apart (REPLICA_GROUP_ID 0-{groups - 1}), averaging "
-        f"gradients each step (`replica` bytes); a group that rejoins loads {size(candidate.plan.rejoin_bytes())} a "
+        f"replica groups: {groups}, each this layout launched apart (REPLICA_GROUP_ID 0-{groups - 1}), "
+        f"{averaging} (`replica` bytes); a group that rejoins loads {size(candidate.plan.rejoin_bytes())} a "
         f"{cluster.device} from a live one (weights and optimizer state), once"
     ]
 
@@ -249,6 +255,8 @@ def run_flags(candidate: Candidate, given: frozenset[str] = frozenset()) -> str:
         text += schedule_flags(candidate.training, run, candidate.plan)
     if layout.islands > 1:
         text += f" --trainer.strategy.islands={layout.islands} --trainer.strategy.sync_every={run.sync_every}"
+    elif run.sync_every > 1:  # (DiLoCo over one island, or over the replica groups)
+        text += f" --trainer.strategy.sync_every={run.sync_every}"
     if run.splits_sequence(layout):  # planned with it (`PLANNING_DEFAULTS`), which the strategy leaves off unless told
         text += " --trainer.strategy.sequence_parallel=true"
     if run.accumulate_unsharded:  # the search's choice where memory allows

@@ -199,7 +199,9 @@ class ReplicaGroups:
         committed = self.manager.should_commit()
         if not committed:  # (every group skips it: no weight moves; the data and the schedule go on)
             error = self.manager.errored()
-            rank_zero_warn(f"replica group {self.group}: step {self.state.trainer.global_step} not committed: {_said(error)}")
+            rank_zero_warn(
+                f"replica group {self.group}: step {self.state.trainer.global_step} not committed: {_said(error)}"
+            )
         self._note(self.manager.num_participants(), committed)
         return inner_step(lambda: result) if committed else result
 
