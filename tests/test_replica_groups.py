@@ -46,6 +46,7 @@ LAYOUTS = {
     "tp2": ({"tensor_parallel_size": 2}, {}),
     "dp2_zero3": ({"zero_stage": 3}, {}),
     "muon_tp2": ({"tensor_parallel_size": 2}, {"optimizer": "muon"}),
+    "pp2": ({"pipeline_parallel_size": 2}, {}),  # (each rank sends its stage's state)
 }
 GROUP_RANKS = 2
 

@@ -91,7 +91,7 @@ class OptimizerSteps:
             result = groups.step(optimizer, prepared, inner_step)
         else:
             if groups is not None:  # each group a DiLoCo island: the groups that train the round meet as it starts
-                groups.inner_step(outer.starts_round())
+                groups.before_inner_step(outer.starts_round())
             result = inner_step(prepared)
         if outer is not None:  # NOTE: before the gather: only this rank's slices cross the island link
             outer.after_inner_step(groups)

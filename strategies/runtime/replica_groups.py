@@ -15,6 +15,12 @@ step which groups take part. Each optimizer step (`ReplicaGroups.step`):
 4. the optimizer steps only where the group agrees the step is good (`Manager.should_commit`); a step whose average
    failed (a group died during it) changes no weight, in every group (the schedule and the data move on).
 
+With ``sync_every > 1`` each group is one of DiLoCo's islands (`lit3d.strategies.optim.diloco`), and the groups meet
+once a round: its quorum as it starts (`before_inner_step`: a group joins then, when every group's weights are the
+anchor), the inner steps inside each group, and at the outer step the average of the pseudo-gradients over the groups
+that reach it (`average_outer`); a group lost in the round fails that average in every group, and the others average
+again over a quorum that only shrinks.
+
 The data: ``global_batch_size`` is the whole job's. Group ``g`` reads the rows of data-parallel replicas ``g*dp`` to
 ``g*dp + dp - 1`` of ``R*dp`` (`Parallel3DStrategy.distributed_sampler_kwargs`). The rows of a group that is missing
 are skipped, not read again later. Rank 0 of each group writes ``replica_groups.jsonl`` beside its logs, a line a
@@ -205,7 +211,7 @@ class ReplicaGroups:
         self._note(self.manager.num_participants(), committed)
         return inner_step(lambda: result) if committed else result
 
-    def inner_step(self, starts_round: bool) -> None:
+    def before_inner_step(self, starts_round: bool) -> None:
         """Before an inner step of DiLoCo across the groups (``sync_every > 1``: each group an island). As a round
         starts, the quorum of the groups that train it: a group that joins loads a live group's state then, when every
         group holds the anchor's weights, and a one-float average holds the live groups until it has loaded it (torchft
