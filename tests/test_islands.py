@@ -35,9 +35,9 @@ class OuterSteps(Callback):
             dist.all_gather(every, flat, group=group)
             return torch.stack(every)
 
-        def recorded_sync(fragment: int = 0) -> None:
+        def recorded_sync(fragment: int = 0, across=None) -> None:
             before = gathered([get() for get in loop.tensors])
-            sync(fragment)
+            sync(fragment, across)
             after = gathered([get() for get in loop.tensors])
             scale = before.abs().max()
             self.records.append({

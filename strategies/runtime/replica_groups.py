@@ -180,12 +180,14 @@ class ReplicaGroups:
         # (Lightning's step: torchft's own count leaves out the steps that were not committed)
         recovered, step = self.state.loaded_step is not None, self.state.loaded_step or 0
         participants = self.manager.num_participants()
-        loaded, planned = self.state.loaded_bytes, self.planned_rejoin_bytes
+        every: list[Any] = [None] * torch.distributed.get_world_size()  # (the group's most loaded rank: the planner's)
+        torch.distributed.all_gather_object(every, self.state.loaded_bytes)
+        loaded, planned = max(every), self.planned_rejoin_bytes
         if recovered and step > 0:
             said = f"; planned {planned / 1e6:.2f} MB" if planned is not None else ""
             rank_zero_info(
                 f"replica group {self.group}: rejoined at step {step} with a live group's state "
-                f"({loaded / 1e6:.2f} MB a rank{said})"
+                f"({loaded / 1e6:.2f} MB on its most loaded rank{said})"
             )
         else:
             rank_zero_info(f"replica group {self.group} of {self.groups}: starting with {participants} group(s)")
