@@ -54,9 +54,9 @@ def main() -> None:
     parser.add_argument("--json", default="", help="write the numbers here")
     args = parser.parse_args()
     os.environ.setdefault("RUST_LOG", "warn")
-    # NOTE: one OpenMP thread in every thread of the ranks, as torchrun sets it. `torch.set_num_threads(1)` sets only the
-    # calling thread's; torchft runs tensor ops in threads of its own, whose OpenMP team (as many as the cores) then
-    # spins between regions beside the training thread: on 2 cores that took 2-3x a step of the groups' runs.
+    # NOTE: one OpenMP thread in every thread of the ranks, as torchrun sets it. `torch.set_num_threads(1)` sets only
+    # the calling thread's; torchft runs tensor ops in threads of its own, whose OpenMP team (as many as the cores)
+    # then spins between regions beside the training thread: on 2 cores that took 2-3x a step of the groups' runs.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from torchft.coordination import LighthouseServer
 

@@ -177,12 +177,14 @@ class ReplicaGroups:
                 break
         self.state.joining = False
         self._quorum_open = True
-        # (Lightning's step: torchft's own count leaves out the steps that were not committed)
-        recovered, step = self.state.loaded_step is not None, self.state.loaded_step or 0
-        participants = self.manager.num_participants()
-        every: list[Any] = [None] * torch.distributed.get_world_size()  # (the group's most loaded rank: the planner's)
-        torch.distributed.all_gather_object(every, self.state.loaded_bytes)
-        loaded, planned = max(every), self.planned_rejoin_bytes
+        # What the group's ranks loaded: torchft picks each rank's source among the live groups (the same rank of one),
+        # and may have some ranks of a starting group load (a fresh run's `init_sync`). The bytes are the most loaded
+        # rank's, as the planner counts; the step is Lightning's (torchft's leaves out the steps not committed).
+        every: list[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(every, (self.state.loaded_step, self.state.loaded_bytes))
+        steps = [loaded_step for loaded_step, _ in every if loaded_step is not None]
+        recovered, step, loaded = bool(steps), max(steps, default=0), max(size for _, size in every)
+        participants, planned = self.manager.num_participants(), self.planned_rejoin_bytes
         if recovered and step > 0:
             said = f"; planned {planned / 1e6:.2f} MB" if planned is not None else ""
             rank_zero_info(
