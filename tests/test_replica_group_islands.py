@@ -37,8 +37,9 @@ RANKS = 2
 
 class Rounds(L.Callback):
     """Ends the fit after the second round that every group finished together once ``final`` exists (a file the test
-    writes as it restarts group 1); a step some group is missing from is slowed by a tenth of a second, so that the
-    restarted group catches up. Saves this rank's weights at the end."""
+    writes as it restarts group 1); a step some group is missing from is slowed by half a second, so that the
+    restarted group catches up before the live one has run far alone (fp32's rounding grows with the steps). Saves
+    this rank's weights at the end."""
 
     def __init__(self, final: str, weights: str) -> None:
         self.final, self.weights, self.together = final, weights, 0
@@ -50,7 +51,7 @@ class Rounds(L.Callback):
             self.together += 1
             trainer.should_stop = self.together == 2
         elif missing:
-            time.sleep(0.1)
+            time.sleep(0.5)
 
     def on_train_end(self, trainer, pl_module) -> None:
         local = {name: getattr(p, "_local_tensor", p).detach() for name, p in pl_module.named_parameters()}
@@ -97,7 +98,7 @@ def _start(job, address, out, runs, final):
 def _job(base_job: dict) -> dict:
     return merge(base_job, {
         "strategy": {"zero_stage": 1, "replica_groups": 2, "sync_every": H, "timeout": timedelta(seconds=60)},
-        "model": {"decay_steps": 200},
+        "model": {"decay_steps": 200, "learning_rate": 3e-3},  # (fp32 rounding grows less over the rounds)
         "trainer": {"max_steps": 200, "limit_val_batches": 0},
     })  # fmt: skip
 
@@ -105,7 +106,9 @@ def _job(base_job: dict) -> dict:
 def _losses_are_the_replays(folder: Path, replayed: dict, runs: tuple = (("g0", 0), ("g1", 1))) -> None:
     for run, group in runs:
         got, steps = logged(folder / run / "log" / "version_0", "train_loss"), logged_steps(folder / run)
-        assert steps and max(abs(loss - replayed[step][group]) for loss, step in zip(got, steps, strict=True)) <= 1e-5
+        worst = max(abs(loss - replayed[step][group]) for loss, step in zip(got, steps, strict=True))
+        print(f"{run}: {len(steps)} steps, the replay's losses within {worst:.1e}")  # (-s shows it)
+        assert steps and worst <= 1e-5
 
 
 @pytest.mark.ranks
