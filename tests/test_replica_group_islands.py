@@ -14,6 +14,7 @@ import signal
 import time
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -193,7 +194,8 @@ def replay(job: dict, trained: dict, averaged: dict, rejoins: dict, dp: int = 2,
     configured = [m.configure_optimizers() for m in models]
     inner = [(c["optimizer"], c["lr_scheduler"]["scheduler"]) for c in configured]
     anchor = [p.detach().clone() for p in models[0].parameters()]
-    outer = torch.optim.SGD(anchor, lr=settings.get("outer_lr", 0.7), momentum=0.9, nesterov=True)
+    momentum = settings.get("outer_momentum", 0.9)
+    outer = torch.optim.SGD(anchor, lr=settings.get("outer_lr", 0.7), momentum=momentum, nesterov=momentum > 0)
     data = TextDataModule(**job["data"])
     data.data_parallel = (1, 0)
     data.setup("fit")
@@ -247,3 +249,99 @@ def test_the_planner_prices_diloco_replica_groups_once_a_round_and_a_rejoin_with
     printed = capsys.readouterr().out
     assert "each a DiLoCo island, averaging pseudo-gradients every 50 steps" in printed
     assert "--trainer.strategy.sync_every=50" in printed and "--trainer.strategy.replica_groups=4" in printed
+
+
+class ScriptedManager:
+    """torchft's `Manager` as `ReplicaGroups.average_outer` uses it, scripted: each average's commit, how long it
+    takes (a failure a collective's timeout finds), and whether the quorum asked after a failure heals this group
+    (another group committed: torchft's step moves on)."""
+
+    def __init__(self, commits: list[bool], seconds: float = 0.0, heals: bool = False) -> None:
+        self.commits, self.seconds, self.heals, self.step, self.quorums = list(commits), seconds, heals, 5, []
+
+    def allreduce(self, flat):
+        time.sleep(self.seconds)
+        return SimpleNamespace(wait=lambda: flat)
+
+    def should_commit(self) -> bool:
+        return self.commits.pop(0)
+
+    def num_participants(self) -> int:
+        return 2
+
+    def errored(self) -> str:
+        return "a peer's connection closed\n(traceback)"
+
+    def current_step(self) -> int:
+        return self.step
+
+    def start_quorum(self, shrink_only: bool = False) -> None:
+        self.quorums.append(shrink_only)
+        self.step += self.heals
+
+
+def _groups(manager: ScriptedManager, timeout_s: float = 60.0):
+    from lit3d.strategies.runtime.peer_state import PeerState
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([torch.zeros(1, requires_grad=True)]), lambda s: 1)
+    trainer = SimpleNamespace(global_step=7, lightning_module=SimpleNamespace(log=lambda *a, **k: None),
+                              lr_scheduler_configs=[SimpleNamespace(scheduler=scheduler)])  # fmt: skip
+    return ReplicaGroups(manager, PeerState(trainer, "run"), 3, 1, None, timeout_s=timeout_s)
+
+
+def test_a_replica_group_retries_its_outer_average_for_a_timeout_counted_from_its_first_failure():
+    """An average that fails after longer than ``timeout`` (a dead peer a collective's timeout finds) is asked again
+    over a quorum that only shrinks, and the second commits: the budget starts at the failure, not before it."""
+    manager = ScriptedManager([False, True], seconds=0.3)
+    assert torch.equal(_groups(manager, timeout_s=0.2).average_outer(lambda: torch.ones(3)), torch.ones(3))
+    assert manager.quorums == [True]
+    with pytest.raises(RuntimeError, match="did not commit within the strategy's timeout: a peer's connection closed$"):
+        _groups(ScriptedManager([False, False, False], seconds=0.3), timeout_s=0.2).average_outer(lambda: torch.ones(3))
+
+
+def test_a_replica_group_healed_by_a_group_that_committed_the_outer_step_takes_no_outer_step_of_its_own():
+    """Its average failed where another group's committed; the quorum asked again heals it with that group's state
+    (the anchor after the outer step): `average_outer` says so (None), keeps the group's own learning-rate schedule,
+    leaves the quorum open for the next round, and `OuterLoop.sync` steps nothing, setting the weights to the anchor."""
+    from lit3d.strategies.optim.diloco import OuterLoop
+
+    manager = ScriptedManager([False], heals=True)
+    groups = _groups(manager)
+    scheduler = groups.state.trainer.lr_scheduler_configs[0].scheduler
+    weights = torch.zeros(4)
+    loop = OuterLoop([lambda: weights], ["w"], [lambda t: t], None, 1, 4, lr=0.7, momentum=0.9)
+    loop.anchor[0].fill_(2.0)  # (the committed group's anchor, as a heal loads it)
+    weights.fill_(1.0)
+    scheduler.last_epoch = 3
+
+    def heal_sets_the_schedule(shrink_only: bool = False) -> None:
+        ScriptedManager.start_quorum(manager, shrink_only)
+        scheduler.last_epoch = 4  # (the other group's, one step further)
+
+    manager.start_quorum = heal_sets_the_schedule
+    loop.sync(0, groups)
+    assert torch.equal(weights, torch.full((4,), 2.0)) and torch.equal(loop.anchor[0], torch.full((4,), 2.0))
+    assert torch.equal(loop.optimizer.state[loop.anchor[0]]["momentum_buffer"], torch.zeros(4))  # no step taken
+    assert scheduler.last_epoch == 3 and groups._quorum_open and manager.quorums == [True]
+
+
+def test_a_group_whose_diloco_settings_differ_is_refused_naming_both_runs():
+    """`run_of` carries DiLoCo's settings, so a group launched with another ``sync_every`` (or outer optimizer) is
+    refused in its first quorum instead of meeting the others' collectives at other steps."""
+    from lit3d.errors import ConfigurationError
+    from lit3d.parallel.settings import Parallelism
+    from lit3d.strategies.runtime.peer_state import PeerState
+    from lit3d.strategies.runtime.replica_groups import run_of
+
+    trainer = SimpleNamespace(lightning_module=torch.nn.Linear(2, 2), precision="32-true")
+    runs = [
+        run_of(SimpleNamespace(layout=SimpleNamespace(grid="dp 2 x tp 1 x pp 1"), world_size=2,
+                               parallelism=Parallelism(replica_groups=2, sync_every=every)), trainer)
+        for every in (4, 1)
+    ]  # fmt: skip
+    assert runs[0] == (
+        "dp 2 x tp 1 x pp 1 on 2 rank(s), 6 parameters, precision 32-true, DiLoCo every 4 steps (outer lr 0.7, "
+        "momentum 0.9, float32)"
+    )
+    with pytest.raises(ConfigurationError, match="DiLoCo every 4 steps .*the live group it would load from dp 2"):
+        PeerState(None, runs[0]).load({"run": runs[1]})

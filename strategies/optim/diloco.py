@@ -108,7 +108,13 @@ class OuterLoop:
             return torch.cat([(a - w.float()).reshape(-1) for a, w in zip(anchors, live)]).to(self.reduce_dtype)
 
         if across is not None:  # over the groups that take part (their number: torchft's quorum's)
-            averaged = across.average_outer(pseudo_gradient).float()
+            averaged = across.average_outer(pseudo_gradient)
+            if averaged is None:  # another group's outer step, loaded whole: this one takes none of its own
+                for anchor, weights in zip(anchors, live):
+                    weights.copy_(anchor)
+                self.syncs += 1
+                return
+            averaged = averaged.float()
         else:
             flat = pseudo_gradient()
             if self.islands > 1:  # one collective per fragment over the slow link

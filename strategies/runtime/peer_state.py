@@ -11,11 +11,13 @@ same group rank of every group holds the same shards, so each rank sends its own
 NOTE: written here, not taken from torchft, which sends whatever ``state_dict`` callable it is given: its own
 integrations (DDP, LocalSGD, DiLoCo) hand over a module and an optimizer, not a Lightning run's loops and data.
 The tensors are handed by reference (torchft's HTTP transport serves them until the sender's ``should_commit``,
-before its optimizer step changes them): no copy of the state is made.
+before its optimizer step changes them; under DiLoCo a one-float average holds the sender until the loads are done):
+no copy of the state is made.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -81,6 +83,14 @@ class PeerState:
             config.scheduler.load_state_dict(saved)
         if self.outer is not None:
             tensors, inner_steps = state["outer"]
+            if inner_steps % self.outer.sync_every:  # (a rejoin loads at a round's start; a resumed start may not)
+                warnings.warn(
+                    f"this replica group took a live group's state in the middle of a DiLoCo round (inner step "
+                    f"{inner_steps}, rounds of {self.outer.sync_every}): its weights are now that island's, not its "
+                    "own checkpoint's (torchft's init_sync, as the groups start); checkpoints saved at rounds' ends "
+                    "(every_n_train_steps a multiple of sync_every) resume every island as it was",
+                    stacklevel=2,
+                )
             for mine, theirs in zip(self.outer.state_tensors(), tensors, strict=True):
                 mine.copy_(theirs)
             self.outer.inner_steps.fill_(inner_steps)

@@ -44,6 +44,7 @@ dtype) and `OptimizerWrapper` (Lightning calls the optimizer with its closure in
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import os
@@ -66,10 +67,17 @@ RECORD_FILE = "replica_groups.jsonl"
 
 def run_of(strategy: Any, trainer: Any) -> str:
     """What this rank of every group must share with the same rank of the others: the layout, the parameters it
-    holds (global sizes) and the precision."""
+    holds (global sizes), the precision and DiLoCo's settings."""
     held = sum(p.numel() for p in trainer.lightning_module.parameters())
     layout = f"{strategy.layout.grid} on {strategy.world_size} rank(s)"
-    return f"{layout}, {held:,} parameters, precision {trainer.precision}"
+    p = strategy.parallelism
+    diloco = (
+        f", DiLoCo every {p.sync_every} steps (outer lr {p.outer_lr}, momentum {p.outer_momentum}, "
+        f"{p.outer_reduce_dtype})"
+        if p.sync_every > 1
+        else ""
+    )
+    return f"{layout}, {held:,} parameters, precision {trainer.precision}{diloco}"
 
 
 def this_group(groups: int) -> tuple[int, str]:
@@ -227,21 +235,29 @@ class ReplicaGroups:
         self._quorum_open = False
         self._note(self.manager.num_participants(), True)
 
-    def average_outer(self, pseudo_gradient: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def average_outer(self, pseudo_gradient: Callable[[], torch.Tensor]) -> torch.Tensor | None:
         """DiLoCo's outer step across the groups: the mean of ``pseudo_gradient()`` over the groups that reach it. A
         group that failed during the round (or during this average) fails the average in every group; the others
         then meet again without it (a quorum that only shrinks: no group joins in the middle of a round) and average
-        once more, until one commits or the strategy's ``timeout`` has passed."""
-        step, deadline = self.state.trainer.global_step, time.monotonic() + self.timeout_s
+        once more, until one commits or the strategy's ``timeout`` has passed since the first failure (a failure seen
+        only by a collective's timeout takes that long itself).
+
+        None: this group's average failed where another group's committed (a ring broken by a dying group may end
+        on some of the others), and the quorum asked again, the next round's of the group that committed, gave this
+        group that group's state (after its outer step: the anchor stepped, the weights the anchor's). The caller
+        then takes no outer step of its own; the round's quorum is open for the next inner step."""
+        trainer, deadline = self.state.trainer, None
+        step = trainer.global_step
         while True:
             flat = pseudo_gradient()
             self.manager.allreduce(flat).wait()  # (the sum over the participants over their number)
             committed, participants = self.manager.should_commit(), self.manager.num_participants()
             self._write(event="outer", step=step, participants=participants, committed=committed)
             if committed:
-                self.state.trainer.lightning_module.log("replica_groups/outer_participants", float(participants),
-                                                        on_step=True, on_epoch=False, rank_zero_only=True)  # fmt: skip
+                trainer.lightning_module.log("replica_groups/outer_participants", float(participants), on_step=True,
+                                             on_epoch=False, rank_zero_only=True)  # fmt: skip
                 return flat
+            deadline = deadline or time.monotonic() + self.timeout_s
             if time.monotonic() > deadline:
                 raise RuntimeError(
                     f"replica group {self.group}: the outer step after step {step} did not commit within the "
@@ -251,7 +267,26 @@ class ReplicaGroups:
                 f"replica group {self.group}: the outer step after step {step} failed ({_said(self.manager.errored())}"
                 "); averaging again over the groups still alive"
             )
-            self._quorum(shrink_only=True)
+            if self._healed_in_shrinking_quorum(trainer):
+                self._write(event="outer", step=step, participants=self.manager.num_participants(), committed=False,
+                            healed=True)  # fmt: skip
+                return None
+
+    def _healed_in_shrinking_quorum(self, trainer: Any) -> bool:
+        """Ask for a quorum that only shrinks; whether it gave this group a group's state that had committed the
+        outer step (torchft heals a group whose step is behind). Its schedulers stay this group's own: the state
+        was taken after the other group's step had ended, and Lightning ends this one's still."""
+        before, kept = (
+            self.manager.current_step(),
+            [copy.deepcopy(c.scheduler.state_dict()) for c in trainer.lr_scheduler_configs],
+        )
+        self._quorum(shrink_only=True)
+        if self.manager.current_step() == before:
+            return False
+        for config, state in zip(trainer.lr_scheduler_configs, kept, strict=True):
+            config.scheduler.load_state_dict(state)
+        self._quorum_open = True
+        return True
 
     def _quorum(self, shrink_only: bool = False) -> None:
         """Ask for the step's quorum; torchft's error (a gRPC status) said as what it means here."""
