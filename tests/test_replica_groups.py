@@ -47,6 +47,7 @@ LAYOUTS = {
     "dp2_zero3": ({"zero_stage": 3}, {}),
     "muon_tp2": ({"tensor_parallel_size": 2}, {"optimizer": "muon"}),
     "pp2": ({"pipeline_parallel_size": 2}, {}),  # (each rank sends its stage's state)
+    "cp2": ({"context_parallel_size": 2}, {}),
 }
 GROUP_RANKS = 2
 
