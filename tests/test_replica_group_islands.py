@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 from helpers import logged
 from layouts import merge
 from spawned import START_METHOD, free_port, run_job
-from test_replica_groups import _records, logged_steps
+from test_replica_groups import _records, kill_then_restart, logged_steps, wait_until
 
 from lit3d import GPT, GPTConfig
 from lit3d.callbacks import CommReport
@@ -120,9 +120,7 @@ def test_diloco_replica_groups_send_what_the_planner_counts_and_follow_the_repla
     job, final, deadline = {**_job(base_job), "comm_report": True}, tmp_path / "final", time.time() + 120
     final.touch()  # (`Rounds` ends the fit after two rounds together)
     started = _start(job, lighthouse, tmp_path, [(0, "g0", False), (1, "g1", False)], final)
-    while not all(p.exitcode is not None for p in started.processes):
-        assert time.time() < deadline, "the groups did not finish"
-        time.sleep(0.2)
+    wait_until("the groups to finish", lambda: all(p.exitcode is not None for p in started.processes), deadline)
     assert [p.exitcode for p in started.processes] == [0] * 2 * RANKS
     outer = [(line["step"] + 1, line["participants"], line["committed"]) for line in _records(tmp_path / "g0")
              if line["event"] == "outer"]  # fmt: skip
@@ -138,20 +136,10 @@ def test_diloco_replica_groups_survive_a_group_lost_in_an_outer_step_and_follow_
     base_job, lighthouse, tmp_path
 ):
     job = _job(base_job)
-    final, deadline = tmp_path / "final", time.time() + 240
+    final = tmp_path / "final"
     first = _start(job, lighthouse, tmp_path, [(0, "g0", False), (1, "g1_killed", True)], final)
-    while not all(p.exitcode == -signal.SIGKILL for p in first.processes[RANKS:]):
-        assert time.time() < deadline and all(p.exitcode in (None, 0) for p in first.processes[:RANKS])
-        time.sleep(0.2)
-    while not any(line["participants"] == 1 for line in _records(tmp_path / "g0") if line["event"] == "step"):
-        assert time.time() < deadline, "group 0 did not train a round alone"  # (slowed while alone: `Rounds`)
-        time.sleep(0.2)
-    final.touch()
-    second = _start(job, lighthouse, tmp_path, [(1, "g1", False)], final)
-    for context in (second, first):
-        while not all(p.exitcode is not None for p in context.processes[:RANKS]):
-            assert time.time() < deadline, "the groups did not finish"
-            time.sleep(0.2)
+    second = kill_then_restart(first, RANKS, tmp_path, final, lambda: _start(
+        job, lighthouse, tmp_path, [(1, "g1", False)], final))  # fmt: skip
     assert [p.exitcode for p in first.processes[:RANKS] + second.processes] == [0] * 2 * RANKS
 
     records = {run: _records(tmp_path / run) for run in ("g0", "g1_killed", "g1")}
@@ -256,8 +244,9 @@ class ScriptedManager:
     takes (a failure a collective's timeout finds), and whether the quorum asked after a failure heals this group
     (another group committed: torchft's step moves on)."""
 
-    def __init__(self, commits: list[bool], seconds: float = 0.0, heals: bool = False) -> None:
+    def __init__(self, commits: list[bool], seconds: float = 0.0, heals: bool = False, on_quorum=None) -> None:
         self.commits, self.seconds, self.heals, self.step, self.quorums = list(commits), seconds, heals, 5, []
+        self.on_quorum = on_quorum or (lambda: None)  # (what a heal loads, say)
 
     def allreduce(self, flat):
         time.sleep(self.seconds)
@@ -278,6 +267,7 @@ class ScriptedManager:
     def start_quorum(self, shrink_only: bool = False) -> None:
         self.quorums.append(shrink_only)
         self.step += self.heals
+        self.on_quorum()
 
 
 def _groups(manager: ScriptedManager, timeout_s: float = 60.0):
@@ -305,20 +295,14 @@ def test_a_replica_group_healed_by_a_group_that_committed_the_outer_step_takes_n
     leaves the quorum open for the next round, and `OuterLoop.sync` steps nothing, setting the weights to the anchor."""
     from lit3d.strategies.optim.diloco import OuterLoop
 
-    manager = ScriptedManager([False], heals=True)
-    groups = _groups(manager)
+    manager = ScriptedManager([False], heals=True, on_quorum=lambda: setattr(scheduler, "last_epoch", 4))
+    groups = _groups(manager)  # (a heal sets the schedule to the other group's, one step further)
     scheduler = groups.state.trainer.lr_scheduler_configs[0].scheduler
     weights = torch.zeros(4)
     loop = OuterLoop([lambda: weights], ["w"], [lambda t: t], None, 1, 4, lr=0.7, momentum=0.9)
     loop.anchor[0].fill_(2.0)  # (the committed group's anchor, as a heal loads it)
     weights.fill_(1.0)
     scheduler.last_epoch = 3
-
-    def heal_sets_the_schedule(shrink_only: bool = False) -> None:
-        ScriptedManager.start_quorum(manager, shrink_only)
-        scheduler.last_epoch = 4  # (the other group's, one step further)
-
-    manager.start_quorum = heal_sets_the_schedule
     loop.sync(0, groups)
     assert torch.equal(weights, torch.full((4,), 2.0)) and torch.equal(loop.anchor[0], torch.full((4,), 2.0))
     assert torch.equal(loop.optimizer.state[loop.anchor[0]]["momentum_buffer"], torch.zeros(4))  # no step taken

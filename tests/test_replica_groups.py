@@ -103,19 +103,8 @@ def test_a_replica_group_killed_mid_run_rejoins_from_a_live_one_and_both_follow_
     })  # fmt: skip
     restarted = tmp_path / "group1_restarted"
     first = _start(job, lighthouse, tmp_path, [(0, "g0", -1), (1, "g1_killed", KILLED_AT)], restarted)
-    deadline = time.time() + 240
-    while not all(p.exitcode == -signal.SIGKILL for p in first.processes[GROUP_RANKS:]):
-        assert time.time() < deadline and all(p.exitcode in (None, 0) for p in first.processes[:GROUP_RANKS])
-        time.sleep(0.2)
-    while not any(line["participants"] == 1 for line in _records(tmp_path / "g0") if line["event"] == "step"):
-        assert time.time() < deadline, "group 0 did not train on alone"  # (slowed while alone: `Together`)
-        time.sleep(0.2)
-    restarted.touch()
-    second = _start(job, lighthouse, tmp_path, [(1, "g1", -1)], restarted)
-    for context in (second, first):
-        while not all(p.exitcode is not None for p in context.processes[:GROUP_RANKS]):
-            assert time.time() < deadline, "the groups did not finish"
-            time.sleep(0.2)
+    second = kill_then_restart(first, GROUP_RANKS, tmp_path, restarted, lambda: _start(
+        job, lighthouse, tmp_path, [(1, "g1", -1)], restarted))  # fmt: skip
     assert [p.exitcode for p in first.processes[:GROUP_RANKS] + second.processes] == [0] * 2 * GROUP_RANKS
 
     records = {run: _records(tmp_path / run) for run in ("g0", "g1")}
@@ -156,18 +145,19 @@ def test_three_replica_groups_survive_two_failures_and_one_during_recovery_and_e
     })  # fmt: skip
     final, deadline = tmp_path / "final", time.time() + 240
 
-    def wait(what, done):
-        while not done():
-            assert time.time() < deadline, f"waited too long for {what}"
-            time.sleep(0.2)
-
     first = _start(job, lighthouse, tmp_path, [(0, "g0", -1), (1, "g1_a", 3), (2, "g2_a", 5)], final, ranks=1)
-    wait("groups 1 and 2 to die", lambda: [p.exitcode for p in first.processes[1:]] == [-signal.SIGKILL] * 2)
+    wait_until(
+        "groups 1 and 2 to die", lambda: [p.exitcode for p in first.processes[1:]] == [-signal.SIGKILL] * 2, deadline
+    )
     again = _start(job, lighthouse, tmp_path, [(1, "g1_b", None)], final, ranks=1)
-    wait("group 1 to die while it recovers", lambda: again.processes[0].exitcode == -signal.SIGKILL)
+    wait_until("group 1 to die while it recovers", lambda: again.processes[0].exitcode == -signal.SIGKILL, deadline)
     final.touch()
     last = _start(job, lighthouse, tmp_path, [(1, "g1", -1), (2, "g2", -1)], final, ranks=1)
-    wait("the groups to finish", lambda: all(p.exitcode is not None for p in [first.processes[0], *last.processes]))
+    wait_until(
+        "the groups to finish",
+        lambda: all(p.exitcode is not None for p in [first.processes[0], *last.processes]),
+        deadline,
+    )
     assert [p.exitcode for p in [first.processes[0], *last.processes]] == [0, 0, 0]
 
     records = {run: _records(tmp_path / run) for run in ("g0", "g1_a", "g2_a", "g1_b", "g1", "g2")}
@@ -265,6 +255,30 @@ def test_a_lighthouse_lost_mid_run_ends_every_group_within_the_timeout_naming_it
     said = f"within the strategy's timeout: the lighthouse at {address} did not answer"  # (at step 3 or 4)
     assert [p.exitcode for p in groups.processes] == [0, 0] and all(said in str(error) for error in errors), errors
     print(f"both groups ended {time.time() - stopped:.1f} s after the lighthouse was killed")  # (-s shows it)
+
+
+def wait_until(what: str, done, deadline: float, alive: tuple = ()) -> None:
+    """Poll ``done()`` until it holds; fail past ``deadline``, or as soon as a process of ``alive`` ends in error."""
+    while not done():
+        assert time.time() < deadline, f"waited too long for {what}"
+        assert all(p.exitcode in (None, 0) for p in alive), f"a live group's process failed while waiting for {what}"
+        time.sleep(0.2)
+
+
+def kill_then_restart(first, ranks: int, out: Path, restarted: Path, restart):
+    """Group 1 of ``first`` (its ``ranks`` ranks after group 0's) is killed by its test's injection; once it is dead and
+    group 0 has trained a step alone, ``restarted`` is written and ``restart()`` starts group 1 again; returns that
+    start once it and group 0 have ended."""
+    deadline = time.time() + 240
+    dead = lambda: all(p.exitcode == -signal.SIGKILL for p in first.processes[ranks:])
+    wait_until("group 1 to die", dead, deadline, alive=tuple(first.processes[:ranks]))
+    alone = lambda: any(line["participants"] == 1 for line in _records(out / "g0") if line["event"] == "step")
+    wait_until("group 0 to train alone", alone, deadline)  # (slowed while alone: the tests' callbacks)
+    restarted.touch()
+    second = restart()
+    ended = lambda: all(p.exitcode is not None for p in [*second.processes, *first.processes[:ranks]])
+    wait_until("the groups to finish", ended, deadline)
+    return second
 
 
 def _lighthouse_process(port: int, join_ms: int, heartbeat_ms: int) -> subprocess.Popen:

@@ -107,22 +107,17 @@ class OuterLoop:
         def pseudo_gradient() -> torch.Tensor:
             return torch.cat([(a - w.float()).reshape(-1) for a, w in zip(anchors, live)]).to(self.reduce_dtype)
 
-        if across is not None:  # over the groups that take part (their number: torchft's quorum's)
-            averaged = across.average_outer(pseudo_gradient)
-            if averaged is None:  # another group's outer step, loaded whole: this one takes none of its own
-                for anchor, weights in zip(anchors, live):
-                    weights.copy_(anchor)
-                self.syncs += 1
-                return
-            averaged = averaged.float()
+        if across is not None:  # over the groups that take part (their number: torchft's quorum's); None: another
+            averaged = across.average_outer(pseudo_gradient)  # group's outer step, loaded whole (none of its own)
         else:
             flat = pseudo_gradient()
             if self.islands > 1:  # one collective per fragment over the slow link
                 dist.all_reduce(flat, group=self.group)
             averaged = flat.float().div_(self.islands)
-        for anchor, delta in zip(anchors, averaged.split([a.numel() for a in anchors])):
-            anchor.grad = delta.view_as(anchor)
-        self.optimizer.step()  # steps only the anchors that have a gradient: this fragment's
+        if averaged is not None:
+            for anchor, delta in zip(anchors, averaged.float().split([a.numel() for a in anchors])):
+                anchor.grad = delta.view_as(anchor)
+            self.optimizer.step()  # steps only the anchors that have a gradient: this fragment's
         for anchor, weights in zip(anchors, live):
             anchor.grad = None
             weights.copy_(anchor)

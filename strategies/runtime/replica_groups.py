@@ -276,10 +276,8 @@ class ReplicaGroups:
         """Ask for a quorum that only shrinks; whether it gave this group a group's state that had committed the
         outer step (torchft heals a group whose step is behind). Its schedulers stay this group's own: the state
         was taken after the other group's step had ended, and Lightning ends this one's still."""
-        before, kept = (
-            self.manager.current_step(),
-            [copy.deepcopy(c.scheduler.state_dict()) for c in trainer.lr_scheduler_configs],
-        )
+        before = self.manager.current_step()
+        kept = [copy.deepcopy(c.scheduler.state_dict()) for c in trainer.lr_scheduler_configs]
         self._quorum(shrink_only=True)
         if self.manager.current_step() == before:
             return False
